@@ -1,0 +1,35 @@
+# `make demo` and `make test` do all set-up on a fresh clone: they create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+DEMO_OUT ?= outputs/demo
+
+.PHONY: demo test docs clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	rm -rf $(DEMO_OUT)
+	@echo "== run 1: 2 ranks train steps 1-10, then stop as a preemption would"
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 -m torchtitan_ckpt.train --config configs/debug_model.toml \
+		--job.dump_folder $(DEMO_OUT) --training.stop_at_step 10
+	@echo "== run 2: a new job resumes from the newest complete step and finishes"
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 -m torchtitan_ckpt.train --config configs/debug_model.toml \
+		--job.dump_folder $(DEMO_OUT)
+	@echo "== checkpoints in $(abspath $(DEMO_OUT))/checkpoint"
+	$(VENV)/bin/torchtitan-ckpt list $(DEMO_OUT)/checkpoint
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+docs: $(STAMP)
+	$(PY) -m torchtitan_ckpt.docgen > docs/config.md
+
+clean:
+	rm -rf $(VENV) outputs

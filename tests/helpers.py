@@ -1,0 +1,76 @@
+"""Shared test helpers: read a checkpoint back, spawn real gloo ranks, run the example job."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from torchtitan_ckpt import storage
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEBUG_CONFIG = os.path.join(ROOT, "configs", "debug_model.toml")
+
+
+def read_checkpoint(path: str) -> dict[str, Any]:
+    """Every tensor and object of a DCP folder, read in this (non-distributed) process."""
+    metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
+    state: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        state[key] = torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+    dcp.load(state, storage_reader=storage.make_storage_reader(path), planner=storage.make_load_planner())
+    return state
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Exactly equal: same keys, tensors equal bit for bit (dtype included), objects equal."""
+    assert sorted(a) == sorted(b)
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape, key
+            assert torch.equal(x, y), f"{key} differs"
+        else:
+            assert x == y, f"{key}: {x!r} != {y!r}"
+
+
+def _rank_main(rank: int, world_size: int, init_file: str, fn, args) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world_size: int, fn, *args) -> None:
+    """Run `fn(rank, world_size, *args)` on `world_size` real processes joined by gloo.
+    An exception on any rank fails the caller with that rank's traceback."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank_main, args=(world_size, os.path.join(tmp, "rdzv"), fn, args),
+                 nprocs=world_size, join=True)
+
+
+def run_job(dump_folder: str, *overrides: str, nproc: int = 1, config: str = DEBUG_CONFIG) -> str:
+    """Run the example job (under torchrun when nproc > 1); return its log. Fails on a non-zero exit."""
+    job = ["-m", "torchtitan_ckpt.train", "--config", config, "--job.dump_folder", dump_folder, *overrides]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, *launcher, *job], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    return log
+
+
+def losses(log: str) -> dict[int, str]:
+    """Step -> the exact loss the job logged (repr of the float)."""
+    return {int(s): loss for s, loss in re.findall(r"step (\d+) loss (\S+)", log)}

@@ -1,0 +1,117 @@
+"""Config: TOML loading, overrides, and every validation error naming its key."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from torchtitan_ckpt import ConfigError, load_job_config
+from torchtitan_ckpt.config import Checkpoint, field_docs
+
+from .helpers import DEBUG_CONFIG, ROOT
+
+
+def test_example_configs_load():
+    configs = os.path.join(ROOT, "configs")
+    for name in os.listdir(configs):
+        assert load_job_config(os.path.join(configs, name)).checkpoint.enable
+
+
+def test_defaults_match_torchtitan():
+    ck = Checkpoint()
+    assert (ck.enable, ck.folder, ck.interval, ck.initial_load_path) == (False, "checkpoint", 500, None)
+    assert (ck.initial_load_model_only, ck.initial_load_in_hf) == (True, False)
+    assert (ck.last_save_model_only, ck.last_save_in_hf, ck.export_dtype) == (True, False, "float32")
+    assert (ck.async_mode, ck.keep_latest_k, ck.load_step) == ("disabled", 10, -1)
+    assert ck.exclude_from_loading == []
+    assert (ck.enable_first_step_checkpoint, ck.create_seed_checkpoint, ck.load_only) == (False, False, False)
+
+
+def test_overrides_on_the_command_line():
+    c = load_job_config(DEBUG_CONFIG, [
+        "--checkpoint.interval", "10",
+        "--checkpoint.exclude_from_loading", "dataloader,lr_scheduler",
+        "--checkpoint.load_only",
+        "--training.seq_len=32",
+        "--optimizer.lr", "1e-3",
+    ])
+    assert c.checkpoint.interval == 10
+    assert c.checkpoint.exclude_from_loading == ["dataloader", "lr_scheduler"]
+    assert c.checkpoint.load_only is True
+    assert c.training.seq_len == 32
+    assert c.optimizer.lr == 1e-3
+    assert c.checkpoint_folder == os.path.join("./outputs", "checkpoint")
+
+
+def _error(argv, path=None) -> ConfigError:
+    with pytest.raises(ConfigError) as e:
+        load_job_config(path, argv)
+    return e.value
+
+
+@pytest.mark.parametrize("argv, key, text", [
+    (["--checkpoint.intervall", "5"], "checkpoint.intervall", "did you mean 'interval'"),
+    (["--checkpont.interval", "5"], "checkpont", "did you mean 'checkpoint'"),
+    (["--checkpoint.interval", "five"], "checkpoint.interval", "expected an integer"),
+    (["--checkpoint.interval", "0"], "checkpoint.interval", "expected >= 1"),
+    (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k", "expected >= 0"),
+    (["--checkpoint.load_step", "-2"], "checkpoint.load_step", "expected >= -1"),
+    (["--checkpoint.enable", "yes"], "checkpoint.enable", "expected a boolean"),
+    (["--checkpoint.async_mode", "threads"], "checkpoint.async_mode", "expected one of 'disabled', 'async'"),
+    (["--checkpoint.export_dtype", "fp8"], "checkpoint.export_dtype", "expected one of 'float16'"),
+    (["--checkpoint.exclude_from_loading", "model"], "checkpoint.exclude_from_loading", "model is always loaded"),
+    (["--checkpoint.exclude_from_loading", "optimizer,optimizer"], "checkpoint.exclude_from_loading", "twice"),
+    (["--checkpoint.exclude_from_loading", "lr-scheduler"], "checkpoint.exclude_from_loading", "not a state name"),
+    (["--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_model_only", "false"],
+     "checkpoint.initial_load_in_hf", "initial_load_model_only = true"),
+    (["--checkpoint.last_save_in_hf", "true", "--checkpoint.last_save_model_only", "false"],
+     "checkpoint.last_save_in_hf", "last_save_model_only = true"),
+    (["--checkpoint.export_dtype", "bfloat16", "--checkpoint.last_save_model_only", "false"],
+     "checkpoint.export_dtype", "model-only last save"),
+    (["--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--checkpoint.load_only"],
+     "checkpoint.create_seed_checkpoint", "contradicts checkpoint.load_only"),
+    (["--checkpoint.create_seed_checkpoint"], "checkpoint.create_seed_checkpoint", "checkpoint.enable = true"),
+    (["--checkpoint.folder", ""], "checkpoint.folder", "non-empty"),
+    (["--checkpoint.initial_load_path", "/nonexistent/step-3"], "checkpoint.initial_load_path",
+     "expected an existing checkpoint folder"),
+    (["--training.steps", "0"], "training.steps", "expected >= 1"),
+    (["--training.seed", "1.5"], "training.seed", "expected an integer"),
+    (["--optimizer.lr", "0"], "optimizer.lr", "expected > 0"),
+    (["--model.flavor", "huge"], "model.flavor", "expected one of debugmodel"),
+    (["--parallelism.data_parallel_shard_degree", "0"], "parallelism.data_parallel_shard_degree", "-1"),
+    (["checkpoint.interval", "5"], "checkpoint.interval", "--section.key value"),
+])
+def test_validation_errors_name_the_key(argv, key, text):
+    e = _error(argv)
+    assert e.key == key
+    assert str(e).startswith(key)
+    assert text in str(e)
+
+
+def test_initial_load_path_must_be_a_dcp_folder(tmp_path):
+    e = _error(["--checkpoint.initial_load_path", str(tmp_path)])
+    assert e.key == "checkpoint.initial_load_path" and "no .metadata" in str(e)
+
+
+def test_toml_type_errors_and_unknown_sections(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[checkpoint]\ninterval = "5"\n')
+    assert _error([], bad).key == "checkpoint.interval"
+    bad.write_text("[checkpoint]\nexclude_from_loading = 3\n")
+    assert _error([], bad).key == "checkpoint.exclude_from_loading"
+    bad.write_text("[chekpoint]\nenable = true\n")
+    assert "did you mean 'checkpoint'" in str(_error([], bad))
+    bad.write_text("[checkpoint\n")
+    assert _error([], bad).key == "--config"
+    assert _error([], tmp_path / "missing.toml").key == "--config"
+
+
+def test_every_field_has_a_docstring():
+    from torchtitan_ckpt.config import sections
+    import dataclasses
+
+    for name, cls in sections().items():
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name), f"{name}.{f.name} has no docstring"

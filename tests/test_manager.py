@@ -1,0 +1,232 @@
+"""Single-process round trips through real DCP files: what a save writes and what a load restores."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torchtitan_ckpt import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, commit, layout, storage
+from torchtitan_ckpt.storage import METADATA_FILE
+
+from .helpers import assert_same, read_checkpoint
+from .jobs import make_job
+
+
+def _folder(tmp_path) -> str:
+    return os.path.join(tmp_path, "checkpoint")
+
+
+def test_saves_at_interval_first_step_and_last_step(tmp_path):
+    job = make_job(str(tmp_path), steps=7, interval=3, enable_first_step_checkpoint=True, keep_latest_k=0)
+    job.run_to(7, steps=7)
+    job.manager.close()
+    assert layout.committed_steps(_folder(tmp_path)) == [1, 3, 6, 7]
+    states = {s: commit.read_marker(layout.step_dir(_folder(tmp_path), s)).states for s in (3, 7)}
+    assert states[3] == ["model", "optimizer", "lr_scheduler", "dataloader", "train_state"]
+    assert states[7] == ["model"]
+
+
+def test_last_step_is_model_only_in_export_dtype(tmp_path):
+    job = make_job(str(tmp_path), steps=3, interval=10, export_dtype="bfloat16")
+    job.run_to(3, steps=3)
+    job.manager.close()
+    saved = read_checkpoint(layout.step_dir(_folder(tmp_path), 3))
+    expected = {k: v.to(torch.bfloat16) for k, v in job.model.state_dict().items()}
+    assert "freqs_cis" not in saved  # a non-persistent buffer is not state
+    assert_same(saved, expected)
+
+
+def test_resume_restores_every_state(tmp_path):
+    job = make_job(str(tmp_path), steps=8, interval=2)
+    job.run_to(4, steps=8)
+    job.manager.close()
+    later = [job.step() for _ in range(2)]  # what training would do after step 4
+
+    fresh = make_job(str(tmp_path), steps=8, interval=2, init_seed=123)  # different init and data order
+    assert fresh.manager.load()
+    assert fresh.train_state.step == 4
+    assert fresh.sched.last_epoch == 4
+    assert [fresh.step() for _ in range(2)] == later
+    assert_same(fresh.model.state_dict(), job.model.state_dict())
+    fresh.manager.close()
+
+
+def test_half_written_step_is_never_loaded_nor_counted(tmp_path):
+    job = make_job(str(tmp_path), steps=20, interval=2, keep_latest_k=2)
+    job.run_to(4, steps=20)
+    folder = _folder(tmp_path)
+    # a later save that crashed before its marker: the data is there, the marker is not
+    shutil.copytree(layout.step_dir(folder, 4), layout.step_dir(folder, 6))
+    os.remove(os.path.join(layout.step_dir(folder, 6), commit.MARKER))
+    job.manager.close()
+
+    fresh = make_job(str(tmp_path), steps=20, interval=2, keep_latest_k=2)
+    assert fresh.manager.load()
+    assert fresh.train_state.step == 4
+    fresh.train_state.step = 100  # later saves
+    for step in (102, 104):
+        fresh.manager.save(step)
+    fresh.manager.close()
+    steps = {s.step: s.committed for s in layout.scan(folder)}
+    # keep_latest_k = 2 counts complete steps only; the partial step 6 is older than the
+    # newest complete step, so it is cleaned up too
+    assert steps == {102: True, 104: True}
+
+
+def test_keep_latest_k_keeps_newest_complete_steps(tmp_path):
+    job = make_job(str(tmp_path), steps=10, interval=1, keep_latest_k=3, last_save_model_only=False)
+    job.run_to(10, steps=10)
+    job.manager.close()
+    assert layout.committed_steps(_folder(tmp_path)) == [8, 9, 10]
+
+
+def test_keep_latest_k_one_keeps_the_newest(tmp_path):
+    job = make_job(str(tmp_path), steps=5, interval=1, keep_latest_k=1, last_save_model_only=False)
+    job.run_to(5, steps=5)
+    job.manager.close()
+    assert layout.committed_steps(_folder(tmp_path)) == [5]
+
+
+def test_exclude_from_loading_leaves_those_states_fresh(tmp_path):
+    job = make_job(str(tmp_path), steps=8, interval=3)
+    job.run_to(3, steps=8)
+    job.manager.close()
+
+    fresh = make_job(str(tmp_path), steps=8, interval=3, exclude_from_loading=["lr_scheduler", "dataloader"])
+    assert fresh.manager.load()
+    assert fresh.sched.last_epoch == 0  # scheduler not restored
+    assert fresh.loader.state_dict()["_num_yielded"] == 0  # dataloader not restored
+    assert fresh.train_state.step == 3  # the rest is
+    assert_same(fresh.opt.state_dict()["state"][0], job.opt.state_dict()["state"][0])
+    fresh.manager.close()
+
+
+def test_exclude_from_loading_must_name_a_state_of_the_job(tmp_path):
+    with pytest.raises(ConfigError, match="checkpoint.exclude_from_loading.*no state named data_loader"):
+        make_job(str(tmp_path), exclude_from_loading=["data_loader"])
+
+
+def test_load_only_loads_but_never_saves(tmp_path):
+    job = make_job(str(tmp_path), steps=8, interval=2)
+    job.run_to(2, steps=8)
+    job.manager.close()
+
+    reader = make_job(str(tmp_path), steps=8, interval=2, load_only=True)
+    assert reader.manager.load()
+    reader.run_to(6, steps=8)
+    reader.manager.close()
+    assert layout.committed_steps(_folder(tmp_path)) == [2]
+
+
+def test_initial_load_path_used_only_when_folder_is_empty(tmp_path):
+    source = make_job(str(tmp_path / "a"), steps=4, interval=2, init_seed=7)
+    source.run_to(2, steps=4)
+    source.manager.close()
+    step2 = layout.step_dir(_folder(tmp_path / "a"), 2)
+
+    job = make_job(str(tmp_path / "b"), steps=4, interval=2, initial_load_path=step2)
+    assert job.manager.load()
+    assert_same(job.model.state_dict(), source.model.state_dict())
+    assert job.train_state.step == 0  # initial_load_model_only: the rest starts fresh
+    job.run_to(2, steps=4)  # now b has a step of its own ...
+    job.manager.close()
+    before = {k: v.clone() for k, v in job.model.state_dict().items()}
+
+    again = make_job(str(tmp_path / "b"), steps=4, interval=2, initial_load_path=step2)
+    assert again.manager.load()  # ... which wins over initial_load_path
+    assert again.train_state.step == 2
+    assert_same(again.model.state_dict(), before)
+    again.manager.close()
+
+
+def test_initial_load_path_full_state(tmp_path):
+    source = make_job(str(tmp_path / "a"), steps=4, interval=2)
+    source.run_to(2, steps=4)
+    source.manager.close()
+    step2 = layout.step_dir(_folder(tmp_path / "a"), 2)
+    job = make_job(str(tmp_path / "b"), steps=4, interval=2, initial_load_path=step2,
+                   initial_load_model_only=False)
+    assert job.manager.load()
+    assert job.train_state.step == 2 and job.sched.last_epoch == 2
+    job.manager.close()
+
+
+def test_seed_checkpoint_is_model_only_step_zero(tmp_path):
+    job = make_job(str(tmp_path), create_seed_checkpoint=True)
+    assert job.manager.save(0)
+    job.manager.close()
+    info = commit.read_marker(layout.step_dir(_folder(tmp_path), 0))
+    assert info.states == ["model"] and info.step == 0
+    resumed = make_job(str(tmp_path), init_seed=99)
+    assert resumed.manager.load()
+    assert_same(resumed.model.state_dict(), job.model.state_dict())
+    resumed.manager.close()
+
+
+def test_load_step_picks_a_step_and_names_a_missing_one(tmp_path):
+    job = make_job(str(tmp_path), steps=8, interval=2, keep_latest_k=0)
+    job.run_to(6, steps=8)
+    job.manager.close()
+    chosen = make_job(str(tmp_path), steps=8, load_step=4)
+    assert chosen.manager.load() and chosen.train_state.step == 4
+    chosen.manager.close()
+    missing = make_job(str(tmp_path), steps=8, load_step=5)
+    with pytest.raises(CheckpointNotFoundError, match=r"checkpoint/step-5 does not exist; complete steps: \[2, 4, 6\]"):
+        missing.manager.load()
+    os.remove(os.path.join(layout.step_dir(_folder(tmp_path), 6), commit.MARKER))
+    partial = make_job(str(tmp_path), steps=8, load_step=6)
+    with pytest.raises(CheckpointNotFoundError, match="step-6 is incomplete"):
+        partial.manager.load()
+
+
+def test_nothing_to_load_starts_fresh(tmp_path):
+    job = make_job(str(tmp_path))
+    assert not job.manager.load()
+    job.manager.close()
+    job.manager.close()  # idempotent
+
+
+def test_disabled_manager_does_nothing(tmp_path):
+    job = make_job(str(tmp_path), enable=False)
+    job.run_to(3, steps=3)
+    assert not job.manager.load()
+    assert not os.path.exists(_folder(tmp_path))
+
+
+class _RunsCode:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))  # creating this file is the "attack"
+
+
+def test_metadata_that_would_run_code_is_refused(tmp_path):
+    job = make_job(str(tmp_path), steps=4, interval=2)
+    job.run_to(2, steps=4)
+    job.manager.close()
+    step2 = layout.step_dir(_folder(tmp_path), 2)
+    evidence = str(tmp_path / "pwned")
+    with open(os.path.join(step2, METADATA_FILE), "wb") as f:
+        pickle.dump(_RunsCode(evidence), f)
+    with pytest.raises(CorruptCheckpointError, match=r"step-2/.metadata references io.open.*refusing"):
+        make_job(str(tmp_path), steps=4).manager.load()
+    assert not os.path.exists(evidence)
+
+
+def test_pickled_values_are_loaded_without_running_code(tmp_path):
+    evidence = str(tmp_path / "pwned")
+    path = str(tmp_path / "evil")
+    model = make_job(str(tmp_path / "src")).model
+    forged = {**model.state_dict(), "train_state": {"step": _RunsCode(evidence), "rng": torch.get_rng_state()}}
+    dcp.save(forged, checkpoint_id=path)
+    job = make_job(str(tmp_path), initial_load_path=path, initial_load_model_only=False,
+                   exclude_from_loading=["optimizer", "lr_scheduler", "dataloader"])
+    with pytest.raises(CorruptCheckpointError, match="'train_state.step' is not plain data.*refused"):
+        job.manager.load()
+    assert not os.path.exists(evidence)

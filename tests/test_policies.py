@@ -1,0 +1,74 @@
+"""Pure policies: the save schedule, retention, step-folder naming and the commit marker."""
+
+from __future__ import annotations
+
+import os
+
+from torchtitan_ckpt import commit, layout
+from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.layout import StepFolder
+from torchtitan_ckpt.retention import steps_to_delete
+from torchtitan_ckpt.schedule import SaveKind, save_kind
+
+
+def _kinds(config: Checkpoint, steps: int) -> dict[int, SaveKind]:
+    out = {}
+    for step in range(0, steps + 1):
+        kind = save_kind(step, step == steps, config)
+        if kind is not None:
+            out[step] = kind
+    return out
+
+
+def test_schedule():
+    F, M = SaveKind.FULL, SaveKind.MODEL_ONLY
+    assert _kinds(Checkpoint(enable=True, interval=3), 7) == {3: F, 6: F, 7: M}
+    assert _kinds(Checkpoint(enable=True, interval=3, last_save_model_only=False), 6) == {3: F, 6: F}
+    assert _kinds(Checkpoint(enable=True, interval=5, enable_first_step_checkpoint=True), 5) == {1: F, 5: M}
+    assert _kinds(Checkpoint(enable=True, create_seed_checkpoint=True), 2) == {0: SaveKind.SEED, 2: M}
+    assert _kinds(Checkpoint(enable=True, load_only=True, interval=1), 4) == {}
+    assert _kinds(Checkpoint(enable=False, interval=1), 4) == {}
+
+
+def _folders(committed: list[int], partial: list[int] = ()) -> list[StepFolder]:
+    return [StepFolder(s, f"step-{s}", True) for s in committed] + [StepFolder(s, f"step-{s}", False) for s in partial]
+
+
+def test_retention_counts_complete_steps_only():
+    doomed = steps_to_delete(_folders([1, 2, 3, 4, 5], partial=[6]), keep_latest_k=2)
+    assert [f.step for f in doomed] == [1, 2, 3]  # the partial 6 is newer: maybe still being written
+    doomed = steps_to_delete(_folders([4, 8], partial=[2, 6]), keep_latest_k=1)
+    assert [f.step for f in doomed] == [2, 4, 6]
+    assert steps_to_delete(_folders([1, 2, 3]), keep_latest_k=0) == []
+    assert steps_to_delete(_folders([], partial=[1, 2]), keep_latest_k=1) == []
+    assert [f.step for f in steps_to_delete(_folders([7]), keep_latest_k=1)] == []
+
+
+def test_step_names():
+    assert layout.parse_step("step-12") == 12
+    for name in ("step-", "step-x", "step-1.tmp", "foo", "step--1"):
+        assert layout.parse_step(name) is None
+    assert layout.step_dir("ck", 3) == os.path.join("ck", "step-3")
+
+
+def test_scan_sees_marker_and_ignores_other_entries(tmp_path):
+    for name in ("step-1", "step-2", "step-10", "other"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "step-3").write_text("a file, not a step folder")
+    commit.write_marker(str(tmp_path / "step-10"), commit.CommitInfo(step=10, states=["model"]))
+    commit.write_marker(str(tmp_path / "step-1"), commit.CommitInfo(step=1, states=["model"]))
+    assert [(s.step, s.committed) for s in layout.scan(str(tmp_path))] == [(1, True), (2, False), (10, True)]
+    assert layout.committed_steps(str(tmp_path)) == [1, 10]
+    assert layout.scan(str(tmp_path / "missing")) == []
+
+
+def test_marker_records_a_manifest(tmp_path):
+    (tmp_path / "a.distcp").write_bytes(b"x" * 10)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b").write_bytes(b"y" * 3)
+    info = commit.write_marker(str(tmp_path), commit.CommitInfo(step=5, states=["model", "optimizer"]))
+    assert info.files == {"a.distcp": 10, os.path.join("sub", "b"): 3}
+    again = commit.read_marker(str(tmp_path))
+    assert again == info and again.total_bytes == 13 and not again.model_only
+    commit.uncommit(str(tmp_path))
+    assert not commit.is_committed(str(tmp_path))

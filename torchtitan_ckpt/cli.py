@@ -1,0 +1,98 @@
+"""`torchtitan-ckpt`: look at checkpoints from the shell.
+
+    torchtitan-ckpt list DIR          every step folder, complete or not, its size and contents
+    torchtitan-ckpt inspect STEP_DIR  the states, tensors, dtypes, shapes and bytes of one step
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from . import commit, layout, storage
+from .errors import CheckpointError
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def cmd_list(folder: str) -> int:
+    if not os.path.isdir(folder):
+        print(f"error: {folder} is not a folder", file=sys.stderr)
+        return 2
+    steps = layout.scan(folder)
+    if not steps:
+        print(f"{folder}: no step folders")
+        return 0
+    print(f"{'step':>8}  {'status':<10}  {'size':>10}  contents")
+    for s in steps:
+        if s.committed:
+            info = commit.read_marker(s.path)
+            status, what = "complete", f"{info.format}: {', '.join(info.states)}"
+        else:
+            status, what = "PARTIAL", f"no {commit.MARKER}: never loaded"
+        print(f"{s.step:>8}  {status:<10}  {_fmt_bytes(layout.folder_bytes(s.path)):>10}  {what}")
+    return 0
+
+
+def _state_of(key: str, states: list[str]) -> str:
+    head = key.split(".", 1)[0]
+    return head if head in states else "model"
+
+
+def cmd_inspect(path: str) -> int:
+    md_path = os.path.join(path, storage.METADATA_FILE)
+    if not os.path.isfile(md_path):
+        print(f"error: {path} is not a DCP checkpoint folder (no {storage.METADATA_FILE})", file=sys.stderr)
+        return 2
+    info = commit.read_marker(path) if commit.is_committed(path) else None
+    metadata = storage.read_metadata(md_path)
+    states = info.states if info else sorted({k.split(".", 1)[0] for k in metadata.state_dict_metadata})
+    status = f"complete, step {info.step}, saved by {info.world_size} rank(s)" if info else "no commit marker"
+    print(f"{path}: {status}")
+    by_state: dict[str, list[tuple[str, object]]] = defaultdict(list)
+    for key, md in sorted(metadata.state_dict_metadata.items()):
+        by_state[_state_of(key, states)].append((key, md))
+    for state, items in by_state.items():
+        total = 0
+        print(f"\n[{state}]")
+        for key, md in items:
+            if isinstance(md, TensorStorageMetadata):
+                nbytes = md.size.numel() * md.properties.dtype.itemsize
+                total += nbytes
+                dtype = str(md.properties.dtype).removeprefix("torch.")
+                print(f"  {key:<60} {dtype:<9} {str(list(md.size)):<16} {_fmt_bytes(nbytes):>10}")
+            else:
+                print(f"  {key:<60} {'object':<9}")
+        print(f"  {'total tensor bytes':<60} {'':<9} {'':<16} {_fmt_bytes(total):>10}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="torchtitan-ckpt", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("list", help="list the step folders of a checkpoint folder")
+    p.add_argument("folder")
+    p = sub.add_parser("inspect", help="show what one step folder holds")
+    p.add_argument("step_dir")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "list":
+            return cmd_list(args.folder)
+        return cmd_inspect(args.step_dir)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

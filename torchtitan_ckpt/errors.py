@@ -1,0 +1,33 @@
+"""One exception hierarchy for everything the checkpoint manager raises on purpose."""
+
+
+class CheckpointError(Exception):
+    """Base class of every error this package raises deliberately."""
+
+
+class ConfigError(CheckpointError, ValueError):
+    """A config value is missing, of the wrong type, out of range or contradicts another."""
+
+    def __init__(self, key: str, value: object, expected: str):
+        self.key = key
+        self.value = value
+        self.expected = expected
+        super().__init__(f"{key} = {value!r}: {expected}")
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A checkpoint that the config or the caller asked for does not exist (or is incomplete)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's files exist but cannot be trusted: bad marker, bad metadata, unsafe content."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed; the step it was writing is left incomplete and is never loaded."""
+
+    def __init__(self, step: int, path: str, cause: BaseException):
+        self.step = step
+        self.path = path
+        self.cause = cause
+        super().__init__(f"saving step {step} to {path} failed: {type(cause).__name__}: {cause}")

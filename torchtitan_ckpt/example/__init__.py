@@ -1,0 +1,1 @@
+"""The example job's parts: a small Llama-style model and deterministic synthetic data."""

@@ -1,0 +1,52 @@
+"""The process group that checkpoint collectives run on, and the few collectives they need."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+
+class CheckpointGroup:
+    """Ranks that save and load together.
+
+    With `torch.distributed` initialised and no group given, a dedicated gloo group over every
+    rank is created (collectively), so checkpoint traffic never queues behind training's
+    collectives. Without `torch.distributed` it is a group of one and every collective is local.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None):
+        if dist.is_available() and dist.is_initialized():
+            self.pg: dist.ProcessGroup | None = process_group or dist.new_group(backend="gloo")
+            self.rank = dist.get_rank(self.pg)
+            self.world_size = dist.get_world_size(self.pg)
+        else:
+            if process_group is not None:
+                raise ValueError("a process_group was given but torch.distributed is not initialised")
+            self.pg, self.rank, self.world_size = None, 0, 1
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.pg is not None:
+            dist.barrier(group=self.pg)
+
+    def gather_errors(self, error: BaseException | None) -> list[tuple[int, str]]:
+        """Every rank's failure, as (rank, message), known to every rank."""
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        if self.pg is None:
+            found = [mine]
+        else:
+            found = [None] * self.world_size
+            dist.all_gather_object(found, mine, group=self.pg)
+        return [(r, msg) for r, msg in enumerate(found) if msg is not None]
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if self.pg is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
+        return box[0]

@@ -1,0 +1,312 @@
+"""CheckpointManager: decides when to save and what to load, and orchestrates the pieces.
+
+Formats live in `storage`, the commit protocol in `commit`, step naming in `layout`, retention in
+`retention`, the save schedule in `schedule`, and how saves overlap training in `staging`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
+
+from . import commit, layout, retention, storage
+from .config import BUILTIN_STATES, Checkpoint
+from .errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError, ConfigError
+from .group import CheckpointGroup
+from .schedule import SaveKind, save_kind
+from .staging import make_strategy
+from .states import DataLoaderState, LRSchedulerState, ModelState, OptimizerState
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class _LoadTarget:
+    path: str
+    step: int | None
+    model_only: bool
+    metadata: Metadata
+
+
+def _as_list(x: Any) -> list:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+class CheckpointManager:
+    """Saves and restores a training job's state through DCP, as the `[checkpoint]` config says.
+
+    Call `load()` once before training and `save(step, last_step=...)` after every step; the
+    manager decides which steps are written. Model parts are stored flat (their parameter
+    names at the top level, as TorchTitan does), other states under their own names.
+    """
+
+    def __init__(
+        self,
+        config: Checkpoint,
+        model_parts: Sequence[nn.Module] | nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer | None = None,
+        lr_schedulers: Sequence[Any] | Any | None = None,
+        dataloader: Any | None = None,
+        states: dict[str, Stateful] | None = None,
+        base_folder: str = "",
+        process_group: Any | None = None,
+    ):
+        self.config = config
+        self.folder = os.path.join(base_folder, config.folder)
+        parts = _as_list(model_parts)
+        if not parts:
+            raise ValueError("model_parts is empty; pass the model (or its pipeline stages)")
+        self._model = ModelState(parts)
+        self._closed = False
+        self._group = CheckpointGroup(process_group) if config.enable else None
+        rank = self._group.rank if self._group else 0
+        self._states = self._build_states(parts, optimizers, lr_schedulers, dataloader, states or {}, rank)
+        if self._group is None:
+            return
+        if config.create_seed_checkpoint and self._group.world_size != 1:
+            raise ConfigError(
+                "checkpoint.create_seed_checkpoint", True,
+                f"a seed checkpoint is written by a single process; this job has "
+                f"{self._group.world_size} ranks",
+            )
+        if self._group.world_size > 1:
+            rank0_folder = self._group.broadcast(os.path.abspath(self.folder))
+            if rank0_folder != os.path.abspath(self.folder):
+                raise ConfigError("checkpoint.folder", self.folder,
+                                  f"every rank must use the same folder; rank 0 uses {rank0_folder}")
+        self._saves = make_strategy(config.async_mode)
+        self._deleter = retention.BackgroundDeleter() if self._group.is_coordinator else None
+
+    def _build_states(self, parts, optimizers, lr_schedulers, dataloader, extra, rank) -> dict[str, Stateful]:
+        found: dict[str, Stateful] = {}
+        opts = _as_list(optimizers)
+        if opts:
+            if len(opts) != len(parts):
+                raise ValueError(f"got {len(opts)} optimizers for {len(parts)} model parts; "
+                                 "pass one optimizer per model part")
+            found["optimizer"] = OptimizerState(parts, opts)
+        if scheds := _as_list(lr_schedulers):
+            found["lr_scheduler"] = LRSchedulerState(scheds)
+        if dataloader is not None:
+            found["dataloader"] = DataLoaderState(dataloader, rank)
+        for name, state in extra.items():
+            if name in BUILTIN_STATES or not name.isidentifier():
+                raise ValueError(f"states key {name!r} is reserved or not an identifier; "
+                                 f"reserved: {', '.join(BUILTIN_STATES)}")
+            if not isinstance(state, Stateful):
+                raise TypeError(f"states[{name!r}] has no state_dict()/load_state_dict()")
+            found[name] = state
+        unknown = [n for n in self.config.exclude_from_loading if n not in found]
+        if unknown:
+            raise ConfigError("checkpoint.exclude_from_loading", self.config.exclude_from_loading,
+                              f"no state named {', '.join(unknown)}; this job's states are "
+                              f"{', '.join(found) or 'none besides the model'}")
+        return found
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for any save in flight and for pending deletions. Safe to call twice."""
+        if self._closed or not self.config.enable:
+            self._closed = True
+            return
+        self._closed = True
+        self._saves.close()
+        if self._deleter is not None:
+            self._deleter.close()
+
+    def wait(self) -> None:
+        """Block until every save submitted so far is committed (or raise its failure)."""
+        if self.config.enable:
+            self._saves.wait()
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, step: int, last_step: bool = False) -> bool:
+        """Save `step` if the schedule says so. Returns True when a save was made."""
+        if self._closed:
+            raise CheckpointError("save() called after close()")
+        kind = save_kind(step, last_step, self.config)
+        if kind is None:
+            return False
+        self._saves.submit(lambda: self._save_now(step, kind))
+        return True
+
+    def _save_now(self, step: int, kind: SaveKind) -> None:
+        path = layout.step_dir(self.folder, step)
+        start = time.perf_counter()
+        state = self._state_for_save(kind)
+        self._on_coordinator(step, path, self._prepare_folder, path)
+        try:
+            dcp.save(state, storage_writer=storage.make_storage_writer(path),
+                     planner=storage.make_save_planner(), process_group=self._group.pg)
+        except (Exception, CheckpointException) as e:
+            raise CheckpointSaveError(step, path, storage.root_cause(e)) from None
+        states = ["model"] if kind is not SaveKind.FULL else ["model", *self._states]
+        info = commit.CommitInfo(step=step, states=states, world_size=self._group.world_size)
+        self._on_coordinator(step, path, commit.write_marker, path, info)
+        if self._group.is_coordinator:
+            secs = time.perf_counter() - start
+            gb = info.total_bytes / 1e9
+            logger.info("saved step %d (%s) to %s: %.3f GB in %.2f s, %.2f GB/s",
+                        step, kind.value, path, gb, secs, gb / max(secs, 1e-9))
+            self._deleter.submit(retention.steps_to_delete(layout.scan(self.folder),
+                                                           self.config.keep_latest_k))
+
+    def _state_for_save(self, kind: SaveKind) -> dict[str, Any]:
+        model_sd = self._model.state_dict()
+        if kind is SaveKind.MODEL_ONLY:
+            dtype = _DTYPES[self.config.export_dtype]
+            return {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in model_sd.items()}
+        if kind is SaveKind.SEED:
+            return model_sd
+        return {**model_sd, **self._states}
+
+    @staticmethod
+    def _prepare_folder(path: str) -> None:
+        if os.path.exists(path):  # a partial leftover, or a step saved again: it is replaced
+            commit.uncommit(path)
+            shutil.rmtree(path)
+        os.makedirs(path)
+
+    def _on_coordinator(self, step: int, path: str, fn, *args) -> None:
+        """Run `fn` on rank 0 and make its failure every rank's failure."""
+        error = None
+        if self._group.is_coordinator:
+            try:
+                fn(*args)
+            except Exception as e:  # reported on every rank below
+                error = e
+        failures = self._group.gather_errors(error)
+        if failures:
+            cause = error or RuntimeError(f"rank {failures[0][0]}: {failures[0][1]}")
+            raise CheckpointSaveError(step, path, cause) from error
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self) -> bool:
+        """Restore the newest complete step (or `load_step`), else `initial_load_path`, else
+        nothing. Returns True when a checkpoint was loaded."""
+        if not self.config.enable:
+            return False
+        start = time.perf_counter()
+        target = self._find_load_target()
+        if target is None:
+            logger.info("no checkpoint in %s and no initial_load_path: starting from scratch", self.folder)
+            return False
+        state = self._state_for_load(target)
+        try:
+            dcp.load(state, storage_reader=storage.make_storage_reader(target.path),
+                     planner=storage.make_load_planner(), process_group=self._group.pg)
+        except CheckpointException as e:
+            cause = storage.root_cause(e)
+            if isinstance(cause, CheckpointError):
+                raise cause from None
+            raise CheckpointError(f"loading {target.path} failed: {type(cause).__name__}: {cause}") from None
+        self._model.load_state_dict({k: v for k, v in state.items() if k not in self._states})
+        if self._group.is_coordinator:
+            secs = time.perf_counter() - start
+            gb = layout.folder_bytes(target.path) / 1e9
+            logger.info("loaded %s%s: %.3f GB in %.2f s, %.2f GB/s", target.path,
+                        " (model only)" if target.model_only else "", gb, secs, gb / max(secs, 1e-9))
+        return True
+
+    def _find_load_target(self) -> _LoadTarget | None:
+        folders = layout.scan(self.folder)
+        committed = [f for f in folders if f.committed]
+        if self.config.load_step >= 0:
+            return self._explicit_step(folders, self.config.load_step)
+        if committed:
+            newest = committed[-1]
+            for f in folders:
+                if not f.committed and f.step > newest.step:
+                    logger.warning("ignoring %s: its save did not finish (no %s)", f.path, commit.MARKER)
+            if self.config.initial_load_path:
+                logger.info("%s has complete steps; ignoring initial_load_path", self.folder)
+            info = commit.read_marker(newest.path)
+            return self._target(newest.path, newest.step, info.model_only)
+        if self.config.initial_load_path:
+            path = self.config.initial_load_path
+            model_only = self.config.initial_load_model_only
+            if commit.is_committed(path):
+                model_only = model_only or commit.read_marker(path).model_only
+            else:
+                logger.warning("%s has no %s; loading it as a plain DCP checkpoint", path, commit.MARKER)
+            return self._target(path, None, model_only)
+        return None
+
+    def _explicit_step(self, folders: list[layout.StepFolder], step: int) -> _LoadTarget:
+        path = layout.step_dir(self.folder, step)
+        match = [f for f in folders if f.step == step]
+        complete = [f.step for f in folders if f.committed]
+        if not match:
+            raise CheckpointNotFoundError(
+                f"checkpoint.load_step = {step}: {path} does not exist; complete steps: {complete}")
+        if not match[0].committed:
+            raise CheckpointNotFoundError(
+                f"checkpoint.load_step = {step}: {path} is incomplete (no {commit.MARKER}; its save "
+                f"did not finish); complete steps: {complete}")
+        return self._target(path, step, commit.read_marker(path).model_only)
+
+    def _target(self, path: str, step: int | None, model_only: bool) -> _LoadTarget:
+        metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
+        return _LoadTarget(path, step, model_only, metadata)
+
+    def _state_for_load(self, target: _LoadTarget) -> dict[str, Any]:
+        model_sd = self._model.state_dict()
+        keys = target.metadata.state_dict_metadata
+        missing = [k for k in model_sd if k not in keys]
+        if missing:
+            raise CheckpointError(f"{target.path} lacks {len(missing)} model tensors this model has, "
+                                  f"e.g. {missing[:3]}; was it saved from a different model?")
+        state: dict[str, Any] = dict(model_sd)
+        if target.model_only:
+            return state
+        for name, stateful in self._states.items():
+            if name in self.config.exclude_from_loading:
+                continue
+            prefix = name + "."
+            saved = [k for k in keys if k.startswith(prefix)]
+            if not saved:
+                raise CheckpointError(
+                    f"{target.path} has no state '{name}'; add '{name}' to "
+                    "checkpoint.exclude_from_loading to start it fresh")
+            if isinstance(stateful, DataLoaderState) and not self._expect_dataloader(stateful, saved, keys):
+                continue
+            state[name] = stateful
+        return state
+
+    def _expect_dataloader(self, loader: DataLoaderState, saved: list[str], keys: dict) -> bool:
+        if len(saved) != self._group.world_size:
+            if self._group.is_coordinator:
+                logger.warning("the dataloader state was saved by %d ranks and this job has %d; "
+                               "the dataloader starts from the beginning", len(saved), self._group.world_size)
+            return False
+        md = keys[f"dataloader.{loader.key}"]
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError("the dataloader entry of this checkpoint is not a byte tensor")
+        loader.expect_load(md.size[0])
+        return True
+

@@ -1,0 +1,29 @@
+"""When to save, and what: a pure policy over the step number and the `[checkpoint]` config."""
+
+from __future__ import annotations
+
+import enum
+
+from .config import Checkpoint
+
+
+class SaveKind(enum.Enum):
+    FULL = "full"
+    """Model, optimizers, schedulers, dataloader and extra states: everything a resume needs."""
+    MODEL_ONLY = "model_only"
+    """The model alone, floating tensors cast to `export_dtype` (the last step's export)."""
+    SEED = "seed"
+    """The freshly initialised model alone, as step 0, in its own dtype."""
+
+
+def save_kind(step: int, last_step: bool, config: Checkpoint) -> SaveKind | None:
+    """What `save(step, last_step)` writes, or None when this step is not saved."""
+    if not config.enable or config.load_only:
+        return None
+    if step == 0:
+        return SaveKind.SEED if config.create_seed_checkpoint else None
+    if last_step:
+        return SaveKind.MODEL_ONLY if config.last_save_model_only else SaveKind.FULL
+    if step == 1 and config.enable_first_step_checkpoint:
+        return SaveKind.FULL
+    return SaveKind.FULL if step % config.interval == 0 else None

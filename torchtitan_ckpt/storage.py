@@ -1,0 +1,142 @@
+"""How state goes through `torch.distributed.checkpoint`: storage readers/writers and planners.
+
+This is the one place that picks DCP's plug-ins for a save or a load, so later features (dedup
+policy, Hugging Face format) replace a factory here instead of adding branches to the manager.
+Loading runs no code from the checkpoint: `.metadata` is read with an allow-list unpickler and
+non-tensor values with `torch.load(weights_only=True)` (DCP itself uses `weights_only=False`).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+
+from .errors import CorruptCheckpointError
+
+METADATA_FILE = ".metadata"
+
+# (module, name) pairs a DCP `.metadata` pickle may reference; anything else is refused.
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # looks a layout up by name, as weights_only allows
+    ("torch", "device"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("pathlib", "PosixPath"),
+}
+# dtypes, layouts and memory formats pickle as attributes of the torch module
+_ALLOWED_TORCH_ATTRS = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, path: str):
+        super().__init__(file)
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), _ALLOWED_TORCH_ATTRS):
+            return getattr(torch, name)
+        raise CorruptCheckpointError(
+            f"{self._path} references {module}.{name}, which a DCP metadata file never holds; "
+            "refusing to load it (it could run code)"
+        )
+
+
+def read_metadata(path: str) -> Metadata:
+    """Read a DCP `.metadata` file without running code from it."""
+    with open(path, "rb") as f:
+        try:
+            metadata = _MetadataUnpickler(f, path).load()
+        except CorruptCheckpointError:
+            raise
+        except Exception as e:
+            raise CorruptCheckpointError(f"{path} is not a readable DCP metadata file: {e}") from e
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file-system reader with a metadata read that refuses anything but DCP's own classes."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        path = self._get_metadata_path(rank)
+        metadata = read_metadata(str(path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but non-tensor values are unpickled with `weights_only=True`."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise CorruptCheckpointError(
+                f"checkpoint value '{read_item.dest_index.fqn}' is not plain data and loading it "
+                f"could run code; refused ({str(e).splitlines()[-3].strip()})"
+            ) from None
+        if self.flatten_state_dict:
+            # the flattened key maps back to a path of keys into the caller's nested dict
+            *parents, last = self.mappings[read_item.dest_index.fqn]
+            node = self.original_state_dict
+            for key in parents:
+                node = node[key]
+            node[last] = obj
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """DCP wraps every rank's failure in one `CheckpointException` (a BaseException whose message
+    is a traceback dump); return the lowest failing rank's own exception instead."""
+    if isinstance(error, CheckpointException) and error.failures:
+        exc, _trace = error.failures[min(error.failures)]
+        return exc
+    return error
+
+
+def make_storage_writer(path: str) -> FileSystemWriter:
+    """Writer of a DCP step folder. `sync_files` keeps data durable before the commit marker."""
+    return FileSystemWriter(path, sync_files=True, single_file_per_rank=True)
+
+
+def make_storage_reader(path: str) -> SafeFileSystemReader:
+    return SafeFileSystemReader(path)
+
+
+def make_save_planner() -> DefaultSavePlanner:
+    return DefaultSavePlanner()
+
+
+def make_load_planner() -> SafeLoadPlanner:
+    return SafeLoadPlanner()
