@@ -43,6 +43,16 @@ def test_resume_is_bit_identical(two_rank_runs):
     assert_same(a, b)  # every weight, optimizer moment, scheduler and dataloader value
 
 
+def test_background_saves_equal_synchronous_ones(two_rank_runs, tmp_path):
+    """The job mutates weights and optimizer state in place right after every save() returns."""
+    straight = os.path.join(two_rank_runs[0], "checkpoint")
+    run_job(str(tmp_path), *FULL_LAST, "--checkpoint.async_mode", "async_with_pinned_mem", nproc=2)
+    folder = os.path.join(tmp_path, "checkpoint")
+    assert layout.committed_steps(folder) == [5, 10, 15, 20]
+    for step in (5, 20):
+        assert_same(read_checkpoint(layout.step_dir(straight, step)), read_checkpoint(layout.step_dir(folder, step)))
+
+
 def _load_sharded(rank: int, world_size: int, dump_folder: str, load_step: int, out: str) -> None:
     config = load_job_config(DEBUG_CONFIG, ["--job.dump_folder", dump_folder, "--training.seed", "1234",
                                             "--checkpoint.load_step", str(load_step)])

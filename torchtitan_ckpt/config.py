@@ -30,6 +30,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 
 AsyncMode = Literal["disabled", "async", "async_with_pinned_mem"]
 ExportDtype = Literal["float16", "bfloat16", "float32"]
+DedupPolicy = Literal["balanced", "lowest_rank", "replica_slices"]
 
 # States the manager itself owns; `states={...}` passed by the caller add to these.
 BUILTIN_STATES = ("model", "optimizer", "lr_scheduler", "dataloader")
@@ -102,7 +103,11 @@ class LRScheduler:
 @dataclass
 class Parallelism:
     data_parallel_shard_degree: int = -1
-    """FSDP shard degree; -1 means every rank of the job."""
+    """FSDP shard degree; -1 means every rank not used by the replicate degree."""
+
+    data_parallel_replicate_degree: int = 1
+    """HSDP replicate degree: the job's ranks form a (replicate x shard) mesh and each replica
+    holds a full copy of the sharded state, so its tensors are replicated across replicas."""
 
 
 @dataclass
@@ -154,6 +159,14 @@ class Checkpoint:
 
     load_only: bool = False
     """Load checkpoints but never save any."""
+
+    dedup_policy: DedupPolicy = "balanced"
+    """Which rank writes a tensor replicated on several ranks: `balanced` (fewest bytes in the end),
+    `lowest_rank` (a loader opens fewest files) or `replica_slices` (each replica writes a slice)."""
+
+    dedup_min_slice_bytes: int = 1 << 20
+    """With `replica_slices`, a replicated tensor smaller than this times the replica count is
+    written whole by one rank instead of in slices."""
 
 
 @dataclass
@@ -364,6 +377,7 @@ def _validate_job(c: JobConfig) -> None:
     dp = c.parallelism.data_parallel_shard_degree
     if dp == 0 or dp < -1:
         raise ConfigError("parallelism.data_parallel_shard_degree", dp, "expected -1 (all ranks) or >= 1")
+    _at_least("parallelism.data_parallel_replicate_degree", c.parallelism.data_parallel_replicate_degree, 1)
     if not c.job.dump_folder:
         raise ConfigError("job.dump_folder", c.job.dump_folder, "expected a non-empty path")
 
@@ -372,6 +386,7 @@ def _validate_checkpoint(ck: Checkpoint) -> None:
     _at_least("checkpoint.interval", ck.interval, 1)
     _at_least("checkpoint.keep_latest_k", ck.keep_latest_k, 0)
     _at_least("checkpoint.load_step", ck.load_step, -1)
+    _at_least("checkpoint.dedup_min_slice_bytes", ck.dedup_min_slice_bytes, 1)
     if not ck.folder:
         raise ConfigError("checkpoint.folder", ck.folder, "expected a non-empty folder name")
     _validate_exclusions(ck.exclude_from_loading)
@@ -416,11 +431,9 @@ def _validate_exclusions(names: list[str]) -> None:
 
 def _validate_unsupported(ck: Checkpoint) -> None:
     """Values this build declares but cannot honour yet fail here, at start-up, not at the save."""
-    if ck.async_mode != "disabled":
-        raise ConfigError(
-            "checkpoint.async_mode", ck.async_mode,
-            "asynchronous saving is not available in this build; expected 'disabled'",
-        )
+    if ck.dedup_policy != "balanced":
+        raise ConfigError("checkpoint.dedup_policy", ck.dedup_policy,
+                          "only 'balanced' is available in this build")
     for key in ("initial_load_in_hf", "last_save_in_hf"):
         if getattr(ck, key):
             raise ConfigError(

@@ -133,9 +133,11 @@ class CheckpointManager:
             self._closed = True
             return
         self._closed = True
-        self._saves.close()
-        if self._deleter is not None:
-            self._deleter.close()
+        try:
+            self._saves.close()
+        finally:
+            if self._deleter is not None:
+                self._deleter.close()
 
     def wait(self) -> None:
         """Block until every save submitted so far is committed (or raise its failure)."""
@@ -145,19 +147,28 @@ class CheckpointManager:
     # ------------------------------------------------------------------ saving
 
     def save(self, step: int, last_step: bool = False) -> bool:
-        """Save `step` if the schedule says so. Returns True when a save was made."""
+        """Save `step` if the schedule says so; returns True when a save was made (or, with
+        `async_mode`, staged and handed to the background writer). The last step's save is
+        always waited for. Raises the failure of an earlier background save, if any."""
         if self._closed:
             raise CheckpointError("save() called after close()")
         kind = save_kind(step, last_step, self.config)
         if kind is None:
             return False
-        self._saves.submit(lambda: self._save_now(step, kind))
-        return True
-
-    def _save_now(self, step: int, kind: SaveKind) -> None:
         path = layout.step_dir(self.folder, step)
         start = time.perf_counter()
         state = self._state_for_save(kind)
+        self._saves.submit(state, lambda staged: self._persist(step, kind, path, staged, start))
+        if last_step:
+            self._saves.wait()
+        return True
+
+    def maybe_wait_for_staging(self) -> None:
+        """Return once the state handed to the last `save()` is safe to mutate. Staging copies
+        inside `save()`, so this never blocks; it exists for loops written against TorchTitan."""
+
+    def _persist(self, step: int, kind: SaveKind, path: str, state: dict[str, Any], start: float) -> None:
+        """Write `state` as step `step` and commit it; on every rank, maybe in the background."""
         self._on_coordinator(step, path, self._prepare_folder, path)
         try:
             dcp.save(state, storage_writer=storage.make_storage_writer(path),
@@ -176,13 +187,15 @@ class CheckpointManager:
                                                            self.config.keep_latest_k))
 
     def _state_for_save(self, kind: SaveKind) -> dict[str, Any]:
+        """The state as of now: model tensors at the top level, every other state resolved to
+        its `state_dict()` (so a background save sees this step's values)."""
         model_sd = self._model.state_dict()
         if kind is SaveKind.MODEL_ONLY:
             dtype = _DTYPES[self.config.export_dtype]
             return {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in model_sd.items()}
         if kind is SaveKind.SEED:
             return model_sd
-        return {**model_sd, **self._states}
+        return {**model_sd, **{name: s.state_dict() for name, s in self._states.items()}}
 
     @staticmethod
     def _prepare_folder(path: str) -> None:
@@ -211,6 +224,7 @@ class CheckpointManager:
         nothing. Returns True when a checkpoint was loaded."""
         if not self.config.enable:
             return False
+        self._saves.wait()
         start = time.perf_counter()
         target = self._find_load_target()
         if target is None:

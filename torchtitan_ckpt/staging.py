@@ -1,18 +1,37 @@
-"""How a save overlaps training. A strategy is picked once from `async_mode`.
+"""How a save overlaps training: one strategy per `async_mode`, picked once.
 
-`SynchronousSaves` runs the whole save (write and commit) inside `save()`.
+A strategy receives the resolved state (plain nested dicts of tensors and values, taken at the
+step being saved) and a `persist` callable that writes and commits it. Synchronous saving calls it
+in place. The asynchronous strategies first *stage* the state, i.e. copy every tensor into CPU
+memory the training loop never touches, so `save()` can return while the copy is written in the
+background; training may then update weights and optimizer state in place without changing what
+is written (CPU tensors are copied too: aliasing them is how async DCP once wrote wrong data).
+
+At most one save is in flight: `submit()` first waits for the previous one. A failure of the
+background save is kept and raised by the next `submit()`, `wait()` or `close()`.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger(__name__)
+
+Persist = Callable[[dict[str, Any]], None]
 
 
 class SynchronousSaves:
     """`async_mode = "disabled"`: the training loop waits until the step is committed."""
 
-    def submit(self, save: Callable[[], None]) -> None:
-        save()
+    def submit(self, state: dict[str, Any], persist: Persist) -> None:
+        persist(state)
 
     def wait(self) -> None:
         """Nothing is ever in flight."""
@@ -21,8 +40,86 @@ class SynchronousSaves:
         """Nothing to shut down."""
 
 
-def make_strategy(async_mode: str) -> SynchronousSaves:
+def _copy_tensor(t: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+    """A CPU copy of `t` (written into `into` when given), keeping a DTensor's placement."""
+    if isinstance(t, DTensor):
+        local = _copy_tensor(t.to_local(), None if into is None else into.to_local())
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    if into is None:
+        return t.detach().to("cpu", copy=True)
+    return into.copy_(t.detach())
+
+
+class Stager:
+    """Copies a state into CPU memory. With `reuse=True` the copies are kept and overwritten by
+    the next save of a state with the same structure (no allocation once warm), in shared memory
+    so another process could read them without a copy."""
+
+    def __init__(self, reuse: bool):
+        self.reuse = reuse
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held between saves."""
+        return sum(_local(t).numel() * t.element_size() for t in self._buffers.values())
+
+    def stage(self, state: Any, path: tuple = ()) -> Any:
+        if isinstance(state, torch.Tensor):
+            return self._stage_tensor(state, path)
+        if isinstance(state, dict):
+            return {k: self.stage(v, (*path, k)) for k, v in state.items()}
+        if isinstance(state, (list, tuple)):
+            return type(state)(self.stage(v, (*path, i)) for i, v in enumerate(state))
+        return copy.deepcopy(state)
+
+    def _stage_tensor(self, t: torch.Tensor, path: tuple) -> torch.Tensor:
+        if not self.reuse:
+            return _copy_tensor(t, None)
+        old = self._buffers.get(path)
+        fits = (old is not None and old.dtype == t.dtype and old.shape == t.shape
+                and type(old) is type(t) and _local(old).shape == _local(t).shape)
+        staged = _copy_tensor(t, old if fits else None)
+        if not fits:
+            _local(staged).share_memory_()
+            self._buffers[path] = staged
+        return staged
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class BackgroundSaves:
+    """`async` (fresh copies each save) and `async_with_pinned_mem` (one long-lived staging
+    buffer, reused): stage in `submit()`, then write and commit on a background thread."""
+
+    def __init__(self, reuse_buffer: bool):
+        self.stager = Stager(reuse=reuse_buffer)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
+        self._pending: Future | None = None
+
+    def submit(self, state: dict[str, Any], persist: Persist) -> None:
+        self.wait()
+        staged = self.stager.stage(state)
+        self._pending = self._pool.submit(persist, staged)
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; raise its failure if it had one."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+def make_strategy(async_mode: str) -> SynchronousSaves | BackgroundSaves:
+    """The strategy for a validated `checkpoint.async_mode`."""
     if async_mode == "disabled":
         return SynchronousSaves()
-    # config validation rejects every other mode before a manager is built
-    raise ValueError(f"unsupported async_mode {async_mode!r}")
+    return BackgroundSaves(reuse_buffer=async_mode == "async_with_pinned_mem")

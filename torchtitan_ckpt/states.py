@@ -110,5 +110,5 @@ class DataLoaderState(Stateful):
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         self._loaded_size = None
         data = state_dict[self.key]
-        obj = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+        obj = torch.load(io.BytesIO(bytes(data.tolist())), weights_only=True)  # small; no numpy needed
         self.dataloader.load_state_dict(obj)
