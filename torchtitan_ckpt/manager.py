@@ -163,6 +163,11 @@ class CheckpointManager:
             self._saves.wait()
         return True
 
+    @property
+    def save_in_flight(self) -> bool:
+        """True while a background save is being written (never with `async_mode = "disabled"`)."""
+        return self.config.enable and self._saves.in_flight()
+
     def maybe_wait_for_staging(self) -> None:
         """Return once the state handed to the last `save()` is safe to mutate. Staging copies
         inside `save()`, so this never blocks; it exists for loops written against TorchTitan."""

@@ -33,6 +33,9 @@ class SynchronousSaves:
     def submit(self, state: dict[str, Any], persist: Persist) -> None:
         persist(state)
 
+    def in_flight(self) -> bool:
+        return False
+
     def wait(self) -> None:
         """Nothing is ever in flight."""
 
@@ -104,6 +107,10 @@ class BackgroundSaves:
         self.wait()
         staged = self.stager.stage(state)
         self._pending = self._pool.submit(persist, staged)
+
+    def in_flight(self) -> bool:
+        """True while a background save is still being written or committed."""
+        return self._pending is not None and not self._pending.done()
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its failure if it had one."""
