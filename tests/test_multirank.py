@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -11,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torchtitan_ckpt import CheckpointManager, commit, layout, load_job_config
 from torchtitan_ckpt.train import build_model, shard_model
 
-from .helpers import DEBUG_CONFIG, assert_same, losses, read_checkpoint, run_job, spawn
+from .helpers import DEBUG_CONFIG, ROOT, assert_same, losses, read_checkpoint, run_job, spawn
 
 pytestmark = pytest.mark.multirank
 
@@ -85,3 +89,68 @@ def test_seed_checkpoint_from_one_process_loads_on_two_ranks(tmp_path):
     spawn(2, _load_sharded, dump, 0, out)
     expected = build_model(load_job_config(DEBUG_CONFIG)).state_dict()
     assert_same(torch.load(out, weights_only=True), expected)
+
+
+def _wait_for_partial_step(folder: str, proc: subprocess.Popen, timeout: float = 120) -> int | None:
+    """Poll until a step folder holds data but no commit marker (a save in flight)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        for s in layout.scan(folder):
+            if not s.committed and any(n.endswith(".distcp") for n in os.listdir(s.path)):
+                return s.step
+        time.sleep(0.002)
+    return None
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every rank it started, at once, as a node failure would."""
+    for p in [pid, *_descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_kill_during_background_save_resumes_from_previous_step(tmp_path):
+    dump = str(tmp_path)
+    folder = os.path.join(dump, "checkpoint")
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "-m", "torchtitan_ckpt.train", "--config", DEBUG_CONFIG, "--job.dump_folder", dump,
+            "--checkpoint.interval", "2", "--checkpoint.async_mode", "async",
+            "--checkpoint.keep_latest_k", "0"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        killed_at = _wait_for_partial_step(folder, proc)
+    finally:
+        _kill_tree(proc.pid)  # every rank and the launcher, mid-write
+        proc.wait()
+    assert killed_at is not None, "the job ended before a background save could be caught in flight"
+    steps = {s.step: s.committed for s in layout.scan(folder)}
+    if steps.get(killed_at):
+        pytest.skip("the save committed between detection and the kill; nothing to check")
+    previous = max((s for s, ok in steps.items() if ok), default=0)
+    assert previous < killed_at
+    log = run_job(dump, "--checkpoint.interval", "2", nproc=2)
+    if previous:
+        assert f"loaded {layout.step_dir(folder, previous)}" in log
+    assert f"ignoring {layout.step_dir(folder, killed_at)}: its save did not finish" in log
+    assert sorted(losses(log)) == list(range(previous + 1, 21))

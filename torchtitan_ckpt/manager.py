@@ -257,11 +257,12 @@ class CheckpointManager:
         committed = [f for f in folders if f.committed]
         if self.config.load_step >= 0:
             return self._explicit_step(folders, self.config.load_step)
+        newest_step = committed[-1].step if committed else -1
+        for f in folders:
+            if not f.committed and f.step > newest_step and self._group.is_coordinator:
+                logger.warning("ignoring %s: its save did not finish (no %s)", f.path, commit.MARKER)
         if committed:
             newest = committed[-1]
-            for f in folders:
-                if not f.committed and f.step > newest.step:
-                    logger.warning("ignoring %s: its save did not finish (no %s)", f.path, commit.MARKER)
             if self.config.initial_load_path:
                 logger.info("%s has complete steps; ignoring initial_load_path", self.folder)
             info = commit.read_marker(newest.path)
