@@ -4,6 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 DEMO_OUT ?= outputs/demo
+# `make demo ASYNC_MODE=async` (or async_with_pinned_mem) runs the demo with background saves
+ASYNC_MODE ?= disabled
+DEMO_ARGS = --config configs/debug_model.toml --job.dump_folder $(DEMO_OUT) --checkpoint.async_mode $(ASYNC_MODE)
 
 .PHONY: demo test docs clean
 
@@ -17,11 +20,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	rm -rf $(DEMO_OUT)
 	@echo "== run 1: 2 ranks train steps 1-10, then stop as a preemption would"
-	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 -m torchtitan_ckpt.train --config configs/debug_model.toml \
-		--job.dump_folder $(DEMO_OUT) --training.stop_at_step 10
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 -m torchtitan_ckpt.train $(DEMO_ARGS) --training.stop_at_step 10
 	@echo "== run 2: a new job resumes from the newest complete step and finishes"
-	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 -m torchtitan_ckpt.train --config configs/debug_model.toml \
-		--job.dump_folder $(DEMO_OUT)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 -m torchtitan_ckpt.train $(DEMO_ARGS)
 	@echo "== checkpoints in $(abspath $(DEMO_OUT))/checkpoint"
 	$(VENV)/bin/torchtitan-ckpt list $(DEMO_OUT)/checkpoint
 
