@@ -431,9 +431,6 @@ def _validate_exclusions(names: list[str]) -> None:
 
 def _validate_unsupported(ck: Checkpoint) -> None:
     """Values this build declares but cannot honour yet fail here, at start-up, not at the save."""
-    if ck.dedup_policy != "balanced":
-        raise ConfigError("checkpoint.dedup_policy", ck.dedup_policy,
-                          "only 'balanced' is available in this build")
     for key in ("initial_load_in_hf", "last_save_in_hf"):
         if getattr(ck, key):
             raise ConfigError(

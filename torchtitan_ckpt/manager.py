@@ -175,9 +175,10 @@ class CheckpointManager:
     def _persist(self, step: int, kind: SaveKind, path: str, state: dict[str, Any], start: float) -> None:
         """Write `state` as step `step` and commit it; on every rank, maybe in the background."""
         self._on_coordinator(step, path, self._prepare_folder, path)
+        planner = storage.make_save_planner(self.config.dedup_policy, self.config.dedup_min_slice_bytes)
         try:
             dcp.save(state, storage_writer=storage.make_storage_writer(path),
-                     planner=storage.make_save_planner(), process_group=self._group.pg)
+                     planner=planner, process_group=self._group.pg)
         except (Exception, CheckpointException) as e:
             raise CheckpointSaveError(step, path, storage.root_cause(e)) from None
         states = ["model"] if kind is not SaveKind.FULL else ["model", *self._states]
@@ -188,6 +189,7 @@ class CheckpointManager:
             gb = info.total_bytes / 1e9
             logger.info("saved step %d (%s) to %s: %.3f GB in %.2f s, %.2f GB/s",
                         step, kind.value, path, gb, secs, gb / max(secs, 1e-9))
+            logger.info("step %d %s", step, planner.summary_line())
             self._deleter.submit(retention.steps_to_delete(layout.scan(self.folder),
                                                            self.config.keep_latest_k))
 

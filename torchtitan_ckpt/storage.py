@@ -15,10 +15,11 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from .dedup import DedupSavePlanner
 from .errors import CorruptCheckpointError
 
 METADATA_FILE = ".metadata"
@@ -134,8 +135,9 @@ def make_storage_reader(path: str) -> SafeFileSystemReader:
     return SafeFileSystemReader(path)
 
 
-def make_save_planner() -> DefaultSavePlanner:
-    return DefaultSavePlanner()
+def make_save_planner(policy: str = "balanced", min_slice_bytes: int = 1 << 20) -> DedupSavePlanner:
+    """DCP's save planner with replicated values written as `checkpoint.dedup_policy` says."""
+    return DedupSavePlanner(policy, min_slice_bytes)
 
 
 def make_load_planner() -> SafeLoadPlanner:

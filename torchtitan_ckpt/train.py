@@ -53,13 +53,21 @@ def lr_lambda(warmup: int, steps: int, min_factor: float):
     return factor
 
 
-def _dp_degree(config: JobConfig, world_size: int) -> int:
-    degree = config.parallelism.data_parallel_shard_degree
-    degree = world_size if degree == -1 else degree
-    if degree != world_size:
-        raise ConfigError("parallelism.data_parallel_shard_degree", degree,
-                          f"must equal the number of ranks ({world_size}) or be -1")
-    return degree
+def _dp_degree(config: JobConfig, world_size: int) -> tuple[int, int]:
+    """The (replicate, shard) data-parallel mesh shape; a shard degree of -1 takes the ranks the
+    replicate degree leaves. Both must multiply to the number of ranks."""
+    replicate = config.parallelism.data_parallel_replicate_degree
+    shard = config.parallelism.data_parallel_shard_degree
+    if shard == -1:
+        if world_size % replicate:
+            raise ConfigError("parallelism.data_parallel_replicate_degree", replicate,
+                              f"must divide the number of ranks ({world_size})")
+        shard = world_size // replicate
+    if replicate * shard != world_size:
+        raise ConfigError("parallelism.data_parallel_shard_degree", shard,
+                          f"times data_parallel_replicate_degree ({replicate}) must equal the number "
+                          f"of ranks ({world_size}); or set it to -1")
+    return replicate, shard
 
 
 def build_model(config: JobConfig) -> Transformer:
@@ -67,8 +75,14 @@ def build_model(config: JobConfig) -> Transformer:
     return Transformer(FLAVORS[config.model.flavor])
 
 
-def shard_model(model: Transformer, world_size: int) -> None:
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+def shard_model(model: Transformer, world_size: int, replicate: int = 1) -> None:
+    """FSDP over all ranks, or HSDP when `replicate` > 1: a ("dp_replicate", "dp_shard") mesh of
+    `replicate` x `world_size // replicate` ranks, each replica holding a sharded full copy."""
+    if replicate == 1:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    else:
+        mesh = init_device_mesh("cpu", (replicate, world_size // replicate),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
     for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -77,7 +91,7 @@ def shard_model(model: Transformer, world_size: int) -> None:
 def train(config: JobConfig) -> None:
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    dp = _dp_degree(config, world_size)
+    replicate, _shard = _dp_degree(config, world_size)
     if rank == 0:
         logger.info("%s: %s/%s on %d rank(s), %d steps", config.job.description, config.model.name,
                     config.model.flavor, world_size, config.training.steps)
@@ -89,14 +103,16 @@ def train(config: JobConfig) -> None:
         logger.info("seed checkpoint written to %s", os.path.join(config.checkpoint_folder, "step-0"))
         return
     if world_size > 1:
-        shard_model(model, world_size)
+        shard_model(model, world_size, replicate)
     opt = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr, eps=config.optimizer.eps,
                             weight_decay=config.optimizer.weight_decay, foreach=False)
     steps = config.training.steps
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lr_lambda(config.lr_scheduler.warmup_steps, steps, config.lr_scheduler.min_lr_factor))
     tc = config.training
-    loader = build_dataloader(model.args.vocab_size, tc.seq_len, tc.local_batch_size, tc.seed, rank, dp)
+    # both mesh dimensions are data parallel: every rank reads its own part of the data
+    loader = build_dataloader(model.args.vocab_size, tc.seq_len, tc.local_batch_size, tc.seed, rank,
+                              world_size)
     train_state = TrainState()
     with CheckpointManager(ck, [model], optimizers=opt, lr_schedulers=sched, dataloader=loader,
                            states={"train_state": train_state}, base_folder=config.job.dump_folder) as manager:

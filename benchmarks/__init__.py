@@ -1,0 +1,1 @@
+"""Scripts that print side-by-side tables: `python -m benchmarks.<name>`."""
