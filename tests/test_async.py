@@ -73,11 +73,12 @@ def test_pinned_mode_reuses_its_buffer(tmp_path):
 class _Unwritable:
     """A train state whose value cannot be serialised: the background write fails."""
 
-    def __init__(self):
+    def __init__(self, key: str = "value"):
         self.fail = False
+        self.key = key
 
     def state_dict(self):
-        return {"value": (lambda: None) if self.fail else 1}
+        return {self.key: (lambda: None) if self.fail else 1}
 
     def load_state_dict(self, sd):
         pass
@@ -110,3 +111,26 @@ def test_close_waits_for_the_save_in_flight(tmp_path):
     job.run_to(3, steps=10)
     job.manager.close()
     assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [3]
+
+
+def _failing_rank_1(rank: int, world_size: int, folder: str, mode: str) -> None:
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    state = _Unwritable(key=f"rank{rank}")  # not replicated: each rank writes its own
+    model = torch.nn.Linear(4, 4)
+    with CheckpointManager(Checkpoint(enable=True, interval=1, async_mode=mode), [model],
+                           states={"extra": state}, base_folder=folder) as manager:
+        manager.save(1)
+        state.fail = rank == 1  # only rank 1's background write breaks
+        manager.save(2)
+        with pytest.raises(CheckpointSaveError, match="saving step 2 to .*step-2 failed"):
+            manager.wait()  # ... and every rank hears of it
+    assert layout.committed_steps(os.path.join(folder, "checkpoint")) == [1]
+
+
+@pytest.mark.multirank
+def test_a_failure_on_one_rank_reaches_every_rank(tmp_path):
+    from .helpers import spawn
+
+    spawn(2, _failing_rank_1, str(tmp_path), "async")
