@@ -22,9 +22,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from benchmarks.common import run_ranks
 from torchtitan_ckpt import CheckpointManager, load_job_config
 from torchtitan_ckpt.storage import make_storage_writer
 from torchtitan_ckpt.train import build_model, shard_model
@@ -150,15 +150,6 @@ def _pytorch_async(model, opt, tokens, baseline, args) -> dict:
             "extra": None, "slow": statistics.median(slows)}
 
 
-def _rank_main(rank, world, init, args, results):
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        _bench(rank, world, args, results)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
@@ -169,9 +160,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         args.dir = tmp
-        results = mp.Manager().dict()
-        mp.spawn(_rank_main, args=(args.ranks, os.path.join(tmp, "rdzv"), args, results), nprocs=args.ranks)
-        print_table(dict(results), args.ranks)
+        print_table(dict(run_ranks(args.ranks, _bench, args, tmp)), args.ranks)
 
 
 def print_table(r: dict, ranks: int) -> None:

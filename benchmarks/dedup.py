@@ -25,10 +25,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from benchmarks.common import run_ranks
 from torchtitan_ckpt import load_job_config
 from torchtitan_ckpt.dedup import POLICIES, layout_of, summarize, writers_of
 from torchtitan_ckpt.states import ModelState, OptimizerState
@@ -97,15 +97,6 @@ def _bench(rank: int, world: int, args, results: dict) -> None:
         results[world] = rows
 
 
-def _rank_main(rank, world, init, args, results):
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        _bench(rank, world, args, results)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -113,12 +104,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
     args = parser.parse_args()
-    results = mp.Manager().dict()
+    results = None
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         args.dir = tmp
         for world in args.ranks:
-            rdzv = os.path.join(tmp, f"rdzv-{world}")
-            mp.spawn(_rank_main, args=(world, rdzv, args, results), nprocs=world)
+            results = run_ranks(world, _bench, args, tmp, results)
     print_table(dict(results), args.flavor)
 
 
