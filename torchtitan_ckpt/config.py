@@ -128,13 +128,15 @@ class Checkpoint:
     """Load only the model from `initial_load_path` (optimizer, schedulers and data start fresh)."""
 
     initial_load_in_hf: bool = False
-    """`initial_load_path` is in Hugging Face safetensors format (needs `initial_load_model_only`)."""
+    """`initial_load_path` is in Hugging Face safetensors format (needs `initial_load_model_only`).
+    Not available in this build: true is rejected at start-up."""
 
     last_save_model_only: bool = True
     """At the last step save only the model, cast to `export_dtype`; otherwise a full checkpoint."""
 
     last_save_in_hf: bool = False
-    """Write the last step in Hugging Face safetensors format (needs `last_save_model_only`)."""
+    """Write the last step in Hugging Face safetensors format (needs `last_save_model_only`).
+    Not available in this build: true is rejected at start-up."""
 
     export_dtype: ExportDtype = "float32"
     """Dtype of floating tensors in a model-only last-step save."""
