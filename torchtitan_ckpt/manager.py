@@ -26,7 +26,7 @@ from .config import BUILTIN_STATES, Checkpoint
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError, ConfigError
 from .group import CheckpointGroup
 from .schedule import SaveKind, save_kind
-from .staging import make_strategy
+from .staging import SaveJob, make_strategy
 from .states import DataLoaderState, LRSchedulerState, ModelState, OptimizerState
 
 logger = logging.getLogger(__name__)
@@ -155,10 +155,8 @@ class CheckpointManager:
         kind = save_kind(step, last_step, self.config)
         if kind is None:
             return False
-        path = layout.step_dir(self.folder, step)
-        start = time.perf_counter()
         state = self._state_for_save(kind)
-        self._saves.submit(state, lambda staged: self._persist(step, kind, path, staged, start))
+        self._saves.submit(state, self._save_job(step, kind))
         if last_step:
             self._saves.wait()
         return True
@@ -172,26 +170,37 @@ class CheckpointManager:
         """Return once the state handed to the last `save()` is safe to mutate. Staging copies
         inside `save()`, so this never blocks; it exists for loops written against TorchTitan."""
 
-    def _persist(self, step: int, kind: SaveKind, path: str, state: dict[str, Any], start: float) -> None:
-        """Write `state` as step `step` and commit it; on every rank, maybe in the background."""
-        self._on_coordinator(step, path, self._prepare_folder, path)
-        planner = storage.make_save_planner(self.config.dedup_policy, self.config.dedup_min_slice_bytes)
-        try:
-            dcp.save(state, storage_writer=storage.make_storage_writer(path),
-                     planner=planner, process_group=self._group.pg)
-        except (Exception, CheckpointException) as e:
-            raise CheckpointSaveError(step, path, storage.root_cause(e)) from None
-        states = ["model"] if kind is not SaveKind.FULL else ["model", *self._states]
-        info = commit.CommitInfo(step=step, states=states, world_size=self._group.world_size)
-        self._on_coordinator(step, path, commit.write_marker, path, info)
-        if self._group.is_coordinator:
-            secs = time.perf_counter() - start
-            gb = info.total_bytes / 1e9
-            logger.info("saved step %d (%s) to %s: %.3f GB in %.2f s, %.2f GB/s",
-                        step, kind.value, path, gb, secs, gb / max(secs, 1e-9))
-            logger.info("step %d %s", step, planner.summary_line())
-            self._deleter.submit(retention.steps_to_delete(layout.scan(self.folder),
-                                                           self.config.keep_latest_k))
+    def _save_job(self, step: int, kind: SaveKind) -> SaveJob:
+        """The phases of one save, which the staging strategy runs in order on every rank."""
+        path = layout.step_dir(self.folder, step)
+        start = time.perf_counter()
+        planner_args = (self.config.dedup_policy, self.config.dedup_min_slice_bytes)
+
+        def write(state: dict[str, Any]) -> str:
+            planner = storage.make_save_planner(*planner_args)
+            try:
+                dcp.save(state, storage_writer=storage.make_storage_writer(path),
+                         planner=planner, process_group=self._group.pg)
+            except (Exception, CheckpointException) as e:
+                raise CheckpointSaveError(step, path, storage.root_cause(e)) from None
+            return planner.summary_line() if self._group.is_coordinator else ""
+
+        def commit_step(write_summary: str) -> None:
+            states = ["model"] if kind is not SaveKind.FULL else ["model", *self._states]
+            info = commit.CommitInfo(step=step, states=states, world_size=self._group.world_size)
+            self._on_coordinator(step, path, commit.write_marker, path, info)
+            if self._group.is_coordinator:
+                secs = time.perf_counter() - start
+                gb = info.total_bytes / 1e9
+                logger.info("saved step %d (%s) to %s: %.3f GB in %.2f s, %.2f GB/s",
+                            step, kind.value, path, gb, secs, gb / max(secs, 1e-9))
+                logger.info("step %d %s", step, write_summary)
+                self._deleter.submit(retention.steps_to_delete(layout.scan(self.folder),
+                                                               self.config.keep_latest_k))
+
+        return SaveJob(step=step, path=path, planner_args=planner_args,
+                       prepare=lambda: self._on_coordinator(step, path, self._prepare_folder, path),
+                       write=write, commit=commit_step)
 
     def _state_for_save(self, kind: SaveKind) -> dict[str, Any]:
         """The state as of now: model tensors at the top level, every other state resolved to

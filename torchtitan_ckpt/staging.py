@@ -1,8 +1,8 @@
 """How a save overlaps training: one strategy per `async_mode`, picked once.
 
 A strategy receives the resolved state (plain nested dicts of tensors and values, taken at the
-step being saved) and a `persist` callable that writes and commits it. Synchronous saving calls it
-in place. The asynchronous strategies first *stage* the state, i.e. copy every tensor into CPU
+step being saved) and a `SaveJob`: the phases that prepare the step folder, write the state
+through DCP and commit the step. Synchronous saving runs them in place. The asynchronous strategies first *stage* the state, i.e. copy every tensor into CPU
 memory the training loop never touches, so `save()` can return while the copy is written in the
 background; training may then update weights and optimizer state in place without changing what
 is written (CPU tensors are copied too: aliasing them is how async DCP once wrote wrong data).
@@ -17,6 +17,7 @@ import copy
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,14 +25,32 @@ from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
-Persist = Callable[[dict[str, Any]], None]
+@dataclass(frozen=True)
+class SaveJob:
+    """One save, as phases that every rank runs in this order. Each raises `CheckpointSaveError`
+    (naming the step) on any rank's failure, on every rank."""
+
+    step: int
+    path: str
+    planner_args: tuple
+    """Arguments of `storage.make_save_planner` for this save (the dedup policy)."""
+    prepare: Callable[[], None]
+    """Create the step folder (replacing a partial leftover)."""
+    write: Callable[[dict[str, Any]], str]
+    """Write the state with `dcp.save` in this process; returns the dedup summary line (rank 0)."""
+    commit: Callable[[str], None]
+    """Make the step visible (the commit marker), log it with the summary line, apply retention."""
+
+    def run(self, state: dict[str, Any]) -> None:
+        self.prepare()
+        self.commit(self.write(state))
 
 
 class SynchronousSaves:
     """`async_mode = "disabled"`: the training loop waits until the step is committed."""
 
-    def submit(self, state: dict[str, Any], persist: Persist) -> None:
-        persist(state)
+    def submit(self, state: dict[str, Any], job: SaveJob) -> None:
+        job.run(state)
 
     def in_flight(self) -> bool:
         return False
@@ -103,10 +122,10 @@ class BackgroundSaves:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
         self._pending: Future | None = None
 
-    def submit(self, state: dict[str, Any], persist: Persist) -> None:
+    def submit(self, state: dict[str, Any], job: SaveJob) -> None:
         self.wait()
         staged = self.stager.stage(state)
-        self._pending = self._pool.submit(persist, staged)
+        self._pending = self._pool.submit(job.run, staged)
 
     def in_flight(self) -> bool:
         """True while a background save is still being written or committed."""
