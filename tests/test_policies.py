@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import zlib
+
+import pytest
 
 from torchtitan_ckpt import commit, layout
 from torchtitan_ckpt.config import Checkpoint
@@ -66,9 +69,22 @@ def test_marker_records_a_manifest(tmp_path):
     (tmp_path / "a.distcp").write_bytes(b"x" * 10)
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b").write_bytes(b"y" * 3)
-    info = commit.write_marker(str(tmp_path), commit.CommitInfo(step=5, states=["model", "optimizer"]))
-    assert info.files == {"a.distcp": 10, os.path.join("sub", "b"): 3}
+    # a.distcp's checksum comes from its writer; sub/b is read once
+    info = commit.write_marker(str(tmp_path), commit.CommitInfo(step=5, states=["model", "optimizer"]),
+                               {"a.distcp": (10, "0000abcd")})
+    assert info.files == {"a.distcp": {"size": 10, "crc32": "0000abcd"},
+                          os.path.join("sub", "b"): {"size": 3, "crc32": f"{zlib.crc32(b'yyy'):08x}"}}
     again = commit.read_marker(str(tmp_path))
     assert again == info and again.total_bytes == 13 and not again.model_only
+    # verify() recomputes: the writer's (made-up) checksum for a.distcp does not match the bytes
+    assert commit.verify(str(tmp_path)) == [f"{tmp_path}/a.distcp: CRC-32 {zlib.crc32(b'x' * 10):08x}, "
+                                            "the manifest says 0000abcd"]
     commit.uncommit(str(tmp_path))
+    assert not commit.is_committed(str(tmp_path))
+
+
+def test_marker_refuses_a_file_whose_size_changed_after_writing(tmp_path):
+    (tmp_path / "a.distcp").write_bytes(b"x" * 10)
+    with pytest.raises(OSError, match="a.distcp has 10 bytes on disk, its writer wrote 12"):
+        commit.write_marker(str(tmp_path), commit.CommitInfo(step=5, states=["model"]), {"a.distcp": (12, "0")})
     assert not commit.is_committed(str(tmp_path))

@@ -2,12 +2,15 @@
 
     torchtitan-ckpt list DIR          every step folder, complete or not, its size and contents
     torchtitan-ckpt inspect STEP_DIR  the states, tensors, dtypes, shapes and bytes of one step
+    torchtitan-ckpt verify STEP_DIR   check every file against the sizes and CRC-32s of its commit
+    torchtitan-ckpt clean DIR         remove the partial step folders crashed saves left behind
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from collections import defaultdict
 
@@ -77,6 +80,33 @@ def cmd_inspect(path: str) -> int:
     return 0
 
 
+def cmd_verify(path: str, threads: int) -> int:
+    if not commit.is_committed(path):
+        print(f"error: {path} has no {commit.MARKER}: not a complete step", file=sys.stderr)
+        return 2
+    info = commit.read_marker(path)
+    problems = commit.verify(path, threads=threads)
+    for problem in problems:
+        print(f"CORRUPT {problem}")
+    if problems:
+        return 1
+    print(f"{path}: {len(info.files)} files, {_fmt_bytes(info.total_bytes)}, all intact")
+    return 0
+
+
+def cmd_clean(folder: str) -> int:
+    """Run it while no job writes to `folder`: a save in flight looks partial too."""
+    if not os.path.isdir(folder):
+        print(f"error: {folder} is not a folder", file=sys.stderr)
+        return 2
+    partial = [s for s in layout.scan(folder) if not s.committed]
+    for s in partial:
+        shutil.rmtree(s.path)
+        print(f"removed {s.path} (partial)")
+    print(f"{len(partial)} partial step folder(s) removed")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="torchtitan-ckpt", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,11 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("folder")
     p = sub.add_parser("inspect", help="show what one step folder holds")
     p.add_argument("step_dir")
+    p = sub.add_parser("verify", help="check a step's files against its commit manifest")
+    p.add_argument("step_dir")
+    p.add_argument("--threads", type=int, default=4, help="files checked at once")
+    p = sub.add_parser("clean", help="remove partial step folders (run while no job is saving)")
+    p.add_argument("folder")
     args = parser.parse_args(argv)
+    commands = {
+        "list": lambda: cmd_list(args.folder),
+        "inspect": lambda: cmd_inspect(args.step_dir),
+        "verify": lambda: cmd_verify(args.step_dir, args.threads),
+        "clean": lambda: cmd_clean(args.folder),
+    }
     try:
-        if args.command == "list":
-            return cmd_list(args.folder)
-        return cmd_inspect(args.step_dir)
+        return commands[args.command]()
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@ A step folder is complete exactly when it holds the commit marker `COMMITTED.jso
 by one rank, after every rank has finished writing and every data file has been fsynced. The
 marker is written to a temporary name, fsynced and renamed into place, and the folder is fsynced,
 so it is either absent or whole. It records what the step holds (`states`, `format`) and a
-manifest of every file with its size; `load()` trusts only folders that have it.
+manifest of every file with its size and CRC-32 (computed by the writers as they wrote);
+`load()` trusts only folders that have it, and `verify()` checks the files against it.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from __future__ import annotations
 import json
 import os
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from .errors import CorruptCheckpointError
 
 MARKER = "COMMITTED.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_CHUNK = 8 << 20
 
 
 @dataclass
@@ -27,14 +31,14 @@ class CommitInfo:
     """Top-level state names in the checkpoint, e.g. ["model", "optimizer", ...]."""
     format: str = "dcp"
     world_size: int = 1
-    files: dict[str, int] = field(default_factory=dict)
-    """Relative file path -> size in bytes, for every file of the step except the marker."""
+    files: dict[str, dict] = field(default_factory=dict)
+    """Relative file path -> {"size": bytes, "crc32": hex}, for every file but the marker."""
     created: float = 0.0
     version: int = FORMAT_VERSION
 
     @property
     def total_bytes(self) -> int:
-        return sum(self.files.values())
+        return sum(entry["size"] for entry in self.files.values())
 
     @property
     def model_only(self) -> bool:
@@ -64,10 +68,18 @@ def uncommit(path: str) -> None:
         _fsync_dir(path)
 
 
-def write_marker(path: str, info: CommitInfo) -> CommitInfo:
-    """Fsync every file of the step, then atomically write the marker. Returns the info with
-    its file manifest and time filled in."""
-    info.files = _manifest(path)
+def write_marker(path: str, info: CommitInfo,
+                 checksums: dict[str, tuple[int, str]] | None = None) -> CommitInfo:
+    """Fsync every file of the step, then atomically write the marker. `checksums` holds
+    (size, crc32) of the files as their writers computed them; a file missing from it (written
+    by a writer that does not checksum) is read once to compute its CRC. A file whose size on
+    disk differs from what its writer wrote fails the commit. Returns the completed info."""
+    info.files = {}
+    for rel, size in _manifest(path).items():
+        written = (checksums or {}).get(rel)
+        if written is not None and written[0] != size:
+            raise OSError(f"{os.path.join(path, rel)} has {size} bytes on disk, its writer wrote {written[0]}")
+        info.files[rel] = {"size": size, "crc32": written[1] if written else file_crc32(os.path.join(path, rel))}
     info.created = time.time()
     for rel in info.files:
         _fsync_file(os.path.join(path, rel))
@@ -79,6 +91,37 @@ def write_marker(path: str, info: CommitInfo) -> CommitInfo:
     os.replace(tmp, os.path.join(path, MARKER))
     _fsync_dir(path)
     return info
+
+
+def file_crc32(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _check_file(path: str, rel: str, entry: dict) -> str | None:
+    full = os.path.join(path, rel)
+    if not os.path.isfile(full):
+        return f"{full}: missing"
+    size = os.path.getsize(full)
+    if size != entry["size"]:
+        return f"{full}: {size} bytes, the manifest says {entry['size']}"
+    crc = file_crc32(full)
+    if crc != entry["crc32"]:
+        return f"{full}: CRC-32 {crc}, the manifest says {entry['crc32']}"
+    return None
+
+
+def verify(path: str, files: list[str] | None = None, threads: int = 4) -> list[str]:
+    """Check a committed step's files (all, or those named) against its manifest, several files
+    at a time. Returns one message per problem; empty when the step is intact."""
+    info = read_marker(path)
+    names = sorted(info.files) if files is None else files
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        found = pool.map(lambda rel: _check_file(path, rel, info.files[rel]), names)
+        return [problem for problem in found if problem is not None]
 
 
 def _manifest(path: str) -> dict[str, int]:

@@ -162,6 +162,14 @@ class Checkpoint:
     load_only: bool = False
     """Load checkpoints but never save any."""
 
+    verify_on_load: bool = False
+    """Before loading a step, check its files against the sizes and CRC-32s recorded when they
+    were written (each rank checks a share of the files)."""
+
+    verify_fallback: bool = True
+    """With `verify_on_load` and `load_step = -1`: a newest step that fails the check is reported
+    and the newest intact step is loaded instead. False raises `CorruptCheckpointError`."""
+
     dedup_policy: DedupPolicy = "balanced"
     """Which rank writes a tensor replicated on several ranks: `balanced` (fewest bytes in the end),
     `lowest_rank` (a loader opens fewest files) or `replica_slices` (each replica writes a slice)."""

@@ -26,8 +26,8 @@ class CorruptCheckpointError(CheckpointError):
 class CheckpointSaveError(CheckpointError):
     """A save failed; the step it was writing is left incomplete and is never loaded."""
 
-    def __init__(self, step: int, path: str, cause: BaseException):
+    def __init__(self, step: int, path: str, cause: BaseException, hint: str = ""):
         self.step = step
         self.path = path
         self.cause = cause
-        super().__init__(f"saving step {step} to {path} failed: {type(cause).__name__}: {cause}")
+        super().__init__(f"saving step {step} to {path} failed: {type(cause).__name__}: {cause}{hint}")

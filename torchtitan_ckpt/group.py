@@ -33,15 +33,18 @@ class CheckpointGroup:
         if self.pg is not None:
             dist.barrier(group=self.pg)
 
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if self.pg is None:
+            return [obj]
+        found = [None] * self.world_size
+        dist.all_gather_object(found, obj, group=self.pg)
+        return found
+
     def gather_errors(self, error: BaseException | None) -> list[tuple[int, str]]:
         """Every rank's failure, as (rank, message), known to every rank."""
         mine = None if error is None else f"{type(error).__name__}: {error}"
-        if self.pg is None:
-            found = [mine]
-        else:
-            found = [None] * self.world_size
-            dist.all_gather_object(found, mine, group=self.pg)
-        return [(r, msg) for r, msg in enumerate(found) if msg is not None]
+        return [(r, msg) for r, msg in enumerate(self.all_gather(mine)) if msg is not None]
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""

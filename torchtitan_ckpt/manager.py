@@ -23,7 +23,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from . import commit, layout, retention, storage
 from .config import BUILTIN_STATES, Checkpoint
-from .errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError, ConfigError
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    ConfigError,
+    CorruptCheckpointError,
+)
 from .group import CheckpointGroup
 from .schedule import SaveKind, save_kind
 from .staging import SaveJob, make_strategy
@@ -176,25 +182,29 @@ class CheckpointManager:
         start = time.perf_counter()
         planner_args = (self.config.dedup_policy, self.config.dedup_min_slice_bytes)
 
-        def write(state: dict[str, Any]) -> str:
+        def write(state: dict[str, Any]) -> tuple[dict[str, tuple[int, str]], str]:
             planner = storage.make_save_planner(*planner_args)
+            writer = storage.make_storage_writer(path)
             try:
-                dcp.save(state, storage_writer=storage.make_storage_writer(path),
-                         planner=planner, process_group=self._group.pg)
+                dcp.save(state, storage_writer=writer, planner=planner, process_group=self._group.pg)
             except (Exception, CheckpointException) as e:
-                raise CheckpointSaveError(step, path, storage.root_cause(e)) from None
-            return planner.summary_line() if self._group.is_coordinator else ""
+                raise CheckpointSaveError(step, path, storage.root_cause(e), _space_hint(path)) from None
+            summary = planner.summary_line() if self._group.is_coordinator else ""
+            return writer.fs.checksums, summary
 
-        def commit_step(write_summary: str) -> None:
+        def commit_step(written: tuple[dict[str, tuple[int, str]], str]) -> None:
+            checksums: dict[str, tuple[int, str]] = {}
+            for ranks_files, _ in self._group.all_gather(written):
+                checksums.update(ranks_files)
             states = ["model"] if kind is not SaveKind.FULL else ["model", *self._states]
             info = commit.CommitInfo(step=step, states=states, world_size=self._group.world_size)
-            self._on_coordinator(step, path, commit.write_marker, path, info)
+            self._on_coordinator(step, path, commit.write_marker, path, info, checksums)
             if self._group.is_coordinator:
                 secs = time.perf_counter() - start
                 gb = info.total_bytes / 1e9
                 logger.info("saved step %d (%s) to %s: %.3f GB in %.2f s, %.2f GB/s",
                             step, kind.value, path, gb, secs, gb / max(secs, 1e-9))
-                logger.info("step %d %s", step, write_summary)
+                logger.info("step %d %s", step, written[1])
                 self._deleter.submit(retention.steps_to_delete(layout.scan(self.folder),
                                                                self.config.keep_latest_k))
 
@@ -272,12 +282,21 @@ class CheckpointManager:
         for f in folders:
             if not f.committed and f.step > newest_step and self._group.is_coordinator:
                 logger.warning("ignoring %s: its save did not finish (no %s)", f.path, commit.MARKER)
-        if committed:
-            newest = committed[-1]
+        for newest in reversed(committed):
+            problems = self._verify(newest.path)
+            if problems and self.config.verify_fallback:
+                if self._group.is_coordinator:
+                    logger.error("step %d is corrupt, trying the previous complete step: %s",
+                                 newest.step, "; ".join(problems))
+                continue
+            if problems:
+                raise CorruptCheckpointError(f"step {newest.step} failed verification: {'; '.join(problems)}")
             if self.config.initial_load_path:
                 logger.info("%s has complete steps; ignoring initial_load_path", self.folder)
             info = commit.read_marker(newest.path)
             return self._target(newest.path, newest.step, info.model_only)
+        if committed:
+            raise CorruptCheckpointError(f"every complete step in {self.folder} failed verification")
         if self.config.initial_load_path:
             path = self.config.initial_load_path
             model_only = self.config.initial_load_model_only
@@ -299,7 +318,18 @@ class CheckpointManager:
             raise CheckpointNotFoundError(
                 f"checkpoint.load_step = {step}: {path} is incomplete (no {commit.MARKER}; its save "
                 f"did not finish); complete steps: {complete}")
+        if problems := self._verify(path):
+            raise CorruptCheckpointError(f"step {step} failed verification: {'; '.join(problems)}")
         return self._target(path, step, commit.read_marker(path).model_only)
+
+    def _verify(self, path: str) -> list[str]:
+        """With `verify_on_load`: every rank checks its share of the step's files; every rank
+        gets every problem found. Without it: nothing to report."""
+        if not self.config.verify_on_load:
+            return []
+        names = sorted(commit.read_marker(path).files)
+        mine = names[self._group.rank :: self._group.world_size]
+        return [p for found in self._group.all_gather(commit.verify(path, mine)) for p in found]
 
     def _target(self, path: str, step: int | None, model_only: bool) -> _LoadTarget:
         metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
@@ -341,3 +371,12 @@ class CheckpointManager:
         loader.expect_load(md.size[0])
         return True
 
+
+def _space_hint(path: str) -> str:
+    """A full disk often surfaces as an odd error from deep inside a writer; say so plainly."""
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return ""
+    free = stat.f_bavail * stat.f_frsize
+    return f" (the file system holding it is full: {free} bytes free)" if free < (1 << 20) else ""

@@ -36,10 +36,11 @@ class SaveJob:
     """Arguments of `storage.make_save_planner` for this save (the dedup policy)."""
     prepare: Callable[[], None]
     """Create the step folder (replacing a partial leftover)."""
-    write: Callable[[dict[str, Any]], str]
-    """Write the state with `dcp.save` in this process; returns the dedup summary line (rank 0)."""
-    commit: Callable[[str], None]
-    """Make the step visible (the commit marker), log it with the summary line, apply retention."""
+    write: Callable[[dict[str, Any]], Any]
+    """Write the state with `dcp.save` in this process; returns what `commit` needs (the files
+    this rank wrote with their checksums, the dedup summary)."""
+    commit: Callable[[Any], None]
+    """Make the step visible (the commit marker), log it, apply retention."""
 
     def run(self, state: dict[str, Any]) -> None:
         self.prepare()

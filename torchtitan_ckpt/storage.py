@@ -9,11 +9,18 @@ non-tensor values with `torch.load(weights_only=True)` (DCP itself uses `weights
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import threading
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -126,9 +133,76 @@ def root_cause(error: BaseException) -> BaseException:
     return error
 
 
+class _ChecksummedStream:
+    """A write-only file that computes the CRC-32 of what passes through it."""
+
+    def __init__(self, f):
+        self._f = f
+        self.crc = 0
+        self.size = 0
+
+    def write(self, data) -> int:
+        n = self._f.write(data)
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view[:n], self.crc)
+        self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def writable(self) -> bool:
+        return True
+
+
+class ChecksummingFileSystem(FileSystem):
+    """DCP's local file system, recording the size and CRC-32 of every file written through it,
+    as it is written (no second read). `checksums` maps a path relative to `root` to
+    (size, crc32 hex)."""
+
+    def __init__(self, root: str):
+        super().__init__()
+        self.root = os.path.abspath(root)
+        self.checksums: dict[str, tuple[int, str]] = {}
+        self._lock = threading.Lock()
+
+    def _rel(self, path) -> str:
+        return os.path.relpath(os.path.abspath(path), self.root)
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, mode) as f:
+            stream = _ChecksummedStream(f)
+            yield stream
+        with self._lock:
+            self.checksums[self._rel(path)] = (stream.size, f"{stream.crc:08x}")
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            if (entry := self.checksums.pop(self._rel(path), None)) is not None:
+                self.checksums[self._rel(new_path)] = entry
+
+
 def make_storage_writer(path: str) -> FileSystemWriter:
-    """Writer of a DCP step folder. `sync_files` keeps data durable before the commit marker."""
-    return FileSystemWriter(path, sync_files=True, single_file_per_rank=True)
+    """Writer of a DCP step folder. `sync_files` keeps data durable before the commit marker;
+    its file system records each file's checksum while writing (`writer.fs.checksums`)."""
+    writer = FileSystemWriter(path, sync_files=True, single_file_per_rank=True)
+    writer.fs = ChecksummingFileSystem(path)
+    return writer
 
 
 def make_storage_reader(path: str) -> SafeFileSystemReader:

@@ -1,0 +1,112 @@
+"""Integrity: checksums recorded while writing, `verify`, `verify_on_load`, `clean`, a full disk."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import zlib
+
+import pytest
+
+from torchtitan_ckpt import CheckpointSaveError, CorruptCheckpointError, cli, commit, layout
+
+from .jobs import make_job
+
+
+def _saved(tmp_path, steps=4, **kw) -> str:
+    job = make_job(str(tmp_path), steps=steps, interval=2, keep_latest_k=0, **kw)
+    job.run_to(steps, steps=steps)
+    job.manager.close()
+    return os.path.join(tmp_path, "checkpoint")
+
+
+def _flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_manifest_checksums_are_those_of_the_bytes_on_disk(tmp_path):
+    step2 = layout.step_dir(_saved(tmp_path), 2)
+    info = commit.read_marker(step2)
+    assert set(info.files) == {".metadata", "__0_0.distcp"}
+    for rel, entry in info.files.items():
+        with open(os.path.join(step2, rel), "rb") as f:
+            data = f.read()
+        assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    assert commit.verify(step2) == []
+
+
+@pytest.mark.parametrize("victim", [".metadata", "__0_0.distcp"])
+def test_one_flipped_byte_in_any_file_is_found(tmp_path, capsys, victim):
+    folder = _saved(tmp_path)
+    step4 = layout.step_dir(folder, 4)
+    size = os.path.getsize(os.path.join(step4, victim))
+    for offset in (0, size // 2, size - 1):
+        _flip_byte(os.path.join(step4, victim), offset)
+        assert cli.main(["verify", step4]) == 1
+        assert f"CORRUPT {step4}/{victim}: CRC-32" in capsys.readouterr().out
+        _flip_byte(os.path.join(step4, victim), offset)  # restore
+    assert cli.main(["verify", step4]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{step4}: 2 files, ") and out.rstrip().endswith("all intact")
+
+
+def test_verify_on_load_falls_back_to_the_newest_intact_step(tmp_path, caplog):
+    folder = _saved(tmp_path, steps=6, last_save_model_only=False)
+    _flip_byte(os.path.join(layout.step_dir(folder, 6), "__0_0.distcp"), 100)
+    job = make_job(str(tmp_path), steps=6, verify_on_load=True)
+    assert job.manager.load()
+    assert job.train_state.step == 4
+    assert "step 6 is corrupt" in caplog.text
+    job.manager.close()
+    strict = make_job(str(tmp_path), steps=6, verify_on_load=True, verify_fallback=False)
+    with pytest.raises(CorruptCheckpointError, match=r"step 6 failed verification: .*step-6/__0_0.distcp: CRC-32"):
+        strict.manager.load()
+    chosen = make_job(str(tmp_path), steps=6, verify_on_load=True, load_step=6)
+    with pytest.raises(CorruptCheckpointError, match="step 6 failed verification"):
+        chosen.manager.load()
+    # without verify_on_load the truncated-but-valid-looking file is not read through the check
+    os.truncate(os.path.join(layout.step_dir(folder, 6), ".metadata"), 10)
+    with pytest.raises(CorruptCheckpointError):
+        make_job(str(tmp_path), steps=6).manager.load()
+
+
+def test_clean_removes_partial_folders(tmp_path, capsys):
+    folder = _saved(tmp_path)
+    shutil.copytree(layout.step_dir(folder, 2), layout.step_dir(folder, 9))
+    commit.uncommit(layout.step_dir(folder, 9))
+    assert cli.main(["clean", folder]) == 0
+    assert "1 partial step folder(s) removed" in capsys.readouterr().out
+    assert [(s.step, s.committed) for s in layout.scan(folder)] == [(2, True), (4, True)]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 3 MB file system (tmpfs): saves into it run out of space."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield str(mnt)
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_step(tiny_disk):
+    job = make_job(tiny_disk, steps=10, interval=1, keep_latest_k=0, last_save_model_only=False)
+    job.step()
+    job.manager.save(1)  # ~2.1 MB: fits
+    job.step()
+    with pytest.raises(CheckpointSaveError, match=r"saving step 2 to .*step-2 failed: .*file system holding it is full"):
+        job.manager.save(2)
+    folder = os.path.join(tiny_disk, "checkpoint")
+    assert layout.committed_steps(folder) == [1]
+    assert commit.verify(layout.step_dir(folder, 1)) == []
+    job.manager.close()
+    fresh = make_job(tiny_disk, steps=10)
+    assert fresh.manager.load() and fresh.train_state.step == 1
+    fresh.manager.close()
