@@ -17,6 +17,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+from . import faults
 from .errors import CorruptCheckpointError
 
 MARKER = "COMMITTED.json"
@@ -88,6 +89,7 @@ def write_marker(path: str, info: CommitInfo,
         json.dump(asdict(info), f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
+    faults.hit("commit", info.step)
     os.replace(tmp, os.path.join(path, MARKER))
     _fsync_dir(path)
     return info

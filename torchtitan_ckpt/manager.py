@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import commit, layout, retention, storage
+from . import commit, faults, layout, retention, storage
 from .config import BUILTIN_STATES, Checkpoint
 from .errors import (
     CheckpointError,
@@ -189,6 +189,7 @@ class CheckpointManager:
                 dcp.save(state, storage_writer=writer, planner=planner, process_group=self._group.pg)
             except (Exception, CheckpointException) as e:
                 raise CheckpointSaveError(step, path, storage.root_cause(e), _space_hint(path)) from None
+            faults.hit("written", step)
             summary = planner.summary_line() if self._group.is_coordinator else ""
             return writer.fs.checksums, summary
 
@@ -209,7 +210,7 @@ class CheckpointManager:
                                                                self.config.keep_latest_k))
 
         return SaveJob(step=step, path=path, planner_args=planner_args,
-                       prepare=lambda: self._on_coordinator(step, path, self._prepare_folder, path),
+                       prepare=lambda: self._on_coordinator(step, path, self._prepare_folder, path, step),
                        write=write, commit=commit_step)
 
     def _state_for_save(self, kind: SaveKind) -> dict[str, Any]:
@@ -223,12 +224,12 @@ class CheckpointManager:
             return model_sd
         return {**model_sd, **{name: s.state_dict() for name, s in self._states.items()}}
 
-    @staticmethod
-    def _prepare_folder(path: str) -> None:
+    def _prepare_folder(self, path: str, step: int) -> None:
         if os.path.exists(path):  # a partial leftover, or a step saved again: it is replaced
             commit.uncommit(path)
             shutil.rmtree(path)
         os.makedirs(path)
+        faults.hit("prepare", step)
 
     def _on_coordinator(self, step: int, path: str, fn, *args) -> None:
         """Run `fn` on rank 0 and make its failure every rank's failure."""

@@ -7,7 +7,7 @@ import queue
 import shutil
 import threading
 
-from . import commit
+from . import commit, faults
 from .layout import StepFolder
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class BackgroundDeleter:
         while (folder := self._queue.get()) is not None:
             try:
                 commit.uncommit(folder.path)  # a half-deleted folder must read as partial
+                faults.hit("purge", folder.step)
                 shutil.rmtree(folder.path)
                 logger.info("deleted old checkpoint step %d (%s)", folder.step, folder.path)
             except OSError as e:

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from . import faults
+
 logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class BackgroundSaves:
     def submit(self, state: dict[str, Any], job: SaveJob) -> None:
         self.wait()
         staged = self.stager.stage(state)
+        faults.hit("staging", job.step)
         self._pending = self._pool.submit(job.run, staged)
 
     def in_flight(self) -> bool:

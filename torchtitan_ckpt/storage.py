@@ -27,7 +27,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from .dedup import DedupSavePlanner
+from . import faults
 from .errors import CorruptCheckpointError
+from .layout import parse_step
 
 METADATA_FILE = ".metadata"
 
@@ -136,16 +138,21 @@ def root_cause(error: BaseException) -> BaseException:
 class _ChecksummedStream:
     """A write-only file that computes the CRC-32 of what passes through it."""
 
-    def __init__(self, f):
+    def __init__(self, f, on_first_write):
         self._f = f
         self.crc = 0
         self.size = 0
+        self._on_first_write = on_first_write
 
     def write(self, data) -> int:
         n = self._f.write(data)
         view = memoryview(data).cast("B")
         self.crc = zlib.crc32(view[:n], self.crc)
         self.size += n
+        if self._on_first_write is not None:
+            self._f.flush()
+            self._on_first_write, hook = None, self._on_first_write
+            hook()
         return n
 
     def tell(self) -> int:
@@ -185,10 +192,17 @@ class ChecksummingFileSystem(FileSystem):
                 yield stream
             return
         with open(path, mode) as f:
-            stream = _ChecksummedStream(f)
+            stream = _ChecksummedStream(f, self._fault_hook(path))
             yield stream
         with self._lock:
             self.checksums[self._rel(path)] = (stream.size, f"{stream.crc:08x}")
+
+    def _fault_hook(self, path):
+        """The `write` fail point fires after the first write into a data file of a step."""
+        step = parse_step(os.path.basename(self.root))
+        if not faults.armed() or step is None or not str(path).endswith(".distcp"):
+            return None
+        return lambda: faults.hit("write", step)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)

@@ -1,0 +1,50 @@
+"""Crash safety: SIGKILL at chosen moments of a save, restart, and finish bit-identical.
+
+The long run (dozens of kills over every phase) is `benchmarks/faults.py`; these are its fast cases.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from torchtitan_ckpt import commit, faults, layout
+
+from .helpers import assert_same, losses, read_checkpoint, run_job
+
+pytestmark = pytest.mark.multirank
+
+JOB = ("--checkpoint.last_save_model_only", "false", "--checkpoint.export_dtype", "float32",
+       "--checkpoint.keep_latest_k", "2")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    dump = str(tmp_path_factory.mktemp("straight"))
+    log = run_job(dump, *JOB, nproc=2)
+    return {"losses": losses(log), "final": read_checkpoint(layout.step_dir(os.path.join(dump, "checkpoint"), 20))}
+
+
+@pytest.mark.parametrize("failpoint, partial_files", [
+    ("write@10:1", {"__1_0.distcp"}),                      # rank 1 dies with its data half written
+    ("commit@15", {commit.MARKER + ".tmp", ".metadata"}),  # every rank dies before the marker's rename
+])
+def test_kill_during_a_save_then_resume_is_bit_identical(tmp_path, uninterrupted, failpoint, partial_files):
+    dump = str(tmp_path)
+    folder = os.path.join(dump, "checkpoint")
+    run_job(dump, *JOB, nproc=2, env={faults.ENV: failpoint}, expect_ok=False)
+    step = int(failpoint.split("@")[1].split(":")[0])
+    before = {s.step: s.committed for s in layout.scan(folder)}
+    assert before[step] is False  # the step being saved is visibly partial ...
+    assert partial_files <= set(os.listdir(layout.step_dir(folder, step)))
+    previous = max(s for s, ok in before.items() if ok)  # ... and the previous one is intact
+    assert previous == step - 5 and commit.verify(layout.step_dir(folder, previous)) == []
+
+    log = run_job(dump, *JOB, nproc=2)
+    assert f"ignoring {layout.step_dir(folder, step)}: its save did not finish" in log
+    assert f"loaded {layout.step_dir(folder, previous)}" in log
+    resumed = losses(log)
+    assert resumed == {s: v for s, v in uninterrupted["losses"].items() if s > previous}
+    assert_same(read_checkpoint(layout.step_dir(folder, 20)), uninterrupted["final"])
+    assert layout.committed_steps(folder) == [15, 20]  # retention removed the partial step too

@@ -1,0 +1,48 @@
+"""Fail points: SIGKILL this process at a chosen moment of a save, to test crash safety.
+
+Set `TORCHTITAN_CKPT_FAILPOINT=PHASE@STEP` (every rank) or `PHASE@STEP:RANK` (one rank) before
+starting a job. The process kills itself, without any cleanup, the first time it reaches PHASE
+while saving (or, for `purge`, deleting) step STEP:
+
+- `staging`: an async save has copied the state, nothing is written yet;
+- `prepare`: the step folder exists and is empty;
+- `write`: a data file is half written;
+- `written`: every data file and DCP's `.metadata` are on disk, the commit marker is not;
+- `commit`: the marker's temporary file is written, not yet renamed into place;
+- `purge`: the old step's marker is removed, its files are not.
+
+Unset (the normal case), `hit()` is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "TORCHTITAN_CKPT_FAILPOINT"
+PHASES = ("staging", "prepare", "write", "written", "commit", "purge")
+
+
+def _parse(spec: str) -> tuple[str, int, int | None]:
+    phase, _, rest = spec.partition("@")
+    step, _, rank = rest.partition(":")
+    if phase not in PHASES or not step.isdigit() or (rank and not rank.isdigit()):
+        raise ValueError(f"{ENV}={spec!r}: expected PHASE@STEP or PHASE@STEP:RANK, PHASE one of "
+                         f"{', '.join(PHASES)}")
+    return phase, int(step), int(rank) if rank else None
+
+
+def armed() -> bool:
+    """True when a fail point is set for this process."""
+    return bool(os.environ.get(ENV))
+
+
+def hit(phase: str, step: int) -> None:
+    """Kill this process if the fail point names this phase and step (and this rank)."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    want_phase, want_step, want_rank = _parse(spec)
+    rank = int(os.environ.get("RANK", "0"))
+    if want_phase == phase and want_step == step and want_rank in (None, rank):
+        os.kill(os.getpid(), signal.SIGKILL)
