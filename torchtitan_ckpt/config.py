@@ -244,7 +244,7 @@ def _read_toml(path: str) -> dict[str, Any]:
     with open(path, "rb") as f:
         try:
             return tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError("--config", path, f"is not valid TOML: {e}") from e
 
 

@@ -1,0 +1,124 @@
+"""Property-based bad input: random and mutated TOML, overrides, commit markers and DCP metadata
+end in our own error with a message, never an unrelated traceback or a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torchtitan_ckpt import CheckpointError, ConfigError, commit, load_job_config, storage
+from torchtitan_ckpt.config import sections
+
+from .helpers import DEBUG_CONFIG
+
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+with open(DEBUG_CONFIG, "rb") as f:
+    TOML = f.read()
+
+KEYS = [f"{name}.{key}" for name, cls in sections().items() for key in cls.__dataclass_fields__]
+VALUES = st.one_of(st.text(max_size=12), st.integers(-3, 10**6).map(str), st.sampled_from(
+    ["true", "false", "-1", "0", "1e9", "none", "", "a,b", "model", "nan", "inf"]))
+
+
+def _mutate(data: bytes, edits: list[tuple[int, int]]) -> bytes:
+    out = bytearray(data)
+    for pos, byte in edits:
+        out[pos % len(out)] = byte
+    return bytes(out)
+
+
+@FAST
+@given(st.lists(st.tuples(st.integers(0, len(TOML) - 1), st.integers(0, 255)), min_size=1, max_size=8))
+def test_mutated_toml_is_loaded_or_refused_with_a_config_error(tmp_path, edits):
+    path = tmp_path / "job.toml"
+    path.write_bytes(_mutate(TOML, edits))
+    try:
+        load_job_config(path)
+    except ConfigError as e:
+        assert str(e)
+
+
+@FAST
+@given(st.lists(st.tuples(st.sampled_from(KEYS + ["checkpoint.nope", "nope.x"]), VALUES), max_size=4))
+def test_random_overrides_are_accepted_or_refused_naming_the_key(pairs):
+    argv = [a for key, value in pairs for a in (f"--{key}", value)]
+    try:
+        load_job_config(DEBUG_CONFIG, argv)
+    except ConfigError as e:
+        assert e.key and str(e).startswith(e.key)
+
+
+@FAST
+@given(st.binary(max_size=400))
+def test_random_bytes_as_a_commit_marker(tmp_path, data):
+    (tmp_path / commit.MARKER).write_bytes(data)
+    try:
+        info = commit.read_marker(str(tmp_path))
+    except CheckpointError as e:
+        assert commit.MARKER in str(e)
+    else:
+        assert isinstance(info, commit.CommitInfo)
+
+
+@FAST
+@given(st.dictionaries(st.sampled_from(["step", "states", "files", "format", "world_size", "x"]),
+                       st.one_of(st.integers(), st.text(max_size=5), st.lists(st.integers(), max_size=2))))
+def test_json_markers_of_the_wrong_shape(tmp_path, raw):
+    (tmp_path / commit.MARKER).write_text(json.dumps(raw))
+    try:
+        commit.read_marker(str(tmp_path))
+    except CheckpointError as e:
+        assert commit.MARKER in str(e)
+
+
+def _real_metadata(tmp_path_factory) -> bytes:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path_factory.mktemp("md"))
+    dcp.save({"w": torch.ones(3), "n": 1}, storage_writer=storage.make_storage_writer(path))
+    with open(os.path.join(path, storage.METADATA_FILE), "rb") as f:
+        return f.read()
+
+
+_METADATA: list[bytes] = []
+
+
+@FAST
+@given(edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6),
+       cut=st.integers(0, 10**6))
+def test_mutated_dcp_metadata_is_read_or_refused(tmp_path, tmp_path_factory, edits, cut):
+    if not _METADATA:
+        _METADATA.append(_real_metadata(tmp_path_factory))
+    data = _mutate(_METADATA[0], edits)[: max(1, cut % (len(_METADATA[0]) + 1))]
+    path = tmp_path / "m"
+    path.write_bytes(data)
+    try:
+        storage.read_metadata(str(path))
+    except CheckpointError as e:
+        assert str(path) in str(e)
+
+
+def test_pickled_code_in_metadata_never_runs(tmp_path):
+    evidence = tmp_path / "ran"
+    for payload in [(os.system, (f"touch {evidence}",)), (shutil.rmtree, (str(tmp_path / "x"),)),
+                    (eval, ("1",)), (pickle.loads, (b"",))]:
+        class Evil:
+            def __reduce__(self, payload=payload):
+                return payload
+
+        path = tmp_path / "md"
+        path.write_bytes(pickle.dumps(Evil()))
+        try:
+            storage.read_metadata(str(path))
+        except CheckpointError as e:
+            assert "refusing to load it" in str(e)
+        else:
+            raise AssertionError(f"{payload[0]} was accepted")
+    assert not evidence.exists()
