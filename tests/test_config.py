@@ -70,6 +70,7 @@ def _error(argv, path=None) -> ConfigError:
     (["--checkpoint.last_save_in_hf", "true"], "checkpoint.last_save_in_hf", "state-dict adapter"),
     (["--checkpoint.dedup_policy", "random"], "checkpoint.dedup_policy",
      "expected one of 'balanced', 'lowest_rank', 'replica_slices'"),
+    (["--checkpoint.collective_timeout_s", "0"], "checkpoint.collective_timeout_s", "expected > 0"),
     (["--checkpoint.dedup_min_slice_bytes", "0"], "checkpoint.dedup_min_slice_bytes", "expected >= 1"),
     (["--parallelism.data_parallel_replicate_degree", "0"], "parallelism.data_parallel_replicate_degree",
      "expected >= 1"),

@@ -110,3 +110,30 @@ def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_step(tiny_dis
     fresh = make_job(tiny_disk, steps=10)
     assert fresh.manager.load() and fresh.train_state.step == 1
     fresh.manager.close()
+
+
+def _rank_1_never_saves(rank: int, world_size: int, folder: str) -> None:
+    import time
+
+    import torch
+
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    config = Checkpoint(enable=True, interval=1, collective_timeout_s=3)
+    manager = CheckpointManager(config, [torch.nn.Linear(2, 2)], base_folder=folder)
+    if rank == 1:
+        time.sleep(12)  # alive but gone astray: it never joins the save
+        return
+    start = time.monotonic()
+    with pytest.raises(CheckpointSaveError, match="saving step 1"):
+        manager.save(1)
+    assert time.monotonic() - start < 10  # the timeout, not a hang
+    assert layout.committed_steps(os.path.join(folder, "checkpoint")) == []
+
+
+@pytest.mark.multirank
+def test_a_missing_rank_times_out_instead_of_hanging(tmp_path):
+    from .helpers import spawn
+
+    spawn(2, _rank_1_never_saves, str(tmp_path))

@@ -170,6 +170,10 @@ class Checkpoint:
     """With `verify_on_load` and `load_step = -1`: a newest step that fails the check is reported
     and the newest intact step is loaded instead. False raises `CorruptCheckpointError`."""
 
+    collective_timeout_s: float = 600.0
+    """Timeout of every collective on the checkpoint process group the manager creates: a rank
+    whose peer died raises instead of waiting forever."""
+
     dedup_policy: DedupPolicy = "balanced"
     """Which rank writes a tensor replicated on several ranks: `balanced` (fewest bytes in the end),
     `lowest_rank` (a loader opens fewest files) or `replica_slices` (each replica writes a slice)."""
@@ -397,6 +401,8 @@ def _validate_checkpoint(ck: Checkpoint) -> None:
     _at_least("checkpoint.keep_latest_k", ck.keep_latest_k, 0)
     _at_least("checkpoint.load_step", ck.load_step, -1)
     _at_least("checkpoint.dedup_min_slice_bytes", ck.dedup_min_slice_bytes, 1)
+    if not ck.collective_timeout_s > 0:
+        raise ConfigError("checkpoint.collective_timeout_s", ck.collective_timeout_s, "expected > 0 seconds")
     if not ck.folder:
         raise ConfigError("checkpoint.folder", ck.folder, "expected a non-empty folder name")
     _validate_exclusions(ck.exclude_from_loading)

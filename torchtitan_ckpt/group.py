@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -12,12 +13,14 @@ class CheckpointGroup:
 
     With `torch.distributed` initialised and no group given, a dedicated gloo group over every
     rank is created (collectively), so checkpoint traffic never queues behind training's
-    collectives. Without `torch.distributed` it is a group of one and every collective is local.
+    collectives, with `timeout_s` on every collective. Without `torch.distributed` it is a group
+    of one and every collective is local.
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None):
+    def __init__(self, process_group: dist.ProcessGroup | None = None, timeout_s: float = 600.0):
         if dist.is_available() and dist.is_initialized():
-            self.pg: dist.ProcessGroup | None = process_group or dist.new_group(backend="gloo")
+            self.pg: dist.ProcessGroup | None = process_group or dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=timeout_s))
             self.rank = dist.get_rank(self.pg)
             self.world_size = dist.get_world_size(self.pg)
         else:
@@ -28,10 +31,6 @@ class CheckpointGroup:
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.pg is not None:
-            dist.barrier(group=self.pg)
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank."""

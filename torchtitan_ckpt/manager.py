@@ -80,7 +80,7 @@ class CheckpointManager:
             raise ValueError("model_parts is empty; pass the model (or its pipeline stages)")
         self._model = ModelState(parts)
         self._closed = False
-        self._group = CheckpointGroup(process_group) if config.enable else None
+        self._group = CheckpointGroup(process_group, config.collective_timeout_s) if config.enable else None
         rank = self._group.rank if self._group else 0
         self._states = self._build_states(parts, optimizers, lr_schedulers, dataloader, states or {}, rank)
         if self._group is None:
@@ -209,9 +209,12 @@ class CheckpointManager:
                 self._deleter.submit(retention.steps_to_delete(layout.scan(self.folder),
                                                                self.config.keep_latest_k))
 
+        def prepare() -> None:
+            self._on_coordinator(step, path, self._prepare_folder, path, step)
+
         return SaveJob(step=step, path=path, planner_args=planner_args,
-                       prepare=lambda: self._on_coordinator(step, path, self._prepare_folder, path, step),
-                       write=write, commit=commit_step)
+                       prepare=_save_errors(step, path, prepare), write=_save_errors(step, path, write),
+                       commit=_save_errors(step, path, commit_step))
 
     def _state_for_save(self, kind: SaveKind) -> dict[str, Any]:
         """The state as of now: model tensors at the top level, every other state resolved to
@@ -381,3 +384,17 @@ def _space_hint(path: str) -> str:
         return ""
     free = stat.f_bavail * stat.f_frsize
     return f" (the file system holding it is full: {free} bytes free)" if free < (1 << 20) else ""
+
+
+def _save_errors(step: int, path: str, fn):
+    """`fn`, with any failure (a collective timing out included) raised as CheckpointSaveError."""
+
+    def run(*args):
+        try:
+            return fn(*args)
+        except CheckpointSaveError:
+            raise
+        except Exception as e:
+            raise CheckpointSaveError(step, path, e) from e
+
+    return run
