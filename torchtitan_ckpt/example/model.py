@@ -25,6 +25,8 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    """Share one matrix between `tok_embeddings` and `output` (as HF's `tie_word_embeddings`)."""
 
     @property
     def head_dim(self) -> int:
@@ -124,6 +126,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         # derived from the config, so not part of the checkpoint
         self.register_buffer(
             "freqs_cis",
@@ -142,7 +146,8 @@ class Transformer(nn.Module):
                 nn.init.trunc_normal_(lin.weight, std=0.02)
             for lin in (block.attention.wo, block.feed_forward.w2, block.feed_forward.w3):
                 nn.init.trunc_normal_(lin.weight, std=std_out)
-        nn.init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5)
+        if not self.args.tie_embeddings:  # tied: the embedding's init is the head's
+            nn.init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)

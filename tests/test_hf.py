@@ -1,0 +1,283 @@
+"""Hugging Face format: size planning, the Llama mapping, export to and import from `transformers`."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+from tests.helpers import assert_same, read_checkpoint
+from torchtitan_ckpt.errors import CheckpointError
+from torchtitan_ckpt.example.model import FLAVORS, Transformer
+from torchtitan_ckpt.hf import (
+    AdapterMismatchError,
+    LlamaAdapter,
+    hf_llama_config,
+    llama_args_from_hf_config,
+    load_hf,
+    parse_size,
+    plan_files,
+    save_hf,
+)
+from torchtitan_ckpt.hf.adapter import permute_rows
+from torchtitan_ckpt.hf.convert import add_convert_parser, run_convert
+
+transformers = pytest.importorskip("transformers")
+
+ARGS = FLAVORS["debugmodel"]
+TOKENS = torch.randint(0, ARGS.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def our_model(tie: bool = False, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(replace(ARGS, tie_embeddings=tie))
+
+
+def hf_model(tie: bool = False, seed: int = 0):
+    """A transformers Llama of our debug shapes with random weights (norms included)."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**hf_llama_config(replace(ARGS, tie_embeddings=tie), torch.float32))
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def logits_of(model) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(TOKENS)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def tensors_by_file(folder: str) -> dict[str, dict[str, torch.Tensor]]:
+    return {os.path.basename(f): load_file(f) for f in sorted(glob.glob(os.path.join(folder, "*.safetensors")))}
+
+
+# ---------------------------------------------------------------------------- pure pieces
+
+@pytest.mark.parametrize("text, expected", [
+    ("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("1.5KB", 1500), ("512MiB", 512 * 2**20),
+    (" 2 gib ", 2 * 2**30), ("100", 100), (4096, 4096),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["5 parsecs", "GB", "-1GB", "0", "", 0, True, None])
+def test_parse_size_rejects_with_the_value(bad):
+    with pytest.raises(ValueError, match=re.escape(repr(bad))):
+        parse_size(bad)
+
+
+def test_plan_keeps_layers_whole_and_uses_fewest_files():
+    sizes = {"model.embed_tokens.weight": 100}
+    for i in range(4):
+        sizes[f"model.layers.{i}.q.weight"] = 60
+        sizes[f"model.layers.{i}.norm.weight"] = 40
+    sizes |= {"model.norm.weight": 1, "lm_head.weight": 100}
+    by_file: dict[int, list[str]] = {}
+    for name, index in plan_files(sizes, 250).items():
+        by_file.setdefault(index, []).append(name)
+    assert by_file == {
+        1: ["model.embed_tokens.weight", "model.layers.0.q.weight", "model.layers.0.norm.weight"],
+        2: ["model.layers.1.q.weight", "model.layers.1.norm.weight",
+            "model.layers.2.q.weight", "model.layers.2.norm.weight"],
+        3: ["model.layers.3.q.weight", "model.layers.3.norm.weight", "model.norm.weight", "lm_head.weight"],
+    }
+
+
+def test_plan_balances_file_sizes():
+    # next-fit under 25 bytes would give files of 25 and 5 bytes; the plan gives 15 and 15
+    sizes = {f"t{i}": 5 for i in range(6)}
+    assert plan_files(sizes, 25) == {"t0": 1, "t1": 1, "t2": 1, "t3": 2, "t4": 2, "t5": 2}
+
+
+def test_plan_gives_an_oversized_layer_its_own_file():
+    sizes = {"e": 10, "model.layers.0.a": 200, "model.layers.0.b": 200, "n": 10}
+    assert plan_files(sizes, 100) == {"e": 1, "model.layers.0.a": 2, "model.layers.0.b": 2, "n": 3}
+
+
+def test_permutation_moves_rope_pairs_to_halves_and_back():
+    w = torch.arange(8.0).reshape(8, 1)  # 2 heads of head_dim 4
+    hf = permute_rows(w, n_heads=2, to_half_split=True)
+    assert hf.flatten().tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    assert torch.equal(permute_rows(hf, n_heads=2, to_half_split=False), w)
+
+
+def test_to_hf_names_unknown_and_missing_keys():
+    sd = our_model().state_dict()
+    del sd["norm.weight"]
+    sd["layers.0.attention.bias"] = torch.zeros(1)
+    with pytest.raises(AdapterMismatchError) as e:
+        LlamaAdapter(ARGS).to_hf(sd)
+    assert e.value.unknown == ["layers.0.attention.bias"] and e.value.missing == ["norm.weight"]
+    assert "layers.0.attention.bias" in str(e.value) and "norm.weight" in str(e.value)
+
+
+def test_model_args_from_the_config_we_write():
+    for args in [*FLAVORS.values(), replace(ARGS, tie_embeddings=True, rope_theta=5e5)]:
+        back = llama_args_from_hf_config(hf_llama_config(args, torch.bfloat16))
+        assert replace(back, multiple_of=args.multiple_of) == args and back.ffn_dim == args.ffn_dim
+
+
+# ---------------------------------------------------------------------------- export
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tie):
+    model = our_model(tie)
+    save_hf(model.state_dict(), str(tmp_path), LlamaAdapter(model.args), max_shard_size="100KB")
+    hf, info = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    assert info["mismatched_keys"] == set()
+    assert (logits_of(hf.eval()) - logits_of(model)).abs().max() < 1e-5
+
+    files = tensors_by_file(str(tmp_path))
+    assert sorted(files) == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    with open(tmp_path / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    assert index["weight_map"] == {name: file for file, ts in files.items() for name in ts}
+    assert index["metadata"]["total_size"] == sum(t.nbytes for ts in files.values() for t in ts.values())
+    assert ("lm_head.weight" in index["weight_map"]) is not tie
+    assert len(index["weight_map"]) == 2 + 9 * ARGS.n_layers + (not tie)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_export_dtype(tmp_path, dtype):
+    model = our_model()
+    save_hf(model.state_dict(), str(tmp_path), LlamaAdapter(ARGS), dtype=dtype)
+    [file] = glob.glob(str(tmp_path / "*.safetensors"))
+    assert os.path.basename(file) == "model-00001-of-00001.safetensors"
+    exported = load_file(file)
+    assert {t.dtype for t in exported.values()} == {dtype}
+    expected = LlamaAdapter(ARGS).to_hf({k: v.to(dtype) for k, v in model.state_dict().items()})
+    assert_same(exported, expected)
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["torch_dtype"] == str(dtype).removeprefix("torch.")
+    # and an fp32 model imports it (as published bf16 checkpoints are), upcast exactly
+    back = our_model(seed=1)
+    load_hf(back.state_dict(), str(tmp_path), LlamaAdapter(ARGS))
+    assert_same(back.state_dict(), {k: v.to(dtype).float() for k, v in model.state_dict().items()})
+
+
+def test_export_replaces_an_earlier_export(tmp_path):
+    model = our_model()
+    save_hf(model.state_dict(), str(tmp_path), LlamaAdapter(ARGS), max_shard_size="100KB")
+    save_hf(model.state_dict(), str(tmp_path), LlamaAdapter(ARGS), max_shard_size="5GB")
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model-00001-of-00001.safetensors",
+                                            "model.safetensors.index.json"]
+
+
+def test_export_failure_names_the_folder(tmp_path):
+    (tmp_path / "taken").write_text("a file, not a folder")
+    with pytest.raises(CheckpointError, match=r"preparing .*taken failed on rank 0: FileExistsError"):
+        save_hf(our_model().state_dict(), str(tmp_path / "taken"), LlamaAdapter(ARGS))
+
+
+# ---------------------------------------------------------------------------- import
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """A transformers checkpoint in several files, and its logits."""
+    folder = tmp_path_factory.mktemp("hf_src")
+    model = hf_model()
+    model.save_pretrained(str(folder), max_shard_size="150KB")
+    assert len(glob.glob(str(folder / "*.safetensors"))) >= 3
+    return str(folder), logits_of(model)
+
+
+def test_import_gives_the_transformers_logits_and_exports_bit_identical(hf_checkpoint, tmp_path):
+    src, expected = hf_checkpoint
+    model = our_model(seed=1)
+    load_hf(model.state_dict(), src, LlamaAdapter(ARGS))
+    assert (logits_of(model) - expected).abs().max() < 1e-5
+
+    save_hf(model.state_dict(), str(tmp_path), LlamaAdapter(ARGS, hf_assets_path=src))
+    before, after = tensors_by_file(src), tensors_by_file(str(tmp_path))
+    assert sorted(before) == sorted(after)
+    for file in before:
+        assert_same(before[file], after[file])
+    with open(os.path.join(src, "config.json")) as a, open(tmp_path / "config.json") as b:
+        assert json.load(a) == json.load(b)
+    # the assets' config follows the export's dtype
+    save_hf(model.state_dict(), str(tmp_path), LlamaAdapter(ARGS, hf_assets_path=src), dtype=torch.bfloat16)
+    with open(os.path.join(src, "config.json")) as a, open(tmp_path / "config.json") as b:
+        assert json.load(b) == {**json.load(a), "dtype": "bfloat16"}
+
+
+def test_tied_import_fills_the_head_with_the_embedding(tmp_path):
+    hf = hf_model(tie=True)
+    hf.save_pretrained(str(tmp_path))
+    model = our_model(tie=True, seed=1)
+    load_hf(model.state_dict(), str(tmp_path), LlamaAdapter(model.args))
+    assert model.output.weight is model.tok_embeddings.weight
+    assert (logits_of(model) - logits_of(hf)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("args, unknown, missing", [
+    (replace(ARGS, n_layers=3), [], [f"model.layers.2.{n}" for n in (
+        "input_layernorm.weight", "mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "post_attention_layernorm.weight", "self_attn.k_proj.weight", "self_attn.o_proj.weight",
+        "self_attn.q_proj.weight", "self_attn.v_proj.weight")]),
+    (replace(ARGS, tie_embeddings=True), ["lm_head.weight"], []),
+])
+def test_wrong_pairing_fails_before_reading_data(hf_checkpoint, monkeypatch, args, unknown, missing):
+    def no_reads(*a, **k):
+        raise AssertionError("tensor data was read")
+
+    monkeypatch.setattr(HuggingFaceStorageReader, "read_data", no_reads)
+    with pytest.raises(AdapterMismatchError) as e:
+        load_hf(Transformer(args).state_dict(), hf_checkpoint[0], LlamaAdapter(args))
+    assert (e.value.unknown, e.value.missing) == (unknown, missing)
+
+
+def test_a_file_outside_the_index_is_refused(tmp_path):
+    save_hf(our_model().state_dict(), str(tmp_path), LlamaAdapter(ARGS))
+    (tmp_path / "consolidated.safetensors").write_bytes(b"an older copy")
+    with pytest.raises(CheckpointError, match=r"\['consolidated.safetensors'\] besides the "
+                                              r"checkpoint that model.safetensors.index.json describes"):
+        load_hf(our_model(seed=1).state_dict(), str(tmp_path), LlamaAdapter(ARGS))
+
+
+def test_wrong_shapes_fail_naming_them(hf_checkpoint, monkeypatch):
+    monkeypatch.setattr(HuggingFaceStorageReader, "read_data", None)
+    args = replace(ARGS, vocab_size=300)
+    with pytest.raises(CheckpointError, match=r"model.embed_tokens.weight: \(256, 64\) in the "
+                                              r"checkpoint, \(300, 64\) expected"):
+        load_hf(Transformer(args).state_dict(), hf_checkpoint[0], LlamaAdapter(args))
+
+
+# ---------------------------------------------------------------------------- convert
+
+def _convert(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    add_convert_parser(parser.add_subparsers(dest="command"))
+    return run_convert(parser.parse_args(["convert", *argv]))
+
+
+def test_convert_dcp_to_hf_and_back(tmp_path):
+    state = our_model().state_dict()
+    dcp.save(state, checkpoint_id=str(tmp_path / "step-5"))
+    assert _convert("--to", "hf", str(tmp_path / "step-5"), str(tmp_path / "hf"), "--flavor", "debugmodel",
+                    "--max-shard-size", "100KB") == 0
+    assert len(glob.glob(str(tmp_path / "hf" / "*.safetensors"))) == 4
+    assert _convert("--to", "dcp", str(tmp_path / "hf"), str(tmp_path / "back")) == 0
+    assert_same(read_checkpoint(str(tmp_path / "back")), state)
+
+
+def test_convert_reports_a_wrong_flavor(tmp_path, capsys):
+    dcp.save(our_model().state_dict(), checkpoint_id=str(tmp_path / "step-5"))
+    assert _convert("--to", "hf", str(tmp_path / "step-5"), str(tmp_path / "hf"), "--flavor", "small") == 2
+    assert "lacks 18 tensors of this model: ['layers.2.attention.wq.weight'," in capsys.readouterr().err
+    assert _convert("--to", "hf", str(tmp_path / "nothing"), str(tmp_path / "hf"), "--flavor", "small") == 2
+    assert "nothing is not a DCP checkpoint folder (no .metadata)" in capsys.readouterr().err

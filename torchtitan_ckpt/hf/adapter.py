@@ -1,0 +1,137 @@
+"""The contract between a model's own state-dict names and Hugging Face's, and its shared pieces.
+
+A `StateDictAdapter` renames (and where a layout differs, rearranges) tensors in both directions.
+It never drops or invents a tensor silently: a name it does not know, or one it expects and does
+not find, raises `AdapterMismatchError` listing both sets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+_FILE_INDEX = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
+
+
+class AdapterMismatchError(CheckpointError, KeyError):
+    """The tensor names of a state dict or checkpoint are not the ones the adapter maps."""
+
+    def __init__(self, where: str, unknown: list[str], missing: list[str]):
+        self.where = where
+        self.unknown = sorted(unknown)
+        self.missing = sorted(missing)
+        super().__init__(where, self.unknown, self.missing)
+
+    def __str__(self) -> str:  # KeyError would print the repr of its args
+        return (f"{self.where}: {len(self.unknown)} unknown name(s) {self.unknown} and "
+                f"{len(self.missing)} missing name(s) {self.missing}; is the adapter (or the "
+                "model flavor) the one this checkpoint was made for?")
+
+
+def check_names(where: str, found: Any, expected: Any) -> None:
+    """Raise `AdapterMismatchError` unless the two name collections are the same set."""
+    found, expected = set(found), set(expected)
+    if found != expected:
+        raise AdapterMismatchError(where, list(found - expected), list(expected - found))
+
+
+class StateDictAdapter(ABC):
+    """Converts a model's state dict to Hugging Face names and layout, and back.
+
+    `hf_assets_path` is the HF folder the adapter was built from (its `config.json` and
+    `model.safetensors.index.json`), or None; exports copy that config and that file split.
+    """
+
+    def __init__(self, hf_assets_path: str | None = None):
+        self.hf_assets_path = hf_assets_path
+
+    @abstractmethod
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Our names -> HF names. Values may be tensors or DTensors."""
+
+    @abstractmethod
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        """HF names -> our names; the inverse of `to_hf`."""
+
+    @abstractmethod
+    def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
+        """The `config.json` of an export whose floating tensors are `dtype`."""
+
+    @property
+    def fqn_to_index_mapping(self) -> dict[str, int] | None:
+        """HF tensor name -> 1-based output file index, from the assets' index; None without one."""
+        if self.hf_assets_path is None:
+            return None
+        return read_file_split(self.hf_assets_path)
+
+    def export_config(self, dtype: torch.dtype) -> dict[str, Any]:
+        """The assets' `config.json` when there is one, its dtype set to `dtype` (the one of
+        the exported tensors); else `hf_config(dtype)`."""
+        path = os.path.join(self.hf_assets_path or "", CONFIG_FILE)
+        if self.hf_assets_path is None or not os.path.isfile(path):
+            return self.hf_config(dtype)
+        with open(path) as f:
+            config = json.load(f)
+        # transformers 4 writes `torch_dtype`, 5 writes `dtype`
+        for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
+            config[key] = str(dtype).removeprefix("torch.")
+        return config
+
+
+def read_file_split(hf_dir: str) -> dict[str, int] | None:
+    """HF name -> file index from `hf_dir`'s index file (None when it has none). Files named
+    `*-0000X-of-0000N.safetensors` keep their number; other names are numbered in sorted order."""
+    path = os.path.join(hf_dir, INDEX_FILE)
+    if not os.path.isfile(path):
+        return None
+    weight_map = read_index(path)
+    files = sorted(set(weight_map.values()))
+    numbered = {f: int(m.group(1)) for f in files if (m := _FILE_INDEX.search(f))}
+    if len(numbered) != len(files) or sorted(numbered.values()) != list(range(1, len(files) + 1)):
+        numbered = {f: i for i, f in enumerate(files, start=1)}
+    return {name: numbered[f] for name, f in weight_map.items()}
+
+
+def read_index(path: str) -> dict[str, str]:
+    """The `weight_map` of a `model.safetensors.index.json`."""
+    try:
+        with open(path) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path} is not a safetensors index with a weight_map: {e}") from e
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{path}: weight_map is a {type(weight_map).__name__}, expected an object")
+    return weight_map
+
+
+def permute_rows(w: Any, n_heads: int, to_half_split: bool) -> torch.Tensor:
+    """Reorder the rows of a q/k projection, head by head, between RoPE's interleaved layout
+    (row 2i+j of a head holds component j of pair i) and the half-split layout (row j*d/2+i).
+
+    Rows of one head may live on several ranks, so a DTensor is gathered to a full tensor first
+    (one parameter at a time); the result is a plain tensor."""
+    if isinstance(w, DTensor):
+        w = w.full_tensor()
+    rows, cols = w.shape
+    half = rows // n_heads // 2
+    split = (n_heads, half, 2, cols) if to_half_split else (n_heads, 2, half, cols)
+    return w.reshape(split).transpose(1, 2).reshape(rows, cols)
+
+
+def like(full: torch.Tensor, template: Any) -> Any:
+    """A full tensor laid out as `template`: this rank's part of it for a DTensor, else itself.
+    Every rank holds `full`, so slicing needs no communication. A DTensor is returned as is."""
+    if isinstance(template, DTensor) and not isinstance(full, DTensor):
+        return distribute_tensor(full, template.device_mesh, template.placements, src_data_rank=None)
+    return full
