@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torchtitan_ckpt import CheckpointManager
 from torchtitan_ckpt.config import load_job_config, validate
 from torchtitan_ckpt.example.data import build_dataloader
+from torchtitan_ckpt.hf import LlamaAdapter
 from torchtitan_ckpt.train import TrainState, build_model, lr_lambda
 
 
@@ -55,5 +56,6 @@ def make_job(dump_folder: str, steps: int = 8, init_seed: int = 0, **checkpoint)
     loader = build_dataloader(model.args.vocab_size, 16, 4, 0, 0, 1)
     ts = TrainState()
     manager = CheckpointManager(ck, [model], optimizers=opt, lr_schedulers=sched, dataloader=loader,
-                                states={"train_state": ts}, base_folder=dump_folder)
+                                states={"train_state": ts}, base_folder=dump_folder,
+                                state_dict_adapter=LlamaAdapter(model.args))
     return Job(model, opt, sched, loader, ts, manager)

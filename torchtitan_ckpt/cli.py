@@ -4,6 +4,7 @@
     torchtitan-ckpt inspect STEP_DIR  the states, tensors, dtypes, shapes and bytes of one step
     torchtitan-ckpt verify STEP_DIR   check every file against the sizes and CRC-32s of its commit
     torchtitan-ckpt clean DIR         remove the partial step folders crashed saves left behind
+    torchtitan-ckpt convert --to hf STEP_DIR OUT_DIR | --to dcp HF_DIR OUT_DIR
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import commit, layout, storage
 from .errors import CheckpointError
+from .hf.convert import add_convert_parser, run_convert
 
 
 def _fmt_bytes(n: float) -> str:
@@ -119,12 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=4, help="files checked at once")
     p = sub.add_parser("clean", help="remove partial step folders (run while no job is saving)")
     p.add_argument("folder")
+    add_convert_parser(sub)
     args = parser.parse_args(argv)
     commands = {
         "list": lambda: cmd_list(args.folder),
         "inspect": lambda: cmd_inspect(args.step_dir),
         "verify": lambda: cmd_verify(args.step_dir, args.threads),
         "clean": lambda: cmd_clean(args.folder),
+        "convert": lambda: run_convert(args),
     }
     try:
         return commands[args.command]()

@@ -53,6 +53,10 @@ class Model:
     flavor: str = "debugmodel"
     """Size preset of the example model, one of `torchtitan_ckpt.example.model.FLAVORS`."""
 
+    hf_assets_path: str | None = None
+    """A Hugging Face folder for this model: its `config.json` and index file split are used for
+    exports, and its weights are the initial load with `checkpoint.initial_load_in_hf`."""
+
 
 @dataclass
 class Training:
@@ -128,15 +132,15 @@ class Checkpoint:
     """Load only the model from `initial_load_path` (optimizer, schedulers and data start fresh)."""
 
     initial_load_in_hf: bool = False
-    """`initial_load_path` is in Hugging Face safetensors format (needs `initial_load_model_only`).
-    Not available in this build: true is rejected at start-up."""
+    """`initial_load_path` (or `model.hf_assets_path` when unset) is a Hugging Face safetensors
+    folder (needs `initial_load_model_only`)."""
 
     last_save_model_only: bool = True
     """At the last step save only the model, cast to `export_dtype`; otherwise a full checkpoint."""
 
     last_save_in_hf: bool = False
-    """Write the last step in Hugging Face safetensors format (needs `last_save_model_only`).
-    Not available in this build: true is rejected at start-up."""
+    """Write the last step in Hugging Face safetensors format, loadable by `transformers` as it
+    is (needs `last_save_model_only`); `export_dtype` applies."""
 
     export_dtype: ExportDtype = "float32"
     """Dtype of floating tensors in a model-only last-step save."""
@@ -169,6 +173,14 @@ class Checkpoint:
     verify_fallback: bool = True
     """With `verify_on_load` and `load_step = -1`: a newest step that fails the check is reported
     and the newest intact step is loaded instead. False raises `CorruptCheckpointError`."""
+
+    hf_max_shard_size: str = "5GB"
+    """Largest Hugging Face file of an export when `model.hf_assets_path` gives no file split
+    (e.g. "5GB", "500MB"); a layer's tensors stay in one file."""
+
+    hf_export_interval: int = 0
+    """Also export a Hugging Face copy of the model every this many steps, to
+    `{folder}/hf/step-N` (0: never). `export_dtype` and `keep_latest_k` apply."""
 
     collective_timeout_s: float = 600.0
     """Timeout of every collective on the checkpoint process group the manager creates: a rank
@@ -362,6 +374,10 @@ def validate(config: JobConfig) -> None:
     """Check ranges and contradictions across fields; raise the first `ConfigError` found."""
     _validate_job(config)
     _validate_checkpoint(config.checkpoint)
+    if config.checkpoint.initial_load_in_hf:
+        _validate_hf_source(config)
+    if config.model.hf_assets_path is not None and not os.path.isdir(config.model.hf_assets_path):
+        raise ConfigError("model.hf_assets_path", config.model.hf_assets_path, "expected an existing folder")
 
 
 def _at_least(key: str, value: int | float, low: int | float) -> None:
@@ -429,9 +445,19 @@ def _validate_checkpoint(ck: Checkpoint) -> None:
         )
     if ck.create_seed_checkpoint and not ck.enable:
         raise ConfigError("checkpoint.create_seed_checkpoint", True, "needs checkpoint.enable = true")
-    _validate_unsupported(ck)
-    if ck.initial_load_path is not None:
+    _validate_hf(ck)
+    if ck.initial_load_path is not None and not ck.initial_load_in_hf:
         _validate_initial_load_path(ck)
+
+
+def _validate_hf(ck: Checkpoint) -> None:
+    from .hf.planner import parse_size  # noqa: PLC0415 - keeps config import-light
+
+    try:
+        parse_size(ck.hf_max_shard_size)
+    except ValueError as e:
+        raise ConfigError("checkpoint.hf_max_shard_size", ck.hf_max_shard_size, str(e)) from None
+    _at_least("checkpoint.hf_export_interval", ck.hf_export_interval, 0)
 
 
 def _validate_exclusions(names: list[str]) -> None:
@@ -445,15 +471,18 @@ def _validate_exclusions(names: list[str]) -> None:
         raise ConfigError(key, names, "names a state twice")
 
 
-def _validate_unsupported(ck: Checkpoint) -> None:
-    """Values this build declares but cannot honour yet fail here, at start-up, not at the save."""
-    for key in ("initial_load_in_hf", "last_save_in_hf"):
-        if getattr(ck, key):
-            raise ConfigError(
-                f"checkpoint.{key}", True,
-                "Hugging Face format needs a state-dict adapter, which this build does not have; "
-                "expected false",
-            )
+def _validate_hf_source(c: JobConfig) -> None:
+    """With `initial_load_in_hf`, the HF folder (initial_load_path, else model.hf_assets_path)
+    must hold safetensors weights."""
+    ck = c.checkpoint
+    key, path = ("checkpoint.initial_load_path", ck.initial_load_path) if ck.initial_load_path else (
+        "model.hf_assets_path", c.model.hf_assets_path)
+    if not path:
+        raise ConfigError("checkpoint.initial_load_in_hf", True,
+                          "needs checkpoint.initial_load_path or model.hf_assets_path: the HF folder to load")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors.index.json", "model.safetensors")):
+        raise ConfigError(key, path, "expected a Hugging Face folder with model.safetensors or "
+                                     "model.safetensors.index.json")
 
 
 def _validate_initial_load_path(ck: Checkpoint) -> None:

@@ -31,13 +31,16 @@ from .errors import (
     CorruptCheckpointError,
 )
 from .group import CheckpointGroup
-from .schedule import SaveKind, save_kind
+from .hf import StateDictAdapter, load_hf, save_hf
+from .schedule import SaveKind, hf_copy_due, save_kind
 from .staging import SaveJob, make_strategy
 from .states import DataLoaderState, LRSchedulerState, ModelState, OptimizerState
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+HF_COPIES = "hf"
+"""Subfolder of the checkpoint folder that holds the `hf_export_interval` copies."""
 
 
 @dataclass
@@ -45,7 +48,8 @@ class _LoadTarget:
     path: str
     step: int | None
     model_only: bool
-    metadata: Metadata
+    metadata: Metadata | None
+    """DCP's index of the checkpoint; None for a Hugging Face folder (always model only)."""
 
 
 def _as_list(x: Any) -> list:
@@ -72,8 +76,10 @@ class CheckpointManager:
         states: dict[str, Stateful] | None = None,
         base_folder: str = "",
         process_group: Any | None = None,
+        state_dict_adapter: StateDictAdapter | None = None,
     ):
         self.config = config
+        self._adapter = state_dict_adapter
         self.folder = os.path.join(base_folder, config.folder)
         parts = _as_list(model_parts)
         if not parts:
@@ -85,6 +91,11 @@ class CheckpointManager:
         self._states = self._build_states(parts, optimizers, lr_schedulers, dataloader, states or {}, rank)
         if self._group is None:
             return
+        for key in ("initial_load_in_hf", "last_save_in_hf", "hf_export_interval"):
+            if getattr(config, key) and state_dict_adapter is None:
+                raise ConfigError(f"checkpoint.{key}", getattr(config, key),
+                                  "the Hugging Face format needs a state-dict adapter: pass "
+                                  "state_dict_adapter= to CheckpointManager")
         if config.create_seed_checkpoint and self._group.world_size != 1:
             raise ConfigError(
                 "checkpoint.create_seed_checkpoint", True,
@@ -158,14 +169,26 @@ class CheckpointManager:
         always waited for. Raises the failure of an earlier background save, if any."""
         if self._closed:
             raise CheckpointError("save() called after close()")
-        kind = save_kind(step, last_step, self.config)
-        if kind is None:
+        if not self.config.enable:
             return False
-        state = self._state_for_save(kind)
-        self._saves.submit(state, self._save_job(step, kind))
+        kind = save_kind(step, last_step, self.config)
+        hf_copy = hf_copy_due(step, self.config)
+        if kind is SaveKind.MODEL_ONLY and self.config.last_save_in_hf:
+            self._export_hf(step, self.folder, kind)
+            hf_copy = False
+        elif kind is not None:
+            self._saves.submit(self._state_for_save(kind), self._save_job(step, kind))
+        if hf_copy:
+            self._export_hf(step, os.path.join(self.folder, HF_COPIES), SaveKind.MODEL_ONLY)
         if last_step:
             self._saves.wait()
-        return True
+        return kind is not None or hf_copy
+
+    def _export_hf(self, step: int, folder: str, kind: SaveKind) -> None:
+        """An HF export runs on the training thread (gathering wq/wk uses the training mesh's
+        groups), after the save in flight, whose collectives share the checkpoint group."""
+        self._saves.wait()
+        self._save_job(step, kind, folder, fmt="hf").run(self._model.state_dict())
 
     @property
     def save_in_flight(self) -> bool:
@@ -176,9 +199,11 @@ class CheckpointManager:
         """Return once the state handed to the last `save()` is safe to mutate. Staging copies
         inside `save()`, so this never blocks; it exists for loops written against TorchTitan."""
 
-    def _save_job(self, step: int, kind: SaveKind) -> SaveJob:
-        """The phases of one save, which the staging strategy runs in order on every rank."""
-        path = layout.step_dir(self.folder, step)
+    def _save_job(self, step: int, kind: SaveKind, folder: str | None = None, fmt: str = "dcp") -> SaveJob:
+        """The phases of one save into `{folder}/step-N` (DCP, or Hugging Face with `fmt="hf"`),
+        which the staging strategy runs in order on every rank."""
+        folder = folder or self.folder
+        path = layout.step_dir(folder, step)
         start = time.perf_counter()
         planner_args = (self.config.dedup_policy, self.config.dedup_min_slice_bytes)
 
@@ -193,27 +218,33 @@ class CheckpointManager:
             summary = planner.summary_line() if self._group.is_coordinator else ""
             return writer.fs.checksums, summary
 
+        def write_hf(state: dict[str, Any]) -> tuple[dict[str, tuple[int, str]], str]:
+            save_hf(state, path, self._adapter, dtype=_DTYPES[self.config.export_dtype],
+                    max_shard_size=self.config.hf_max_shard_size, process_group=self._group.pg)
+            return {}, ""  # no writer checksums: the commit reads each file once
+
         def commit_step(written: tuple[dict[str, tuple[int, str]], str]) -> None:
             checksums: dict[str, tuple[int, str]] = {}
             for ranks_files, _ in self._group.all_gather(written):
                 checksums.update(ranks_files)
             states = ["model"] if kind is not SaveKind.FULL else ["model", *self._states]
-            info = commit.CommitInfo(step=step, states=states, world_size=self._group.world_size)
+            info = commit.CommitInfo(step=step, states=states, format=fmt, world_size=self._group.world_size)
             self._on_coordinator(step, path, commit.write_marker, path, info, checksums)
             if self._group.is_coordinator:
                 secs = time.perf_counter() - start
                 gb = info.total_bytes / 1e9
-                logger.info("saved step %d (%s) to %s: %.3f GB in %.2f s, %.2f GB/s",
-                            step, kind.value, path, gb, secs, gb / max(secs, 1e-9))
-                logger.info("step %d %s", step, written[1])
-                self._deleter.submit(retention.steps_to_delete(layout.scan(self.folder),
-                                                               self.config.keep_latest_k))
+                logger.info("saved step %d (%s, %s) to %s: %.3f GB in %.2f s, %.2f GB/s",
+                            step, kind.value, fmt, path, gb, secs, gb / max(secs, 1e-9))
+                if written[1]:
+                    logger.info("step %d %s", step, written[1])
+                self._deleter.submit(retention.steps_to_delete(layout.scan(folder), self.config.keep_latest_k))
 
         def prepare() -> None:
             self._on_coordinator(step, path, self._prepare_folder, path, step)
 
         return SaveJob(step=step, path=path, planner_args=planner_args,
-                       prepare=_save_errors(step, path, prepare), write=_save_errors(step, path, write),
+                       prepare=_save_errors(step, path, prepare),
+                       write=_save_errors(step, path, write_hf if fmt == "hf" else write),
                        commit=_save_errors(step, path, commit_step))
 
     def _state_for_save(self, kind: SaveKind) -> dict[str, Any]:
@@ -260,6 +291,23 @@ class CheckpointManager:
         if target is None:
             logger.info("no checkpoint in %s and no initial_load_path: starting from scratch", self.folder)
             return False
+        if target.metadata is None:
+            self._load_hf(target.path)
+        else:
+            self._load_dcp(target)
+        if self._group.is_coordinator:
+            secs = time.perf_counter() - start
+            gb = layout.folder_bytes(target.path) / 1e9
+            logger.info("loaded %s%s: %.3f GB in %.2f s, %.2f GB/s", target.path,
+                        " (model only)" if target.model_only else "", gb, secs, gb / max(secs, 1e-9))
+        return True
+
+    def _load_hf(self, path: str) -> None:
+        state = self._model.state_dict()
+        load_hf(state, path, self._adapter, process_group=self._group.pg)
+        self._model.load_state_dict(state)
+
+    def _load_dcp(self, target: _LoadTarget) -> None:
         state = self._state_for_load(target)
         try:
             dcp.load(state, storage_reader=storage.make_storage_reader(target.path),
@@ -270,12 +318,6 @@ class CheckpointManager:
                 raise cause from None
             raise CheckpointError(f"loading {target.path} failed: {type(cause).__name__}: {cause}") from None
         self._model.load_state_dict({k: v for k, v in state.items() if k not in self._states})
-        if self._group.is_coordinator:
-            secs = time.perf_counter() - start
-            gb = layout.folder_bytes(target.path) / 1e9
-            logger.info("loaded %s%s: %.3f GB in %.2f s, %.2f GB/s", target.path,
-                        " (model only)" if target.model_only else "", gb, secs, gb / max(secs, 1e-9))
-        return True
 
     def _find_load_target(self) -> _LoadTarget | None:
         folders = layout.scan(self.folder)
@@ -297,10 +339,11 @@ class CheckpointManager:
                 raise CorruptCheckpointError(f"step {newest.step} failed verification: {'; '.join(problems)}")
             if self.config.initial_load_path:
                 logger.info("%s has complete steps; ignoring initial_load_path", self.folder)
-            info = commit.read_marker(newest.path)
-            return self._target(newest.path, newest.step, info.model_only)
+            return self._committed_target(newest.path, newest.step)
         if committed:
             raise CorruptCheckpointError(f"every complete step in {self.folder} failed verification")
+        if self.config.initial_load_in_hf:
+            return self._target(self.config.initial_load_path or self._adapter.hf_assets_path, None, True, "hf")
         if self.config.initial_load_path:
             path = self.config.initial_load_path
             model_only = self.config.initial_load_model_only
@@ -324,7 +367,7 @@ class CheckpointManager:
                 f"did not finish); complete steps: {complete}")
         if problems := self._verify(path):
             raise CorruptCheckpointError(f"step {step} failed verification: {'; '.join(problems)}")
-        return self._target(path, step, commit.read_marker(path).model_only)
+        return self._committed_target(path, step)
 
     def _verify(self, path: str) -> list[str]:
         """With `verify_on_load`: every rank checks its share of the step's files; every rank
@@ -335,9 +378,18 @@ class CheckpointManager:
         mine = names[self._group.rank :: self._group.world_size]
         return [p for found in self._group.all_gather(commit.verify(path, mine)) for p in found]
 
-    def _target(self, path: str, step: int | None, model_only: bool) -> _LoadTarget:
+    def _target(self, path: str, step: int | None, model_only: bool, fmt: str = "dcp") -> _LoadTarget:
+        if fmt == "hf":
+            if self._adapter is None:
+                raise CheckpointError(f"{path} is in Hugging Face format; pass state_dict_adapter= to "
+                                      "CheckpointManager to load it")
+            return _LoadTarget(path, step, True, None)
         metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
         return _LoadTarget(path, step, model_only, metadata)
+
+    def _committed_target(self, path: str, step: int) -> _LoadTarget:
+        info = commit.read_marker(path)
+        return self._target(path, step, info.model_only, info.format)
 
     def _state_for_load(self, target: _LoadTarget) -> dict[str, Any]:
         model_sd = self._model.state_dict()

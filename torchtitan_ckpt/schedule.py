@@ -27,3 +27,9 @@ def save_kind(step: int, last_step: bool, config: Checkpoint) -> SaveKind | None
     if step == 1 and config.enable_first_step_checkpoint:
         return SaveKind.FULL
     return SaveKind.FULL if step % config.interval == 0 else None
+
+
+def hf_copy_due(step: int, config: Checkpoint) -> bool:
+    """Whether step `step` also exports a Hugging Face copy (`hf_export_interval`)."""
+    every = config.hf_export_interval
+    return config.enable and not config.load_only and every > 0 and step > 0 and step % every == 0

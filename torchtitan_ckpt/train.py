@@ -22,6 +22,7 @@ from .config import JobConfig, load_job_config
 from .errors import ConfigError
 from .example.data import build_dataloader
 from .example.model import FLAVORS, Transformer
+from .hf import LlamaAdapter
 from .manager import CheckpointManager
 
 logger = logging.getLogger("torchtitan_ckpt.train")
@@ -114,8 +115,10 @@ def train(config: JobConfig) -> None:
     loader = build_dataloader(model.args.vocab_size, tc.seq_len, tc.local_batch_size, tc.seed, rank,
                               world_size)
     train_state = TrainState()
+    adapter = LlamaAdapter(model.args, hf_assets_path=config.model.hf_assets_path)
     with CheckpointManager(ck, [model], optimizers=opt, lr_schedulers=sched, dataloader=loader,
-                           states={"train_state": train_state}, base_folder=config.job.dump_folder) as manager:
+                           states={"train_state": train_state}, base_folder=config.job.dump_folder,
+                           state_dict_adapter=adapter) as manager:
         manager.load()
         batches = iter(loader)
         last = min(steps, tc.stop_at_step) if tc.stop_at_step else steps

@@ -1,0 +1,83 @@
+"""The manager's Hugging Face paths: last-step export, interval copies, initial load, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from torchtitan_ckpt import ConfigError, commit, layout
+from torchtitan_ckpt.config import Checkpoint
+
+from .helpers import assert_same, run_job
+from .jobs import make_job
+
+transformers = pytest.importorskip("transformers")
+
+
+def _folder(tmp_path) -> str:
+    return os.path.join(tmp_path, "checkpoint")
+
+
+def test_last_step_in_hf_is_a_committed_transformers_folder(tmp_path):
+    job = make_job(str(tmp_path), steps=4, interval=2, last_save_in_hf=True, export_dtype="bfloat16")
+    job.run_to(4, steps=4)
+    job.manager.close()
+    step4 = layout.step_dir(_folder(tmp_path), 4)
+    info = commit.read_marker(step4)
+    assert (info.format, info.states) == ("hf", ["model"])
+    assert {"config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors"} <= set(info.files)
+    assert commit.verify(step4) == []
+    hf = transformers.LlamaForCausalLM.from_pretrained(step4)
+    assert hf.dtype == torch.bfloat16
+    ours = job.model.state_dict()
+    assert torch.equal(hf.model.embed_tokens.weight, ours["tok_embeddings.weight"].to(torch.bfloat16))
+
+    # resuming from the HF step loads the model (only) through the HF reader
+    fresh = make_job(str(tmp_path), steps=4, init_seed=5)
+    assert fresh.manager.load() and fresh.train_state.step == 0
+    assert_same(fresh.model.state_dict(), {k: v.to(torch.bfloat16).float() for k, v in ours.items()})
+    fresh.manager.close()
+
+
+def test_hf_copies_at_an_interval_beside_the_dcp_steps(tmp_path):
+    job = make_job(str(tmp_path), steps=6, interval=2, hf_export_interval=3, keep_latest_k=1,
+                   last_save_model_only=False)
+    job.run_to(6, steps=6)
+    job.manager.close()
+    assert layout.committed_steps(_folder(tmp_path)) == [6]
+    copies = os.path.join(_folder(tmp_path), "hf")
+    assert layout.committed_steps(copies) == [6]  # keep_latest_k applies to the copies too
+    with open(os.path.join(layout.step_dir(copies, 6), "model.safetensors.index.json")) as f:
+        assert "model.embed_tokens.weight" in json.load(f)["weight_map"]
+
+
+def test_initial_load_in_hf(tmp_path):
+    source = make_job(str(tmp_path / "a"), steps=2, interval=10, last_save_in_hf=True)
+    source.run_to(2, steps=2)
+    source.manager.close()
+    hf_dir = layout.step_dir(_folder(tmp_path / "a"), 2)
+    job = make_job(str(tmp_path / "b"), init_seed=9, initial_load_in_hf=True, initial_load_path=hf_dir)
+    assert job.manager.load()
+    assert_same(job.model.state_dict(), source.model.state_dict())
+    job.manager.close()
+
+
+def test_hf_options_need_an_adapter(tmp_path):
+    from torchtitan_ckpt import CheckpointManager
+
+    with pytest.raises(ConfigError, match="checkpoint.last_save_in_hf.*state_dict_adapter="):
+        CheckpointManager(Checkpoint(enable=True, last_save_in_hf=True), [torch.nn.Linear(2, 2)],
+                          base_folder=str(tmp_path))
+
+
+@pytest.mark.multirank
+def test_two_rank_job_exports_hf_that_transformers_loads(tmp_path):
+    run_job(str(tmp_path), "--checkpoint.last_save_in_hf", "true", "--training.steps", "6", nproc=2)
+    step6 = layout.step_dir(_folder(tmp_path), 6)
+    assert commit.read_marker(step6).format == "hf"
+    hf, info = transformers.LlamaForCausalLM.from_pretrained(step6, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    assert hf.dtype == torch.bfloat16  # the example config's export_dtype
