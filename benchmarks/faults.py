@@ -1,0 +1,147 @@
+"""The long fault-injection run: kill a 2-rank job again and again during saves, and check it loses
+nothing and ends exactly where an uninterrupted run ends.
+
+    python -m benchmarks.faults [--kills 30] [--seed 0] [--steps 80]
+
+One uninterrupted run of the example job is the reference. Then the same job is started over and
+over in one folder, each time with a fail point (`torchtitan_ckpt.faults`) that SIGKILLs one rank
+or every rank at a random phase of a random upcoming save (or of the purge of an old step); the
+`staging` phase runs the job with `async_mode = "async"`. After every kill it checks that the
+newest `keep_latest_k` complete steps are still complete and intact (`verify`), and that the next
+run loads the newest complete step and never a partial one. The last run goes to the end; its
+final checkpoint and losses must equal the reference bit for bit. Prints one line per kill and a
+summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from torchtitan_ckpt import commit, faults, layout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "debug_model.toml")
+INTERVAL, KEEP = 2, 3
+
+
+@dataclass
+class Kill:
+    number: int
+    failpoint: str
+    fired: bool
+    resumed_from: int | None = None
+    lost: list[int] | None = None
+    loaded_partial: bool = False
+
+
+def run(dump: str, steps: int, failpoint: str | None = None, async_mode: str = "disabled") -> tuple[int, str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "torchtitan_ckpt.train", "--config", CONFIG, "--job.dump_folder", dump,
+           "--training.steps", str(steps), "--checkpoint.interval", str(INTERVAL),
+           "--checkpoint.keep_latest_k", str(KEEP), "--checkpoint.last_save_model_only", "false",
+           "--checkpoint.export_dtype", "float32", "--checkpoint.async_mode", async_mode]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop(faults.ENV, None)
+    if failpoint:
+        env[faults.ENV] = failpoint
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def complete_steps(folder: str) -> list[int]:
+    return layout.committed_steps(folder)
+
+
+def choose_failpoint(rng: random.Random, resume: int, steps: int) -> tuple[str, str]:
+    """A random phase of a random upcoming save (or purge), on one rank or all."""
+    phase = rng.choice(faults.PHASES)
+    step = min(steps - 1, resume + INTERVAL * rng.randint(1, 3))
+    step -= step % INTERVAL
+    if phase == "purge":  # the step deleted when `step` commits
+        step = max(INTERVAL, step - INTERVAL * KEEP)
+    # prepare, commit and purge run on rank 0 alone; the others on every rank
+    rank = rng.choice(["", ":0", ":1"]) if phase in ("staging", "write", "written") else rng.choice(["", ":0"])
+    return f"{phase}@{step}{rank}", "async" if phase == "staging" else "disabled"
+
+
+def losses(log: str) -> dict[int, str]:
+    return {int(s): v for s, v in re.findall(r"step (\d+) loss (\S+)", log)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kills", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_dump, dump = os.path.join(tmp, "reference"), os.path.join(tmp, "faulty")
+        code, ref_log = run(ref_dump, args.steps)
+        if code:
+            raise SystemExit(f"the reference run failed:\n{ref_log[-3000:]}")
+        folder = os.path.join(dump, "checkpoint")
+        kills: list[Kill] = []
+        while len([k for k in kills if k.fired]) < args.kills:
+            before = complete_steps(folder)
+            resume = before[-1] if before else 0
+            if resume >= args.steps - INTERVAL:
+                break
+            failpoint, mode = choose_failpoint(rng, resume, args.steps)
+            code, log = run(dump, args.steps, failpoint, mode)
+            kill = Kill(len(kills) + 1, failpoint, fired=code != 0)
+            kill.resumed_from = _loaded_step(log)
+            kill.loaded_partial = kill.resumed_from is not None and kill.resumed_from not in before
+            after = complete_steps(folder)
+            # a step retention may delete is one no longer among the newest KEEP complete steps
+            oldest_kept = after[-KEEP:][0] if after else 0
+            kill.lost = [s for s in before[-KEEP:] if s not in after and s >= oldest_kept]
+            kill.lost += [s for s in after if commit.verify(layout.step_dir(folder, s))]
+            kills.append(kill)
+            print(f"kill {kill.number:2d}: {failpoint:<14} {'killed' if kill.fired else 'not reached'}; "
+                  f"resumed from {kill.resumed_from}; lost {kill.lost or 'none'}; "
+                  f"{'LOADED A PARTIAL STEP' if kill.loaded_partial else 'loaded a complete step'}", flush=True)
+        code, final_log = run(dump, args.steps)
+        if code:
+            raise SystemExit(f"the final run failed:\n{final_log[-3000:]}")
+        return _summary(kills, ref_log, final_log, ref_dump, dump, args.steps)
+
+
+def _loaded_step(log: str) -> int | None:
+    m = re.search(r"loaded \S*/step-(\d+)", log)
+    return int(m.group(1)) if m else None
+
+
+def _summary(kills, ref_log, final_log, ref_dump, dump, steps) -> int:
+    from tests.helpers import read_checkpoint  # the same exact reader the tests use
+
+    ref = read_checkpoint(layout.step_dir(os.path.join(ref_dump, "checkpoint"), steps))
+    got = read_checkpoint(layout.step_dir(os.path.join(dump, "checkpoint"), steps))
+    identical = sorted(ref) == sorted(got) and all(
+        (ref[k] == got[k]).all() if hasattr(ref[k], "shape") else ref[k] == got[k] for k in ref)
+    ref_losses, final_losses = losses(ref_log), losses(final_log)
+    same_losses = all(ref_losses[s] == v for s, v in final_losses.items())
+    fired = [k for k in kills if k.fired]
+    by_phase: dict[str, int] = {}
+    for k in fired:
+        phase = k.failpoint.split("@")[0]
+        by_phase[phase] = by_phase.get(phase, 0) + 1
+    lost = sum(len(k.lost) for k in kills)
+    partial = sum(k.loaded_partial for k in kills)
+    print(f"\n{len(fired)} kills ({', '.join(f'{p}: {n}' for p, n in sorted(by_phase.items()))}); "
+          f"{sum(1 for k in fired if k.failpoint.endswith((':0', ':1')))} of one rank, the rest of both")
+    print(f"lost complete steps: {lost}; loads of a partial step: {partial}; final checkpoint "
+          f"{'bit-identical' if identical else 'DIFFERENT'}; losses after the last resume "
+          f"{'identical' if same_losses else 'DIFFERENT'}")
+    return 0 if (lost == 0 and partial == 0 and identical and same_losses) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
