@@ -36,6 +36,8 @@ class Kill:
     number: int
     failpoint: str
     fired: bool
+    crashed: str = ""
+    """Set when the run failed without the fail point's SIGKILL: the reason, from its log."""
     resumed_from: int | None = None
     lost: list[int] | None = None
     loaded_partial: bool = False
@@ -96,7 +98,10 @@ def main() -> int:
                 break
             failpoint, mode = choose_failpoint(rng, resume, args.steps)
             code, log = run(dump, args.steps, failpoint, mode)
-            kill = Kill(len(kills) + 1, failpoint, fired=code != 0)
+            kill = Kill(len(kills) + 1, failpoint, fired=code != 0 and "(SIGKILL)" in log)
+            if code != 0 and not kill.fired:
+                errors = [line for line in log.splitlines() if "Error" in line]
+                kill.crashed = errors[-1][:300] if errors else log[-300:]
             kill.resumed_from = _loaded_step(log)
             kill.loaded_partial = kill.resumed_from is not None and kill.resumed_from not in before
             after = complete_steps(folder)
@@ -105,7 +110,8 @@ def main() -> int:
             kill.lost = [s for s in before[-KEEP:] if s not in after and s >= oldest_kept]
             kill.lost += [s for s in after if commit.verify(layout.step_dir(folder, s))]
             kills.append(kill)
-            print(f"kill {kill.number:2d}: {failpoint:<14} {'killed' if kill.fired else 'not reached'}; "
+            status = "killed" if kill.fired else (f"CRASHED: {kill.crashed}" if kill.crashed else "not reached")
+            print(f"kill {kill.number:2d}: {failpoint:<14} {status}; "
                   f"resumed from {kill.resumed_from}; lost {kill.lost or 'none'}; "
                   f"{'LOADED A PARTIAL STEP' if kill.loaded_partial else 'loaded a complete step'}", flush=True)
         code, final_log = run(dump, args.steps)
@@ -135,12 +141,14 @@ def _summary(kills, ref_log, final_log, ref_dump, dump, steps) -> int:
         by_phase[phase] = by_phase.get(phase, 0) + 1
     lost = sum(len(k.lost) for k in kills)
     partial = sum(k.loaded_partial for k in kills)
+    crashed = [k for k in kills if k.crashed]
     print(f"\n{len(fired)} kills ({', '.join(f'{p}: {n}' for p, n in sorted(by_phase.items()))}); "
           f"{sum(1 for k in fired if k.failpoint.endswith((':0', ':1')))} of one rank, the rest of both")
+    print(f"runs that failed without a kill: {len(crashed)}")
     print(f"lost complete steps: {lost}; loads of a partial step: {partial}; final checkpoint "
           f"{'bit-identical' if identical else 'DIFFERENT'}; losses after the last resume "
           f"{'identical' if same_losses else 'DIFFERENT'}")
-    return 0 if (lost == 0 and partial == 0 and identical and same_losses) else 1
+    return 0 if (lost == 0 and partial == 0 and not crashed and identical and same_losses) else 1
 
 
 if __name__ == "__main__":

@@ -122,3 +122,48 @@ def test_pickled_code_in_metadata_never_runs(tmp_path):
         else:
             raise AssertionError(f"{payload[0]} was accepted")
     assert not evidence.exists()
+
+
+def _safetensors_file(tmp_path_factory) -> bytes:
+    import torch
+    from safetensors.torch import save
+
+    return save({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
+                 "c": torch.tensor(True)})
+
+
+_SAFETENSORS: list[bytes] = []
+
+
+@FAST
+@given(edits=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)), min_size=1, max_size=6),
+       cut=st.integers(0, 10**6))
+def test_mutated_safetensors_headers_are_read_or_refused(tmp_path, tmp_path_factory, edits, cut):
+    from torchtitan_ckpt.hf.safetensors_io import read_header
+
+    if not _SAFETENSORS:
+        _SAFETENSORS.append(_safetensors_file(tmp_path_factory))
+    data = _mutate(_SAFETENSORS[0], edits)[: max(1, cut % (len(_SAFETENSORS[0]) + 1))]
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(data)
+    try:
+        entries = read_header(str(path))
+    except CheckpointError as e:
+        assert str(path) in str(e)
+    else:  # what it accepts is consistent with the file
+        assert sum(e.nbytes for e in entries.values()) <= len(data)
+
+
+def test_safetensors_header_claiming_more_than_the_file(tmp_path):
+    import struct
+
+    from torchtitan_ckpt.hf.safetensors_io import read_header
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    try:
+        read_header(str(path))
+    except CheckpointError as e:
+        assert "exceeds the file" in str(e)
+    else:
+        raise AssertionError("accepted")

@@ -75,9 +75,30 @@ def test_hf_options_need_an_adapter(tmp_path):
 
 @pytest.mark.multirank
 def test_two_rank_job_exports_hf_that_transformers_loads(tmp_path):
-    run_job(str(tmp_path), "--checkpoint.last_save_in_hf", "true", "--training.steps", "6", nproc=2)
+    run_job(str(tmp_path), "--checkpoint.last_save_in_hf", "true", "--training.steps", "6",
+            "--checkpoint.consolidation", "all_ranks", nproc=2)
     step6 = layout.step_dir(_folder(tmp_path), 6)
     assert commit.read_marker(step6).format == "hf"
     hf, info = transformers.LlamaForCausalLM.from_pretrained(step6, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
     assert hf.dtype == torch.bfloat16  # the example config's export_dtype
+
+
+@pytest.mark.parametrize("mode", ["all_ranks", "rank0"])
+def test_two_phase_exports_equal_the_one_pass_export(tmp_path, mode):
+    from safetensors.torch import load_file
+
+    files = {}
+    for m in ("one_pass", mode):
+        job = make_job(str(tmp_path / m), steps=2, interval=10, last_save_in_hf=True, consolidation=m)
+        job.run_to(2, steps=2)
+        job.manager.close()
+        step2 = layout.step_dir(_folder(tmp_path / m), 2)
+        assert not os.path.exists(os.path.join(step2, "sharded"))  # shards removed once consolidated
+        files[m] = sorted(f for f in os.listdir(step2) if f.endswith(".safetensors"))
+        loaded = {f: load_file(os.path.join(step2, f)) for f in files[m]}
+        files[m] = (files[m], loaded)
+    (names_a, a), (names_b, b) = files["one_pass"], files[mode]
+    assert names_a == names_b
+    for f in names_a:
+        assert_same(a[f], b[f])

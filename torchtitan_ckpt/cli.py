@@ -5,6 +5,7 @@
     torchtitan-ckpt verify STEP_DIR   check every file against the sizes and CRC-32s of its commit
     torchtitan-ckpt clean DIR         remove the partial step folders crashed saves left behind
     torchtitan-ckpt convert --to hf STEP_DIR OUT_DIR | --to dcp HF_DIR OUT_DIR
+    torchtitan-ckpt consolidate IN_DIR OUT_DIR   per-rank HF shard files -> final safetensors files
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections import defaultdict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import commit, layout, storage
+from .consolidate import add_consolidate_parser, run_consolidate
 from .errors import CheckpointError
 from .hf.convert import add_convert_parser, run_convert
 
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("clean", help="remove partial step folders (run while no job is saving)")
     p.add_argument("folder")
     add_convert_parser(sub)
+    add_consolidate_parser(sub)
     args = parser.parse_args(argv)
     commands = {
         "list": lambda: cmd_list(args.folder),
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "verify": lambda: cmd_verify(args.step_dir, args.threads),
         "clean": lambda: cmd_clean(args.folder),
         "convert": lambda: run_convert(args),
+        "consolidate": lambda: run_consolidate(args),
     }
     try:
         return commands[args.command]()

@@ -31,6 +31,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 AsyncMode = Literal["disabled", "async", "async_with_pinned_mem"]
 ExportDtype = Literal["float16", "bfloat16", "float32"]
 DedupPolicy = Literal["balanced", "lowest_rank", "replica_slices"]
+Consolidation = Literal["one_pass", "all_ranks", "rank0"]
 
 # States the manager itself owns; `states={...}` passed by the caller add to these.
 BUILTIN_STATES = ("model", "optimizer", "lr_scheduler", "dataloader")
@@ -181,6 +182,17 @@ class Checkpoint:
     hf_export_interval: int = 0
     """Also export a Hugging Face copy of the model every this many steps, to
     `{folder}/hf/step-N` (0: never). `export_dtype` and `keep_latest_k` apply."""
+
+    consolidation: Consolidation = "one_pass"
+    """How Hugging Face exports write their files: `one_pass` (every rank writes its bytes at
+    their final offsets, no intermediate files), `all_ranks` (DCP writes per-rank shards, then
+    every rank consolidates a share of the bytes) or `rank0` (rank 0 consolidates alone)."""
+
+    consolidation_threads: int = 4
+    """I/O threads per rank writing Hugging Face files."""
+
+    keep_hf_shards: bool = False
+    """Keep the per-rank shard files after a two-phase consolidation (`all_ranks`, `rank0`)."""
 
     collective_timeout_s: float = 600.0
     """Timeout of every collective on the checkpoint process group the manager creates: a rank
@@ -458,6 +470,7 @@ def _validate_hf(ck: Checkpoint) -> None:
     except ValueError as e:
         raise ConfigError("checkpoint.hf_max_shard_size", ck.hf_max_shard_size, str(e)) from None
     _at_least("checkpoint.hf_export_interval", ck.hf_export_interval, 0)
+    _at_least("checkpoint.consolidation_threads", ck.consolidation_threads, 1)
 
 
 def _validate_exclusions(names: list[str]) -> None:

@@ -219,8 +219,10 @@ class CheckpointManager:
             return writer.fs.checksums, summary
 
         def write_hf(state: dict[str, Any]) -> tuple[dict[str, tuple[int, str]], str]:
-            save_hf(state, path, self._adapter, dtype=_DTYPES[self.config.export_dtype],
-                    max_shard_size=self.config.hf_max_shard_size, process_group=self._group.pg)
+            ck = self.config
+            save_hf(state, path, self._adapter, dtype=_DTYPES[ck.export_dtype], max_shard_size=ck.hf_max_shard_size,
+                    process_group=self._group.pg, mode=ck.consolidation, num_threads=ck.consolidation_threads,
+                    keep_shards=ck.keep_hf_shards)
             return {}, ""  # no writer checksums: the commit reads each file once
 
         def commit_step(written: tuple[dict[str, tuple[int, str]], str]) -> None:

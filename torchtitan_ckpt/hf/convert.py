@@ -31,7 +31,7 @@ from ..example.model import FLAVORS, ModelArgs, Transformer
 from .adapter import CONFIG_FILE, StateDictAdapter
 from .llama import LlamaAdapter, llama_args_from_hf_config
 from .load import load_hf
-from .save import save_hf
+from .save import MODES, save_hf
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def empty_state_dict(spec: AdapterSpec, args: Any) -> dict[str, Any]:
 
 def convert(to: str, src: str, dst: str, adapter_name: str = "llama3", *, flavor: str | None = None,
             hf_assets_path: str | None = None, dtype: str | None = None,
-            max_shard_size: str = "5GB") -> None:
+            max_shard_size: str = "5GB", consolidation: str = "one_pass", threads: int = 4) -> None:
     """Convert the model in `src` to format `to` ("hf" or "dcp") in `dst`; call on every rank."""
     if adapter_name not in ADAPTERS:
         raise ValueError(f"unknown adapter {adapter_name!r}; expected one of {', '.join(ADAPTERS)}")
@@ -98,7 +98,8 @@ def convert(to: str, src: str, dst: str, adapter_name: str = "llama3", *, flavor
     state = empty_state_dict(spec, args)
     if to == "hf":
         _read_dcp(state, src)
-        save_hf(state, dst, adapter, dtype=DTYPES[dtype] if dtype else None, max_shard_size=max_shard_size)
+        save_hf(state, dst, adapter, dtype=DTYPES[dtype] if dtype else None, max_shard_size=max_shard_size,
+                mode=consolidation, num_threads=threads)
     else:
         load_hf(state, src, adapter)
         _write_dcp(state, dst)
@@ -147,6 +148,9 @@ def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--hf-assets", help="HF folder whose config.json and file split an export copies")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating tensors of an HF export")
     p.add_argument("--max-shard-size", default="5GB", help="largest HF file when there is no assets index")
+    p.add_argument("--consolidation", default="one_pass", choices=MODES,
+                   help="how the HF files are written (see checkpoint.consolidation)")
+    p.add_argument("--threads", type=int, default=4, help="I/O threads per rank for the HF files")
     return p
 
 
@@ -161,7 +165,8 @@ def run_convert(args: argparse.Namespace) -> int:
         dist.init_process_group("gloo")
     try:
         convert(args.to, args.src, args.dst, args.adapter, flavor=args.flavor,
-                hf_assets_path=args.hf_assets, dtype=args.dtype, max_shard_size=args.max_shard_size)
+                hf_assets_path=args.hf_assets, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                consolidation=args.consolidation, threads=args.threads)
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

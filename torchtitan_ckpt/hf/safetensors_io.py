@@ -1,9 +1,9 @@
-"""The safetensors file format, as far as we read and write it ourselves.
+"""Reading safetensors headers ourselves (writing is `torchtitan_ckpt.consolidate`'s).
 
 A file is an 8-byte little-endian header length, a JSON header (name -> dtype, shape and
 `data_offsets` into the data section; `__metadata__`), then the tensors' raw bytes. Reading a
-header touches no tensor data; the writer streams tensors in header order, so no more than one
-tensor is held at a time, and fsyncs the file before it is reported complete.
+header touches no tensor data, and a header larger than the file or the format's limit, or with
+out-of-bounds offsets, is an error naming the file before anything big is allocated.
 """
 
 from __future__ import annotations
@@ -41,51 +41,33 @@ def read_header(path: str) -> dict[str, TensorEntry]:
     """Name -> dtype and shape of every tensor in the safetensors file `path` (no data read)."""
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             (length,) = struct.unpack("<Q", f.read(8))
-            if length > _MAX_HEADER:
-                raise ValueError(f"header length {length} is implausible")
+            if length > min(_MAX_HEADER, size - 8):
+                raise ValueError(f"header length {length} exceeds the file ({size} bytes) or the format's limit")
             header = json.loads(f.read(length))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
         header.pop("__metadata__", None)
-        return {name: TensorEntry(_BY_NAME[e["dtype"]], tuple(e["shape"])) for name, e in header.items()}
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        entries = {name: TensorEntry(_BY_NAME[e["dtype"]], tuple(int(d) for d in e["shape"]))
+                   for name, e in header.items()}
+        _check_offsets(header, entries, size - 8 - length)
+        return entries
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
         raise CorruptCheckpointError(f"{path} is not a readable safetensors file: {e!r}") from e
 
 
-class SafetensorsWriter:
-    """Writes one safetensors file whose header is known up front; `add()` the tensors in the
-    order of `entries`, then `close()` (which fsyncs)."""
-
-    def __init__(self, path: str, entries: dict[str, TensorEntry]):
-        self.path = path
-        self._pending = list(entries.items())
-        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for name, e in self._pending:
-            header[name] = {"dtype": _DTYPES[e.dtype], "shape": list(e.shape),
-                            "data_offsets": [offset, offset + e.nbytes]}
-            offset += e.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors does
-        self._file = open(path, "wb")  # noqa: SIM115 - closed by close()
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        expected_name, entry = self._pending.pop(0)
-        if name != expected_name or tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
-            raise ValueError(f"{self.path}: got {name} {tensor.dtype} {tuple(tensor.shape)}, "
-                             f"expected {expected_name} {entry.dtype} {entry.shape}")
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(memoryview(data.numpy()))
-
-    def close(self) -> None:
-        """Flush and fsync; complain if a tensor of the header was never added."""
-        if self._file.closed:
-            return
-        try:
-            if self._pending:
-                raise ValueError(f"{self.path}: {len(self._pending)} tensor(s) never written, "
-                                 f"e.g. {self._pending[0][0]}")
-            self._file.flush()
-            os.fsync(self._file.fileno())
-        finally:
-            self._file.close()
+def _check_offsets(header: dict, entries: dict[str, TensorEntry], data_bytes: int) -> None:
+    """Each tensor's bytes lie inside the data section, match its dtype and shape, and overlap
+    no other tensor's."""
+    spans = []
+    for name, entry in entries.items():
+        start, end = (int(x) for x in header[name]["data_offsets"])
+        if not 0 <= start <= end <= data_bytes or end - start != entry.nbytes:
+            raise ValueError(f"{name}: data_offsets [{start}, {end}] do not fit {entry.nbytes} bytes "
+                             f"in a data section of {data_bytes}")
+        spans.append((start, end, name))
+    spans.sort()
+    for (_, end, name), (start, _, other) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"{name} and {other} overlap")

@@ -1,0 +1,249 @@
+"""Consolidation of DCP HF shards and the one-pass export, in one process: the pure planners, real
+DCP shard input, hand-made shards sharded on inner dims, and corrupted input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+from torchtitan_ckpt import consolidate as C
+from torchtitan_ckpt.errors import CorruptCheckpointError
+
+
+def full_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(6, 5, generator=g),
+        "emb": torch.randn(7, 3, generator=g).bfloat16(),
+        "ids": torch.arange(-5, 6, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "scale": torch.tensor(2.5),
+        "h": torch.randn(3, generator=g).half(),
+    }
+
+
+MAPPING = {"w": 1, "emb": 1, "ids": 2, "mask": 2, "scale": 3, "h": 3}
+
+
+def read_output(folder: str) -> dict[str, torch.Tensor]:
+    index = json.load(open(os.path.join(folder, C.INDEX_FILE)))
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        out.update(load_file(os.path.join(folder, name)))
+    assert sorted(out) == sorted(index["weight_map"])
+    return out
+
+
+def assert_identical(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        assert torch.equal(got[k], want[k]), k
+
+
+def assert_aligned(path: str) -> None:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    assert (8 + n) % 8 == 0
+    for k, v in header.items():
+        if k != "__metadata__":
+            assert v["data_offsets"][0] % C.DTYPE_SIZES[v["dtype"]] == 0, k
+
+
+def write_shards(folder: str, tensors: dict[str, torch.Tensor], dims: dict[str, int], cuts: list[float]) -> None:
+    """Hand-made DCP HF shard files: tensor k split along dims[k] at fractions `cuts`, one file per piece."""
+    os.makedirs(folder, exist_ok=True)
+    for r in range(len(cuts) + 1):
+        part, info = {}, {}
+        for k, t in tensors.items():
+            d = dims.get(k)
+            if d is None:
+                if r == 0:
+                    part[k], info[k] = t, {"saved_offsets": [0] * t.dim()}
+                continue
+            bounds = [0, *[round(c * t.shape[d]) for c in cuts], t.shape[d]]
+            part[k] = t.narrow(d, bounds[r], bounds[r + 1] - bounds[r]).contiguous()
+            info[k] = {"saved_offsets": [bounds[r] if i == d else 0 for i in range(t.dim())]}
+        save_file(part, os.path.join(folder, f"shard-{r + 1:05d}-model-00001-of-00001.safetensors"),
+                  metadata={"DCP_SHARDING_INFO": json.dumps(info), "format": "pt"})
+
+
+# --- pure planners -----------------------------------------------------------------------------
+
+
+def test_assign_bytes_cuts_items_into_equal_shares():
+    assert C.assign_bytes([10, 2, 4], 2) == [[(0, 0, 8)], [(0, 8, 10), (1, 0, 2), (2, 0, 4)]]
+    assert C.assign_bytes([100], 3) == [[(0, 0, 33)], [(0, 33, 66)], [(0, 66, 100)]]
+    assert C.assign_bytes([1], 3) == [[], [], [(0, 0, 1)]]
+    assert C.assign_bytes([], 2) == [[], []]
+
+
+def test_block_runs_of_a_dim1_block_are_rows():
+    block = C.Block("x", "F32", (0, 2), (3, 2))  # columns 2..3 of a 3x5 tensor
+    runs = C.block_runs(block, (3, 5), data_start=16)
+    assert (runs.run_bytes, [runs.dst(r) for r in range(3)]) == (8, [24, 44, 64])
+    dim0 = C.block_runs(C.Block("x", "F32", (1, 0), (2, 5)), (3, 5), 16)
+    assert (dim0.run_bytes, dim0.dst(0), dim0.outer_shape) == (40, 36, ())
+    scalar = C.block_runs(C.Block("s", "I64", (), ()), (), 8)
+    assert (scalar.run_bytes, scalar.dst(0)) == (8, 8)
+
+
+def test_output_layout_is_aligned_and_sorted_by_element_size():
+    specs = {"b": C.TensorSpec("b", "BOOL", (3,)), "a": C.TensorSpec("a", "F32", (2,)),
+             "c": C.TensorSpec("c", "BF16", (1,))}
+    (f,) = C.plan_output_files(specs)
+    assert f.name == "model-00001-of-00001.safetensors"
+    start = len(f.header)
+    assert start % 8 == 0 and f.starts == {"a": start, "c": start + 8, "b": start + 10}
+    assert f.size == start + 13
+    files = C.plan_output_files(specs, {"a": 1, "b": 3, "c": 3})
+    assert [x.name for x in files] == [C.file_name(i, 3) for i in (1, 2, 3)] and files[1].starts == {}
+
+
+def test_full_tensors_rejects_gaps_and_overlaps():
+    a = C.Block("t", "F32", (0, 0), (2, 4), "s1")
+    assert C.full_tensors([a, C.Block("t", "F32", (2, 0), (1, 4), "s2")])["t"].shape == (3, 4)
+    with pytest.raises(C.InvalidShardsError, match="cover 12 of 16 elements"):
+        C.full_tensors([a, C.Block("t", "F32", (3, 0), (1, 4), "s2")])
+    with pytest.raises(C.InvalidShardsError, match="overlap"):
+        C.full_tensors([a, C.Block("t", "F32", (1, 0), (2, 4), "s2")])
+    with pytest.raises(C.InvalidShardsError, match="disagree on dtype"):
+        C.full_tensors([a, C.Block("t", "BF16", (2, 0), (1, 4), "s2")])
+
+
+# --- real DCP shard input ----------------------------------------------------------------------
+
+
+def dcp_shards(tmp_path, state, mapping) -> str:
+    folder = str(tmp_path / "sharded")
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(folder, fqn_to_index_mapping=mapping,
+                                                            save_distributed=True))
+    return folder
+
+
+def test_consolidates_dcp_shards_bit_identical_with_index(tmp_path):
+    state = full_state()
+    shards = dcp_shards(tmp_path, state, MAPPING)
+    out = str(tmp_path / "hf")
+    C.consolidate_safetensors(shards, out, MAPPING)
+    assert_identical(read_output(out), state)
+    index = json.load(open(os.path.join(out, C.INDEX_FILE)))
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
+    assert index["weight_map"]["ids"] == "model-00002-of-00003.safetensors"
+    for i in (1, 2, 3):
+        assert_aligned(os.path.join(out, C.file_name(i, 3)))
+    assert not os.path.exists(shards)  # shards removed after success
+
+
+def test_keep_shards_and_no_mapping_gives_one_file(tmp_path):
+    state = full_state()
+    shards = dcp_shards(tmp_path, state, None)
+    out = str(tmp_path / "hf")
+    C.consolidate_safetensors(shards, out, keep_shards=True, num_threads=3)
+    assert sorted(os.listdir(out)) == sorted([C.INDEX_FILE, "model-00001-of-00001.safetensors"])
+    assert_identical(read_output(out), state)
+    assert os.listdir(shards)
+
+
+def test_inner_dim_uneven_shards_stream_through_a_small_buffer(tmp_path, monkeypatch):
+    monkeypatch.setattr(C, "CHUNK_BYTES", 24)  # forces chunks that end inside runs
+    g = torch.Generator().manual_seed(1)
+    full = {"a": torch.randn(5, 7, generator=g), "b": torch.randint(0, 9, (3, 4, 5), generator=g),
+            "c": torch.randn(4, 6, 5, generator=g).bfloat16(), "d": torch.rand(6, 3, generator=g) > 0.5,
+            "s": torch.tensor(7, dtype=torch.int32)}
+    write_shards(str(tmp_path / "in"), full, {"a": 1, "b": 2, "c": 1, "d": 0}, [0.3, 0.8])
+    C.consolidate_safetensors(str(tmp_path / "in"), str(tmp_path / "out"), num_threads=2)
+    assert_identical(read_output(str(tmp_path / "out")), full)
+
+
+def test_matches_pytorch_consolidation_on_the_same_shards(tmp_path):
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
+
+    full = {"a": torch.randn(5, 7), "b": torch.randn(4, 6).bfloat16()}
+    write_shards(str(tmp_path / "in"), full, {"a": 1, "b": 0}, [0.5])
+    os.makedirs(tmp_path / "theirs")
+    consolidate_safetensors_files_on_every_rank(str(tmp_path / "in"), str(tmp_path / "theirs"), {"a": 1, "b": 1})
+    C.consolidate_safetensors(str(tmp_path / "in"), str(tmp_path / "ours"), keep_shards=True)
+    theirs = load_file(str(tmp_path / "theirs" / "model-00001-of-00001.safetensors"))  # no index single-process
+    assert_identical(read_output(str(tmp_path / "ours")), theirs)
+    assert_identical(theirs, full)
+
+
+# --- corrupted input ---------------------------------------------------------------------------
+
+
+def shard_path(tmp_path, r: int) -> str:
+    return str(tmp_path / "in" / f"shard-{r:05d}-model-00001-of-00001.safetensors")
+
+
+@pytest.mark.parametrize("damage, match", [
+    ("truncate", "header of .* bytes in a file of 20 bytes"),
+    ("drop_shard", "cover 15 of 35 elements"),
+    ("dtype", "has dtype 'Q7'"),
+    ("plain", "not a DCP HF shard file"),
+    ("short_data", "claims bytes"),
+])
+def test_corrupt_shards_raise_naming_the_file(tmp_path, damage, match):
+    write_shards(str(tmp_path / "in"), {"a": torch.randn(5, 7)}, {"a": 1}, [0.5])
+    path = shard_path(tmp_path, 1)
+    raw = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    if damage == "truncate":
+        raw = raw[:20]
+    elif damage == "drop_shard":
+        os.remove(path)  # the files alone do not say the full shape, so drop a leading block
+        path = shard_path(tmp_path, 2)
+    elif damage == "dtype":
+        raw = raw.replace(b'"F32"', b'"Q7" ')
+    elif damage == "plain":
+        save_file({"a": torch.zeros(2)}, path)
+        raw = open(path, "rb").read()
+    elif damage == "short_data":
+        raw = raw[:8 + n + 4]
+    if damage != "drop_shard":
+        open(path, "wb").write(raw)
+    with pytest.raises(C.InvalidShardsError, match=match) as info:
+        C.consolidate_safetensors(str(tmp_path / "in"), str(tmp_path / "out"))
+    assert isinstance(info.value, CorruptCheckpointError)
+    assert os.path.basename(path) in str(info.value)
+    assert not os.path.exists(os.path.join(tmp_path, "out", C.INDEX_FILE))
+
+
+def test_missing_input_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(C.InvalidShardsError, match="no such folder"):
+        C.consolidate_safetensors(str(tmp_path / "nope"), str(tmp_path / "out"))
+
+
+# --- one-pass export and CLI -------------------------------------------------------------------
+
+
+def test_one_pass_export_single_process(tmp_path):
+    state = full_state()
+    C.write_safetensors_one_pass(state, str(tmp_path / "hf"), MAPPING)
+    assert_identical(read_output(str(tmp_path / "hf")), state)
+    assert_aligned(os.path.join(tmp_path, "hf", C.file_name(1, 3)))
+    with pytest.raises(TypeError, match="'step' is a int"):
+        C.write_safetensors_one_pass({"step": 3}, str(tmp_path / "x"))
+
+
+def test_cli_consolidates_with_a_mapping_file(tmp_path, capsys):
+    state = full_state()
+    shards = dcp_shards(tmp_path, state, MAPPING)
+    json.dump(MAPPING, open(tmp_path / "map.json", "w"))
+    parser = argparse.ArgumentParser()
+    C.add_consolidate_parser(parser.add_subparsers())
+    args = parser.parse_args(["consolidate", shards, str(tmp_path / "hf"), "--mapping", str(tmp_path / "map.json"),
+                              "--keep-shards", "--num-threads", "2"])
+    assert args.func(args) == 0
+    assert_identical(read_output(str(tmp_path / "hf")), state)
+    bad = parser.parse_args(["consolidate", str(tmp_path / "nope"), str(tmp_path / "o")])
+    assert bad.func(bad) == 1 and "no such folder" in capsys.readouterr().err

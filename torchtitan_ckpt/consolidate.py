@@ -1,0 +1,637 @@
+"""Final HF safetensors files, written by every rank: consolidation of DCP's per-rank shards, and
+a one-pass export that needs no shards at all.
+
+Two entry points, both called collectively by every rank of a process group (or by one process
+without `torch.distributed`):
+
+- `consolidate_safetensors` turns the shard files that DCP's `HuggingFaceStorageWriter` writes with
+  `save_distributed=True` (one `shard-R-model-X-of-N.safetensors` per rank and output file, whose
+  header metadata `DCP_SHARDING_INFO` holds each block's offsets in the full tensor) into
+  `model-0000X-of-0000N.safetensors` and `model.safetensors.index.json`.
+- `write_safetensors_one_pass` writes the same final files straight from a (DTensor) state dict.
+
+How the work is shared: the layout of the output (each tensor's file and byte offset) depends only
+on names, dtypes and global shapes, so every rank computes the same layout. The bytes to copy are
+then cut into `world_size` equal runs of the output stream (`assign_bytes`), splitting a tensor
+block wherever a cut falls, so W ranks help even with fewer than W files or one huge file. Rank 0
+creates and pre-sizes the files and writes their headers; every rank then `os.pwrite`s its bytes
+at their final offsets. A block sharded on a dimension other than the first lands in the output as
+rows of contiguous runs, written one run at a time.
+
+Memory bound: consolidation copies through one fixed buffer per thread, so a rank holds at most
+`num_threads * CHUNK_BYTES` (4 x 16 MiB by default) of tensor data, plus the parsed headers (a few
+hundred bytes per tensor block); it never holds a whole file or tensor, whatever the model size.
+The one-pass export writes from the tensors already in memory (a CPU copy of a GPU tensor,
+one tensor at a time, is the only extra memory).
+
+Durability and completeness: every rank fsyncs what it wrote; the index is written last, by rank 0,
+atomically (temporary file, fsync, rename), and only after every rank reported success. Every step
+ends with an all-gather of errors, so a failure on one rank fails every rank instead of hanging
+them; an export that did not finish has no `model.safetensors.index.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from .errors import CheckpointError, CorruptCheckpointError
+from .group import CheckpointGroup
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+CHUNK_BYTES = 16 << 20
+HEADER_ALIGN = 8
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+_SHARDING_KEY = "DCP_SHARDING_INFO"
+_MAX_IO = 1 << 30  # Linux moves at most ~2 GiB per read/write call
+
+# Bytes per element of every safetensors dtype that has whole bytes per element.
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+}
+_TORCH_DTYPES: dict[torch.dtype, str] = {
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fn: "F8_E4M3", torch.int16: "I16", torch.uint16: "U16", torch.float16: "F16",
+    torch.bfloat16: "BF16", torch.int32: "I32", torch.uint32: "U32", torch.float32: "F32",
+    torch.int64: "I64", torch.uint64: "U64", torch.float64: "F64", torch.complex64: "C64",
+}
+
+
+class InvalidShardsError(CorruptCheckpointError):
+    """The shard files cannot be consolidated: unreadable header, unknown dtype, missing or
+    overlapping blocks. The message names the file or tensor."""
+
+
+class ConsolidationError(CheckpointError):
+    """Another rank failed while writing the final files; the export is incomplete (no index)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain data: blocks, tensors, output files, copy tasks.
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block of one tensor: where it sits in the full tensor and where its bytes are (a shard
+    file at `src_start`, or memory when `src` is empty)."""
+
+    fqn: str
+    dtype: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    src: str = ""
+    src_start: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A full tensor: what the output header says about it."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    """One final file: its name, header bytes, total size, and each tensor's absolute data offset."""
+
+    name: str
+    header: bytes
+    size: int
+    starts: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Task:
+    """Copy bytes [start, stop) of a block (counted within the block) to the output."""
+
+    block: Block
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Where a block's bytes go in its output file: `run_bytes`-long contiguous runs, run r at
+    `dst(r)`. A block that spans all but its first sharded dimension is a single run."""
+
+    run_bytes: int
+    base: int
+    outer_shape: tuple[int, ...]
+    outer_strides: tuple[int, ...]
+
+    def dst(self, run: int) -> int:
+        off = self.base
+        for size, stride in zip(reversed(self.outer_shape), reversed(self.outer_strides)):
+            run, i = divmod(run, size)
+            off += i * stride
+        return off
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure planning: layout, geometry, balanced assignment, coverage.
+
+
+def file_name(index: int, num_files: int) -> str:
+    """The HF name of output file `index` (1-based) of `num_files`."""
+    return f"model-{index:05d}-of-{num_files:05d}.safetensors"
+
+
+def plan_output_files(specs: Mapping[str, TensorSpec],
+                      fqn_to_index_mapping: Mapping[str, int] | None = None) -> list[OutputFile]:
+    """The final files: tensors grouped by the mapping's file index (one file without a mapping),
+    ordered by element size then name so that each tensor's data is aligned to its element size,
+    and a header padded with spaces so that tensor data starts at a multiple of 8 bytes."""
+    mapping = fqn_to_index_mapping or dict.fromkeys(specs, 1)
+    missing = sorted(set(specs) - set(mapping))
+    if missing:
+        raise ValueError(f"fqn_to_index_mapping has no file index for {missing[:5]}")
+    num_files = max(mapping.values(), default=1)
+    groups: dict[int, list[TensorSpec]] = {i: [] for i in range(1, num_files + 1)}
+    for fqn, spec in specs.items():
+        groups[mapping[fqn]].append(spec)
+    return [_layout_file(file_name(i, num_files), specs_in_file) for i, specs_in_file in groups.items()]
+
+
+def _layout_file(name: str, specs: list[TensorSpec]) -> OutputFile:
+    specs = sorted(specs, key=lambda s: (-DTYPE_SIZES[s.dtype], s.fqn))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for s in specs:
+        header[s.fqn] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [pos, pos + s.nbytes]}
+        pos += s.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % HEADER_ALIGN)
+    data_start = 8 + len(text)
+    starts = {s.fqn: data_start + header[s.fqn]["data_offsets"][0] for s in specs}
+    return OutputFile(name, struct.pack("<Q", len(text)) + text, data_start + pos, starts)
+
+
+def block_runs(block: Block, full_shape: Sequence[int], data_start: int) -> Runs:
+    """How `block` of a tensor of `full_shape`, whose data starts at `data_start` in its file,
+    maps onto the file: the innermost dims it spans fully merge with the last dim it does not
+    into one contiguous run; the dims outside repeat that run."""
+    item = DTYPE_SIZES[block.dtype]
+    ndim = len(full_shape)
+    strides = [item] * ndim
+    for d in range(ndim - 2, -1, -1):
+        strides[d] = strides[d + 1] * full_shape[d + 1]
+    k = max((d for d in range(ndim) if block.shape[d] != full_shape[d]), default=0)
+    base = data_start + sum(o * s for o, s in zip(block.offsets, strides))
+    return Runs(item * math.prod(block.shape[k:]), base, tuple(block.shape[:k]), tuple(strides[:k]))
+
+
+def assign_bytes(sizes: Sequence[int], parts: int) -> list[list[tuple[int, int, int]]]:
+    """Split items of `sizes` bytes, taken in order, among `parts` workers so that each gets the
+    same number of bytes (within one byte): the concatenated items are cut at `total * p / parts`,
+    splitting an item wherever a cut falls. Returns, per worker, (item, start, stop) ranges."""
+    total = sum(sizes)
+    cuts = [total * p // parts for p in range(parts + 1)]
+    out: list[list[tuple[int, int, int]]] = [[] for _ in range(parts)]
+    pos, part = 0, 0
+    for item, size in enumerate(sizes):
+        start = 0
+        while start < size:
+            while pos + start >= cuts[part + 1]:
+                part += 1
+            stop = min(size, cuts[part + 1] - pos)
+            out[part].append((item, start, stop))
+            start = stop
+        pos += size
+    return out
+
+
+def plan_tasks(blocks: Sequence[Block], files: Sequence[OutputFile], specs: Mapping[str, TensorSpec],
+               workers: int) -> list[list[Task]]:
+    """Each worker's copy tasks, equal in bytes, in output order so a worker writes one mostly
+    contiguous stretch of the output."""
+    where = {fqn: (i, start) for i, f in enumerate(files) for fqn, start in f.starts.items()}
+
+    def position(b: Block) -> tuple[int, int]:
+        file_idx, start = where[b.fqn]
+        return file_idx, block_runs(b, specs[b.fqn].shape, start).dst(0)
+
+    ordered = sorted((b for b in blocks if b.nbytes), key=position)
+    return [[Task(ordered[i], a, z) for i, a, z in ranges]
+            for ranges in assign_bytes([b.nbytes for b in ordered], workers)]
+
+
+def full_tensors(blocks: Sequence[Block]) -> dict[str, TensorSpec]:
+    """The full tensors the blocks make up; raises `InvalidShardsError` naming the tensor and the
+    files when blocks disagree on dtype or rank, overlap, or leave part of a tensor uncovered."""
+    by_fqn: dict[str, list[Block]] = {}
+    for b in blocks:
+        by_fqn.setdefault(b.fqn, []).append(b)
+    specs = {}
+    for fqn, group in sorted(by_fqn.items()):
+        files = sorted({b.src for b in group})
+        if len({b.dtype for b in group}) > 1 or len({len(b.shape) for b in group}) > 1:
+            raise InvalidShardsError(f"tensor {fqn!r}: its blocks in {files} disagree on dtype or rank")
+        shape = tuple(max(b.offsets[d] + b.shape[d] for b in group) for d in range(len(group[0].shape)))
+        _check_coverage(fqn, group, shape, files)
+        specs[fqn] = TensorSpec(fqn, group[0].dtype, shape)
+    return specs
+
+
+def _check_coverage(fqn: str, group: list[Block], shape: tuple[int, ...], files: list[str]) -> None:
+    for i, a in enumerate(group):
+        for b in group[i + 1:]:
+            if all(max(oa, ob) < min(oa + sa, ob + sb)
+                   for oa, sa, ob, sb in zip(a.offsets, a.shape, b.offsets, b.shape)) and a.nbytes and b.nbytes:
+                raise InvalidShardsError(
+                    f"tensor {fqn!r}: blocks at offsets {list(a.offsets)} ({a.src}) and "
+                    f"{list(b.offsets)} ({b.src}) overlap")
+    covered = sum(math.prod(b.shape) for b in group)
+    if covered != math.prod(shape):
+        raise InvalidShardsError(
+            f"tensor {fqn!r} of shape {list(shape)}: the shards in {files} cover {covered} of "
+            f"{math.prod(shape)} elements; a rank's shard file is missing")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading shard headers.
+
+
+def read_shard_blocks(path: str) -> list[Block]:
+    """The tensor blocks one DCP HF shard file holds, read from its header alone and checked
+    against the file's size. Raises `InvalidShardsError` naming the file."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise InvalidShardsError(f"{path}: {size} bytes, too short for a safetensors header")
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > min(size - 8, MAX_HEADER_BYTES):
+            raise InvalidShardsError(f"{path}: header of {header_len} bytes in a file of {size} bytes")
+        try:
+            header = json.loads(f.read(header_len))
+            sharding = json.loads(header.pop("__metadata__", {})[_SHARDING_KEY])
+        except (ValueError, KeyError, TypeError) as e:
+            raise InvalidShardsError(f"{path}: not a DCP HF shard file (header or {_SHARDING_KEY} "
+                                     f"unreadable: {e}); save with save_distributed=True") from e
+    data_start = 8 + header_len
+    return [_block(path, fqn, entry, sharding, data_start, size) for fqn, entry in header.items()]
+
+
+def _block(path: str, fqn: str, entry: dict, sharding: dict, data_start: int, size: int) -> Block:
+    dtype = entry.get("dtype")
+    if dtype not in DTYPE_SIZES:
+        raise InvalidShardsError(f"{path}: tensor {fqn!r} has dtype {dtype!r}; known: {sorted(DTYPE_SIZES)}")
+    shape = tuple(entry["shape"])
+    begin, end = entry["data_offsets"]
+    offsets = tuple(sharding.get(fqn, {}).get("saved_offsets", ()))
+    block = Block(fqn, dtype, offsets, shape, path, data_start + begin)
+    if len(offsets) != len(shape):
+        raise InvalidShardsError(f"{path}: tensor {fqn!r} has shape {list(shape)} but saved_offsets {list(offsets)}")
+    if end - begin != block.nbytes or data_start + end > size:
+        raise InvalidShardsError(f"{path}: tensor {fqn!r} claims bytes [{begin}, {end}) after the header: "
+                                 f"{block.nbytes} expected, file has {size - data_start}")
+    return block
+
+
+def find_shard_files(input_dir: str) -> list[str]:
+    """Every `.safetensors` file of `input_dir`, sorted."""
+    if not os.path.isdir(input_dir):
+        raise InvalidShardsError(f"{input_dir}: no such folder of shard files")
+    names = sorted(n for n in os.listdir(input_dir) if n.endswith(".safetensors"))
+    if not names:
+        raise InvalidShardsError(f"{input_dir}: no .safetensors shard files")
+    return [os.path.join(input_dir, n) for n in names]
+
+
+# ---------------------------------------------------------------------------------------------
+# Positioned I/O.
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data[:_MAX_IO], offset)
+        data, offset = data[n:], offset + n
+
+
+def _pread_all(fd: int, buf: memoryview, offset: int, path: str) -> None:
+    got = 0
+    while got < len(buf):
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        if n == 0:
+            raise InvalidShardsError(f"{path}: ends at byte {offset + got}, before its data does")
+        got += n
+
+
+def _scatter(fd: int, runs: Runs, data: memoryview, pos: int) -> None:
+    """Write `data`, a block's bytes from byte `pos` on, to their places in the output file."""
+    i = 0
+    while i < len(data):
+        run, within = divmod(pos + i, runs.run_bytes)
+        n = min(runs.run_bytes - within, len(data) - i)
+        _pwrite_all(fd, data[i:i + n], runs.dst(run) + within)
+        i += n
+
+
+class _Writer:
+    """Runs one rank's tasks on `num_threads` threads, each with its own file handles (and, for
+    file sources, its own CHUNK_BYTES buffer); returns the output files it wrote to."""
+
+    def __init__(self, output_dir: str, files: Sequence[OutputFile], specs: Mapping[str, TensorSpec],
+                 memory: Mapping[str, memoryview] | None = None):
+        self.output_dir = output_dir
+        self.where = {fqn: (f.name, start) for f in files for fqn, start in f.starts.items()}
+        self.specs = specs
+        self.memory = memory or {}
+
+    def run(self, tasks: Sequence[Task], num_threads: int) -> set[str]:
+        shares = assign_bytes([t.stop - t.start for t in tasks], max(1, num_threads))
+        shares = [[Task(tasks[i].block, tasks[i].start + a, tasks[i].start + z) for i, a, z in s] for s in shares]
+        errors: list[BaseException] = []
+        threads = [threading.Thread(target=self._guarded, args=(s, errors)) for s in shares if s]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return {self.where[t.block.fqn][0] for t in tasks}
+
+    def _guarded(self, tasks: list[Task], errors: list[BaseException]) -> None:
+        try:
+            self._copy(tasks)
+        except BaseException as e:  # handed to the calling thread, which raises it
+            errors.append(e)
+
+    def _copy(self, tasks: list[Task]) -> None:
+        fds: dict[str, int] = {}
+        buf = memoryview(bytearray(CHUNK_BYTES)) if not self.memory else None
+        try:
+            for task in tasks:
+                b = task.block
+                name, start = self.where[b.fqn]
+                if name not in fds:
+                    fds[name] = os.open(os.path.join(self.output_dir, name), os.O_WRONLY)
+                runs = block_runs(b, self.specs[b.fqn].shape, start)
+                if b.src:
+                    if b.src not in fds:
+                        fds[b.src] = os.open(b.src, os.O_RDONLY)
+                    self._copy_from_file(task, runs, fds[b.src], fds[name], buf)
+                else:
+                    _scatter(fds[name], runs, self.memory[b.fqn][task.start:task.stop], task.start)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    @staticmethod
+    def _copy_from_file(task: Task, runs: Runs, src: int, dst: int, buf: memoryview) -> None:
+        pos = task.start
+        while pos < task.stop:
+            view = buf[:min(len(buf), task.stop - pos)]
+            _pread_all(src, view, task.block.src_start + pos, task.block.src)
+            _scatter(dst, runs, view, pos)
+            pos += len(view)
+
+
+def _fsync_path(path: str, flags: int = os.O_RDONLY) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _create_files(output_dir: str, files: Sequence[OutputFile]) -> None:
+    """Create every output file at its final size, with its header (run by one rank, which also
+    fsyncs them: the writers fsync only the files they write tensor bytes into)."""
+    os.makedirs(output_dir, exist_ok=True)
+    stale = os.path.join(output_dir, INDEX_FILE)
+    if os.path.exists(stale):
+        os.remove(stale)
+    for f in files:
+        fd = os.open(os.path.join(output_dir, f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, f.size)
+            _pwrite_all(fd, memoryview(f.header), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_index(output_dir: str, files: Sequence[OutputFile], specs: Mapping[str, TensorSpec]) -> None:
+    """Write the index atomically, after fsyncing the folder so the files it names are durable."""
+    weight_map = dict(sorted((fqn, f.name) for f in files for fqn in f.starts))
+    index = {"metadata": {"total_size": sum(s.nbytes for s in specs.values())}, "weight_map": weight_map}
+    _fsync_path(output_dir)
+    tmp = os.path.join(output_dir, INDEX_FILE + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(index, fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, os.path.join(output_dir, INDEX_FILE))
+    _fsync_path(output_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collective steps.
+
+
+def _step(group: CheckpointGroup, what: str, fn: Callable[[], Any]) -> list[Any]:
+    """Run `fn` on this rank, then all-gather results and failures: every rank learns of a
+    failure anywhere (and raises) instead of waiting forever on a rank that gave up."""
+    result, error = None, None
+    try:
+        result = fn()
+    except Exception as e:  # any failure must reach the other ranks before it is raised here
+        error = e
+    gathered = group.all_gather((result, None if error is None else f"{type(error).__name__}: {error}",
+                                 isinstance(error, CorruptCheckpointError)))
+    if error is not None:
+        raise error
+    for rank, (_, message, corrupt) in enumerate(gathered):
+        if message is not None:
+            cls = InvalidShardsError if corrupt else ConsolidationError
+            raise cls(f"{what} failed on rank {rank}: {message}")
+    return [r for r, _, _ in gathered]
+
+
+def _write_everything(group: CheckpointGroup, output_dir: str, files: list[OutputFile],
+                      specs: Mapping[str, TensorSpec], tasks: Sequence[Task], num_threads: int,
+                      memory: Mapping[str, memoryview] | None = None) -> float:
+    """Create (rank 0), fill (every rank), fsync, then index (rank 0). Returns the seconds taken."""
+    t0 = time.perf_counter()
+    _step(group, "creating the output files", lambda: _create_files(output_dir, files) if group.rank == 0 else None)
+
+    def fill() -> None:
+        for name in sorted(_Writer(output_dir, files, specs, memory).run(tasks, num_threads)):
+            _fsync_path(os.path.join(output_dir, name))
+
+    _step(group, "writing tensor data", fill)
+    _step(group, "writing the index", lambda: _write_index(output_dir, files, specs) if group.rank == 0 else None)
+    seconds = time.perf_counter() - t0
+    mine = sum(t.stop - t.start for t in tasks)
+    logger.info("rank %d wrote %.3f GB into %d files in %.2f s (%.2f GB/s)", group.rank, mine / 1e9,
+                len(files), seconds, mine / 1e9 / max(seconds, 1e-9))
+    return seconds
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API.
+
+
+def consolidate_safetensors(input_dir: str, output_dir: str, fqn_to_index_mapping: Mapping[str, int] | None = None,
+                            *, process_group=None, num_threads: int = 4, keep_shards: bool = False,
+                            all_ranks: bool = True) -> None:
+    """Consolidate DCP HF shard files (`HuggingFaceStorageWriter(save_distributed=True)`) from
+    `input_dir` into `model-0000X-of-0000N.safetensors` and `model.safetensors.index.json` in
+    `output_dir`. Collective over `process_group` (a dedicated gloo group over every rank when
+    None and `torch.distributed` is initialised; a single process otherwise). `all_ranks=False`
+    lets rank 0 copy every byte (the others still take part in the collectives). The shard files
+    are deleted after success unless `keep_shards`. Raises `InvalidShardsError` for bad input."""
+    group = CheckpointGroup(process_group)
+    t0 = time.perf_counter()
+    shard_files = _step(group, "listing shards", lambda: find_shard_files(input_dir) if group.rank == 0 else None)[0]
+    mine = shard_files[group.rank::group.world_size]
+    blocks = [b for part in _step(group, "reading shard headers",
+                                  lambda: [b for p in mine for b in read_shard_blocks(p)]) for b in part]
+    specs = full_tensors(blocks)
+    if fqn_to_index_mapping is not None and set(fqn_to_index_mapping) - set(specs):
+        missing = sorted(set(fqn_to_index_mapping) - set(specs))
+        raise InvalidShardsError(f"{input_dir}: no shard holds {missing[:5]} (named in fqn_to_index_mapping)")
+    files = plan_output_files(specs, fqn_to_index_mapping)
+    tasks = plan_tasks(blocks, files, specs, group.world_size if all_ranks else 1)
+    my_tasks = tasks[group.rank] if group.rank < len(tasks) else []
+    _write_everything(group, output_dir, files, specs, my_tasks, num_threads)
+    if not keep_shards:
+        _step(group, "removing shard files", lambda: [os.remove(p) for p in mine])
+        if group.rank == 0 and os.path.abspath(input_dir) != os.path.abspath(output_dir) and not os.listdir(input_dir):
+            os.rmdir(input_dir)
+    if group.rank == 0:
+        total = sum(s.nbytes for s in specs.values())
+        seconds = time.perf_counter() - t0
+        logger.info("consolidated %d shard files (%.3f GB) into %d files in %s on %d ranks in %.2f s (%.2f GB/s)",
+                    len(shard_files), total / 1e9, len(files), output_dir, group.world_size, seconds,
+                    total / 1e9 / max(seconds, 1e-9))
+
+
+def write_safetensors_one_pass(state_dict: Mapping[str, torch.Tensor], output_dir: str,
+                               fqn_to_index_mapping: Mapping[str, int] | None = None, *,
+                               process_group=None, num_threads: int = 4) -> None:
+    """Write `state_dict` (tensors and DTensors) as final HF safetensors files and index in one
+    pass, collectively: every rank computes the same layout, writes its own blocks at their final
+    offsets (a replicated tensor or block by one rank only: rank 0 for plain tensors, the rank at
+    coordinate 0 of every replicated mesh dim for DTensors), fsyncs, and rank 0 writes the index
+    once every rank is done. No intermediate shard files."""
+    group = CheckpointGroup(process_group)
+    specs = {fqn: TensorSpec(fqn, _dtype_name(fqn, t), tuple(t.shape)) for fqn, t in state_dict.items()}
+    files = plan_output_files(specs, fqn_to_index_mapping)
+    blocks, memory = [], {}
+    for fqn, t in state_dict.items():
+        found = _local_block(fqn, t, specs[fqn].dtype, group.rank)
+        if found is not None and found[0].nbytes:
+            blocks.append(found[0])
+            memory[fqn] = found[1]
+    tasks = [Task(b, 0, b.nbytes) for b in blocks]
+    _write_everything(group, output_dir, files, specs, tasks, num_threads, memory)
+
+
+def _dtype_name(fqn: str, t: Any) -> str:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fqn!r} is a {type(t).__name__}; safetensors holds tensors only")
+    if t.dtype not in _TORCH_DTYPES:
+        raise TypeError(f"{fqn!r} has dtype {t.dtype}, which safetensors cannot hold")
+    return _TORCH_DTYPES[t.dtype]
+
+
+def _local_block(fqn: str, t: torch.Tensor, dtype: str, rank: int) -> tuple[Block, memoryview] | None:
+    """This rank's block of `t` and its bytes, or None when another rank writes it."""
+    if isinstance(t, DTensor):
+        coord = t.device_mesh.get_coordinate()
+        if coord is None:
+            return None
+        if not all(isinstance(p, (Shard, Replicate)) for p in t.placements):
+            raise ValueError(f"{fqn!r} has placements {t.placements}; reduce Partial tensors before exporting")
+        if any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord)):
+            return None
+        shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = t.to_local()
+    elif rank != 0:
+        return None
+    else:
+        shape, offsets, local = tuple(t.shape), (0,) * t.dim(), t
+    local = local.detach().cpu().contiguous()
+    if tuple(local.shape) != tuple(shape):
+        raise ValueError(f"{fqn!r}: local tensor of shape {list(local.shape)}, expected {list(shape)}")
+    data = memoryview(local.reshape(-1).view(torch.uint8).numpy())
+    return Block(fqn, dtype, tuple(offsets), tuple(shape)), data
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line: `torchtitan-ckpt consolidate IN_DIR OUT_DIR` (also under torchrun).
+
+
+def add_consolidate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the `consolidate` sub-command."""
+    p = subparsers.add_parser("consolidate", help="turn DCP HF shard files into final safetensors files",
+                              description="Consolidate the shard files DCP's HuggingFaceStorageWriter wrote with "
+                                          "save_distributed=True. Runs on every rank under torchrun.")
+    p.add_argument("input_dir", metavar="IN_DIR")
+    p.add_argument("output_dir", metavar="OUT_DIR")
+    p.add_argument("--mapping", help="JSON file: {fqn: file index} or an HF index whose weight_map names the files")
+    p.add_argument("--num-threads", type=int, default=4, help="copy threads per rank (default 4)")
+    p.add_argument("--keep-shards", action="store_true", help="do not delete the shard files after success")
+    p.set_defaults(func=run_consolidate)
+    return p
+
+
+def load_mapping(path: str) -> dict[str, int]:
+    """fqn -> file index from `{fqn: index}` or from an HF index's weight_map of file names."""
+    with open(path) as fh:
+        data = json.load(fh)
+    if "weight_map" not in data:
+        return {k: int(v) for k, v in data.items()}
+    return {fqn: int(name.split("-")[1]) for fqn, name in data["weight_map"].items()}
+
+
+def run_consolidate(args: argparse.Namespace) -> int:
+    """Run `consolidate`; initialises gloo when launched by torchrun (WORLD_SIZE set)."""
+    import torch.distributed as dist
+
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
+    if launched:
+        dist.init_process_group("gloo")
+    try:
+        mapping = load_mapping(args.mapping) if args.mapping else None
+        consolidate_safetensors(args.input_dir, args.output_dir, mapping, num_threads=args.num_threads,
+                                keep_shards=args.keep_shards)
+    except (CheckpointError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if launched:
+            dist.destroy_process_group()
+    print(f"wrote {args.output_dir}/{INDEX_FILE}")
+    return 0
