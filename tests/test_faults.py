@@ -48,3 +48,16 @@ def test_kill_during_a_save_then_resume_is_bit_identical(tmp_path, uninterrupted
     assert resumed == {s: v for s, v in uninterrupted["losses"].items() if s > previous}
     assert_same(read_checkpoint(layout.step_dir(folder, 20)), uninterrupted["final"])
     assert layout.committed_steps(folder) == [15, 20]  # retention removed the partial step too
+
+
+def test_kill_during_an_hf_export_leaves_no_index(tmp_path):
+    """Rank 1 dies after writing its bytes of the last step's HF files, before the index."""
+    dump = str(tmp_path)
+    folder = os.path.join(dump, "checkpoint")
+    run_job(dump, "--checkpoint.last_save_in_hf", "true", "--training.steps", "6", nproc=2,
+            env={faults.ENV: "consolidate@6:1"}, expect_ok=False)
+    step6 = layout.step_dir(folder, 6)
+    assert os.listdir(step6)  # files were being written ...
+    assert "model.safetensors.index.json" not in os.listdir(step6)  # ... but no index
+    assert not commit.is_committed(step6)
+    assert layout.committed_steps(folder) == [5]

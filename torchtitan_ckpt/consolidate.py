@@ -49,6 +49,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from . import faults
 from .errors import CheckpointError, CorruptCheckpointError
 from .group import CheckpointGroup
 
@@ -488,6 +489,7 @@ def _write_everything(group: CheckpointGroup, output_dir: str, files: list[Outpu
     def fill() -> None:
         for name in sorted(_Writer(output_dir, files, specs, memory).run(tasks, num_threads)):
             _fsync_path(os.path.join(output_dir, name))
+        faults.hit_in("consolidate", output_dir)  # this rank's bytes are in, the index is not
 
     _step(group, "writing tensor data", fill)
     _step(group, "writing the index", lambda: _write_index(output_dir, files, specs) if group.rank == 0 else None)

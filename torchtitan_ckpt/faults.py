@@ -9,7 +9,8 @@ while saving (or, for `purge`, deleting) step STEP:
 - `write`: a data file is half written;
 - `written`: every data file and DCP's `.metadata` are on disk, the commit marker is not;
 - `commit`: the marker's temporary file is written, not yet renamed into place;
-- `purge`: the old step's marker is removed, its files are not.
+- `purge`: the old step's marker is removed, its files are not;
+- `consolidate`: a Hugging Face export's bytes from this rank are written, its index is not.
 
 Unset (the normal case), `hit()` is one dictionary lookup.
 """
@@ -20,7 +21,7 @@ import os
 import signal
 
 ENV = "TORCHTITAN_CKPT_FAILPOINT"
-PHASES = ("staging", "prepare", "write", "written", "commit", "purge")
+PHASES = ("staging", "prepare", "write", "written", "commit", "purge", "consolidate")
 
 
 def _parse(spec: str) -> tuple[str, int, int | None]:
@@ -46,3 +47,10 @@ def hit(phase: str, step: int) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if want_phase == phase and want_step == step and want_rank in (None, rank):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hit_in(phase: str, folder: str) -> None:
+    """`hit()` for the step whose folder (`.../step-N`) is being written, if it is one."""
+    name = os.path.basename(os.path.normpath(folder))
+    if armed() and name.startswith("step-") and name[5:].isdigit():
+        hit(phase, int(name[5:]))
