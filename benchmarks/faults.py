@@ -6,7 +6,8 @@ nothing and ends exactly where an uninterrupted run ends.
 One uninterrupted run of the example job is the reference. Then the same job is started over and
 over in one folder, each time with a fail point (`torchtitan_ckpt.faults`) that SIGKILLs one rank
 or every rank at a random phase of a random upcoming save (or of the purge of an old step); the
-`staging` phase runs the job with `async_mode = "async"`. After every kill it checks that the
+`staging` phase runs the job with `async_mode = "async"`; the job also exports a Hugging Face copy
+every 4 steps, which the `consolidate` phase interrupts. After every kill it checks that the
 newest `keep_latest_k` complete steps are still complete and intact (`verify`), and that the next
 run loads the newest complete step and never a partial one. The last run goes to the end; its
 final checkpoint and losses must equal the reference bit for bit. Prints one line per kill and a
@@ -28,7 +29,7 @@ from torchtitan_ckpt import commit, faults, layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "debug_model.toml")
-INTERVAL, KEEP = 2, 3
+INTERVAL, KEEP, HF_EVERY = 2, 3, 4
 
 
 @dataclass
@@ -48,7 +49,8 @@ def run(dump: str, steps: int, failpoint: str | None = None, async_mode: str = "
            "-m", "torchtitan_ckpt.train", "--config", CONFIG, "--job.dump_folder", dump,
            "--training.steps", str(steps), "--checkpoint.interval", str(INTERVAL),
            "--checkpoint.keep_latest_k", str(KEEP), "--checkpoint.last_save_model_only", "false",
-           "--checkpoint.export_dtype", "float32", "--checkpoint.async_mode", async_mode]
+           "--checkpoint.export_dtype", "float32", "--checkpoint.async_mode", async_mode,
+           "--checkpoint.hf_export_interval", str(HF_EVERY)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop(faults.ENV, None)
     if failpoint:
@@ -68,8 +70,11 @@ def choose_failpoint(rng: random.Random, resume: int, steps: int) -> tuple[str, 
     step -= step % INTERVAL
     if phase == "purge":  # the step deleted when `step` commits
         step = max(INTERVAL, step - INTERVAL * KEEP)
+    if phase == "consolidate":  # an HF copy (hf_export_interval) being written
+        step = min(steps - steps % HF_EVERY, resume + HF_EVERY - resume % HF_EVERY)
     # prepare, commit and purge run on rank 0 alone; the others on every rank
-    rank = rng.choice(["", ":0", ":1"]) if phase in ("staging", "write", "written") else rng.choice(["", ":0"])
+    rank = rng.choice(["", ":0", ":1"]) if phase in ("staging", "write", "written", "consolidate") \
+        else rng.choice(["", ":0"])
     return f"{phase}@{step}{rank}", "async" if phase == "staging" else "disabled"
 
 
