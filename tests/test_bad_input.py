@@ -3,6 +3,7 @@ end in our own error with a message, never an unrelated traceback or a hang."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -77,32 +78,49 @@ def test_json_markers_of_the_wrong_shape(tmp_path, raw):
         assert commit.MARKER in str(e)
 
 
-def _real_metadata(tmp_path_factory) -> bytes:
+@functools.cache
+def _real_metadata() -> bytes:
+    import tempfile
+
     import torch
     import torch.distributed.checkpoint as dcp
 
-    path = str(tmp_path_factory.mktemp("md"))
-    dcp.save({"w": torch.ones(3), "n": 1}, storage_writer=storage.make_storage_writer(path))
-    with open(os.path.join(path, storage.METADATA_FILE), "rb") as f:
-        return f.read()
+    with tempfile.TemporaryDirectory() as path:
+        dcp.save({"w": torch.ones(3), "n": 1}, storage_writer=storage.make_storage_writer(path))
+        with open(os.path.join(path, storage.METADATA_FILE), "rb") as f:
+            return f.read()
 
 
-_METADATA: list[bytes] = []
+@functools.cache
+def _real_safetensors() -> bytes:
+    import torch
+    from safetensors.torch import save
+
+    return save({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
+                 "c": torch.tensor(True)})
+
+
+def _read_mutated(tmp_path, original: bytes, edits, cut, name: str, read):
+    """Write `original`, mutated and cut short, as `name`; `read` it: either it returns, or it
+    raises our own error naming the file. Returns what it read (None when refused) and the bytes."""
+    data = _mutate(original, edits)[: max(1, cut % (len(original) + 1))]
+    path = tmp_path / name
+    path.write_bytes(data)
+    try:
+        return read(str(path)), data
+    except CheckpointError as e:
+        assert str(path) in str(e)
+        return None, data
+
+
+MUTATIONS = {"edits": st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6),
+             "cut": st.integers(0, 10**6)}
 
 
 @FAST
-@given(edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6),
-       cut=st.integers(0, 10**6))
-def test_mutated_dcp_metadata_is_read_or_refused(tmp_path, tmp_path_factory, edits, cut):
-    if not _METADATA:
-        _METADATA.append(_real_metadata(tmp_path_factory))
-    data = _mutate(_METADATA[0], edits)[: max(1, cut % (len(_METADATA[0]) + 1))]
-    path = tmp_path / "m"
-    path.write_bytes(data)
-    try:
-        storage.read_metadata(str(path))
-    except CheckpointError as e:
-        assert str(path) in str(e)
+@given(**MUTATIONS)
+def test_mutated_dcp_metadata_is_read_or_refused(tmp_path, edits, cut):
+    _read_mutated(tmp_path, _real_metadata(), edits, cut, ".metadata", storage.read_metadata)
 
 
 def test_pickled_code_in_metadata_never_runs(tmp_path):
@@ -124,33 +142,13 @@ def test_pickled_code_in_metadata_never_runs(tmp_path):
     assert not evidence.exists()
 
 
-def _safetensors_file(tmp_path_factory) -> bytes:
-    import torch
-    from safetensors.torch import save
-
-    return save({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
-                 "c": torch.tensor(True)})
-
-
-_SAFETENSORS: list[bytes] = []
-
-
 @FAST
-@given(edits=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)), min_size=1, max_size=6),
-       cut=st.integers(0, 10**6))
-def test_mutated_safetensors_headers_are_read_or_refused(tmp_path, tmp_path_factory, edits, cut):
+@given(**MUTATIONS)
+def test_mutated_safetensors_headers_are_read_or_refused(tmp_path, edits, cut):
     from torchtitan_ckpt.hf.safetensors_io import read_header
 
-    if not _SAFETENSORS:
-        _SAFETENSORS.append(_safetensors_file(tmp_path_factory))
-    data = _mutate(_SAFETENSORS[0], edits)[: max(1, cut % (len(_SAFETENSORS[0]) + 1))]
-    path = tmp_path / "model.safetensors"
-    path.write_bytes(data)
-    try:
-        entries = read_header(str(path))
-    except CheckpointError as e:
-        assert str(path) in str(e)
-    else:  # what it accepts is consistent with the file
+    entries, data = _read_mutated(tmp_path, _real_safetensors(), edits, cut, "model.safetensors", read_header)
+    if entries is not None:  # what it accepts is consistent with the file
         assert sum(e.nbytes for e in entries.values()) <= len(data)
 
 
