@@ -8,7 +8,7 @@ DEMO_OUT ?= outputs/demo
 ASYNC_MODE ?= disabled
 DEMO_ARGS = --config configs/debug_model.toml --job.dump_folder $(DEMO_OUT) --checkpoint.async_mode $(ASYNC_MODE)
 
-.PHONY: demo test docs clean
+.PHONY: demo test bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# the benchmark suite (about 7 minutes); BENCH_ARGS=--quick for a short run
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m benchmarks $(BENCH_ARGS)
 
 docs: $(STAMP)
 	$(PY) -m torchtitan_ckpt.docgen > docs/config.md
