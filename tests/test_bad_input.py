@@ -9,6 +9,7 @@ import os
 import pickle
 import shutil
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -165,3 +166,13 @@ def test_safetensors_header_claiming_more_than_the_file(tmp_path):
         assert "exceeds the file" in str(e)
     else:
         raise AssertionError("accepted")
+
+
+@pytest.mark.parametrize("file", ["../outside.safetensors", "/etc/passwd", "sub/model.safetensors", ".."])
+def test_index_names_that_escape_the_folder_are_refused(tmp_path, file):
+    from torchtitan_ckpt.hf.adapter import read_index
+
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"model.norm.weight": file}}))
+    with pytest.raises(CheckpointError, match="not a file of this folder"):
+        read_index(str(index))

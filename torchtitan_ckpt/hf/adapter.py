@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -112,6 +112,11 @@ def read_index(path: str) -> dict[str, str]:
         raise CheckpointError(f"{path} is not a safetensors index with a weight_map: {e}") from e
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{path}: weight_map is a {type(weight_map).__name__}, expected an object")
+    for name, file in weight_map.items():
+        # a file name that leaves the folder would make a load read (or probe) anything
+        if not isinstance(file, str) or os.path.isabs(file) or os.sep in file or file in ("", ".", ".."):
+            raise CorruptCheckpointError(f"{path} puts {name} in {file!r}, which is not a file of "
+                                         "this folder")
     return weight_map
 
 
