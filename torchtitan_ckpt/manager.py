@@ -205,10 +205,9 @@ class CheckpointManager:
         folder = folder or self.folder
         path = layout.step_dir(folder, step)
         start = time.perf_counter()
-        planner_args = (self.config.dedup_policy, self.config.dedup_min_slice_bytes)
 
         def write(state: dict[str, Any]) -> tuple[dict[str, tuple[int, str]], str]:
-            planner = storage.make_save_planner(*planner_args)
+            planner = storage.make_save_planner(self.config.dedup_policy, self.config.dedup_min_slice_bytes)
             writer = storage.make_storage_writer(path)
             try:
                 dcp.save(state, storage_writer=writer, planner=planner, process_group=self._group.pg)
@@ -244,7 +243,7 @@ class CheckpointManager:
         def prepare() -> None:
             self._on_coordinator(step, path, self._prepare_folder, path, step)
 
-        return SaveJob(step=step, path=path, planner_args=planner_args,
+        return SaveJob(step=step, path=path,
                        prepare=_save_errors(step, path, prepare),
                        write=_save_errors(step, path, write_hf if fmt == "hf" else write),
                        commit=_save_errors(step, path, commit_step))

@@ -34,8 +34,6 @@ class SaveJob:
 
     step: int
     path: str
-    planner_args: tuple
-    """Arguments of `storage.make_save_planner` for this save (the dedup policy)."""
     prepare: Callable[[], None]
     """Create the step folder (replacing a partial leftover)."""
     write: Callable[[dict[str, Any]], Any]
