@@ -98,8 +98,9 @@ def train(config: JobConfig) -> None:
                     config.model.flavor, world_size, config.training.steps)
     ck = config.checkpoint
     model = build_model(config)
+    adapter = LlamaAdapter(model.args, hf_assets_path=config.model.hf_assets_path)
     if ck.create_seed_checkpoint:
-        with CheckpointManager(ck, [model], base_folder=config.job.dump_folder) as manager:
+        with CheckpointManager(ck, [model], base_folder=config.job.dump_folder, state_dict_adapter=adapter) as manager:
             manager.save(0)
         logger.info("seed checkpoint written to %s", os.path.join(config.checkpoint_folder, "step-0"))
         return
@@ -115,7 +116,6 @@ def train(config: JobConfig) -> None:
     loader = build_dataloader(model.args.vocab_size, tc.seq_len, tc.local_batch_size, tc.seed, rank,
                               world_size)
     train_state = TrainState()
-    adapter = LlamaAdapter(model.args, hf_assets_path=config.model.hf_assets_path)
     with CheckpointManager(ck, [model], optimizers=opt, lr_schedulers=sched, dataloader=loader,
                            states={"train_state": train_state}, base_folder=config.job.dump_folder,
                            state_dict_adapter=adapter) as manager:
