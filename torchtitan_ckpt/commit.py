@@ -17,7 +17,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from . import faults
+from . import durable, faults
 from .errors import CorruptCheckpointError
 
 MARKER = "COMMITTED.json"
@@ -66,7 +66,7 @@ def uncommit(path: str) -> None:
     marker = os.path.join(path, MARKER)
     if os.path.exists(marker):
         os.remove(marker)
-        _fsync_dir(path)
+        durable.fsync_path(path)
 
 
 def write_marker(path: str, info: CommitInfo,
@@ -83,15 +83,9 @@ def write_marker(path: str, info: CommitInfo,
         info.files[rel] = {"size": size, "crc32": written[1] if written else file_crc32(os.path.join(path, rel))}
     info.created = time.time()
     for rel in info.files:
-        _fsync_file(os.path.join(path, rel))
-    tmp = os.path.join(path, MARKER + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(asdict(info), f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    faults.hit("commit", info.step)
-    os.replace(tmp, os.path.join(path, MARKER))
-    _fsync_dir(path)
+        durable.fsync_path(os.path.join(path, rel))
+    durable.write_json(os.path.join(path, MARKER), asdict(info), indent=1, sort_keys=True,
+                       before_replace=lambda: faults.hit("commit", info.step))
     return info
 
 
@@ -135,19 +129,3 @@ def _manifest(path: str) -> dict[str, int]:
             if rel not in (MARKER, MARKER + ".tmp"):
                 files[rel] = os.path.getsize(full)
     return dict(sorted(files.items()))
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -49,7 +49,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from . import faults
+from . import durable, faults
 from .errors import CheckpointError, CorruptCheckpointError
 from .group import CheckpointGroup
 
@@ -417,14 +417,6 @@ class _Writer:
             pos += len(view)
 
 
-def _fsync_path(path: str, flags: int = os.O_RDONLY) -> None:
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _create_files(output_dir: str, files: Sequence[OutputFile]) -> None:
     """Create every output file at its final size, with its header (run by one rank, which also
     fsyncs them: the writers fsync only the files they write tensor bytes into)."""
@@ -446,14 +438,8 @@ def _write_index(output_dir: str, files: Sequence[OutputFile], specs: Mapping[st
     """Write the index atomically, after fsyncing the folder so the files it names are durable."""
     weight_map = dict(sorted((fqn, f.name) for f in files for fqn in f.starts))
     index = {"metadata": {"total_size": sum(s.nbytes for s in specs.values())}, "weight_map": weight_map}
-    _fsync_path(output_dir)
-    tmp = os.path.join(output_dir, INDEX_FILE + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(index, fh, indent=2)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, os.path.join(output_dir, INDEX_FILE))
-    _fsync_path(output_dir)
+    durable.fsync_path(output_dir)
+    durable.write_json(os.path.join(output_dir, INDEX_FILE), index, indent=2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,7 +474,7 @@ def _write_everything(group: CheckpointGroup, output_dir: str, files: list[Outpu
 
     def fill() -> None:
         for name in sorted(_Writer(output_dir, files, specs, memory).run(tasks, num_threads)):
-            _fsync_path(os.path.join(output_dir, name))
+            durable.fsync_path(os.path.join(output_dir, name))
         faults.hit_in("consolidate", output_dir)  # this rank's bytes are in, the index is not
 
     _step(group, "writing tensor data", fill)

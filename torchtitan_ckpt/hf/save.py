@@ -13,7 +13,6 @@ index is complete.
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import time
@@ -23,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
+from .. import durable
 from ..consolidate import consolidate_safetensors, write_safetensors_one_pass
 from ..errors import CheckpointError
 from ..group import CheckpointGroup
@@ -97,21 +97,7 @@ def _clear_and_write_config(out_dir: str, config: dict[str, Any]) -> None:
     for old in glob.glob(os.path.join(out_dir, "model-*-of-*.safetensors")) + \
             glob.glob(os.path.join(out_dir, SINGLE_FILE)):
         os.remove(old)
-    _write_json_durably(os.path.join(out_dir, CONFIG_FILE), config)
-
-
-def _write_json_durably(path: str, obj: Any) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    durable.write_json(os.path.join(out_dir, CONFIG_FILE), config, indent=2)
 
 
 def _agree(group: CheckpointGroup, error: BaseException | None, what: str) -> None:

@@ -1,0 +1,32 @@
+"""Durable writes: fsync a file or folder, and write a JSON file that is either absent or whole."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def fsync_path(path: str) -> None:
+    """Flush a file's (or a folder's entries') data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str, obj: Any, *, before_replace: Callable[[], None] | None = None, **dump_args: Any) -> None:
+    """Write `obj` to a temporary file, fsync it, rename it to `path` and fsync the folder, so a
+    crash leaves either the old state or the whole new file. `before_replace` runs between the
+    fsync and the rename (a fail point)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, **dump_args)
+        f.flush()
+        os.fsync(f.fileno())
+    if before_replace is not None:
+        before_replace()
+    os.replace(tmp, path)
+    fsync_path(os.path.dirname(path) or ".")
