@@ -134,3 +134,76 @@ def test_a_failure_on_one_rank_reaches_every_rank(tmp_path):
     from .helpers import spawn
 
     spawn(2, _failing_rank_1, str(tmp_path), "async")
+
+
+def test_pinned_mode_writes_in_its_own_process_and_survives_losing_it(tmp_path):
+    """The files are written by a writer process; when it dies, the save in flight fails naming
+    its step, the previous step stays loadable, and the next save starts a new writer."""
+    import signal
+
+    job = make_job(str(tmp_path), steps=10, interval=1, async_mode="async_with_pinned_mem", keep_latest_k=0)
+    saves = job.manager._saves  # noqa: SLF001 - the writer process is what is under test
+    job.run_to(1, steps=10)
+    job.manager.wait()
+    writer = saves.writer
+    assert writer.alive and writer._proc.pid != os.getpid()  # noqa: SLF001
+    os.kill(writer._proc.pid, signal.SIGKILL)  # noqa: SLF001 - e.g. the OOM killer
+    writer._proc.join()  # noqa: SLF001
+    job.step()
+    # the dead writer is noticed before the save and replaced, so this save works
+    assert job.manager.save(2)
+    job.manager.wait()
+    assert saves.writer is not writer and saves.writer.alive
+    folder = os.path.join(tmp_path, "checkpoint")
+    assert layout.committed_steps(folder) == [1, 2]
+
+    # a writer killed while it holds a save: that save fails, with its step
+    job.step()
+    os.kill(saves.writer._proc.pid, signal.SIGSTOP)  # noqa: SLF001 - hold it mid-save ...
+    assert job.manager.save(3)
+    os.kill(saves.writer._proc.pid, signal.SIGKILL)  # noqa: SLF001 - ... then kill it
+    with pytest.raises(CheckpointSaveError, match="saving step 3 to .*step-3 failed.*writer process exited"):
+        job.manager.wait()
+    assert layout.committed_steps(folder) == [1, 2]
+    saved = read_checkpoint(layout.step_dir(folder, 2))  # the previous step is intact
+    assert saved.keys() >= set(job.model.state_dict())
+    job.step()
+    assert job.manager.save(4)
+    job.manager.close()
+    assert layout.committed_steps(folder) == [1, 2, 4]
+
+
+def test_the_writer_process_dies_with_its_rank(tmp_path):
+    """A rank killed without any cleanup takes its writer process with it (no orphan left to
+    write into a folder a restarted job is using)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = ("import sys, time\n"
+              "from torchtitan_ckpt.writer_process import WriterProcess\n"
+              "if __name__ == '__main__':\n"
+              "    w = WriterProcess()\n"
+              "    w.write([])\n"  # a round trip: the writer is up and tied to this process
+              "    print(w._proc.pid, flush=True)\n"
+              "    time.sleep(120)\n")
+    path = tmp_path / "rank.py"
+    path.write_text(script)
+    rank = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, text=True)
+    writer_pid = int(rank.stdout.readline())
+    os.kill(writer_pid, signal.SIGSTOP)  # busy or stopped, it cannot notice the closed pipe itself
+    os.kill(rank.pid, signal.SIGKILL)
+    rank.wait()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{writer_pid}"):
+            with open(f"/proc/{writer_pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # a zombie has exited
+                    break
+            time.sleep(0.05)
+        else:
+            assert not os.path.exists(f"/proc/{writer_pid}"), "the writer outlived its rank"
+    finally:
+        if os.path.exists(f"/proc/{writer_pid}"):
+            os.kill(writer_pid, signal.SIGKILL)

@@ -129,12 +129,13 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
-def test_kill_during_background_save_resumes_from_previous_step(tmp_path):
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_kill_during_background_save_resumes_from_previous_step(tmp_path, mode):
     dump = str(tmp_path)
     folder = os.path.join(dump, "checkpoint")
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             "-m", "torchtitan_ckpt.train", "--config", DEBUG_CONFIG, "--job.dump_folder", dump,
-            "--checkpoint.interval", "2", "--checkpoint.async_mode", "async",
+            "--checkpoint.interval", "2", "--checkpoint.async_mode", mode,
             "--checkpoint.keep_latest_k", "0"]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})

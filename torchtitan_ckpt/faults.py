@@ -22,6 +22,7 @@ import signal
 
 ENV = "TORCHTITAN_CKPT_FAILPOINT"
 PHASES = ("staging", "prepare", "write", "written", "commit", "purge", "consolidate")
+_also_kill: int | None = None
 
 
 def _parse(spec: str) -> tuple[str, int, int | None]:
@@ -46,7 +47,16 @@ def hit(phase: str, step: int) -> None:
     want_phase, want_step, want_rank = _parse(spec)
     rank = int(os.environ.get("RANK", "0"))
     if want_phase == phase and want_step == step and want_rank in (None, rank):
+        if _also_kill is not None:
+            os.kill(_also_kill, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_also(pid: int) -> None:
+    """Make a fail point reached in this process kill `pid` first: a rank's writer process
+    (`writer_process`) dies with its rank, so a fail point there must kill the rank too."""
+    global _also_kill
+    _also_kill = pid
 
 
 def hit_in(phase: str, folder: str) -> None:

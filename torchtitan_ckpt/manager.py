@@ -33,6 +33,7 @@ from .errors import (
 from .group import CheckpointGroup
 from .hf import StateDictAdapter, load_hf, save_hf
 from .schedule import SaveKind, hf_copy_due, save_kind
+from .filewriter import Sink
 from .staging import SaveJob, make_strategy
 from .states import DataLoaderState, LRSchedulerState, ModelState, OptimizerState
 
@@ -206,9 +207,9 @@ class CheckpointManager:
         path = layout.step_dir(folder, step)
         start = time.perf_counter()
 
-        def write(state: dict[str, Any]) -> tuple[dict[str, tuple[int, str]], str]:
+        def write(state: dict[str, Any], sink: Sink) -> tuple[dict[str, tuple[int, str]], str]:
             planner = storage.make_save_planner(self.config.dedup_policy, self.config.dedup_min_slice_bytes)
-            writer = storage.make_storage_writer(path)
+            writer = storage.make_storage_writer(path, sink, step)
             try:
                 dcp.save(state, storage_writer=writer, planner=planner, process_group=self._group.pg)
             except (Exception, CheckpointException) as e:
@@ -217,7 +218,7 @@ class CheckpointManager:
             summary = planner.summary_line() if self._group.is_coordinator else ""
             return writer.fs.checksums, summary
 
-        def write_hf(state: dict[str, Any]) -> tuple[dict[str, tuple[int, str]], str]:
+        def write_hf(state: dict[str, Any], _sink: Sink) -> tuple[dict[str, tuple[int, str]], str]:
             ck = self.config
             save_hf(state, path, self._adapter, dtype=_DTYPES[ck.export_dtype], max_shard_size=ck.hf_max_shard_size,
                     process_group=self._group.pg, mode=ck.consolidation, num_threads=ck.consolidation_threads,

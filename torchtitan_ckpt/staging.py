@@ -24,6 +24,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import faults
+from .filewriter import Sink, write_files
+from .writer_process import WriterProcess
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +38,16 @@ class SaveJob:
     path: str
     prepare: Callable[[], None]
     """Create the step folder (replacing a partial leftover)."""
-    write: Callable[[dict[str, Any]], Any]
-    """Write the state with `dcp.save` in this process; returns what `commit` needs (the files
-    this rank wrote with their checksums, the dedup summary)."""
+    write: Callable[[dict[str, Any], Sink], Any]
+    """Write the state with `dcp.save` (planning and collectives in this process; the data
+    files' bytes through the sink); returns what `commit` needs (the files this rank wrote
+    with their checksums, the dedup summary)."""
     commit: Callable[[Any], None]
     """Make the step visible (the commit marker), log it, apply retention."""
 
-    def run(self, state: dict[str, Any]) -> None:
+    def run(self, state: dict[str, Any], sink: Sink = write_files) -> None:
         self.prepare()
-        self.commit(self.write(state))
+        self.commit(self.write(state, sink))
 
 
 class SynchronousSaves:
@@ -115,19 +118,37 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class BackgroundSaves:
-    """`async` (fresh copies each save) and `async_with_pinned_mem` (one long-lived staging
-    buffer, reused): stage in `submit()`, then write and commit on a background thread."""
+    """Stage in `submit()`, then write and commit on a background thread.
+
+    `async`: fresh CPU copies each save, files written by the background thread.
+    `async_with_pinned_mem`: one long-lived shared-memory staging buffer, reused, and the files
+    written by a separate writer process that reads that buffer (the background thread then
+    only plans, waits and commits, so training keeps the GIL)."""
 
     def __init__(self, reuse_buffer: bool):
         self.stager = Stager(reuse=reuse_buffer)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
         self._pending: Future | None = None
+        self.writer = WriterProcess() if reuse_buffer else None
 
     def submit(self, state: dict[str, Any], job: SaveJob) -> None:
         self.wait()
+        sink = self._sink()
         staged = self.stager.stage(state)
         faults.hit("staging", job.step)
-        self._pending = self._pool.submit(job.run, staged)
+        self._pending = self._pool.submit(job.run, staged, sink)
+
+    def _sink(self) -> Sink:
+        """Where the files go; a writer process that died (its save failed and said so) is
+        replaced here, on the training thread, which the new process's life is tied to."""
+        if self.writer is None:
+            return write_files
+        if not self.writer.alive:
+            logger.warning("the checkpoint writer process is gone (exit code %s); starting a new one",
+                           self.writer.exitcode)
+            self.writer.close()
+            self.writer = WriterProcess()
+        return self.writer.write
 
     def in_flight(self) -> bool:
         """True while a background save is still being written or committed."""
@@ -144,6 +165,8 @@ class BackgroundSaves:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            if self.writer is not None:
+                self.writer.close()
 
 
 def make_strategy(async_mode: str) -> SynchronousSaves | BackgroundSaves:

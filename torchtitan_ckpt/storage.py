@@ -9,6 +9,7 @@ non-tensor values with `torch.load(weights_only=True)` (DCP itself uses `weights
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import threading
@@ -20,16 +21,17 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo  # the format's entry type
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
+from . import filewriter
 from .dedup import DedupSavePlanner
-from . import faults
 from .errors import CorruptCheckpointError
-from .layout import parse_step
 
 METADATA_FILE = ".metadata"
 
@@ -138,21 +140,15 @@ def root_cause(error: BaseException) -> BaseException:
 class _ChecksummedStream:
     """A write-only file that computes the CRC-32 of what passes through it."""
 
-    def __init__(self, f, on_first_write):
+    def __init__(self, f):
         self._f = f
         self.crc = 0
         self.size = 0
-        self._on_first_write = on_first_write
 
     def write(self, data) -> int:
         n = self._f.write(data)
-        view = memoryview(data).cast("B")
-        self.crc = zlib.crc32(view[:n], self.crc)
+        self.crc = zlib.crc32(memoryview(data).cast("B")[:n], self.crc)
         self.size += n
-        if self._on_first_write is not None:
-            self._f.flush()
-            self._on_first_write, hook = None, self._on_first_write
-            hook()
         return n
 
     def tell(self) -> int:
@@ -172,9 +168,9 @@ class _ChecksummedStream:
 
 
 class ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, recording the size and CRC-32 of every file written through it,
-    as it is written (no second read). `checksums` maps a path relative to `root` to
-    (size, crc32 hex)."""
+    """DCP's local file system, recording the size and CRC-32 of every file written through it
+    (DCP's `.metadata`) or reported to it (`record`, the data files), with no second read.
+    `checksums` maps a path relative to `root` to (size, crc32 hex)."""
 
     def __init__(self, root: str):
         super().__init__()
@@ -185,6 +181,10 @@ class ChecksummingFileSystem(FileSystem):
     def _rel(self, path) -> str:
         return os.path.relpath(os.path.abspath(path), self.root)
 
+    def record(self, path: str | os.PathLike, size: int, crc32: str) -> None:
+        with self._lock:
+            self.checksums[self._rel(path)] = (size, crc32)
+
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
         if "w" not in mode:
@@ -192,17 +192,9 @@ class ChecksummingFileSystem(FileSystem):
                 yield stream
             return
         with open(path, mode) as f:
-            stream = _ChecksummedStream(f, self._fault_hook(path))
+            stream = _ChecksummedStream(f)
             yield stream
-        with self._lock:
-            self.checksums[self._rel(path)] = (stream.size, f"{stream.crc:08x}")
-
-    def _fault_hook(self, path):
-        """The `write` fail point fires after the first write into a data file of a step."""
-        step = parse_step(os.path.basename(self.root))
-        if not faults.armed() or step is None or not str(path).endswith(".distcp"):
-            return None
-        return lambda: faults.hit("write", step)
+        self.record(path, stream.size, f"{stream.crc:08x}")
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
@@ -211,12 +203,65 @@ class ChecksummingFileSystem(FileSystem):
                 self.checksums[self._rel(new_path)] = entry
 
 
-def make_storage_writer(path: str) -> FileSystemWriter:
-    """Writer of a DCP step folder. `sync_files` keeps data durable before the commit marker;
-    its file system records each file's checksum while writing (`writer.fs.checksums`)."""
-    writer = FileSystemWriter(path, sync_files=True, single_file_per_rank=True)
-    writer.fs = ChecksummingFileSystem(path)
-    return writer
+class DataFileWriter(FileSystemWriter):
+    """DCP's file-system writer (same layout and format: `plain dcp.load` reads the result)
+    whose data files are written by `filewriter`, through `sink`: in this process, or in the
+    rank's writer process. Planning, `.metadata` and every collective stay with DCP.
+
+    `files_per_rank` files are written in parallel, tensors spread over them by size."""
+
+    def __init__(self, path: str, sink: filewriter.Sink, step: int | None, files_per_rank: int = 1):
+        super().__init__(path, sync_files=True, single_file_per_rank=True, thread_count=files_per_rank)
+        self.fs = ChecksummingFileSystem(path)
+        self._sink = sink
+        self._step = step
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix = plan.storage_data.prefix
+        jobs, names = [], []
+        for i, bucket in enumerate(_spread(plan.items, self.thread_count)):
+            names.append(f"{prefix}{i}.distcp")
+            entries = [filewriter.Entry(item.index, _resolve(planner, item)) for item in bucket]
+            jobs.append(filewriter.FileJob(os.path.join(self.path, names[-1]), entries))
+        results = []
+        for name, done in zip(names, self._sink(jobs, self._step, self.sync_files), strict=True):
+            self.fs.record(os.path.join(self.path, name), done.size, done.crc32)
+            results += [WriteResult(index=key, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
+                        for key, offset, length in done.places]
+        future: Future = Future()
+        future.set_result(results)
+        return future
+
+
+def _resolve(planner: SavePlanner, item: WriteItem) -> bytes | torch.Tensor:
+    data = planner.resolve_data(item)
+    if item.type == WriteItemType.BYTE_IO:
+        return bytes(data.getbuffer())
+    return data.detach()
+
+
+def _item_bytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
+
+
+def _spread(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
+    """`items` in `n` groups of about equal bytes (largest first into the lightest group)."""
+    groups: list[list[WriteItem]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for item in sorted(items, key=_item_bytes, reverse=True):
+        lightest = loads.index(min(loads))
+        groups[lightest].append(item)
+        loads[lightest] += _item_bytes(item) or 1
+    return groups
+
+
+def make_storage_writer(path: str, sink: filewriter.Sink = filewriter.write_files, step: int | None = None,
+                        files_per_rank: int = 1) -> DataFileWriter:
+    """Writer of a DCP step folder: data fsynced before the commit marker, each file's size and
+    CRC-32 recorded as it is written (`writer.fs.checksums`); `step` arms the `write` fail point."""
+    return DataFileWriter(path, sink, step, files_per_rank)
 
 
 def make_storage_reader(path: str) -> SafeFileSystemReader:

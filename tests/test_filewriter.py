@@ -1,0 +1,110 @@
+"""The data-file writer: DCP's format byte for byte where it matters, checksums, the writer process."""
+
+from __future__ import annotations
+
+import io
+import os
+import zlib
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from torchtitan_ckpt import filewriter, storage
+from torchtitan_ckpt.writer_process import WriterProcess
+
+
+def _values() -> dict[str, object]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 48, generator=g)
+    return {
+        "plain": torch.randn(1000, 37, generator=g),
+        "view": base[5:17],                      # a slice of a larger storage
+        "transposed": base.t(),                  # dense, not contiguous
+        "strided": base[:, ::3],                 # neither
+        "bf16": torch.randn(33, generator=g).to(torch.bfloat16),
+        "ints": torch.arange(-50, 50, dtype=torch.int64),
+        "bools": torch.rand(77, generator=g) > 0.5,
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 4),
+        "bytes": b"\x00\x01 not a tensor",
+    }
+
+
+def _check_file(path: str, result: filewriter.FileResult, values: dict[str, object]) -> None:
+    data = open(path, "rb").read()
+    assert (result.size, result.crc32) == (len(data), f"{zlib.crc32(data):08x}")
+    end = 0
+    for key, offset, length in result.places:
+        assert offset == end  # back to back, nothing unaccounted for
+        end = offset + length
+        expected, raw = values[key], data[offset : offset + length]
+        if isinstance(expected, bytes):
+            assert raw == expected
+        else:
+            got = torch.load(io.BytesIO(raw), weights_only=True)
+            assert got.dtype == expected.dtype and torch.equal(got, expected), key
+            assert got.untyped_storage().nbytes() == got.numel() * got.element_size()  # no whole base
+    assert end == len(data)
+
+
+@pytest.mark.parametrize("chunk", [filewriter.CHUNK_BYTES, 4096])
+def test_each_item_reads_back_with_torch_load(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(filewriter, "CHUNK_BYTES", chunk)  # small: tensors cross many chunks
+    values = _values()
+    job = filewriter.FileJob(str(tmp_path / "f.distcp"), [filewriter.Entry(k, v) for k, v in values.items()])
+    result = filewriter.write_file(job)
+    _check_file(job.path, result, values)
+
+
+def test_the_writer_process_writes_the_same_items(tmp_path):
+    values = _values()
+    shared = {k: (v.clone().share_memory_() if isinstance(v, torch.Tensor) and k == "plain" else v)
+              for k, v in values.items()}
+    jobs = [filewriter.FileJob(str(tmp_path / f"{i}.distcp"), [filewriter.Entry(k, v) for k, v in part])
+            for i, part in enumerate((list(shared.items())[:5], list(shared.items())[5:]))]
+    writer = WriterProcess()
+    try:
+        results = writer.write(jobs, None, True)
+        shared["plain"].mul_(2)  # the same buffer again, new contents: sent by reference only
+        again = writer.write(jobs[:1], None, True)
+    finally:
+        writer.close()
+    _check_file(jobs[1].path, results[1], shared)
+    _check_file(jobs[0].path, again[0], shared)
+
+
+@pytest.mark.parametrize("use_process", [False, True])
+def test_plain_dcp_reads_what_the_manager_writes(tmp_path, use_process):
+    state = {k: v for k, v in _values().items() if isinstance(v, torch.Tensor)}
+    state["nested"] = {"lr": 0.5, "name": "x"}
+    writer_process = WriterProcess() if use_process else None
+    sink = writer_process.write if writer_process else filewriter.write_files
+    try:
+        w = storage.make_storage_writer(str(tmp_path), sink, files_per_rank=2)
+        dcp.save(state, storage_writer=w, planner=storage.make_save_planner(), no_dist=True)
+    finally:
+        if writer_process:
+            writer_process.close()
+    assert sorted(w.fs.checksums) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
+    for name, (size, crc) in w.fs.checksums.items():
+        data = open(tmp_path / name, "rb").read()
+        assert (size, crc) == (len(data), f"{zlib.crc32(data):08x}")
+    back = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    back["nested"] = {"lr": 0.0, "name": ""}
+    dcp.load(back, storage_reader=FileSystemReader(str(tmp_path)), no_dist=True)  # DCP's own reader
+    for k, v in state.items():
+        assert torch.equal(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v, k
+
+
+def test_a_failing_write_in_the_writer_process_is_raised_here(tmp_path):
+    job = filewriter.FileJob(str(tmp_path / "missing-dir" / "f.distcp"), [filewriter.Entry("a", b"x")])
+    writer = WriterProcess()
+    try:
+        with pytest.raises(FileNotFoundError, match="missing-dir"):
+            writer.write([job], None, True)
+        assert writer.alive  # one failed save does not end the writer
+    finally:
+        writer.close()
+    assert not os.path.exists(job.path)

@@ -1,0 +1,170 @@
+"""A process that writes one rank's data files, so writing never competes with training for
+the GIL (`async_mode = "async_with_pinned_mem"`).
+
+The training process stages the state into long-lived shared-memory buffers and keeps running
+DCP's planning and commit (collectives on the manager's gloo group, a few small messages). Only
+the byte-moving part of a save, `filewriter.write_files`, runs here: the writer has no process
+group and no DTensors, just files to write from shared memory. Each staging buffer is handed
+over once (a shared-memory handle) and named by an id afterwards, so a save sends only a list
+of (buffer id, view) references and small values through a pipe.
+
+The writer dies with its rank: it asks the kernel for SIGKILL when the thread that started it
+exits (Linux), and exits when the pipe closes. A fail point it reaches kills its rank as well,
+so crash tests see what a killed rank would leave.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import sys
+from itertools import count
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from . import faults
+from .filewriter import Entry, FileJob, FileResult, write_files
+
+logger = logging.getLogger(__name__)
+
+_STOP = None
+
+
+class WriterProcessError(RuntimeError):
+    """The writer process is gone (killed, crashed) or answered nonsense."""
+
+
+class WriterProcess:
+    """The training side of one rank's writer process; `write` is a `filewriter.Sink`.
+
+    Start it from the training loop's thread (it is tied to that thread's life); `write` may
+    be called from any one thread at a time (the background save thread)."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child_conn, os.getpid()), daemon=True,
+                                 name="ckpt-writer")
+        self._proc.start()
+        child_conn.close()
+        self._ids = count()
+        self._registered: dict[tuple[int, int], tuple[int, torch.UntypedStorage]] = {}
+        """(data_ptr, nbytes) of a shared storage -> (id, the storage, kept alive so its address
+        cannot be reused by another buffer while the writer maps it)."""
+
+    def write(self, jobs: list[FileJob], step: int | None = None, sync: bool = True) -> list[FileResult]:
+        register: dict[int, torch.Tensor] = {}
+        used: set[tuple[int, int]] = set()
+        files = []
+        for job in jobs:
+            entries = [(e.key, self._ref(e.data, register, used)) for e in job.entries]
+            files.append((job.path, entries))
+        dropped = [k for k in self._registered if k not in used]
+        drop_ids = [self._registered.pop(k)[0] for k in dropped]
+        try:
+            self._conn.send({"step": step, "sync": sync, "register": register, "drop": drop_ids, "files": files})
+            status, value = self._conn.recv()
+        except (EOFError, OSError) as e:
+            self._registered.clear()  # a new writer would need every buffer again
+            raise WriterProcessError(f"the checkpoint writer process exited (exit code "
+                                     f"{self.exitcode}): {type(e).__name__}: {e}") from None
+        if status == "error":
+            raise value
+        return value
+
+    def _ref(self, data: Any, register: dict[int, torch.Tensor], used: set) -> Any:
+        """What the writer needs to find `data`: bytes as they are, a tensor in a shared
+        storage as (id, dtype, offset, size, stride), any other tensor by value."""
+        if not isinstance(data, torch.Tensor) or data.device.type != "cpu":
+            return data if not isinstance(data, torch.Tensor) else data.detach().cpu()
+        storage = data.untyped_storage()
+        if not storage.is_shared():
+            return data.detach()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in self._registered:
+            buffer_id = next(self._ids)
+            self._registered[key] = (buffer_id, storage)
+            register[buffer_id] = torch.empty(0, dtype=torch.uint8).set_(storage)
+        used.add(key)
+        return ("buffer", self._registered[key][0], data.dtype, data.storage_offset(),
+                tuple(data.shape), tuple(data.stride()))
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        """The writer's exit code (None while it runs; a dying writer gets 1 s to finish)."""
+        self._proc.join(timeout=1.0)
+        return self._proc.exitcode
+
+    def close(self) -> None:
+        """Stop the writer (after the write in progress, if any) and wait for it to exit."""
+        if self._proc.is_alive():
+            try:
+                self._conn.send(_STOP)
+            except OSError:
+                pass
+            self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            logger.warning("the checkpoint writer process did not stop; killing it")
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
+        self._registered.clear()
+
+
+def _die_with_parent(parent: int) -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _serve(conn, parent: int) -> None:
+    """The writer's loop: write what each message lists, answer with the results or the error."""
+    _die_with_parent(parent)
+    faults.kill_also(parent)
+    torch.set_num_threads(1)
+    buffers: dict[int, torch.Tensor] = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is _STOP:
+            return
+        try:
+            for buffer_id in msg["drop"]:
+                buffers.pop(buffer_id, None)
+            buffers.update(msg["register"])
+            jobs = [FileJob(path, [Entry(key, _resolve(ref, buffers)) for key, ref in entries])
+                    for path, entries in msg["files"]]
+            reply = ("ok", write_files(jobs, msg["step"], msg["sync"]))
+        except Exception as e:  # handed to the training process, which raises it
+            reply = ("error", _picklable(e))
+        conn.send(reply)
+
+
+def _resolve(ref: Any, buffers: dict[int, torch.Tensor]) -> Any:
+    if isinstance(ref, tuple) and ref and ref[0] == "buffer":
+        _, buffer_id, dtype, offset, size, stride = ref
+        return torch.empty(0, dtype=dtype).set_(buffers[buffer_id].untyped_storage(), offset, size, stride)
+    return ref
+
+
+def _picklable(e: Exception) -> Exception:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")
