@@ -41,10 +41,13 @@ def test_last_step_is_model_only_in_export_dtype(tmp_path):
     assert_same(saved, expected)
 
 
-def test_resume_restores_every_state(tmp_path):
-    job = make_job(str(tmp_path), steps=8, interval=2)
+@pytest.mark.parametrize("save_threads", [1, 3])
+def test_resume_restores_every_state(tmp_path, save_threads):
+    job = make_job(str(tmp_path), steps=8, interval=2, save_threads=save_threads)
     job.run_to(4, steps=8)
     job.manager.close()
+    files = sorted(f for f in os.listdir(layout.step_dir(_folder(tmp_path), 4)) if f.endswith(".distcp"))
+    assert files == [f"__0_{i}.distcp" for i in range(save_threads)]
     later = [job.step() for _ in range(2)]  # what training would do after step 4
 
     fresh = make_job(str(tmp_path), steps=8, interval=2, init_seed=123)  # different init and data order

@@ -149,6 +149,10 @@ class Checkpoint:
     async_mode: AsyncMode = "disabled"
     """How saves overlap training: `disabled`, `async` or `async_with_pinned_mem`."""
 
+    save_threads: int = 1
+    """Data files each rank writes in parallel, one thread each (tensors spread over them by
+    size). 1 suits a disk that one stream saturates; raise it for fast parallel storage."""
+
     keep_latest_k: int = 10
     """Keep this many newest complete steps and delete older ones in the background; 0 keeps all."""
 
@@ -429,6 +433,7 @@ def _validate_checkpoint(ck: Checkpoint) -> None:
     _at_least("checkpoint.keep_latest_k", ck.keep_latest_k, 0)
     _at_least("checkpoint.load_step", ck.load_step, -1)
     _at_least("checkpoint.dedup_min_slice_bytes", ck.dedup_min_slice_bytes, 1)
+    _at_least("checkpoint.save_threads", ck.save_threads, 1)
     if not ck.collective_timeout_s > 0:
         raise ConfigError("checkpoint.collective_timeout_s", ck.collective_timeout_s, "expected > 0 seconds")
     if not ck.folder:

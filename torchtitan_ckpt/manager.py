@@ -209,7 +209,7 @@ class CheckpointManager:
 
         def write(state: dict[str, Any], sink: Sink) -> tuple[dict[str, tuple[int, str]], str]:
             planner = storage.make_save_planner(self.config.dedup_policy, self.config.dedup_min_slice_bytes)
-            writer = storage.make_storage_writer(path, sink, step)
+            writer = storage.make_storage_writer(path, sink, step, self.config.save_threads)
             try:
                 dcp.save(state, storage_writer=writer, planner=planner, process_group=self._group.pg)
             except (Exception, CheckpointException) as e:
