@@ -27,7 +27,7 @@ import os
 import sys
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +80,29 @@ _SYNC_FILE_RANGE = _libc_sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
 
 
+class _RunningCrc:
+    """CRC-32 of everything fed to it, in order, computed on a helper thread so that it overlaps
+    the write system calls (zlib releases the GIL for large buffers). Fed buffers must stay
+    unchanged until `value()` returns."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-crc")
+        self._crc = 0
+        self._last: Future | None = None
+
+    def feed(self, data: memoryview | bytearray) -> None:
+        self._last = self._pool.submit(self._update, data)
+
+    def _update(self, data: memoryview | bytearray) -> None:
+        self._crc = zlib.crc32(data, self._crc)
+
+    def value(self) -> int:
+        self._pool.shutdown(wait=True)
+        if self._last is not None:
+            self._last.result()
+        return self._crc
+
+
 class _Output(io.RawIOBase):
     """The file being written: counts, checksums, buffers small writes, starts writeback of
     large ones. `fill` (the storage bytes of the tensor being framed) replaces the hole that
@@ -90,7 +113,7 @@ class _Output(io.RawIOBase):
         self._fd = f.fileno()
         self._pending = bytearray()
         self.pos = 0
-        self.crc = 0
+        self.crc = _RunningCrc()
         self._synced_to = 0
         self._step = step
         self.fill: memoryview | None = None
@@ -108,7 +131,6 @@ class _Output(io.RawIOBase):
         view = memoryview(data).cast("B")
         if len(view) < _SMALL:
             self._pending += view
-            self.crc = zlib.crc32(view, self.crc)
             self.pos += len(view)
         else:
             self.flush()
@@ -134,20 +156,21 @@ class _Output(io.RawIOBase):
         written = 0
         while written < len(chunk):
             written += self._f.write(chunk[written:])
-        self.crc = zlib.crc32(chunk, self.crc)
+        self.crc.feed(chunk)
         self.pos += len(chunk)
         if _SYNC_FILE_RANGE is not None and self.pos - self._synced_to >= CHUNK_BYTES:
             _SYNC_FILE_RANGE(self._fd, self._synced_to, self.pos - self._synced_to, _SYNC_FILE_RANGE_WRITE)
             self._synced_to = self.pos
 
     def flush(self) -> None:
-        """Write out the gathered small writes (already counted and checksummed)."""
+        """Write out the gathered small writes (already counted in `pos`)."""
         if self._pending:
-            view, written = memoryview(self._pending), 0
+            pending, self._pending = self._pending, bytearray()
+            view, written = memoryview(pending), 0
             while written < len(view):
                 written += self._f.write(view[written:])
             view.release()
-            self._pending = bytearray()
+            self.crc.feed(pending)
 
 
 def _storage_bytes(t: torch.Tensor) -> memoryview:
@@ -180,7 +203,7 @@ def write_file(job: FileJob, step: int | None = None, sync: bool = True) -> File
         out.flush()
         if sync:
             os.fsync(f.fileno())
-    result.size, result.crc32 = out.pos, f"{out.crc:08x}"
+    result.size, result.crc32 = out.pos, f"{out.crc.value():08x}"
     return result
 
 
