@@ -51,7 +51,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from . import durable, faults
 from .errors import CheckpointError, CorruptCheckpointError
-from .group import CheckpointGroup
+from .group import CheckpointGroup, RankFailed
 
 logger = logging.getLogger(__name__)
 
@@ -447,22 +447,15 @@ def _write_index(output_dir: str, files: Sequence[OutputFile], specs: Mapping[st
 
 
 def _step(group: CheckpointGroup, what: str, fn: Callable[[], Any]) -> list[Any]:
-    """Run `fn` on this rank, then all-gather results and failures: every rank learns of a
-    failure anywhere (and raises) instead of waiting forever on a rank that gave up."""
-    result, error = None, None
+    """Run `fn` on every rank and gather the results; every rank learns of a failure anywhere
+    (and raises: its own failure, else `InvalidShardsError` or `ConsolidationError`)."""
     try:
-        result = fn()
-    except Exception as e:  # any failure must reach the other ranks before it is raised here
-        error = e
-    gathered = group.all_gather((result, None if error is None else f"{type(error).__name__}: {error}",
-                                 isinstance(error, CorruptCheckpointError)))
-    if error is not None:
-        raise error
-    for rank, (_, message, corrupt) in enumerate(gathered):
-        if message is not None:
-            cls = InvalidShardsError if corrupt else ConsolidationError
-            raise cls(f"{what} failed on rank {rank}: {message}")
-    return [r for r, _, _ in gathered]
+        return group.run(fn)
+    except RankFailed as failed:
+        if failed.error is not None:
+            raise failed.error from None
+        cls = InvalidShardsError if CorruptCheckpointError.__name__ in failed.kinds else ConsolidationError
+        raise cls(f"{what} failed on {failed}") from None
 
 
 def _write_everything(group: CheckpointGroup, output_dir: str, files: list[OutputFile],

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+
+class RankFailed(Exception):
+    """A function run by `CheckpointGroup.run` failed on some rank. Every rank raises it, the
+    failing ones and the others alike, so no rank waits forever on one that gave up."""
+
+    def __init__(self, rank: int, message: str, kinds: tuple[str, ...], error: BaseException | None):
+        super().__init__(f"rank {rank}: {message}")
+        self.rank = rank
+        self.message = message
+        self.kinds = kinds
+        """Class names of the failure and its bases, e.g. to tell corrupt input from I/O errors."""
+        self.error = error
+        """This rank's own failure; None when only other ranks failed."""
 
 
 class CheckpointGroup:
@@ -40,10 +55,24 @@ class CheckpointGroup:
         dist.all_gather_object(found, obj, group=self.pg)
         return found
 
-    def gather_errors(self, error: BaseException | None) -> list[tuple[int, str]]:
-        """Every rank's failure, as (rank, message), known to every rank."""
-        mine = None if error is None else f"{type(error).__name__}: {error}"
-        return [(r, msg) for r, msg in enumerate(self.all_gather(mine)) if msg is not None]
+    def run(self, fn: Callable[[], Any], coordinator_only: bool = False) -> list[Any]:
+        """Run `fn` on every rank (or on rank 0 only), then share results and failures: returns
+        every rank's result in rank order, or raises `RankFailed` on every rank if any rank
+        failed (describing this rank's own failure first, else the lowest failing rank's)."""
+        result, error = None, None
+        if not coordinator_only or self.is_coordinator:
+            try:
+                result = fn()
+            except Exception as e:  # every rank must hear of it before anyone raises
+                error = e
+        mine = None if error is None else (f"{type(error).__name__}: {error}",
+                                           tuple(c.__name__ for c in type(error).__mro__))
+        gathered = self.all_gather((result, mine))
+        failed = [(r, f) for r, (_, f) in enumerate(gathered) if f is not None]
+        if failed:
+            rank, (message, kinds) = next(((r, f) for r, f in failed if r == self.rank), failed[0])
+            raise RankFailed(rank, message, kinds, error) from error
+        return [r for r, _ in gathered]
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""

@@ -30,7 +30,7 @@ from .errors import (
     ConfigError,
     CorruptCheckpointError,
 )
-from .group import CheckpointGroup
+from .group import CheckpointGroup, RankFailed
 from .hf import StateDictAdapter, load_hf, save_hf
 from .schedule import SaveKind, hf_copy_due, save_kind
 from .filewriter import Sink
@@ -269,16 +269,10 @@ class CheckpointManager:
 
     def _on_coordinator(self, step: int, path: str, fn, *args) -> None:
         """Run `fn` on rank 0 and make its failure every rank's failure."""
-        error = None
-        if self._group.is_coordinator:
-            try:
-                fn(*args)
-            except Exception as e:  # reported on every rank below
-                error = e
-        failures = self._group.gather_errors(error)
-        if failures:
-            cause = error or RuntimeError(f"rank {failures[0][0]}: {failures[0][1]}")
-            raise CheckpointSaveError(step, path, cause) from error
+        try:
+            self._group.run(lambda: fn(*args), coordinator_only=True)
+        except RankFailed as failed:
+            raise CheckpointSaveError(step, path, failed.error or RuntimeError(str(failed))) from failed.error
 
     # ------------------------------------------------------------------ loading
 

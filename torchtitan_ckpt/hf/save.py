@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from .. import durable
 from ..consolidate import consolidate_safetensors, write_safetensors_one_pass
 from ..errors import CheckpointError
-from ..group import CheckpointGroup
+from ..group import CheckpointGroup, RankFailed
 from .adapter import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, StateDictAdapter, check_names
 from .planner import parse_size, plan_files
 
@@ -54,11 +54,12 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
         mapping = plan_files(nbytes, parse_size(max_shard_size))
     else:
         check_names(f"file split of {adapter.hf_assets_path}/{INDEX_FILE}", mapping, hf_sd)
-    error = None
-    if group.rank == 0:
-        config = adapter.export_config(dtype or next(iter(hf_sd.values())).dtype)
-        error = _try(_clear_and_write_config, out_dir, config)
-    _agree(group, error, "preparing " + out_dir)
+    config_dtype = dtype or next(iter(hf_sd.values())).dtype
+    try:
+        group.run(lambda: _clear_and_write_config(out_dir, adapter.export_config(config_dtype)),
+                  coordinator_only=True)
+    except RankFailed as failed:
+        raise CheckpointError(f"preparing {out_dir} failed on {failed}") from failed.error
     if mode == "one_pass":
         write_safetensors_one_pass(hf_sd, out_dir, mapping, process_group=group.pg, num_threads=num_threads)
     else:
@@ -72,15 +73,6 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
         total = sum(nbytes.values()) / 1e9
         logger.info("exported %s (%s): %d file(s), %.3f GB in %.2f s, %.2f GB/s", out_dir, mode,
                     max(mapping.values()), total, secs, total / max(secs, 1e-9))
-
-
-def _try(fn, *args) -> OSError | None:
-    """Run `fn`; return its OSError (for every rank to learn of) instead of raising it."""
-    try:
-        fn(*args)
-    except OSError as e:
-        return e
-    return None
 
 
 def _cast(value: Any, dtype: torch.dtype | None) -> Any:
@@ -98,11 +90,3 @@ def _clear_and_write_config(out_dir: str, config: dict[str, Any]) -> None:
             glob.glob(os.path.join(out_dir, SINGLE_FILE)):
         os.remove(old)
     durable.write_json(os.path.join(out_dir, CONFIG_FILE), config, indent=2)
-
-
-def _agree(group: CheckpointGroup, error: BaseException | None, what: str) -> None:
-    """Every rank raises if any rank failed (a barrier too)."""
-    failures = group.gather_errors(error)
-    if failures:
-        rank, cause = failures[0]
-        raise CheckpointError(f"{what} failed on rank {rank}: {cause}") from error
