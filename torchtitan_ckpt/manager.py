@@ -309,15 +309,23 @@ class CheckpointManager:
         self._model.load_state_dict(state)
 
     def _load_dcp(self, target: _LoadTarget) -> None:
+        """Each rank reads its own share of the step, then one gather makes any rank's failure
+        every rank's failure (before the model is touched)."""
         state = self._state_for_load(target)
+        error: BaseException | None = None
         try:
-            dcp.load(state, storage_reader=storage.make_storage_reader(target.path),
-                     planner=storage.make_load_planner(), process_group=self._group.pg)
-        except CheckpointException as e:
-            cause = storage.root_cause(e)
-            if isinstance(cause, CheckpointError):
-                raise cause from None
-            raise CheckpointError(f"loading {target.path} failed: {type(cause).__name__}: {cause}") from None
+            reader = storage.make_storage_reader(target.path, target.metadata, self.config.load_threads)
+            storage.load_on_this_rank(state, reader, storage.make_load_planner())
+        except (Exception, CheckpointException) as e:  # reported on every rank below
+            error = storage.root_cause(e)
+        failures = self._group.gather_errors(error)
+        if isinstance(error, CheckpointError):
+            raise error from None
+        if error is not None:
+            raise CheckpointError(f"loading {target.path} failed: {type(error).__name__}: {error}") from error
+        if failures:
+            rank, message = failures[0]
+            raise CheckpointError(f"loading {target.path} failed on rank {rank}: {message}")
         self._model.load_state_dict({k: v for k, v in state.items() if k not in self._states})
 
     def _find_load_target(self) -> _LoadTarget | None:
