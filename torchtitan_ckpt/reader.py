@@ -59,7 +59,7 @@ class _Unrecognised(Exception):
 # ---------------------------------------------------------------- the zip archive of one item
 
 
-def _records(read: Callable[[int, int], bytes], length: int) -> dict[str, tuple[int, int]]:
+def _records(read: Callable[[int, int], bytes], length: int) -> dict[bytes, tuple[int, int]]:
     """Name -> (offset of its local header within the item, size) of every record of a zip
     whose records are all stored uncompressed."""
     if length < _EOCD.size:
@@ -72,22 +72,22 @@ def _records(read: Callable[[int, int], bytes], length: int) -> dict[str, tuple[
     if cd_offset + cd_size > length:
         raise _Unrecognised("zip directory outside the item")
     directory = read(cd_offset, cd_size)
-    out: dict[str, tuple[int, int]] = {}
+    out: dict[bytes, tuple[int, int]] = {}
     pos = 0
     for _ in range(count):
         if pos + _CENTRAL.size > len(directory):
             raise _Unrecognised("zip directory cut short")
-        fields = _CENTRAL.unpack_from(directory, pos)
-        sig, method, csize, usize, nlen, xlen, clen, lho = (fields[i] for i in (0, 4, 8, 9, 10, 11, 12, 16))
-        name = directory[pos + _CENTRAL.size : pos + _CENTRAL.size + nlen].decode("utf-8", "replace")
-        extra = directory[pos + _CENTRAL.size + nlen : pos + _CENTRAL.size + nlen + xlen]
+        sig, _, _, _, method, _, _, _, csize, usize, nlen, xlen, clen, _, _, _, lho = _CENTRAL.unpack_from(directory, pos)
+        pos += _CENTRAL.size
+        name = directory[pos : pos + nlen]
         if sig != b"PK\x01\x02" or method != 0:
             raise _Unrecognised(f"record {name!r} is not stored uncompressed")
-        usize, csize, lho = _zip64_fields(extra, usize, csize, lho)
+        if _FULL32 in (usize, csize, lho):
+            usize, csize, lho = _zip64_fields(directory[pos + nlen : pos + nlen + xlen], usize, csize, lho)
         if usize != csize:
             raise _Unrecognised(f"record {name!r} is compressed")
         out[name] = (lho, usize)
-        pos += _CENTRAL.size + nlen + xlen + clen
+        pos += nlen + xlen + clen
     return out
 
 
@@ -106,8 +106,6 @@ def _zip64_directory(read: Callable[[int, int], bytes], length: int) -> tuple[in
 
 def _zip64_fields(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, int, int]:
     """The 64-bit sizes and offset of a record whose 32-bit fields are full."""
-    if _FULL32 not in (usize, csize, lho):
-        return usize, csize, lho
     pos = 0
     while pos + 4 <= len(extra):
         tag, size = struct.unpack_from("<HH", extra, pos)
@@ -121,22 +119,44 @@ def _zip64_fields(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, 
     raise _Unrecognised("zip64 record without its sizes")
 
 
-def _record(read: Callable[[int, int], bytes], length: int, records: dict[str, tuple[int, int]],
-            suffix: str) -> tuple[int, int] | None:
-    """(offset within the item, size) of the bytes of `<archive name>/<suffix>`, or None
-    (`torch.save` puts every record under one folder named after the archive)."""
-    found = [where for name, where in records.items()
-             if name.endswith("/" + suffix) and name.count("/") == suffix.count("/") + 1]
-    if not found:
+def _record(read: Callable[[int, int], bytes], length: int, records: dict[bytes, tuple[int, int]],
+            name: bytes) -> tuple[int, int] | None:
+    """(offset within the item, size) of the bytes of record `name`, or None."""
+    if name not in records:
         return None
-    lho, size = found[0]
+    lho, size = records[name]
     if lho + _LOCAL.size > length:
-        raise _Unrecognised(f"record {suffix!r} outside the item")
+        raise _Unrecognised(f"record {name!r} outside the item")
     fields = _LOCAL.unpack(read(lho, _LOCAL.size))
     start = lho + _LOCAL.size + fields[9] + fields[10]
     if fields[0] != b"PK\x03\x04" or start + size > length:
-        raise _Unrecognised(f"record {suffix!r} outside the item")
+        raise _Unrecognised(f"record {name!r} outside the item")
     return start, size
+
+
+def _local_record(buf: bytes, pos: int) -> tuple[bytes, int]:
+    """Name and data offset of the zip local header at `pos` of `buf`."""
+    if pos + _LOCAL.size > len(buf):
+        raise _Unrecognised("record header past the bytes read")
+    fields = _LOCAL.unpack_from(buf, pos)
+    start = pos + _LOCAL.size + fields[9] + fields[10]
+    if fields[0] != b"PK\x03\x04" or start > len(buf):
+        raise _Unrecognised("bad record header")
+    return buf[pos + _LOCAL.size : pos + _LOCAL.size + fields[9]], start
+
+
+def _header_pickle(buf: bytes) -> tuple[bytes, bytes, int]:
+    """From an archive's first bytes: its folder name (`archive/`), the bytes of its first
+    record, `data.pkl` (up to the next record's header), and where that next header starts.
+    `torch.save` writes `data.pkl` first; the local headers carry no sizes, so the next header
+    is found by its signature."""
+    name, start = _local_record(buf, 0)
+    if not name.endswith(b"/data.pkl"):
+        raise _Unrecognised("no header pickle first")
+    end = buf.find(b"PK\x03\x04", start)
+    if end < 0:
+        raise _Unrecognised("header pickle past the bytes read")
+    return name[: -len(b"data.pkl")], buf[start:end], end
 
 
 # ---------------------------------------------------------------- the header pickle
@@ -210,12 +230,9 @@ def _unpickle(unpickler: type[pickle.Unpickler], data: bytes) -> Any:
 def load_plain(data: bytes) -> Any:
     """A non-tensor value that DCP saved with `torch.save`: plain data is unpickled here (no
     globals allowed, so no code runs); anything else by `torch.load(weights_only=True)`."""
-    read = lambda at, n: data[at : at + n]  # noqa: E731
     try:
-        pkl = _record(read, len(data), _records(read, len(data)), "data.pkl")
-        if pkl is None:
-            raise _Unrecognised("no data.pkl")
-        return _unpickle(_PlainUnpickler, read(*pkl))
+        _, pkl, _ = _header_pickle(data)
+        return _unpickle(_PlainUnpickler, pkl)
     except _Unrecognised:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
@@ -268,25 +285,18 @@ class _Cursor:
         return _readinto(self.fd, at, buf)
 
 
-def _local_record(buf: bytes, pos: int) -> tuple[bytes, int]:
-    """Name and data offset of the zip local header at `pos` of `buf`."""
-    if pos + _LOCAL.size > len(buf):
-        raise _Unrecognised("record header past the bytes read")
-    fields = _LOCAL.unpack_from(buf, pos)
-    start = pos + _LOCAL.size + fields[9] + fields[10]
-    if fields[0] != b"PK\x03\x04" or start > len(buf):
-        raise _Unrecognised("bad record header")
-    return buf[pos + _LOCAL.size : pos + _LOCAL.size + fields[9]], start
-
-
 @dataclass(frozen=True)
 class _Located:
     """A tensor item's header and where its storage record was found from the item's first bytes."""
 
     saved: _SavedTensor
-    name: str
+    folder: bytes
     header: int
     start: int
+
+    @property
+    def record(self) -> bytes:
+        return self.folder + b"data/" + self.saved.key.encode()
 
     @property
     def nbytes(self) -> int:
@@ -315,26 +325,27 @@ class _Item:
         if got != len(buf):
             raise self.fail(f"is cut short: the file ends {len(buf) - got} bytes early")
 
-    def locate(self) -> _Located:
+    def locate(self, headers: dict[bytes, _SavedTensor]) -> _Located:
         """The tensor's header and storage record, from the item's first bytes only, so that the
-        file is read forward; `confirm` checks them against the zip directory afterwards."""
+        file is read forward; `confirm` checks them against the zip directory afterwards.
+        `headers` caches parsed header pickles: tensors of one shape and dtype share theirs."""
         head = self.read(0, min(self.length, _WINDOW))
-        name, start = _local_record(head, 0)
-        if not name.endswith(b"/data.pkl"):
-            raise _Unrecognised("no header pickle first")
-        saved = _unpickle(_HeaderUnpickler, head[start:])
-        if not isinstance(saved, _SavedTensor):
-            raise _Unrecognised("not a tensor")
-        record = name[: -len(b"data.pkl")] + b"data/" + saved.key.encode()
-        pos = start
-        while (pos := head.find(b"PK\x03\x04", pos)) >= 0:
-            found, data = _local_record(head, pos)
+        folder, pkl, pos = _header_pickle(head)
+        saved = headers.get(pkl)
+        if saved is None:
+            saved = _unpickle(_HeaderUnpickler, pkl)
+            if not isinstance(saved, _SavedTensor):
+                raise _Unrecognised("not a tensor")
+            headers[pkl] = saved
+        record = folder + b"data/" + saved.key.encode()
+        while pos >= 0:
+            found, start = _local_record(head, pos)
             if found == record:
-                located = _Located(saved, record.decode(), pos, data)
-                if data + located.nbytes > self.length:
+                located = _Located(saved, folder, pos, start)
+                if start + located.nbytes > self.length:
                     raise _Unrecognised("storage record past the item's end")
                 return located
-            pos += 4
+            pos = head.find(b"PK\x03\x04", pos + 4)
         raise _Unrecognised("storage record not among the first records")
 
     def confirm(self, located: _Located) -> None:
@@ -342,12 +353,12 @@ class _Item:
         tail = max(located.start + located.nbytes, self.length - _WINDOW)
         self.read(tail, self.length - tail)  # one read for the directory and the next item's start
         records = _records(self.read, self.length)
-        order = _record(self.read, self.length, records, "byteorder")
+        order = _record(self.read, self.length, records, located.folder + b"byteorder")
         if order is None or self.read(*order) != b"little":
             raise _Unrecognised("not a little-endian torch.save archive")
-        if located.name not in records:
-            raise self.fail(f"lacks the storage record {located.name!r} its header names")
-        header, size = records[located.name]
+        if located.record not in records:
+            raise self.fail(f"lacks the storage record {located.record.decode()!r} its header names")
+        header, size = records[located.record]
         if size != located.nbytes:
             raise self.fail(f"has a storage record of {size} bytes; its header says {located.saved.storage_numel} "
                             f"x {located.saved.dtype} = {located.nbytes} bytes")
@@ -365,6 +376,49 @@ def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> 
     return t
 
 
+def _row_major(size: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class _Region:
+    """The part of a saved tensor that one read request wants, in elements of its storage."""
+
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+    contiguous: bool
+
+    def view(self, saved: _SavedTensor) -> torch.Tensor:
+        """The region as a meta tensor over a storage of the saved record's size."""
+        storage = torch.empty(saved.storage_numel, dtype=saved.dtype, device="meta")
+        return storage.as_strided(self.size, self.stride, self.offset)
+
+
+def _region(saved: _SavedTensor, req: ReadItem) -> _Region | None:
+    """What `req` reads of `saved`, or None when it does not fit in the saved tensor or the
+    saved view does not fit in its storage."""
+    extent = sum((n - 1) * st for n, st in zip(saved.size, saved.stride))
+    if (saved.storage_offset < 0 or any(st < 0 for st in saved.stride) or len(saved.stride) != len(saved.size)
+            or (0 not in saved.size and saved.storage_offset + extent >= saved.storage_numel)):
+        return None  # meta tensors do not check this
+    size = torch.Size(req.lengths)
+    if (tuple(size) == saved.size and not any(req.storage_offsets) and saved.storage_offset == 0
+            and saved.stride == _row_major(saved.size) and size.numel() == saved.storage_numel):
+        return _Region(size, saved.stride, 0, True)  # the whole record, as most reads are
+    try:
+        storage = torch.empty(saved.storage_numel, dtype=saved.dtype, device="meta")
+        view = _narrow(storage.as_strided(saved.size, saved.stride, saved.storage_offset),
+                       req.storage_offsets, req.lengths)
+    except RuntimeError:
+        return None
+    return _Region(view.size(), view.stride(), view.storage_offset(), view.is_contiguous())
+
+
 class ItemReader:
     """Reads a load plan's items from a checkpoint folder into the planner's destinations.
 
@@ -376,6 +430,7 @@ class ItemReader:
     def __init__(self, root: str, storage_data: dict, threads: int):
         self.root, self.storage_data, self.threads = root, storage_data, threads
         self._lock = threading.Lock()
+        self._headers: dict[bytes, _SavedTensor] = {}
 
     def read(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
         runs = self._runs(items)
@@ -430,26 +485,24 @@ class ItemReader:
 
     def _read_tensor(self, item: _Item, req: ReadItem, planner: LoadPlanner) -> None:
         try:
-            located = item.locate()
+            located = item.locate(self._headers)
         except _Unrecognised as e:
             return self._read_tensor_with_torch_load(item, req, planner, e)
         saved = located.saved
-        try:
-            view = torch.empty(saved.storage_numel, dtype=saved.dtype, device="meta").as_strided(
-                saved.size, saved.stride, saved.storage_offset)
-            region = _narrow(view, req.storage_offsets, req.lengths)
-        except RuntimeError as e:
-            raise item.fail(f"does not hold the region the checkpoint's metadata says ({e})") from None
+        region = _region(saved, req)
+        if region is None:
+            raise item.fail(f"does not hold the region {list(req.storage_offsets)} + {list(req.lengths)} "
+                            f"the checkpoint's metadata says (it holds {list(saved.size)})")
         with self._lock:
             dest = planner.resolve_tensor(req).detach()
-        if dest.size() != region.size():
-            raise item.fail(f"holds {tuple(region.size())} where the destination is {tuple(dest.size())}")
-        if (region.is_contiguous() and dest.is_contiguous() and dest.dtype == saved.dtype
+        if dest.size() != region.size:
+            raise item.fail(f"holds {list(region.size)} where the destination is {list(dest.size())}")
+        if (region.contiguous and dest.is_contiguous() and dest.dtype == saved.dtype
                 and dest.device.type == "cpu"):
             if dest.numel():
-                item.readinto(located.start + region.storage_offset() * saved.dtype.itemsize, _bytes_of(dest))
+                item.readinto(located.start + region.offset * saved.dtype.itemsize, _bytes_of(dest))
         else:
-            _copy_pieces(item, located.start, region, dest)
+            _copy_pieces(item, located.start, region.view(saved), dest)
         try:
             item.confirm(located)
         except _Unrecognised as e:  # not the archive it looked like: read it the slow way after all
