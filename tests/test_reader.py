@@ -115,6 +115,18 @@ def test_a_storage_record_of_the_wrong_size_is_refused_naming_the_file(tmp_path)
         _load(path, storage.make_storage_reader(path, threads=2), storage.make_load_planner())
 
 
+def test_a_header_whose_view_runs_past_its_storage_is_refused(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    file, offset, length = _item(path, "f32")
+    with open(file, "rb") as f:
+        f.seek(offset)
+        at = f.read(length).index(b"K!K\x01\x86")  # the pickled stride (33, 1) of the 64 x 33 tensor
+    _patch(file, offset + at, b"K\x22K\x01\x86")  # stride (34, 1): 2174 elements of 2112
+    with pytest.raises(CorruptCheckpointError, match=rf"{file}: item 'f32' .*stride \[34, 1\].* runs past its 2112"):
+        _load(path, storage.make_storage_reader(path), storage.make_load_planner())
+
+
 def test_a_file_cut_short_is_refused_naming_the_file(tmp_path):
     path = str(tmp_path / "ckpt")
     _save(path)

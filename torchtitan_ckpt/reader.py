@@ -399,13 +399,16 @@ class _Region:
         return storage.as_strided(self.size, self.stride, self.offset)
 
 
-def _region(saved: _SavedTensor, req: ReadItem) -> _Region | None:
-    """What `req` reads of `saved`, or None when it does not fit in the saved tensor or the
-    saved view does not fit in its storage."""
+def _fits(saved: _SavedTensor) -> bool:
+    """Whether the saved view lies within its storage (meta tensors' `as_strided` does not check)."""
+    if saved.storage_offset < 0 or len(saved.stride) != len(saved.size) or any(st < 0 for st in saved.stride):
+        return False
     extent = sum((n - 1) * st for n, st in zip(saved.size, saved.stride))
-    if (saved.storage_offset < 0 or any(st < 0 for st in saved.stride) or len(saved.stride) != len(saved.size)
-            or (0 not in saved.size and saved.storage_offset + extent >= saved.storage_numel)):
-        return None  # meta tensors do not check this
+    return 0 in saved.size or saved.storage_offset + extent < saved.storage_numel
+
+
+def _region(saved: _SavedTensor, req: ReadItem) -> _Region | None:
+    """What `req` reads of `saved` (a view that `_fits`), or None when it lies outside it."""
     size = torch.Size(req.lengths)
     if (tuple(size) == saved.size and not any(req.storage_offsets) and saved.storage_offset == 0
             and saved.stride == _row_major(saved.size) and size.numel() == saved.storage_numel):
@@ -489,6 +492,9 @@ class ItemReader:
         except _Unrecognised as e:
             return self._read_tensor_with_torch_load(item, req, planner, e)
         saved = located.saved
+        if not _fits(saved):
+            raise item.fail(f"has a header whose view (size {list(saved.size)}, stride {list(saved.stride)}, "
+                            f"offset {saved.storage_offset}) runs past its {saved.storage_numel} stored elements")
         region = _region(saved, req)
         if region is None:
             raise item.fail(f"does not hold the region {list(req.storage_offsets)} + {list(req.lengths)} "
