@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 _WINDOW = 4096
 """Bytes read at once at each end of an item: its zip directory and header records fit in them."""
-_PIECE_BYTES = 8 << 20
+_PIECE_BYTES = 4 << 20
 """Largest temporary buffer of one indirect tensor copy, per thread."""
 
 _EOCD = struct.Struct("<4sHHHHIIH")
