@@ -6,7 +6,8 @@ with `torch.load` (about 1 ms each, then a copy into the destination). Here each
 read in offset order on a few threads; a tensor item's zip directory and header pickle are parsed
 without running code from the file, and its single storage record is read straight into the
 destination tensor (through a bounded temporary when the destination is a non-contiguous view,
-another dtype or another device). An archive of any other shape goes through
+another dtype or another device). A non-tensor value is unpickled from the archive's first
+record with no globals allowed. An archive of any other shape goes through
 `torch.load(weights_only=True)`, as DCP does.
 """
 
@@ -427,12 +428,14 @@ class ItemReader:
 
     `storage_data` maps each item's storage index to DCP's `_StorageInfo` (relative path, offset,
     length). Each file's items are read in offset order; the plan is cut into runs of about
-    total / `threads` bytes, read in parallel. Planner calls are serialised by a lock.
+    total / `threads` bytes, read in parallel. Planner calls are serialised by a lock; the first
+    failure stops every run at its next item.
     """
 
     def __init__(self, root: str, storage_data: dict, threads: int):
         self.root, self.storage_data, self.threads = root, storage_data, threads
         self._lock = threading.Lock()
+        self._failed = threading.Event()
         self._headers: dict[bytes, _SavedTensor] = {}
 
     def read(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
@@ -447,8 +450,7 @@ class ItemReader:
                 for f in futures:
                     f.result()
             finally:
-                for f in futures:
-                    f.cancel()
+                self._failed.set()  # a no-op once every run is done
 
     def _runs(self, items: Sequence[ReadItem]) -> list[tuple[str, list[ReadItem]]]:
         """Each file's items in offset order, cut into runs of about total / threads bytes."""
@@ -475,6 +477,8 @@ class ItemReader:
         cursor = _Cursor(os.path.join(self.root, rel))
         try:
             for req in run:
+                if self._failed.is_set():
+                    return
                 info = self.storage_data[req.storage_index]
                 item = _Item(cursor, info.offset, info.length, req.storage_index.fqn)
                 if req.type == LoadItemType.BYTE_IO:
@@ -483,6 +487,9 @@ class ItemReader:
                         planner.load_bytes(req, io.BytesIO(data))
                 else:
                     self._read_tensor(item, req, planner)
+        except BaseException:
+            self._failed.set()
+            raise
         finally:
             cursor.close()
 
@@ -527,7 +534,11 @@ class ItemReader:
             raise item.fail(f"is not a readable torch.save archive ({type(e).__name__}: {e})") from None
         if not isinstance(tensor, torch.Tensor):
             raise item.fail(f"holds a {type(tensor).__name__} where the metadata says a tensor")
-        tensor = _narrow(tensor, req.storage_offsets, req.lengths)
+        try:
+            tensor = _narrow(tensor, req.storage_offsets, req.lengths)
+        except RuntimeError:
+            raise item.fail(f"does not hold the region {list(req.storage_offsets)} + {list(req.lengths)} "
+                            f"the checkpoint's metadata says (it holds {list(tensor.size())})") from None
         with self._lock:
             dest = planner.resolve_tensor(req).detach()
         if dest.size() != tensor.size():
