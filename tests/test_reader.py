@@ -10,12 +10,13 @@ import zipfile
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from torchtitan_ckpt import CorruptCheckpointError, storage
+from torchtitan_ckpt import CheckpointError, CorruptCheckpointError, storage
 from torchtitan_ckpt.config import load_job_config
 
 from .helpers import spawn
@@ -96,20 +97,27 @@ def _patch(file: str, at: int, data: bytes) -> None:
         f.write(data)
 
 
-def test_a_storage_record_of_the_wrong_size_is_refused_naming_the_file(tmp_path):
-    path = str(tmp_path / "ckpt")
-    _save(path)
-    file, offset, length = _item(path, "f32")
+def _shrink_record(file: str, offset: int, length: int) -> int:
+    """Make the zip directory of the item at `offset` say its storage record is 4 bytes shorter
+    than it is; returns the record's true size."""
     with open(file, "rb") as f:
         f.seek(offset)
         item = f.read(length)
     name = zipfile.ZipFile(io.BytesIO(item)).namelist()[0].split("/")[0] + "/data/0"
     central = item.rindex(name.encode()) - 46  # the record's entry in the zip directory
     assert item[central : central + 4] == b"PK\x01\x02"
-    nbytes = 64 * 33 * 4
-    assert int.from_bytes(item[central + 24 : central + 28], "little") == nbytes
+    nbytes = int.from_bytes(item[central + 24 : central + 28], "little")
     smaller = (nbytes - 4).to_bytes(4, "little")
     _patch(file, offset + central + 20, smaller + smaller)  # compressed and uncompressed sizes
+    return nbytes
+
+
+def test_a_storage_record_of_the_wrong_size_is_refused_naming_the_file(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    file, offset, length = _item(path, "f32")
+    nbytes = _shrink_record(file, offset, length)
+    assert nbytes == 64 * 33 * 4
     with pytest.raises(CorruptCheckpointError, match=rf"{file}: item 'f32' .*storage record of {nbytes - 4} bytes; "
                                                      rf"its header says 2112 x torch.float32 = {nbytes} bytes"):
         _load(path, storage.make_storage_reader(path, threads=2), storage.make_load_planner())
@@ -244,8 +252,27 @@ def _fsdp_round_trip(rank: int, world_size: int, folder: str) -> None:
                 assert torch.equal(g.to_local() if hasattr(g, "to_local") else g,
                                    v.to_local() if hasattr(v, "to_local") else v), k
         assert got.param_groups[0]["lr"] == want.param_groups[0]["lr"]
+    _damaged_rank_fails_every_rank(rank, world_size, folder)
+
+
+def _damaged_rank_fails_every_rank(rank: int, world_size: int, folder: str) -> None:
+    """A record only rank 1 reads is damaged: rank 1 names the file, rank 0 names rank 1."""
+    step = os.path.join(folder, "checkpoint", "step-1")
+    file = os.path.join(step, "__1_0.distcp")
+    dist.barrier()
+    if rank == 0:
+        metadata = storage.read_metadata(os.path.join(step, storage.METADATA_FILE))
+        info = max((s for s in metadata.storage_data.values() if s.relative_path == "__1_0.distcp"),
+                   key=lambda s: s.length)  # a tensor shard of rank 1
+        _shrink_record(file, info.offset, info.length)
+    dist.barrier()
+    _, _, manager = _fsdp_job(world_size, folder, seed=3)
+    expected = {0: (CheckpointError, rf"failed on rank 1: CorruptCheckpointError: {file}: item"),
+                1: (CorruptCheckpointError, rf"{file}: item .* storage record of")}[rank]
+    with manager, pytest.raises(expected[0], match=expected[1]):
+        manager.load()
 
 
 @pytest.mark.multirank
-def test_an_fsdp_checkpoint_resumes_as_dcp_loads_it(tmp_path):
+def test_an_fsdp_checkpoint_resumes_as_dcp_loads_it_and_a_damaged_shard_fails_every_rank(tmp_path):
     spawn(2, _fsdp_round_trip, str(tmp_path))
