@@ -252,6 +252,18 @@ def _readinto(fd: int, offset: int, buf: memoryview) -> int:
     return done
 
 
+def _pread(fd: int, offset: int, n: int) -> bytes:
+    """Up to `n` bytes from `offset` (fewer only at the end of the file)."""
+    parts = []
+    while n > 0:
+        part = os.pread(fd, n, offset)
+        if not part:
+            break
+        parts.append(part)
+        offset, n = offset + len(part), n - len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """A writable view of a contiguous CPU tensor's memory."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
@@ -276,9 +288,9 @@ class _Cursor:
         for start, data in self._windows:
             if start <= at and at + n <= start + len(data):
                 return data[at - start : at - start + n]
-        buf = bytearray(max(n, 2 * _WINDOW))
-        got = _readinto(self.fd, at, memoryview(buf))
-        data = bytes(buf[:got])
+        if n > 2 * _WINDOW:  # a whole item of some size: read once, not kept
+            return _pread(self.fd, at, n)
+        data = _pread(self.fd, at, 2 * _WINDOW)
         self._windows.append((at, data))
         return data[:n]
 
