@@ -159,6 +159,10 @@ class Checkpoint:
     load_step: int = -1
     """Step to load; -1 loads the newest complete step."""
 
+    load_threads: int = 4
+    """I/O threads per rank reading a DCP step's files on load (each reads its share of a file's
+    bytes, in order, straight into the state's tensors)."""
+
     exclude_from_loading: list[str] = field(default_factory=list)
     """States not restored on load, e.g. `["dataloader", "lr_scheduler"]`. `model` cannot be excluded."""
 
@@ -432,6 +436,7 @@ def _validate_checkpoint(ck: Checkpoint) -> None:
     _at_least("checkpoint.interval", ck.interval, 1)
     _at_least("checkpoint.keep_latest_k", ck.keep_latest_k, 0)
     _at_least("checkpoint.load_step", ck.load_step, -1)
+    _at_least("checkpoint.load_threads", ck.load_threads, 1)
     _at_least("checkpoint.dedup_min_slice_bytes", ck.dedup_min_slice_bytes, 1)
     _at_least("checkpoint.save_threads", ck.save_threads, 1)
     if not ck.collective_timeout_s > 0:

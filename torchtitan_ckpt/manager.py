@@ -304,15 +304,26 @@ class CheckpointManager:
         self._model.load_state_dict(state)
 
     def _load_dcp(self, target: _LoadTarget) -> None:
+        """Each rank reads its own share of the step, then one gather makes any rank's failure
+        every rank's failure (before the model is touched)."""
         state = self._state_for_load(target)
+
+        def read() -> None:
+            reader = storage.make_storage_reader(target.path, target.metadata, self.config.load_threads)
+            try:
+                storage.load_on_this_rank(state, reader, storage.make_load_planner())
+            except CheckpointException as e:  # a BaseException: unwrap it for `run`
+                raise storage.root_cause(e) from None
+
         try:
-            dcp.load(state, storage_reader=storage.make_storage_reader(target.path),
-                     planner=storage.make_load_planner(), process_group=self._group.pg)
-        except CheckpointException as e:
-            cause = storage.root_cause(e)
-            if isinstance(cause, CheckpointError):
-                raise cause from None
-            raise CheckpointError(f"loading {target.path} failed: {type(cause).__name__}: {cause}") from None
+            self._group.run(read)
+        except RankFailed as failed:
+            if isinstance(failed.error, CheckpointError):
+                raise failed.error from None
+            if failed.error is not None:
+                raise CheckpointError(f"loading {target.path} failed: {type(failed.error).__name__}: "
+                                      f"{failed.error}") from failed.error
+            raise CheckpointError(f"loading {target.path} failed on {failed}") from None
         self._model.load_state_dict({k: v for k, v in state.items() if k not in self._states})
 
     def _find_load_target(self) -> _LoadTarget | None:

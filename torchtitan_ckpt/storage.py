@@ -2,8 +2,9 @@
 
 This is the one place that picks DCP's plug-ins for a save or a load, so later features (dedup
 policy, Hugging Face format) replace a factory here instead of adding branches to the manager.
-Loading runs no code from the checkpoint: `.metadata` is read with an allow-list unpickler and
-non-tensor values with `torch.load(weights_only=True)` (DCP itself uses `weights_only=False`).
+Loading runs no code from the checkpoint: `.metadata` is read with an allow-list unpickler,
+tensors are read by `reader` (which parses their headers itself) and non-tensor values are plain
+data or go through `torch.load(weights_only=True)` (DCP itself uses `weights_only=False`).
 """
 
 from __future__ import annotations
@@ -13,23 +14,32 @@ import math
 import os
 import pickle
 import threading
+import warnings
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo  # the format's entry type
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from . import filewriter
+from . import filewriter, reader
 from .dedup import DedupSavePlanner
 from .errors import CorruptCheckpointError
 
@@ -94,16 +104,36 @@ def read_metadata(path: str) -> Metadata:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file-system reader with a metadata read that refuses anything but DCP's own classes."""
+    """DCP's file-system reader with a metadata read that refuses anything but DCP's own classes,
+    and items read by `reader.ItemReader` on `threads` threads, straight into their destinations.
+
+    `metadata`, when the caller has already read the folder's `.metadata`, is used instead of
+    reading it again.
+    """
+
+    def __init__(self, path: str, metadata: Metadata | None = None, threads: int = 1):
+        super().__init__(path)
+        self._metadata = metadata
+        self.threads = threads
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        path = self._get_metadata_path(rank)
-        metadata = read_metadata(str(path))
+        if rank is None and self._metadata is not None:
+            metadata = self._metadata
+        else:
+            metadata = read_metadata(str(self._get_metadata_path(rank)))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if any(self.storage_data[req.storage_index].transform_descriptors for req in plan.items):
+            return super().read_data(plan, planner)  # compressed or otherwise transformed items
+        reader.ItemReader(str(self.path), self.storage_data, self.threads).read(plan.items, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -111,7 +141,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
-            obj = torch.load(value, map_location="cpu", weights_only=True)
+            obj = reader.load_plain(value.getvalue())
         except pickle.UnpicklingError as e:
             raise CorruptCheckpointError(
                 f"checkpoint value '{read_item.dest_index.fqn}' is not plain data and loading it "
@@ -126,6 +156,19 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             node[last] = obj
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def load_on_this_rank(state: dict[str, Any], storage_reader: SafeFileSystemReader, planner: SafeLoadPlanner) -> None:
+    """`dcp.load` of what this rank's `state` needs, without DCP's collectives.
+
+    A default load plan has no cross-rank step: each rank reads the items its own tensors
+    overlap. DCP still sends every rank's plan through rank 0 and back and gathers every rank's
+    result, which cost 0.4-0.9 s of a 1.5 s cold load of 0.8 GB on 2 ranks. The caller makes a
+    failure on one rank known to the others.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=storage_reader, planner=planner, no_dist=True)
 
 
 def root_cause(error: BaseException) -> BaseException:
@@ -264,8 +307,9 @@ def make_storage_writer(path: str, sink: filewriter.Sink = filewriter.write_file
     return DataFileWriter(path, sink, step, files_per_rank)
 
 
-def make_storage_reader(path: str) -> SafeFileSystemReader:
-    return SafeFileSystemReader(path)
+def make_storage_reader(path: str, metadata: Metadata | None = None, threads: int = 1) -> SafeFileSystemReader:
+    """Reader of a DCP folder on `threads` I/O threads; pass `metadata` if it is already read."""
+    return SafeFileSystemReader(path, metadata, threads)
 
 
 def make_save_planner(policy: str = "balanced", min_slice_bytes: int = 1 << 20) -> DedupSavePlanner:

@@ -1,0 +1,278 @@
+"""The load path's reader (`storage.make_storage_reader`): it loads bit for bit what DCP's own
+`FileSystemReader` loads, on one rank and resharded across ranks, and a damaged file is refused
+with an error naming the file and the item."""
+
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from torchtitan_ckpt import CheckpointError, CorruptCheckpointError, storage
+from torchtitan_ckpt.config import load_job_config
+
+from .helpers import spawn
+
+_OBJECTS = {"lr": 3e-4, "betas": (0.9, 0.95), "name": "adamw", "flags": [True, None], "nested": {"k": 2}}
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "f32": torch.randn(64, 33, generator=g),
+        "bf16": torch.randn(17, 5, generator=g).to(torch.bfloat16),
+        "i64": torch.arange(-50, 50),
+        "bool": torch.rand(9, generator=g) > 0.5,
+        "c64": torch.randn(4, 3, dtype=torch.complex64, generator=g),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 7),
+        "transposed": torch.randn(6, 10, generator=g).t(),  # saved with its strides (10 x 6, stride (1, 10))
+        "f8": torch.randn(12, generator=g).to(torch.float8_e4m3fn),  # saved as an untyped storage
+        "u16": torch.arange(0, 60000, 1000).to(torch.uint16),
+    }
+
+
+def _save(path: str) -> None:
+    dcp.save({**_tensors(), **_OBJECTS}, storage_writer=storage.make_storage_writer(path))
+
+
+def _load(path: str, reader, planner) -> dict:
+    blank = {k: {kk: None for kk in v} if isinstance(v, dict) else None for k, v in _OBJECTS.items()}
+    state = {**{k: torch.zeros_like(v) for k, v in _tensors().items()}, **blank}
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner)
+    except CheckpointException as e:  # DCP's wrapper of every rank's failure
+        raise storage.root_cause(e) from None
+    return state
+
+
+def _assert_bitwise(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for key, x in a.items():
+        y = b[key]
+        if isinstance(x, torch.Tensor):
+            assert (x.dtype, x.shape, x.stride()) == (y.dtype, y.shape, y.stride()), key
+            assert torch.equal(x.contiguous().view(-1).view(torch.uint8), y.contiguous().view(-1).view(torch.uint8)), key
+        else:
+            assert x == y and type(x) is type(y), key
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_loads_bit_for_bit_what_dcp_loads(tmp_path, threads):
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    ours = _load(path, storage.make_storage_reader(path, threads=threads), storage.make_load_planner())
+    theirs = _load(path, FileSystemReader(path), DefaultLoadPlanner())
+    _assert_bitwise(ours, theirs)
+    _assert_bitwise(ours, {**_tensors(), **_OBJECTS})
+
+
+def test_metadata_given_to_the_reader_is_not_read_again(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
+    os.remove(os.path.join(path, storage.METADATA_FILE))
+    ours = _load(path, storage.make_storage_reader(path, metadata, threads=2), storage.make_load_planner())
+    _assert_bitwise(ours, {**_tensors(), **_OBJECTS})
+
+
+def _item(path: str, fqn: str) -> tuple[str, int, int]:
+    """(file, offset, length) of the item holding `fqn`."""
+    metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
+    (index, info), = [(i, s) for i, s in metadata.storage_data.items() if i.fqn == fqn]
+    return os.path.join(path, info.relative_path), info.offset, info.length
+
+
+def _patch(file: str, at: int, data: bytes) -> None:
+    with open(file, "r+b") as f:
+        f.seek(at)
+        f.write(data)
+
+
+def _shrink_record(file: str, offset: int, length: int) -> int:
+    """Make the zip directory of the item at `offset` say its storage record is 4 bytes shorter
+    than it is; returns the record's true size."""
+    with open(file, "rb") as f:
+        f.seek(offset)
+        item = f.read(length)
+    name = zipfile.ZipFile(io.BytesIO(item)).namelist()[0].split("/")[0] + "/data/0"
+    central = item.rindex(name.encode()) - 46  # the record's entry in the zip directory
+    assert item[central : central + 4] == b"PK\x01\x02"
+    nbytes = int.from_bytes(item[central + 24 : central + 28], "little")
+    smaller = (nbytes - 4).to_bytes(4, "little")
+    _patch(file, offset + central + 20, smaller + smaller)  # compressed and uncompressed sizes
+    return nbytes
+
+
+def test_a_storage_record_of_the_wrong_size_is_refused_naming_the_file(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    file, offset, length = _item(path, "f32")
+    nbytes = _shrink_record(file, offset, length)
+    assert nbytes == 64 * 33 * 4
+    with pytest.raises(CorruptCheckpointError, match=rf"{file}: item 'f32' .*storage record of {nbytes - 4} bytes; "
+                                                     rf"its header says 2112 x torch.float32 = {nbytes} bytes"):
+        _load(path, storage.make_storage_reader(path, threads=2), storage.make_load_planner())
+
+
+def test_a_header_whose_view_runs_past_its_storage_is_refused(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    file, offset, length = _item(path, "f32")
+    with open(file, "rb") as f:
+        f.seek(offset)
+        at = f.read(length).index(b"K!K\x01\x86")  # the pickled stride (33, 1) of the 64 x 33 tensor
+    _patch(file, offset + at, b"K\x22K\x01\x86")  # stride (34, 1): 2174 elements of 2112
+    with pytest.raises(CorruptCheckpointError, match=rf"{file}: item 'f32' .*stride \[34, 1\].* runs past its 2112"):
+        _load(path, storage.make_storage_reader(path), storage.make_load_planner())
+
+
+def test_a_file_cut_short_is_refused_naming_the_file(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    file, offset, length = _item(path, "f32")
+    with open(file, "r+b") as f:
+        f.truncate(offset + length // 2)
+    with pytest.raises(CorruptCheckpointError, match=rf"{file}: item '\w+' .*cut short"):
+        _load(path, storage.make_storage_reader(path), storage.make_load_planner())
+
+
+def test_a_tensor_header_naming_other_code_is_refused_naming_the_file(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    file, offset, length = _item(path, "bf16")
+    with open(file, "rb") as f:
+        f.seek(offset)
+        at = f.read(length).index(b"_rebuild_tensor_v2")
+    _patch(file, offset + at, b"_rebuild_tensor_v9")  # a global that no tensor header names
+    with pytest.raises(CorruptCheckpointError, match=rf"{file}: item 'bf16' .*could run code; refused"):
+        _load(path, storage.make_storage_reader(path), storage.make_load_planner())
+
+
+def test_load_threads_must_be_positive():
+    with pytest.raises(ValueError, match="checkpoint.load_threads = 0"):
+        load_job_config(None, ["--checkpoint.load_threads", "0"])
+
+
+# ---------------------------------------------------------------- several ranks
+
+
+def _full(name: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(len(name))
+    return {"a": torch.randn(12, 10, generator=g), "b": torch.randn(9, 6, generator=g).to(torch.bfloat16),
+            "c": torch.arange(7, dtype=torch.int64)}[name]
+
+
+def _sharded(world_size: int, placements: dict[str, int], zeros: bool) -> dict:
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    out: dict = {}
+    for name, dim in placements.items():
+        full = torch.zeros_like(_full(name)) if zeros else _full(name)
+        out[name] = distribute_tensor(full, mesh, [Shard(dim)])
+    return out
+
+
+def _save_on_ranks(rank: int, world_size: int, path: str) -> None:
+    state = {**_sharded(world_size, {"a": 0, "b": 1, "c": 0}, zeros=False), "lr": 0.5, "rep": torch.arange(5.0)}
+    dcp.save(state, storage_writer=storage.make_storage_writer(path))
+
+
+def _load_resharded(rank: int, world_size: int, path: str) -> None:
+    """Each tensor sharded on the other dimension than when saved: saved chunks are read
+    narrowed on a non-leading dimension ('a') and into non-contiguous destinations ('b')."""
+    loaded = []
+    for reader, planner in [(storage.make_storage_reader(path, threads=2), storage.make_load_planner()),
+                            (FileSystemReader(path), DefaultLoadPlanner())]:
+        state = {**_sharded(world_size, {"a": 1, "b": 0, "c": 0}, zeros=True), "lr": None, "rep": torch.zeros(5)}
+        dcp.load(state, storage_reader=reader, planner=planner)
+        loaded.append(state)
+    ours, theirs = loaded
+    for name in ("a", "b", "c"):
+        assert torch.equal(ours[name].to_local(), theirs[name].to_local()), name
+        assert torch.equal(ours[name].full_tensor(), _full(name)), name
+    assert ours["lr"] == theirs["lr"] == 0.5
+    assert torch.equal(ours["rep"], torch.arange(5.0))
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_of_2_ranks_resharded_on_3_loads_as_dcp_loads_it(tmp_path):
+    path = str(tmp_path / "ckpt")
+    spawn(2, _save_on_ranks, path)
+    spawn(3, _load_resharded, path)
+
+
+def _fsdp_job(world_size: int, folder: str, seed: int):
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.train import build_model, shard_model
+
+    config = load_job_config(None, ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.load_threads", "3",
+                                    "--training.seed", str(seed)])
+    model = build_model(config)
+    shard_model(model, world_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    return model, opt, CheckpointManager(config.checkpoint, [model], optimizers=opt, base_folder=folder)
+
+
+def _fsdp_round_trip(rank: int, world_size: int, folder: str) -> None:
+    from torchtitan_ckpt.states import ModelState, OptimizerState
+
+    model, opt, manager = _fsdp_job(world_size, folder, seed=0)
+    torch.manual_seed(rank)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    with manager:
+        manager.save(1)
+    # ours: the manager's load; DCP's own: its reader and planner, into the same kind of state
+    fresh, fresh_opt, fresh_manager = _fsdp_job(world_size, folder, seed=1)
+    with fresh_manager:
+        assert fresh_manager.load()
+    ref, ref_opt, _ = _fsdp_job(world_size, folder, seed=2)
+    states = {"optimizer": OptimizerState([ref], [ref_opt])}
+    state = {**ModelState([ref]).state_dict(), **states}
+    dcp.load(state, storage_reader=FileSystemReader(os.path.join(folder, "checkpoint", "step-1")))
+    ModelState([ref]).load_state_dict({k: v for k, v in state.items() if k != "optimizer"})
+    for got, want in [(fresh.state_dict(), ref.state_dict()), (fresh.state_dict(), model.state_dict())]:
+        for key in want:
+            assert torch.equal(got[key].to_local(), want[key].to_local()), key
+    for got, want in [(fresh_opt, ref_opt), (fresh_opt, opt)]:
+        for p_got, p_want in zip(got.param_groups[0]["params"], want.param_groups[0]["params"]):
+            for k, v in want.state[p_want].items():
+                g = got.state[p_got][k]
+                assert torch.equal(g.to_local() if hasattr(g, "to_local") else g,
+                                   v.to_local() if hasattr(v, "to_local") else v), k
+        assert got.param_groups[0]["lr"] == want.param_groups[0]["lr"]
+    _damaged_rank_fails_every_rank(rank, world_size, folder)
+
+
+def _damaged_rank_fails_every_rank(rank: int, world_size: int, folder: str) -> None:
+    """A record only rank 1 reads is damaged: rank 1 names the file, rank 0 names rank 1."""
+    step = os.path.join(folder, "checkpoint", "step-1")
+    file = os.path.join(step, "__1_0.distcp")
+    dist.barrier()
+    if rank == 0:
+        metadata = storage.read_metadata(os.path.join(step, storage.METADATA_FILE))
+        info = max((s for s in metadata.storage_data.values() if s.relative_path == "__1_0.distcp"),
+                   key=lambda s: s.length)  # a tensor shard of rank 1
+        _shrink_record(file, info.offset, info.length)
+    dist.barrier()
+    _, _, manager = _fsdp_job(world_size, folder, seed=3)
+    expected = {0: (CheckpointError, rf"failed on rank 1: CorruptCheckpointError: {file}: item"),
+                1: (CorruptCheckpointError, rf"{file}: item .* storage record of")}[rank]
+    with manager, pytest.raises(expected[0], match=expected[1]):
+        manager.load()
+
+
+@pytest.mark.multirank
+def test_an_fsdp_checkpoint_resumes_as_dcp_loads_it_and_a_damaged_shard_fails_every_rank(tmp_path):
+    spawn(2, _fsdp_round_trip, str(tmp_path))

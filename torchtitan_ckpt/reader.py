@@ -1,0 +1,577 @@
+"""Reading DCP's TORCH_SAVE items without a `torch.load` per item.
+
+DCP stores every tensor and every non-tensor value of a checkpoint as one `torch.save` archive (an
+uncompressed zip) inside a rank's `.distcp` file, and its `FileSystemReader` reads each one back
+with `torch.load` (about 1 ms each, then a copy into the destination). Here each file's items are
+read in offset order on a few threads; a tensor item's zip directory and header pickle are parsed
+without running code from the file, and its single storage record is read straight into the
+destination tensor (through a bounded temporary when the destination is a non-contiguous view,
+another dtype or another device). A non-tensor value is unpickled from the archive's first
+record with no globals allowed. An archive of any other shape goes through
+`torch.load(weights_only=True)`, as DCP does.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import logging
+import os
+import pickle
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from .errors import CorruptCheckpointError
+
+logger = logging.getLogger(__name__)
+
+_WINDOW = 4096
+"""Bytes read at once at each end of an item: its zip directory and header records fit in them."""
+_PIECE_BYTES = 4 << 20
+"""Largest temporary buffer of one indirect tensor copy, per thread."""
+
+_EOCD = struct.Struct("<4sHHHHIIH")
+_ZIP64_LOCATOR = struct.Struct("<4sIQI")
+_ZIP64_EOCD = struct.Struct("<4sQHHIIQQQQ")
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")
+_FULL32 = 0xFFFFFFFF
+
+# the storage classes `torch.save` names in a tensor's header pickle
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
+}
+
+
+class _Unrecognised(Exception):
+    """The archive is not of the one shape read here; `torch.load` reads it instead."""
+
+
+# ---------------------------------------------------------------- the zip archive of one item
+
+
+def _records(read: Callable[[int, int], bytes], length: int) -> dict[bytes, tuple[int, int]]:
+    """Name -> (offset of its local header within the item, size) of every record of a zip
+    whose records are all stored uncompressed."""
+    if length < _EOCD.size:
+        raise _Unrecognised("shorter than a zip directory")
+    sig, _, _, _, count, cd_size, cd_offset, comment = _EOCD.unpack(read(length - _EOCD.size, _EOCD.size))
+    if sig != b"PK\x05\x06" or comment:
+        raise _Unrecognised("no zip directory at its end")
+    if _FULL32 in (cd_size, cd_offset) or count == 0xFFFF:
+        count, cd_size, cd_offset = _zip64_directory(read, length)
+    if cd_offset + cd_size > length:
+        raise _Unrecognised("zip directory outside the item")
+    directory = read(cd_offset, cd_size)
+    out: dict[bytes, tuple[int, int]] = {}
+    pos = 0
+    for _ in range(count):
+        if pos + _CENTRAL.size > len(directory):
+            raise _Unrecognised("zip directory cut short")
+        sig, _, _, _, method, _, _, _, csize, usize, nlen, xlen, clen, _, _, _, lho = _CENTRAL.unpack_from(directory, pos)
+        pos += _CENTRAL.size
+        name = directory[pos : pos + nlen]
+        if sig != b"PK\x01\x02" or method != 0:
+            raise _Unrecognised(f"record {name!r} is not stored uncompressed")
+        if _FULL32 in (usize, csize, lho):
+            usize, csize, lho = _zip64_fields(directory[pos + nlen : pos + nlen + xlen], usize, csize, lho)
+        if usize != csize:
+            raise _Unrecognised(f"record {name!r} is compressed")
+        out[name] = (lho, usize)
+        pos += nlen + xlen + clen
+    return out
+
+
+def _zip64_directory(read: Callable[[int, int], bytes], length: int) -> tuple[int, int, int]:
+    at = length - _EOCD.size - _ZIP64_LOCATOR.size
+    if at < 0:
+        raise _Unrecognised("no zip64 locator")
+    sig, _, eocd64, _ = _ZIP64_LOCATOR.unpack(read(at, _ZIP64_LOCATOR.size))
+    if sig != b"PK\x06\x07" or eocd64 + _ZIP64_EOCD.size > length:
+        raise _Unrecognised("bad zip64 locator")
+    fields = _ZIP64_EOCD.unpack(read(eocd64, _ZIP64_EOCD.size))
+    if fields[0] != b"PK\x06\x06":
+        raise _Unrecognised("bad zip64 directory")
+    return fields[7], fields[8], fields[9]
+
+
+def _zip64_fields(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, int, int]:
+    """The 64-bit sizes and offset of a record whose 32-bit fields are full."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, size = struct.unpack_from("<HH", extra, pos)
+        if tag == 1:
+            values = iter(struct.unpack_from(f"<{size // 8}Q", extra, pos + 4))
+            try:
+                return tuple(next(values) if v == _FULL32 else v for v in (usize, csize, lho))
+            except StopIteration:
+                break
+        pos += 4 + size
+    raise _Unrecognised("zip64 record without its sizes")
+
+
+def _record(read: Callable[[int, int], bytes], length: int, records: dict[bytes, tuple[int, int]],
+            name: bytes) -> tuple[int, int] | None:
+    """(offset within the item, size) of the bytes of record `name`, or None."""
+    if name not in records:
+        return None
+    lho, size = records[name]
+    if lho + _LOCAL.size > length:
+        raise _Unrecognised(f"record {name!r} outside the item")
+    fields = _LOCAL.unpack(read(lho, _LOCAL.size))
+    start = lho + _LOCAL.size + fields[9] + fields[10]
+    if fields[0] != b"PK\x03\x04" or start + size > length:
+        raise _Unrecognised(f"record {name!r} outside the item")
+    return start, size
+
+
+def _local_record(buf: bytes, pos: int) -> tuple[bytes, int]:
+    """Name and data offset of the zip local header at `pos` of `buf`."""
+    if pos + _LOCAL.size > len(buf):
+        raise _Unrecognised("record header past the bytes read")
+    fields = _LOCAL.unpack_from(buf, pos)
+    start = pos + _LOCAL.size + fields[9] + fields[10]
+    if fields[0] != b"PK\x03\x04" or start > len(buf):
+        raise _Unrecognised("bad record header")
+    return buf[pos + _LOCAL.size : pos + _LOCAL.size + fields[9]], start
+
+
+def _header_pickle(buf: bytes) -> tuple[bytes, bytes, int]:
+    """From an archive's first bytes: its folder name (`archive/`), the bytes of its first
+    record, `data.pkl` (up to the next record's header), and where that next header starts.
+    `torch.save` writes `data.pkl` first; the local headers carry no sizes, so the next header
+    is found by its signature."""
+    name, start = _local_record(buf, 0)
+    if not name.endswith(b"/data.pkl"):
+        raise _Unrecognised("no header pickle first")
+    end = buf.find(b"PK\x03\x04", start)
+    if end < 0:
+        raise _Unrecognised("header pickle past the bytes read")
+    return name[: -len(b"data.pkl")], buf[start:end], end
+
+
+# ---------------------------------------------------------------- the header pickle
+
+
+@dataclass(frozen=True)
+class _SavedTensor:
+    """What a tensor item's header pickle says: dtype, storage record and view of it."""
+
+    dtype: torch.dtype
+    key: str
+    storage_numel: int
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    dtype: torch.dtype
+    key: str
+    numel: int
+
+
+def _rebuild(storage, storage_offset, size, stride, requires_grad, hooks, metadata=None) -> _SavedTensor:
+    if not isinstance(storage, _StorageRef) or hooks or metadata:
+        raise _Unrecognised("a tensor with hooks or metadata")
+    return _SavedTensor(storage.dtype, storage.key, storage.numel, int(storage_offset),
+                        tuple(int(s) for s in size), tuple(int(s) for s in stride))
+
+
+class _HeaderUnpickler(pickle.Unpickler):
+    """Reads a tensor's header pickle into a `_SavedTensor`; every global it resolves is one of
+    ours, so nothing from the file runs."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        raise _Unrecognised(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> _StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                and isinstance(pid[1], torch.dtype) and isinstance(pid[2], str) and isinstance(pid[4], int)):
+            raise _Unrecognised(f"storage reference {pid!r}")
+        return _StorageRef(pid[1], pid[2], pid[4])
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Numbers, strings, bools, None and containers of them; anything else is not read here."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise _Unrecognised(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Unrecognised("a tensor")
+
+
+def _unpickle(unpickler: type[pickle.Unpickler], data: bytes) -> Any:
+    try:
+        return unpickler(io.BytesIO(data)).load()
+    except _Unrecognised:
+        raise
+    except Exception as e:  # a broken pickle: let torch.load judge it
+        raise _Unrecognised(str(e)) from None
+
+
+def load_plain(data: bytes) -> Any:
+    """A non-tensor value that DCP saved with `torch.save`: plain data is unpickled here (no
+    globals allowed, so no code runs); anything else by `torch.load(weights_only=True)`."""
+    try:
+        _, pkl, _ = _header_pickle(data)
+        return _unpickle(_PlainUnpickler, pkl)
+    except _Unrecognised:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+# ---------------------------------------------------------------- one file, read forward
+
+
+def _readinto(fd: int, offset: int, buf: memoryview) -> int:
+    """Fill `buf` from `offset`; returns the bytes read (fewer only at the end of the file)."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def _pread(fd: int, offset: int, n: int) -> bytes:
+    """Up to `n` bytes from `offset` (fewer only at the end of the file)."""
+    parts = []
+    while n > 0:
+        part = os.pread(fd, n, offset)
+        if not part:
+            break
+        parts.append(part)
+        offset, n = offset + len(part), n - len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's memory."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class _Cursor:
+    """A `.distcp` file opened for one run of items, read forward. Small reads come from the
+    last two windows read (each `2 * _WINDOW` bytes from where it was asked), so one read gives
+    an item's zip directory, at its end, and the next item's header records, at its start; the
+    file's own descriptor keeps the kernel's read-ahead seeing one sequential stream."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        self._windows: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=2)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def read(self, at: int, n: int) -> bytes:
+        """Up to `n` bytes from `at` (fewer at the end of the file)."""
+        for start, data in self._windows:
+            if start <= at and at + n <= start + len(data):
+                return data[at - start : at - start + n]
+        if n > 2 * _WINDOW:  # a whole item of some size: read once, not kept
+            return _pread(self.fd, at, n)
+        data = _pread(self.fd, at, 2 * _WINDOW)
+        self._windows.append((at, data))
+        return data[:n]
+
+    def readinto(self, at: int, buf: memoryview) -> int:
+        return _readinto(self.fd, at, buf)
+
+
+@dataclass(frozen=True)
+class _Located:
+    """A tensor item's header and where its storage record was found from the item's first bytes."""
+
+    saved: _SavedTensor
+    folder: bytes
+    header: int
+    start: int
+
+    @property
+    def record(self) -> bytes:
+        return self.folder + b"data/" + self.saved.key.encode()
+
+    @property
+    def nbytes(self) -> int:
+        return self.saved.storage_numel * self.saved.dtype.itemsize
+
+
+class _Item:
+    """One item of a `.distcp` file: bytes [offset, offset + length)."""
+
+    def __init__(self, cursor: _Cursor, offset: int, length: int, what: str):
+        self.cursor, self.offset, self.length, self.what = cursor, offset, length, what
+
+    def fail(self, problem: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self.cursor.path}: item '{self.what}' (bytes {self.offset}-{self.offset + self.length}) "
+            f"{problem}; the file is damaged or was not written by DCP: restore it or load another step")
+
+    def read(self, at: int, n: int) -> bytes:
+        data = self.cursor.read(self.offset + at, n)
+        if len(data) != n:
+            raise self.fail(f"is cut short: the file ends {n - len(data)} bytes early")
+        return data
+
+    def readinto(self, at: int, buf: memoryview) -> None:
+        got = self.cursor.readinto(self.offset + at, buf)
+        if got != len(buf):
+            raise self.fail(f"is cut short: the file ends {len(buf) - got} bytes early")
+
+    def locate(self, headers: dict[bytes, _SavedTensor]) -> _Located:
+        """The tensor's header and storage record, from the item's first bytes only, so that the
+        file is read forward; `confirm` checks them against the zip directory afterwards.
+        `headers` caches parsed header pickles: tensors of one shape and dtype share theirs."""
+        head = self.read(0, min(self.length, _WINDOW))
+        folder, pkl, pos = _header_pickle(head)
+        saved = headers.get(pkl)
+        if saved is None:
+            saved = _unpickle(_HeaderUnpickler, pkl)
+            if not isinstance(saved, _SavedTensor):
+                raise _Unrecognised("not a tensor")
+            headers[pkl] = saved
+        record = folder + b"data/" + saved.key.encode()
+        while pos >= 0:
+            found, start = _local_record(head, pos)
+            if found == record:
+                located = _Located(saved, folder, pos, start)
+                if start + located.nbytes > self.length:
+                    raise _Unrecognised("storage record past the item's end")
+                return located
+            pos = head.find(b"PK\x03\x04", pos + 4)
+        raise _Unrecognised("storage record not among the first records")
+
+    def confirm(self, located: _Located) -> None:
+        """Check what `locate` found against the zip directory at the item's end."""
+        tail = max(located.start + located.nbytes, self.length - _WINDOW)
+        self.read(tail, self.length - tail)  # one read for the directory and the next item's start
+        records = _records(self.read, self.length)
+        order = _record(self.read, self.length, records, located.folder + b"byteorder")
+        if order is None or self.read(*order) != b"little":
+            raise _Unrecognised("not a little-endian torch.save archive")
+        if located.record not in records:
+            raise self.fail(f"lacks the storage record {located.record.decode()!r} its header names")
+        header, size = records[located.record]
+        if size != located.nbytes:
+            raise self.fail(f"has a storage record of {size} bytes; its header says {located.saved.storage_numel} "
+                            f"x {located.saved.dtype} = {located.nbytes} bytes")
+        if header != located.header:
+            raise _Unrecognised("storage record elsewhere than its first header")
+
+
+# ---------------------------------------------------------------- a plan's reads
+
+
+def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    for dim, (start, n) in enumerate(zip(offsets, lengths)):
+        if start != 0 or n != t.size(dim):
+            t = t.narrow(dim, start, n)
+    return t
+
+
+def _row_major(size: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class _Region:
+    """The part of a saved tensor that one read request wants, in elements of its storage."""
+
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+    contiguous: bool
+
+    def view(self, saved: _SavedTensor) -> torch.Tensor:
+        """The region as a meta tensor over a storage of the saved record's size."""
+        storage = torch.empty(saved.storage_numel, dtype=saved.dtype, device="meta")
+        return storage.as_strided(self.size, self.stride, self.offset)
+
+
+def _fits(saved: _SavedTensor) -> bool:
+    """Whether the saved view lies within its storage (meta tensors' `as_strided` does not check)."""
+    if saved.storage_offset < 0 or len(saved.stride) != len(saved.size) or any(st < 0 for st in saved.stride):
+        return False
+    extent = sum((n - 1) * st for n, st in zip(saved.size, saved.stride))
+    return 0 in saved.size or saved.storage_offset + extent < saved.storage_numel
+
+
+def _region(saved: _SavedTensor, req: ReadItem) -> _Region | None:
+    """What `req` reads of `saved` (a view that `_fits`), or None when it lies outside it."""
+    size = torch.Size(req.lengths)
+    if (tuple(size) == saved.size and not any(req.storage_offsets) and saved.storage_offset == 0
+            and saved.stride == _row_major(saved.size) and size.numel() == saved.storage_numel):
+        return _Region(size, saved.stride, 0, True)  # the whole record, as most reads are
+    try:
+        storage = torch.empty(saved.storage_numel, dtype=saved.dtype, device="meta")
+        view = _narrow(storage.as_strided(saved.size, saved.stride, saved.storage_offset),
+                       req.storage_offsets, req.lengths)
+    except RuntimeError:
+        return None
+    return _Region(view.size(), view.stride(), view.storage_offset(), view.is_contiguous())
+
+
+class ItemReader:
+    """Reads a load plan's items from a checkpoint folder into the planner's destinations.
+
+    `storage_data` maps each item's storage index to DCP's `_StorageInfo` (relative path, offset,
+    length). Each file's items are read in offset order; the plan is cut into runs of about
+    total / `threads` bytes, read in parallel. Planner calls are serialised by a lock; the first
+    failure stops every run at its next item.
+    """
+
+    def __init__(self, root: str, storage_data: dict, threads: int):
+        self.root, self.storage_data, self.threads = root, storage_data, threads
+        self._lock = threading.Lock()
+        self._failed = threading.Event()
+        self._headers: dict[bytes, _SavedTensor] = {}
+
+    def read(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
+        runs = self._runs(items)
+        if self.threads == 1 or len(runs) == 1:
+            for rel, run in runs:
+                self._read_run(rel, run, planner)
+            return
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-load") as pool:
+            futures = [pool.submit(self._read_run, rel, run, planner) for rel, run in runs]
+            try:
+                for f in futures:
+                    f.result()
+            finally:
+                self._failed.set()  # a no-op once every run is done
+
+    def _runs(self, items: Sequence[ReadItem]) -> list[tuple[str, list[ReadItem]]]:
+        """Each file's items in offset order, cut into runs of about total / threads bytes."""
+        by_file: dict[str, list[ReadItem]] = {}
+        for req in items:
+            by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        total = sum(self.storage_data[req.storage_index].length for req in items)
+        target = max(1, -(-total // self.threads))
+        runs: list[tuple[str, list[ReadItem]]] = []
+        for rel, reqs in by_file.items():
+            run: list[ReadItem] = []
+            run_bytes = 0
+            for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                run.append(req)
+                run_bytes += self.storage_data[req.storage_index].length
+                if run_bytes >= target:
+                    runs.append((rel, run))
+                    run, run_bytes = [], 0
+            if run:
+                runs.append((rel, run))
+        return runs
+
+    def _read_run(self, rel: str, run: list[ReadItem], planner: LoadPlanner) -> None:
+        cursor = _Cursor(os.path.join(self.root, rel))
+        try:
+            for req in run:
+                if self._failed.is_set():
+                    return
+                info = self.storage_data[req.storage_index]
+                item = _Item(cursor, info.offset, info.length, req.storage_index.fqn)
+                if req.type == LoadItemType.BYTE_IO:
+                    data = item.read(0, item.length)
+                    with self._lock:
+                        planner.load_bytes(req, io.BytesIO(data))
+                else:
+                    self._read_tensor(item, req, planner)
+        except BaseException:
+            self._failed.set()
+            raise
+        finally:
+            cursor.close()
+
+    def _read_tensor(self, item: _Item, req: ReadItem, planner: LoadPlanner) -> None:
+        try:
+            located = item.locate(self._headers)
+        except _Unrecognised as e:
+            return self._read_tensor_with_torch_load(item, req, planner, e)
+        saved = located.saved
+        if not _fits(saved):
+            raise item.fail(f"has a header whose view (size {list(saved.size)}, stride {list(saved.stride)}, "
+                            f"offset {saved.storage_offset}) runs past its {saved.storage_numel} stored elements")
+        region = _region(saved, req)
+        if region is None:
+            raise item.fail(f"does not hold the region {list(req.storage_offsets)} + {list(req.lengths)} "
+                            f"the checkpoint's metadata says (it holds {list(saved.size)})")
+        with self._lock:
+            dest = planner.resolve_tensor(req).detach()
+        if dest.size() != region.size:
+            raise item.fail(f"holds {list(region.size)} where the destination is {list(dest.size())}")
+        if (region.contiguous and dest.is_contiguous() and dest.dtype == saved.dtype
+                and dest.device.type == "cpu"):
+            if dest.numel():
+                item.readinto(located.start + region.offset * saved.dtype.itemsize, _bytes_of(dest))
+        else:
+            _copy_pieces(item, located.start, region.view(saved), dest)
+        try:
+            item.confirm(located)
+        except _Unrecognised as e:  # not the archive it looked like: read it the slow way after all
+            return self._read_tensor_with_torch_load(item, req, planner, e)
+        with self._lock:
+            planner.commit_tensor(req, dest)
+
+    def _read_tensor_with_torch_load(self, item: _Item, req: ReadItem, planner: LoadPlanner,
+                                     why: _Unrecognised) -> None:
+        logger.debug("%s: item '%s' read with torch.load (%s)", item.cursor.path, item.what, why)
+        try:
+            tensor = torch.load(io.BytesIO(item.read(0, item.length)), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise item.fail(f"is not a plain tensor and loading it could run code; refused ({e})") from None
+        except Exception as e:
+            raise item.fail(f"is not a readable torch.save archive ({type(e).__name__}: {e})") from None
+        if not isinstance(tensor, torch.Tensor):
+            raise item.fail(f"holds a {type(tensor).__name__} where the metadata says a tensor")
+        try:
+            tensor = _narrow(tensor, req.storage_offsets, req.lengths)
+        except RuntimeError:
+            raise item.fail(f"does not hold the region {list(req.storage_offsets)} + {list(req.lengths)} "
+                            f"the checkpoint's metadata says (it holds {list(tensor.size())})") from None
+        with self._lock:
+            dest = planner.resolve_tensor(req).detach()
+        if dest.size() != tensor.size():
+            raise item.fail(f"holds {tuple(tensor.size())} where the destination is {tuple(dest.size())}")
+        dest.copy_(tensor)
+        with self._lock:
+            planner.commit_tensor(req, dest)
+
+
+def _copy_pieces(item: _Item, start: int, region: torch.Tensor, dest: torch.Tensor) -> None:
+    """Copy `region` (a meta view of the storage record whose bytes begin at `start` in the item)
+    into `dest`, through temporaries of at most about `_PIECE_BYTES`, split along dimension 0."""
+    itemsize = region.dtype.itemsize
+    if region.dim() == 0:
+        region, dest = region.reshape(1), dest.reshape(1)
+    step = max(1, _PIECE_BYTES // max(1, region.stride(0) * itemsize))
+    for first in range(0, region.size(0), step):
+        part = region.narrow(0, first, min(step, region.size(0) - first))
+        if part.numel() == 0:
+            continue
+        span = 1 + sum((n - 1) * s for n, s in zip(part.size(), part.stride()))
+        tmp = torch.empty(span, dtype=region.dtype)
+        item.readinto(start + part.storage_offset() * itemsize, _bytes_of(tmp))
+        dest.narrow(0, first, part.size(0)).copy_(tmp.as_strided(part.size(), part.stride(), 0))
