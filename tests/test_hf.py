@@ -30,7 +30,7 @@ from torchtitan_ckpt.hf import (
     save_hf,
 )
 from torchtitan_ckpt.hf import shards
-from torchtitan_ckpt.hf.adapter import permute_rows
+from torchtitan_ckpt.hf.adapter import HFSource, permute_rows
 from torchtitan_ckpt.hf.safetensors_io import read_exact
 from torchtitan_ckpt.hf.shards import row_pieces
 from torchtitan_ckpt.hf.convert import add_convert_parser, run_convert
@@ -290,6 +290,18 @@ def test_wrong_shapes_fail_naming_them(hf_checkpoint, no_data_reads):
     with pytest.raises(CheckpointError, match=r"model.embed_tokens.weight: \(256, 64\) in the "
                                               r"checkpoint, \(300, 64\) expected"):
         load_hf(Transformer(args).state_dict(), hf_checkpoint[0], LlamaAdapter(args))
+
+
+def test_a_row_order_that_does_not_tile_the_rows_fails_before_reading_data(hf_checkpoint, no_data_reads):
+    class Fives(LlamaAdapter):  # a broken adapter: blocks of 5 rows in wq's 64
+        def hf_sources(self, names):
+            sources = super().hf_sources(names)
+            sources["layers.0.attention.wq.weight"] = HFSource("model.layers.0.self_attn.q_proj.weight", (1, 0, 2, 3, 4))
+            return sources
+
+    with pytest.raises(CheckpointError, match=r"model.layers.0.self_attn.q_proj.weight: \(64, 64\) is not made "
+                                              r"of whole blocks of 5 rows, which the adapter reorders"):
+        load_hf(our_model(seed=1).state_dict(), hf_checkpoint[0], Fives(ARGS))
 
 
 def test_a_truncated_file_fails_naming_it_before_reading_data(hf_checkpoint, tmp_path, no_data_reads):

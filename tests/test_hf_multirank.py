@@ -18,6 +18,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from tests.helpers import DEBUG_CONFIG, assert_same, spawn
 from torchtitan_ckpt.config import load_job_config
+from torchtitan_ckpt.errors import CheckpointError
 from torchtitan_ckpt.example.model import FLAVORS, ModelArgs, Transformer
 from torchtitan_ckpt.hf import LlamaAdapter, hf_llama_config, load_hf, save_hf, shards
 from torchtitan_ckpt.hf.adapter import permute_rows
@@ -258,3 +259,26 @@ def test_a_load_never_holds_a_whole_q_projection(tmp_path):
     at once (16 MiB; 60-64 MiB measured); reading each rank's heads into one reused piece buffer
     (its 2 MiB of a wq) stays under one full wq (4 MiB)."""
     spawn(2, _peak_of_a_load, str(tmp_path / "hf"))
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def _one_rank_fails_to_read(rank: int, world_size: int, src: str) -> None:
+    model = build_model(load_job_config(DEBUG_CONFIG, []))
+    shard_model(model, world_size)
+    if rank == 1:  # a disk error on one rank only
+        def failing(fd, buf, offset, path):
+            raise OSError(f"EIO reading {path}")
+
+        shards.read_exact = failing
+    with pytest.raises(CheckpointError, match=rf"reading {src} failed on rank 1: OSError: EIO reading {src}/model"):
+        load_hf(ModelState([model]).state_dict(), src, LlamaAdapter(model.args))
+
+
+def test_a_read_error_on_one_rank_is_raised_on_every_rank(tmp_path):
+    """Otherwise the other rank would return and wait forever in its next collective."""
+    args = FLAVORS[load_job_config(DEBUG_CONFIG, []).model.flavor]
+    src = str(tmp_path / "hf")
+    save_hf(Transformer(args).state_dict(), src, LlamaAdapter(args), max_shard_size="100KB")
+    spawn(2, _one_rank_fails_to_read, src)

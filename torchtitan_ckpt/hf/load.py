@@ -82,7 +82,7 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
                     seen.add(id(state_dict[name]))
                     reads += plan_reads(name, state_dict[name], source, layout[source.name])
             nbytes = read_all(reads, num_threads)
-    except (OSError, CheckpointError) as e:
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others hang
         error = e
     failures = group.gather_errors(error)  # every rank raises if one failed
     if failures:
@@ -105,6 +105,9 @@ def _check_fit(hf_dir: str, state_dict: dict[str, Any], sources: dict[str, HFSou
         entry, value = layout[source.name], state_dict[name]
         if tuple(entry.shape) != tuple(value.shape):
             wrong.append(f"{source.name}: {tuple(entry.shape)} in the checkpoint, {tuple(value.shape)} expected")
+        elif source.row_order and (not entry.shape or entry.shape[0] % source.block_rows):
+            wrong.append(f"{source.name}: {tuple(entry.shape)} is not made of whole blocks of "
+                         f"{source.block_rows} rows, which the adapter reorders")
         elif entry.dtype != value.dtype and not (entry.dtype.is_floating_point and value.dtype.is_floating_point):
             wrong.append(f"{source.name}: {entry.dtype} in {os.path.basename(entry.path)}, {value.dtype} "
                          "expected (only floating-point dtypes are converted)")
