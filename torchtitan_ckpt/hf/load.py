@@ -63,7 +63,7 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
     the differing tensors, or `CheckpointError` naming wrong shapes or dtypes, before reading
     any data, when the folder is not the adapter's. `num_threads` threads read on each rank:
     one reads each file front to back, which kernel readahead serves best on a single disk
-    (2 or 4 threads were 1.5-2.7x slower than one on the benchmark machine's virtio disk);
+    (2 or 4 threads were 1.1-2.7x slower than one on the benchmark machine's virtio disk);
     more may pay on storage that serves parallel requests (NVMe, parallel file systems)."""
     if num_threads < 1:
         raise ValueError(f"load_hf: num_threads = {num_threads}; expected 1 or more")
