@@ -7,17 +7,17 @@ import glob
 import json
 import os
 import re
+import shutil
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from safetensors.torch import load_file
-from torch.distributed.checkpoint import HuggingFaceStorageReader
+from safetensors.torch import load_file, save_file
 
 from tests.helpers import assert_same, read_checkpoint
-from torchtitan_ckpt.errors import CheckpointError
+from torchtitan_ckpt.errors import CheckpointError, CorruptCheckpointError
 from torchtitan_ckpt.example.model import FLAVORS, Transformer
 from torchtitan_ckpt.hf import (
     AdapterMismatchError,
@@ -29,7 +29,10 @@ from torchtitan_ckpt.hf import (
     plan_files,
     save_hf,
 )
-from torchtitan_ckpt.hf.adapter import permute_rows
+from torchtitan_ckpt.hf import shards
+from torchtitan_ckpt.hf.adapter import HFSource, permute_rows
+from torchtitan_ckpt.hf.safetensors_io import read_exact
+from torchtitan_ckpt.hf.shards import row_pieces
 from torchtitan_ckpt.hf.convert import add_convert_parser, run_convert
 
 transformers = pytest.importorskip("transformers")
@@ -113,6 +116,34 @@ def test_permutation_moves_rope_pairs_to_halves_and_back():
     hf = permute_rows(w, n_heads=2, to_half_split=True)
     assert hf.flatten().tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
     assert torch.equal(permute_rows(hf, n_heads=2, to_half_split=False), w)
+
+
+@pytest.mark.parametrize("lo, hi, rows, block, piece_rows, expected", [
+    (0, 24, 48, 16, 100, [(0, 32)]),  # rank 0 of 2 splits head 1: heads 0-1
+    (24, 48, 48, 16, 100, [(16, 48)]),  # rank 1: heads 1-2
+    (8, 16, 16, 16, 100, [(0, 16)]),  # half a head: the whole head
+    (0, 48, 48, 16, 40, [(0, 32), (32, 48)]),  # pieces of whole heads
+    (0, 40, 48, 16, 10, [(0, 16), (16, 32), (32, 48)]),  # a piece is at least one head
+    (5, 13, 20, 1, 3, [(5, 8), (8, 11), (11, 13)]),  # rows kept in place: exactly [lo, hi)
+])
+def test_row_pieces_read_whole_heads_around_a_shard(lo, hi, rows, block, piece_rows, expected):
+    assert row_pieces(lo, hi, rows, block, piece_rows) == expected
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_hf_sources_invert_to_hf(tie):
+    model = our_model(tie)
+    sd, adapter = model.state_dict(), LlamaAdapter(model.args)
+    hf, sources = adapter.to_hf(sd), adapter.hf_sources(sd)
+    assert sorted(sources) == sorted(sd)
+    for name, source in sources.items():
+        rows = torch.arange(sd[name].shape[0])
+        order = torch.tensor(source.row_order or (0,))
+        back = hf[source.name][rows - rows % source.block_rows + order[rows % source.block_rows]]
+        assert torch.equal(back, sd[name]), name
+    assert sources["layers.1.attention.wk.weight"].row_order == tuple(r for i in range(8) for r in (i, i + 8))
+    assert sources["layers.1.attention.wv.weight"].row_order == ()
+    assert (sources["output.weight"] == sources["tok_embeddings.weight"]) is tie
 
 
 def test_to_hf_names_unknown_and_missing_keys():
@@ -224,6 +255,15 @@ def test_tied_import_fills_the_head_with_the_embedding(tmp_path):
     assert (logits_of(model) - logits_of(hf)).abs().max() < 1e-5
 
 
+@pytest.fixture
+def no_data_reads(monkeypatch):
+    """Any read of tensor bytes fails the test."""
+    def no_reads(*a, **k):
+        raise AssertionError("tensor data was read")
+
+    monkeypatch.setattr(shards, "read_exact", no_reads)
+
+
 @pytest.mark.parametrize("args, unknown, missing", [
     (replace(ARGS, n_layers=3), [], [f"model.layers.2.{n}" for n in (
         "input_layernorm.weight", "mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
@@ -231,11 +271,7 @@ def test_tied_import_fills_the_head_with_the_embedding(tmp_path):
         "self_attn.q_proj.weight", "self_attn.v_proj.weight")]),
     (replace(ARGS, tie_embeddings=True), ["lm_head.weight"], []),
 ])
-def test_wrong_pairing_fails_before_reading_data(hf_checkpoint, monkeypatch, args, unknown, missing):
-    def no_reads(*a, **k):
-        raise AssertionError("tensor data was read")
-
-    monkeypatch.setattr(HuggingFaceStorageReader, "read_data", no_reads)
+def test_wrong_pairing_fails_before_reading_data(hf_checkpoint, no_data_reads, args, unknown, missing):
     with pytest.raises(AdapterMismatchError) as e:
         load_hf(Transformer(args).state_dict(), hf_checkpoint[0], LlamaAdapter(args))
     assert (e.value.unknown, e.value.missing) == (unknown, missing)
@@ -249,12 +285,68 @@ def test_a_file_outside_the_index_is_refused(tmp_path):
         load_hf(our_model(seed=1).state_dict(), str(tmp_path), LlamaAdapter(ARGS))
 
 
-def test_wrong_shapes_fail_naming_them(hf_checkpoint, monkeypatch):
-    monkeypatch.setattr(HuggingFaceStorageReader, "read_data", None)
+def test_wrong_shapes_fail_naming_them(hf_checkpoint, no_data_reads):
     args = replace(ARGS, vocab_size=300)
     with pytest.raises(CheckpointError, match=r"model.embed_tokens.weight: \(256, 64\) in the "
                                               r"checkpoint, \(300, 64\) expected"):
         load_hf(Transformer(args).state_dict(), hf_checkpoint[0], LlamaAdapter(args))
+
+
+def test_a_row_order_that_does_not_tile_the_rows_fails_before_reading_data(hf_checkpoint, no_data_reads):
+    class Fives(LlamaAdapter):  # a broken adapter: blocks of 5 rows in wq's 64
+        def hf_sources(self, names):
+            sources = super().hf_sources(names)
+            sources["layers.0.attention.wq.weight"] = HFSource("model.layers.0.self_attn.q_proj.weight", (1, 0, 2, 3, 4))
+            return sources
+
+    with pytest.raises(CheckpointError, match=r"model.layers.0.self_attn.q_proj.weight: \(64, 64\) is not made "
+                                              r"of whole blocks of 5 rows, which the adapter reorders"):
+        load_hf(our_model(seed=1).state_dict(), hf_checkpoint[0], Fives(ARGS))
+
+
+def test_a_truncated_file_fails_naming_it_before_reading_data(hf_checkpoint, tmp_path, no_data_reads):
+    folder = shutil.copytree(hf_checkpoint[0], tmp_path / "hf")
+    last = sorted(glob.glob(str(folder / "*.safetensors")))[-1]
+    os.truncate(last, os.path.getsize(last) - 100)
+    with pytest.raises(CorruptCheckpointError, match=rf"{re.escape(last)} is not a readable safetensors "
+                                                     r"file: .* do not fit \d+ bytes in a data section"):
+        load_hf(our_model(seed=1).state_dict(), str(folder), LlamaAdapter(ARGS))
+
+
+def test_a_wrong_dtype_fails_naming_the_file_before_reading_data(hf_checkpoint, tmp_path, no_data_reads):
+    folder = shutil.copytree(hf_checkpoint[0], tmp_path / "hf")
+    name = "model.layers.1.self_attn.q_proj.weight"
+    with open(folder / "model.safetensors.index.json") as f:
+        file = json.load(f)["weight_map"][name]
+    tensors = load_file(folder / file)
+    save_file({**tensors, name: tensors[name].to(torch.int32)}, folder / file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{name}: torch.int32 in {file}, torch.float32 expected "
+                                              r"\(only floating-point dtypes are converted\)"):
+        load_hf(our_model(seed=1).state_dict(), str(folder), LlamaAdapter(ARGS))
+
+
+def test_an_unknown_dtype_fails_naming_the_file_before_reading_data(hf_checkpoint, tmp_path, no_data_reads):
+    folder = shutil.copytree(hf_checkpoint[0], tmp_path / "hf")
+    first = sorted(glob.glob(str(folder / "*.safetensors")))[0]
+    with open(first, "r+b") as f:
+        data = f.read(1 << 16)
+        f.seek(data.index(b'"F32"'))
+        f.write(b'"Q32"')  # same length: the header stays well-formed
+    with pytest.raises(CorruptCheckpointError, match=rf"{re.escape(first)} is not a readable safetensors "
+                                                     r"file: .*dtype 'Q32' is not one of \['BF16', "):
+        load_hf(our_model(seed=1).state_dict(), str(folder), LlamaAdapter(ARGS))
+
+
+def test_a_file_cut_after_its_header_was_read_fails_naming_it(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"x" * 10)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(CorruptCheckpointError, match=rf"{re.escape(str(path))} ends at byte 10, inside "
+                                                         r"the 8 bytes from byte 4 .*: the file is truncated"):
+            read_exact(fd, memoryview(bytearray(8)), 4, str(path))
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------------- convert

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import glob
+import json
 import os
+import re
+import struct
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -13,9 +18,10 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from tests.helpers import DEBUG_CONFIG, assert_same, spawn
 from torchtitan_ckpt.config import load_job_config
-from torchtitan_ckpt.example.model import FLAVORS
-from torchtitan_ckpt.hf import LlamaAdapter, hf_llama_config, load_hf, save_hf
-from torchtitan_ckpt.hf.adapter import like, permute_rows
+from torchtitan_ckpt.errors import CheckpointError
+from torchtitan_ckpt.example.model import FLAVORS, ModelArgs, Transformer
+from torchtitan_ckpt.hf import LlamaAdapter, hf_llama_config, load_hf, save_hf, shards
+from torchtitan_ckpt.hf.adapter import permute_rows
 from torchtitan_ckpt.hf.convert import convert
 from torchtitan_ckpt.states import ModelState
 from torchtitan_ckpt.train import build_model, shard_model
@@ -42,8 +48,6 @@ def _check_permutation_across_a_split_head(world_size: int) -> None:
     sharded = distribute_tensor(w, mesh, [Shard(0)])
     hf = permute_rows(sharded, n_heads=3, to_half_split=True)
     assert torch.equal(hf, permute_rows(w, n_heads=3, to_half_split=True))
-    back = like(permute_rows(hf, n_heads=3, to_half_split=False), sharded)
-    assert back.placements == sharded.placements and torch.equal(back.to_local(), sharded.to_local())
 
 
 def _import_and_export(rank: int, world_size: int, src: str, out: str, expected: torch.Tensor) -> None:
@@ -90,3 +94,191 @@ def test_sharded_import_and_export_on_two_ranks(tmp_path):
     exported = transformers.LlamaForCausalLM.from_pretrained(planned).eval()
     with torch.no_grad():
         assert (exported(TOKENS).logits - expected).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------------------- shards read in place
+
+# head_dim 16: on 2 ranks wq's 48 rows split inside head 1, wk's 16 rows inside its only head,
+# and the 255 rows of the embedding and the head split unevenly (128 / 127)
+MID_HEAD = ModelArgs(dim=48, n_layers=2, n_heads=3, n_kv_heads=1, vocab_size=255, multiple_of=32)
+MID_HEAD_TOKENS = torch.randint(0, 255, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def _tensor_bytes(path: str) -> dict[str, tuple[int, int, list[int]]]:
+    """HF name -> [start, end) of its bytes in the safetensors file `path`, and its shape, from
+    the header as the format defines it."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return {name: (8 + length + e["data_offsets"][0], 8 + length + e["data_offsets"][1], e["shape"])
+            for name, e in header.items()}
+
+
+def _merged(ranges) -> list[tuple[str, int, int]]:
+    out: list[tuple[str, int, int]] = []
+    for file, start, end in sorted(ranges):
+        if out and out[-1][0] == file and out[-1][2] >= start:
+            out[-1] = (file, out[-1][1], max(end, out[-1][2]))
+        else:
+            out.append((file, start, end))
+    return out
+
+
+def _needed_ranges(src: str, rank: int, world_size: int) -> dict[str, tuple[str, int, int]]:
+    """HF name -> the bytes this rank must read: its rows (FSDP splits rows as torch.chunk does),
+    for wq/wk widened to whole heads."""
+    adapter = LlamaAdapter(MID_HEAD)
+    with open(os.path.join(src, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    out = {}
+    for ours, name in adapter.names.items():
+        start, end, shape = _tensor_bytes(os.path.join(src, weight_map[name]))[name]
+        rows = torch.arange(shape[0]).chunk(world_size)[rank]
+        lo, hi = int(rows[0]), int(rows[-1]) + 1
+        if ours in adapter.heads:
+            head = MID_HEAD.head_dim
+            lo, hi = lo // head * head, -(-hi // head) * head
+        row_bytes = (end - start) // shape[0]
+        out[name] = (weight_map[name], start + lo * row_bytes, start + hi * row_bytes)
+    return out
+
+
+def _load_mid_head(rank: int, world_size: int, folders: list[tuple[str, dict, torch.Tensor]]) -> None:
+    torch.manual_seed(5)
+    model = Transformer(MID_HEAD)  # other weights than the checkpoints'
+    shard_model(model, world_size)
+    state = ModelState([model])
+    for src, expected, logits in folders:
+        sd = state.state_dict()
+        reads = []
+        real = shards.read_exact
+
+        def recording(fd, buf, offset, path):
+            reads.append((os.path.basename(path), offset, len(buf), np.frombuffer(buf, np.uint8).ctypes.data))
+            real(fd, buf, offset, path)
+
+        shards.read_exact = recording
+        try:
+            load_hf(sd, src, LlamaAdapter(MID_HEAD))
+        finally:
+            shards.read_exact = real
+        for name, value in sd.items():
+            assert torch.equal(value.full_tensor(), expected[name]), f"{src}: {name} differs"
+        state.load_state_dict(sd)
+        with torch.no_grad():
+            assert (model(MID_HEAD_TOKENS) - logits).abs().max() < 1e-5
+
+        # exactly the bytes of this rank's rows (whole heads for wq/wk), each read once
+        needed = _needed_ranges(src, rank, world_size)
+        assert sum(n for _, _, n, _ in reads) == sum(end - start for _, start, end in needed.values())
+        assert _merged((f, o, o + n) for f, o, n, _ in reads) == _merged(needed.values())
+        if all(t.dtype == torch.float32 for t in load_file(glob.glob(os.path.join(src, "*.safetensors"))[0]).values()):
+            # same dtype: every read but wq/wk's lands in the shard's own memory, no buffer
+            shard_memory = [(v.to_local().data_ptr(), v.to_local().data_ptr() + v.to_local().nbytes)
+                            for v in sd.values()]
+            buffered = {(f, o) for f, o, n, address in reads
+                        if not any(lo <= address and address + n <= hi for lo, hi in shard_memory)}
+            qk = {(f, start) for name, (f, start, _) in needed.items() if re.search(r"\.[qk]_proj\.", name)}
+            assert buffered == qk
+
+
+def _reference(folder: str) -> dict[str, torch.Tensor]:
+    """Our full state dict from an HF folder, built without load_hf: safetensors' own reader,
+    then the inverse permutation of whole wq/wk tensors, in fp32."""
+    hf = {}
+    for file in glob.glob(os.path.join(folder, "*.safetensors")):
+        hf.update(load_file(file))
+    adapter = LlamaAdapter(MID_HEAD)
+    return {ours: permute_rows(hf[name].float(), adapter.heads[ours], to_half_split=False)
+            if ours in adapter.heads else hf[name].float() for ours, name in adapter.names.items()}
+
+
+def test_shards_split_inside_heads_load_bit_identically_on_two_ranks(tmp_path):
+    torch.manual_seed(4)
+    config = transformers.LlamaConfig(**hf_llama_config(MID_HEAD, torch.float32))
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    folders = []
+    for dtype in (torch.float32, torch.bfloat16):  # bf16: read, cast to fp32, reordered
+        src = str(tmp_path / str(dtype))
+        copy.deepcopy(hf).to(dtype).save_pretrained(src, max_shard_size="40KB")
+        assert len(glob.glob(os.path.join(src, "*.safetensors"))) >= 3
+        with torch.no_grad():  # transformers' fp32 logits of what the folder holds
+            logits = transformers.LlamaForCausalLM.from_pretrained(src, dtype=torch.float32)(MID_HEAD_TOKENS).logits
+        folders.append((src, _reference(src), logits))
+    spawn(2, _load_mid_head, folders)
+
+
+# ---------------------------------------------------------------------------- peak memory
+
+# wq and wk of 4 MiB each (2 heads of 512 rows), 50 MB of weights per rank in all
+BIG_HEADS = ModelArgs(dim=1024, n_layers=2, n_heads=2, n_kv_heads=2, vocab_size=64, multiple_of=256)
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) * 1024
+
+
+def _sharded_big_heads(world_size: int, seed: int) -> Transformer:
+    """A sharded model, each rank filling only its own shards (quicker than a full init)."""
+    with torch.device("meta"):
+        model = Transformer(BIG_HEADS)
+    shard_model(model, world_size)
+    model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().uniform_(-0.02, 0.02, generator=generator)
+    return model
+
+
+def _peak_of_a_load(rank: int, world_size: int, folder: str) -> None:
+    adapter = LlamaAdapter(BIG_HEADS)
+    model = _sharded_big_heads(world_size, seed=rank)
+    save_hf(ModelState([model]).state_dict(), folder, adapter)
+    fresh = _sharded_big_heads(world_size, seed=rank + 10)
+    sd = ModelState([fresh]).state_dict()
+    load_hf(sd, folder, adapter)  # first-call costs (lazy imports, thread arenas) are not the load's
+    before = _status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    load_hf(sd, folder, adapter)
+    peak = _status_bytes("VmHWM") - before
+    for ours, loaded in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(ours.to_local(), loaded.to_local())
+    one_wq = BIG_HEADS.dim * BIG_HEADS.dim * 4
+    assert peak < one_wq, f"rank {rank}: {peak / 2**20:.1f} MiB more memory during the load"
+
+
+def test_a_load_never_holds_a_whole_q_projection(tmp_path):
+    """The old way (every rank reading wq and wk whole) held at least both layers' full wq and wk
+    at once (16 MiB; 60-64 MiB measured); reading each rank's heads into one reused piece buffer
+    (its 2 MiB of a wq) stays under one full wq (4 MiB)."""
+    spawn(2, _peak_of_a_load, str(tmp_path / "hf"))
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def _one_rank_fails_to_read(rank: int, world_size: int, src: str) -> None:
+    model = build_model(load_job_config(DEBUG_CONFIG, []))
+    shard_model(model, world_size)
+    if rank == 1:  # a disk error on one rank only
+        def failing(fd, buf, offset, path):
+            raise OSError(f"EIO reading {path}")
+
+        shards.read_exact = failing
+    with pytest.raises(CheckpointError, match=rf"reading {src} failed on rank 1: OSError: EIO reading {src}/model"):
+        load_hf(ModelState([model]).state_dict(), src, LlamaAdapter(model.args))
+
+
+def test_a_read_error_on_one_rank_is_raised_on_every_rank(tmp_path):
+    """Otherwise the other rank would return and wait forever in its next collective."""
+    args = FLAVORS[load_job_config(DEBUG_CONFIG, []).model.flavor]
+    src = str(tmp_path / "hf")
+    save_hf(Transformer(args).state_dict(), src, LlamaAdapter(args), max_shard_size="100KB")
+    spawn(2, _one_rank_fails_to_read, src)

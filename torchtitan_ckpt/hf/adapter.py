@@ -1,8 +1,10 @@
 """The contract between a model's own state-dict names and Hugging Face's, and its shared pieces.
 
-A `StateDictAdapter` renames (and where a layout differs, rearranges) tensors in both directions.
-It never drops or invents a tensor silently: a name it does not know, or one it expects and does
-not find, raises `AdapterMismatchError` listing both sets.
+A `StateDictAdapter` renames (and where a layout differs, rearranges) tensors in both directions:
+`to_hf` converts whole tensors for an export; `hf_sources` tells an import where each of our
+tensors comes from, so that each rank reads only the rows of its own shard. It never drops or
+invents a tensor silently: a name it does not know, or one it expects and does not find, raises
+`AdapterMismatchError` listing both sets.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import json
 import os
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError, CorruptCheckpointError
 
@@ -46,6 +50,21 @@ def check_names(where: str, found: Any, expected: Any) -> None:
         raise AdapterMismatchError(where, list(found - expected), list(expected - found))
 
 
+@dataclass(frozen=True)
+class HFSource:
+    """Where one tensor of our state dict comes from in an HF checkpoint: the HF tensor `name`, of
+    the same shape. An adapter that reorders rows within consecutive blocks of rows (an attention
+    head) gives `row_order`, one entry per row of a block: our row k of each block is the HF row
+    `row_order[k]` of the same block. A rank then reads the blocks its rows fall in, nothing else."""
+
+    name: str
+    row_order: tuple[int, ...] = ()
+
+    @property
+    def block_rows(self) -> int:
+        return len(self.row_order) or 1
+
+
 class StateDictAdapter(ABC):
     """Converts a model's state dict to Hugging Face names and layout, and back.
 
@@ -61,8 +80,8 @@ class StateDictAdapter(ABC):
         """Our names -> HF names. Values may be tensors or DTensors."""
 
     @abstractmethod
-    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
-        """HF names -> our names; the inverse of `to_hf`."""
+    def hf_sources(self, names: Iterable[str]) -> dict[str, HFSource]:
+        """Our names -> where each comes from in an HF checkpoint; the inverse of `to_hf`."""
 
     @abstractmethod
     def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
@@ -134,9 +153,7 @@ def permute_rows(w: Any, n_heads: int, to_half_split: bool) -> torch.Tensor:
     return w.reshape(split).transpose(1, 2).reshape(rows, cols)
 
 
-def like(full: torch.Tensor, template: Any) -> Any:
-    """A full tensor laid out as `template`: this rank's part of it for a DTensor, else itself.
-    Every rank holds `full`, so slicing needs no communication. A DTensor is returned as is."""
-    if isinstance(template, DTensor) and not isinstance(full, DTensor):
-        return distribute_tensor(full, template.device_mesh, template.placements, src_data_rank=None)
-    return full
+def rope_row_order(head_dim: int) -> tuple[int, ...]:
+    """`HFSource.row_order` of a q/k projection: our (interleaved) row 2i+j of a head is the HF
+    (half-split) row j*head_dim/2+i; the inverse of `permute_rows(..., to_half_split=True)`."""
+    return tuple(j * (head_dim // 2) + i for i in range(head_dim // 2) for j in range(2))

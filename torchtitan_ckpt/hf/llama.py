@@ -7,12 +7,13 @@ embeddings HF stores no `lm_head.weight`; our `output.weight` is the embedding.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from ..example.model import ModelArgs
-from .adapter import StateDictAdapter, check_names, permute_rows
+from .adapter import HFSource, StateDictAdapter, check_names, permute_rows, rope_row_order
 
 _LAYER_NAMES = {  # ours -> HF, under `layers.N.` / `model.layers.N.`
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -62,15 +63,13 @@ class LlamaAdapter(StateDictAdapter):
             out[self.names[name]] = value
         return out
 
-    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
-        check_names("HF -> state dict", hf_state_dict, self.names.values())
-        out = {}
-        for name, hf_name in self.names.items():
-            value = hf_state_dict[hf_name]
-            if name in self.heads:
-                value = permute_rows(value, self.heads[name], to_half_split=False)
-            out[name] = value
-        if self.args.tie_embeddings:
+    def hf_sources(self, names: Iterable[str]) -> dict[str, HFSource]:
+        given = set(names)
+        ours = given - {_TIED_HEAD} if self.args.tie_embeddings else given  # tied: the embedding
+        check_names("state dict -> HF", ours, self.names)
+        order = rope_row_order(self.args.head_dim)
+        out = {name: HFSource(self.names[name], order if name in self.heads else ()) for name in ours}
+        if self.args.tie_embeddings and _TIED_HEAD in given:
             out[_TIED_HEAD] = out["tok_embeddings.weight"]
         return out
 

@@ -1,9 +1,11 @@
-"""Reading safetensors headers ourselves (writing is `torchtitan_ckpt.consolidate`'s).
+"""Reading safetensors files ourselves: headers, then byte ranges (writing is
+`torchtitan_ckpt.consolidate`'s).
 
 A file is an 8-byte little-endian header length, a JSON header (name -> dtype, shape and
 `data_offsets` into the data section; `__metadata__`), then the tensors' raw bytes. Reading a
-header touches no tensor data, and a header larger than the file or the format's limit, or with
-out-of-bounds offsets, is an error naming the file before anything big is allocated.
+header touches no tensor data, and a header larger than the file or the format's limit, with an
+unknown dtype or with out-of-bounds offsets, is an error naming the file before anything big is
+allocated. Tensor bytes are then read by position (`read_exact`), so threads can share a file.
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ _MAX_HEADER = 100 << 20
 
 @dataclass(frozen=True)
 class TensorEntry:
+    """One tensor of a safetensors file: its dtype and shape, and where its bytes start in `path`."""
+
     dtype: torch.dtype
     shape: tuple[int, ...]
+    path: str
+    offset: int
 
     @property
     def nbytes(self) -> int:
@@ -38,7 +44,8 @@ class TensorEntry:
 
 
 def read_header(path: str) -> dict[str, TensorEntry]:
-    """Name -> dtype and shape of every tensor in the safetensors file `path` (no data read)."""
+    """Name -> dtype, shape and position of every tensor in the safetensors file `path` (no
+    data read)."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -49,12 +56,33 @@ def read_header(path: str) -> dict[str, TensorEntry]:
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
         header.pop("__metadata__", None)
-        entries = {name: TensorEntry(_BY_NAME[e["dtype"]], tuple(int(d) for d in e["shape"]))
-                   for name, e in header.items()}
+        entries = {name: _entry(name, e, path, 8 + length) for name, e in header.items()}
         _check_offsets(header, entries, size - 8 - length)
         return entries
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, struct.error) as e:
         raise CorruptCheckpointError(f"{path} is not a readable safetensors file: {e!r}") from e
+
+
+def _entry(name: str, fields: dict, path: str, data_start: int) -> TensorEntry:
+    if fields["dtype"] not in _BY_NAME:
+        raise ValueError(f"{name}: dtype {fields['dtype']!r} is not one of {sorted(_BY_NAME)}")
+    shape = tuple(int(d) for d in fields["shape"])
+    if any(d < 0 for d in shape):
+        raise ValueError(f"{name}: negative dimension in shape {list(shape)}")
+    return TensorEntry(_BY_NAME[fields["dtype"]], shape, path, data_start + int(fields["data_offsets"][0]))
+
+
+def read_exact(fd: int, buf: memoryview, offset: int, path: str) -> None:
+    """Fill `buf` with the bytes of `path` (open as `fd`) from `offset` on. A file that ends
+    sooner (cut after its header was checked) is an error naming it."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
+            raise CorruptCheckpointError(f"{path} ends at byte {offset + done}, inside the "
+                                         f"{len(buf)} bytes from byte {offset} that its header "
+                                         "describes: the file is truncated")
+        done += n
 
 
 def _check_offsets(header: dict, entries: dict[str, TensorEntry], data_bytes: int) -> None:
