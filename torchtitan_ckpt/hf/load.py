@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..group import CheckpointGroup
+from ..group import CheckpointGroup, RankFailed
 from .adapter import INDEX_FILE, SINGLE_FILE, HFSource, StateDictAdapter, check_names, read_index
 from .safetensors_io import TensorEntry, read_header
 from .shards import plan_reads, read_all
@@ -73,21 +73,20 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
     check_names(hf_dir, layout, {s.name for s in sources.values()})
     _check_fit(hf_dir, state_dict, sources, layout)
     group = CheckpointGroup(process_group or (dist.group.WORLD if dist.is_initialized() else None))
-    error, nbytes = None, 0
-    try:
+
+    def read() -> int:
         with torch.no_grad():
             reads, seen = [], set()
             for name, source in sources.items():
                 if id(state_dict[name]) not in seen:  # tied weights: one tensor under two names
                     seen.add(id(state_dict[name]))
                     reads += plan_reads(name, state_dict[name], source, layout[source.name])
-            nbytes = read_all(reads, num_threads)
-    except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others hang
-        error = e
-    failures = group.gather_errors(error)  # every rank raises if one failed
-    if failures:
-        rank, cause = failures[0]
-        raise CheckpointError(f"reading {hf_dir} failed on rank {rank}: {cause}") from error
+            return read_all(reads, num_threads)
+
+    try:
+        nbytes = group.run(read)[group.rank]
+    except RankFailed as failed:  # every rank raises if one failed
+        raise CheckpointError(f"reading {hf_dir} failed on {failed}") from failed.error
     secs = time.perf_counter() - start
     if group.is_coordinator:
         total = sum(e.nbytes for e in layout.values()) / 1e9
