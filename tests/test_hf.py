@@ -13,7 +13,6 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import assert_same, read_checkpoint

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan_ckpt import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, commit, layout, storage
+from torchtitan_ckpt import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, commit, layout
 from torchtitan_ckpt.storage import METADATA_FILE
 
 from .helpers import assert_same, read_checkpoint
