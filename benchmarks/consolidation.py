@@ -167,8 +167,8 @@ def report(r: dict, world: int, gb: float) -> None:
         p, o, c = (r[(f"{label}|{m}", "s")] for m in ("pytorch", "ours", "raw"))
         print(f"| {label} | {p:.2f} s | {o:.2f} s | {c:.2f} s | {p / o:.2f}x | {o / c:.2f}x |")
     dcp_s = r[("dcp", "s")]
-    print(f"\n| layout | plain DCP save | one-pass export | one-pass / DCP | HF sharded save + PyTorch "
-          f"consolidation + fsync | that / DCP |")
+    print("\n| layout | plain DCP save | one-pass export | one-pass / DCP | HF sharded save + PyTorch "
+          "consolidation + fsync | that / DCP |")
     print("|---|---|---|---|---|---|")
     for label in labels:
         one, two = r[(f"{label}|onepass", "s")], r[(label, "hfsave", "s")] + r[(f"{label}|pytorch", "s")]

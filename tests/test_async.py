@@ -207,3 +207,32 @@ def test_the_writer_process_dies_with_its_rank(tmp_path):
     finally:
         if os.path.exists(f"/proc/{writer_pid}"):
             os.kill(writer_pid, signal.SIGKILL)
+
+
+def _writer_of_rank_1_dies_mid_save(rank: int, world_size: int, folder: str) -> None:
+    import signal
+
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    model = torch.nn.Linear(64, 64)
+    config = Checkpoint(enable=True, interval=1, async_mode="async_with_pinned_mem")
+    with CheckpointManager(config, [model], base_folder=folder) as manager:
+        manager.save(1)
+        manager.wait()
+        writer = manager._saves.writer  # noqa: SLF001 - its death is the failure under test
+        if rank == 1:
+            os.kill(writer._proc.pid, signal.SIGSTOP)  # noqa: SLF001 - hold the save ...
+        manager.save(2)
+        if rank == 1:
+            os.kill(writer._proc.pid, signal.SIGKILL)  # noqa: SLF001 - ... and lose the writer
+        with pytest.raises(CheckpointSaveError, match="saving step 2 to .*step-2 failed"):
+            manager.wait()  # on both ranks: rank 0's own writer was fine
+    assert layout.committed_steps(os.path.join(folder, "checkpoint")) == [1]
+
+
+@pytest.mark.multirank
+def test_a_writer_process_lost_on_one_rank_fails_the_step_on_every_rank(tmp_path):
+    from .helpers import spawn
+
+    spawn(2, _writer_of_rank_1_dies_mid_save, str(tmp_path))

@@ -80,11 +80,13 @@ def _copy_tensor(t: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
 class Stager:
     """Copies a state into CPU memory. With `reuse=True` the copies are kept and overwritten by
     the next save of a state with the same structure (no allocation once warm), in shared memory
-    so another process could read them without a copy."""
+    so the writer process reads them without a copy, and page-locked (pinned) where they receive
+    GPU tensors, so those copies run at DMA speed."""
 
     def __init__(self, reuse: bool):
         self.reuse = reuse
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._pinned: dict[tuple, int] = {}  # path -> address registered with CUDA
 
     @property
     def nbytes(self) -> int:
@@ -108,9 +110,32 @@ class Stager:
                 and type(old) is type(t) and _local(old).shape == _local(t).shape)
         staged = _copy_tensor(t, old if fits else None)
         if not fits:
+            self._unpin(path)
             _local(staged).share_memory_()
             self._buffers[path] = staged
+            if _local(t).is_cuda:
+                self._pin(path, _local(staged))
         return staged
+
+    def _pin(self, path: tuple, buffer: torch.Tensor) -> None:
+        size = buffer.untyped_storage().nbytes()
+        if not size:
+            return
+        error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, 1))  # 1: portable
+        if error:
+            logger.warning("could not pin a %d-byte staging buffer (cudaError %d); it stays pageable", size, error)
+            return
+        self._pinned[path] = buffer.data_ptr()
+
+    def _unpin(self, path: tuple) -> None:
+        if (address := self._pinned.pop(path, None)) is not None:
+            torch.cuda.cudart().cudaHostUnregister(address)
+
+    def release(self) -> None:
+        """Drop every buffer (unpinning the pinned ones)."""
+        for path in list(self._pinned):
+            self._unpin(path)
+        self._buffers.clear()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -165,6 +190,7 @@ class BackgroundSaves:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            self.stager.release()
             if self.writer is not None:
                 self.writer.close()
 
