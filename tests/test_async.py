@@ -198,9 +198,12 @@ def test_the_writer_process_dies_with_its_rank(tmp_path):
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and os.path.exists(f"/proc/{writer_pid}"):
-            with open(f"/proc/{writer_pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # a zombie has exited
-                    break
+            try:
+                with open(f"/proc/{writer_pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # a zombie has exited
+                        break
+            except FileNotFoundError:  # reaped between the two looks
+                break
             time.sleep(0.05)
         else:
             assert not os.path.exists(f"/proc/{writer_pid}"), "the writer outlived its rank"

@@ -26,6 +26,7 @@ import io
 import os
 import sys
 import zlib
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -83,24 +84,33 @@ _SYNC_FILE_RANGE_WRITE = 2
 class _RunningCrc:
     """CRC-32 of everything fed to it, in order, computed on a helper thread so that it overlaps
     the write system calls (zlib releases the GIL for large buffers). Fed buffers must stay
-    unchanged until `value()` returns."""
+    unchanged until `value()` returns; at most `_BACKLOG` of them wait, so a slow checksum holds
+    back the writes instead of pinning an unbounded number of buffers."""
+
+    _BACKLOG = 4
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-crc")
         self._crc = 0
-        self._last: Future | None = None
+        self._queued: deque[Future] = deque()
 
     def feed(self, data: memoryview | bytearray) -> None:
-        self._last = self._pool.submit(self._update, data)
+        self._queued.append(self._pool.submit(self._update, data))
+        while len(self._queued) > self._BACKLOG:
+            self._queued.popleft().result()
 
     def _update(self, data: memoryview | bytearray) -> None:
         self._crc = zlib.crc32(data, self._crc)
 
     def value(self) -> int:
-        self._pool.shutdown(wait=True)
-        if self._last is not None:
-            self._last.result()
+        self.close()
+        while self._queued:
+            self._queued.popleft().result()
         return self._crc
+
+    def close(self) -> None:
+        """Stop the helper thread (after the buffers already fed)."""
+        self._pool.shutdown(wait=True)
 
 
 class _Output(io.RawIOBase):
@@ -162,6 +172,11 @@ class _Output(io.RawIOBase):
             _SYNC_FILE_RANGE(self._fd, self._synced_to, self.pos - self._synced_to, _SYNC_FILE_RANGE_WRITE)
             self._synced_to = self.pos
 
+    def discard(self) -> None:
+        """After a failure: drop what is not written yet and stop the checksum thread."""
+        self._pending = bytearray()
+        self.crc.close()
+
     def flush(self) -> None:
         """Write out the gathered small writes (already counted in `pos`)."""
         if self._pending:
@@ -193,16 +208,20 @@ def write_file(job: FileJob, step: int | None = None, sync: bool = True) -> File
     result = FileResult(size=0, crc32="")
     with open(job.path, "wb", buffering=0) as f:
         out = _Output(f, step if faults.armed() else None)
-        for entry in job.entries:
-            start = out.pos
-            if isinstance(entry.data, torch.Tensor):
-                _write_tensor(out, exact_storage(entry.data))
-            else:
-                out.write(entry.data)
-            result.places.append((entry.key, start, out.pos - start))
-        out.flush()
-        if sync:
-            os.fsync(f.fileno())
+        try:
+            for entry in job.entries:
+                start = out.pos
+                if isinstance(entry.data, torch.Tensor):
+                    _write_tensor(out, exact_storage(entry.data))
+                else:
+                    out.write(entry.data)
+                result.places.append((entry.key, start, out.pos - start))
+            out.flush()
+            if sync:
+                os.fsync(f.fileno())
+        except BaseException:
+            out.discard()
+            raise
     result.size, result.crc32 = out.pos, f"{out.crc.value():08x}"
     return result
 

@@ -16,7 +16,6 @@ class RankFailed(Exception):
     def __init__(self, rank: int, message: str, kinds: tuple[str, ...], error: BaseException | None):
         super().__init__(f"rank {rank}: {message}")
         self.rank = rank
-        self.message = message
         self.kinds = kinds
         """Class names of the failure and its bases, e.g. to tell corrupt input from I/O errors."""
         self.error = error

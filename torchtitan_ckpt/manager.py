@@ -304,8 +304,9 @@ class CheckpointManager:
         self._model.load_state_dict(state)
 
     def _load_dcp(self, target: _LoadTarget) -> None:
-        """Each rank reads its own share of the step, then one gather makes any rank's failure
-        every rank's failure (before the model is touched)."""
+        """Each rank reads its own share of the step (the model's tensors are filled in place,
+        the other states' into their state dicts), then one gather makes any rank's failure every
+        rank's failure before any state is applied."""
         state = self._state_for_load(target)
 
         def read() -> None:
@@ -325,6 +326,9 @@ class CheckpointManager:
                                       f"{failed.error}") from failed.error
             raise CheckpointError(f"loading {target.path} failed on {failed}") from None
         self._model.load_state_dict({k: v for k, v in state.items() if k not in self._states})
+        for name, stateful in self._states.items():
+            if name in state:
+                stateful.load_state_dict(state[name])
 
     def _find_load_target(self) -> _LoadTarget | None:
         folders = layout.scan(self.folder)
@@ -419,7 +423,7 @@ class CheckpointManager:
                     "checkpoint.exclude_from_loading to start it fresh")
             if isinstance(stateful, DataLoaderState) and not self._expect_dataloader(stateful, saved, keys):
                 continue
-            state[name] = stateful
+            state[name] = stateful.state_dict()  # filled in place; applied once every rank has read
         return state
 
     def _expect_dataloader(self, loader: DataLoaderState, saved: list[str], keys: dict) -> bool:

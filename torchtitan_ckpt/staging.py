@@ -122,9 +122,9 @@ class Stager:
         if not size:
             return
         error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, 1))  # 1: portable
-        if error:
-            logger.warning("could not pin a %d-byte staging buffer (cudaError %d); it stays pageable", size, error)
-            return
+        if error:  # raised here: a CUDA error left pending would surface in unrelated code later
+            raise RuntimeError(f"pinning a {size}-byte staging buffer failed (cudaError {error}); "
+                               'checkpoint.async_mode = "async" stages without pinning')
         self._pinned[path] = buffer.data_ptr()
 
     def _unpin(self, path: tuple) -> None:

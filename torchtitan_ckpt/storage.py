@@ -284,9 +284,10 @@ def _resolve(planner: SavePlanner, item: WriteItem) -> bytes | torch.Tensor:
 
 
 def _item_bytes(item: WriteItem) -> int:
+    """Bytes this rank writes for `item` (its chunk, not the whole tensor)."""
     if item.tensor_data is None:
         return 0
-    return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
 def _spread(items: list[WriteItem], n: int) -> list[list[WriteItem]]:

@@ -19,6 +19,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import pickle
 import signal
 import sys
 from itertools import count
@@ -69,10 +70,12 @@ class WriterProcess:
         try:
             self._conn.send({"step": step, "sync": sync, "register": register, "drop": drop_ids, "files": files})
             status, value = self._conn.recv()
-        except (EOFError, OSError) as e:
-            self._registered.clear()  # a new writer would need every buffer again
-            raise WriterProcessError(f"the checkpoint writer process exited (exit code "
-                                     f"{self.exitcode}): {type(e).__name__}: {e}") from None
+        except BaseException as e:
+            self._registered.clear()  # the writer may lack some buffers now: send them all again
+            if isinstance(e, (EOFError, OSError)) and not self._proc.is_alive():
+                raise WriterProcessError(f"the checkpoint writer process exited (exit code "
+                                         f"{self.exitcode}): {type(e).__name__}: {e}") from None
+            raise
         if status == "error":
             raise value
         return value
@@ -161,8 +164,6 @@ def _resolve(ref: Any, buffers: dict[int, torch.Tensor]) -> Any:
 
 
 def _picklable(e: Exception) -> Exception:
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(e))
         return e

@@ -78,8 +78,9 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
         with torch.no_grad():
             reads, seen = [], set()
             for name, source in sources.items():
-                if id(state_dict[name]) not in seen:  # tied weights: one tensor under two names
-                    seen.add(id(state_dict[name]))
+                where = _memory(state_dict[name])
+                if where not in seen:  # tied weights: one tensor's memory under two names
+                    seen.add(where)
                     reads += plan_reads(name, state_dict[name], source, layout[source.name])
             return read_all(reads, num_threads)
 
@@ -93,6 +94,12 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
         logger.info("loaded %s: %.3f GB (%.3f GB read by rank 0) in %.2f s, %.2f GB/s per rank", hf_dir,
                     total, nbytes / 1e9, secs, nbytes / 1e9 / max(secs, 1e-9))
     return state_dict
+
+
+def _memory(t: torch.Tensor) -> tuple:
+    """Where a tensor's (local) values live; tied weights share it while being two objects."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape)
 
 
 def _check_fit(hf_dir: str, state_dict: dict[str, Any], sources: dict[str, HFSource],
