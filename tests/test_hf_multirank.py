@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import struct
 
 import numpy as np
@@ -18,7 +19,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from tests.helpers import DEBUG_CONFIG, assert_same, spawn
 from torchtitan_ckpt.config import load_job_config
-from torchtitan_ckpt.errors import CheckpointError
+from torchtitan_ckpt.errors import CheckpointError, CorruptCheckpointError
 from torchtitan_ckpt.example.model import FLAVORS, ModelArgs, Transformer
 from torchtitan_ckpt.hf import LlamaAdapter, hf_llama_config, load_hf, save_hf, shards
 from torchtitan_ckpt.hf.adapter import permute_rows
@@ -264,16 +265,15 @@ def test_a_load_never_holds_a_whole_q_projection(tmp_path):
 # ---------------------------------------------------------------------------- errors
 
 
-def _one_rank_fails_to_read(rank: int, world_size: int, src: str) -> None:
+def _one_rank_fails_to_read(rank: int, world_size: int, src: str, damaged: str) -> None:
     model = build_model(load_job_config(DEBUG_CONFIG, []))
     shard_model(model, world_size)
-    if rank == 1:  # a disk error on one rank only
-        def failing(fd, buf, offset, path):
-            raise OSError(f"EIO reading {path}")
-
-        shards.read_exact = failing
-    with pytest.raises(CheckpointError, match=rf"reading {src} failed on rank 1: OSError: EIO reading {src}/model"):
-        load_hf(ModelState([model]).state_dict(), src, LlamaAdapter(model.args))
+    if rank == 1:  # rank 1 sees a damaged copy (as a node with a bad disk or cache would)
+        with pytest.raises(CorruptCheckpointError, match=r"model-00001-of-0000\d\.safetensors"):
+            load_hf(ModelState([model]).state_dict(), damaged, LlamaAdapter(model.args))
+    else:
+        with pytest.raises(CheckpointError, match=rf"reading {src} failed on rank 1: CorruptCheckpointError"):
+            load_hf(ModelState([model]).state_dict(), src, LlamaAdapter(model.args))
 
 
 def test_a_read_error_on_one_rank_is_raised_on_every_rank(tmp_path):
@@ -281,4 +281,9 @@ def test_a_read_error_on_one_rank_is_raised_on_every_rank(tmp_path):
     args = FLAVORS[load_job_config(DEBUG_CONFIG, []).model.flavor]
     src = str(tmp_path / "hf")
     save_hf(Transformer(args).state_dict(), src, LlamaAdapter(args), max_shard_size="100KB")
-    spawn(2, _one_rank_fails_to_read, src)
+    damaged = str(tmp_path / "damaged")
+    shutil.copytree(src, damaged)
+    first = sorted(f for f in os.listdir(damaged) if f.startswith("model-00001"))[0]
+    with open(os.path.join(damaged, first), "r+b") as f:
+        f.truncate(os.path.getsize(f.name) - 8)  # the header promises bytes the file lacks
+    spawn(2, _one_rank_fails_to_read, src, damaged)

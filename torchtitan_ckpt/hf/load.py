@@ -68,13 +68,13 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
     if num_threads < 1:
         raise ValueError(f"load_hf: num_threads = {num_threads}; expected 1 or more")
     start = time.perf_counter()
-    sources = adapter.hf_sources(state_dict)
-    layout = read_hf_layout(hf_dir)
-    check_names(hf_dir, layout, {s.name for s in sources.values()})
-    _check_fit(hf_dir, state_dict, sources, layout)
     group = CheckpointGroup(process_group or (dist.group.WORLD if dist.is_initialized() else None))
 
-    def read() -> int:
+    def check_and_read() -> tuple[int, int]:
+        sources = adapter.hf_sources(state_dict)
+        layout = read_hf_layout(hf_dir)
+        check_names(hf_dir, layout, {s.name for s in sources.values()})
+        _check_fit(hf_dir, state_dict, sources, layout)
         with torch.no_grad():
             reads, seen = [], set()
             for name, source in sources.items():
@@ -82,17 +82,21 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
                 if where not in seen:  # tied weights: one tensor's memory under two names
                     seen.add(where)
                     reads += plan_reads(name, state_dict[name], source, layout[source.name])
-            return read_all(reads, num_threads)
+            return read_all(reads, num_threads), sum(e.nbytes for e in layout.values())
 
-    try:
-        nbytes = group.run(read)[group.rank]
-    except RankFailed as failed:  # every rank raises if one failed
-        raise CheckpointError(f"reading {hf_dir} failed on {failed}") from failed.error
+    try:  # every rank raises if one failed: its own error, or one naming the failing rank
+        nbytes, total = group.run(check_and_read)[group.rank]
+    except RankFailed as failed:
+        if isinstance(failed.error, CheckpointError):
+            raise failed.error from None
+        if failed.error is not None:
+            raise CheckpointError(f"reading {hf_dir} failed: {type(failed.error).__name__}: "
+                                  f"{failed.error}") from failed.error
+        raise CheckpointError(f"reading {hf_dir} failed on {failed}") from None
     secs = time.perf_counter() - start
     if group.is_coordinator:
-        total = sum(e.nbytes for e in layout.values()) / 1e9
         logger.info("loaded %s: %.3f GB (%.3f GB read by rank 0) in %.2f s, %.2f GB/s per rank", hf_dir,
-                    total, nbytes / 1e9, secs, nbytes / 1e9 / max(secs, 1e-9))
+                    total / 1e9, nbytes / 1e9, secs, nbytes / 1e9 / max(secs, 1e-9))
     return state_dict
 
 
