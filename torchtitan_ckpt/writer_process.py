@@ -71,8 +71,12 @@ class WriterProcess:
             self._conn.send({"step": step, "sync": sync, "register": register, "drop": drop_ids, "files": files})
             status, value = self._conn.recv()
         except BaseException as e:
-            self._registered.clear()  # the writer may lack some buffers now: send them all again
-            if isinstance(e, (EOFError, OSError)) and not self._proc.is_alive():
+            self._registered.clear()
+            died = isinstance(e, (EOFError, OSError)) and not self._proc.is_alive()
+            if self._proc.is_alive():  # its replies may be out of step now: the next save starts a new one
+                self._proc.kill()
+                self._proc.join()
+            if died:
                 raise WriterProcessError(f"the checkpoint writer process exited (exit code "
                                          f"{self.exitcode}): {type(e).__name__}: {e}") from None
             raise
