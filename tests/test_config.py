@@ -58,6 +58,7 @@ def _error(argv, path=None) -> ConfigError:
     (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k", "expected >= 0"),
     (["--checkpoint.load_step", "-2"], "checkpoint.load_step", "expected >= -1"),
     (["--checkpoint.save_threads", "0"], "checkpoint.save_threads", "expected >= 1"),
+    (["--checkpoint.load_threads", "0"], "checkpoint.load_threads", "expected >= 1"),
     (["--checkpoint.enable", "yes"], "checkpoint.enable", "expected a boolean"),
     (["--checkpoint.async_mode", "threads"], "checkpoint.async_mode", "expected one of 'disabled', 'async'"),
     (["--checkpoint.export_dtype", "fp8"], "checkpoint.export_dtype", "expected one of 'float16'"),

@@ -319,12 +319,7 @@ class CheckpointManager:
         try:
             self._group.run(read)
         except RankFailed as failed:
-            if isinstance(failed.error, CheckpointError):
-                raise failed.error from None
-            if failed.error is not None:
-                raise CheckpointError(f"loading {target.path} failed: {type(failed.error).__name__}: "
-                                      f"{failed.error}") from failed.error
-            raise CheckpointError(f"loading {target.path} failed on {failed}") from None
+            failed.reraise(f"loading {target.path}")
         self._model.load_state_dict({k: v for k, v in state.items() if k not in self._states})
         for name, stateful in self._states.items():
             if name in state:

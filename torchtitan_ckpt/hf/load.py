@@ -87,12 +87,7 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
     try:  # every rank raises if one failed: its own error, or one naming the failing rank
         nbytes, total = group.run(check_and_read)[group.rank]
     except RankFailed as failed:
-        if isinstance(failed.error, CheckpointError):
-            raise failed.error from None
-        if failed.error is not None:
-            raise CheckpointError(f"reading {hf_dir} failed: {type(failed.error).__name__}: "
-                                  f"{failed.error}") from failed.error
-        raise CheckpointError(f"reading {hf_dir} failed on {failed}") from None
+        failed.reraise(f"reading {hf_dir}")
     secs = time.perf_counter() - start
     if group.is_coordinator:
         logger.info("loaded %s: %.3f GB (%.3f GB read by rank 0) in %.2f s, %.2f GB/s per rank", hf_dir,
