@@ -32,9 +32,10 @@ def _values() -> dict[str, object]:
     }
 
 
-def _check_file(path: str, result: filewriter.FileResult, values: dict[str, object]) -> None:
+def _check_file(path: str, result: filewriter.WrittenFile, values: dict[str, object]) -> None:
+    crc = result.durable()
     data = open(path, "rb").read()
-    assert (result.size, result.crc32) == (len(data), f"{zlib.crc32(data):08x}")
+    assert (result.size, crc) == (len(data), f"{zlib.crc32(data):08x}")
     end = 0
     for key, offset, length in result.places:
         assert offset == end  # back to back, nothing unaccounted for
@@ -87,8 +88,9 @@ def test_plain_dcp_reads_what_the_manager_writes(tmp_path, use_process):
     finally:
         if writer_process:
             writer_process.close()
-    assert sorted(w.fs.checksums) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
-    for name, (size, crc) in w.fs.checksums.items():
+    checksums = w.fs.durable()
+    assert sorted(checksums) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
+    for name, (size, crc) in checksums.items():
         data = open(tmp_path / name, "rb").read()
         assert (size, crc) == (len(data), f"{zlib.crc32(data):08x}")
     back = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
@@ -108,3 +110,12 @@ def test_a_failing_write_in_the_writer_process_is_raised_here(tmp_path):
     finally:
         writer.close()
     assert not os.path.exists(job.path)
+
+
+def test_copies_made_for_writing_are_checksummed_early_and_the_crc_stays_right(tmp_path, monkeypatch):
+    monkeypatch.setattr(filewriter._DeferredCrc, "_TEMPORARIES", 1)  # the writer waits for the helper
+    base = torch.randn(40, 8192, generator=torch.Generator().manual_seed(1))
+    values = {f"rows{i}": base[i : i + 3] for i in range(0, 36, 3)}  # views of 96 KiB: each written from a copy
+    values["plain"] = torch.randn(50)
+    job = filewriter.FileJob(str(tmp_path / "f.distcp"), [filewriter.Entry(k, v) for k, v in values.items()])
+    _check_file(job.path, filewriter.write_file(job), values)

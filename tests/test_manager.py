@@ -233,3 +233,38 @@ def test_pickled_values_are_loaded_without_running_code(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="'train_state.step' is not plain data.*refused"):
         job.manager.load()
     assert not os.path.exists(evidence)
+
+
+def _optimizer_values(opt: torch.optim.Optimizer) -> list:
+    return [(dict(g, params=None), [{k: v.clone() for k, v in opt.state[p].items()} for p in g["params"]])
+            for g in opt.param_groups]
+
+
+def test_optimizer_settings_are_one_value_per_parameter_and_torchtitans_layout_still_loads(tmp_path):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    source = make_job(str(tmp_path / "a"), steps=4, interval=2)
+    source.run_to(2, steps=4)
+    source.manager.close()
+    keys = dcp.FileSystemReader(layout.step_dir(_folder(tmp_path / "a"), 2)).read_metadata().state_dict_metadata
+    groups = sorted(k for k in keys if k.startswith("optimizer.param_groups."))
+    assert groups == sorted(f"optimizer.param_groups.{name}" for name, _ in source.model.named_parameters())
+
+    # TorchTitan's layout: every setting of every parameter its own value
+    titan = os.path.join(tmp_path, "titan")
+    flat = get_optimizer_state_dict(source.model, source.opt,
+                                    options=StateDictOptions(flatten_optimizer_state_dict=True))
+    assert "param_groups.output.weight.lr" in flat
+    dcp.save({**source.model.state_dict(), "optimizer": flat}, checkpoint_id=titan, no_dist=True)
+    for path in (layout.step_dir(_folder(tmp_path / "a"), 2), titan):
+        job = make_job(str(tmp_path / "b"), steps=4, interval=2, init_seed=5, initial_load_path=path,
+                       initial_load_model_only=False,
+                       exclude_from_loading=["lr_scheduler", "dataloader", "train_state"])
+        for g in job.opt.param_groups:
+            g["lr"], g["betas"] = 0.5, (0.1, 0.2)
+        assert job.manager.load()
+        job.manager.close()
+        for (got_g, got_s), (want_g, want_s) in zip(_optimizer_values(job.opt), _optimizer_values(source.opt)):
+            assert got_g == want_g
+            for got, want in zip(got_s, want_s):
+                assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

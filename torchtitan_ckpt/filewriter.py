@@ -9,8 +9,10 @@ What differs is how the bytes reach the disk:
   through `torch.save`'s own copy and CRC (the archive's per-record CRC is left 0, as
   `torch.serialization.set_crc32_options(False)` does; the commit manifest's CRC-32 of the
   whole file, computed here on the way out, covers every byte instead);
-- after each chunk the kernel is told to start writing it back (`sync_file_range` on Linux),
-  so the final fsync waits for the last chunk only rather than for the whole file;
+- the bytes go to the page cache as fast as the system calls take them; the fsync and the
+  CRC-32 come after, in the background (`WrittenFile.durable()` waits for them), so DCP's
+  gathering of write results and its `.metadata` overlap the disk's work, and the checksum
+  (CPU) overlaps the fsync (disk) instead of slowing the writes;
 - small header writes are buffered.
 
 This module has no DCP planner or process group in it: a `FileJob` carries resolved data, so
@@ -20,23 +22,21 @@ the same function runs in the training process or in the writer process of
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import io
 import os
-import sys
+import threading
 import zlib
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from . import faults
 
 CHUNK_BYTES = 32 << 20
-"""Bytes written (and handed to writeback) per system call for large tensors."""
+"""Bytes handed to the kernel per write system call for large tensors."""
 _SMALL = 64 << 10  # writes below this are gathered into one buffer
 
 
@@ -57,76 +57,79 @@ class FileJob:
     entries: list[Entry]
 
 
-@dataclass
-class FileResult:
-    size: int
-    crc32: str
-    places: list[tuple[object, int, int]] = field(default_factory=list)
-    """(entry key, offset, length) of every entry, in file order."""
+class WrittenFile:
+    """A file whose bytes have all been written: its size and where each entry landed are
+    final. `durable()` waits until it is on the disk and returns its CRC-32 (hex)."""
+
+    def __init__(self, size: int, places: list[tuple[object, int, int]], wait: Callable[[], str]):
+        self.size = size
+        self.places = places
+        """(entry key, offset, length) of every entry, in file order."""
+        self._wait = wait
+        self._crc32: str | None = None
+
+    def durable(self) -> str:
+        if self._crc32 is None:
+            self._crc32 = self._wait()
+        return self._crc32
 
 
-def _libc_sync_file_range():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return fn
+class _DeferredCrc:
+    """CRC-32 of the buffers fed to it, in order, on a helper thread that starts once the writes
+    are over (`start()`): the checksum then runs while the fsync waits on the disk, instead of
+    taking CPU from the writes. Fed buffers must stay unchanged until `value()` returns.
 
+    A temporary buffer (a copy made only to be written) would be kept alive until then; so once
+    more than `_TEMPORARIES` of them wait, the helper starts at once and the writer waits for the
+    oldest, as a checksum running beside the writes would."""
 
-_SYNC_FILE_RANGE = _libc_sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-class _RunningCrc:
-    """CRC-32 of everything fed to it, in order, computed on a helper thread so that it overlaps
-    the write system calls (zlib releases the GIL for large buffers). Fed buffers must stay
-    unchanged until `value()` returns; at most `_BACKLOG` of them wait, so a slow checksum holds
-    back the writes instead of pinning an unbounded number of buffers."""
-
-    _BACKLOG = 4
+    _TEMPORARIES = 4
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-crc")
+        self._go = threading.Event()
         self._crc = 0
-        self._queued: deque[Future] = deque()
+        self._temporaries: deque[Future] = deque()
 
-    def feed(self, data: memoryview | bytearray) -> None:
-        self._queued.append(self._pool.submit(self._update, data))
-        while len(self._queued) > self._BACKLOG:
-            self._queued.popleft().result()
+    def feed(self, data: memoryview | bytearray, temporary: bool = False) -> None:
+        done = self._pool.submit(self._update, data)
+        if temporary:
+            self._temporaries.append(done)
+            if len(self._temporaries) > self._TEMPORARIES:
+                self._go.set()
+                self._temporaries.popleft().result()
 
     def _update(self, data: memoryview | bytearray) -> None:
+        self._go.wait()
         self._crc = zlib.crc32(data, self._crc)
 
+    def start(self) -> None:
+        self._go.set()
+
     def value(self) -> int:
-        self.close()
-        while self._queued:
-            self._queued.popleft().result()
+        self._go.set()
+        self._pool.shutdown(wait=True)
         return self._crc
 
-    def close(self) -> None:
-        """Stop the helper thread (after the buffers already fed)."""
-        self._pool.shutdown(wait=True)
+    def discard(self) -> None:
+        """After a failure: drop what is not checksummed yet and let the helper thread end."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._go.set()
 
 
 class _Output(io.RawIOBase):
-    """The file being written: counts, checksums, buffers small writes, starts writeback of
-    large ones. `fill` (the storage bytes of the tensor being framed) replaces the hole that
-    `torch.save` under `skip_data` seeks over."""
+    """The file being written: counts, feeds the checksum, buffers small writes. `fill` (the
+    storage bytes of the tensor being framed) replaces the hole that `torch.save` under
+    `skip_data` seeks over; `fill_is_copy` says those bytes are a temporary copy."""
 
     def __init__(self, f: io.FileIO, step: int | None):
         self._f = f
-        self._fd = f.fileno()
         self._pending = bytearray()
         self.pos = 0
-        self.crc = _RunningCrc()
-        self._synced_to = 0
+        self.crc = _DeferredCrc()
         self._step = step
         self.fill: memoryview | None = None
+        self.fill_is_copy = False
 
     def writable(self) -> bool:
         return True
@@ -146,6 +149,7 @@ class _Output(io.RawIOBase):
             self.flush()
             for start in range(0, len(view), CHUNK_BYTES):
                 self._write_all(view[start : start + CHUNK_BYTES])
+            self.crc.feed(view, temporary=self.fill_is_copy)
         if self._step is not None:  # the `write` fail point: a data file is partly written
             self._step, step = None, self._step
             self.flush()
@@ -166,16 +170,7 @@ class _Output(io.RawIOBase):
         written = 0
         while written < len(chunk):
             written += self._f.write(chunk[written:])
-        self.crc.feed(chunk)
         self.pos += len(chunk)
-        if _SYNC_FILE_RANGE is not None and self.pos - self._synced_to >= CHUNK_BYTES:
-            _SYNC_FILE_RANGE(self._fd, self._synced_to, self.pos - self._synced_to, _SYNC_FILE_RANGE_WRITE)
-            self._synced_to = self.pos
-
-    def discard(self) -> None:
-        """After a failure: drop what is not written yet and stop the checksum thread."""
-        self._pending = bytearray()
-        self.crc.close()
 
     def flush(self) -> None:
         """Write out the gathered small writes (already counted in `pos`)."""
@@ -193,44 +188,70 @@ def _storage_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(raw.numpy()).cast("B")
 
 
-def _write_tensor(out: _Output, t: torch.Tensor) -> None:
+def _write_tensor(out: _Output, entry: torch.Tensor) -> None:
+    t = exact_storage(entry)
     out.fill = _storage_bytes(t) if t.untyped_storage().nbytes() else None
+    out.fill_is_copy = t.untyped_storage().data_ptr() != entry.untyped_storage().data_ptr()
     with torch.serialization.skip_data():
         torch.save(t, out)
+    out.fill_is_copy = False
     if out.fill is not None:
         raise RuntimeError("torch.save under skip_data did not leave the expected hole for the "
                            "tensor's bytes; this torch version frames archives differently")
 
 
-def write_file(job: FileJob, step: int | None = None, sync: bool = True) -> FileResult:
-    """Write `job`'s entries into a new file at `job.path`, fsync it when `sync`, and return
-    its size, CRC-32 and where each entry landed. `step` arms the `write` fail point."""
-    result = FileResult(size=0, crc32="")
-    with open(job.path, "wb", buffering=0) as f:
-        out = _Output(f, step if faults.armed() else None)
+def write_file(job: FileJob, step: int | None = None, sync: bool = True) -> WrittenFile:
+    """Write `job`'s entries into a new file at `job.path` and return as soon as every byte is
+    handed to the kernel; the fsync (when `sync`) and the CRC-32 continue in the background
+    until `durable()` is called on the result. `step` arms the `write` fail point."""
+    f = open(job.path, "wb", buffering=0)
+    out = _Output(f, step if faults.armed() else None)
+    places = []
+    try:
+        for entry in job.entries:
+            start = out.pos
+            if isinstance(entry.data, torch.Tensor):
+                _write_tensor(out, entry.data)
+            else:
+                out.write(entry.data)
+            places.append((entry.key, start, out.pos - start))
+        out.flush()
+    except BaseException:
+        out.crc.discard()
+        f.close()
+        raise
+    out.crc.start()
+    synced: Future = Future()
+    threading.Thread(target=_sync_and_close, args=(f, sync, synced), name="ckpt-fsync", daemon=True).start()
+
+    def wait() -> str:
         try:
-            for entry in job.entries:
-                start = out.pos
-                if isinstance(entry.data, torch.Tensor):
-                    _write_tensor(out, exact_storage(entry.data))
-                else:
-                    out.write(entry.data)
-                result.places.append((entry.key, start, out.pos - start))
-            out.flush()
+            synced.result()
+        finally:
+            crc = out.crc.value()
+        return f"{crc:08x}"
+
+    return WrittenFile(out.pos, places, wait)
+
+
+def _sync_and_close(f: io.FileIO, sync: bool, done: Future) -> None:
+    try:
+        try:
             if sync:
                 os.fsync(f.fileno())
-        except BaseException:
-            out.discard()
-            raise
-    result.size, result.crc32 = out.pos, f"{out.crc.value():08x}"
-    return result
+        finally:
+            f.close()
+    except BaseException as e:
+        done.set_exception(e)
+    else:
+        done.set_result(None)
 
 
-Sink = Callable[[list[FileJob], "int | None", bool], list[FileResult]]
+Sink = Callable[[list[FileJob], "int | None", bool], list[WrittenFile]]
 """Writes a rank's files: `write_files` here, or `WriterProcess.write` in another process."""
 
 
-def write_files(jobs: list[FileJob], step: int | None = None, sync: bool = True) -> list[FileResult]:
+def write_files(jobs: list[FileJob], step: int | None = None, sync: bool = True) -> list[WrittenFile]:
     """`write_file` for each job, the files in parallel (one thread per file)."""
     if len(jobs) <= 1:
         return [write_file(job, step, sync) for job in jobs]

@@ -10,7 +10,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,7 +207,7 @@ class CheckpointManager:
         path = layout.step_dir(folder, step)
         start = time.perf_counter()
 
-        def write(state: dict[str, Any], sink: Sink) -> tuple[dict[str, tuple[int, str]], str]:
+        def write(state: dict[str, Any], sink: Sink) -> tuple[Callable[[], dict[str, tuple[int, str]]], str]:
             planner = storage.make_save_planner(self.config.dedup_policy, self.config.dedup_min_slice_bytes)
             writer = storage.make_storage_writer(path, sink, step, self.config.save_threads)
             try:
@@ -216,33 +216,35 @@ class CheckpointManager:
                 raise CheckpointSaveError(step, path, storage.root_cause(e), _space_hint(path)) from None
             faults.hit("written", step)
             summary = planner.summary_line() if self._group.is_coordinator else ""
-            return writer.fs.checksums, summary
+            return writer.fs.durable, summary
 
-        def write_hf(state: dict[str, Any], _sink: Sink) -> tuple[dict[str, tuple[int, str]], str]:
+        def write_hf(state: dict[str, Any], _sink: Sink) -> tuple[Callable[[], dict[str, tuple[int, str]]], str]:
             ck = self.config
             save_hf(state, path, self._adapter, dtype=_DTYPES[ck.export_dtype], max_shard_size=ck.hf_max_shard_size,
                     process_group=self._group.pg, mode=ck.consolidation, num_threads=ck.consolidation_threads,
                     keep_shards=ck.keep_hf_shards)
-            return {}, ""  # no writer checksums: the commit reads each file once
+            return lambda: {}, ""  # no writer checksums: the commit reads each file once
 
-        def commit_step(written: tuple[dict[str, tuple[int, str]], str]) -> None:
+        def commit_step(written: tuple[Callable[[], dict[str, tuple[int, str]]], str]) -> None:
+            durable, summary = written
             checksums: dict[str, tuple[int, str]] = {}
-            for ranks_files, _ in self._group.all_gather(written):
+            # every rank's files on the disk (its data files may still be in their fsync) before the marker
+            for ranks_files in self._agree(step, path, durable):
                 checksums.update(ranks_files)
             states = ["model"] if kind is not SaveKind.FULL else ["model", *self._states]
             info = commit.CommitInfo(step=step, states=states, format=fmt, world_size=self._group.world_size)
-            self._on_coordinator(step, path, commit.write_marker, path, info, checksums)
+            self._agree(step, path, lambda: commit.write_marker(path, info, checksums), coordinator_only=True)
             if self._group.is_coordinator:
                 secs = time.perf_counter() - start
                 gb = info.total_bytes / 1e9
                 logger.info("saved step %d (%s, %s) to %s: %.3f GB in %.2f s, %.2f GB/s",
                             step, kind.value, fmt, path, gb, secs, gb / max(secs, 1e-9))
-                if written[1]:
-                    logger.info("step %d %s", step, written[1])
+                if summary:
+                    logger.info("step %d %s", step, summary)
                 self._deleter.submit(retention.steps_to_delete(layout.scan(folder), self.config.keep_latest_k))
 
         def prepare() -> None:
-            self._on_coordinator(step, path, self._prepare_folder, path, step)
+            self._agree(step, path, lambda: self._prepare_folder(path, step), coordinator_only=True)
 
         return SaveJob(step=step, path=path,
                        prepare=_save_errors(step, path, prepare),
@@ -267,12 +269,14 @@ class CheckpointManager:
         os.makedirs(path)
         faults.hit("prepare", step)
 
-    def _on_coordinator(self, step: int, path: str, fn, *args) -> None:
-        """Run `fn` on rank 0 and make its failure every rank's failure."""
+    def _agree(self, step: int, path: str, fn: Callable[[], Any], coordinator_only: bool = False) -> list[Any]:
+        """Run `fn` on every rank (or on rank 0) and return every rank's result; any rank's
+        failure is every rank's `CheckpointSaveError`."""
         try:
-            self._group.run(lambda: fn(*args), coordinator_only=True)
+            return self._group.run(fn, coordinator_only)
         except RankFailed as failed:
-            raise CheckpointSaveError(step, path, failed.error or RuntimeError(str(failed))) from failed.error
+            raise CheckpointSaveError(step, path, failed.error or RuntimeError(str(failed)),
+                                      _space_hint(path)) from failed.error
 
     # ------------------------------------------------------------------ loading
 
@@ -418,7 +422,10 @@ class CheckpointManager:
                     "checkpoint.exclude_from_loading to start it fresh")
             if isinstance(stateful, DataLoaderState) and not self._expect_dataloader(stateful, saved, keys):
                 continue
-            state[name] = stateful.state_dict()  # filled in place; applied once every rank has read
+            if isinstance(stateful, OptimizerState):
+                state[name] = stateful.state_dict_to_load({k[len(prefix):] for k in saved})
+            else:
+                state[name] = stateful.state_dict()  # filled in place; applied once every rank has read
         return state
 
     def _expect_dataloader(self, loader: DataLoaderState, saved: list[str], keys: dict) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -62,20 +62,58 @@ def _memory(t: torch.Tensor) -> tuple:
 
 
 class OptimizerState(Stateful):
-    """One optimizer per model part, keyed by parameter FQN so the state reshards on load."""
+    """One optimizer per model part, keyed by parameter FQN so the state reshards on load.
+
+    Tensors are stored as `flatten_optimizer_state_dict` lays them out (`state.{fqn}.{name}`,
+    TorchTitan's layout). A parameter's hyperparameters (`lr`, `betas`, ...) are stored as one
+    value, `param_groups.{fqn}`, instead of one value per setting (`param_groups.{fqn}.lr`, ...):
+    with a dozen settings per parameter, those made 3 of every 4 items of an AdamW state, and
+    each item costs planning, pickling and metadata on every save. Keys still name the
+    parameter, so ranks holding different parameters (pipeline stages) never collide, and
+    `state_dict_to_load` reads either layout (TorchTitan's checkpoints included)."""
 
     def __init__(self, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]):
         self.pairs = list(zip(parts, optimizers, strict=True))
 
-    def state_dict(self) -> dict[str, Any]:
+    def _flat(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for part, opt in self.pairs:
             out.update(get_optimizer_state_dict(part, opt, options=_OPTIM_OPTIONS))
         return out
 
+    def state_dict(self) -> dict[str, Any]:
+        flat = self._flat()
+        out = {k: v for k, v in flat.items() if not k.startswith(_GROUPS)}
+        settings: dict[str, list[tuple[str, Any]]] = {}
+        for key, value in flat.items():
+            if key.startswith(_GROUPS):
+                fqn, name = key[len(_GROUPS):].rsplit(".", 1)
+                settings.setdefault(fqn, []).append((name, value))
+        # a tuple is one value to DCP (a dict would be flattened into one item per setting again)
+        out.update({_GROUPS + fqn: tuple(sorted(pairs)) for fqn, pairs in settings.items()})
+        return out
+
+    def state_dict_to_load(self, saved_keys: Collection[str]) -> dict[str, Any]:
+        """What to load from a checkpoint holding `saved_keys` (relative to this state): this
+        layout, or one value per setting when the checkpoint has that (TorchTitan's)."""
+        ours = self.state_dict()
+        if any(k.startswith(_GROUPS) and k in saved_keys for k in ours):
+            return ours
+        return self._flat()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        per_setting = self._flat()  # the keys of one value per setting; ours are their parents
+        flat: dict[str, Any] = {}
+        for key, value in state_dict.items():
+            if key.startswith(_GROUPS) and key not in per_setting:
+                flat.update({f"{key}.{name}": v for name, v in value})
+            else:
+                flat[key] = value
         for part, opt in self.pairs:
-            set_optimizer_state_dict(part, opt, state_dict, options=_OPTIM_OPTIONS)
+            set_optimizer_state_dict(part, opt, flat, options=_OPTIM_OPTIONS)
+
+
+_GROUPS = "param_groups."
 
 
 class LRSchedulerState(Stateful):

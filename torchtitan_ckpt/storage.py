@@ -212,21 +212,30 @@ class _ChecksummedStream:
 
 class ChecksummingFileSystem(FileSystem):
     """DCP's local file system, recording the size and CRC-32 of every file written through it
-    (DCP's `.metadata`) or reported to it (`record`, the data files), with no second read.
-    `checksums` maps a path relative to `root` to (size, crc32 hex)."""
+    (DCP's `.metadata`) or handed to it (`add`, the data files, still on their way to the disk).
+    `durable()` waits for the data files and returns every file's (size, crc32 hex) by its path
+    relative to `root`."""
 
     def __init__(self, root: str):
         super().__init__()
         self.root = os.path.abspath(root)
-        self.checksums: dict[str, tuple[int, str]] = {}
+        self._checksums: dict[str, tuple[int, str]] = {}
+        self._written: dict[str, filewriter.WrittenFile] = {}
         self._lock = threading.Lock()
 
     def _rel(self, path) -> str:
         return os.path.relpath(os.path.abspath(path), self.root)
 
-    def record(self, path: str | os.PathLike, size: int, crc32: str) -> None:
+    def add(self, path: str | os.PathLike, written: filewriter.WrittenFile) -> None:
         with self._lock:
-            self.checksums[self._rel(path)] = (size, crc32)
+            self._written[self._rel(path)] = written
+
+    def durable(self) -> dict[str, tuple[int, str]]:
+        """Wait until every data file is on the disk (raising its fsync's error); return the
+        checksums of every file written."""
+        for rel, written in list(self._written.items()):
+            self._checksums[rel] = (written.size, written.durable())
+        return dict(self._checksums)
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -237,13 +246,14 @@ class ChecksummingFileSystem(FileSystem):
         with open(path, mode) as f:
             stream = _ChecksummedStream(f)
             yield stream
-        self.record(path, stream.size, f"{stream.crc:08x}")
+        with self._lock:
+            self._checksums[self._rel(path)] = (stream.size, f"{stream.crc:08x}")
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
         with self._lock:
-            if (entry := self.checksums.pop(self._rel(path), None)) is not None:
-                self.checksums[self._rel(new_path)] = entry
+            if (entry := self._checksums.pop(self._rel(path), None)) is not None:
+                self._checksums[self._rel(new_path)] = entry
 
 
 class DataFileWriter(FileSystemWriter):
@@ -267,10 +277,10 @@ class DataFileWriter(FileSystemWriter):
             entries = [filewriter.Entry(item.index, _resolve(planner, item)) for item in bucket]
             jobs.append(filewriter.FileJob(os.path.join(self.path, names[-1]), entries))
         results = []
-        for name, done in zip(names, self._sink(jobs, self._step, self.sync_files), strict=True):
-            self.fs.record(os.path.join(self.path, name), done.size, done.crc32)
+        for name, written in zip(names, self._sink(jobs, self._step, self.sync_files), strict=True):
+            self.fs.add(os.path.join(self.path, name), written)
             results += [WriteResult(index=key, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
-                        for key, offset, length in done.places]
+                        for key, offset, length in written.places]
         future: Future = Future()
         future.set_result(results)
         return future
@@ -303,8 +313,9 @@ def _spread(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
 
 def make_storage_writer(path: str, sink: filewriter.Sink = filewriter.write_files, step: int | None = None,
                         files_per_rank: int = 1) -> DataFileWriter:
-    """Writer of a DCP step folder: data fsynced before the commit marker, each file's size and
-    CRC-32 recorded as it is written (`writer.fs.checksums`); `step` arms the `write` fail point."""
+    """Writer of a DCP step folder. `dcp.save` returns once the data files are written (their
+    fsync may still run); `writer.fs.durable()` waits for it and returns each file's size and
+    CRC-32, recorded as it was written. `step` arms the `write` fail point."""
     return DataFileWriter(path, sink, step, files_per_rank)
 
 

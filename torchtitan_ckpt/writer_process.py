@@ -29,7 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from . import faults
-from .filewriter import Entry, FileJob, FileResult, write_files
+from .filewriter import Entry, FileJob, WrittenFile, write_files
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,8 @@ class WriterProcess:
         """(data_ptr, nbytes) of a shared storage -> (id, the storage, kept alive so its address
         cannot be reused by another buffer while the writer maps it)."""
 
-    def write(self, jobs: list[FileJob], step: int | None = None, sync: bool = True) -> list[FileResult]:
+    def write(self, jobs: list[FileJob], step: int | None = None, sync: bool = True) -> list[WrittenFile]:
+        """Write `jobs` in the writer process; returns once they are durable there."""
         register: dict[int, torch.Tensor] = {}
         used: set[tuple[int, int]] = set()
         files = []
@@ -82,7 +83,7 @@ class WriterProcess:
             raise
         if status == "error":
             raise value
-        return value
+        return [WrittenFile(size, places, lambda crc=crc: crc) for size, crc, places in value]
 
     def _ref(self, data: Any, register: dict[int, torch.Tensor], used: set) -> Any:
         """What the writer needs to find `data`: bytes as they are, a tensor in a shared
@@ -154,7 +155,7 @@ def _serve(conn, parent: int) -> None:
             buffers.update(msg["register"])
             jobs = [FileJob(path, [Entry(key, _resolve(ref, buffers)) for key, ref in entries])
                     for path, entries in msg["files"]]
-            reply = ("ok", write_files(jobs, msg["step"], msg["sync"]))
+            reply = ("ok", [(w.size, w.durable(), w.places) for w in write_files(jobs, msg["step"], msg["sync"])])
         except Exception as e:  # handed to the training process, which raises it
             reply = ("error", _picklable(e))
         conn.send(reply)
