@@ -20,6 +20,7 @@ def _values() -> dict[str, object]:
     base = torch.randn(64, 48, generator=g)
     return {
         "plain": torch.randn(1000, 37, generator=g),
+        "same_kind": torch.randn(1000, 37, generator=g),  # framed like "plain", other bytes
         "view": base[5:17],                      # a slice of a larger storage
         "transposed": base.t(),                  # dense, not contiguous
         "strided": base[:, ::3],                 # neither
