@@ -31,6 +31,14 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     return state
 
 
+def data_file_use(path: str) -> dict[str, tuple[int, int]]:
+    """Each data file of a DCP step: (bytes its items take by the metadata, bytes on disk)."""
+    used = {f: 0 for f in os.listdir(path) if f.endswith(".distcp")}
+    for info in dcp.FileSystemReader(path).read_metadata().storage_data.values():
+        used[info.relative_path] += info.length
+    return {f: (n, os.path.getsize(os.path.join(path, f))) for f, n in sorted(used.items())}
+
+
 def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
     """Exactly equal: same keys, tensors equal bit for bit (dtype included), objects equal."""
     assert sorted(a) == sorted(b)

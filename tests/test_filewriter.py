@@ -51,9 +51,9 @@ def _check_file(path: str, result: filewriter.WrittenFile, values: dict[str, obj
     assert end == len(data)
 
 
-@pytest.mark.parametrize("chunk", [filewriter.CHUNK_BYTES, 4096])
-def test_each_item_reads_back_with_torch_load(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr(filewriter, "CHUNK_BYTES", chunk)  # small: tensors cross many chunks
+@pytest.mark.parametrize("batch", [filewriter.BATCH_BYTES, 4096])
+def test_each_item_reads_back_with_torch_load(tmp_path, monkeypatch, batch):
+    monkeypatch.setattr(filewriter, "BATCH_BYTES", batch)  # small: a system call per buffer
     values = _values()
     job = filewriter.FileJob(str(tmp_path / "f.distcp"), [filewriter.Entry(k, v) for k, v in values.items()])
     result = filewriter.write_file(job)

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torchtitan_ckpt import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, commit, layout
 from torchtitan_ckpt.storage import METADATA_FILE
 
-from .helpers import assert_same, read_checkpoint
+from .helpers import assert_same, data_file_use, read_checkpoint
 from .jobs import make_job
 
 
@@ -46,8 +46,11 @@ def test_resume_restores_every_state(tmp_path, save_threads):
     job = make_job(str(tmp_path), steps=8, interval=2, save_threads=save_threads)
     job.run_to(4, steps=8)
     job.manager.close()
-    files = sorted(f for f in os.listdir(layout.step_dir(_folder(tmp_path), 4)) if f.endswith(".distcp"))
-    assert files == [f"__0_{i}.distcp" for i in range(save_threads)]
+    step4 = layout.step_dir(_folder(tmp_path), 4)
+    use = data_file_use(step4)
+    # the tensors, written while DCP plans, in `save_threads` files; then one of the values
+    assert list(use) == [f"__0_{i}.distcp" for i in range(save_threads + 1)]
+    assert all(used == size for used, size in use.values())  # nothing written twice or unused
     later = [job.step() for _ in range(2)]  # what training would do after step 4
 
     fresh = make_job(str(tmp_path), steps=8, interval=2, init_seed=123)  # different init and data order

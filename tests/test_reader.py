@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torchtitan_ckpt import CheckpointError, CorruptCheckpointError, storage
 from torchtitan_ckpt.config import load_job_config
 
-from .helpers import spawn
+from .helpers import data_file_use, spawn
 
 _OBJECTS = {"lr": 3e-4, "betas": (0.9, 0.95), "name": "adamw", "flags": [True, None], "nested": {"k": 2}}
 
@@ -233,6 +233,10 @@ def _fsdp_round_trip(rank: int, world_size: int, folder: str) -> None:
     opt.step()
     with manager:
         manager.save(1)
+    if rank == 0:  # each rank's shards written early (while DCP planned), its share of the rest after
+        use = data_file_use(os.path.join(folder, "checkpoint", "step-1"))
+        assert list(use) == [f"__{r}_{i}.distcp" for r in range(world_size) for i in range(2)], use
+        assert all(used == size for used, size in use.values()), use
     # ours: the manager's load; DCP's own: its reader and planner, into the same kind of state
     fresh, fresh_opt, fresh_manager = _fsdp_job(world_size, folder, seed=1)
     with fresh_manager:

@@ -33,7 +33,7 @@ from .errors import (
 from .group import CheckpointGroup, RankFailed
 from .hf import StateDictAdapter, load_hf, save_hf
 from .schedule import SaveKind, hf_copy_due, save_kind
-from .filewriter import Sink
+from .filewriter import Sink, write_files
 from .staging import SaveJob, make_strategy
 from .states import DataLoaderState, LRSchedulerState, ModelState, OptimizerState
 
@@ -210,9 +210,12 @@ class CheckpointManager:
         def write(state: dict[str, Any], sink: Sink) -> tuple[Callable[[], dict[str, tuple[int, str]]], str]:
             planner = storage.make_save_planner(self.config.dedup_policy, self.config.dedup_min_slice_bytes)
             writer = storage.make_storage_writer(path, sink, step, self.config.save_threads)
+            if sink is write_files:  # not through a writer process: its buffers are sent once per save
+                writer.write_early(state, self._group.rank, self._group.world_size)
             try:
                 dcp.save(state, storage_writer=writer, planner=planner, process_group=self._group.pg)
             except (Exception, CheckpointException) as e:
+                writer.wait_early()
                 raise CheckpointSaveError(step, path, storage.root_cause(e), _space_hint(path)) from None
             faults.hit("written", step)
             summary = planner.summary_line() if self._group.is_coordinator else ""

@@ -82,16 +82,7 @@ class OptimizerState(Stateful):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        flat = self._flat()
-        out = {k: v for k, v in flat.items() if not k.startswith(_GROUPS)}
-        settings: dict[str, list[tuple[str, Any]]] = {}
-        for key, value in flat.items():
-            if key.startswith(_GROUPS):
-                fqn, name = key[len(_GROUPS):].rsplit(".", 1)
-                settings.setdefault(fqn, []).append((name, value))
-        # a tuple is one value to DCP (a dict would be flattened into one item per setting again)
-        out.update({_GROUPS + fqn: tuple(sorted(pairs)) for fqn, pairs in settings.items()})
-        return out
+        return settings_per_parameter(self._flat())
 
     def state_dict_to_load(self, saved_keys: Collection[str]) -> dict[str, Any]:
         """What to load from a checkpoint holding `saved_keys` (relative to this state): this
@@ -114,6 +105,20 @@ class OptimizerState(Stateful):
 
 
 _GROUPS = "param_groups."
+
+
+def settings_per_parameter(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flattened optimizer state dict (`flatten_optimizer_state_dict`) with each parameter's
+    settings gathered into one value `param_groups.{fqn}`: a tuple of (name, value) pairs, which
+    DCP stores as one item (a dict would be flattened into one item per setting again)."""
+    out = {k: v for k, v in flat.items() if not k.startswith(_GROUPS)}
+    settings: dict[str, list[tuple[str, Any]]] = {}
+    for key, value in flat.items():
+        if key.startswith(_GROUPS):
+            fqn, name = key[len(_GROUPS):].rsplit(".", 1)
+            settings.setdefault(fqn, []).append((name, value))
+    out.update({_GROUPS + fqn: tuple(sorted(pairs)) for fqn, pairs in settings.items()})
+    return out
 
 
 class LRSchedulerState(Stateful):

@@ -10,13 +10,15 @@ data or go through `torch.load(weights_only=True)` (DCP itself uses `weights_onl
 from __future__ import annotations
 
 import io
+import logging
 import math
 import os
 import pickle
 import threading
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+import concurrent.futures
 from contextlib import contextmanager
 from typing import Any
 
@@ -37,11 +39,14 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor, Shard
 from torch.futures import Future
 
 from . import filewriter, reader
 from .dedup import DedupSavePlanner
 from .errors import CorruptCheckpointError
+
+logger = logging.getLogger(__name__)
 
 METADATA_FILE = ".metadata"
 
@@ -261,22 +266,57 @@ class DataFileWriter(FileSystemWriter):
     whose data files are written by `filewriter`, through `sink`: in this process, or in the
     rank's writer process. Planning, `.metadata` and every collective stay with DCP.
 
-    `files_per_rank` files are written in parallel, tensors spread over them by size."""
+    `files_per_rank` files are written in parallel, tensors spread over them by size.
+
+    `write_early` starts on the tensors only this rank holds before DCP has planned the save:
+    the plan cannot give them to another rank, so their bytes reach the page cache (and their
+    fsync starts) while DCP plans, and `write_data` writes only the rest."""
 
     def __init__(self, path: str, sink: filewriter.Sink, step: int | None, files_per_rank: int = 1):
         super().__init__(path, sync_files=True, single_file_per_rank=True, thread_count=files_per_rank)
         self.fs = ChecksummingFileSystem(path)
         self._sink = sink
         self._step = step
+        self._early: concurrent.futures.Future | None = None
+        self._early_names: list[str] = []
+        self._early_shapes: dict[str, tuple[int, ...]] = {}
+
+    def write_early(self, state: dict[str, Any], rank: int, world_size: int) -> None:
+        """Start writing, on helper threads in this process (not through the sink), the tensors
+        of `state` that no other rank holds: with
+        one rank, every tensor; else those of DTensors sharded on every mesh dimension. Keys
+        are DCP's (nested keys joined by dots), so `write_data` finds them in the plan."""
+        mine = [(key, value.to_local() if isinstance(value, DTensor) else value)
+                for key, value in _flat_items(state)
+                if isinstance(value, torch.Tensor) and _only_here(value, world_size)]
+        mine = [(key, t) for key, t in mine if t.numel()]
+        if not mine:
+            return
+        self._early_shapes = {key: tuple(t.shape) for key, t in mine}
+        jobs = []
+        for i, bucket in enumerate(_spread(mine, self.thread_count, lambda kt: kt[1].numel() * kt[1].element_size())):
+            self._early_names.append(f"__{rank}_{i}.distcp")
+            jobs.append(filewriter.FileJob(os.path.join(self.path, self._early_names[-1]),
+                                           [filewriter.Entry(key, t) for key, t in bucket]))
+        self._early = filewriter.start_files(jobs, self._step, self.sync_files)
+
+    def wait_early(self) -> None:
+        """Wait until the early writes have stopped (after a failed save: nothing may still be
+        writing into the step folder when the error reaches the caller)."""
+        if self._early is not None:
+            concurrent.futures.wait([self._early])
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        prefix = plan.storage_data.prefix
+        results, rest = self._written_early(plan.items)
+        if self._early is None:
+            buckets = _spread(rest, self.thread_count, _item_bytes)
+        else:  # what is left is small: values, and tensors other ranks hold too
+            buckets = [rest] if rest else []
         jobs, names = [], []
-        for i, bucket in enumerate(_spread(plan.items, self.thread_count)):
-            names.append(f"{prefix}{i}.distcp")
+        for i, bucket in enumerate(buckets):
+            names.append(f"{plan.storage_data.prefix}{len(self._early_names) + i}.distcp")
             entries = [filewriter.Entry(item.index, _resolve(planner, item)) for item in bucket]
             jobs.append(filewriter.FileJob(os.path.join(self.path, names[-1]), entries))
-        results = []
         for name, written in zip(names, self._sink(jobs, self._step, self.sync_files), strict=True):
             self.fs.add(os.path.join(self.path, name), written)
             results += [WriteResult(index=key, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
@@ -284,6 +324,45 @@ class DataFileWriter(FileSystemWriter):
         future: Future = Future()
         future.set_result(results)
         return future
+
+    def _written_early(self, items: list[WriteItem]) -> tuple[list[WriteResult], list[WriteItem]]:
+        """The results of the plan's items written early (waiting for those writes), and the
+        items still to write."""
+        if self._early is None:
+            return [], list(items)
+        early: dict[str, _StorageInfo] = {}
+        for name, written in zip(self._early_names, self._early.result(), strict=True):
+            self.fs.add(os.path.join(self.path, name), written)
+            early.update((key, _StorageInfo(name, offset, length)) for key, offset, length in written.places)
+        results, rest = [], []
+        for item in items:
+            found = None
+            if item.tensor_data is not None and tuple(item.tensor_data.chunk.sizes) == self._early_shapes.get(item.index.fqn):
+                found = early.pop(item.index.fqn, None)
+            if found is None:
+                rest.append(item)
+            else:
+                results.append(WriteResult(index=item.index, size_in_bytes=found.length, storage_data=found))
+        if early:
+            logger.warning("%d tensors written early are not in the save plan (their bytes are unused): %s",
+                           len(early), sorted(early)[:3])
+        return results, rest
+
+
+def _flat_items(state: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(DCP key, value) of every leaf under nested dicts (DCP joins the keys with dots)."""
+    for key, value in state.items():
+        if isinstance(value, dict):
+            yield from _flat_items(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _only_here(t: torch.Tensor, world_size: int) -> bool:
+    """Whether no other rank holds these values, so any save plan has this rank write them."""
+    if world_size == 1:
+        return True
+    return isinstance(t, DTensor) and all(type(p) is Shard for p in t.placements)
 
 
 def _resolve(planner: SavePlanner, item: WriteItem) -> bytes | torch.Tensor:
@@ -300,15 +379,15 @@ def _item_bytes(item: WriteItem) -> int:
     return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
-def _spread(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
+def _spread(items: list, n: int, nbytes: Callable[[Any], int]) -> list[list]:
     """`items` in `n` groups of about equal bytes (largest first into the lightest group)."""
-    groups: list[list[WriteItem]] = [[] for _ in range(n)]
+    groups: list[list] = [[] for _ in range(n)]
     loads = [0] * n
-    for item in sorted(items, key=_item_bytes, reverse=True):
+    for item in sorted(items, key=nbytes, reverse=True):
         lightest = loads.index(min(loads))
         groups[lightest].append(item)
-        loads[lightest] += _item_bytes(item) or 1
-    return groups
+        loads[lightest] += nbytes(item) or 1
+    return [g for g in groups if g] or [[]]
 
 
 def make_storage_writer(path: str, sink: filewriter.Sink = filewriter.write_files, step: int | None = None,
