@@ -32,7 +32,7 @@ def _flip_byte(path: str, offset: int) -> None:
 def test_manifest_checksums_are_those_of_the_bytes_on_disk(tmp_path):
     step2 = layout.step_dir(_saved(tmp_path), 2)
     info = commit.read_marker(step2)
-    assert set(info.files) == {".metadata", "__0_0.distcp"}
+    assert set(info.files) == {".metadata", "__0_0.distcp", "__0_1.distcp"}  # tensors, then values
     for rel, entry in info.files.items():
         with open(os.path.join(step2, rel), "rb") as f:
             data = f.read()

@@ -9,12 +9,12 @@ What differs is how the bytes reach the disk:
   the tensor's memory, instead of through `torch.save`'s own copy and CRC (the archive's
   per-record CRC is left 0, as `torch.serialization.set_crc32_options(False)` does; the commit
   manifest's CRC-32 of the whole file, computed here, covers every byte instead);
-- the bytes go to the page cache as fast as the system calls take them; the fsync and the
-  CRC-32 come after, in the background (`WrittenFile.durable()` waits for them), so DCP's
+- writing returns once every byte is handed to the kernel; the fsync and the CRC-32 come
+  after, in the background (`WrittenFile.durable()` waits for them), so DCP's
   gathering of write results and its `.metadata` overlap the disk's work, and the checksum
   (CPU) overlaps the fsync (disk) instead of slowing the writes;
 - buffers (headers and tensors' bytes alike) are handed to the kernel many at a time, with
-  `os.writev`.
+  `os.writev`, and the disk is started on each 64 MiB as soon as it is written.
 
 This module has no DCP planner or process group in it: a `FileJob` carries resolved data, so
 the same function runs in the training process or in the writer process of
@@ -135,10 +135,11 @@ class _DeferredCrc:
 
 
 class _Output:
-    """The file being written: counts, feeds the checksum, and gathers buffers to hand to the
-    kernel together (`os.writev`). Few system calls also means few handovers of the GIL, which
-    a thread writing beside DCP's planning (`DataFileWriter.write_early`) waits up to 5 ms for
-    after each call: one call per tensor made those writes 2-3x slower than a plain write."""
+    """The file being written: counts, feeds the checksum, gathers buffers to hand to the kernel
+    together (`os.writev`: few system calls, so few waits for the GIL in a thread writing beside
+    DCP's planning) and asks the kernel to start writing each batch back to the disk
+    (`sync_file_range`), so the disk works while the rest of the save is prepared; the final
+    fsync then waits for the last batches only."""
 
     def __init__(self, f: io.FileIO, step: int | None):
         self._fd = f.fileno()
@@ -163,9 +164,20 @@ class _Output:
             self.flush()
 
     def flush(self) -> None:
-        """Write out the gathered buffers."""
+        """Write out the gathered buffers, and start the disk on them."""
         buffers, self._batch, self._batch_bytes = self._batch, [], 0
-        start, first = self._written, 0
+        if self._step is not None and buffers:  # the `write` fail point: a data file is partly written
+            self._writev(buffers[:1])
+            self._step, step = None, self._step
+            faults.hit("write", step)
+            buffers = buffers[1:]
+        self._writev(buffers)
+        if _SYNC_FILE_RANGE is not None and self.pos > self._written:
+            _SYNC_FILE_RANGE(self._fd, self._written, self.pos - self._written, _SYNC_FILE_RANGE_WRITE)
+        self._written = self.pos
+
+    def _writev(self, buffers: list[memoryview]) -> None:
+        first = 0
         while first < len(buffers):
             written = os.writev(self._fd, buffers[first : first + _IOV_MAX])
             while first < len(buffers) and written >= len(buffers[first]):
@@ -173,12 +185,6 @@ class _Output:
                 first += 1
             if written:  # a short write: the rest of this buffer goes first next time
                 buffers[first] = buffers[first][written:]
-        self._written = self.pos
-        if _SYNC_FILE_RANGE is not None and self.pos > start:  # the disk starts on it now
-            _SYNC_FILE_RANGE(self._fd, start, self.pos - start, _SYNC_FILE_RANGE_WRITE)
-        if self._step is not None and buffers:  # the `write` fail point: a data file is partly written
-            self._step, step = None, self._step
-            faults.hit("write", step)
 
 
 class _Frame(io.RawIOBase):
@@ -223,7 +229,7 @@ def _frame(t: torch.Tensor) -> tuple[bytes, bytes]:
     """The archive `torch.save(t)` writes around `t`'s storage bytes (whose storage holds
     exactly its elements). It depends only on the tensor's dtype, shape and strides and on
     torch's serialization settings, so it is computed once per kind of tensor: framing each
-    tensor anew took about 0.3 ms, a tenth of a Llama save's time beyond the disk's."""
+    tensor anew took 0.3 ms (0.13 s per rank per save of the 1.6 GB benchmark state)."""
     settings = serialization_config.save
     key = (t.dtype, tuple(t.shape), t.stride(), settings.storage_alignment, settings.compute_crc32)
     found = _FRAMES.get(key)

@@ -9,6 +9,7 @@ data or go through `torch.load(weights_only=True)` (DCP itself uses `weights_onl
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import logging
 import math
@@ -18,7 +19,6 @@ import threading
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
-import concurrent.futures
 from contextlib import contextmanager
 from typing import Any
 
@@ -283,9 +283,9 @@ class DataFileWriter(FileSystemWriter):
 
     def write_early(self, state: dict[str, Any], rank: int, world_size: int) -> None:
         """Start writing, on helper threads in this process (not through the sink), the tensors
-        of `state` that no other rank holds: with
-        one rank, every tensor; else those of DTensors sharded on every mesh dimension. Keys
-        are DCP's (nested keys joined by dots), so `write_data` finds them in the plan."""
+        of `state` that no other rank holds: with one rank, every tensor; else those of DTensors
+        sharded on every mesh dimension. Keys are DCP's (nested keys joined by dots), so
+        `write_data` finds them in the plan."""
         mine = [(key, value.to_local() if isinstance(value, DTensor) else value)
                 for key, value in _flat_items(state)
                 if isinstance(value, torch.Tensor) and _only_here(value, world_size)]

@@ -73,6 +73,8 @@ class WriterProcess:
             status, value = self._conn.recv()
         except BaseException as e:
             self._registered.clear()
+            if isinstance(e, (EOFError, OSError)):  # its pipe closes a moment before it is reaped
+                self._proc.join(timeout=1.0)
             died = isinstance(e, (EOFError, OSError)) and not self._proc.is_alive()
             if self._proc.is_alive():  # its replies may be out of step now: the next save starts a new one
                 self._proc.kill()
