@@ -48,8 +48,8 @@ def test_resume_restores_every_state(tmp_path, save_threads):
     job.manager.close()
     step4 = layout.step_dir(_folder(tmp_path), 4)
     use = data_file_use(step4)
-    # the tensors, written while DCP plans, in `save_threads` files; then one of the values
-    assert list(use) == [f"__0_{i}.distcp" for i in range(save_threads + 1)]
+    # the tensors, written while DCP plans, in `save_threads` files; then the values in as many
+    assert list(use) == [f"__0_{i}.distcp" for i in range(2 * save_threads)]
     assert all(used == size for used, size in use.values())  # nothing written twice or unused
     later = [job.step() for _ in range(2)]  # what training would do after step 4
 

@@ -278,8 +278,8 @@ class DedupSavePlanner(DefaultSavePlanner):
             return super().resolve_data(write_item)
         tensor = super().resolve_data(source)
         start = chunk.offsets[0] - source.tensor_data.chunk.offsets[0]
-        # a view would make torch.save write the storage of the whole tensor
-        return tensor.narrow(0, start, chunk.sizes[0]).clone()
+        # a view: storage writers copy it into a storage of its own as they write it, one at a time
+        return tensor.narrow(0, start, chunk.sizes[0])
 
     def _source_of(self, fqn: str, chunk: ChunkStorageMetadata) -> WriteItem:
         """The item this rank planned whose chunk contains `chunk`."""

@@ -210,7 +210,8 @@ class CheckpointManager:
         def write(state: dict[str, Any], sink: Sink) -> tuple[Callable[[], dict[str, tuple[int, str]]], str]:
             planner = storage.make_save_planner(self.config.dedup_policy, self.config.dedup_min_slice_bytes)
             writer = storage.make_storage_writer(path, sink, step, self.config.save_threads)
-            if sink is write_files:  # not through a writer process: its buffers are sent once per save
+            if sink is write_files:  # in this process (a writer process would be sent the early buffers
+                # in a call of their own, and it forgets the buffers a call does not name)
                 writer.write_early(state, self._group.rank, self._group.world_size)
             try:
                 dcp.save(state, storage_writer=writer, planner=planner, process_group=self._group.pg)

@@ -70,7 +70,8 @@ class OptimizerState(Stateful):
     with a dozen settings per parameter, those made 3 of every 4 items of an AdamW state, and
     each item costs planning, pickling and metadata on every save. Keys still name the
     parameter, so ranks holding different parameters (pipeline stages) never collide, and
-    `state_dict_to_load` reads either layout (TorchTitan's checkpoints included)."""
+    `state_dict_to_load` reads either layout: TorchTitan's checkpoints load here (TorchTitan
+    itself, asking for one value per setting, cannot load these)."""
 
     def __init__(self, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]):
         self.pairs = list(zip(parts, optimizers, strict=True))
@@ -93,7 +94,8 @@ class OptimizerState(Stateful):
         return self._flat()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        per_setting = self._flat()  # the keys of one value per setting; ours are their parents
+        # which keys are one value per setting (a setting's value may itself be a tuple: betas)
+        per_setting = self._flat()
         flat: dict[str, Any] = {}
         for key, value in state_dict.items():
             if key.startswith(_GROUPS) and key not in per_setting:

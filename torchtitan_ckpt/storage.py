@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # as DCP's own planning
 from torch.futures import Future
 
 from . import filewriter, reader
@@ -269,8 +270,8 @@ class DataFileWriter(FileSystemWriter):
     `files_per_rank` files are written in parallel, tensors spread over them by size.
 
     `write_early` starts on the tensors only this rank holds before DCP has planned the save:
-    the plan cannot give them to another rank, so their bytes reach the page cache (and their
-    fsync starts) while DCP plans, and `write_data` writes only the rest."""
+    the plan cannot give them to another rank, so their bytes reach the disk while DCP plans,
+    and `write_data` writes only the rest, in up to `files_per_rank` more files."""
 
     def __init__(self, path: str, sink: filewriter.Sink, step: int | None, files_per_rank: int = 1):
         super().__init__(path, sync_files=True, single_file_per_rank=True, thread_count=files_per_rank)
@@ -279,26 +280,30 @@ class DataFileWriter(FileSystemWriter):
         self._step = step
         self._early: concurrent.futures.Future | None = None
         self._early_names: list[str] = []
-        self._early_shapes: dict[str, tuple[int, ...]] = {}
+        self._early_chunks: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        """DCP key -> (offsets, sizes) of the chunk of it written early."""
 
     def write_early(self, state: dict[str, Any], rank: int, world_size: int) -> None:
         """Start writing, on helper threads in this process (not through the sink), the tensors
         of `state` that no other rank holds: with one rank, every tensor; else those of DTensors
         sharded on every mesh dimension. Keys are DCP's (nested keys joined by dots), so
         `write_data` finds them in the plan."""
-        mine = [(key, value.to_local() if isinstance(value, DTensor) else value)
-                for key, value in _flat_items(state)
-                if isinstance(value, torch.Tensor) and _only_here(value, world_size)]
-        mine = [(key, t) for key, t in mine if t.numel()]
-        if not mine:
-            return
-        self._early_shapes = {key: tuple(t.shape) for key, t in mine}
-        jobs = []
-        for i, bucket in enumerate(_spread(mine, self.thread_count, lambda kt: kt[1].numel() * kt[1].element_size())):
-            self._early_names.append(f"__{rank}_{i}.distcp")
-            jobs.append(filewriter.FileJob(os.path.join(self.path, self._early_names[-1]),
-                                           [filewriter.Entry(key, t) for key, t in bucket]))
-        self._early = filewriter.start_files(jobs, self._step, self.sync_files)
+        try:
+            mine = [(key, value) for key, value in _flat_items(state)
+                    if isinstance(value, torch.Tensor) and value.numel() and _only_here(value, world_size)]
+            if not mine:
+                return
+            self._early_chunks = {key: _local_chunk(value) for key, value in mine}
+            local = [(key, value.to_local() if isinstance(value, DTensor) else value) for key, value in mine]
+            jobs = []
+            for i, bucket in enumerate(_spread(local, self.thread_count, lambda kt: kt[1].numel() * kt[1].element_size())):
+                self._early_names.append(f"__{rank}_{i}.distcp")
+                jobs.append(filewriter.FileJob(os.path.join(self.path, self._early_names[-1]),
+                                               [filewriter.Entry(key, t) for key, t in bucket]))
+            self._early = filewriter.start_files(jobs, self._step, self.sync_files)
+        except Exception as e:  # raised in write_data, inside DCP's protocol, so every rank hears of it
+            self._early = concurrent.futures.Future()
+            self._early.set_exception(e)
 
     def wait_early(self) -> None:
         """Wait until the early writes have stopped (after a failed save: nothing may still be
@@ -308,10 +313,7 @@ class DataFileWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results, rest = self._written_early(plan.items)
-        if self._early is None:
-            buckets = _spread(rest, self.thread_count, _item_bytes)
-        else:  # what is left is small: values, and tensors other ranks hold too
-            buckets = [rest] if rest else []
+        buckets = _spread(rest, self.thread_count, _item_bytes) if rest or self._early is None else []
         jobs, names = [], []
         for i, bucket in enumerate(buckets):
             names.append(f"{plan.storage_data.prefix}{len(self._early_names) + i}.distcp")
@@ -337,7 +339,8 @@ class DataFileWriter(FileSystemWriter):
         results, rest = [], []
         for item in items:
             found = None
-            if item.tensor_data is not None and tuple(item.tensor_data.chunk.sizes) == self._early_shapes.get(item.index.fqn):
+            if item.tensor_data is not None and self._early_chunks.get(item.index.fqn) == (
+                    tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes)):
                 found = early.pop(item.index.fqn, None)
             if found is None:
                 rest.append(item)
@@ -356,6 +359,14 @@ def _flat_items(state: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, 
             yield from _flat_items(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", value
+
+
+def _local_chunk(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of this rank's part of `t` in the whole tensor, as DCP plans it."""
+    if not isinstance(t, DTensor):
+        return (0,) * t.dim(), tuple(t.shape)
+    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(offsets), tuple(sizes)
 
 
 def _only_here(t: torch.Tensor, world_size: int) -> bool:
