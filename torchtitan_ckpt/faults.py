@@ -7,8 +7,8 @@ while saving (or, for `purge`, deleting) step STEP:
 - `staging`: an async save has copied the state, nothing is written yet;
 - `prepare`: the step folder exists and is empty;
 - `write`: a data file is half written;
-- `written`: every data file and DCP's `.metadata` are written (their fsync may be under way),
-  the commit marker is not;
+- `written`: `dcp.save` has returned: DCP's `.metadata` is written, the data files may still be
+  being written and fsynced, the commit marker is not;
 - `commit`: the marker's temporary file is written, not yet renamed into place;
 - `purge`: the old step's marker is removed, its files are not;
 - `consolidate`: a Hugging Face export's bytes from this rank are written, its index is not.

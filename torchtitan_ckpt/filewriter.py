@@ -340,12 +340,34 @@ def write_files(jobs: list[FileJob], step: int | None = None, sync: bool = True)
         return list(pool.map(lambda job: write_file(job, step, sync), jobs))
 
 
-def start_files(jobs: list[FileJob], step: int | None = None, sync: bool = True) -> Future:
-    """`write_files` on helper threads; returns a future of its result. The buffers of the
-    tensors that need no copy are looked up here first: in a helper thread, each of the dozen
-    torch calls that takes (each releasing the GIL) waited up to 5 ms for a busy caller to let go
-    of the GIL again. Tensors that need a copy (on another device, views) are copied by the
-    helper, one at a time."""
+@dataclass
+class StartedFiles:
+    """Files being written by `start_files`."""
+
+    done: Future
+    """Of their `WrittenFile`s, in order."""
+    places: list[list[tuple[object, int, int]] | None]
+    """Each file's (entry key, offset, length) of every entry, known before it is written (None
+    when an entry must be copied first, so its framing is not known yet)."""
+
+
+def _places(entries: list[tuple[object, _Buffers | Callable[[], _Buffers]]]) -> list[tuple[object, int, int]] | None:
+    out, pos = [], 0
+    for key, buffers in entries:
+        if callable(buffers):
+            return None
+        length = sum(memoryview(data).nbytes for data, _ in buffers)
+        out.append((key, pos, length))
+        pos += length
+    return out
+
+
+def start_files(jobs: list[FileJob], step: int | None = None, sync: bool = True) -> StartedFiles:
+    """`write_files` on helper threads. The buffers of the tensors that need no copy are looked
+    up here first (so where each entry will land is known at once): in a helper thread, each of
+    the dozen torch calls that takes (each releasing the GIL) waited up to 5 ms for a busy caller
+    to let go of the GIL again. Tensors that need a copy (on another device, views) are copied
+    by the helper, one at a time."""
     looked_up = [(job.path, [(e.key, _lookup(e)) for e in job.entries]) for job in jobs]
     done: Future = Future()
 
@@ -360,7 +382,7 @@ def start_files(jobs: list[FileJob], step: int | None = None, sync: bool = True)
             done.set_exception(e)
 
     threading.Thread(target=run, name="ckpt-early", daemon=True).start()
-    return done
+    return StartedFiles(done, [_places(entries) for _, entries in looked_up])
 
 
 def exact_storage(t: torch.Tensor, copy: bool = True) -> torch.Tensor | None:
