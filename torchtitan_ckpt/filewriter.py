@@ -41,8 +41,7 @@ from . import faults
 
 BATCH_BYTES = 64 << 20
 """Bytes gathered before they are handed to the kernel in one system call."""
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16
-_IOV_MAX = _IOV_MAX if _IOV_MAX > 0 else 16  # -1: no fixed limit was reported
+_IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX"), 1024))  # buffers per writev (1 if the limit is unknown)
 
 
 @dataclass
@@ -181,6 +180,8 @@ class _Output:
         first = 0
         while first < len(buffers):
             written = os.writev(self._fd, buffers[first : first + _IOV_MAX])
+            if not written:  # no progress and no error: never expected of a regular file
+                raise OSError(f"writev wrote nothing of {sum(map(len, buffers[first:]))} bytes")
             while first < len(buffers) and written >= len(buffers[first]):
                 written -= len(buffers[first])
                 first += 1
