@@ -232,7 +232,7 @@ class CheckpointManager:
         def commit_step(written: tuple[Callable[[], dict[str, tuple[int, str]]], str]) -> None:
             durable, summary = written
             checksums: dict[str, tuple[int, str]] = {}
-            # every rank's files on the disk (its data files may still be in their fsync) before the marker
+            # every rank's files on the disk (they may still be being written and fsynced) before the marker
             for ranks_files in self._agree(step, path, durable):
                 checksums.update(ranks_files)
             states = ["model"] if kind is not SaveKind.FULL else ["model", *self._states]
