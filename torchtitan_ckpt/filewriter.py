@@ -259,10 +259,8 @@ _Buffers = list[tuple[bytes | memoryview, bool]]
 """An entry's bytes as buffers to write, each with whether it is a temporary copy."""
 
 
-def _buffers(data: bytes | torch.Tensor) -> _Buffers:
-    if not isinstance(data, torch.Tensor):
-        return [(data, False)]
-    t = exact_storage(data)
+def _framed(data: torch.Tensor, t: torch.Tensor) -> _Buffers:
+    """The buffers of tensor `data`, whose bytes are `t = exact_storage(data)`."""
     before, after = _frame(t)
     if not t.untyped_storage().nbytes():
         return [(before, False), (after, False)]
@@ -275,9 +273,10 @@ def _lookup(entry: Entry) -> _Buffers | Callable[[], _Buffers]:
     storage, or on another device), a function that makes them when the file gets there, so
     copies are made one at a time."""
     data = entry.data
-    if isinstance(data, torch.Tensor) and exact_storage(data, copy=False) is None:
-        return lambda: _buffers(data)
-    return _buffers(data)
+    if not isinstance(data, torch.Tensor):
+        return [(data, False)]
+    t = exact_storage(data, copy=False)
+    return (lambda: _framed(data, exact_storage(data))) if t is None else _framed(data, t)
 
 
 def _write(path: str, entries: list[tuple[object, _Buffers | Callable[[], _Buffers]]], step: int | None,
