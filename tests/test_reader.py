@@ -91,6 +91,12 @@ def _item(path: str, fqn: str) -> tuple[str, int, int]:
     return os.path.join(path, info.relative_path), info.offset, info.length
 
 
+def _read(file: str, offset: int, length: int) -> bytes:
+    with open(file, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
 def _patch(file: str, at: int, data: bytes) -> None:
     with open(file, "r+b") as f:
         f.seek(at)
@@ -100,9 +106,7 @@ def _patch(file: str, at: int, data: bytes) -> None:
 def _shrink_record(file: str, offset: int, length: int) -> int:
     """Make the zip directory of the item at `offset` say its storage record is 4 bytes shorter
     than it is; returns the record's true size."""
-    with open(file, "rb") as f:
-        f.seek(offset)
-        item = f.read(length)
+    item = _read(file, offset, length)
     name = zipfile.ZipFile(io.BytesIO(item)).namelist()[0].split("/")[0] + "/data/0"
     central = item.rindex(name.encode()) - 46  # the record's entry in the zip directory
     assert item[central : central + 4] == b"PK\x01\x02"
@@ -127,9 +131,7 @@ def test_a_header_whose_view_runs_past_its_storage_is_refused(tmp_path):
     path = str(tmp_path / "ckpt")
     _save(path)
     file, offset, length = _item(path, "f32")
-    with open(file, "rb") as f:
-        f.seek(offset)
-        at = f.read(length).index(b"K!K\x01\x86")  # the pickled stride (33, 1) of the 64 x 33 tensor
+    at = _read(file, offset, length).index(b"K!K\x01\x86")  # the pickled stride (33, 1) of the 64 x 33 tensor
     _patch(file, offset + at, b"K\x22K\x01\x86")  # stride (34, 1): 2174 elements of 2112
     with pytest.raises(CorruptCheckpointError, match=rf"{file}: item 'f32' .*stride \[34, 1\].* runs past its 2112"):
         _load(path, storage.make_storage_reader(path), storage.make_load_planner())
@@ -149,9 +151,7 @@ def test_a_tensor_header_naming_other_code_is_refused_naming_the_file(tmp_path):
     path = str(tmp_path / "ckpt")
     _save(path)
     file, offset, length = _item(path, "bf16")
-    with open(file, "rb") as f:
-        f.seek(offset)
-        at = f.read(length).index(b"_rebuild_tensor_v2")
+    at = _read(file, offset, length).index(b"_rebuild_tensor_v2")
     _patch(file, offset + at, b"_rebuild_tensor_v9")  # a global that no tensor header names
     with pytest.raises(CorruptCheckpointError, match=rf"{file}: item 'bf16' .*could run code; refused"):
         _load(path, storage.make_storage_reader(path), storage.make_load_planner())
