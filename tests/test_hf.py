@@ -245,6 +245,29 @@ def test_import_gives_the_transformers_logits_and_exports_bit_identical(hf_check
         assert json.load(b) == {**json.load(a), "dtype": "bfloat16"}
 
 
+@pytest.mark.parametrize("num_threads", [1, 3, 64])
+def test_import_on_any_number_of_threads_gives_the_same_state(hf_checkpoint, num_threads):
+    """More threads than pieces, or a run ending inside a tensor, change nothing."""
+    src, expected = hf_checkpoint
+    model = our_model(seed=1)
+    load_hf(model.state_dict(), src, LlamaAdapter(ARGS), num_threads=num_threads)
+    assert (logits_of(model) - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("sizes, n, expected", [
+    ([5, 5, 5, 5], 2, [[5, 5], [5, 5]]),
+    ([5, 5, 5, 5], 3, [[5, 5], [5], [5]]),
+    ([1, 1, 8, 1, 1], 2, [[1, 1, 8], [1, 1]]),
+    ([3], 4, [[3]]),
+    ([], 4, []),
+])
+def test_runs_cut_the_reads_in_order_into_at_most_n_runs_of_about_equal_bytes(sizes, n, expected):
+    reads = [argparse.Namespace(nbytes=size) for size in sizes]
+    runs = shards._runs(reads, n)
+    assert [[r.nbytes for r in run] for run in runs] == expected
+    assert [r for run in runs for r in run] == reads
+
+
 def test_tied_import_fills_the_head_with_the_embedding(tmp_path):
     hf = hf_model(tie=True)
     hf.save_pretrained(str(tmp_path))

@@ -160,8 +160,8 @@ class Checkpoint:
     """Step to load; -1 loads the newest complete step."""
 
     load_threads: int = 4
-    """I/O threads per rank reading a DCP step's files on load (each reads its share of a file's
-    bytes, in order, straight into the state's tensors)."""
+    """I/O threads per rank reading a step on load, DCP or HF (each reads its own stretch of the
+    files' bytes, in order, straight into the state's tensors)."""
 
     exclude_from_loading: list[str] = field(default_factory=list)
     """States not restored on load, e.g. `["dataloader", "lr_scheduler"]`. `model` cannot be excluded."""

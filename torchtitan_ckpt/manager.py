@@ -308,7 +308,7 @@ class CheckpointManager:
 
     def _load_hf(self, path: str) -> None:
         state = self._model.state_dict()
-        load_hf(state, path, self._adapter, process_group=self._group.pg)
+        load_hf(state, path, self._adapter, process_group=self._group.pg, num_threads=self.config.load_threads)
         self._model.load_state_dict(state)
 
     def _load_dcp(self, target: _LoadTarget) -> None:

@@ -3,13 +3,13 @@
 Safetensors stores a tensor row-major, so the rows [lo, hi) that a rank holds (FSDP's Shard(0);
 the local part of any Shard/Replicate placement is found as DCP finds it) are one byte range of
 the file, and that range is all the rank reads. Ranges are cut into pieces of about
-`PIECE_BYTES`, read in file order by one thread (or a few). A piece goes straight into the shard's
-memory when its bytes are the shard's bytes; otherwise (rows that an adapter reorders within
-heads, another dtype, a shard cut along another dimension, a tensor off the CPU) it goes
-through a buffer of the piece's size, from which the rows are gathered (in our order) into the
-shard, so the extra memory is one piece per thread. Reordered rows are read from the
-first to the last whole block (head) that [lo, hi) touches: at most one block beyond the shard
-on each side, and never the whole tensor.
+`PIECE_BYTES`, read in file order by a few threads, each reading its own stretch of the files
+front to back. A piece goes straight into the shard's memory when its bytes are the shard's
+bytes; otherwise (rows that an adapter reorders within heads, another dtype, a shard cut along
+another dimension, a tensor off the CPU) it goes through a buffer, shared by the threads, from
+which the rows are gathered (in our order) into the shard, so the extra memory is one piece.
+Reordered rows are read from the first to the last whole block (head) that [lo, hi) touches: at
+most one block beyond the shard on each side, and never the whole tensor.
 """
 
 from __future__ import annotations
@@ -113,44 +113,78 @@ def _order_tensor(row_order: tuple[int, ...]) -> torch.Tensor:
 
 
 def read_all(reads: list[Read], num_threads: int) -> int:
-    """Do `reads` on `num_threads` threads, in file order; return the bytes read. Each thread
-    keeps one buffer, the size of the largest piece that needs one, for all its pieces (a fresh
-    buffer per piece left the allocator holding up to 4x more). On an error the reads not yet
-    started are dropped and the error is raised."""
+    """Do `reads` on up to `num_threads` threads; return the bytes read. The reads, in file
+    order, are cut into one run of about equal bytes per thread, and each thread reads its run
+    front to back: a few long sequential streams, which kernel readahead serves well (threads
+    taking pieces in turn broke the streams up and were slower than one thread). Pieces that
+    need a buffer share one, the size of the largest of them, so the extra memory does not grow
+    with the threads (a fresh buffer per piece left the allocator holding up to 4x more). On an
+    error the other threads stop at their next piece and the error is raised."""
     reads = sorted(reads, key=lambda r: (r.path, r.offset))
     largest = max((r.nbytes for r in reads if not r.direct), default=0)
-    scratch = threading.local()  # pages are touched, so counted, only as pieces use them
+    scratch = _Scratch(largest)
+    failed = threading.Event()
 
-    def start_thread() -> None:
-        scratch.buf = torch.empty(largest, dtype=torch.uint8)
-
-    fds: dict[str, int] = {}
-    try:
-        for r in reads:
-            if r.path not in fds:
-                fds[r.path] = os.open(r.path, os.O_RDONLY)
-        pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hf-read", initializer=start_thread)
+    def read_run(run: list[Read]) -> None:
+        fds: dict[str, int] = {}
         try:
-            for _ in pool.map(lambda r: _read(r, fds[r.path], scratch.buf), reads):
-                pass
+            for r in run:
+                if failed.is_set():
+                    return
+                if r.path not in fds:
+                    fds[r.path] = os.open(r.path, os.O_RDONLY)
+                _read(r, fds[r.path], scratch)
+        except BaseException:
+            failed.set()
+            raise
         finally:
-            pool.shutdown(cancel_futures=True)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+            for fd in fds.values():
+                os.close(fd)
+
+    runs = _runs(reads, num_threads)
+    if len(runs) <= 1:
+        for run in runs:
+            read_run(run)
+    else:
+        with ThreadPoolExecutor(len(runs), thread_name_prefix="hf-read") as pool:
+            for future in [pool.submit(read_run, run) for run in runs]:
+                future.result()
     return sum(r.nbytes for r in reads)
 
 
-def _read(read: Read, fd: int, scratch: torch.Tensor) -> None:
+def _runs(reads: list[Read], n: int) -> list[list[Read]]:
+    """`reads` cut, in order, into at most `n` runs of about equal bytes."""
+    target = max(1, -(-sum(r.nbytes for r in reads) // n))
+    runs: list[list[Read]] = [[]]
+    done = 0
+    for r in reads:
+        if done >= target * len(runs):
+            runs.append([])
+        runs[-1].append(r)
+        done += r.nbytes
+    return [run for run in runs if run]
+
+
+class _Scratch:
+    """One buffer for the pieces that cannot be read straight into their shard, used by one
+    thread at a time. Its pages are touched, so counted, only as pieces use them."""
+
+    def __init__(self, nbytes: int):
+        self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.lock = threading.Lock()
+
+
+def _read(read: Read, fd: int, scratch: _Scratch) -> None:
     if read.direct:
         read_exact(fd, _bytes(read.dest), read.offset, read.path)
         return
-    buf = scratch[:read.nbytes].view(read.dtype).view(read.shape)
-    read_exact(fd, _bytes(buf), read.offset, read.path)
-    if read.whole_rows and isinstance(read.rows, torch.Tensor):  # reordered straight into the shard
-        torch.index_select(buf, 0, read.rows, out=read.dest)
-    else:
-        read.dest.copy_(buf[(read.rows, *read.inner)])
+    with scratch.lock:
+        buf = scratch.buf[:read.nbytes].view(read.dtype).view(read.shape)
+        read_exact(fd, _bytes(buf), read.offset, read.path)
+        if read.whole_rows and isinstance(read.rows, torch.Tensor):  # reordered straight into the shard
+            torch.index_select(buf, 0, read.rows, out=read.dest)
+        else:
+            read.dest.copy_(buf[(read.rows, *read.inner)])
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
