@@ -114,7 +114,7 @@ def test_a_failing_write_in_the_writer_process_is_raised_here(tmp_path):
 
 
 def test_copies_made_for_writing_are_checksummed_early_and_the_crc_stays_right(tmp_path, monkeypatch):
-    monkeypatch.setattr(filewriter._DeferredCrc, "TEMPORARY_BYTES", 1)  # checksummed as written
+    monkeypatch.setattr(filewriter._BackgroundCrc, "TEMPORARY_BYTES", 1)  # each copy waits for its checksum
     base = torch.randn(40, 8192, generator=torch.Generator().manual_seed(1))
     values = {f"rows{i}": base[i : i + 3] for i in range(0, 36, 3)}  # views of 96 KiB: each written from a copy
     values["plain"] = torch.randn(50)
