@@ -29,7 +29,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# the benchmark suite (about 7 minutes); BENCH_ARGS=--quick for a short run
+# the benchmark suite (about 9 minutes); BENCH_ARGS=--quick for a short run
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m benchmarks $(BENCH_ARGS)

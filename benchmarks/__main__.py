@@ -1,7 +1,7 @@
 """The benchmark suite: save, cold resume and HF rows beside PyTorch's own path and the raw disk,
 over state sizes, with a JSON of results, a markdown page and plots.
 
-    python -m benchmarks [--sizes 0.4,0.8,1.6,3.2] [--repeats 3] [--quick] [--with async,dedup,consolidation]
+    python -m benchmarks [--sizes 0.4,0.8,1.6,3.2] [--repeats 5] [--quick] [--with async,dedup,consolidation]
                          [--out benchmarks/results.json] [--doc docs/performance_suite.md] [--dir /tmp]
 
 `--quick`: 0.4 and 0.8 GB, one repeat. `--with` also runs the other benchmarks of this folder
@@ -34,7 +34,7 @@ PLUGINS = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default=",".join(map(str, SIZES_GB)), help="state sizes in GB ('' for none, e.g. with --experiments)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="runs per path and size; 5 because single runs on a shared disk spread 2x")
     parser.add_argument("--quick", action="store_true", help="0.4 and 0.8 GB, 1 repeat")
     parser.add_argument("--with", dest="plugins", default="", help=f"also run: {','.join(PLUGINS)}")
     parser.add_argument("--experiments", action="store_true", help="storage-setting experiments (1.6 GB)")
