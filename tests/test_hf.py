@@ -260,6 +260,7 @@ def test_import_on_any_number_of_threads_gives_the_same_state(hf_checkpoint, num
     ([1, 1, 8, 1, 1], 2, [[1, 1, 8], [1, 1]]),
     ([3], 4, [[3]]),
     ([], 4, []),
+    ([5, 5, 0], 2, [[5], [5, 0]]),  # an empty read at the end makes no extra run
 ])
 def test_runs_cut_the_reads_in_order_into_at_most_n_runs_of_about_equal_bytes(sizes, n, expected):
     reads = [argparse.Namespace(nbytes=size) for size in sizes]
