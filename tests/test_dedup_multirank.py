@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torchtitan_ckpt import CheckpointManager, load_job_config, storage
 from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.dedup import DedupSavePlanner, PlanCache
 from torchtitan_ckpt.states import ModelState, OptimizerState, settings_per_parameter
 from torchtitan_ckpt.train import build_model, shard_model
 
@@ -229,3 +230,58 @@ def test_hsdp_job_saves_through_the_manager_with_the_policy(tmp_path):
     # only rank 1's own dataloader position is not replicated; everything else is in rank 0's file
     assert files.pop("dataloader.rank_1") == "__1_0.distcp"
     assert set(files.values()) == {"__0_0.distcp"}
+
+
+class _Recording(DedupSavePlanner):
+    """The planner under test, noting whether each local plan it produced was sent in full."""
+
+    def __init__(self, sent: list[bool], cache: PlanCache):
+        super().__init__("replica_slices", MIN_SLICE, cache)
+        self._sent = sent
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        self._sent.append(plan.usable)
+        return plan
+
+
+def _saves_with_a_plan_cache(rank: int, world_size: int, root: str) -> None:
+    model, _ = _job(world_size, 2)  # 2 x 1: both ranks hold every tensor, replicas sliced between them
+    cache, sent = PlanCache(), []
+
+    def save(name: str, extra: dict) -> dict:
+        state = {**ModelState([model]).state_dict(), **extra}
+        writer = storage.make_storage_writer(os.path.join(root, name))
+        dcp.save(state, storage_writer=writer, planner=_Recording(sent, cache))
+        writer.fs.durable()
+        return {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone() for k, v in state.items()}
+
+    def bump() -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+
+    extra = {f"rank{rank}": torch.full((3,), float(rank))}
+    saved = {"1": save("1", extra)}
+    bump()
+    saved["2"] = save("2", extra)  # same plans: nothing is sent, the last global plan is reused
+    bump()
+    if rank == 1:
+        extra["rank1.more"] = torch.arange(5.0)  # rank 1's plan changes; rank 0's cached one is used
+    saved["3"] = save("3", extra)
+    bump()
+    saved["4"] = save("4", extra)
+    assert sent == [True, False, rank == 1, False], sent
+
+    fresh, _ = _job(world_size, 2)
+    for name, values in saved.items():
+        state = {**ModelState([fresh]).state_dict(), **{k: torch.full_like(v, float("nan")) for k, v in extra.items()
+                                                        if name in ("3", "4") or k != "rank1.more"}}
+        dcp.load(state, storage_reader=storage.make_storage_reader(os.path.join(root, name)))
+        for key, value in state.items():
+            got = value.full_tensor() if hasattr(value, "full_tensor") else value
+            assert torch.equal(got, values[key]), f"save {name}: {key}"
+
+
+def test_an_unchanged_plan_is_reused_and_every_save_loads_back_exactly(tmp_path):
+    spawn(2, _saves_with_a_plan_cache, str(tmp_path))

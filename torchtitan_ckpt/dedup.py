@@ -239,17 +239,42 @@ def apply_assignment(rank: int, plan: SavePlan, assignment: Assignment) -> SaveP
     return dataclasses.replace(plan, items=items)
 
 
+@dataclass
+class PlanCache:
+    """What the last save of one kind of state planned, kept between saves (one per manager and
+    kind) so that an unchanged plan is neither sent to the coordinator nor planned again: a
+    training job saves the same tensors and values every time, only their contents change.
+    Planning and shipping a 1.6 GB state's plans took 10-15% of its save on the benchmark
+    machine (PyTorch's own path: 0.85x with its plan cache on, paired runs). Reset it after a
+    failed save, so every rank starts over together."""
+
+    local: SavePlan | None = None
+    """This rank's local plan of the last save."""
+    final: SavePlan | None = None
+    """This rank's final plan (with its file prefix) of the last save."""
+    all_local: list[SavePlan] | None = None
+    """Coordinator: every rank's local plan, as planned globally last time."""
+    global_plans: list[SavePlan] | None = None
+    metadata: Metadata | None = None
+    summary: DedupSummary | None = None
+
+
 class DedupSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, with the writer of each replicated value chosen by a policy
     (`checkpoint.dedup_policy`) instead of DCP's own dedup. On the coordinator, `summary` holds
-    what the plan costs once `dcp.save` has planned."""
+    what the plan costs once `dcp.save` has planned. With a `PlanCache`, a rank whose local plan
+    equals its last one sends an empty plan, the coordinator reuses the last global plan when
+    no rank's plan changed (and replans with the cached plans of the unchanged ranks when some
+    did), and a rank sent an empty plan writes as it did last time."""
 
-    def __init__(self, policy: str = "balanced", min_slice_bytes: int = 1 << 20):
+    def __init__(self, policy: str = "balanced", min_slice_bytes: int = 1 << 20, cache: PlanCache | None = None):
         super().__init__()
         self.policy = policy
         self._assign = make_policy(policy, min_slice_bytes)
         self.summary: DedupSummary | None = None
         self._local: dict[str, list[WriteItem]] = {}
+        self._cache = cache
+        self._local_plan: SavePlan | None = None
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -257,16 +282,42 @@ class DedupSavePlanner(DefaultSavePlanner):
         self._local = {}
         for item in plan.items:
             self._local.setdefault(item.index.fqn, []).append(item)
+        self._local_plan = plan
+        if self._cache is not None and self._cache.final is not None and plan == self._cache.local:
+            return SavePlan([], usable=False)
         return plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        cache = self._cache
+        if any(not p.usable for p in all_plans):
+            if cache is None or cache.all_local is None or cache.global_plans is None or cache.metadata is None:
+                raise RuntimeError("a rank reused its cached save plan, but the coordinator has none: "
+                                   "the plan caches of the ranks are out of step")
+            if all(not p.usable for p in all_plans):
+                self.summary, self.global_plan, self.metadata = cache.summary, cache.global_plans, cache.metadata
+                return [SavePlan([], usable=False)] * len(all_plans), cache.metadata
+            all_plans = [p if p.usable else cached for p, cached in zip(all_plans, cache.all_local)]
         layout = layout_of(all_plans)
         assignment = self._assign(layout)
         plans = [apply_assignment(rank, plan, assignment) for rank, plan in enumerate(all_plans)]
         self.summary = summarize(layout, assignment, self.policy)
         logger.debug("%s", self.summary.line())
         # no key is planned twice any more, so the dedup inside DCP's global planning keeps all
-        return super().create_global_plan(plans)
+        global_plans, metadata = super().create_global_plan(plans)
+        if cache is not None:
+            cache.all_local, cache.global_plans, cache.metadata = all_plans, global_plans, metadata
+            cache.summary = self.summary
+        return global_plans, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        if not new_plan.usable:
+            if self._cache is None or self._cache.final is None:
+                raise RuntimeError("the coordinator reused the last global save plan, but this rank has "
+                                   "no final plan cached: the plan caches of the ranks are out of step")
+            new_plan = self._cache.final
+        if self._cache is not None:
+            self._cache.local, self._cache.final = self._local_plan, new_plan
+        return super().finish_plan(new_plan)
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         """The data of a write: what DCP's planner returns, or the rows of a slice."""

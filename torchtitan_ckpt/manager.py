@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from . import commit, faults, layout, retention, storage
 from .config import BUILTIN_STATES, Checkpoint
+from .dedup import PlanCache
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -110,6 +111,7 @@ class CheckpointManager:
                                   f"every rank must use the same folder; rank 0 uses {rank0_folder}")
         self._saves = make_strategy(config.async_mode)
         self._deleter = retention.BackgroundDeleter() if self._group.is_coordinator else None
+        self._plan_caches: dict[SaveKind, PlanCache] = {}  # the last DCP save plan of each kind
 
     def _build_states(self, parts, optimizers, lr_schedulers, dataloader, extra, rank) -> dict[str, Stateful]:
         found: dict[str, Stateful] = {}
@@ -208,7 +210,8 @@ class CheckpointManager:
         start = time.perf_counter()
 
         def write(state: dict[str, Any], sink: Sink) -> tuple[Callable[[], dict[str, tuple[int, str]]], str]:
-            planner = storage.make_save_planner(self.config.dedup_policy, self.config.dedup_min_slice_bytes)
+            planner = storage.make_save_planner(self.config.dedup_policy, self.config.dedup_min_slice_bytes,
+                                                self._plan_caches.setdefault(kind, PlanCache()))
             writer = storage.make_storage_writer(path, sink, step, self.config.save_threads)
             if sink is write_files:  # in this process (a writer process would be sent the early buffers
                 # in a call of their own, and it forgets the buffers a call does not name)
@@ -217,6 +220,7 @@ class CheckpointManager:
                 dcp.save(state, storage_writer=writer, planner=planner, process_group=self._group.pg)
             except (Exception, CheckpointException) as e:
                 writer.wait_early()
+                self._plan_caches.pop(kind, None)  # every rank's dcp.save failed: all plan afresh next time
                 raise CheckpointSaveError(step, path, storage.root_cause(e), _space_hint(path)) from None
             faults.hit("written", step)
             summary = planner.summary_line() if self._group.is_coordinator else ""

@@ -45,7 +45,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.futures import Future
 
 from . import filewriter, reader
-from .dedup import DedupSavePlanner
+from .dedup import DedupSavePlanner, PlanCache
 from .errors import CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
@@ -443,9 +443,11 @@ def make_storage_reader(path: str, metadata: Metadata | None = None, threads: in
     return SafeFileSystemReader(path, metadata, threads)
 
 
-def make_save_planner(policy: str = "balanced", min_slice_bytes: int = 1 << 20) -> DedupSavePlanner:
-    """DCP's save planner with replicated values written as `checkpoint.dedup_policy` says."""
-    return DedupSavePlanner(policy, min_slice_bytes)
+def make_save_planner(policy: str = "balanced", min_slice_bytes: int = 1 << 20,
+                      cache: PlanCache | None = None) -> DedupSavePlanner:
+    """DCP's save planner with replicated values written as `checkpoint.dedup_policy` says,
+    reusing what `cache` holds of the last save's plan when nothing changed."""
+    return DedupSavePlanner(policy, min_slice_bytes, cache)
 
 
 def make_load_planner() -> SafeLoadPlanner:
