@@ -254,7 +254,6 @@ class PlanCache:
     """This rank's final plan (with its file prefix) of the last save."""
     all_local: list[SavePlan] | None = None
     """Coordinator: every rank's local plan, as planned globally last time."""
-    global_plans: list[SavePlan] | None = None
     metadata: Metadata | None = None
     summary: DedupSummary | None = None
 
@@ -290,11 +289,11 @@ class DedupSavePlanner(DefaultSavePlanner):
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         cache = self._cache
         if any(not p.usable for p in all_plans):
-            if cache is None or cache.all_local is None or cache.global_plans is None or cache.metadata is None:
+            if cache is None or cache.all_local is None or cache.metadata is None:
                 raise RuntimeError("a rank reused its cached save plan, but the coordinator has none: "
                                    "the plan caches of the ranks are out of step")
             if all(not p.usable for p in all_plans):
-                self.summary, self.global_plan, self.metadata = cache.summary, cache.global_plans, cache.metadata
+                self.summary = cache.summary
                 return [SavePlan([], usable=False)] * len(all_plans), cache.metadata
             all_plans = [p if p.usable else cached for p, cached in zip(all_plans, cache.all_local)]
         layout = layout_of(all_plans)
@@ -305,8 +304,7 @@ class DedupSavePlanner(DefaultSavePlanner):
         # no key is planned twice any more, so the dedup inside DCP's global planning keeps all
         global_plans, metadata = super().create_global_plan(plans)
         if cache is not None:
-            cache.all_local, cache.global_plans, cache.metadata = all_plans, global_plans, metadata
-            cache.summary = self.summary
+            cache.all_local, cache.metadata, cache.summary = all_plans, metadata, self.summary
         return global_plans, metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:

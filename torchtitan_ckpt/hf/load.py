@@ -64,7 +64,7 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
     any data, when the folder is not the adapter's. Up to `num_threads` threads read on each
     rank, each its own stretch of the files front to back (`checkpoint.load_threads` in the
     manager): on the benchmark machine's virtio disk, 4 streams per rank read 1.1-1.3x faster
-    than one (one reads when most pieces need a buffer, e.g. a checkpoint in another dtype)."""
+    than one (one reads when most bytes need a buffer, e.g. a checkpoint in another dtype)."""
     if num_threads < 1:
         raise ValueError(f"load_hf: num_threads = {num_threads}; expected 1 or more")
     start = time.perf_counter()

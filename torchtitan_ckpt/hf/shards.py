@@ -125,7 +125,8 @@ def read_all(reads: list[Read], num_threads: int) -> int:
     piece and the error is raised."""
     reads = sorted(reads, key=lambda r: (r.path, r.offset))
     largest = max((r.nbytes for r in reads if not r.direct), default=0)
-    if 2 * sum(r.nbytes for r in reads if not r.direct) > sum(r.nbytes for r in reads):
+    total = sum(r.nbytes for r in reads)
+    if 2 * sum(r.nbytes for r in reads if not r.direct) > total:
         num_threads = 1
     scratch = _Scratch(largest)
     failed = threading.Event()
@@ -154,7 +155,7 @@ def read_all(reads: list[Read], num_threads: int) -> int:
         with ThreadPoolExecutor(len(runs), thread_name_prefix="hf-read") as pool:
             for future in [pool.submit(read_run, run) for run in runs]:
                 future.result()
-    return sum(r.nbytes for r in reads)
+    return total
 
 
 def _runs(reads: list[Read], n: int) -> list[list[Read]]:
