@@ -13,16 +13,15 @@ from __future__ import annotations
 import json
 import os
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from . import durable, faults
+from .checksum import file_crc32
 from .errors import CorruptCheckpointError
 
 MARKER = "COMMITTED.json"
 FORMAT_VERSION = 2
-_CHUNK = 8 << 20
 
 
 @dataclass
@@ -87,14 +86,6 @@ def write_marker(path: str, info: CommitInfo,
     durable.write_json(os.path.join(path, MARKER), asdict(info), indent=1, sort_keys=True,
                        before_replace=lambda: faults.hit("commit", info.step))
     return info
-
-
-def file_crc32(path: str) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
 
 
 def _check_file(path: str, rel: str, entry: dict) -> str | None:

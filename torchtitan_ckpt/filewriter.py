@@ -31,7 +31,6 @@ import io
 import os
 import sys
 import threading
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ import torch
 from torch.utils.serialization import config as serialization_config
 
 from . import faults
+from .checksum import crc32
 
 BATCH_BYTES = 64 << 20
 """Bytes gathered before they are handed to the kernel in one system call."""
@@ -142,7 +142,7 @@ class _BackgroundCrc:
                     if not self._pending:
                         return
                     data, temporary = self._pending.popleft()
-                self._crc = zlib.crc32(data, self._crc)  # releases the GIL on large buffers
+                self._crc = crc32(data, self._crc)  # releases the GIL
                 if temporary:
                     with self._cond:
                         self._temporary_bytes -= len(data)

@@ -18,7 +18,6 @@ import os
 import pickle
 import threading
 import warnings
-import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -45,6 +44,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.futures import Future
 
 from . import filewriter, reader
+from .checksum import crc32
 from .dedup import DedupSavePlanner, PlanCache
 from .errors import CorruptCheckpointError
 
@@ -197,7 +197,7 @@ class _ChecksummedStream:
 
     def write(self, data) -> int:
         n = self._f.write(data)
-        self.crc = zlib.crc32(memoryview(data).cast("B")[:n], self.crc)
+        self.crc = crc32(memoryview(data).cast("B")[:n], self.crc)
         self.size += n
         return n
 

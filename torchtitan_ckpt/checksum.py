@@ -1,0 +1,25 @@
+"""The CRC-32 of the commit manifest.
+
+The same CRC-32 as `zlib.crc32` (the gzip polynomial; the values are identical), computed by
+Intel's ISA-L through `isal`: with its carry-less-multiply code it runs at 9.2 GB/s on this
+project's benchmark machine against zlib's 2.7 GB/s, and releases the GIL as zlib does. A
+durable save is CPU-bound on a small host (every byte is copied into the page cache and
+checksummed), so the checksum's cost is a direct part of the save's time.
+"""
+
+from __future__ import annotations
+
+from isal.isal_zlib import crc32
+
+__all__ = ["crc32", "file_crc32"]
+
+_CHUNK = 8 << 20
+
+
+def file_crc32(path: str) -> str:
+    """The CRC-32 of a file's bytes, as 8 hex digits."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = crc32(chunk, crc)
+    return f"{crc:08x}"
