@@ -16,6 +16,7 @@ from torchtitan_ckpt.dedup import (
     Item,
     Write,
     balanced,
+    layout_key,
     layout_of,
     lowest_rank,
     make_policy,
@@ -246,3 +247,27 @@ def test_mesh_shape_that_does_not_fit_the_ranks(world, replicate, shard, key):
     with pytest.raises(ConfigError) as e:
         _dp_degree(_parallelism(replicate, shard), world)
     assert e.value.key == key and str(world) in str(e.value)
+
+
+def test_layout_key_changes_with_what_the_plan_depends_on_not_with_values():
+    state = {"w": torch.zeros(4, 2), "step": 3, "b": torch.ones(2, requires_grad=True)}
+    key = layout_key(state)
+    assert layout_key({"w": torch.randn(4, 2), "step": 9, "b": torch.full((2,), 5.0, requires_grad=True)}) == key
+    for changed in ({"w": torch.zeros(2, 4)}, {"w": torch.zeros(4, 2, dtype=torch.float64)},
+                    {"b": torch.ones(2)}, {"step2": 3}):
+        assert layout_key({**state, **changed}) != key, changed
+    assert layout_key(dict(reversed(state.items()))) != key  # the plan lists items in this order
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_layout_key_gives_up_on_values_that_plan_themselves():
+    assert layout_key({"w": torch.zeros(2).as_subclass(_Subclass)}) is None
+
+    class Custom:
+        def __create_write_items__(self, fqn, obj):
+            return []
+
+    assert layout_key({"w": torch.zeros(2), "c": Custom()}) is None

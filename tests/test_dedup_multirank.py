@@ -16,6 +16,7 @@ from collections import defaultdict
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import default_planner
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -247,14 +248,23 @@ class _Recording(DedupSavePlanner):
 
 def _saves_with_a_plan_cache(rank: int, world_size: int, root: str) -> None:
     model, _ = _job(world_size, 2)  # 2 x 1: both ranks hold every tensor, replicas sliced between them
-    cache, sent = PlanCache(), []
+    cache, sent, planned = PlanCache(), [], []
+    plan_afresh = default_planner.create_default_local_save_plan
 
-    def save(name: str, extra: dict) -> dict:
+    def counting_plan(*args, **kwargs):
+        planned[-1] = True
+        return plan_afresh(*args, **kwargs)
+
+    default_planner.create_default_local_save_plan = counting_plan
+
+    def save(name: str, extra: dict) -> tuple[dict, dict]:
         state = {**ModelState([model]).state_dict(), **extra}
         writer = storage.make_storage_writer(os.path.join(root, name))
+        planned.append(False)
         dcp.save(state, storage_writer=writer, planner=_Recording(sent, cache))
         writer.fs.durable()
-        return {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone() for k, v in state.items()}
+        values = {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone() for k, v in state.items()}
+        return values, dict(extra)
 
     def bump() -> None:
         with torch.no_grad():
@@ -264,19 +274,23 @@ def _saves_with_a_plan_cache(rank: int, world_size: int, root: str) -> None:
     extra = {f"rank{rank}": torch.full((3,), float(rank))}
     saved = {"1": save("1", extra)}
     bump()
-    saved["2"] = save("2", extra)  # same plans: nothing is sent, the last global plan is reused
+    saved["2"] = save("2", extra)  # same plans: nothing is planned or sent, the last global plan is reused
     bump()
     if rank == 1:
         extra["rank1.more"] = torch.arange(5.0)  # rank 1's plan changes; rank 0's cached one is used
     saved["3"] = save("3", extra)
     bump()
     saved["4"] = save("4", extra)
-    assert sent == [True, False, rank == 1, False], sent
+    bump()
+    if rank == 0:
+        extra["rank0"] = torch.full((4,), 7.0)  # same names, another shape: rank 0 must plan again
+    saved["5"] = save("5", extra)
+    assert sent == [True, False, rank == 1, False, rank == 0], sent
+    assert planned == sent, planned
 
     fresh, _ = _job(world_size, 2)
-    for name, values in saved.items():
-        state = {**ModelState([fresh]).state_dict(), **{k: torch.full_like(v, float("nan")) for k, v in extra.items()
-                                                        if name in ("3", "4") or k != "rank1.more"}}
+    for name, (values, extras) in saved.items():
+        state = {**ModelState([fresh]).state_dict(), **{k: torch.full_like(v, float("nan")) for k, v in extras.items()}}
         dcp.load(state, storage_reader=storage.make_storage_reader(os.path.join(root, name)))
         for key, value in state.items():
             got = value.full_tensor() if hasattr(value, "full_tensor") else value

@@ -30,6 +30,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
@@ -250,12 +251,39 @@ class PlanCache:
 
     local: SavePlan | None = None
     """This rank's local plan of the last save."""
+    layout: tuple | None = None
+    """The `layout_key` of the state `local` was planned from."""
     final: SavePlan | None = None
     """This rank's final plan (with its file prefix) of the last save."""
     all_local: list[SavePlan] | None = None
     """Coordinator: every rank's local plan, as planned globally last time."""
     metadata: Metadata | None = None
     summary: DedupSummary | None = None
+
+
+def layout_key(state_dict: Mapping[str, object]) -> tuple | None:
+    """Everything DCP's local save plan of a flattened state dict is computed from: per value its
+    name and, for a tensor, its global shape, dtype, layout, autograd and pinning flags, and for a
+    DTensor also its mesh and placements (the local shard's place follows from those). Equal keys
+    give equal plans, so a cached plan stands in for planning again: planning a 1.6 GB state's
+    DTensors took 0.1-0.2 s of the save's CPU per rank, the key takes 10 ms for 500 values. None when a
+    value plans itself in a way the key does not describe (a tensor subclass such as
+    `ShardedTensor`, a custom `__create_write_items__`): such a state is planned every time."""
+    parts: list[object] = []
+    for fqn, obj in state_dict.items():
+        if isinstance(obj, DTensor):
+            local = obj.to_local()
+            if type(local) not in (torch.Tensor, torch.nn.Parameter):
+                return None
+            parts.append((fqn, obj.device_mesh, obj.placements, obj.shape,
+                          local.dtype, local.layout, local.requires_grad, local.is_pinned()))
+        elif type(obj) in (torch.Tensor, torch.nn.Parameter):
+            parts.append((fqn, obj.shape, obj.dtype, obj.layout, obj.requires_grad, obj.is_pinned()))
+        elif isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
+            return None
+        else:
+            parts.append(fqn)  # written as bytes, whatever it holds
+    return tuple(parts)
 
 
 class DedupSavePlanner(DefaultSavePlanner):
@@ -274,9 +302,16 @@ class DedupSavePlanner(DefaultSavePlanner):
         self._local: dict[str, list[WriteItem]] = {}
         self._cache = cache
         self._local_plan: SavePlan | None = None
+        self._layout: tuple | None = None
 
     def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
+        cache = self._cache
+        self._layout = layout_key(self.state_dict) if cache is not None else None
+        if self._layout is not None and cache.local is not None and self._layout == cache.layout:
+            plan = self.plan = dataclasses.replace(cache.local, planner_data=self.mappings) \
+                if self.flatten_state_dict else cache.local
+        else:
+            plan = super().create_local_plan()
         # what this rank holds, by name: `resolve_data` cuts a slice it is asked for out of it
         self._local = {}
         for item in plan.items:
@@ -314,7 +349,7 @@ class DedupSavePlanner(DefaultSavePlanner):
                                    "no final plan cached: the plan caches of the ranks are out of step")
             new_plan = self._cache.final
         if self._cache is not None:
-            self._cache.local, self._cache.final = self._local_plan, new_plan
+            self._cache.local, self._cache.final, self._cache.layout = self._local_plan, new_plan, self._layout
         return super().finish_plan(new_plan)
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
