@@ -31,6 +31,7 @@ PLUGINS = {
     "dedup": ["benchmarks.dedup", "--ranks", "2", "--repeats", "1"],
     "consolidation": ["benchmarks.consolidation", "--layers", "3"],
 }
+TAKES_DIR = {"async", "dedup", "paired"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,12 +72,14 @@ def run_sizes(args: argparse.Namespace) -> list[dict]:
     return out
 
 
-def run_plugins(names: list[str]) -> dict[str, str]:
-    """Each plugin's printed table, run as its own `python -m` (as a user would run it)."""
+def run_plugins(names: list[str], folder: str | None) -> dict[str, str]:
+    """Each plugin's printed table, run as its own `python -m` (as a user would run it), writing
+    under `folder` (the suite's `--dir`) when given and the plugin takes a `--dir`."""
     tables = {}
     for name in names:
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", *PLUGINS[name]], capture_output=True, text=True)
+        where = ["--dir", folder] if folder and name in TAKES_DIR else []
+        proc = subprocess.run([sys.executable, "-m", *PLUGINS[name], *where], capture_output=True, text=True)
         tables[name] = proc.stdout.strip() if proc.returncode == 0 else f"failed ({proc.returncode}):\n{proc.stderr[-2000:]}"
         print(f"[suite] --with {name}: {time.perf_counter() - t0:.0f} s\n{tables[name]}", flush=True)
     return tables
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks.suite_experiments import run_experiments
 
         results["experiments"] = run_experiments(args)
-    results["plugins"] = run_plugins([p for p in args.plugins.split(",") if p])
+    results["plugins"] = run_plugins([p for p in args.plugins.split(",") if p], args.dir)
     results["wall_s"] = time.perf_counter() - t0
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -8,6 +8,7 @@ the 4-rank checkpoints. The parent process reads every checkpoint whole (one ran
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -261,8 +262,12 @@ def _saves_with_a_plan_cache(rank: int, world_size: int, root: str) -> None:
         state = {**ModelState([model]).state_dict(), **extra}
         writer = storage.make_storage_writer(os.path.join(root, name))
         planned.append(False)
-        dcp.save(state, storage_writer=writer, planner=_Recording(sent, cache))
+        planner = _Recording(sent, cache)
+        dcp.save(state, storage_writer=writer, planner=planner)
         writer.fs.durable()
+        # a reused local plan is the plan DCP makes of this state (guards the layout key against torch changes)
+        fresh_plan = plan_afresh(planner.state_dict, planner.is_coordinator)
+        assert dataclasses.replace(fresh_plan, planner_data=planner.mappings) == planner._local_plan, name
         values = {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone() for k, v in state.items()}
         return values, dict(extra)
 

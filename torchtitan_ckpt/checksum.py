@@ -4,12 +4,16 @@ The same CRC-32 as `zlib.crc32` (the gzip polynomial; the values are identical),
 Intel's ISA-L through `isal`: with its carry-less-multiply code it runs at 9.2 GB/s on this
 project's benchmark machine against zlib's 2.7 GB/s, and releases the GIL as zlib does. A
 durable save is CPU-bound on a small host (every byte is copied into the page cache and
-checksummed), so the checksum's cost is a direct part of the save's time.
+checksummed), so the checksum's cost is a direct part of the save's time. `isal` has wheels
+for x86-64 and ARM64 only (a dependency there); elsewhere zlib computes the same values.
 """
 
 from __future__ import annotations
 
-from isal.isal_zlib import crc32
+try:
+    from isal.isal_zlib import crc32
+except ImportError:  # a machine isal has no wheel for
+    from zlib import crc32
 
 __all__ = ["crc32", "file_crc32"]
 

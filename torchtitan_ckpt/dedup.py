@@ -266,12 +266,13 @@ def layout_key(state_dict: Mapping[str, object]) -> tuple | None:
     name and, for a tensor, its global shape, dtype, layout, autograd and pinning flags, and for a
     DTensor also its mesh and placements (the local shard's place follows from those). Equal keys
     give equal plans, so a cached plan stands in for planning again: planning a 1.6 GB state's
-    DTensors took 0.1-0.2 s of the save's CPU per rank, the key takes 10 ms for 500 values. None when a
-    value plans itself in a way the key does not describe (a tensor subclass such as
-    `ShardedTensor`, a custom `__create_write_items__`): such a state is planned every time."""
+    DTensors took 0.1-0.2 s of the save's CPU per rank, the key takes 10 ms for 500 values. None
+    when a value plans itself in a way the key does not describe (a tensor subclass, such as
+    `ShardedTensor` or a DTensor subclass; a custom `__create_write_items__`): such a state is
+    planned every time."""
     parts: list[object] = []
     for fqn, obj in state_dict.items():
-        if isinstance(obj, DTensor):
+        if type(obj) is DTensor:
             local = obj.to_local()
             if type(local) not in (torch.Tensor, torch.nn.Parameter):
                 return None

@@ -213,14 +213,14 @@ class CheckpointManager:
             planner = storage.make_save_planner(self.config.dedup_policy, self.config.dedup_min_slice_bytes,
                                                 self._plan_caches.setdefault(kind, PlanCache()))
             writer = storage.make_storage_writer(path, sink, step, self.config.save_threads)
-            if sink is write_files:  # in this process (a writer process would be sent the early buffers
-                # in a call of their own, and it forgets the buffers a call does not name)
-                writer.write_early(state, self._group.rank, self._group.world_size)
             try:
+                if sink is write_files:  # in this process (a writer process would be sent the early buffers
+                    # in a call of their own, and it forgets the buffers a call does not name)
+                    writer.write_early(state, self._group.rank, self._group.world_size)
                 dcp.save(state, storage_writer=writer, planner=planner, process_group=self._group.pg)
             except (Exception, CheckpointException) as e:
                 writer.wait_early()
-                self._plan_caches.pop(kind, None)  # every rank's dcp.save failed: all plan afresh next time
+                self._plan_caches.pop(kind, None)  # the save failed (on every rank, for dcp.save): all plan afresh
                 raise CheckpointSaveError(step, path, storage.root_cause(e), _space_hint(path)) from None
             faults.hit("written", step)
             summary = planner.summary_line() if self._group.is_coordinator else ""
