@@ -1,13 +1,14 @@
 """The benchmark suite: save, cold resume and HF rows beside PyTorch's own path and the raw disk,
 over state sizes, with a JSON of results, a markdown page and plots.
 
-    python -m benchmarks [--sizes 0.4,0.8,1.6,3.2] [--repeats 5] [--quick] [--with async,dedup,consolidation]
+    python -m benchmarks [--sizes 0.4,0.8,1.6,3.2] [--repeats 5] [--quick] [--with async,paired,dedup,consolidation]
                          [--out benchmarks/results.json] [--doc docs/performance_suite.md] [--dir /tmp]
 
 `--quick`: 0.4 and 0.8 GB, one repeat. `--with` also runs the other benchmarks of this folder
 (each prints its own table, copied into the page); `--with paired` checks the three speed targets
-at 1.6 GB with adjacent pairs over many rounds, which single medians on a noisy disk cannot. `--experiments` adds the storage-setting
-experiments of `benchmarks/suite_experiments.py` (writer/reader thread counts, no CRC).
+at 1.6 GB in adjacent pairs over many rounds, which medians of 5 on a noisy disk cannot resolve.
+`--experiments` adds the storage-setting experiments of `benchmarks/suite_experiments.py`
+(writer and reader thread counts, PyTorch's writer without fsync).
 """
 
 from __future__ import annotations
