@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 import zlib
 
 import pytest
@@ -120,3 +121,21 @@ def test_copies_made_for_writing_are_checksummed_early_and_the_crc_stays_right(t
     values["plain"] = torch.randn(50)
     job = filewriter.FileJob(str(tmp_path / "f.distcp"), [filewriter.Entry(k, v) for k, v in values.items()])
     _check_file(job.path, filewriter.write_file(job), values)
+
+
+def _helper_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name in ("ckpt-writeback", "ckpt-crc")]
+
+
+def test_a_files_helper_threads_end_with_it_also_when_writing_fails(tmp_path, monkeypatch):
+    monkeypatch.setattr(filewriter, "BATCH_BYTES", 4096)  # many ranges handed to the writeback thread
+    values = _values()
+    job = filewriter.FileJob(str(tmp_path / "f.distcp"), [filewriter.Entry(k, v) for k, v in values.items()])
+    _check_file(job.path, filewriter.write_file(job), values)
+    assert not _helper_threads()
+    # a tensor that cannot be copied to the CPU fails the file halfway through
+    bad = filewriter.FileJob(str(tmp_path / "bad.distcp"),
+                             [*job.entries, filewriter.Entry("meta", torch.empty(8, device="meta")[::2])])
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        filewriter.write_file(bad)
+    assert not _helper_threads()

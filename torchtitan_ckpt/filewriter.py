@@ -29,6 +29,7 @@ import ctypes
 import ctypes.util
 import io
 import os
+import queue
 import sys
 import threading
 from collections.abc import Callable
@@ -160,12 +161,44 @@ class _BackgroundCrc:
         return self._crc
 
 
+class _Writeback:
+    """Starts the disk on a file's written ranges (`sync_file_range`) from a helper thread, in
+    order. Called by the writer itself, a start blocks while the disk's queue is full, and the
+    writer with it, so the writer could not run ahead of the disk: at 3.2 GB (2 ranks), writes
+    with the starts inline took 1.39x a plain write + fsync of the same bytes, with the starts
+    on a helper 0.86x (paired rounds; no starts at all: 1.13x), since the writer keeps filling
+    the page cache while the disk works. `close()` waits for the starts queued; it comes before the file's fsync and
+    close, so no start acts on a closed descriptor. Does nothing where the call is missing."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        if _SYNC_FILE_RANGE is not None:
+            self._thread = threading.Thread(target=self._run, name="ckpt-writeback", daemon=True)
+            self._thread.start()
+
+    def start(self, offset: int, length: int) -> None:
+        if self._thread is not None:
+            self._ranges.put((offset, length))
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._ranges.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (found := self._ranges.get()) is not None:
+            # a failure to start is not an error of the save: the fsync writes what is left
+            _SYNC_FILE_RANGE(self._fd, found[0], found[1], _SYNC_FILE_RANGE_WRITE)
+
+
 class _Output:
     """The file being written: counts, feeds the checksum, gathers buffers to hand to the kernel
     together (`os.writev`: few system calls, so few waits for the GIL in a thread writing beside
     DCP's planning) and asks the kernel to start writing each batch back to the disk
-    (`sync_file_range`), so the disk works while the rest of the save is prepared; the final
-    fsync then waits for the last batches only."""
+    (`sync_file_range`, from a helper: `_Writeback`), so the disk works while the rest of the save
+    is prepared; the final fsync then waits for the last batches only."""
 
     def __init__(self, f: io.FileIO, step: int | None):
         self._fd = f.fileno()
@@ -174,6 +207,7 @@ class _Output:
         self.pos = 0
         self._written = 0
         self.crc = _BackgroundCrc()
+        self.writeback = _Writeback(self._fd)
         self._step = step
 
     def write(self, data, temporary: bool = False) -> None:
@@ -198,8 +232,8 @@ class _Output:
             faults.hit("write", step)
             buffers = buffers[1:]
         self._writev(buffers)
-        if _SYNC_FILE_RANGE is not None and self.pos > self._written:
-            _SYNC_FILE_RANGE(self._fd, self._written, self.pos - self._written, _SYNC_FILE_RANGE_WRITE)
+        if self.pos > self._written:
+            self.writeback.start(self._written, self.pos - self._written)
         self._written = self.pos
 
     def _writev(self, buffers: list[memoryview]) -> None:
@@ -321,10 +355,12 @@ def _write(path: str, entries: list[tuple[object, _Buffers | Callable[[], _Buffe
         finally:
             out.crc.close()
     except BaseException:
+        out.writeback.close()
         f.close()
         raise
     synced: Future = Future()
-    threading.Thread(target=_sync_and_close, args=(f, sync, synced), name="ckpt-fsync", daemon=True).start()
+    threading.Thread(target=_sync_and_close, args=(f, out.writeback, sync, synced), name="ckpt-fsync",
+                     daemon=True).start()
 
     def wait() -> str:
         try:
@@ -343,9 +379,10 @@ def write_file(job: FileJob, step: int | None = None, sync: bool = True) -> Writ
     return _write(job.path, [(e.key, _lookup(e)) for e in job.entries], step, sync)
 
 
-def _sync_and_close(f: io.FileIO, sync: bool, done: Future) -> None:
+def _sync_and_close(f: io.FileIO, writeback: _Writeback, sync: bool, done: Future) -> None:
     try:
         try:
+            writeback.close()
             if sync:
                 os.fsync(f.fileno())
         finally:
