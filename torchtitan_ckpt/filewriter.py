@@ -15,7 +15,8 @@ What differs is how the bytes reach the disk:
   `.metadata` overlap the disk's work, and the checksum (CPU) overlaps the writes, which wait
   on the disk, instead of following them;
 - buffers (headers and tensors' bytes alike) are handed to the kernel many at a time, with
-  `os.writev`, and the disk is started on each 64 MiB as soon as it is written.
+  `os.writev`, and the disk is started on each 64 MiB as soon as it is written (by a helper
+  thread, so the writer never waits for the disk's queue).
 
 This module has no DCP planner or process group in it: a `FileJob` carries resolved data, so
 the same function runs in the training process or in the writer process of
