@@ -318,7 +318,7 @@ class DedupSavePlanner(DefaultSavePlanner):
         for item in plan.items:
             self._local.setdefault(item.index.fqn, []).append(item)
         self._local_plan = plan
-        if self._cache is not None and self._cache.final is not None and plan == self._cache.local:
+        if cache is not None and cache.final is not None and plan == cache.local:
             return SavePlan([], usable=False)
         return plan
 

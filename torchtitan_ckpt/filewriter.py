@@ -168,8 +168,9 @@ class _Writeback:
     writer with it, so the writer could not run ahead of the disk: at 3.2 GB (2 ranks), writes
     with the starts inline took 1.39x a plain write + fsync of the same bytes, with the starts
     on a helper 0.86x (paired rounds; no starts at all: 1.13x), since the writer keeps filling
-    the page cache while the disk works. `close()` waits for the starts queued; it comes before the file's fsync and
-    close, so no start acts on a closed descriptor. Does nothing where the call is missing."""
+    the page cache while the disk works. `close()` waits for the starts queued; it comes before
+    the file's fsync and close, so no start acts on a closed descriptor. Does nothing where the
+    call is missing."""
 
     def __init__(self, fd: int):
         self._fd = fd
