@@ -154,9 +154,13 @@ class _BackgroundCrc:
                 self._error = e
                 self._cond.notify_all()
 
+    def join(self) -> None:
+        """Wait, after `close()`, until the thread has checksummed everything fed and ended."""
+        self._thread.join()
+
     def value(self) -> int:
         """The CRC-32 of everything fed, once `close()` was called and the thread is done."""
-        self._thread.join()
+        self.join()
         if self._error is not None:
             raise self._error
         return self._crc
@@ -356,8 +360,9 @@ def _write(path: str, entries: list[tuple[object, _Buffers | Callable[[], _Buffe
             out.flush()
         finally:
             out.crc.close()
-    except BaseException:
+    except BaseException:  # no helper thread outlives a failed file
         out.writeback.close()
+        out.crc.join()
         f.close()
         raise
     synced: Future = Future()
