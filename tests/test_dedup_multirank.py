@@ -16,6 +16,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import default_planner
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from torchtitan_ckpt import CheckpointManager, load_job_config, storage
 from torchtitan_ckpt.config import Checkpoint
@@ -64,12 +66,27 @@ def _poison(model, opt) -> None:
                 value.fill_(float("nan"))
 
 
+def _same_on_every_replica(model, opt) -> None:
+    """Give every replica the first replica's values. The policies write different ranks' copies
+    of a replicated value, so comparing them with DCP's default needs replicas that are equal bit
+    for bit; this makes it so instead of relying on the training step to (one CI run saw a
+    policy's `tok_embeddings.weight` differ from the default's, not reproduced in 60 runs)."""
+    group = model.tok_embeddings.weight.device_mesh.get_group("dp_replicate")
+    first = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for p in model.parameters():
+            for value in (p, *opt.state[p].values()):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                dist.broadcast(local, src=first, group=group)
+
+
 def _save_all(rank: int, world_size: int, root: str) -> None:
     """One training step on a 2 x (world_size / 2) HSDP mesh, saved with every planner."""
     model, opt = _job(world_size, 2)
     tokens = torch.randint(0, model.args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank))
     model(tokens).float().square().mean().backward()
     opt.step()  # so that the optimizer has moments to save
+    _same_on_every_replica(model, opt)
     state = {**ModelState([model]).state_dict(), "optimizer": OptimizerState([model], [opt])}
     summaries = {}
     for name in (*POLICIES, "default"):
