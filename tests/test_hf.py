@@ -367,9 +367,24 @@ def test_a_file_cut_after_its_header_was_read_fails_naming_it(tmp_path):
     try:
         with pytest.raises(CorruptCheckpointError, match=rf"{re.escape(str(path))} ends at byte 10, inside "
                                                          r"the 8 bytes from byte 4 .*: the file is truncated"):
-            read_exact(fd, memoryview(bytearray(8)), 4, str(path))
+            read_exact(fd, [memoryview(bytearray(8))], 4, str(path))
+        with pytest.raises(CorruptCheckpointError, match=r"ends at byte 10, inside the 12 bytes from byte 0 "):
+            read_exact(fd, [memoryview(bytearray(4)) for _ in range(3)], 0, str(path))
     finally:
         os.close(fd)
+
+
+def test_read_exact_fills_more_buffers_than_one_preadv_takes_in_file_order(tmp_path):
+    path = tmp_path / "data"
+    data = bytes(range(256)) * 40  # 10240 bytes: 3413 buffers of 3, then one of 1, with the empty ones
+    path.write_bytes(data)
+    bufs = [memoryview(bytearray(3)) for _ in range(3413)] + [memoryview(bytearray(0)), memoryview(bytearray(1))]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read_exact(fd, bufs, 0, str(path))
+    finally:
+        os.close(fd)
+    assert b"".join(bytes(b) for b in bufs) == data
 
 
 # ---------------------------------------------------------------------------- convert

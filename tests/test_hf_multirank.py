@@ -126,9 +126,9 @@ def _merged(ranges) -> list[tuple[str, int, int]]:
     return out
 
 
-def _needed_ranges(src: str, rank: int, world_size: int) -> dict[str, tuple[str, int, int]]:
+def _needed_ranges(src: str, rank: int, world_size: int) -> dict[str, tuple[str, int, int, int]]:
     """HF name -> the bytes this rank must read: its rows (FSDP splits rows as torch.chunk does),
-    for wq/wk widened to whole heads."""
+    for wq/wk widened to whole heads; and how many of those bytes are its own rows."""
     adapter = LlamaAdapter(MID_HEAD)
     with open(os.path.join(src, "model.safetensors.index.json")) as f:
         weight_map = json.load(f)["weight_map"]
@@ -137,11 +137,12 @@ def _needed_ranges(src: str, rank: int, world_size: int) -> dict[str, tuple[str,
         start, end, shape = _tensor_bytes(os.path.join(src, weight_map[name]))[name]
         rows = torch.arange(shape[0]).chunk(world_size)[rank]
         lo, hi = int(rows[0]), int(rows[-1]) + 1
+        row_bytes = (end - start) // shape[0]
+        own = (hi - lo) * row_bytes
         if ours in adapter.heads:
             head = MID_HEAD.head_dim
             lo, hi = lo // head * head, -(-hi // head) * head
-        row_bytes = (end - start) // shape[0]
-        out[name] = (weight_map[name], start + lo * row_bytes, start + hi * row_bytes)
+        out[name] = (weight_map[name], start + lo * row_bytes, start + hi * row_bytes, own)
     return out
 
 
@@ -155,9 +156,10 @@ def _load_mid_head(rank: int, world_size: int, folders: list[tuple[str, dict, to
         reads = []
         real = shards.read_exact
 
-        def recording(fd, buf, offset, path):
-            reads.append((os.path.basename(path), offset, len(buf), np.frombuffer(buf, np.uint8).ctypes.data))
-            real(fd, buf, offset, path)
+        def recording(fd, bufs, offset, path):
+            places = [(np.frombuffer(b, np.uint8).ctypes.data, len(b)) for b in bufs]
+            reads.append((os.path.basename(path), offset, sum(n for _, n in places), places))
+            real(fd, bufs, offset, path)
 
         shards.read_exact = recording
         try:
@@ -172,16 +174,19 @@ def _load_mid_head(rank: int, world_size: int, folders: list[tuple[str, dict, to
 
         # exactly the bytes of this rank's rows (whole heads for wq/wk), each read once
         needed = _needed_ranges(src, rank, world_size)
-        assert sum(n for _, _, n, _ in reads) == sum(end - start for _, start, end in needed.values())
-        assert _merged((f, o, o + n) for f, o, n, _ in reads) == _merged(needed.values())
+        assert sum(n for _, _, n, _ in reads) == sum(end - start for _, start, end, _ in needed.values())
+        assert _merged((f, o, o + n) for f, o, n, _ in reads) == _merged(n[:3] for n in needed.values())
         if all(t.dtype == torch.float32 for t in load_file(glob.glob(os.path.join(src, "*.safetensors"))[0]).values()):
-            # same dtype: every read but wq/wk's lands in the shard's own memory, no buffer
+            # same dtype: every row read lands in its place in the shard's own memory, in our
+            # order, with no buffer; only wq/wk's rows of a head outside the shard go elsewhere
             shard_memory = [(v.to_local().data_ptr(), v.to_local().data_ptr() + v.to_local().nbytes)
                             for v in sd.values()]
-            buffered = {(f, o) for f, o, n, address in reads
-                        if not any(lo <= address and address + n <= hi for lo, hi in shard_memory)}
-            qk = {(f, start) for name, (f, start, _) in needed.items() if re.search(r"\.[qk]_proj\.", name)}
-            assert buffered == qk
+            outside = [(f, o, size) for f, o, _, places in reads for address, size in places
+                       if not any(lo <= address and address + size <= hi for lo, hi in shard_memory)]
+            qk = {name: n for name, n in needed.items() if re.search(r"\.[qk]_proj\.", name)}
+            assert {(f, o) for f, o, _ in outside} <= {(f, start) for f, start, _, _ in qk.values()}
+            assert sum(size for _, _, size in outside) == sum(end - start - own for _, start, end, own in qk.values())
+            assert outside  # the shards do cut heads here
 
 
 def _reference(folder: str) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ _DTYPES = {
 }
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
 _MAX_HEADER = 100 << 20
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
 @dataclass(frozen=True)
@@ -72,17 +73,24 @@ def _entry(name: str, fields: dict, path: str, data_start: int) -> TensorEntry:
     return TensorEntry(_BY_NAME[fields["dtype"]], shape, path, data_start + int(fields["data_offsets"][0]))
 
 
-def read_exact(fd: int, buf: memoryview, offset: int, path: str) -> None:
-    """Fill `buf` with the bytes of `path` (open as `fd`) from `offset` on. A file that ends
-    sooner (cut after its header was checked) is an error naming it."""
-    done = 0
-    while done < len(buf):
-        n = os.preadv(fd, [buf[done:]], offset + done)
+def read_exact(fd: int, bufs: list[memoryview], offset: int, path: str) -> None:
+    """Fill `bufs`, one after the other, with the bytes of `path` (open as `fd`) from `offset`
+    on: one `preadv` per `IOV_MAX` buffers, so rows bound for scattered places in memory are read
+    as one stretch of the file. A file that ends sooner (cut after its header was checked) is an
+    error naming it."""
+    bufs = [b for b in bufs if len(b)]
+    want, start, i = sum(len(b) for b in bufs), offset, 0
+    while i < len(bufs):
+        n = os.preadv(fd, bufs[i : i + _IOV_MAX], offset)
         if n == 0:
-            raise CorruptCheckpointError(f"{path} ends at byte {offset + done}, inside the "
-                                         f"{len(buf)} bytes from byte {offset} that its header "
-                                         "describes: the file is truncated")
-        done += n
+            raise CorruptCheckpointError(f"{path} ends at byte {offset}, inside the {want} bytes from byte "
+                                         f"{start} that its header describes: the file is truncated")
+        offset += n
+        while i < len(bufs) and n >= len(bufs[i]):
+            n -= len(bufs[i])
+            i += 1
+        if n:
+            bufs[i] = bufs[i][n:]
 
 
 def _check_offsets(header: dict, entries: dict[str, TensorEntry], data_bytes: int) -> None:

@@ -4,12 +4,13 @@ Safetensors stores a tensor row-major, so the rows [lo, hi) that a rank holds (F
 the local part of any Shard/Replicate placement is found as DCP finds it) are one byte range of
 the file, and that range is all the rank reads. Ranges are cut into pieces of about
 `PIECE_BYTES`, read in file order by a few threads, each reading its own stretch of the files
-front to back. A piece goes straight into the shard's memory when its bytes are the shard's
-bytes; otherwise (rows that an adapter reorders within heads, another dtype, a shard cut along
-another dimension, a tensor off the CPU) it goes through a buffer, shared by the threads, from
-which the rows are gathered (in our order) into the shard, so the extra memory is one piece.
-Reordered rows are read from the first to the last whole block (head) that [lo, hi) touches: at
-most one block beyond the shard on each side, and never the whole tensor.
+front to back. A piece goes straight into the shard's memory when its rows are the shard's
+rows in the file's dtype: in one read when they lie in the same order, and as one scattered read
+(`preadv`, each row to its place) when an adapter reorders rows within heads. Otherwise (another
+dtype, a shard cut along another dimension, a tensor off the CPU) it goes through a buffer,
+shared by the threads, so the extra memory is one piece. Reordered rows are read from the first
+to the last whole block (head) that [lo, hi) touches, the rows outside the shard into one spare
+row: at most one block beyond the shard on each side, and never the whole tensor.
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ class Read:
     def direct(self) -> bool:
         """The bytes read are exactly `dest`'s, so they are read into its memory."""
         return self.whole_rows and isinstance(self.rows, slice) and self.dest.shape[0] == self.shape[0]
+
+    @property
+    def buffered(self) -> bool:
+        """The rows read are not `dest`'s rows as they lie in memory (another dtype, a shard cut
+        along another dimension, a tensor off the CPU), so they go through a buffer."""
+        return not self.whole_rows
 
 
 def row_pieces(lo: int, hi: int, rows: int, block: int, piece_rows: int) -> list[tuple[int, int]]:
@@ -124,9 +131,9 @@ def read_all(reads: list[Read], num_threads: int) -> int:
     took 1.13x one thread's time at 1.6 GB). On an error the other threads stop at their next
     piece and the error is raised."""
     reads = sorted(reads, key=lambda r: (r.path, r.offset))
-    largest = max((r.nbytes for r in reads if not r.direct), default=0)
+    largest = max((r.nbytes for r in reads if r.buffered), default=0)
     total = sum(r.nbytes for r in reads)
-    if 2 * sum(r.nbytes for r in reads if not r.direct) > total:
+    if 2 * sum(r.nbytes for r in reads if r.buffered) > total:
         num_threads = 1
     scratch = _Scratch(largest)
     failed = threading.Event()
@@ -182,15 +189,29 @@ class _Scratch:
 
 def _read(read: Read, fd: int, scratch: _Scratch) -> None:
     if read.direct:
-        read_exact(fd, _bytes(read.dest), read.offset, read.path)
-        return
-    with scratch.lock:
-        buf = scratch.buf[:read.nbytes].view(read.dtype).view(read.shape)
-        read_exact(fd, _bytes(buf), read.offset, read.path)
-        if read.whole_rows and isinstance(read.rows, torch.Tensor):  # reordered straight into the shard
-            torch.index_select(buf, 0, read.rows, out=read.dest)
-        else:
+        read_exact(fd, [_bytes(read.dest)], read.offset, read.path)
+    elif read.whole_rows:
+        read_exact(fd, _row_places(read), read.offset, read.path)
+    else:
+        with scratch.lock:
+            buf = scratch.buf[:read.nbytes].view(read.dtype).view(read.shape)
+            read_exact(fd, [_bytes(buf)], read.offset, read.path)
             read.dest.copy_(buf[(read.rows, *read.inner)])
+
+
+def _row_places(read: Read) -> list[memoryview]:
+    """Where each row that `read` reads goes, in file order: its row of `dest`, or, for a row
+    outside this rank's shard (the rest of a head the shard cuts), one spare row."""
+    row = math.prod(read.shape[1:]) * read.dtype.itemsize
+    dest = _bytes(read.dest)
+    places: list[memoryview | None] = [None] * read.shape[0]
+    ours = range(read.shape[0])[read.rows] if isinstance(read.rows, slice) else read.rows.tolist()
+    for k, j in enumerate(ours):
+        places[j] = dest[k * row:(k + 1) * row]
+    if None in places:
+        spare = memoryview(bytearray(row))
+        places = [spare if p is None else p for p in places]
+    return places
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
