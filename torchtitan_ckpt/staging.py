@@ -66,76 +66,117 @@ class SynchronousSaves:
         """Nothing to shut down."""
 
 
-def _copy_tensor(t: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
-    """A CPU copy of `t` (written into `into` when given), keeping a DTensor's placement."""
+def _copy_tensor(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    """A CPU copy of `t` (written into `into`, `t`'s shape, when given), keeping a DTensor's
+    placement."""
+    local = _local(t).detach()
+    copied = local.to("cpu", copy=True) if into is None else into.copy_(local)
     if isinstance(t, DTensor):
-        local = _copy_tensor(t.to_local(), None if into is None else into.to_local())
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
+        return DTensor.from_local(copied, t.device_mesh, t.placements, run_check=False,
                                   shape=t.shape, stride=t.stride())
-    if into is None:
-        return t.detach().to("cpu", copy=True)
-    return into.copy_(t.detach())
+    return copied
+
+
+_ALIGN = 64
+"""Bytes each staged tensor's place in the arena is aligned to (any dtype's, and a cache line)."""
 
 
 class Stager:
-    """Copies a state into CPU memory. With `reuse=True` the copies are kept and overwritten by
-    the next save of a state with the same structure (no allocation once warm), in shared memory
-    so the writer process reads them without a copy, and page-locked (pinned) where they receive
-    GPU tensors, so those copies run at DMA speed."""
+    """Copies a state into CPU memory. With `reuse=True` the copies live in one arena, kept and
+    overwritten by the next save of a state with the same tensors (no allocation once warm):
+    shared memory, so the writer process reads it without a copy, and page-locked (pinned) when
+    it receives GPU tensors, so those copies run at DMA speed. One arena is one shared-memory
+    file descriptor in the rank and in its writer, whatever the number of tensors (a buffer per
+    tensor took one per tensor: thousands for a large model, past common `ulimit -n` limits)."""
 
     def __init__(self, reuse: bool):
         self.reuse = reuse
-        self._buffers: dict[tuple, torch.Tensor] = {}
-        self._pinned: dict[tuple, int] = {}  # path -> address registered with CUDA
+        self._arena: torch.Tensor | None = None
+        self._places: dict[tuple, tuple[int, tuple[int, ...]]] = {}
+        """Path -> (byte offset in the arena, strides) of each tensor of the staged state."""
+        self._layout: tuple = ()
+        self._pinned: int | None = None  # the arena's address, registered with CUDA
 
     @property
     def nbytes(self) -> int:
         """Bytes held between saves."""
-        return sum(_local(t).numel() * t.element_size() for t in self._buffers.values())
+        return 0 if self._arena is None else self._arena.numel()
 
-    def stage(self, state: Any, path: tuple = ()) -> Any:
+    def stage(self, state: Any) -> Any:
+        if self.reuse:
+            tensors = dict(_tensors(state, ()))
+            layout = tuple((path, type(t), t.dtype, _local(t).device.type, tuple(_local(t).shape),
+                            _strides(_local(t))) for path, t in tensors.items())
+            if layout != self._layout:
+                self._allocate(tensors, layout)
+        return self._stage(state, ())
+
+    def _stage(self, state: Any, path: tuple) -> Any:
         if isinstance(state, torch.Tensor):
             return self._stage_tensor(state, path)
         if isinstance(state, dict):
-            return {k: self.stage(v, (*path, k)) for k, v in state.items()}
+            return {k: self._stage(v, (*path, k)) for k, v in state.items()}
         if isinstance(state, (list, tuple)):
-            return type(state)(self.stage(v, (*path, i)) for i, v in enumerate(state))
+            return type(state)(self._stage(v, (*path, i)) for i, v in enumerate(state))
         return copy.deepcopy(state)
 
     def _stage_tensor(self, t: torch.Tensor, path: tuple) -> torch.Tensor:
         if not self.reuse:
-            return _copy_tensor(t, None)
-        old = self._buffers.get(path)
-        fits = (old is not None and old.dtype == t.dtype and old.shape == t.shape
-                and type(old) is type(t) and _local(old).shape == _local(t).shape)
-        staged = _copy_tensor(t, old if fits else None)
-        if not fits:
-            self._unpin(path)
-            _local(staged).share_memory_()
-            self._buffers[path] = staged
-            if _local(t).is_cuda:
-                self._pin(path, _local(staged))
-        return staged
+            return _copy_tensor(t)
+        local = _local(t)
+        offset, strides = self._places[path]
+        return _copy_tensor(t, self._arena[offset:offset + _span(local)].view(local.dtype).as_strided(local.shape, strides))
 
-    def _pin(self, path: tuple, buffer: torch.Tensor) -> None:
-        size = buffer.untyped_storage().nbytes()
-        if not size:
+    def _allocate(self, tensors: dict[tuple, torch.Tensor], layout: tuple) -> None:
+        """One shared arena with an aligned place for each tensor of the state (replacing the last)."""
+        self.release()
+        places, size = {}, 0
+        for path, t in tensors.items():
+            local = _local(t)
+            places[path] = (size, _strides(local))
+            size += -(-_span(local) // _ALIGN) * _ALIGN
+        arena = torch.empty(size, dtype=torch.uint8).share_memory_()
+        if any(_local(t).is_cuda for t in tensors.values()):
+            self._pin(arena)
+        self._arena, self._places, self._layout = arena, places, layout
+
+    def _pin(self, arena: torch.Tensor) -> None:
+        if not arena.numel():
             return
-        error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, 1))  # 1: portable
+        error = int(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 1))  # 1: portable
         if error:  # raised here: a CUDA error left pending would surface in unrelated code later
-            raise RuntimeError(f"pinning a {size}-byte staging buffer failed (cudaError {error}); "
+            raise RuntimeError(f"pinning the {arena.numel()}-byte staging buffer failed (cudaError {error}); "
                                'checkpoint.async_mode = "async" stages without pinning')
-        self._pinned[path] = buffer.data_ptr()
-
-    def _unpin(self, path: tuple) -> None:
-        if (address := self._pinned.pop(path, None)) is not None:
-            torch.cuda.cudart().cudaHostUnregister(address)
+        self._pinned = arena.data_ptr()
 
     def release(self) -> None:
-        """Drop every buffer (unpinning the pinned ones)."""
-        for path in list(self._pinned):
-            self._unpin(path)
-        self._buffers.clear()
+        """Drop the arena (unpinning it if pinned)."""
+        if self._pinned is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._pinned)
+            self._pinned = None
+        self._arena, self._places, self._layout = None, {}, ()
+
+
+def _tensors(state: Any, path: tuple):
+    """(path, tensor) for every tensor of a nested state, in the order `Stager._stage` visits them."""
+    if isinstance(state, torch.Tensor):
+        yield path, state
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            yield from _tensors(v, (*path, k))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            yield from _tensors(v, (*path, i))
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides of a copy of `t` (its own when dense, as `empty_like` keeps them; else row-major)."""
+    return torch.empty_like(t, device="meta").stride()
+
+
+def _span(t: torch.Tensor) -> int:
+    """Bytes a dense copy of `t` takes."""
+    return t.numel() * t.element_size()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

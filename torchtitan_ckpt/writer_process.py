@@ -1,11 +1,11 @@
 """A process that writes one rank's data files, so writing never competes with training for
 the GIL (`async_mode = "async_with_pinned_mem"`).
 
-The training process stages the state into long-lived shared-memory buffers and keeps running
+The training process stages the state into a long-lived shared-memory arena and keeps running
 DCP's planning and commit (collectives on the manager's gloo group, a few small messages). Only
 the byte-moving part of a save, `filewriter.write_files`, runs here: the writer has no process
-group and no DTensors, just files to write from shared memory. Each staging buffer is handed
-over once (a shared-memory handle) and named by an id afterwards, so a save sends only a list
+group and no DTensors, just files to write from shared memory. Each shared storage (the arena) is
+handed over once (a shared-memory handle) and named by an id afterwards, so a save sends only a list
 of (buffer id, view) references and small values through a pipe.
 
 The writer dies with its rank: it asks the kernel for SIGKILL when the thread that started it
