@@ -75,6 +75,33 @@ def test_loads_bit_for_bit_what_dcp_loads(tmp_path, threads):
     _assert_bitwise(ours, {**_tensors(), **_OBJECTS})
 
 
+def test_strided_tensors_are_read_through_temporaries_of_at_most_the_piece_size(tmp_path, monkeypatch):
+    """A transposed or channels-last tensor is saved with its strides, so its bytes are not in
+    the destination's row-major order: they go through temporaries, split along the dimension
+    of largest stride so that each spans at most `_PIECE_BYTES` (split along dim 0, the
+    transposed one's first temporary spanned all of it)."""
+    from torchtitan_ckpt import reader
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {"transposed": torch.randn(64, 48, generator=g).t(),
+               "channels_last": torch.randn(8, 16, 3, 3, generator=g).to(memory_format=torch.channels_last)}
+    path = str(tmp_path / "ckpt")
+    dcp.save(dict(tensors), storage_writer=storage.make_storage_writer(path))
+    monkeypatch.setattr(reader, "_PIECE_BYTES", 1024)
+    reads = []
+    real = reader._Item.readinto
+
+    def recording(self, at, buf):
+        reads.append(len(buf))
+        real(self, at, buf)
+
+    monkeypatch.setattr(reader._Item, "readinto", recording)
+    state = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    dcp.load(state, storage_reader=storage.make_storage_reader(path), planner=storage.make_load_planner())
+    _assert_bitwise(state, tensors)
+    assert sum(reads) >= sum(t.numel() * 4 for t in tensors.values()) and max(reads) <= 1024
+
+
 def test_metadata_given_to_the_reader_is_not_read_again(tmp_path):
     path = str(tmp_path / "ckpt")
     _save(path)

@@ -562,16 +562,23 @@ class ItemReader:
 
 def _copy_pieces(item: _Item, start: int, region: torch.Tensor, dest: torch.Tensor) -> None:
     """Copy `region` (a meta view of the storage record whose bytes begin at `start` in the item)
-    into `dest`, through temporaries of at most about `_PIECE_BYTES`, split along dimension 0."""
+    into `dest`, through temporaries of at most about `_PIECE_BYTES`: a region spanning more is
+    split along its dimension of largest stride (dim 0 of a row-major tensor, the last of a
+    transposed one), and a piece that still spans more is split again along its next one."""
     itemsize = region.dtype.itemsize
     if region.dim() == 0:
         region, dest = region.reshape(1), dest.reshape(1)
-    step = max(1, _PIECE_BYTES // max(1, region.stride(0) * itemsize))
-    for first in range(0, region.size(0), step):
-        part = region.narrow(0, first, min(step, region.size(0) - first))
-        if part.numel() == 0:
-            continue
-        span = 1 + sum((n - 1) * s for n, s in zip(part.size(), part.stride()))
+    if region.numel() == 0:
+        return
+    span = 1 + sum((n - 1) * s for n, s in zip(region.size(), region.stride()))
+    if span * itemsize <= _PIECE_BYTES or region.numel() == 1:
         tmp = torch.empty(span, dtype=region.dtype)
-        item.readinto(start + part.storage_offset() * itemsize, _bytes_of(tmp))
-        dest.narrow(0, first, part.size(0)).copy_(tmp.as_strided(part.size(), part.stride(), 0))
+        item.readinto(start + region.storage_offset() * itemsize, _bytes_of(tmp))
+        dest.copy_(tmp.as_strided(region.size(), region.stride(), 0))
+        return
+    dim = max((d for d in range(region.dim()) if region.size(d) > 1), key=region.stride)
+    # fewer than all of its slices, so each piece is smaller even where views overlap
+    step = max(1, min(_PIECE_BYTES // max(1, region.stride(dim) * itemsize), region.size(dim) // 2))
+    for first in range(0, region.size(dim), step):
+        n = min(step, region.size(dim) - first)
+        _copy_pieces(item, start, region.narrow(dim, first, n), dest.narrow(dim, first, n))
