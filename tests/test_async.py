@@ -63,11 +63,44 @@ def test_pinned_mode_reuses_its_buffer(tmp_path):
     job = make_job(str(tmp_path), steps=10, interval=1, async_mode="async_with_pinned_mem")
     job.run_to(2, steps=10)
     stager = job.manager._saves.stager  # noqa: SLF001 - the buffer is the point of this mode
-    arena = stager._arena.data_ptr()  # noqa: SLF001
+    places = {path: (p.arena.data_ptr(), p.offset) for path, p in stager._places.items()}  # noqa: SLF001
     assert stager.nbytes >= sum(t.numel() * t.element_size() for t in _snapshot(job).values())
     job.run_to(4, steps=10)
-    assert stager._arena.data_ptr() == arena  # noqa: SLF001
+    assert {path: (p.arena.data_ptr(), p.offset) for path, p in stager._places.items()} == places  # noqa: SLF001
     job.manager.close()
+
+
+def test_staging_moves_only_the_tensors_that_changed_and_needs_no_copy_to_write():
+    from torchtitan_ckpt.filewriter import exact_storage
+    from torchtitan_ckpt.staging import Stager
+
+    stager = Stager(reuse=True)
+    state = {"w": torch.randn(64, 64), "t": torch.randn(8, 16).t(), "scalar": torch.tensor(2.0),
+             "empty": torch.zeros(0, 3), "pos": torch.arange(5, dtype=torch.uint8), "step": 3}
+    first = stager.stage(state)
+    assert_same(first, state)
+    assert first["t"].stride() == state["t"].stride()
+    arena = {v.untyped_storage().data_ptr() for v in first.values() if isinstance(v, torch.Tensor) and v.numel()}
+    assert len(arena) == 1 and first["w"].is_shared()
+    size = stager.nbytes
+
+    state["pos"] = torch.arange(7, dtype=torch.uint8)  # a dataloader position of another length
+    second = stager.stage(state)
+    assert_same(second, state)
+    assert second["w"].data_ptr() == first["w"].data_ptr() and second["t"].data_ptr() == first["t"].data_ptr()
+    assert second["pos"].untyped_storage().data_ptr() not in arena  # a small arena of its own
+    assert size < stager.nbytes <= size + 64
+    for value in second.values():  # the writer writes each straight from its arena
+        if isinstance(value, torch.Tensor) and value.numel():
+            exact = exact_storage(value, copy=False)
+            assert exact is not None and exact.data_ptr() == value.data_ptr()
+            assert exact.untyped_storage().nbytes() == value.numel() * value.element_size()
+
+    state = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in state.items()}
+    third = stager.stage(state)  # every tensor but pos changed: the first arena is freed
+    assert_same(third, state)
+    doubles = sum(-(-state[k].numel() * 8 // 64) * 64 for k in ("w", "t", "scalar", "empty"))
+    assert stager.nbytes == doubles + 64  # the new arena and pos's; the first one is gone
 
 
 def _open_files(pid: int) -> int:

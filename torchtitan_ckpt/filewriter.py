@@ -330,14 +330,14 @@ def _framed(data: torch.Tensor, t: torch.Tensor) -> _Buffers:
     before, after = _frame(t)
     if not t.untyped_storage().nbytes():
         return [(before, False), (after, False)]
-    copied = t.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()
+    copied = t.data_ptr() != data.data_ptr()
     return [(before, False), (_storage_bytes(t), copied), (after, False)]
 
 
 def _lookup(entry: Entry) -> _Buffers | Callable[[], _Buffers]:
-    """`entry`'s buffers now, or, for a tensor that must be copied first (a view into a larger
-    storage, or on another device), a function that makes them when the file gets there, so
-    copies are made one at a time."""
+    """`entry`'s buffers now, or, for a tensor that must be copied first (a view that does not
+    fill one stretch of its storage, or a tensor on another device), a function that makes them
+    when the file gets there, so copies are made one at a time."""
     data = entry.data
     if not isinstance(data, torch.Tensor):
         return [(data, False)]
@@ -458,12 +458,29 @@ def start_files(jobs: list[FileJob], step: int | None = None, sync: bool = True)
 
 
 def exact_storage(t: torch.Tensor, copy: bool = True) -> torch.Tensor | None:
-    """`t` on the CPU with a storage holding exactly its elements (what `torch.save` writes),
-    copying only when it is a view into something larger or lives on another device (or
-    returning None then, if not `copy`)."""
+    """`t` on the CPU with a storage holding exactly its elements (what `torch.save` writes).
+    A view whose elements fill one stretch of a larger storage (a slice of rows, a tensor in
+    a staging arena) gets a storage over just that stretch, sharing its memory; a view that
+    does not, or a tensor on another device, is copied (or None is returned, if not `copy`)."""
     t = t.detach()
+    nbytes = t.numel() * t.element_size()
     if t.device.type != "cpu":
         t = t.cpu() if copy else None
-    elif t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        t = t.clone(memory_format=torch.contiguous_format) if copy else None
+    elif t.untyped_storage().nbytes() != nbytes:
+        if _fills_one_stretch(t):
+            start = t.storage_offset() * t.element_size()
+            t = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage()[start:start + nbytes], 0, t.shape, t.stride())
+        else:
+            t = t.clone(memory_format=torch.contiguous_format) if copy else None
     return t
+
+
+def _fills_one_stretch(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements lie next to each other in memory, in some order of its dimensions
+    (contiguous, transposed, channels-last), with no gaps or overlaps."""
+    step = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride != step:
+            return False
+        step *= size
+    return True

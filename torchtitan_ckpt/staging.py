@@ -78,37 +78,52 @@ def _copy_tensor(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Ten
 
 
 _ALIGN = 64
-"""Bytes each staged tensor's place in the arena is aligned to (any dtype's, and a cache line)."""
+"""Bytes each staged tensor's place in an arena is aligned to (any dtype's, and a cache line)."""
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where one tensor of the state is staged: `arena[offset:]`, with `strides`, for tensors
+    matching `kind` (type, dtype, device type, local shape, strides)."""
+
+    arena: torch.Tensor
+    offset: int
+    strides: tuple[int, ...]
+    kind: tuple
 
 
 class Stager:
-    """Copies a state into CPU memory. With `reuse=True` the copies live in one arena, kept and
-    overwritten by the next save of a state with the same tensors (no allocation once warm):
-    shared memory, so the writer process reads it without a copy, and page-locked (pinned) when
-    it receives GPU tensors, so those copies run at DMA speed. One arena is one shared-memory
-    file descriptor in the rank and in its writer, whatever the number of tensors (a buffer per
-    tensor took one per tensor: thousands for a large model, past common `ulimit -n` limits)."""
+    """Copies a state into CPU memory. With `reuse=True` the copies are kept and overwritten by
+    the next save (no allocation once warm), in shared-memory arenas that the writer process
+    maps once and reads without a copy, page-locked (pinned) when they receive GPU tensors so
+    those copies run at DMA speed. The first save stages every tensor into one arena; a later
+    save stages the tensors that changed shape, dtype or strides, or are new (a dataloader
+    position of another length, moments after the optimizer's first step), into one more arena
+    of just their size, and an arena is freed once none of its places is in use. Each arena is
+    one shared-memory file descriptor in the rank and in its writer, so a state needs a few,
+    not one per tensor (thousands for a large model, past common `ulimit -n` limits)."""
 
     def __init__(self, reuse: bool):
         self.reuse = reuse
-        self._arena: torch.Tensor | None = None
-        self._places: dict[tuple, tuple[int, tuple[int, ...]]] = {}
-        """Path -> (byte offset in the arena, strides) of each tensor of the staged state."""
-        self._layout: tuple = ()
-        self._pinned: int | None = None  # the arena's address, registered with CUDA
+        self._places: dict[tuple, _Place] = {}
+        """Path in the state -> its place; kept for paths a later state lacks (the next full
+        save after a model-only one reuses them)."""
+        self._pinned: dict[int, torch.Tensor] = {}  # address registered with CUDA -> its arena
 
     @property
     def nbytes(self) -> int:
         """Bytes held between saves."""
-        return 0 if self._arena is None else self._arena.numel()
+        return sum(a.numel() for a in self._arenas().values())
+
+    def _arenas(self) -> dict[int, torch.Tensor]:
+        return {p.arena.data_ptr(): p.arena for p in self._places.values()}
 
     def stage(self, state: Any) -> Any:
         if self.reuse:
-            tensors = dict(_tensors(state, ()))
-            layout = tuple((path, type(t), t.dtype, _local(t).device.type, tuple(_local(t).shape),
-                            _strides(_local(t))) for path, t in tensors.items())
-            if layout != self._layout:
-                self._allocate(tensors, layout)
+            new = {path: t for path, t in _tensors(state, ())
+                   if path not in self._places or self._places[path].kind != _kind(t)}
+            if new:
+                self._allocate(new)
         return self._stage(state, ())
 
     def _stage(self, state: Any, path: tuple) -> Any:
@@ -123,38 +138,45 @@ class Stager:
     def _stage_tensor(self, t: torch.Tensor, path: tuple) -> torch.Tensor:
         if not self.reuse:
             return _copy_tensor(t)
-        local = _local(t)
-        offset, strides = self._places[path]
-        return _copy_tensor(t, self._arena[offset:offset + _span(local)].view(local.dtype).as_strided(local.shape, strides))
+        local, place = _local(t), self._places[path]
+        into = place.arena[place.offset:place.offset + _span(local)].view(local.dtype)
+        return _copy_tensor(t, into.as_strided(local.shape, place.strides))
 
-    def _allocate(self, tensors: dict[tuple, torch.Tensor], layout: tuple) -> None:
-        """One shared arena with an aligned place for each tensor of the state (replacing the last)."""
-        self.release()
-        places, size = {}, 0
+    def _allocate(self, tensors: dict[tuple, torch.Tensor]) -> None:
+        """One new arena with an aligned place for each of `tensors`; arenas left with no place
+        in use are freed (unpinned first)."""
+        offsets, size = {}, 0
         for path, t in tensors.items():
-            local = _local(t)
-            places[path] = (size, _strides(local))
-            size += -(-_span(local) // _ALIGN) * _ALIGN
+            offsets[path] = size
+            size += -(-_span(_local(t)) // _ALIGN) * _ALIGN
         arena = torch.empty(size, dtype=torch.uint8).share_memory_()
         if any(_local(t).is_cuda for t in tensors.values()):
             self._pin(arena)
-        self._arena, self._places, self._layout = arena, places, layout
+        for path, t in tensors.items():
+            kind = _kind(t)
+            self._places[path] = _Place(arena, offsets[path], kind[-1], kind)
+        live = self._arenas()
+        for address in [a for a in self._pinned if a not in live]:
+            self._unpin(address)
 
     def _pin(self, arena: torch.Tensor) -> None:
         if not arena.numel():
             return
         error = int(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 1))  # 1: portable
         if error:  # raised here: a CUDA error left pending would surface in unrelated code later
-            raise RuntimeError(f"pinning the {arena.numel()}-byte staging buffer failed (cudaError {error}); "
+            raise RuntimeError(f"pinning a {arena.numel()}-byte staging buffer failed (cudaError {error}); "
                                'checkpoint.async_mode = "async" stages without pinning')
-        self._pinned = arena.data_ptr()
+        self._pinned[arena.data_ptr()] = arena
+
+    def _unpin(self, address: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(address)
+        del self._pinned[address]
 
     def release(self) -> None:
-        """Drop the arena (unpinning it if pinned)."""
-        if self._pinned is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._pinned)
-            self._pinned = None
-        self._arena, self._places, self._layout = None, {}, ()
+        """Drop every arena (unpinning the pinned ones)."""
+        for address in list(self._pinned):
+            self._unpin(address)
+        self._places.clear()
 
 
 def _tensors(state: Any, path: tuple):
@@ -169,9 +191,12 @@ def _tensors(state: Any, path: tuple):
             yield from _tensors(v, (*path, i))
 
 
-def _strides(t: torch.Tensor) -> tuple[int, ...]:
-    """The strides of a copy of `t` (its own when dense, as `empty_like` keeps them; else row-major)."""
-    return torch.empty_like(t, device="meta").stride()
+def _kind(t: torch.Tensor) -> tuple:
+    """What a tensor's place must match to be reused: type, dtype, device type, local shape,
+    and last the strides of its copy (its own when dense, as `empty_like` keeps them)."""
+    local = _local(t)
+    strides = torch.empty_like(local, device="meta").stride()
+    return type(t), local.dtype, local.device.type, tuple(local.shape), strides
 
 
 def _span(t: torch.Tensor) -> int:
