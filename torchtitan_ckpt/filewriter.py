@@ -45,7 +45,7 @@ from .checksum import crc32
 
 BATCH_BYTES = 64 << 20
 """Bytes gathered before they are handed to the kernel in one system call."""
-_IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX"), 1024))  # buffers per writev (1 if the limit is unknown)
+IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX"), 1024))  # buffers per writev or preadv (1 if the limit is unknown)
 
 
 @dataclass
@@ -226,7 +226,7 @@ class _Output:
         self._batch_bytes += len(view)
         self.pos += len(view)
         self.crc.feed(view, temporary)
-        if len(self._batch) >= _IOV_MAX or self._batch_bytes >= BATCH_BYTES:
+        if len(self._batch) >= IOV_MAX or self._batch_bytes >= BATCH_BYTES:
             self.flush()
 
     def flush(self) -> None:
@@ -245,7 +245,7 @@ class _Output:
     def _writev(self, buffers: list[memoryview]) -> None:
         first = 0
         while first < len(buffers):
-            written = os.writev(self._fd, buffers[first : first + _IOV_MAX])
+            written = os.writev(self._fd, buffers[first : first + IOV_MAX])
             if not written:  # no progress and no error: never expected of a regular file
                 raise OSError(f"writev wrote nothing of {sum(map(len, buffers[first:]))} bytes")
             while first < len(buffers) and written >= len(buffers[first]):

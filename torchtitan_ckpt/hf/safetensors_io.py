@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CorruptCheckpointError
+from ..filewriter import IOV_MAX
 
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -27,7 +28,6 @@ _DTYPES = {
 }
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
 _MAX_HEADER = 100 << 20
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def read_exact(fd: int, bufs: list[memoryview], offset: int, path: str) -> None:
     bufs = [b for b in bufs if len(b)]
     want, start, i = sum(len(b) for b in bufs), offset, 0
     while i < len(bufs):
-        n = os.preadv(fd, bufs[i : i + _IOV_MAX], offset)
+        n = os.preadv(fd, bufs[i : i + IOV_MAX], offset)
         if n == 0:
             raise CorruptCheckpointError(f"{path} ends at byte {offset}, inside the {want} bytes from byte "
                                          f"{start} that its header describes: the file is truncated")

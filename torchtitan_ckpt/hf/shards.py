@@ -66,7 +66,8 @@ class Read:
     @property
     def buffered(self) -> bool:
         """The rows read are not `dest`'s rows as they lie in memory (another dtype, a shard cut
-        along another dimension, a tensor off the CPU), so they go through a buffer."""
+        along another dimension, a destination not contiguous or off the CPU), so they go
+        through a buffer."""
         return not self.whole_rows
 
 
