@@ -99,7 +99,7 @@ class Stager:
     those copies run at DMA speed. The first save stages every tensor into one arena; a later
     save stages the tensors that changed shape, dtype or strides, or are new (a dataloader
     position of another length, moments after the optimizer's first step), into one more arena
-    of just their size, and an arena is freed once none of its places is in use. Each arena is
+    of just their size; an arena whose tensors have all moved to newer ones is freed. Each arena is
     one shared-memory file descriptor in the rank and in its writer, so a state needs a few,
     not one per tensor (thousands for a large model, past common `ulimit -n` limits)."""
 
@@ -195,8 +195,8 @@ def _kind(t: torch.Tensor) -> tuple:
     """What a tensor's place must match to be reused: type, dtype, device type, local shape,
     and last the strides of its copy (its own when dense, as `empty_like` keeps them)."""
     local = _local(t)
-    strides = torch.empty_like(local, device="meta").stride()
-    return type(t), local.dtype, local.device.type, tuple(local.shape), strides
+    strides = local.stride() if local.is_contiguous() else torch.empty_like(local, device="meta").stride()
+    return type(t), local.dtype, local.device.type, tuple(local.shape), tuple(strides)
 
 
 def _span(t: torch.Tensor) -> int:
