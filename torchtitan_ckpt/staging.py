@@ -139,7 +139,7 @@ class Stager:
         if not self.reuse:
             return _copy_tensor(t)
         local, place = _local(t), self._places[path]
-        into = place.arena[place.offset:place.offset + _span(local)].view(local.dtype)
+        into = place.arena[place.offset:place.offset + local.nbytes].view(local.dtype)
         return _copy_tensor(t, into.as_strided(local.shape, place.strides))
 
     def _allocate(self, tensors: dict[tuple, torch.Tensor]) -> None:
@@ -148,7 +148,7 @@ class Stager:
         offsets, size = {}, 0
         for path, t in tensors.items():
             offsets[path] = size
-            size += -(-_span(_local(t)) // _ALIGN) * _ALIGN
+            size += -(-_local(t).nbytes // _ALIGN) * _ALIGN
         arena = torch.empty(size, dtype=torch.uint8).share_memory_()
         if any(_local(t).is_cuda for t in tensors.values()):
             self._pin(arena)
@@ -199,11 +199,6 @@ def _kind(t: torch.Tensor) -> tuple:
     return type(t), local.dtype, local.device.type, tuple(local.shape), tuple(strides)
 
 
-def _span(t: torch.Tensor) -> int:
-    """Bytes a dense copy of `t` takes."""
-    return t.numel() * t.element_size()
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -212,8 +207,8 @@ class BackgroundSaves:
     """Stage in `submit()`, then write and commit on a background thread.
 
     `async`: fresh CPU copies each save, files written by the background thread.
-    `async_with_pinned_mem`: one long-lived shared-memory staging buffer, reused, and the files
-    written by a separate writer process that reads that buffer (the background thread then
+    `async_with_pinned_mem`: long-lived shared-memory staging arenas, reused, and the files
+    written by a separate writer process that reads them (the background thread then
     only plans, waits and commits, so training keeps the GIL)."""
 
     def __init__(self, reuse_buffer: bool):
