@@ -20,9 +20,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	rm -rf $(DEMO_OUT)
 	@echo "== run 1: 2 ranks train steps 1-10, then stop as a preemption would"
-	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 -m torchtitan_ckpt.train $(DEMO_ARGS) --training.stop_at_step 10
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 -m torchtitan_ckpt.example.train $(DEMO_ARGS) --training.stop_at_step 10
 	@echo "== run 2: a new job resumes from the newest complete step and finishes"
-	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 -m torchtitan_ckpt.train $(DEMO_ARGS)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 -m torchtitan_ckpt.example.train $(DEMO_ARGS)
 	@echo "== checkpoints in $(abspath $(DEMO_OUT))/checkpoint"
 	$(VENV)/bin/torchtitan-ckpt list $(DEMO_OUT)/checkpoint
 
@@ -35,7 +35,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 docs: $(STAMP)
-	$(PY) -m torchtitan_ckpt.docgen > docs/config.md
+	$(PY) -m torchtitan_ckpt.docgen torchtitan_ckpt.example.config:JobConfig > docs/config.md
 
 clean:
 	rm -rf $(VENV) outputs

@@ -25,9 +25,10 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 from benchmarks.common import run_ranks
-from torchtitan_ckpt import CheckpointManager, load_job_config
-from torchtitan_ckpt.storage import make_storage_writer
-from torchtitan_ckpt.train import build_model, shard_model
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.example.config import load_job_config
+from torchtitan_ckpt.dcp.storage import make_storage_writer
+from torchtitan_ckpt.example.train import build_model, shard_model
 
 MODES = ["disabled", "async", "async_with_pinned_mem"]
 

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from benchmarks.common import run_ranks
-from torchtitan_ckpt.consolidate import consolidate_safetensors, write_safetensors_one_pass
+from torchtitan_ckpt.hf.consolidate import consolidate_safetensors, write_safetensors_one_pass
 
 REPEATS = 3
 DIM, FFN, KV, VOCAB = 2048, 5632, 512, 32000

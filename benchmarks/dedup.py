@@ -29,11 +29,12 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from benchmarks.common import run_ranks
-from torchtitan_ckpt import load_job_config
-from torchtitan_ckpt.dedup import POLICIES, layout_of, summarize, writers_of
+from torchtitan_ckpt.example.config import load_job_config
+from torchtitan_ckpt.dcp.planner import layout_of, writers_of
+from torchtitan_ckpt.policy.dedup import POLICIES, summarize
 from torchtitan_ckpt.states import ModelState, OptimizerState
-from torchtitan_ckpt.storage import make_save_planner, make_storage_writer
-from torchtitan_ckpt.train import build_model, shard_model
+from torchtitan_ckpt.dcp.storage import make_save_planner, make_storage_writer
+from torchtitan_ckpt.example.train import build_model, shard_model
 
 REFERENCE = "PyTorch default"
 REPLICATE = 2

@@ -46,7 +46,7 @@ class Kill:
 
 def run(dump: str, steps: int, failpoint: str | None = None, async_mode: str = "disabled") -> tuple[int, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "torchtitan_ckpt.train", "--config", CONFIG, "--job.dump_folder", dump,
+           "-m", "torchtitan_ckpt.example.train", "--config", CONFIG, "--job.dump_folder", dump,
            "--training.steps", str(steps), "--checkpoint.interval", str(INTERVAL),
            "--checkpoint.keep_latest_k", str(KEEP), "--checkpoint.last_save_model_only", "false",
            "--checkpoint.export_dtype", "float32", "--checkpoint.async_mode", async_mode,

@@ -38,11 +38,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from torchtitan_ckpt import CheckpointManager, load_job_config
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.model import ModelArgs, Transformer
 from torchtitan_ckpt.hf import LlamaAdapter, load_hf, save_hf
 from torchtitan_ckpt.states import ModelState
-from torchtitan_ckpt.train import shard_model
+from torchtitan_ckpt.example.train import shard_model
 
 SIZES_GB = (0.4, 0.8, 1.6, 3.2)
 # a Llama-like shape whose size grows by about 0.135 GB (with AdamW state) per layer

@@ -1,6 +1,6 @@
 """Storage settings tried on one state size, to see which would close the gap to the raw floor.
 
-The writers and readers are built here, not in `torchtitan_ckpt.storage` (nothing in the library
+The writers and readers are built here, not in `torchtitan_ckpt.dcp.storage` (nothing in the library
 changes): PyTorch's `FileSystemWriter` with other `thread_count`s, with and without fsync; our
 checksumming writer with more threads; PyTorch's `FileSystemReader` (which has no thread knob in
 torch 2.13) split over a thread pool; `HuggingFaceStorageReader(thread_count=N)`. Each variant is
@@ -31,7 +31,7 @@ from torch.futures import Future
 
 from benchmarks.common import run_ranks
 from benchmarks.suite import build_state, clear, drop_cache, local_tensors, measure, model_args, raw_read, raw_write
-from torchtitan_ckpt.storage import ChecksummingFileSystem, make_load_planner, make_storage_reader
+from torchtitan_ckpt.dcp.storage import ChecksummingFileSystem, make_load_planner, make_storage_reader
 
 EXPERIMENT_GB = 0.8
 

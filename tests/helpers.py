@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchtitan_ckpt import storage
+from torchtitan_ckpt.dcp import storage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_CONFIG = os.path.join(ROOT, "configs", "debug_model.toml")
@@ -79,7 +79,7 @@ def run_job(dump_folder: str, *overrides: str, nproc: int = 1, config: str = DEB
             env: dict[str, str] | None = None, expect_ok: bool = True) -> str:
     """Run the example job (under torchrun when nproc > 1); return its log. Fails unless it exits
     0 (or, with `expect_ok=False`, unless it fails)."""
-    job = ["-m", "torchtitan_ckpt.train", "--config", config, "--job.dump_folder", dump_folder, *overrides]
+    job = ["-m", "torchtitan_ckpt.example.train", "--config", config, "--job.dump_folder", dump_folder, *overrides]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run([sys.executable, *launcher, *job], capture_output=True, text=True, env=env,

@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan_ckpt import CheckpointManager
-from torchtitan_ckpt.config import load_job_config, validate
+from torchtitan_ckpt.config import validate_tree
+from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.data import build_dataloader
 from torchtitan_ckpt.hf import LlamaAdapter
-from torchtitan_ckpt.train import TrainState, build_model, lr_lambda
+from torchtitan_ckpt.example.train import TrainState, build_model, lr_lambda
 
 
 @dataclass
@@ -48,7 +49,7 @@ def make_job(dump_folder: str, steps: int = 8, init_seed: int = 0, **checkpoint)
     config = load_job_config(None, ["--checkpoint.enable", "true", "--training.steps", str(steps)])
     config.checkpoint = replace(config.checkpoint, **checkpoint)
     config.training.seed = init_seed
-    validate(config)
+    validate_tree(config)
     ck = config.checkpoint
     model = build_model(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)

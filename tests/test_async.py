@@ -71,7 +71,7 @@ def test_pinned_mode_reuses_its_buffer(tmp_path):
 
 
 def test_staging_moves_only_the_tensors_that_changed_and_needs_no_copy_to_write():
-    from torchtitan_ckpt.filewriter import exact_storage
+    from torchtitan_ckpt.io.filewriter import exact_storage
     from torchtitan_ckpt.staging import Stager
 
     stager = Stager(reuse=True)
@@ -245,7 +245,7 @@ def test_the_writer_process_dies_with_its_rank(tmp_path):
     import time
 
     script = ("import sys, time\n"
-              "from torchtitan_ckpt.writer_process import WriterProcess\n"
+              "from torchtitan_ckpt.io.writer_process import WriterProcess\n"
               "if __name__ == '__main__':\n"
               "    w = WriterProcess()\n"
               "    w.write([])\n"  # a round trip: the writer is up and tied to this process

@@ -13,8 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchtitan_ckpt import CheckpointError, ConfigError, commit, load_job_config, storage
+from torchtitan_ckpt import CheckpointError, ConfigError, commit
+from torchtitan_ckpt.example.config import load_job_config
+from torchtitan_ckpt.dcp import storage
 from torchtitan_ckpt.config import sections
+from torchtitan_ckpt.example.config import JobConfig
 
 from .helpers import DEBUG_CONFIG
 
@@ -23,7 +26,7 @@ FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 with open(DEBUG_CONFIG, "rb") as f:
     TOML = f.read()
 
-KEYS = [f"{name}.{key}" for name, cls in sections().items() for key in cls.__dataclass_fields__]
+KEYS = [f"{name}.{key}" for name, cls in sections(JobConfig).items() for key in cls.__dataclass_fields__]
 VALUES = st.one_of(st.text(max_size=12), st.integers(-3, 10**6).map(str), st.sampled_from(
     ["true", "false", "-1", "0", "1e9", "none", "", "a,b", "model", "nan", "inf"]))
 

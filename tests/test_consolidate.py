@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-from torchtitan_ckpt import consolidate as C
+from torchtitan_ckpt.hf import consolidate as C
 from torchtitan_ckpt.errors import CorruptCheckpointError
 
 

@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from tests.helpers import spawn
 from tests.test_consolidate import assert_identical, read_output
-from torchtitan_ckpt import consolidate as C
+from torchtitan_ckpt.hf import consolidate as C
 
 pytestmark = pytest.mark.multirank
 

@@ -10,22 +10,20 @@ from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from torchtitan_ckpt import ConfigError, load_job_config
-from torchtitan_ckpt.dedup import (
-    DedupSavePlanner,
+from torchtitan_ckpt import ConfigError
+from torchtitan_ckpt.example.config import load_job_config
+from torchtitan_ckpt.dcp.planner import DedupSavePlanner, layout_key, layout_of, writers_of
+from torchtitan_ckpt.policy.dedup import (
     Item,
     Write,
     balanced,
-    layout_key,
-    layout_of,
     lowest_rank,
     make_policy,
     replica_slices,
     summarize,
-    writers_of,
 )
-from torchtitan_ckpt.storage import make_save_planner
-from torchtitan_ckpt.train import _dp_degree
+from torchtitan_ckpt.dcp.storage import make_save_planner
+from torchtitan_ckpt.example.train import _dp_degree
 
 # rank 0 alone holds x, rank 2 alone c; a, b and the scalar s are replicated
 LAYOUT = [

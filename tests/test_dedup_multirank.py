@@ -28,11 +28,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from torchtitan_ckpt import CheckpointManager, load_job_config, storage
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.example.config import load_job_config
+from torchtitan_ckpt.dcp import storage
 from torchtitan_ckpt.config import Checkpoint
-from torchtitan_ckpt.dedup import DedupSavePlanner, PlanCache
+from torchtitan_ckpt.dcp.planner import DedupSavePlanner, PlanCache
 from torchtitan_ckpt.states import ModelState, OptimizerState, settings_per_parameter
-from torchtitan_ckpt.train import build_model, shard_model
+from torchtitan_ckpt.example.train import build_model, shard_model
 
 from .helpers import DEBUG_CONFIG, assert_same, read_checkpoint, spawn
 

@@ -12,8 +12,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from torchtitan_ckpt import filewriter, storage
-from torchtitan_ckpt.writer_process import WriterProcess
+from torchtitan_ckpt.io import filewriter
+from torchtitan_ckpt.dcp import storage
+from torchtitan_ckpt.io.writer_process import WriterProcess
 
 
 def _values() -> dict[str, object]:

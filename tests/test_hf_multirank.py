@@ -18,14 +18,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from tests.helpers import DEBUG_CONFIG, assert_same, spawn
-from torchtitan_ckpt.config import load_job_config
+from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.errors import CheckpointError, CorruptCheckpointError
 from torchtitan_ckpt.example.model import FLAVORS, ModelArgs, Transformer
 from torchtitan_ckpt.hf import LlamaAdapter, hf_llama_config, load_hf, save_hf, shards
 from torchtitan_ckpt.hf.adapter import permute_rows
 from torchtitan_ckpt.hf.convert import convert
 from torchtitan_ckpt.states import ModelState
-from torchtitan_ckpt.train import build_model, shard_model
+from torchtitan_ckpt.example.train import build_model, shard_model
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.multirank

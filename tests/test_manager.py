@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchtitan_ckpt import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, commit, layout
-from torchtitan_ckpt.storage import METADATA_FILE
+from torchtitan_ckpt.dcp.storage import METADATA_FILE
 
 from .helpers import assert_same, data_file_use, read_checkpoint
 from .jobs import make_job

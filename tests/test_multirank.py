@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from torchtitan_ckpt import CheckpointManager, commit, layout, load_job_config
-from torchtitan_ckpt.train import build_model, shard_model
+from torchtitan_ckpt import CheckpointManager, commit, layout
+from torchtitan_ckpt.example.config import load_job_config
+from torchtitan_ckpt.example.train import build_model, shard_model
 
 from .helpers import DEBUG_CONFIG, ROOT, assert_same, losses, read_checkpoint, run_job, spawn
 
@@ -134,7 +135,7 @@ def test_kill_during_background_save_resumes_from_previous_step(tmp_path, mode):
     dump = str(tmp_path)
     folder = os.path.join(dump, "checkpoint")
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            "-m", "torchtitan_ckpt.train", "--config", DEBUG_CONFIG, "--job.dump_folder", dump,
+            "-m", "torchtitan_ckpt.example.train", "--config", DEBUG_CONFIG, "--job.dump_folder", dump,
             "--checkpoint.interval", "2", "--checkpoint.async_mode", mode,
             "--checkpoint.keep_latest_k", "0"]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

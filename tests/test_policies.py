@@ -10,8 +10,8 @@ import pytest
 from torchtitan_ckpt import commit, layout
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.layout import StepFolder
-from torchtitan_ckpt.retention import steps_to_delete
-from torchtitan_ckpt.schedule import SaveKind, save_kind
+from torchtitan_ckpt.policy.retention import steps_to_delete
+from torchtitan_ckpt.policy.schedule import SaveKind, save_kind
 
 
 def _kinds(config: Checkpoint, steps: int) -> dict[int, SaveKind]:

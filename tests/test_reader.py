@@ -16,8 +16,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from torchtitan_ckpt import CheckpointError, CorruptCheckpointError, storage
-from torchtitan_ckpt.config import load_job_config
+from torchtitan_ckpt import CheckpointError, CorruptCheckpointError
+from torchtitan_ckpt.dcp import storage
+from torchtitan_ckpt.example.config import load_job_config
 
 from .helpers import data_file_use, spawn
 
@@ -80,7 +81,7 @@ def test_strided_tensors_are_read_through_temporaries_of_at_most_the_piece_size(
     the destination's row-major order: they go through temporaries, split along the dimension
     of largest stride so that each spans at most `_PIECE_BYTES` (split along dim 0, the
     transposed one's first temporary spanned all of it)."""
-    from torchtitan_ckpt import reader
+    from torchtitan_ckpt.io import reader
 
     g = torch.Generator().manual_seed(1)
     tensors = {"transposed": torch.randn(64, 48, generator=g).t(),
@@ -240,7 +241,7 @@ def test_a_checkpoint_of_2_ranks_resharded_on_3_loads_as_dcp_loads_it(tmp_path):
 
 def _fsdp_job(world_size: int, folder: str, seed: int):
     from torchtitan_ckpt import CheckpointManager
-    from torchtitan_ckpt.train import build_model, shard_model
+    from torchtitan_ckpt.example.train import build_model, shard_model
 
     config = load_job_config(None, ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.load_threads", "3",
                                     "--training.seed", str(seed)])

@@ -1,6 +1,6 @@
 """torchtitan_ckpt: a checkpoint manager for large-model training over torch.distributed.checkpoint."""
 
-from .config import JobConfig, load_job_config
+from .config import Checkpoint, load_config
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -11,12 +11,12 @@ from .errors import (
 from .manager import CheckpointManager
 
 __all__ = [
+    "Checkpoint",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
     "ConfigError",
     "CorruptCheckpointError",
-    "JobConfig",
-    "load_job_config",
+    "load_config",
 ]

@@ -18,8 +18,9 @@ from collections import defaultdict
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from . import commit, layout, storage
-from .consolidate import add_consolidate_parser, run_consolidate
+from . import commit, layout
+from .dcp import storage
+from .hf.consolidate import add_consolidate_parser, run_consolidate
 from .errors import CheckpointError
 from .hf.convert import add_convert_parser, run_convert
 

@@ -16,8 +16,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from . import durable, faults
-from .checksum import file_crc32
+from .io import durable
+from . import faults
+from .io.checksum import file_crc32
 from .errors import CorruptCheckpointError
 
 MARKER = "COMMITTED.json"

@@ -1,10 +1,10 @@
-"""Typed job config: TOML sections as dataclasses, command-line overrides, validation.
+"""The `[checkpoint]` config section, and a TOML + `--section.key` loader for any dataclass tree.
 
-Every field is declared once, with its type, default and a docstring right under it. The docs'
-config reference (`docs/config.md`) is generated from those docstrings by `field_docs()`.
-`load_job_config()` is the only entry point: it parses, applies `--section.key value`
-overrides, converts types and validates everything before any work starts, raising one
-`ConfigError` that names the dotted key.
+`Checkpoint` is a plain dataclass: a trainer embeds it in its own config dataclass (a field of
+type `Checkpoint`, under any name) and `load_config()` builds, converts and validates the whole
+tree, or calls `Checkpoint().validate()` on the section alone. Every field is declared once, with
+its type, default and a docstring right under it; `docs/config.md` is generated from those
+docstrings (`docgen.py`). Validation raises one `ConfigError` naming the dotted key.
 """
 
 from __future__ import annotations
@@ -13,13 +13,16 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import logging
+import math
 import os
+import re
 import sys
 import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from .errors import ConfigError
 
@@ -28,91 +31,25 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
+logger = logging.getLogger(__name__)
+
 AsyncMode = Literal["disabled", "async", "async_with_pinned_mem"]
 ExportDtype = Literal["float16", "bfloat16", "float32"]
 DedupPolicy = Literal["balanced", "lowest_rank", "replica_slices"]
 Consolidation = Literal["one_pass", "all_ranks", "rank0"]
+IoEngine = Literal["fast", "torch"]
 
-# States the manager itself owns; `states={...}` passed by the caller add to these.
 BUILTIN_STATES = ("model", "optimizer", "lr_scheduler", "dataloader")
+"""States the manager itself owns; `states={...}` passed by the caller add to these."""
 
+MAX_THREADS = 256
+"""Upper bound of every thread-count key: more threads than this only exhaust memory."""
 
-@dataclass
-class Job:
-    dump_folder: str = "./outputs"
-    """Root folder of the run's outputs; checkpoints go under `{dump_folder}/{checkpoint.folder}`."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""Upper bound of `collective_timeout_s` (a week): larger values overflow the process group's timer."""
 
-    description: str = "torchtitan_ckpt example job"
-    """Free text, logged at start."""
-
-
-@dataclass
-class Model:
-    name: str = "llama3"
-    """Model family of the example job. Only `llama3` exists."""
-
-    flavor: str = "debugmodel"
-    """Size preset of the example model, one of `torchtitan_ckpt.example.model.FLAVORS`."""
-
-    hf_assets_path: str | None = None
-    """A Hugging Face folder for this model: its `config.json` and index file split are used for
-    exports, and its weights are the initial load with `checkpoint.initial_load_in_hf`."""
-
-
-@dataclass
-class Training:
-    steps: int = 10
-    """Number of optimizer steps of the whole run (the last one is the `last_step` save)."""
-
-    seed: int = 0
-    """Seed of the model initialisation, the synthetic data and the RNG state."""
-
-    local_batch_size: int = 8
-    """Sequences per rank per step."""
-
-    seq_len: int = 64
-    """Tokens per sequence."""
-
-    max_norm: float = 1.0
-    """Gradient-norm clipping threshold; 0 disables clipping."""
-
-    stop_at_step: int = 0
-    """Stop this process after this step, as a preemption would (0 runs to `steps`). The step is
-    not the last step: it is saved only if the schedule says so, and a later run resumes from it."""
-
-
-@dataclass
-class Optimizer:
-    name: str = "AdamW"
-    """Optimizer class. Only `AdamW` exists in the example job."""
-
-    lr: float = 8e-4
-    """Peak learning rate, reached at the end of warm-up."""
-
-    eps: float = 1e-8
-    """AdamW epsilon."""
-
-    weight_decay: float = 0.1
-    """AdamW decoupled weight decay."""
-
-
-@dataclass
-class LRScheduler:
-    warmup_steps: int = 2
-    """Steps of linear warm-up from 0 to `optimizer.lr`; then linear decay to `min_lr_factor * lr`."""
-
-    min_lr_factor: float = 0.1
-    """Learning rate at the last step, as a fraction of `optimizer.lr`."""
-
-
-@dataclass
-class Parallelism:
-    data_parallel_shard_degree: int = -1
-    """FSDP shard degree; -1 means every rank not used by the replicate degree."""
-
-    data_parallel_replicate_degree: int = 1
-    """HSDP replicate degree: the job's ranks form a (replicate x shard) mesh and each replica
-    holds a full copy of the sharded state, so its tensors are replicated across replicas."""
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+T = TypeVar("T")
 
 
 @dataclass
@@ -214,27 +151,106 @@ class Checkpoint:
     """With `replica_slices`, a replicated tensor smaller than this times the replica count is
     written whole by one rank instead of in slices."""
 
+    io_engine: IoEngine = "fast"
+    """How DCP-format steps' bytes are written and read: `fast` (this package's engine: writes
+    beside DCP's planning, vectored reads straight into the tensors) or `torch` (PyTorch's own
+    `FileSystemWriter` / `FileSystemReader`, an escape hatch should a torch release change a
+    detail the fast engine relies on). The commit protocol, dedup policy and checksums are the
+    same with both, and each reads what the other wrote."""
 
-@dataclass
-class JobConfig:
-    job: Job = field(default_factory=Job)
-    model: Model = field(default_factory=Model)
-    training: Training = field(default_factory=Training)
-    optimizer: Optimizer = field(default_factory=Optimizer)
-    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
-    parallelism: Parallelism = field(default_factory=Parallelism)
-    checkpoint: Checkpoint = field(default_factory=Checkpoint)
-
-    @property
-    def checkpoint_folder(self) -> str:
-        """Absolute-or-relative path of the step folders: `{job.dump_folder}/{checkpoint.folder}`."""
-        return os.path.join(self.job.dump_folder, self.checkpoint.folder)
+    def validate(self, prefix: str = "checkpoint.") -> None:
+        """Check ranges and contradictions; raise the first `ConfigError` found, its key
+        `prefix + name` (the section's place in the caller's config tree)."""
+        _check_ranges(self, prefix)
+        _check_paths(self, prefix)
+        _check_combinations(self, prefix)
 
 
-def sections() -> dict[str, type]:
-    """TOML section name -> dataclass, in declaration order."""
-    hints = typing.get_type_hints(JobConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+def _at_least(key: str, value: int | float, low: int | float, high: int | float | None = None) -> None:
+    if value < low or (high is not None and value > high):
+        raise ConfigError(key, value, f"expected >= {low}" + (f" and <= {high}" if high is not None else ""))
+
+
+def _check_ranges(ck: Checkpoint, p: str) -> None:
+    from .hf.planner import parse_size  # noqa: PLC0415 - keeps config import-light
+
+    for name, low in (("interval", 1), ("keep_latest_k", 0), ("load_step", -1), ("hf_export_interval", 0),
+                      ("dedup_min_slice_bytes", 1)):
+        _at_least(p + name, getattr(ck, name), low)
+    for name in ("load_threads", "save_threads", "consolidation_threads"):
+        _at_least(p + name, getattr(ck, name), 1, MAX_THREADS)
+    if not 0 < ck.collective_timeout_s <= MAX_TIMEOUT_S:
+        raise ConfigError(p + "collective_timeout_s", ck.collective_timeout_s,
+                          f"expected > 0 seconds and at most {MAX_TIMEOUT_S:.0f} (a week)")
+    try:
+        parse_size(ck.hf_max_shard_size)
+    except ValueError as e:
+        raise ConfigError(p + "hf_max_shard_size", ck.hf_max_shard_size, str(e)) from None
+    _check_exclusions(p + "exclude_from_loading", ck.exclude_from_loading)
+
+
+def _check_paths(ck: Checkpoint, p: str) -> None:
+    if not ck.folder:
+        raise ConfigError(p + "folder", ck.folder, "expected a non-empty folder name")
+    for name in ("folder", "initial_load_path"):
+        value = getattr(ck, name)
+        if value is not None and _URL.match(value):
+            raise ConfigError(p + name, value, "URLs (object storage) are not supported: expected a path "
+                                               "on a file system every rank shares")
+    if ck.initial_load_path is not None and not ck.initial_load_in_hf:
+        _check_initial_load_path(p + "initial_load_path", ck.initial_load_path)
+
+
+def _check_combinations(ck: Checkpoint, p: str) -> None:
+    if ck.initial_load_in_hf and not ck.initial_load_model_only:
+        raise ConfigError(p + "initial_load_in_hf", True,
+                          f"an HF checkpoint holds only the model; set {p}initial_load_model_only = true")
+    if ck.last_save_in_hf and not ck.last_save_model_only:
+        raise ConfigError(p + "last_save_in_hf", True,
+                          f"an HF export holds only the model; set {p}last_save_model_only = true")
+    if ck.create_seed_checkpoint and ck.load_only:
+        raise ConfigError(p + "create_seed_checkpoint", True, f"writing a seed checkpoint contradicts {p}load_only = true")
+    if ck.create_seed_checkpoint and not ck.enable:
+        raise ConfigError(p + "create_seed_checkpoint", True, f"needs {p}enable = true")
+    if ck.export_dtype != "float32" and not ck.last_save_model_only:
+        logger.info("%sexport_dtype = %r does not apply: the last save is a full checkpoint "
+                    "(%slast_save_model_only = false) and keeps the training dtype", p, ck.export_dtype, p)
+
+
+def _check_exclusions(key: str, names: list[str]) -> None:
+    if "model" in names:
+        raise ConfigError(key, names, "the model is always loaded; remove 'model'")
+    for name in names:
+        if not name.isidentifier():
+            raise ConfigError(key, names, f"'{name}' is not a state name")
+    if len(set(names)) != len(names):
+        raise ConfigError(key, names, "names a state twice")
+
+
+def _check_initial_load_path(key: str, path: str) -> None:
+    if not path:
+        raise ConfigError(key, path, "expected a path to a checkpoint folder")
+    if not os.path.isdir(path):
+        raise ConfigError(key, path, "expected an existing checkpoint folder")
+    from .dcp.storage import METADATA_FILE  # noqa: PLC0415 - keeps config import-light
+
+    if not os.path.isfile(os.path.join(path, METADATA_FILE)):
+        raise ConfigError(key, path, f"expected a DCP checkpoint folder (it has no {METADATA_FILE} file)")
+
+
+# ----------------------------------------------------------------------------- any dataclass tree
+
+
+def sections(root: type) -> dict[str, type]:
+    """Every table of the config tree `root` (a dataclass type), by dotted name, parents first."""
+    out: dict[str, type] = {}
+    hints = typing.get_type_hints(root)
+    for f in dataclasses.fields(root):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out[f.name] = tp
+            out.update({f"{f.name}.{k}": v for k, v in sections(tp).items()})
+    return out
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -254,24 +270,28 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-# ----------------------------------------------------------------------------- parsing
-
-
-def load_job_config(path: str | os.PathLike | None = None, argv: list[str] | None = None) -> JobConfig:
-    """Read a job TOML file (or defaults when `path` is None), apply `--section.key value`
-    overrides from `argv`, convert and validate everything. Raises `ConfigError`."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        raw = _read_toml(os.fspath(path))
+def load_config(root: type[T], path: str | os.PathLike | None = None, argv: list[str] | None = None) -> T:
+    """Build the config tree `root` (a dataclass whose dataclass-typed fields are TOML tables)
+    from a TOML file (defaults when `path` is None) and `--section.key value` overrides in
+    `argv`; convert every value to its field's type and validate every table that has a
+    `validate(prefix)` method, children before parents. Raises `ConfigError`."""
+    raw: dict[str, Any] = _read_toml(os.fspath(path)) if path is not None else {}
     for key, value in _parse_overrides(argv or []):
-        section, name = key.split(".", 1)
-        raw.setdefault(section, {})
-        if not isinstance(raw[section], dict):
-            raise ConfigError(section, raw[section], "expected a TOML table [" + section + "]")
-        raw[section][name] = value
-    config = _build(raw)
-    validate(config)
+        _set_dotted(raw, key, value)
+    config = _build(root, raw, "")
+    validate_tree(config)
     return config
+
+
+def validate_tree(config: Any, prefix: str = "") -> None:
+    """Run every table's `validate(prefix)` in the tree `config`, children first."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            validate_tree(value, f"{prefix}{f.name}.")
+    check = getattr(config, "validate", None)
+    if check is not None:
+        check(prefix)
 
 
 def _read_toml(path: str) -> dict[str, Any]:
@@ -282,6 +302,8 @@ def _read_toml(path: str) -> dict[str, Any]:
             return tomllib.load(f)
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError("--config", path, f"is not valid TOML: {e}") from e
+        except RecursionError:
+            raise ConfigError("--config", path, "is nested too deeply to be a job config") from None
 
 
 class _CliText(str):
@@ -310,26 +332,31 @@ def _parse_overrides(argv: list[str]) -> list[tuple[str, Any]]:
     return out
 
 
-def _build(raw: dict[str, Any]) -> JobConfig:
-    secs = sections()
-    kwargs = {}
-    for name, table in raw.items():
-        if name not in secs:
-            raise ConfigError(name, table, "unknown section" + _suggest(name, secs))
-        if not isinstance(table, dict):
-            raise ConfigError(name, table, f"expected a TOML table [{name}]")
-        kwargs[name] = _build_section(name, secs[name], table)
-    return JobConfig(**kwargs)
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    *tables, name = key.split(".")
+    node = raw
+    for depth, table in enumerate(tables, 1):
+        node = node.setdefault(table, {})
+        if not isinstance(node, dict):
+            dotted = ".".join(tables[:depth])
+            raise ConfigError(dotted, node, f"expected a TOML table [{dotted}]")
+    node[name] = value
 
 
-def _build_section(section: str, cls: type, table: dict[str, Any]):
+def _build(cls: type[T], table: dict[str, Any], prefix: str) -> T:
     hints = typing.get_type_hints(cls)
     values = {}
     for key, value in table.items():
-        dotted = f"{section}.{key}"
+        dotted = prefix + key
         if key not in hints:
-            raise ConfigError(dotted, value, "unknown key" + _suggest(key, hints))
-        values[key] = _convert(dotted, value, hints[key])
+            what = "unknown section" if isinstance(value, dict) else "unknown key"
+            raise ConfigError(dotted, value, what + _suggest(key, hints))
+        if dataclasses.is_dataclass(hints[key]):
+            if not isinstance(value, dict):
+                raise ConfigError(dotted, value, f"expected a TOML table [{dotted}]")
+            values[key] = _build(hints[key], value, dotted + ".")
+        else:
+            values[key] = _convert(dotted, value, hints[key])
     return cls(**values)
 
 
@@ -352,167 +379,47 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
             raise ConfigError(key, value, "expected one of " + ", ".join(repr(a) for a in args))
         return str(value) if isinstance(value, str) else value
     if origin is list:
-        (inner,) = args
-        if isinstance(value, _CliText):
-            value = [_CliText(v.strip()) for v in value.split(",") if v.strip()]
-        if not isinstance(value, list):
-            raise ConfigError(key, value, "expected a list (TOML array or comma-separated string)")
-        return [_convert(key, v, inner) for v in value]
+        return _convert_list(key, value, args[0])
     if tp is bool:
-        if isinstance(value, _CliText) and value.lower() in ("true", "false", "1", "0"):
-            return value.lower() in ("true", "1")
-        if not isinstance(value, bool):
-            raise ConfigError(key, value, "expected a boolean (true or false)")
-        return value
+        return _convert_bool(key, value)
     if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(key, value, "expected a string")
+        if not isinstance(value, str) or "\x00" in value:
+            raise ConfigError(key, value, "expected a string (without NUL characters)")
         return str(value)
-    if tp is int:
-        return _convert_number(key, value, int, "an integer")
-    if tp is float:
-        return float(_convert_number(key, value, float, "a number"))
-    raise TypeError(f"config field {key} has unsupported type {tp}")  # a bug in this module
+    if tp in (int, float):
+        return _convert_number(key, value, tp)
+    raise TypeError(f"config field {key} has unsupported type {tp}")  # a bug in the config class
 
 
-def _convert_number(key: str, value: Any, kind: type, what: str):
+def _convert_list(key: str, value: Any, inner: Any) -> list:
+    if isinstance(value, _CliText):
+        value = [_CliText(v.strip()) for v in value.split(",") if v.strip()]
+    if not isinstance(value, list):
+        raise ConfigError(key, value, "expected a list (TOML array or comma-separated string)")
+    return [_convert(key, v, inner) for v in value]
+
+
+def _convert_bool(key: str, value: Any) -> bool:
+    if isinstance(value, _CliText) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    if not isinstance(value, bool):
+        raise ConfigError(key, value, "expected a boolean (true or false)")
+    return value
+
+
+def _convert_number(key: str, value: Any, kind: type) -> int | float:
+    """An int within 64 bits, or a finite float (a TOML int is a valid float)."""
+    what = "an integer within 64 bits" if kind is int else "a finite number"
     if isinstance(value, _CliText):
         try:
-            return kind(value)
+            value = kind(value)
         except ValueError:
             raise ConfigError(key, value, f"expected {what}") from None
     ok = (int,) if kind is int else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok):
         raise ConfigError(key, value, f"expected {what}")
-    return value
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def validate(config: JobConfig) -> None:
-    """Check ranges and contradictions across fields; raise the first `ConfigError` found."""
-    _validate_job(config)
-    _validate_checkpoint(config.checkpoint)
-    if config.checkpoint.initial_load_in_hf:
-        _validate_hf_source(config)
-    if config.model.hf_assets_path is not None and not os.path.isdir(config.model.hf_assets_path):
-        raise ConfigError("model.hf_assets_path", config.model.hf_assets_path, "expected an existing folder")
-
-
-def _at_least(key: str, value: int | float, low: int | float) -> None:
-    if value < low:
-        raise ConfigError(key, value, f"expected >= {low}")
-
-
-def _validate_job(c: JobConfig) -> None:
-    from .example.model import FLAVORS  # the example job's presets
-
-    if c.model.name != "llama3":
-        raise ConfigError("model.name", c.model.name, "expected 'llama3'")
-    if c.model.flavor not in FLAVORS:
-        raise ConfigError("model.flavor", c.model.flavor, "expected one of " + ", ".join(FLAVORS))
-    if c.optimizer.name != "AdamW":
-        raise ConfigError("optimizer.name", c.optimizer.name, "expected 'AdamW'")
-    _at_least("training.steps", c.training.steps, 1)
-    _at_least("training.local_batch_size", c.training.local_batch_size, 1)
-    _at_least("training.seq_len", c.training.seq_len, 2)
-    _at_least("training.max_norm", c.training.max_norm, 0)
-    _at_least("training.stop_at_step", c.training.stop_at_step, 0)
-    _at_least("lr_scheduler.warmup_steps", c.lr_scheduler.warmup_steps, 0)
-    if not 0 <= c.lr_scheduler.min_lr_factor <= 1:
-        raise ConfigError("lr_scheduler.min_lr_factor", c.lr_scheduler.min_lr_factor, "expected 0..1")
-    if c.optimizer.lr <= 0:
-        raise ConfigError("optimizer.lr", c.optimizer.lr, "expected > 0")
-    dp = c.parallelism.data_parallel_shard_degree
-    if dp == 0 or dp < -1:
-        raise ConfigError("parallelism.data_parallel_shard_degree", dp, "expected -1 (all ranks) or >= 1")
-    _at_least("parallelism.data_parallel_replicate_degree", c.parallelism.data_parallel_replicate_degree, 1)
-    if not c.job.dump_folder:
-        raise ConfigError("job.dump_folder", c.job.dump_folder, "expected a non-empty path")
-
-
-def _validate_checkpoint(ck: Checkpoint) -> None:
-    _at_least("checkpoint.interval", ck.interval, 1)
-    _at_least("checkpoint.keep_latest_k", ck.keep_latest_k, 0)
-    _at_least("checkpoint.load_step", ck.load_step, -1)
-    _at_least("checkpoint.load_threads", ck.load_threads, 1)
-    _at_least("checkpoint.dedup_min_slice_bytes", ck.dedup_min_slice_bytes, 1)
-    _at_least("checkpoint.save_threads", ck.save_threads, 1)
-    if not ck.collective_timeout_s > 0:
-        raise ConfigError("checkpoint.collective_timeout_s", ck.collective_timeout_s, "expected > 0 seconds")
-    if not ck.folder:
-        raise ConfigError("checkpoint.folder", ck.folder, "expected a non-empty folder name")
-    _validate_exclusions(ck.exclude_from_loading)
-    if ck.initial_load_in_hf and not ck.initial_load_model_only:
-        raise ConfigError(
-            "checkpoint.initial_load_in_hf", True,
-            "an HF checkpoint holds only the model; set checkpoint.initial_load_model_only = true",
-        )
-    if ck.last_save_in_hf and not ck.last_save_model_only:
-        raise ConfigError(
-            "checkpoint.last_save_in_hf", True,
-            "an HF export holds only the model; set checkpoint.last_save_model_only = true",
-        )
-    if ck.export_dtype != "float32" and not ck.last_save_model_only:
-        raise ConfigError(
-            "checkpoint.export_dtype", ck.export_dtype,
-            "applies only to a model-only last save; set checkpoint.last_save_model_only = true "
-            "or leave export_dtype = 'float32'",
-        )
-    if ck.create_seed_checkpoint and ck.load_only:
-        raise ConfigError(
-            "checkpoint.create_seed_checkpoint", True,
-            "writing a seed checkpoint contradicts checkpoint.load_only = true",
-        )
-    if ck.create_seed_checkpoint and not ck.enable:
-        raise ConfigError("checkpoint.create_seed_checkpoint", True, "needs checkpoint.enable = true")
-    _validate_hf(ck)
-    if ck.initial_load_path is not None and not ck.initial_load_in_hf:
-        _validate_initial_load_path(ck)
-
-
-def _validate_hf(ck: Checkpoint) -> None:
-    from .hf.planner import parse_size  # noqa: PLC0415 - keeps config import-light
-
-    try:
-        parse_size(ck.hf_max_shard_size)
-    except ValueError as e:
-        raise ConfigError("checkpoint.hf_max_shard_size", ck.hf_max_shard_size, str(e)) from None
-    _at_least("checkpoint.hf_export_interval", ck.hf_export_interval, 0)
-    _at_least("checkpoint.consolidation_threads", ck.consolidation_threads, 1)
-
-
-def _validate_exclusions(names: list[str]) -> None:
-    key = "checkpoint.exclude_from_loading"
-    if "model" in names:
-        raise ConfigError(key, names, "the model is always loaded; remove 'model'")
-    for name in names:
-        if not name.isidentifier():
-            raise ConfigError(key, names, f"'{name}' is not a state name")
-    if len(set(names)) != len(names):
-        raise ConfigError(key, names, "names a state twice")
-
-
-def _validate_hf_source(c: JobConfig) -> None:
-    """With `initial_load_in_hf`, the HF folder (initial_load_path, else model.hf_assets_path)
-    must hold safetensors weights."""
-    ck = c.checkpoint
-    key, path = ("checkpoint.initial_load_path", ck.initial_load_path) if ck.initial_load_path else (
-        "model.hf_assets_path", c.model.hf_assets_path)
-    if not path:
-        raise ConfigError("checkpoint.initial_load_in_hf", True,
-                          "needs checkpoint.initial_load_path or model.hf_assets_path: the HF folder to load")
-    if not any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors.index.json", "model.safetensors")):
-        raise ConfigError(key, path, "expected a Hugging Face folder with model.safetensors or "
-                                     "model.safetensors.index.json")
-
-
-def _validate_initial_load_path(ck: Checkpoint) -> None:
-    key, path = "checkpoint.initial_load_path", ck.initial_load_path
-    if not path or "\x00" in path:
-        raise ConfigError(key, path, "expected a path to a checkpoint folder")
-    if not os.path.isdir(path):
-        raise ConfigError(key, path, "expected an existing checkpoint folder")
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise ConfigError(key, path, "expected a DCP checkpoint folder (it has no .metadata file)")
+    if kind is int and not -(2**63) <= value < 2**63:
+        raise ConfigError(key, value, f"expected {what}")
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(key, value, f"expected {what}")
+    return kind(value)

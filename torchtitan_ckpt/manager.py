@@ -21,9 +21,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import commit, faults, layout, retention, storage
+from . import commit, faults, layout
+from .deleter import BackgroundDeleter
+from .policy.retention import steps_to_delete
+from .dcp import storage
 from .config import BUILTIN_STATES, Checkpoint
-from .dedup import PlanCache
+from .dcp.planner import PlanCache
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -33,8 +36,8 @@ from .errors import (
 )
 from .group import CheckpointGroup, RankFailed
 from .hf import StateDictAdapter, load_hf, save_hf
-from .schedule import SaveKind, hf_copy_due, save_kind
-from .filewriter import Sink, write_files
+from .policy.schedule import SaveKind, hf_copy_due, save_kind
+from .io.filewriter import Sink, write_files
 from .staging import SaveJob, make_strategy
 from .states import DataLoaderState, LRSchedulerState, ModelState, OptimizerState
 
@@ -110,7 +113,7 @@ class CheckpointManager:
                 raise ConfigError("checkpoint.folder", self.folder,
                                   f"every rank must use the same folder; rank 0 uses {rank0_folder}")
         self._saves = make_strategy(config.async_mode)
-        self._deleter = retention.BackgroundDeleter() if self._group.is_coordinator else None
+        self._deleter = BackgroundDeleter() if self._group.is_coordinator else None
         self._plan_caches: dict[SaveKind, PlanCache] = {}  # the last DCP save plan of each kind
 
     def _build_states(self, parts, optimizers, lr_schedulers, dataloader, extra, rank) -> dict[str, Stateful]:
@@ -249,7 +252,7 @@ class CheckpointManager:
                             step, kind.value, fmt, path, gb, secs, gb / max(secs, 1e-9))
                 if summary:
                     logger.info("step %d %s", step, summary)
-                self._deleter.submit(retention.steps_to_delete(layout.scan(folder), self.config.keep_latest_k))
+                self._deleter.submit(steps_to_delete(layout.scan(folder), self.config.keep_latest_k))
 
         def prepare() -> None:
             self._agree(step, path, lambda: self._prepare_folder(path, step), coordinator_only=True)

@@ -24,8 +24,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import faults
-from .filewriter import Sink, write_files
-from .writer_process import WriterProcess
+from .io.filewriter import Sink, write_files
+from .io.writer_process import WriterProcess
 
 logger = logging.getLogger(__name__)
 

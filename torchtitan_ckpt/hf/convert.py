@@ -25,7 +25,8 @@ import torch.distributed.tensor as dtensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 
-from .. import commit, storage
+from .. import commit
+from ..dcp import storage
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..example.model import FLAVORS, ModelArgs, Transformer
 from .adapter import CONFIG_FILE, StateDictAdapter

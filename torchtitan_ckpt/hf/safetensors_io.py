@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..filewriter import IOV_MAX
+from ..io.filewriter import IOV_MAX
 
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

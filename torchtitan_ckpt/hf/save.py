@@ -22,8 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-from .. import durable
-from ..consolidate import consolidate_safetensors, write_safetensors_one_pass
+from ..io import durable
+from .consolidate import consolidate_safetensors, write_safetensors_one_pass
 from ..errors import CheckpointError
 from ..group import CheckpointGroup, RankFailed
 from .adapter import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, StateDictAdapter, check_names

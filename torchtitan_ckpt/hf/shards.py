@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..errors import CheckpointError
-from ..storage import dtensor_chunk
+from ..dcp.storage import dtensor_chunk
 from .adapter import HFSource
 from .safetensors_io import TensorEntry, read_exact
 

@@ -1,30 +1,18 @@
-"""Who writes a value that several ranks hold: pure policies, and the DCP planner that applies one.
+"""The DCP save planner that applies a dedup policy (`policy.dedup`) to every rank's plan.
 
-Every rank plans a write for every value it holds, so a tensor replicated across HSDP replicas,
-a replicated norm or a plain tensor is planned by several ranks, and the coordinator keeps one
-copy. Which copy it keeps decides how many bytes each rank writes (the busiest rank sets the save
-time) and how many files a loader opens. DCP keeps the copy of the rank with the fewest bytes so
-far, counting every item at its *global* size and in state-dict order; the policies here count
-the bytes each rank really writes:
-
-- `balanced`: largest replicated values first, each to the holder with the fewest bytes so far;
-- `lowest_rank`: the lowest holder, so replicated values sit in as few files as possible;
-- `replica_slices`: each of the R holders writes 1/R of a large value's rows (dim 0); DCP stores
-  the parts as chunks of one tensor and reassembles them on load at any world size.
-
-The policies work on plain data (what each rank holds, by key) so they are tested without a
-process group; `DedupSavePlanner` turns DCP save plans into that data and back.
+`DedupSavePlanner` turns DCP's local save plans into the plain layouts the policies take, and
+the policies' assignment back into plans; `PlanCache` keeps the last save's plans so a state
+whose layout did not change is not planned again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import io
+from dataclasses import dataclass
 import logging
 import math
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -32,172 +20,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from ..policy.dedup import Assignment, DedupSummary, Item, Key, Write, make_policy, summarize
+
 logger = logging.getLogger(__name__)
-
-Key = Hashable
-"""A value's identity across ranks; keys must compare with each other (ties are broken by key)."""
-
-
-@dataclass(frozen=True)
-class Item:
-    """What a rank holds of one value: its bytes, and its length on dim 0 (0 when it has no rows:
-    a 0-dim tensor or a non-tensor value, whose pickled size is unknown when planning: 0 bytes)."""
-
-    nbytes: int
-    rows: int = 0
-
-
-@dataclass(frozen=True)
-class Write:
-    """`rank` writes rows `rows` (on dim 0) of a value, or the whole value when `rows` is None."""
-
-    rank: int
-    rows: range | None = None
-
-
-Layout = Sequence[Mapping[Key, Item]]
-"""Rank -> the values it holds. A key held by several ranks is replicated across them."""
-
-Assignment = dict[Key, list[Write]]
-"""Key -> the writes that store it: one whole write, or one row range per holder."""
-
-Policy = Callable[[Layout], Assignment]
-
-RECORD_BYTES = 1300
-"""What a file holds around each write besides its data: DCP writes every item as a `torch.save`
-record (measured: 1261 B for a float, 1573 B around a tensor). `balanced` counts it, so that
-hundreds of small values (flattened optimizer hyper-parameters) do not all land on one rank."""
-
-
-def holders(layout: Layout) -> dict[Key, list[int]]:
-    """Key -> the ranks holding it, ascending."""
-    out: dict[Key, list[int]] = {}
-    for rank, items in enumerate(layout):
-        for key in items:
-            out.setdefault(key, []).append(rank)
-    return out
-
-
-def lowest_rank(layout: Layout) -> Assignment:
-    """Each value is written whole by the lowest rank holding it."""
-    return {key: [Write(ranks[0])] for key, ranks in holders(layout).items()}
-
-
-def balanced(layout: Layout) -> Assignment:
-    """Each replicated value is written whole by the holder that has the fewest bytes to write
-    (data plus `RECORD_BYTES` per write) once its own values are counted; largest values are
-    placed first, ties go to the lower rank."""
-    owners = holders(layout)
-    out, loads = _unshared(layout, owners)
-    _place_whole([k for k, ranks in owners.items() if len(ranks) > 1], layout, owners, loads, out)
-    return out
-
-
-def replica_slices(layout: Layout, min_slice_bytes: int) -> Assignment:
-    """Each of the R holders of a replicated value writes a contiguous 1/R of its rows (the first
-    holder the first rows; sizes differ by at most one row). Values smaller than
-    `min_slice_bytes * R` or with fewer than R rows are placed whole, as `balanced` does."""
-    owners = holders(layout)
-    out, loads = _unshared(layout, owners)
-    whole = []
-    for key in sorted(k for k, ranks in owners.items() if len(ranks) > 1):
-        ranks, item = owners[key], layout[owners[key][0]][key]
-        if item.nbytes < min_slice_bytes * len(ranks) or item.rows < len(ranks):
-            whole.append(key)
-            continue
-        n = len(ranks)
-        parts = [range(i * item.rows // n, (i + 1) * item.rows // n) for i in range(n)]
-        out[key] = [Write(rank, rows) for rank, rows in zip(ranks, parts)]
-        for rank, rows in zip(ranks, parts):
-            loads[rank] += item.nbytes // item.rows * len(rows) + RECORD_BYTES
-    _place_whole(whole, layout, owners, loads, out)
-    return out
-
-
-def _unshared(layout: Layout, owners: dict[Key, list[int]]) -> tuple[Assignment, list[int]]:
-    """Values only one rank holds (it writes them), and the bytes each rank writes for them
-    (with `RECORD_BYTES` per value)."""
-    out: Assignment = {}
-    loads = [0] * len(layout)
-    for key, ranks in owners.items():
-        if len(ranks) == 1:
-            out[key] = [Write(ranks[0])]
-            loads[ranks[0]] += layout[ranks[0]][key].nbytes + RECORD_BYTES
-    return out, loads
-
-
-def _place_whole(keys: list[Key], layout: Layout, owners: dict[Key, list[int]],
-                 loads: list[int], out: Assignment) -> None:
-    """Largest first, each to its least-loaded holder (the lower rank on a tie); updates `loads`."""
-    size = {key: layout[owners[key][0]][key].nbytes + RECORD_BYTES for key in keys}
-    for key in sorted(keys, key=lambda k: (-size[k], k)):
-        rank = min(owners[key], key=lambda r: (loads[r], r))
-        loads[rank] += size[key]
-        out[key] = [Write(rank)]
-
-
-POLICIES: dict[str, Callable[..., Assignment]] = {
-    "balanced": balanced,
-    "lowest_rank": lowest_rank,
-    "replica_slices": replica_slices,
-}
-
-
-def make_policy(name: str, min_slice_bytes: int = 1 << 20) -> Policy:
-    """The policy called `name` (`checkpoint.dedup_policy`) as a function of the layout alone."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown dedup policy {name!r}; expected one of {', '.join(POLICIES)}")
-    if name == "replica_slices":
-        return functools.partial(replica_slices, min_slice_bytes=min_slice_bytes)
-    return POLICIES[name]
-
-
-# ----------------------------------------------------------------------------- what a plan costs
-
-
-@dataclass(frozen=True)
-class DedupSummary:
-    """What an assignment means for a save: tensor bytes each rank writes, how many files (one per
-    rank) hold replicated tensors, and the most files one rank opens to reload its replicated
-    tensors in the same layout."""
-
-    policy: str
-    bytes_per_rank: tuple[int, ...]
-    replicated_files: int
-    max_files_to_load: int
-
-    @property
-    def imbalance(self) -> float:
-        """Max over mean of `bytes_per_rank`: 1.0 is perfectly even."""
-        total = sum(self.bytes_per_rank)
-        return max(self.bytes_per_rank) * len(self.bytes_per_rank) / total if total else 1.0
-
-    def line(self) -> str:
-        return (f"dedup {self.policy}: {len(self.bytes_per_rank)} rank(s) write "
-                f"{sum(self.bytes_per_rank) / 1e9:.3f} GB of tensors, the busiest "
-                f"{max(self.bytes_per_rank, default=0) / 1e9:.3f} GB (max/mean {self.imbalance:.3f}); "
-                f"replicated tensors in {self.replicated_files} file(s), a rank reloads its own "
-                f"from up to {self.max_files_to_load}")
-
-
-def summarize(layout: Layout, assignment: Assignment, policy: str) -> DedupSummary:
-    """The cost of `assignment` on `layout`. Values of 0 bytes (non-tensor values) open no file."""
-    owners = holders(layout)
-    loads = [0] * len(layout)
-    writers: dict[Key, set[int]] = {}
-    for key, writes in assignment.items():
-        item = layout[owners[key][0]][key]
-        for w in writes:
-            loads[w.rank] += item.nbytes if w.rows is None else item.nbytes // item.rows * len(w.rows)
-        if len(owners[key]) > 1 and item.nbytes > 0:
-            writers[key] = {w.rank for w in writes}
-    per_rank = [set().union(*(writers[k] for k in items if k in writers)) for items in layout]
-    return DedupSummary(policy, tuple(loads), len(set().union(*writers.values())),
-                        max(map(len, per_rank), default=0))
-
-
-# ----------------------------------------------------------------------------- DCP save plans
-
 
 def _key(item: WriteItem) -> Key:
     # the index hint (`MetadataIndex.index`) differs between ranks and is not part of the identity

@@ -43,10 +43,10 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # as DCP's own planning
 from torch.futures import Future
 
-from . import filewriter, reader
-from .checksum import crc32
-from .dedup import DedupSavePlanner, PlanCache
-from .errors import CorruptCheckpointError
+from ..io import filewriter, reader
+from ..io.checksum import crc32
+from .planner import DedupSavePlanner, PlanCache
+from ..errors import CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from .config import Checkpoint
+from ..config import Checkpoint
 
 
 class SaveKind(enum.Enum):

@@ -49,9 +49,10 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from . import durable, faults
-from .errors import CheckpointError, CorruptCheckpointError
-from .group import CheckpointGroup, RankFailed
+from ..io import durable
+from .. import faults
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..group import CheckpointGroup, RankFailed
 
 logger = logging.getLogger(__name__)
 

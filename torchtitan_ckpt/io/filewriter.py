@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.serialization import config as serialization_config
 
-from . import faults
+from .. import faults
 from .checksum import crc32
 
 BATCH_BYTES = 64 << 20

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from .errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
 

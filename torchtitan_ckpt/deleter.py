@@ -1,4 +1,4 @@
-"""Which old steps to delete (a pure policy) and the background thread that deletes them."""
+"""The background thread that deletes the step folders retention chose (`policy.retention`)."""
 
 from __future__ import annotations
 
@@ -11,19 +11,6 @@ from . import commit, faults
 from .layout import StepFolder
 
 logger = logging.getLogger(__name__)
-
-
-def steps_to_delete(folders: list[StepFolder], keep_latest_k: int) -> list[StepFolder]:
-    """Folders to remove once a new step has committed: complete steps beyond the newest
-    `keep_latest_k` (0 keeps all), and partial folders older than the newest complete step
-    (left by a crash; nothing will ever complete them). The newest complete step is never chosen."""
-    committed = sorted((f for f in folders if f.committed), key=lambda f: f.step)
-    if not committed:
-        return []
-    newest = committed[-1].step
-    doomed = committed[:-keep_latest_k] if keep_latest_k > 0 else []
-    doomed += [f for f in folders if not f.committed and f.step < newest]
-    return sorted(doomed, key=lambda f: f.step)
 
 
 class BackgroundDeleter:

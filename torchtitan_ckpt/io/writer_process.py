@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from . import faults
+from .. import faults
 from .filewriter import Entry, FileJob, WrittenFile, write_files
 
 logger = logging.getLogger(__name__)

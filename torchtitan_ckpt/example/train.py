@@ -1,7 +1,7 @@
 """The example training job: a small Llama on synthetic data, checkpointed by CheckpointManager.
 
-    python -m torchtitan_ckpt.train --config configs/debug_model.toml [--section.key value ...]
-    torchrun --nproc_per_node 2 -m torchtitan_ckpt.train --config configs/debug_model.toml
+    python -m torchtitan_ckpt.example.train --config configs/debug_model.toml [--section.key value ...]
+    torchrun --nproc_per_node 2 -m torchtitan_ckpt.example.train --config configs/debug_model.toml
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from .config import JobConfig, load_job_config
-from .errors import ConfigError
-from .example.data import build_dataloader
-from .example.model import FLAVORS, Transformer
-from .hf import LlamaAdapter
-from .manager import CheckpointManager
+from ..errors import ConfigError
+from .data import build_dataloader
+from .model import FLAVORS, Transformer
+from ..hf import LlamaAdapter
+from ..manager import CheckpointManager
 
-logger = logging.getLogger("torchtitan_ckpt.train")
+logger = logging.getLogger(__name__)
 
 
 class TrainState(Stateful):

@@ -1,0 +1,162 @@
+"""The example job's config: its own sections (job, model, training, ...) beside the library's
+`[checkpoint]`, loaded by the library's generic `load_config`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ..config import Checkpoint, load_config
+from ..errors import ConfigError
+from ..hf.adapter import INDEX_FILE, SINGLE_FILE
+from .model import FLAVORS
+
+
+@dataclass
+class Job:
+    dump_folder: str = "./outputs"
+    """Root folder of the run's outputs; checkpoints go under `{dump_folder}/{checkpoint.folder}`."""
+
+    description: str = "torchtitan_ckpt example job"
+    """Free text, logged at start."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model family of the example job. Only `llama3` exists."""
+
+    flavor: str = "debugmodel"
+    """Size preset of the example model, one of `torchtitan_ckpt.example.model.FLAVORS`."""
+
+    hf_assets_path: str | None = None
+    """A Hugging Face folder for this model: its `config.json` and index file split are used for
+    exports, and its weights are the initial load with `checkpoint.initial_load_in_hf`."""
+
+
+@dataclass
+class Training:
+    steps: int = 10
+    """Number of optimizer steps of the whole run (the last one is the `last_step` save)."""
+
+    seed: int = 0
+    """Seed of the model initialisation, the synthetic data and the RNG state."""
+
+    local_batch_size: int = 8
+    """Sequences per rank per step."""
+
+    seq_len: int = 64
+    """Tokens per sequence."""
+
+    max_norm: float = 1.0
+    """Gradient-norm clipping threshold; 0 disables clipping."""
+
+    stop_at_step: int = 0
+    """Stop this process after this step, as a preemption would (0 runs to `steps`). The step is
+    not the last step: it is saved only if the schedule says so, and a later run resumes from it."""
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    """Optimizer class. Only `AdamW` exists in the example job."""
+
+    lr: float = 8e-4
+    """Peak learning rate, reached at the end of warm-up."""
+
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 2
+    """Steps of linear warm-up from 0 to `optimizer.lr`; then linear decay to `min_lr_factor * lr`."""
+
+    min_lr_factor: float = 0.1
+    """Learning rate at the last step, as a fraction of `optimizer.lr`."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_shard_degree: int = -1
+    """FSDP shard degree; -1 means every rank not used by the replicate degree."""
+
+    data_parallel_replicate_degree: int = 1
+    """HSDP replicate degree: the job's ranks form a (replicate x shard) mesh and each replica
+    holds a full copy of the sharded state, so its tensors are replicated across replicas."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+
+    @property
+    def checkpoint_folder(self) -> str:
+        """Absolute-or-relative path of the step folders: `{job.dump_folder}/{checkpoint.folder}`."""
+        return os.path.join(self.job.dump_folder, self.checkpoint.folder)
+
+    def validate(self, prefix: str = "") -> None:
+        """The example job's own ranges, and what its sections say about each other."""
+        _validate_sections(self)
+        if self.checkpoint.initial_load_in_hf:
+            _validate_hf_source(self)
+        if self.model.hf_assets_path is not None and not os.path.isdir(self.model.hf_assets_path):
+            raise ConfigError("model.hf_assets_path", self.model.hf_assets_path, "expected an existing folder")
+
+
+def load_job_config(path: str | os.PathLike | None = None, argv: list[str] | None = None) -> JobConfig:
+    """The example job's config from a TOML file and `--section.key value` overrides."""
+    return load_config(JobConfig, path, argv)
+
+
+def _at_least(key: str, value: int | float, low: int | float) -> None:
+    if value < low:
+        raise ConfigError(key, value, f"expected >= {low}")
+
+
+def _validate_sections(c: JobConfig) -> None:
+    if c.model.name != "llama3":
+        raise ConfigError("model.name", c.model.name, "expected 'llama3'")
+    if c.model.flavor not in FLAVORS:
+        raise ConfigError("model.flavor", c.model.flavor, "expected one of " + ", ".join(FLAVORS))
+    if c.optimizer.name != "AdamW":
+        raise ConfigError("optimizer.name", c.optimizer.name, "expected 'AdamW'")
+    for key, value, low in (("training.steps", c.training.steps, 1),
+                            ("training.local_batch_size", c.training.local_batch_size, 1),
+                            ("training.seq_len", c.training.seq_len, 2), ("training.max_norm", c.training.max_norm, 0),
+                            ("training.stop_at_step", c.training.stop_at_step, 0),
+                            ("lr_scheduler.warmup_steps", c.lr_scheduler.warmup_steps, 0),
+                            ("parallelism.data_parallel_replicate_degree", c.parallelism.data_parallel_replicate_degree, 1)):
+        _at_least(key, value, low)
+    if not 0 <= c.lr_scheduler.min_lr_factor <= 1:
+        raise ConfigError("lr_scheduler.min_lr_factor", c.lr_scheduler.min_lr_factor, "expected 0..1")
+    if c.optimizer.lr <= 0:
+        raise ConfigError("optimizer.lr", c.optimizer.lr, "expected > 0")
+    dp = c.parallelism.data_parallel_shard_degree
+    if dp == 0 or dp < -1:
+        raise ConfigError("parallelism.data_parallel_shard_degree", dp, "expected -1 (all ranks) or >= 1")
+    if not c.job.dump_folder:
+        raise ConfigError("job.dump_folder", c.job.dump_folder, "expected a non-empty path")
+
+
+def _validate_hf_source(c: JobConfig) -> None:
+    """With `initial_load_in_hf`, the HF folder (initial_load_path, else model.hf_assets_path)
+    must hold safetensors weights."""
+    ck = c.checkpoint
+    key, path = ("checkpoint.initial_load_path", ck.initial_load_path) if ck.initial_load_path else (
+        "model.hf_assets_path", c.model.hf_assets_path)
+    if not path:
+        raise ConfigError("checkpoint.initial_load_in_hf", True,
+                          "needs checkpoint.initial_load_path or model.hf_assets_path: the HF folder to load")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in (INDEX_FILE, SINGLE_FILE)):
+        raise ConfigError(key, path, f"expected a Hugging Face folder with {SINGLE_FILE} or {INDEX_FILE}")
