@@ -15,18 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import commit, faults, layout
 from .deleter import BackgroundDeleter
 from .policy.retention import steps_to_delete
-from .dcp import storage
 from .config import BUILTIN_STATES, Checkpoint
-from .dcp.planner import PlanCache
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -35,15 +30,16 @@ from .errors import (
     CorruptCheckpointError,
 )
 from .group import CheckpointGroup, RankFailed
-from .hf import StateDictAdapter, load_hf, save_hf
-from .policy.schedule import SaveKind, hf_copy_due, save_kind
-from .io.filewriter import Sink, write_files
+from .formats import FORMATS, Context, StepFormat, StepIndex, Written
+from .hf import StateDictAdapter
+from .io.dtypes import EXPORT_DTYPES
+from .io.filewriter import Sink
+from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
 from .staging import SaveJob, make_strategy
 from .states import DataLoaderState, LRSchedulerState, ModelState, OptimizerState
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 HF_COPIES = "hf"
 """Subfolder of the checkpoint folder that holds the `hf_export_interval` copies."""
 
@@ -53,8 +49,8 @@ class _LoadTarget:
     path: str
     step: int | None
     model_only: bool
-    metadata: Metadata | None
-    """DCP's index of the checkpoint; None for a Hugging Face folder (always model only)."""
+    format: StepFormat
+    index: StepIndex
 
 
 def _as_list(x: Any) -> list:
@@ -114,7 +110,8 @@ class CheckpointManager:
                                   f"every rank must use the same folder; rank 0 uses {rank0_folder}")
         self._saves = make_strategy(config.async_mode)
         self._deleter = BackgroundDeleter() if self._group.is_coordinator else None
-        self._plan_caches: dict[SaveKind, PlanCache] = {}  # the last DCP save plan of each kind
+        context = Context(config, self._group, state_dict_adapter)
+        self._formats = {name: cls(context) for name, cls in FORMATS.items()}
 
     def _build_states(self, parts, optimizers, lr_schedulers, dataloader, extra, rank) -> dict[str, Stateful]:
         found: dict[str, Stateful] = {}
@@ -178,23 +175,26 @@ class CheckpointManager:
         if not self.config.enable:
             return False
         kind = save_kind(step, last_step, self.config)
-        hf_copy = hf_copy_due(step, self.config)
-        if kind is SaveKind.MODEL_ONLY and self.config.last_save_in_hf:
-            self._export_hf(step, self.folder, kind)
-            hf_copy = False
-        elif kind is not None:
-            self._saves.submit(self._state_for_save(kind), self._save_job(step, kind))
+        fmt = save_format(kind, self.config)
+        if kind is not None:
+            self._submit(step, kind, self.folder, self._formats[fmt])
+        hf_copy = hf_copy_due(step, self.config) and not (kind is SaveKind.MODEL_ONLY and fmt == "hf")
         if hf_copy:
-            self._export_hf(step, os.path.join(self.folder, HF_COPIES), SaveKind.MODEL_ONLY)
+            self._submit(step, SaveKind.MODEL_ONLY, os.path.join(self.folder, HF_COPIES), self._formats["hf"])
         if last_step:
             self._saves.wait()
         return kind is not None or hf_copy
 
-    def _export_hf(self, step: int, folder: str, kind: SaveKind) -> None:
-        """An HF export runs on the training thread (gathering wq/wk uses the training mesh's
-        groups), after the save in flight, whose collectives share the checkpoint group."""
-        self._saves.wait()
-        self._save_job(step, kind, folder, fmt="hf").run(self._model.state_dict())
+    def _submit(self, step: int, kind: SaveKind, folder: str, fmt: StepFormat) -> None:
+        """Hand one save to the staging strategy, or run it here after the save in flight when
+        the format must run on the training thread (the background save's collectives share
+        the checkpoint group)."""
+        job = self._save_job(step, kind, folder, fmt)
+        if fmt.on_training_thread:
+            self._saves.wait()
+            job.run(self._state_for_save(kind))
+        else:
+            self._saves.submit(self._state_for_save(kind), job)
 
     @property
     def save_in_flight(self) -> bool:
@@ -205,69 +205,56 @@ class CheckpointManager:
         """Return once the state handed to the last `save()` is safe to mutate. Staging copies
         inside `save()`, so this never blocks; it exists for loops written against TorchTitan."""
 
-    def _save_job(self, step: int, kind: SaveKind, folder: str | None = None, fmt: str = "dcp") -> SaveJob:
-        """The phases of one save into `{folder}/step-N` (DCP, or Hugging Face with `fmt="hf"`),
-        which the staging strategy runs in order on every rank."""
-        folder = folder or self.folder
+    def _save_job(self, step: int, kind: SaveKind, folder: str, fmt: StepFormat) -> SaveJob:
+        """The phases of one save into `{folder}/step-N` in format `fmt`, which the staging
+        strategy runs in order on every rank."""
         path = layout.step_dir(folder, step)
         start = time.perf_counter()
-
-        def write(state: dict[str, Any], sink: Sink) -> tuple[Callable[[], dict[str, tuple[int, str]]], str]:
-            planner = storage.make_save_planner(self.config.dedup_policy, self.config.dedup_min_slice_bytes,
-                                                self._plan_caches.setdefault(kind, PlanCache()))
-            writer = storage.make_storage_writer(path, sink, step, self.config.save_threads)
-            try:
-                if sink is write_files:  # in this process (a writer process would be sent the early buffers
-                    # in a call of their own, and it forgets the buffers a call does not name)
-                    writer.write_early(state, self._group.rank, self._group.world_size)
-                dcp.save(state, storage_writer=writer, planner=planner, process_group=self._group.pg)
-            except (Exception, CheckpointException) as e:
-                writer.wait_early()
-                self._plan_caches.pop(kind, None)  # the save failed (on every rank, for dcp.save): all plan afresh
-                raise CheckpointSaveError(step, path, storage.root_cause(e), _space_hint(path)) from None
-            faults.hit("written", step)
-            summary = planner.summary_line() if self._group.is_coordinator else ""
-            return writer.fs.durable, summary
-
-        def write_hf(state: dict[str, Any], _sink: Sink) -> tuple[Callable[[], dict[str, tuple[int, str]]], str]:
-            ck = self.config
-            save_hf(state, path, self._adapter, dtype=_DTYPES[ck.export_dtype], max_shard_size=ck.hf_max_shard_size,
-                    process_group=self._group.pg, mode=ck.consolidation, num_threads=ck.consolidation_threads,
-                    keep_shards=ck.keep_hf_shards)
-            return lambda: {}, ""  # no writer checksums: the commit reads each file once
-
-        def commit_step(written: tuple[Callable[[], dict[str, tuple[int, str]]], str]) -> None:
-            durable, summary = written
-            checksums: dict[str, tuple[int, str]] = {}
-            # every rank's files on the disk (they may still be being written and fsynced) before the marker
-            for ranks_files in self._agree(step, path, durable):
-                checksums.update(ranks_files)
-            states = ["model"] if kind is not SaveKind.FULL else ["model", *self._states]
-            info = commit.CommitInfo(step=step, states=states, format=fmt, world_size=self._group.world_size)
-            self._agree(step, path, lambda: commit.write_marker(path, info, checksums), coordinator_only=True)
-            if self._group.is_coordinator:
-                secs = time.perf_counter() - start
-                gb = info.total_bytes / 1e9
-                logger.info("saved step %d (%s, %s) to %s: %.3f GB in %.2f s, %.2f GB/s",
-                            step, kind.value, fmt, path, gb, secs, gb / max(secs, 1e-9))
-                if summary:
-                    logger.info("step %d %s", step, summary)
-                self._deleter.submit(steps_to_delete(layout.scan(folder), self.config.keep_latest_k))
 
         def prepare() -> None:
             self._agree(step, path, lambda: self._prepare_folder(path, step), coordinator_only=True)
 
-        return SaveJob(step=step, path=path,
-                       prepare=_save_errors(step, path, prepare),
-                       write=_save_errors(step, path, write_hf if fmt == "hf" else write),
-                       commit=_save_errors(step, path, commit_step))
+        def write(state: dict[str, Any], sink: Sink) -> Written:
+            try:
+                return fmt.write(path, step, kind, state, sink)
+            except CheckpointSaveError:
+                raise
+            except Exception as e:
+                raise CheckpointSaveError(step, path, e, _space_hint(path)) from None
+
+        def commit_step(written: Written) -> None:
+            info = self._commit(step, path, kind, fmt, written)
+            if self._group.is_coordinator:
+                self._log_saved(info, path, kind, time.perf_counter() - start, written.summary)
+                self._deleter.submit(steps_to_delete(layout.scan(folder), self.config.keep_latest_k))
+
+        return SaveJob(step=step, path=path, prepare=_save_errors(step, path, prepare),
+                       write=_save_errors(step, path, write), commit=_save_errors(step, path, commit_step))
+
+    def _commit(self, step: int, path: str, kind: SaveKind, fmt: StepFormat, written: Written) -> commit.CommitInfo:
+        """Wait until every rank's files are on the disk, then write the marker on rank 0."""
+        checksums: dict[str, tuple[int, str]] = {}
+        for ranks_files in self._agree(step, path, written.durable):
+            checksums.update(ranks_files)
+        states = ["model"] if kind is not SaveKind.FULL else ["model", *self._states]
+        info = commit.CommitInfo(step=step, states=states, format=fmt.name, world_size=self._group.world_size)
+        self._agree(step, path, lambda: commit.write_marker(path, info, checksums), coordinator_only=True)
+        return info
+
+    @staticmethod
+    def _log_saved(info: commit.CommitInfo, path: str, kind: SaveKind, secs: float, summary: str) -> None:
+        gb = info.total_bytes / 1e9
+        logger.info("saved step %d (%s, %s) to %s: %.3f GB in %.2f s, %.2f GB/s",
+                    info.step, kind.value, info.format, path, gb, secs, gb / max(secs, 1e-9))
+        if summary:
+            logger.info("step %d %s", info.step, summary)
 
     def _state_for_save(self, kind: SaveKind) -> dict[str, Any]:
         """The state as of now: model tensors at the top level, every other state resolved to
         its `state_dict()` (so a background save sees this step's values)."""
         model_sd = self._model.state_dict()
         if kind is SaveKind.MODEL_ONLY:
-            dtype = _DTYPES[self.config.export_dtype]
+            dtype = EXPORT_DTYPES[self.config.export_dtype]
             return {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in model_sd.items()}
         if kind is SaveKind.SEED:
             return model_sd
@@ -302,10 +289,7 @@ class CheckpointManager:
         if target is None:
             logger.info("no checkpoint in %s and no initial_load_path: starting from scratch", self.folder)
             return False
-        if target.metadata is None:
-            self._load_hf(target.path)
-        else:
-            self._load_dcp(target)
+        self._read(target)
         if self._group.is_coordinator:
             secs = time.perf_counter() - start
             gb = layout.folder_bytes(target.path) / 1e9
@@ -313,26 +297,13 @@ class CheckpointManager:
                         " (model only)" if target.model_only else "", gb, secs, gb / max(secs, 1e-9))
         return True
 
-    def _load_hf(self, path: str) -> None:
-        state = self._model.state_dict()
-        load_hf(state, path, self._adapter, process_group=self._group.pg, num_threads=self.config.load_threads)
-        self._model.load_state_dict(state)
-
-    def _load_dcp(self, target: _LoadTarget) -> None:
+    def _read(self, target: _LoadTarget) -> None:
         """Each rank reads its own share of the step (the model's tensors are filled in place,
         the other states' into their state dicts), then one gather makes any rank's failure every
         rank's failure before any state is applied."""
         state = self._state_for_load(target)
-
-        def read() -> None:
-            reader = storage.make_storage_reader(target.path, target.metadata, self.config.load_threads)
-            try:
-                storage.load_on_this_rank(state, reader, storage.make_load_planner())
-            except CheckpointException as e:  # a BaseException: unwrap it for `run`
-                raise storage.root_cause(e) from None
-
         try:
-            self._group.run(read)
+            self._group.run(lambda: target.format.read(target.path, target.index, state))
         except RankFailed as failed:
             failed.reraise(f"loading {target.path}")
         self._model.load_state_dict({k: v for k, v in state.items() if k not in self._states})
@@ -399,29 +370,22 @@ class CheckpointManager:
         mine = names[self._group.rank :: self._group.world_size]
         return [p for found in self._group.all_gather(commit.verify(path, mine)) for p in found]
 
-    def _target(self, path: str, step: int | None, model_only: bool, fmt: str = "dcp") -> _LoadTarget:
-        if fmt == "hf":
-            if self._adapter is None:
-                raise CheckpointError(f"{path} is in Hugging Face format; pass state_dict_adapter= to "
-                                      "CheckpointManager to load it")
-            return _LoadTarget(path, step, True, None)
-        metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
-        return _LoadTarget(path, step, model_only, metadata)
+    def _target(self, path: str, step: int | None, model_only: bool, fmt_name: str = "dcp") -> _LoadTarget:
+        fmt = self._formats.get(fmt_name)
+        if fmt is None:
+            raise CorruptCheckpointError(f"{path}: format {fmt_name!r} is not one of {', '.join(self._formats)}")
+        index = fmt.index(path)
+        return _LoadTarget(path, step, model_only or not index.keys(), fmt, index)
 
     def _committed_target(self, path: str, step: int) -> _LoadTarget:
         info = commit.read_marker(path)
         return self._target(path, step, info.model_only, info.format)
 
     def _state_for_load(self, target: _LoadTarget) -> dict[str, Any]:
-        model_sd = self._model.state_dict()
-        keys = target.metadata.state_dict_metadata
-        missing = [k for k in model_sd if k not in keys]
-        if missing:
-            raise CheckpointError(f"{target.path} lacks {len(missing)} model tensors this model has, "
-                                  f"e.g. {missing[:3]}; was it saved from a different model?")
-        state: dict[str, Any] = dict(model_sd)
+        state: dict[str, Any] = self._model.state_dict()
         if target.model_only:
             return state
+        keys = target.index.keys()
         for name, stateful in self._states.items():
             if name in self.config.exclude_from_loading:
                 continue
@@ -431,7 +395,7 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"{target.path} has no state '{name}'; add '{name}' to "
                     "checkpoint.exclude_from_loading to start it fresh")
-            if isinstance(stateful, DataLoaderState) and not self._expect_dataloader(stateful, saved, keys):
+            if isinstance(stateful, DataLoaderState) and not self._expect_dataloader(stateful, saved, target):
                 continue
             if isinstance(stateful, OptimizerState):
                 state[name] = stateful.state_dict_to_load({k[len(prefix):] for k in saved})
@@ -439,16 +403,16 @@ class CheckpointManager:
                 state[name] = stateful.state_dict()  # filled in place; applied once every rank has read
         return state
 
-    def _expect_dataloader(self, loader: DataLoaderState, saved: list[str], keys: dict) -> bool:
+    def _expect_dataloader(self, loader: DataLoaderState, saved: list[str], target: _LoadTarget) -> bool:
         if len(saved) != self._group.world_size:
             if self._group.is_coordinator:
                 logger.warning("the dataloader state was saved by %d ranks and this job has %d; "
                                "the dataloader starts from the beginning", len(saved), self._group.world_size)
             return False
-        md = keys[f"dataloader.{loader.key}"]
-        if not isinstance(md, TensorStorageMetadata):
-            raise CheckpointError("the dataloader entry of this checkpoint is not a byte tensor")
-        loader.expect_load(md.size[0])
+        size = target.index.tensors.get(f"dataloader.{loader.key}")
+        if size is None or len(size) != 1:
+            raise CorruptCheckpointError(f"{target.path}: the dataloader entry dataloader.{loader.key} is not a byte tensor")
+        loader.expect_load(size[0])
         return True
 
 

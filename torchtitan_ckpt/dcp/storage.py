@@ -118,10 +118,11 @@ class SafeFileSystemReader(FileSystemReader):
     reading it again.
     """
 
-    def __init__(self, path: str, metadata: Metadata | None = None, threads: int = 1):
+    def __init__(self, path: str, metadata: Metadata | None = None, threads: int = 1, fast: bool = True):
         super().__init__(path)
         self._metadata = metadata
         self.threads = threads
+        self.fast = fast
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -135,8 +136,8 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if any(self.storage_data[req.storage_index].transform_descriptors for req in plan.items):
-            return super().read_data(plan, planner)  # compressed or otherwise transformed items
+        if not self.fast or any(self.storage_data[req.storage_index].transform_descriptors for req in plan.items):
+            return super().read_data(plan, planner)  # PyTorch's engine, or compressed or otherwise transformed items
         reader.ItemReader(str(self.path), self.storage_data, self.threads).read(plan.items, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -309,6 +310,10 @@ class DataFileWriter(FileSystemWriter):
         except Exception as e:  # raised in write_data, inside DCP's protocol, so every rank hears of it
             self._early_error = e
 
+    def durable(self) -> dict[str, tuple[int, str]]:
+        """Wait until this rank's files are on the disk; their (size, CRC-32) by relative path."""
+        return self.fs.durable()
+
     def wait_early(self) -> None:
         """Wait until the early writes have stopped (after a failed save: nothing may still be
         writing into the step folder when the error reaches the caller)."""
@@ -430,17 +435,38 @@ def _spread(items: list, n: int, nbytes: Callable[[Any], int]) -> list[list]:
     return [g for g in groups if g] or [[]]
 
 
+class TorchFileWriter(FileSystemWriter):
+    """PyTorch's own writer, for `io_engine = "torch"`: the same calls as `DataFileWriter`, but
+    nothing is written early and no checksum is computed while writing (the commit reads each
+    file once for its CRC-32)."""
+
+    def write_early(self, state: dict[str, Any], rank: int, world_size: int) -> None:
+        """Nothing is written before DCP plans."""
+
+    def wait_early(self) -> None:
+        """Nothing was written early."""
+
+    def durable(self) -> dict[str, tuple[int, str]]:
+        """`dcp.save` returned after fsyncing every file (`sync_files`): no checksums known."""
+        return {}
+
+
 def make_storage_writer(path: str, sink: filewriter.Sink = filewriter.write_files, step: int | None = None,
-                        files_per_rank: int = 1) -> DataFileWriter:
-    """Writer of a DCP step folder. `dcp.save` returns once the data files are written (their
-    fsync may still run); `writer.fs.durable()` waits for it and returns each file's size and
-    CRC-32, recorded as it was written. `step` arms the `write` fail point."""
+                        files_per_rank: int = 1, fast: bool = True) -> DataFileWriter | TorchFileWriter:
+    """Writer of a DCP step folder, by the fast engine or (`fast=False`) PyTorch's. `dcp.save`
+    returns once the data files are written (their fsync may still run); `writer.durable()`
+    waits for it and returns each file's size and CRC-32, recorded as it was written. `step`
+    arms the `write` fail point."""
+    if not fast:
+        return TorchFileWriter(path, sync_files=True, single_file_per_rank=True, thread_count=files_per_rank)
     return DataFileWriter(path, sink, step, files_per_rank)
 
 
-def make_storage_reader(path: str, metadata: Metadata | None = None, threads: int = 1) -> SafeFileSystemReader:
-    """Reader of a DCP folder on `threads` I/O threads; pass `metadata` if it is already read."""
-    return SafeFileSystemReader(path, metadata, threads)
+def make_storage_reader(path: str, metadata: Metadata | None = None, threads: int = 1,
+                        fast: bool = True) -> SafeFileSystemReader:
+    """Reader of a DCP folder on `threads` I/O threads (PyTorch's reads with `fast=False`);
+    pass `metadata` if it is already read."""
+    return SafeFileSystemReader(path, metadata, threads, fast)
 
 
 def make_save_planner(policy: str = "balanced", min_slice_bytes: int = 1 << 20,

@@ -33,3 +33,9 @@ def hf_copy_due(step: int, config: Checkpoint) -> bool:
     """Whether step `step` also exports a Hugging Face copy (`hf_export_interval`)."""
     every = config.hf_export_interval
     return config.enable and not config.load_only and every > 0 and step > 0 and step % every == 0
+
+
+def save_format(kind: SaveKind | None, config: Checkpoint) -> str:
+    """The format a save of `kind` is written in: Hugging Face for the last step's model-only
+    save with `last_save_in_hf`, else DCP."""
+    return "hf" if kind is SaveKind.MODEL_ONLY and config.last_save_in_hf else "dcp"

@@ -1,0 +1,81 @@
+"""`checkpoint.io_engine`: PyTorch's own FileSystemWriter / FileSystemReader under the same commit
+protocol, dedup policy and checksums, and each engine reading what the other wrote."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torchtitan_ckpt import commit, layout
+from torchtitan_ckpt.dcp import storage
+
+from .helpers import assert_same, data_file_use, losses, read_checkpoint, run_job
+from .jobs import make_job
+
+ENGINES = ("fast", "torch")
+MODES = ("disabled", "async", "async_with_pinned_mem")
+
+
+def _step(tmp_path, name: str, step: int) -> str:
+    return layout.step_dir(os.path.join(tmp_path, name, "checkpoint"), step)
+
+
+def _read_with(path: str, engine: str) -> dict:
+    """Every value of a step, read by one engine (PyTorch's reader through our safe planner)."""
+    metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
+    state = read_checkpoint(path)  # the keys and destinations
+    for value in state.values():
+        if isinstance(value, torch.Tensor):
+            value.zero_()
+    reader = storage.make_storage_reader(path, metadata, threads=2, fast=engine == "fast")
+    dcp.load(state, storage_reader=reader, planner=storage.make_load_planner(), no_dist=True)
+    return state
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_torch_engine_saves_what_the_fast_engine_saves_and_each_reads_the_other(tmp_path, mode):
+    runs = {}
+    for engine in ENGINES:
+        job = make_job(str(tmp_path / engine), steps=4, interval=2, keep_latest_k=0, last_save_model_only=False,
+                       io_engine=engine, async_mode=mode if engine == "torch" else "disabled")
+        job.run_to(4, steps=4)
+        job.manager.close()
+        runs[engine] = _step(tmp_path, engine, 4)
+    # PyTorch's writer: one file per rank; ours: the tensors written while DCP plans, then the rest
+    assert sorted(data_file_use(runs["torch"])) == ["__0_0.distcp"]
+    assert sorted(data_file_use(runs["fast"])) == ["__0_0.distcp", "__0_1.distcp"]
+    assert commit.verify(runs["torch"]) == []  # every file's CRC-32 is in the marker and matches
+    assert commit.read_marker(runs["torch"]).states == commit.read_marker(runs["fast"]).states
+    expected = read_checkpoint(runs["fast"])
+    for written in ENGINES:
+        for reading in ENGINES:
+            assert_same(_read_with(runs[written], reading), expected)
+
+
+def test_torch_engine_resume_restores_every_state(tmp_path):
+    job = make_job(str(tmp_path), steps=8, interval=2, io_engine="torch")
+    job.run_to(4, steps=8)
+    job.manager.close()
+    later = [job.step() for _ in range(2)]
+    fresh = make_job(str(tmp_path), steps=8, interval=2, init_seed=123, io_engine="torch")
+    assert fresh.manager.load()
+    assert (fresh.train_state.step, fresh.sched.last_epoch) == (4, 4)
+    assert [fresh.step() for _ in range(2)] == later
+
+
+@pytest.mark.multirank
+def test_two_ranks_switch_engines_mid_run_and_resume_bit_identically(tmp_path):
+    """2 ranks (FSDP): the first half saved by PyTorch's engine, the second loaded and saved by
+    ours, against an uninterrupted run with PyTorch's engine."""
+    full = ("--checkpoint.last_save_model_only", "false", "--checkpoint.keep_latest_k", "0")
+    straight = run_job(str(tmp_path / "straight"), *full, "--checkpoint.io_engine", "torch", nproc=2)
+    run_job(str(tmp_path / "mixed"), *full, "--checkpoint.io_engine", "torch", "--training.stop_at_step", "10",
+            nproc=2)
+    second = run_job(str(tmp_path / "mixed"), *full, "--checkpoint.io_engine", "fast", nproc=2)
+    assert sorted(losses(second)) == list(range(11, 21))
+    assert losses(second) == {s: loss for s, loss in losses(straight).items() if s > 10}
+    assert_same(read_checkpoint(_step(tmp_path, "straight", 20)), read_checkpoint(_step(tmp_path, "mixed", 20)))
+    assert commit.verify(_step(tmp_path, "mixed", 10)) == []

@@ -1,0 +1,83 @@
+"""What every on-disk format provides, and what it is given to work with."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import Checkpoint
+from ..group import CheckpointGroup
+from ..io.filewriter import Sink
+from ..policy.schedule import SaveKind
+
+
+@dataclass
+class Context:
+    """What a format needs of the job: the `[checkpoint]` config, the checkpoint group, and the
+    state-dict adapter for formats that rename the model's tensors (None when the job has none)."""
+
+    config: Checkpoint
+    group: CheckpointGroup
+    adapter: Any | None = None
+
+
+@dataclass
+class Written:
+    """A rank's part of a step, handed to the commit."""
+
+    durable: Callable[[], dict[str, tuple[int, str]]] = dict
+    """Waits until this rank's files are on the disk; returns their (size, CRC-32 hex) by path
+    relative to the step folder, as computed while writing (files missing from it are read
+    once by the commit)."""
+    summary: str = ""
+    """A line about the save for rank 0 to log (e.g. bytes per rank), or empty."""
+
+
+@dataclass
+class StepIndex:
+    """What a step holds, known before anything is read."""
+
+    tensors: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """Saved key -> the whole tensor's shape, for every tensor."""
+    values: frozenset[str] = frozenset()
+    """Saved keys of non-tensor values."""
+    native: Any = None
+    """The format's own index (DCP's `Metadata`), passed back to `read`."""
+
+    def keys(self) -> set[str]:
+        return set(self.tensors) | set(self.values)
+
+
+class StepFormat(ABC):
+    """One on-disk format. Methods run on every rank unless they say otherwise."""
+
+    name: str
+    """As recorded in the commit marker's `format`."""
+
+    def __init__(self, context: Context):
+        self.ctx = context
+
+    @staticmethod
+    @abstractmethod
+    def holds(path: str) -> bool:
+        """Whether the folder `path` holds a step in this format (its index file exists)."""
+
+    @abstractmethod
+    def write(self, path: str, step: int, kind: SaveKind, state: dict[str, Any], sink: Sink) -> Written:
+        """Write `state` (model tensors at the top level, other states nested under their
+        names) into the existing folder `path`; the data files' bytes go through `sink`."""
+
+    @abstractmethod
+    def index(self, path: str) -> StepIndex:
+        """Read what the step at `path` holds, checking its index file."""
+
+    @abstractmethod
+    def read(self, path: str, index: StepIndex, state: dict[str, Any]) -> None:
+        """Fill this rank's part of `state` (tensors in place, other values replaced) from the
+        step; raise on this rank's failure (the caller makes it every rank's)."""
+
+    on_training_thread: bool = False
+    """Whether saves must run on the training thread (their collectives use the training mesh)
+    rather than in the background."""

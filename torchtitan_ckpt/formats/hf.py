@@ -1,0 +1,49 @@
+"""Hugging Face's format: `config.json`, safetensors files and their index, which `transformers`
+loads as they are. Holds the model only, renamed by the job's state-dict adapter (`hf/`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import CheckpointError
+from ..hf import load_hf, save_hf
+from ..hf.adapter import INDEX_FILE, SINGLE_FILE
+from ..io.dtypes import EXPORT_DTYPES
+from ..io.filewriter import Sink
+from ..policy.schedule import SaveKind
+from .base import StepFormat, StepIndex, Written
+
+
+class HfFormat(StepFormat):
+    name = "hf"
+    on_training_thread = True  # gathering wq/wk rows uses the training mesh's groups
+
+    @staticmethod
+    def holds(path: str) -> bool:
+        return any(os.path.isfile(os.path.join(path, f)) for f in (INDEX_FILE, SINGLE_FILE))
+
+    def _adapter(self, path: str) -> Any:
+        if self.ctx.adapter is None:
+            raise CheckpointError(f"{path} is in Hugging Face format; pass state_dict_adapter= to "
+                                  "CheckpointManager to read or write it")
+        return self.ctx.adapter
+
+    def write(self, path: str, step: int, kind: SaveKind, state: dict[str, Any], sink: Sink) -> Written:
+        """Write the model (floating tensors cast to `export_dtype`); the commit reads each file
+        once for its CRC-32."""
+        ck = self.ctx.config
+        save_hf(state, path, self._adapter(path), dtype=EXPORT_DTYPES[ck.export_dtype],
+                max_shard_size=ck.hf_max_shard_size, process_group=self.ctx.group.pg, mode=ck.consolidation,
+                num_threads=ck.consolidation_threads, keep_shards=ck.keep_hf_shards)
+        return Written()
+
+    def index(self, path: str) -> StepIndex:
+        """Names are the adapter's business (`read` checks them against the model): an HF step
+        holds the model and nothing else."""
+        self._adapter(path)
+        return StepIndex()
+
+    def read(self, path: str, index: StepIndex, state: dict[str, Any]) -> None:
+        load_hf(state, path, self._adapter(path), process_group=self.ctx.group.pg,
+                num_threads=self.ctx.config.load_threads)
