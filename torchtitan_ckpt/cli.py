@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import commit, layout, storage
@@ -375,12 +376,16 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except BrokenPipeError:
         return _stdout_closed()
-    except KeyboardInterrupt:
-        print(f"torchtitan-ckpt {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
     except (CheckpointError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INPUT
+    except (KeyboardInterrupt, CheckpointException) as e:  # DCP wraps a Ctrl-C in its own exception
+        cause = storage.root_cause(e)
+        if not isinstance(cause, KeyboardInterrupt):
+            print(f"error: {type(cause).__name__}: {cause}", file=sys.stderr)
+            return EXIT_INPUT
+        print(f"torchtitan-ckpt {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -94,8 +94,10 @@ class Progress:
         self._phase, self._done, self._total = phase, 0, total
         self._started = self._last_line = time.monotonic()
         if self.tty:
+            width = _columns(self.stream)  # 0 on a terminal that never set its size (serial, new pty)
             self._bar = tqdm(total=total, desc=f"{self.command}: {phase}", unit="B", unit_scale=True,
-                             unit_divisor=1000, file=self.stream, dynamic_ncols=True, mininterval=0.2)
+                             unit_divisor=1000, file=self.stream, dynamic_ncols=width > 0,
+                             ncols=None if width else 80, nrows=None if width else 24, mininterval=0.2)
         else:
             logger.info("%s: %s %s", self.command, phase, fmt_bytes(total))
 
@@ -125,3 +127,10 @@ def _isatty(stream: TextIO) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def _columns(stream: TextIO) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, ValueError, OSError):
+        return 0

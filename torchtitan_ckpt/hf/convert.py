@@ -133,6 +133,8 @@ def _read_dcp(state: dict[str, Any], path: str) -> None:
         dcp.load(state, storage_reader=storage.make_storage_reader(path), planner=storage.make_load_planner())
     except CheckpointException as e:
         cause = storage.root_cause(e)
+        if isinstance(cause, KeyboardInterrupt):
+            raise cause from None
         raise CheckpointError(f"reading {path} failed: {type(cause).__name__}: {cause}") from None
 
 
