@@ -6,13 +6,16 @@ a real pseudo-terminal."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -186,3 +189,88 @@ def test_progress_bar_on_a_terminal(folder):
     size = tqdm.format_sizeof(info.total_bytes, divisor=1000)
     assert f"verify: verifying: 100%|" in text and f"| {size}/{size} [" in text and "B/s]" in text, text
     assert out == f"{layout.step_dir(folder, 2)}: {len(info.files)} files, {cli.fmt_bytes(info.total_bytes)}, all intact\n"
+
+
+# ---------------------------------------------------------------------------- convert
+
+
+@pytest.fixture(scope="module")
+def small_step(tmp_path_factory) -> str:
+    """A DCP folder of the `small` flavor: 16 MB in 39 tensors."""
+    path = str(tmp_path_factory.mktemp("small") / "step-1")
+    torch.manual_seed(0)
+    dcp.save(Transformer(FLAVORS["small"]).state_dict(), checkpoint_id=path)
+    return path
+
+
+def test_progress_lines_off_a_terminal(small_step, tmp_path):
+    """stderr a pipe: no bar, but log lines with bytes done, rate and time left (one per update
+    with --progress-every 0), then the phase's time and throughput."""
+    out = str(tmp_path / "hf")
+    done = subprocess.run([*CMD, "convert", "--to", "hf", small_step, out, "--flavor", "small", "--threads", "1",
+                           "--progress-every", "0"], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"converted {small_step} -> {out} (hf)\n"
+    total = sum(t.numel() * 4 for t in Transformer(FLAVORS["small"]).state_dict().values())
+    lines = re.findall(r"convert: writing ([\d.]+ [KMG]?B) of ([\d.]+ MB) \(\d+%\), [\d.]+ [KMG]?B/s, \d:\d\d:\d\d left",
+                       done.stderr)
+    assert len(lines) >= 10 and {of for _, of in lines} == {cli.fmt_bytes(total)}, done.stderr
+    assert re.search(rf"convert: writing {cli.fmt_bytes(total)} in [\d.]+ s \([\d.]+ [KMG]?B/s\)", done.stderr)
+    assert "\r" not in done.stderr and "%|" not in done.stderr
+    assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+    assert not os.path.exists(out + cli.PARTIAL_SUFFIX)
+
+
+def _read_until(fd: int, text: bytes, timeout: float = 120) -> bytes:
+    seen, deadline = b"", time.monotonic() + timeout
+    while text not in seen:
+        assert time.monotonic() < deadline, seen.decode()
+        chunk = os.read(fd, 256)
+        assert chunk, seen.decode()
+        seen += chunk
+    return seen
+
+
+def _fill(pipe_w: int) -> None:
+    """Fill a pipe through a second, non-blocking open file description of its write end (the
+    command's own stderr stays blocking): its next line to stderr then waits."""
+    filler = os.open(f"/proc/self/fd/{pipe_w}", os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        for size in (4096, 256, 1):
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    os.write(filler, b"." * size)
+    finally:
+        os.close(filler)
+
+
+def test_interrupted_convert_leaves_nothing_that_looks_complete(small_step, tmp_path):
+    """SIGINT while the HF files are half written (the command is held there by a full stderr
+    pipe, so the moment is certain): exit 130, no output folder, no .partial one, nothing `list`
+    takes for a step."""
+    out = str(tmp_path / "step-7")
+    partial = out + cli.PARTIAL_SUFFIX
+    r, w = os.pipe()
+    # No warnings: the first line after "reading" is then the one that starts the writing, once
+    # the HF files exist, and it waits for the full pipe.
+    proc = subprocess.Popen([*CMD, "convert", "--to", "hf", small_step, out, "--flavor", "small", "--threads", "1",
+                             "--progress-every", "0"], stdout=subprocess.PIPE, stderr=w,
+                            env={**ENV, "PYTHONWARNINGS": "ignore"}, cwd=ROOT)
+    try:
+        _read_until(r, b"convert: reading")
+        _fill(w)
+        os.close(w)
+        deadline = time.monotonic() + 60
+        while not (os.path.isdir(partial) and any(n.endswith(".safetensors") for n in os.listdir(partial))):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        err = b"".join(iter(lambda: os.read(r, 65536), b"")).decode()
+        assert proc.wait(timeout=120) == cli.EXIT_INTERRUPTED, err
+    finally:
+        proc.kill()
+        os.close(r)
+    assert "torchtitan-ckpt convert: interrupted" in err and "Traceback" not in err, err
+    assert proc.stdout.read() == b""
+    assert not os.path.exists(out) and not os.path.exists(partial)
+    assert layout.scan(str(tmp_path)) == []

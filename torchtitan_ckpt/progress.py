@@ -73,7 +73,7 @@ class Progress:
             if self._bar is not None:
                 self._bar.total = self._total
                 self._bar.update(nbytes)
-            elif time.monotonic() - self._last_line >= self.interval and self._done < self._total:
+            elif nbytes and self._done < self._total and time.monotonic() - self._last_line >= self.interval:
                 self._log_line()
 
     def phase(self, name: str) -> Callable[[int, int], None]:
