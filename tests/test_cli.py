@@ -187,7 +187,7 @@ def test_progress_bar_on_a_terminal(folder):
     text = screen.decode()
     info = commit.read_marker(layout.step_dir(folder, 2))
     size = tqdm.format_sizeof(info.total_bytes, divisor=1000)
-    assert f"verify: verifying: 100%|" in text and f"| {size}/{size} [" in text and "B/s]" in text, text
+    assert "verify: verifying: 100%|" in text and f"| {size}/{size} [" in text and "B/s]" in text, text
     assert out == f"{layout.step_dir(folder, 2)}: {len(info.files)} files, {cli.fmt_bytes(info.total_bytes)}, all intact\n"
 
 
