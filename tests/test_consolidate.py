@@ -3,7 +3,6 @@ DCP shard input, hand-made shards sharded on inner dims, and corrupted input."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import struct
@@ -14,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
+from torchtitan_ckpt import cli
 from torchtitan_ckpt.hf import consolidate as C
 from torchtitan_ckpt.errors import CorruptCheckpointError
 
@@ -239,11 +239,10 @@ def test_cli_consolidates_with_a_mapping_file(tmp_path, capsys):
     state = full_state()
     shards = dcp_shards(tmp_path, state, MAPPING)
     json.dump(MAPPING, open(tmp_path / "map.json", "w"))
-    parser = argparse.ArgumentParser()
-    C.add_consolidate_parser(parser.add_subparsers())
-    args = parser.parse_args(["consolidate", shards, str(tmp_path / "hf"), "--mapping", str(tmp_path / "map.json"),
-                              "--keep-shards", "--num-threads", "2"])
-    assert args.func(args) == 0
+    assert cli.main(["consolidate", shards, str(tmp_path / "hf"), "--mapping", str(tmp_path / "map.json"),
+                     "--keep-shards", "--num-threads", "2"]) == 0
     assert_identical(read_output(str(tmp_path / "hf")), state)
-    bad = parser.parse_args(["consolidate", str(tmp_path / "nope"), str(tmp_path / "o")])
-    assert bad.func(bad) == 1 and "no such folder" in capsys.readouterr().err
+    assert not os.path.exists(str(tmp_path / "hf") + cli.PARTIAL_SUFFIX)
+    assert cli.main(["consolidate", str(tmp_path / "nope"), str(tmp_path / "o")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "o") and not os.path.exists(str(tmp_path / "o") + cli.PARTIAL_SUFFIX)

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import assert_same, read_checkpoint
+from torchtitan_ckpt import cli
 from torchtitan_ckpt.errors import CheckpointError, CorruptCheckpointError
 from torchtitan_ckpt.example.model import FLAVORS, Transformer
 from torchtitan_ckpt.hf import (
@@ -32,7 +33,6 @@ from torchtitan_ckpt.hf import shards
 from torchtitan_ckpt.hf.adapter import HFSource, permute_rows
 from torchtitan_ckpt.hf.safetensors_io import read_exact
 from torchtitan_ckpt.hf.shards import row_pieces
-from torchtitan_ckpt.hf.convert import add_convert_parser, run_convert
 
 transformers = pytest.importorskip("transformers")
 
@@ -390,9 +390,7 @@ def test_read_exact_fills_more_buffers_than_one_preadv_takes_in_file_order(tmp_p
 # ---------------------------------------------------------------------------- convert
 
 def _convert(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    add_convert_parser(parser.add_subparsers(dest="command"))
-    return run_convert(parser.parse_args(["convert", *argv]))
+    return cli.main(["convert", *argv])
 
 
 def test_convert_dcp_to_hf_and_back(tmp_path):

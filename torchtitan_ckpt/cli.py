@@ -1,4 +1,4 @@
-"""`torchtitan-ckpt`: look at checkpoints from the shell.
+"""`torchtitan-ckpt`: look at, check, convert and tidy checkpoints from the shell.
 
     torchtitan-ckpt list DIR          every step folder, complete or not, its size and contents
     torchtitan-ckpt inspect STEP_DIR  the states, tensors, dtypes, shapes and bytes of one step
@@ -6,50 +6,89 @@
     torchtitan-ckpt clean DIR         remove the partial step folders crashed saves left behind
     torchtitan-ckpt convert --to hf STEP_DIR OUT_DIR | --to dcp HF_DIR OUT_DIR
     torchtitan-ckpt consolidate IN_DIR OUT_DIR   per-rank HF shard files -> final safetensors files
+
+All argparse of the package lives here. `list`, `inspect` and `verify` take `--json` (one JSON
+document on stdout; docs/cli.md shows each). Long work shows progress on stderr: a bar on a
+terminal, a log line every `--progress-every` seconds otherwise, only on rank 0 under torchrun.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import logging
 import os
 import shutil
 import sys
-from collections import defaultdict
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import commit, layout
 from .dcp import storage
-from .hf.consolidate import add_consolidate_parser, run_consolidate
-from .errors import CheckpointError
-from .hf.convert import add_convert_parser, run_convert
+from .hf.consolidate import INDEX_FILE, consolidate_safetensors, load_mapping
+from .errors import CheckpointError, CheckpointNotFoundError
+from .hf.convert import ADAPTERS, DTYPES, convert
+from .hf.save import MODES
+from .progress import DEFAULT_INTERVAL, Progress, fmt_bytes, this_rank_draws
+
+EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
+EXIT_CODES = """exit status:
+  0    success
+  1    verify: a file is missing or differs from the manifest; list: no complete step
+  2    usage error, or input that is not what the command needs (named on stderr)
+  130  interrupted (Ctrl-C); an unfinished convert/consolidate output is removed
+  141  stdout was closed early (e.g. `| head`); the command stops quietly
+"""
+PARTIAL_SUFFIX = ".partial"
+"""convert and consolidate write a new OUT_DIR as OUT_DIR.partial and rename it when done."""
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
+def _print_json(doc: dict[str, Any]) -> None:
+    json.dump(doc, sys.stdout, indent=2)
+    sys.stdout.write("\n")
 
 
-def cmd_list(folder: str) -> int:
+def _require_folder(folder: str) -> None:
     if not os.path.isdir(folder):
-        print(f"error: {folder} is not a folder", file=sys.stderr)
-        return 2
-    steps = layout.scan(folder)
-    if not steps:
-        print(f"{folder}: no step folders")
-        return 0
-    print(f"{'step':>8}  {'status':<10}  {'size':>10}  contents")
-    for s in steps:
-        if s.committed:
-            info = commit.read_marker(s.path)
-            status, what = "complete", f"{info.format}: {', '.join(info.states)}"
-        else:
-            status, what = "PARTIAL", f"no {commit.MARKER}: never loaded"
-        print(f"{s.step:>8}  {status:<10}  {_fmt_bytes(layout.folder_bytes(s.path)):>10}  {what}")
-    return 0
+        raise CheckpointNotFoundError(f"{folder} is not a folder")
+
+
+# ---------------------------------------------------------------------------------------------
+# list
+
+
+def _step_record(s: layout.StepFolder) -> dict[str, Any]:
+    info = commit.read_marker(s.path) if s.committed else None
+    return {"step": s.step, "path": s.path, "status": "complete" if info else "partial",
+            "bytes": layout.folder_bytes(s.path), "format": info.format if info else None,
+            "states": info.states if info else None, "world_size": info.world_size if info else None}
+
+
+def cmd_list(args: argparse.Namespace, progress: Progress) -> int:
+    _require_folder(args.folder)
+    steps = [_step_record(s) for s in layout.scan(args.folder)]
+    complete = [s["step"] for s in steps if s["status"] == "complete"]
+    if args.json:
+        _print_json({"folder": args.folder, "latest_complete": max(complete, default=None), "steps": steps})
+    elif not steps:
+        print(f"{args.folder}: no step folders")
+    else:
+        print(f"{'step':>8}  {'status':<10}  {'size':>10}  contents")
+        for s in steps:
+            status, what = (("complete", f"{s['format']}: {', '.join(s['states'])}") if s["format"] else
+                            ("PARTIAL", f"no {commit.MARKER}: never loaded"))
+            print(f"{s['step']:>8}  {status:<10}  {fmt_bytes(s['bytes']):>10}  {what}")
+    return EXIT_OK if complete else EXIT_FAILED
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
 
 
 def _state_of(key: str, states: list[str]) -> str:
@@ -57,89 +96,297 @@ def _state_of(key: str, states: list[str]) -> str:
     return head if head in states else "model"
 
 
-def cmd_inspect(path: str) -> int:
+def _describe(path: str) -> dict[str, Any]:
+    """The `inspect --json` document of a DCP step folder."""
     md_path = os.path.join(path, storage.METADATA_FILE)
     if not os.path.isfile(md_path):
-        print(f"error: {path} is not a DCP checkpoint folder (no {storage.METADATA_FILE})", file=sys.stderr)
-        return 2
+        raise CheckpointNotFoundError(f"{path} is not a DCP checkpoint folder (no {storage.METADATA_FILE})")
     info = commit.read_marker(path) if commit.is_committed(path) else None
     metadata = storage.read_metadata(md_path)
     states = info.states if info else sorted({k.split(".", 1)[0] for k in metadata.state_dict_metadata})
-    status = f"complete, step {info.step}, saved by {info.world_size} rank(s)" if info else "no commit marker"
-    print(f"{path}: {status}")
-    by_state: dict[str, list[tuple[str, object]]] = defaultdict(list)
+    tensors, objects = [], []
     for key, md in sorted(metadata.state_dict_metadata.items()):
-        by_state[_state_of(key, states)].append((key, md))
-    for state, items in by_state.items():
-        total = 0
+        if isinstance(md, TensorStorageMetadata):
+            tensors.append({"key": key, "state": _state_of(key, states),
+                            "dtype": str(md.properties.dtype).removeprefix("torch."), "shape": list(md.size),
+                            "bytes": md.size.numel() * md.properties.dtype.itemsize})
+        else:
+            objects.append({"key": key, "state": _state_of(key, states)})
+    return {"path": path, "status": "complete" if info else "partial", "step": info.step if info else None,
+            "format": info.format if info else None, "world_size": info.world_size if info else None,
+            "states": states, "tensor_bytes": sum(t["bytes"] for t in tensors), "tensors": tensors,
+            "objects": objects}
+
+
+def _print_inspect(doc: dict[str, Any]) -> None:
+    status = (f"complete, step {doc['step']}, saved by {doc['world_size']} rank(s)"
+              if doc["status"] == "complete" else "no commit marker")
+    print(f"{doc['path']}: {status}")
+    for state in dict.fromkeys([*doc["states"], "model"]):
+        tensors = [t for t in doc["tensors"] if t["state"] == state]
+        objects = [o for o in doc["objects"] if o["state"] == state]
+        if not tensors and not objects:
+            continue
         print(f"\n[{state}]")
-        for key, md in items:
-            if isinstance(md, TensorStorageMetadata):
-                nbytes = md.size.numel() * md.properties.dtype.itemsize
-                total += nbytes
-                dtype = str(md.properties.dtype).removeprefix("torch.")
-                print(f"  {key:<60} {dtype:<9} {str(list(md.size)):<16} {_fmt_bytes(nbytes):>10}")
-            else:
-                print(f"  {key:<60} {'object':<9}")
-        print(f"  {'total tensor bytes':<60} {'':<9} {'':<16} {_fmt_bytes(total):>10}")
-    return 0
+        for t in tensors:
+            print(f"  {t['key']:<60} {t['dtype']:<9} {str(t['shape']):<16} {fmt_bytes(t['bytes']):>10}")
+        for o in objects:
+            print(f"  {o['key']:<60} {'object':<9}")
+        total = sum(t["bytes"] for t in tensors)
+        print(f"  {'total tensor bytes':<60} {'':<9} {'':<16} {fmt_bytes(total):>10}")
 
 
-def cmd_verify(path: str, threads: int) -> int:
+def cmd_inspect(args: argparse.Namespace, progress: Progress) -> int:
+    doc = _describe(args.step_dir)
+    if args.json:
+        _print_json(doc)
+    else:
+        _print_inspect(doc)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+# verify
+
+
+def _verify_files(path: str, info: commit.CommitInfo, threads: int, progress: Progress) -> list[dict[str, Any]]:
+    """One record per manifest file, checked `threads` at a time, reporting bytes as files finish."""
+    def check(rel: str) -> dict[str, Any]:
+        problems = commit.verify(path, [rel], threads=1)
+        size = info.files[rel]["size"]
+        progress("verifying", size, info.total_bytes)
+        return {"file": rel, "bytes": size, "crc32": info.files[rel]["crc32"], "ok": not problems,
+                "problem": problems[0] if problems else None}
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        return list(pool.map(check, sorted(info.files)))
+
+
+def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
+    path = args.step_dir
     if not commit.is_committed(path):
-        print(f"error: {path} has no {commit.MARKER}: not a complete step", file=sys.stderr)
-        return 2
+        raise CheckpointNotFoundError(f"{path} has no {commit.MARKER}: not a complete step")
     info = commit.read_marker(path)
-    problems = commit.verify(path, threads=threads)
-    for problem in problems:
-        print(f"CORRUPT {problem}")
-    if problems:
-        return 1
-    print(f"{path}: {len(info.files)} files, {_fmt_bytes(info.total_bytes)}, all intact")
-    return 0
+    with progress:
+        files = _verify_files(path, info, args.threads, progress)
+    failed = [f for f in files if not f["ok"]]
+    if args.json:
+        _print_json({"path": path, "step": info.step, "ok": not failed, "bytes": info.total_bytes,
+                     "failed": len(failed), "files": files})
+    else:
+        for f in files:
+            if not f["ok"]:
+                print(f"CORRUPT {f['problem']}")
+            elif args.verbose:
+                print(f"ok      {os.path.join(path, f['file'])}")
+        if not failed:
+            print(f"{path}: {len(files)} files, {fmt_bytes(info.total_bytes)}, all intact")
+    return EXIT_FAILED if failed else EXIT_OK
 
 
-def cmd_clean(folder: str) -> int:
-    """Run it while no job writes to `folder`: a save in flight looks partial too."""
-    if not os.path.isdir(folder):
-        print(f"error: {folder} is not a folder", file=sys.stderr)
-        return 2
-    partial = [s for s in layout.scan(folder) if not s.committed]
-    for s in partial:
-        shutil.rmtree(s.path)
-        print(f"removed {s.path} (partial)")
-    print(f"{len(partial)} partial step folder(s) removed")
-    return 0
+# ---------------------------------------------------------------------------------------------
+# clean
+
+
+def _remove_tree(path: str, progress: Progress, total: int) -> None:
+    for root, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(root, name)
+            size = os.path.getsize(full)
+            os.remove(full)
+            progress("removing", size, total)
+    shutil.rmtree(path)
+
+
+def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
+    """Run it while no job writes to the folder: a save in flight looks partial too."""
+    _require_folder(args.folder)
+    partial = [s for s in layout.scan(args.folder) if not s.committed]
+    total = sum(layout.folder_bytes(s.path) for s in partial)
+    with progress:
+        for s in partial:
+            _remove_tree(s.path, progress, total)
+            print(f"removed {s.path} (partial)")
+    print(f"{len(partial)} partial step folder(s) removed, {fmt_bytes(total)}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+# convert and consolidate: collective under torchrun, output staged under a temporary name
+
+
+@contextlib.contextmanager
+def _process_group() -> Iterator[None]:
+    """A gloo group over every rank when launched by torchrun with more than one rank."""
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
+    if launched:
+        dist.init_process_group("gloo")
+    try:
+        yield
+    finally:
+        if launched:
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _staged(dst: str) -> Iterator[str]:
+    """The folder to write: a `dst` that exists is written in place (its format's last-written
+    file marks it complete); a new one is written as `dst.partial`, renamed to `dst` by rank 0
+    once the work returned on every rank, and removed on failure or Ctrl-C."""
+    if os.path.isdir(dst) and os.listdir(dst):
+        yield dst
+        return
+    tmp = dst.rstrip(os.sep) + PARTIAL_SUFFIX
+    rank0 = this_rank_draws()
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield tmp
+    except BaseException:
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if rank0:
+        if os.path.isdir(dst):
+            os.rmdir(dst)
+        os.rename(tmp, dst)
+
+
+def cmd_convert(args: argparse.Namespace, progress: Progress) -> int:
+    if os.path.isdir(args.dst) and os.listdir(args.dst):
+        raise CheckpointError(f"{args.dst} exists and is not empty; remove it or name a new folder")
+    with _process_group(), _staged(args.dst) as out, progress:
+        convert(args.to, args.src, out, args.adapter, flavor=args.flavor, hf_assets_path=args.hf_assets,
+                dtype=args.dtype, max_shard_size=args.max_shard_size, consolidation=args.consolidation,
+                threads=args.threads, progress=progress)
+    if this_rank_draws():
+        print(f"converted {args.src} -> {args.dst} ({args.to})")
+    return EXIT_OK
+
+
+def cmd_consolidate(args: argparse.Namespace, progress: Progress) -> int:
+    mapping = load_mapping(args.mapping) if args.mapping else None
+    same = os.path.abspath(args.input_dir) == os.path.abspath(args.output_dir)
+    with _process_group(), (contextlib.nullcontext(args.output_dir) if same else _staged(args.output_dir)) as out, \
+            progress:
+        consolidate_safetensors(args.input_dir, out, mapping, num_threads=args.num_threads,
+                                keep_shards=args.keep_shards, progress=progress.phase("writing"))
+    if this_rank_draws():
+        print(f"wrote {os.path.join(args.output_dir, INDEX_FILE)}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+# The parser
+
+
+def _common_options(json_output: bool = False) -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    loud = common.add_mutually_exclusive_group()
+    loud.add_argument("-q", "--quiet", action="store_true", help="no progress and no log lines; results and errors only")
+    loud.add_argument("-v", "--verbose", action="store_true", help="debug log lines (verify: every file checked)")
+    common.add_argument("--progress-every", type=float, default=DEFAULT_INTERVAL, metavar="SECONDS",
+                        help="seconds between progress lines when stderr is not a terminal (default %(default)s)")
+    if json_output:
+        common.add_argument("--json", action="store_true", help="print one JSON document on stdout (see docs/cli.md)")
+    return common
+
+
+def _add(sub: Any, name: str, run: Any, help: str, json_output: bool = False) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, description=help, parents=[_common_options(json_output)], epilog=EXIT_CODES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.set_defaults(run=run)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="torchtitan-ckpt", description=__doc__.split("\n\n")[0],
+                                     epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add(sub, "list", cmd_list, "list the step folders of a checkpoint folder", True).add_argument("folder")
+    _add(sub, "inspect", cmd_inspect, "show what one step folder holds", True).add_argument("step_dir")
+    p = _add(sub, "verify", cmd_verify, "check a step's files against its commit manifest", True)
+    p.add_argument("step_dir")
+    p.add_argument("--threads", type=int, default=4, help="files checked at once")
+    p = _add(sub, "clean", cmd_clean, "remove partial step folders (run while no job is saving)")
+    p.add_argument("folder")
+    _add_convert(sub)
+    _add_consolidate(sub)
+    return parser
+
+
+def _add_convert(sub: Any) -> None:
+    p = _add(sub, "convert", cmd_convert, "convert a model between DCP and Hugging Face format "
+             "(on every rank under torchrun); a new DST is written as DST.partial and renamed when done")
+    p.add_argument("--to", required=True, choices=("hf", "dcp"), help="the format to write")
+    p.add_argument("src", help="a DCP step folder (--to hf) or an HF folder (--to dcp)")
+    p.add_argument("dst", help="the folder to write (new or empty)")
+    p.add_argument("--adapter", default="llama3", choices=sorted(ADAPTERS), help="the model family")
+    p.add_argument("--flavor", help="model preset; default: from config.json of the HF folder")
+    p.add_argument("--hf-assets", help="HF folder whose config.json and file split an export copies")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating tensors of an HF export")
+    p.add_argument("--max-shard-size", default="5GB", help="largest HF file when there is no assets index")
+    p.add_argument("--consolidation", default="one_pass", choices=MODES,
+                   help="how the HF files are written (see checkpoint.consolidation)")
+    p.add_argument("--threads", type=int, default=4, help="I/O threads per rank for the HF files")
+
+
+def _add_consolidate(sub: Any) -> None:
+    p = _add(sub, "consolidate", cmd_consolidate, "turn the shard files DCP's HuggingFaceStorageWriter wrote "
+             "with save_distributed=True into final safetensors files (on every rank under torchrun)")
+    p.add_argument("input_dir", metavar="IN_DIR")
+    p.add_argument("output_dir", metavar="OUT_DIR")
+    p.add_argument("--mapping", help="JSON file: {fqn: file index} or an HF index whose weight_map names the files")
+    p.add_argument("--num-threads", type=int, default=4, help="copy threads per rank (default 4)")
+    p.add_argument("--keep-shards", action="store_true", help="do not delete the shard files after success")
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a command with Unix manners
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    """Log lines on stderr (rank 0 only under torchrun), unless the host process set up logging."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    level = logging.WARNING if args.quiet or rank != 0 else logging.INFO
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format=f"[rank{rank}] %(asctime)s %(name)s %(levelname)s: %(message)s")
+    if args.verbose:
+        logging.getLogger(__package__).setLevel(logging.DEBUG)
+
+
+def _stdout_closed() -> int:
+    """stdout's reader went away: send what is left to /dev/null so that the flush at exit does
+    not raise again, and end with the status a shell gives a command killed by SIGPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_PIPE
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="torchtitan-ckpt", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("list", help="list the step folders of a checkpoint folder")
-    p.add_argument("folder")
-    p = sub.add_parser("inspect", help="show what one step folder holds")
-    p.add_argument("step_dir")
-    p = sub.add_parser("verify", help="check a step's files against its commit manifest")
-    p.add_argument("step_dir")
-    p.add_argument("--threads", type=int, default=4, help="files checked at once")
-    p = sub.add_parser("clean", help="remove partial step folders (run while no job is saving)")
-    p.add_argument("folder")
-    add_convert_parser(sub)
-    add_consolidate_parser(sub)
-    args = parser.parse_args(argv)
-    commands = {
-        "list": lambda: cmd_list(args.folder),
-        "inspect": lambda: cmd_inspect(args.step_dir),
-        "verify": lambda: cmd_verify(args.step_dir, args.threads),
-        "clean": lambda: cmd_clean(args.folder),
-        "convert": lambda: run_convert(args),
-        "consolidate": lambda: run_consolidate(args),
-    }
+    args = build_parser().parse_args(argv)
+    _setup_logging(args)
+    progress = Progress(args.command, enabled=not args.quiet and this_rank_draws(), interval=args.progress_every)
     try:
-        return commands[args.command]()
-    except CheckpointError as e:
+        code = args.run(args, progress)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
+    except (CheckpointError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_INPUT
+    except (KeyboardInterrupt, CheckpointException) as e:  # DCP wraps a Ctrl-C in its own exception
+        cause = storage.root_cause(e)
+        if not isinstance(cause, KeyboardInterrupt):
+            print(f"error: {type(cause).__name__}: {cause}", file=sys.stderr)
+            return EXIT_INPUT
+        print(f"torchtitan-ckpt {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

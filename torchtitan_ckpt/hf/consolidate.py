@@ -32,13 +32,11 @@ them; an export that did not finish has no `model.safetensors.index.json`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
 import os
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -55,6 +53,9 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..group import CheckpointGroup, RankFailed
 
 logger = logging.getLogger(__name__)
+
+ProgressFn = Callable[[int, int], None]
+"""`progress(nbytes, total)`: `nbytes` more bytes written, of `total` this rank writes."""
 
 INDEX_FILE = "model.safetensors.index.json"
 CHUNK_BYTES = 16 << 20
@@ -363,13 +364,16 @@ class _Writer:
     file sources, its own CHUNK_BYTES buffer); returns the output files it wrote to."""
 
     def __init__(self, output_dir: str, files: Sequence[OutputFile], specs: Mapping[str, TensorSpec],
-                 memory: Mapping[str, memoryview] | None = None):
+                 memory: Mapping[str, memoryview] | None = None, progress: ProgressFn | None = None):
         self.output_dir = output_dir
+        self.progress = progress
+        self.total = 0
         self.where = {fqn: (f.name, start) for f in files for fqn, start in f.starts.items()}
         self.specs = specs
         self.memory = memory or {}
 
     def run(self, tasks: Sequence[Task], num_threads: int) -> set[str]:
+        self.total = sum(t.stop - t.start for t in tasks)
         shares = assign_bytes([t.stop - t.start for t in tasks], max(1, num_threads))
         shares = [[Task(tasks[i].block, tasks[i].start + a, tasks[i].start + z) for i, a, z in s] for s in shares]
         errors: list[BaseException] = []
@@ -404,18 +408,23 @@ class _Writer:
                     self._copy_from_file(task, runs, fds[b.src], fds[name], buf)
                 else:
                     _scatter(fds[name], runs, self.memory[b.fqn][task.start:task.stop], task.start)
+                    self._report(task.stop - task.start)
         finally:
             for fd in fds.values():
                 os.close(fd)
 
-    @staticmethod
-    def _copy_from_file(task: Task, runs: Runs, src: int, dst: int, buf: memoryview) -> None:
+    def _copy_from_file(self, task: Task, runs: Runs, src: int, dst: int, buf: memoryview) -> None:
         pos = task.start
         while pos < task.stop:
             view = buf[:min(len(buf), task.stop - pos)]
             _pread_all(src, view, task.block.src_start + pos, task.block.src)
             _scatter(dst, runs, view, pos)
             pos += len(view)
+            self._report(len(view))
+
+    def _report(self, nbytes: int) -> None:
+        if self.progress is not None:
+            self.progress(nbytes, self.total)
 
 
 def _create_files(output_dir: str, files: Sequence[OutputFile]) -> None:
@@ -461,13 +470,13 @@ def _step(group: CheckpointGroup, what: str, fn: Callable[[], Any]) -> list[Any]
 
 def _write_everything(group: CheckpointGroup, output_dir: str, files: list[OutputFile],
                       specs: Mapping[str, TensorSpec], tasks: Sequence[Task], num_threads: int,
-                      memory: Mapping[str, memoryview] | None = None) -> float:
+                      memory: Mapping[str, memoryview] | None = None, progress: ProgressFn | None = None) -> float:
     """Create (rank 0), fill (every rank), fsync, then index (rank 0). Returns the seconds taken."""
     t0 = time.perf_counter()
     _step(group, "creating the output files", lambda: _create_files(output_dir, files) if group.rank == 0 else None)
 
     def fill() -> None:
-        for name in sorted(_Writer(output_dir, files, specs, memory).run(tasks, num_threads)):
+        for name in sorted(_Writer(output_dir, files, specs, memory, progress).run(tasks, num_threads)):
             durable.fsync_path(os.path.join(output_dir, name))
         faults.hit_in("consolidate", output_dir)  # this rank's bytes are in, the index is not
 
@@ -486,13 +495,14 @@ def _write_everything(group: CheckpointGroup, output_dir: str, files: list[Outpu
 
 def consolidate_safetensors(input_dir: str, output_dir: str, fqn_to_index_mapping: Mapping[str, int] | None = None,
                             *, process_group=None, num_threads: int = 4, keep_shards: bool = False,
-                            all_ranks: bool = True) -> None:
+                            all_ranks: bool = True, progress: ProgressFn | None = None) -> None:
     """Consolidate DCP HF shard files (`HuggingFaceStorageWriter(save_distributed=True)`) from
     `input_dir` into `model-0000X-of-0000N.safetensors` and `model.safetensors.index.json` in
     `output_dir`. Collective over `process_group` (a dedicated gloo group over every rank when
     None and `torch.distributed` is initialised; a single process otherwise). `all_ranks=False`
     lets rank 0 copy every byte (the others still take part in the collectives). The shard files
-    are deleted after success unless `keep_shards`. Raises `InvalidShardsError` for bad input."""
+    are deleted after success unless `keep_shards`. `progress(nbytes, total)` is called as this
+    rank's copy threads write (from those threads). Raises `InvalidShardsError` for bad input."""
     group = CheckpointGroup(process_group)
     t0 = time.perf_counter()
     shard_files = _step(group, "listing shards", lambda: find_shard_files(input_dir) if group.rank == 0 else None)[0]
@@ -506,7 +516,7 @@ def consolidate_safetensors(input_dir: str, output_dir: str, fqn_to_index_mappin
     files = plan_output_files(specs, fqn_to_index_mapping)
     tasks = plan_tasks(blocks, files, specs, group.world_size if all_ranks else 1)
     my_tasks = tasks[group.rank] if group.rank < len(tasks) else []
-    _write_everything(group, output_dir, files, specs, my_tasks, num_threads)
+    _write_everything(group, output_dir, files, specs, my_tasks, num_threads, progress=progress)
     if not keep_shards:
         _step(group, "removing shard files", lambda: [os.remove(p) for p in mine])
         if group.rank == 0 and os.path.abspath(input_dir) != os.path.abspath(output_dir) and not os.listdir(input_dir):
@@ -521,12 +531,12 @@ def consolidate_safetensors(input_dir: str, output_dir: str, fqn_to_index_mappin
 
 def write_safetensors_one_pass(state_dict: Mapping[str, torch.Tensor], output_dir: str,
                                fqn_to_index_mapping: Mapping[str, int] | None = None, *,
-                               process_group=None, num_threads: int = 4) -> None:
+                               process_group=None, num_threads: int = 4, progress: ProgressFn | None = None) -> None:
     """Write `state_dict` (tensors and DTensors) as final HF safetensors files and index in one
     pass, collectively: every rank computes the same layout, writes its own blocks at their final
     offsets (a replicated tensor or block by one rank only: rank 0 for plain tensors, the rank at
     coordinate 0 of every replicated mesh dim for DTensors), fsyncs, and rank 0 writes the index
-    once every rank is done. No intermediate shard files."""
+    once every rank is done. No intermediate shard files. `progress` as for `consolidate_safetensors`."""
     group = CheckpointGroup(process_group)
     specs = {fqn: TensorSpec(fqn, _dtype_name(fqn, t), tuple(t.shape)) for fqn, t in state_dict.items()}
     files = plan_output_files(specs, fqn_to_index_mapping)
@@ -537,7 +547,7 @@ def write_safetensors_one_pass(state_dict: Mapping[str, torch.Tensor], output_di
             blocks.append(found[0])
             memory[fqn] = found[1]
     tasks = [Task(b, 0, b.nbytes) for b in blocks]
-    _write_everything(group, output_dir, files, specs, tasks, num_threads, memory)
+    _write_everything(group, output_dir, files, specs, tasks, num_threads, memory, progress)
 
 
 def _dtype_name(fqn: str, t: Any) -> str:
@@ -572,21 +582,7 @@ def _local_block(fqn: str, t: torch.Tensor, dtype: str, rank: int) -> tuple[Bloc
 
 
 # ---------------------------------------------------------------------------------------------
-# Command line: `torchtitan-ckpt consolidate IN_DIR OUT_DIR` (also under torchrun).
-
-
-def add_consolidate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the `consolidate` sub-command."""
-    p = subparsers.add_parser("consolidate", help="turn DCP HF shard files into final safetensors files",
-                              description="Consolidate the shard files DCP's HuggingFaceStorageWriter wrote with "
-                                          "save_distributed=True. Runs on every rank under torchrun.")
-    p.add_argument("input_dir", metavar="IN_DIR")
-    p.add_argument("output_dir", metavar="OUT_DIR")
-    p.add_argument("--mapping", help="JSON file: {fqn: file index} or an HF index whose weight_map names the files")
-    p.add_argument("--num-threads", type=int, default=4, help="copy threads per rank (default 4)")
-    p.add_argument("--keep-shards", action="store_true", help="do not delete the shard files after success")
-    p.set_defaults(func=run_consolidate)
-    return p
+# Mapping files (`torchtitan-ckpt consolidate --mapping`).
 
 
 def load_mapping(path: str) -> dict[str, int]:
@@ -596,24 +592,3 @@ def load_mapping(path: str) -> dict[str, int]:
     if "weight_map" not in data:
         return {k: int(v) for k, v in data.items()}
     return {fqn: int(name.split("-")[1]) for fqn, name in data["weight_map"].items()}
-
-
-def run_consolidate(args: argparse.Namespace) -> int:
-    """Run `consolidate`; initialises gloo when launched by torchrun (WORLD_SIZE set)."""
-    import torch.distributed as dist
-
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
-    if launched:
-        dist.init_process_group("gloo")
-    try:
-        mapping = load_mapping(args.mapping) if args.mapping else None
-        consolidate_safetensors(args.input_dir, args.output_dir, mapping, num_threads=args.num_threads,
-                                keep_shards=args.keep_shards)
-    except (CheckpointError, OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        if launched:
-            dist.destroy_process_group()
-    print(f"wrote {args.output_dir}/{INDEX_FILE}")
-    return 0

@@ -1,7 +1,8 @@
-"""`torchtitan-ckpt convert`: DCP step folder <-> Hugging Face folder, on one rank or under torchrun.
+"""DCP step folder <-> Hugging Face folder, on one rank or under torchrun (`convert`, which the
+`torchtitan-ckpt convert` command runs):
 
     torchtitan-ckpt convert --to hf STEP_DIR OUT_DIR [--flavor F | --hf-assets DIR] [--dtype bfloat16]
-    torchrun --nproc_per_node 4 -m torchtitan_ckpt.hf.convert --to dcp HF_DIR OUT_DIR
+    torchrun --nproc_per_node 4 -m torchtitan_ckpt.cli convert --to dcp HF_DIR OUT_DIR
 
 With several ranks every tensor is split by rows across them (a 1-D gloo mesh), so each rank
 reads and holds about 1/N of the model; the HF export then gathers one tensor at a time.
@@ -9,11 +10,9 @@ reads and holds about 1/N of the model; the HF export then gathers one tensor at
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ from ..example.model import FLAVORS, ModelArgs, Transformer
 from .adapter import CONFIG_FILE, StateDictAdapter
 from .llama import LlamaAdapter, llama_args_from_hf_config
 from .load import load_hf
-from .save import MODES, save_hf
+from .save import save_hf
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +85,11 @@ def empty_state_dict(spec: AdapterSpec, args: Any) -> dict[str, Any]:
 
 def convert(to: str, src: str, dst: str, adapter_name: str = "llama3", *, flavor: str | None = None,
             hf_assets_path: str | None = None, dtype: str | None = None,
-            max_shard_size: str = "5GB", consolidation: str = "one_pass", threads: int = 4) -> None:
-    """Convert the model in `src` to format `to` ("hf" or "dcp") in `dst`; call on every rank."""
+            max_shard_size: str = "5GB", consolidation: str = "one_pass", threads: int = 4,
+            progress: Callable[[str, int, int], None] | None = None) -> None:
+    """Convert the model in `src` to format `to` ("hf" or "dcp") in `dst`; call on every rank.
+    `progress(phase, nbytes, total)` hears of this rank's bytes read ("reading", once the read is
+    done) and written ("writing": as the HF files are written, or once the DCP save is done)."""
     if adapter_name not in ADAPTERS:
         raise ValueError(f"unknown adapter {adapter_name!r}; expected one of {', '.join(ADAPTERS)}")
     if to not in ("hf", "dcp"):
@@ -97,13 +99,26 @@ def convert(to: str, src: str, dst: str, adapter_name: str = "llama3", *, flavor
     args = model_args(spec, flavor, assets)
     adapter = spec.adapter(args, assets)
     state = empty_state_dict(spec, args)
+    report = progress or (lambda phase, nbytes, total: None)
+    nbytes = _local_bytes(state)
+    report("reading", 0, nbytes)
     if to == "hf":
         _read_dcp(state, src)
+        report("reading", nbytes, nbytes)
         save_hf(state, dst, adapter, dtype=DTYPES[dtype] if dtype else None, max_shard_size=max_shard_size,
-                mode=consolidation, num_threads=threads)
+                mode=consolidation, num_threads=threads, progress=lambda n, total: report("writing", n, total))
     else:
         load_hf(state, src, adapter)
+        report("reading", nbytes, nbytes)
+        report("writing", 0, nbytes)
         _write_dcp(state, dst)
+        report("writing", nbytes, nbytes)
+
+
+def _local_bytes(state: dict[str, Any]) -> int:
+    """Bytes of this rank's part of every tensor of `state`."""
+    local = (t.to_local() if isinstance(t, dtensor.DTensor) else t for t in state.values())
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def _read_dcp(state: dict[str, Any], path: str) -> None:
@@ -119,6 +134,8 @@ def _read_dcp(state: dict[str, Any], path: str) -> None:
         dcp.load(state, storage_reader=storage.make_storage_reader(path), planner=storage.make_load_planner())
     except CheckpointException as e:
         cause = storage.root_cause(e)
+        if isinstance(cause, KeyboardInterrupt):
+            raise cause from None
         raise CheckpointError(f"reading {path} failed: {type(cause).__name__}: {cause}") from None
 
 
@@ -135,56 +152,3 @@ def _write_dcp(state: dict[str, Any], path: str) -> None:
         commit.write_marker(path, commit.CommitInfo(step=0, states=["model"], world_size=world))
     if dist.is_initialized():
         dist.barrier()
-
-
-def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the `convert` sub-command to the `torchtitan-ckpt` parser's subparsers."""
-    p = subparsers.add_parser("convert", help="convert a model between DCP and Hugging Face format",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("--to", required=True, choices=("hf", "dcp"), help="the format to write")
-    p.add_argument("src", help="a DCP step folder (--to hf) or an HF folder (--to dcp)")
-    p.add_argument("dst", help="the folder to write")
-    p.add_argument("--adapter", default="llama3", choices=sorted(ADAPTERS), help="the model family")
-    p.add_argument("--flavor", help="model preset; default: from config.json of the HF folder")
-    p.add_argument("--hf-assets", help="HF folder whose config.json and file split an export copies")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating tensors of an HF export")
-    p.add_argument("--max-shard-size", default="5GB", help="largest HF file when there is no assets index")
-    p.add_argument("--consolidation", default="one_pass", choices=MODES,
-                   help="how the HF files are written (see checkpoint.consolidation)")
-    p.add_argument("--threads", type=int, default=4, help="I/O threads per rank for the HF files")
-    return p
-
-
-def run_convert(args: argparse.Namespace) -> int:
-    """Run a parsed `convert` command (under torchrun when WORLD_SIZE is set); 0 on success."""
-    rank = int(os.environ.get("RANK", "0"))
-    if not logging.getLogger().handlers:  # progress: one line per file written
-        logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                            format=f"[rank{rank}] %(asctime)s %(name)s %(levelname)s: %(message)s")
-    started = "WORLD_SIZE" in os.environ and not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo")
-    try:
-        convert(args.to, args.src, args.dst, args.adapter, flavor=args.flavor,
-                hf_assets_path=args.hf_assets, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                consolidation=args.consolidation, threads=args.threads)
-    except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if started:
-            dist.destroy_process_group()
-    if rank == 0:
-        print(f"converted {args.src} -> {args.dst} ({args.to})")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torchtitan_ckpt.hf.convert")
-    sub = parser.add_subparsers(dest="command")
-    add_convert_parser(sub)
-    return run_convert(parser.parse_args(["convert", *(sys.argv[1:] if argv is None else argv)]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,5 @@
 """Reading safetensors files ourselves: headers, then byte ranges (writing is
-`torchtitan_ckpt.consolidate`'s).
+`hf.consolidate`'s).
 
 A file is an 8-byte little-endian header length, a JSON header (name -> dtype, shape and
 `data_offsets` into the data section; `__metadata__`), then the tensors' raw bytes. Reading a

@@ -2,7 +2,7 @@
 
 Every rank takes part. The adapter renames (and for `wq`/`wk` permutes) the tensors, floating
 tensors are cast to the export dtype, and the file split comes from the adapter's assets or
-`plan_files`. The bytes are then written by `torchtitan_ckpt.consolidate` in one of three modes
+`plan_files`. The bytes are then written by `hf.consolidate` in one of three modes
 (`checkpoint.consolidation`): `one_pass` (default) writes the final files directly, each rank its
 own bytes at their final offsets; `all_ranks` and `rank0` first save per-rank shard files through
 DCP's `HuggingFaceStorageWriter`, then consolidate them on every rank or on rank 0. Rank 0 writes
@@ -16,6 +16,7 @@ import glob
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,10 +40,11 @@ SHARDS = "sharded"
 def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAdapter, *,
             dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
             process_group: Any | None = None, mode: str = "one_pass", num_threads: int = 4,
-            keep_shards: bool = False) -> None:
+            keep_shards: bool = False, progress: Callable[[int, int], None] | None = None) -> None:
     """Write `model_state_dict` (our names) to `out_dir` in HF format; call on every rank.
     Floating tensors are cast to `dtype` when given. The split follows the adapter's assets'
-    index, else `plan_files(..., max_shard_size)`. `mode` is one of `MODES`."""
+    index, else `plan_files(..., max_shard_size)`. `mode` is one of `MODES`. `progress(nbytes,
+    total)` hears of the final files' bytes this rank writes."""
     if mode not in MODES:
         raise ValueError(f"unknown HF export mode {mode!r}; expected one of {', '.join(MODES)}")
     start = time.perf_counter()
@@ -61,13 +63,14 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
     except RankFailed as failed:
         raise CheckpointError(f"preparing {out_dir} failed on {failed}") from failed.error
     if mode == "one_pass":
-        write_safetensors_one_pass(hf_sd, out_dir, mapping, process_group=group.pg, num_threads=num_threads)
+        write_safetensors_one_pass(hf_sd, out_dir, mapping, process_group=group.pg, num_threads=num_threads,
+                                   progress=progress)
     else:
         shards = os.path.join(out_dir, SHARDS)
         writer = HuggingFaceStorageWriter(shards, save_distributed=True, fqn_to_index_mapping=mapping)
         dcp.save(hf_sd, storage_writer=writer, process_group=group.pg)
         consolidate_safetensors(shards, out_dir, mapping, process_group=group.pg, num_threads=num_threads,
-                                keep_shards=keep_shards, all_ranks=mode == "all_ranks")
+                                keep_shards=keep_shards, all_ranks=mode == "all_ranks", progress=progress)
     if group.rank == 0:
         secs = time.perf_counter() - start
         total = sum(nbytes.values()) / 1e9
