@@ -7,8 +7,6 @@ over state sizes, with a JSON of results, a markdown page and plots.
 `--quick`: 0.4 and 0.8 GB, one repeat. `--with` also runs the other benchmarks of this folder
 (each prints its own table, copied into the page); `--with paired` checks the three speed targets
 at 1.6 GB in adjacent pairs over many rounds, which medians of 5 on a noisy disk cannot resolve.
-`--experiments` adds the storage-setting experiments of `benchmarks/suite_experiments.py`
-(writer and reader thread counts, PyTorch's writer without fsync).
 """
 
 from __future__ import annotations
@@ -37,11 +35,10 @@ TAKES_DIR = {"async", "dedup", "paired"}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default=",".join(map(str, SIZES_GB)), help="state sizes in GB ('' for none, e.g. with --experiments)")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES_GB)), help="state sizes in GB")
     parser.add_argument("--repeats", type=int, default=5, help="runs per path and size; 5 because single runs on a shared disk spread 2x")
     parser.add_argument("--quick", action="store_true", help="0.4 and 0.8 GB, 1 repeat")
     parser.add_argument("--with", dest="plugins", default="", help=f"also run: {','.join(PLUGINS)}")
-    parser.add_argument("--experiments", action="store_true", help="storage-setting experiments (1.6 GB)")
     parser.add_argument("--only", default="", help="only these save rows (and their loads), e.g. ours_save")
     parser.add_argument("--out", default="benchmarks/results.json")
     parser.add_argument("--from-json", default=None, help="measure nothing: rewrite the page from this JSON")
@@ -101,10 +98,6 @@ def main(argv: list[str] | None = None) -> None:
                "loadavg_before": os.getloadavg(), "sizes": run_sizes(args)}
     results["loadavg_after"] = os.getloadavg()
     print_tables(results)
-    if args.experiments:
-        from benchmarks.suite_experiments import run_experiments
-
-        results["experiments"] = run_experiments(args)
     results["plugins"] = run_plugins([p for p in args.plugins.split(",") if p], args.dir)
     results["wall_s"] = time.perf_counter() - t0
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

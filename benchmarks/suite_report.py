@@ -167,10 +167,6 @@ def generated(results: dict, img_dir: str, doc_dir: str) -> str:
              "### Against the targets\n\n" + targets(results),
              "\n".join(f"![{os.path.basename(p)}]({os.path.relpath(p, doc_dir)})" for p in pngs),
              "### Details\n\n" + "\n\n".join(detail(s, results["ranks"]) for s in results["sizes"])]
-    if results.get("experiments"):
-        from benchmarks.suite_experiments import experiments_table
-
-        parts.append("### Storage-setting experiments\n\n" + experiments_table(results["experiments"]))
     for name, table in results.get("plugins", {}).items():
         parts.append(f"### `--with {name}`\n\n{table}")
     return "\n\n".join(parts)
