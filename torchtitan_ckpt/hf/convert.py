@@ -1,21 +1,22 @@
 """`torchtitan-ckpt convert`: DCP step folder <-> Hugging Face folder, on one rank or under torchrun.
 
-    torchtitan-ckpt convert --to hf STEP_DIR OUT_DIR [--flavor F | --hf-assets DIR] [--dtype bfloat16]
+    torchtitan-ckpt convert --to dcp HF_DIR OUT_DIR [--adapter llama|mistral|qwen3|qwen3_moe]
+    torchtitan-ckpt convert --to hf STEP_DIR OUT_DIR [--hf-assets DIR] [--dtype bfloat16]
     torchrun --nproc_per_node 4 -m torchtitan_ckpt.hf.convert --to dcp HF_DIR OUT_DIR
 
-With several ranks every tensor is split by rows across them (a 1-D gloo mesh), so each rank
-reads and holds about 1/N of the model; the HF export then gathers one tensor at a time.
+No model is built: the adapter, picked by `config.json`'s `model_type`, gives the name and shape
+of every tensor, and the DCP side is those names -> tensors. `--to dcp` records the HF config in
+the step folder (`hf_config.json`), so `--to hf` of that folder needs no `--hf-assets`. With
+several ranks every tensor is split by rows across them (a 1-D gloo mesh), so each rank reads
+and holds about 1/N of the model; the HF export then gathers one tensor at a time.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,94 +28,94 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from .. import commit
 from ..dcp import storage
-from ..errors import CheckpointError, CheckpointNotFoundError
-from ..example.model import FLAVORS, ModelArgs, Transformer
+from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError
+from ..io import durable
 from .adapter import CONFIG_FILE, StateDictAdapter
-from .llama import LlamaAdapter, llama_args_from_hf_config
-from .load import load_hf
+from .load import check_hf_dir, load_hf
+from .model_config import read_hf_config
+from .registry import ADAPTERS, adapter_for_config
 from .save import MODES, save_hf
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RECORDED_CONFIG = "hf_config.json"
+"""The HF `config.json` that `--to dcp` records in the DCP step folder it writes."""
 
 
-@dataclass(frozen=True)
-class AdapterSpec:
-    """What converting one model family needs: its adapter, its presets, its model (for the
-    names and shapes of its state dict) and how to read its args from an HF `config.json`."""
-
-    adapter: Callable[[Any, str | None], StateDictAdapter]
-    flavors: dict[str, Any]
-    model: Callable[[Any], torch.nn.Module]
-    args_from_hf_config: Callable[[dict[str, Any], str], Any]
-
-
-ADAPTERS: dict[str, AdapterSpec] = {
-    "llama3": AdapterSpec(LlamaAdapter, FLAVORS, Transformer, llama_args_from_hf_config),
-}
-
-
-def model_args(spec: AdapterSpec, flavor: str | None, hf_dir: str | None) -> ModelArgs:
-    """The flavor's args when one is named, else those of `hf_dir/config.json`."""
-    if flavor is not None:
-        if flavor not in spec.flavors:
-            raise ValueError(f"unknown flavor {flavor!r}; expected one of {', '.join(spec.flavors)}")
-        return spec.flavors[flavor]
-    if hf_dir is None:
-        raise ValueError("name a --flavor or an HF folder (--hf-assets) whose config.json gives the model")
-    path = os.path.join(hf_dir, CONFIG_FILE)
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read the model config {path}: {e}") from e
-    return spec.args_from_hf_config(config, path)
-
-
-def empty_state_dict(spec: AdapterSpec, args: Any) -> dict[str, Any]:
-    """Uninitialised tensors shaped as the model's state dict, split by rows over every rank
-    when torch.distributed is initialised (so each rank holds about 1/N of the model)."""
-    with torch.device("meta"):
-        shapes = {k: (v.shape, v.dtype) for k, v in spec.model(args).state_dict().items()}
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in shapes.items()}
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    return {k: dtensor.empty(*shape, dtype=dtype, device_mesh=mesh, placements=[dtensor.Shard(0)])
-            for k, (shape, dtype) in shapes.items()}
-
-
-def convert(to: str, src: str, dst: str, adapter_name: str = "llama3", *, flavor: str | None = None,
-            hf_assets_path: str | None = None, dtype: str | None = None,
-            max_shard_size: str = "5GB", consolidation: str = "one_pass", threads: int = 4) -> None:
-    """Convert the model in `src` to format `to` ("hf" or "dcp") in `dst`; call on every rank."""
-    if adapter_name not in ADAPTERS:
-        raise ValueError(f"unknown adapter {adapter_name!r}; expected one of {', '.join(ADAPTERS)}")
+def convert(to: str, src: str, dst: str, adapter_name: str | None = None, *, hf_assets_path: str | None = None,
+            dtype: str | None = None, max_shard_size: str = "5GB", consolidation: str = "one_pass",
+            threads: int = 4) -> None:
+    """Convert the model in `src` to format `to` ("hf" or "dcp") in `dst`; call on every rank.
+    The adapter is `adapter_name` (one of `ADAPTERS`), else the config's `model_type`."""
     if to not in ("hf", "dcp"):
         raise ValueError(f"--to {to!r}: expected 'hf' or 'dcp'")
-    spec = ADAPTERS[adapter_name]
-    assets = hf_assets_path if to == "hf" else (hf_assets_path or src)
-    args = model_args(spec, flavor, assets)
-    adapter = spec.adapter(args, assets)
-    state = empty_state_dict(spec, args)
-    if to == "hf":
-        _read_dcp(state, src)
-        save_hf(state, dst, adapter, dtype=DTYPES[dtype] if dtype else None, max_shard_size=max_shard_size,
-                mode=consolidation, num_threads=threads)
+    if to == "dcp":
+        to_dcp(src, dst, adapter_name, hf_assets_path)
     else:
-        load_hf(state, src, adapter)
-        _write_dcp(state, dst)
+        to_hf(src, dst, adapter_name, hf_assets_path, dtype=DTYPES[dtype] if dtype else None,
+              max_shard_size=max_shard_size, consolidation=consolidation, threads=threads)
 
 
-def _read_dcp(state: dict[str, Any], path: str) -> None:
+def to_dcp(hf_dir: str, dst: str, adapter_name: str | None = None, hf_assets_path: str | None = None) -> None:
+    """Write the HF folder `hf_dir` as a model-only DCP step folder `dst`, with its tensors
+    renamed and permuted by the adapter of its `config.json` (or `hf_assets_path`'s)."""
+    config_path = os.path.join(hf_assets_path or hf_dir, CONFIG_FILE)
+    config = read_hf_config(config_path)
+    adapter = adapter_for_config(config, hf_assets_path or hf_dir, adapter_name, config_path)
+    shapes = adapter.state_dict_shapes()
+    meta = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}
+    sources, layout = check_hf_dir(meta, hf_dir, adapter)  # every name and shape, before allocating
+    dtypes = {k: layout[source.hf_names[0]].dtype for k, source in sources.items()}
+    state = empty_state_dict(shapes, dtypes)
+    load_hf(state, hf_dir, adapter)
+    _write_dcp(state, dst, config.raw)
+
+
+def to_hf(step_dir: str, dst: str, adapter_name: str | None = None, hf_assets_path: str | None = None,
+          **export: Any) -> None:
+    """Export the model of the DCP step folder `step_dir` to the HF folder `dst`; the config is
+    `hf_assets_path`'s `config.json`, else the one `to_dcp` recorded. `export`: `save_hf`'s
+    dtype, max_shard_size, consolidation (its mode) and threads."""
+    config_path = os.path.join(hf_assets_path, CONFIG_FILE) if hf_assets_path else \
+        os.path.join(step_dir, RECORDED_CONFIG)
+    if not os.path.isfile(config_path):
+        raise CheckpointNotFoundError(f"{step_dir} records no HF config ({RECORDED_CONFIG}); pass --hf-assets "
+                                      "with the HF folder whose config.json describes the model")
+    adapter = adapter_for_config(read_hf_config(config_path), hf_assets_path, adapter_name, config_path)
+    state = empty_state_dict(*_dcp_tensors(step_dir, adapter))
+    _read_dcp(state, step_dir)
+    save_hf(state, dst, adapter, dtype=export["dtype"], max_shard_size=export["max_shard_size"],
+            mode=export["consolidation"], num_threads=export["threads"])
+
+
+def _dcp_tensors(path: str, adapter: StateDictAdapter) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
+    """The shapes and dtypes of the adapter's tensors in the DCP folder `path`, checked against
+    the config's shapes before anything is allocated (a tied head may be absent)."""
     md_path = os.path.join(path, storage.METADATA_FILE)
     if not os.path.isfile(md_path):
         raise CheckpointNotFoundError(f"{path} is not a DCP checkpoint folder (no {storage.METADATA_FILE})")
-    metadata = storage.read_metadata(md_path)
-    missing = [k for k in state if k not in metadata.state_dict_metadata]
-    if missing:
-        raise CheckpointError(f"{path} lacks {len(missing)} tensors of this model: {missing}; "
-                              "is --flavor (or --hf-assets) the model it was saved from?")
+    saved = storage.read_metadata(md_path).state_dict_metadata
+    shapes = {k: v for k, v in adapter.state_dict_shapes().items() if k in saved or k in adapter.shapes}
+    found = {f"{k} {list(saved[k].size)}" for k in shapes if k in saved and hasattr(saved[k], "size")}
+    expected = {f"{k} {list(v)}" for k, v in shapes.items()}
+    if found != expected:
+        raise AdapterMismatchError(f"{path}: tensors in the checkpoint (unknown) vs the HF config's (missing)",
+                                   list(found - expected), list(expected - found))
+    return shapes, {k: saved[k].properties.dtype for k in shapes}
+
+
+def empty_state_dict(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+    """Uninitialised tensors of `shapes` and `dtypes`, split by rows over every rank when
+    torch.distributed is initialised (so each rank holds about 1/N of the model)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {k: torch.empty(shape, dtype=dtypes[k]) for k, shape in shapes.items()}
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return {k: dtensor.empty(*shape, dtype=dtypes[k], device_mesh=mesh, placements=[dtensor.Shard(0)])
+            for k, shape in shapes.items()}
+
+
+def _read_dcp(state: dict[str, Any], path: str) -> None:
     try:
         dcp.load(state, storage_reader=storage.make_storage_reader(path), planner=storage.make_load_planner())
     except CheckpointException as e:
@@ -122,12 +123,14 @@ def _read_dcp(state: dict[str, Any], path: str) -> None:
         raise CheckpointError(f"reading {path} failed: {type(cause).__name__}: {cause}") from None
 
 
-def _write_dcp(state: dict[str, Any], path: str) -> None:
-    """A model-only DCP folder with a commit marker, loadable as `initial_load_path`."""
+def _write_dcp(state: dict[str, Any], path: str, hf_config: dict[str, Any]) -> None:
+    """A model-only DCP folder with the HF config it came from and a commit marker, loadable as
+    `initial_load_path`."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if rank == 0:
         os.makedirs(path, exist_ok=True)
+        durable.write_json(os.path.join(path, RECORDED_CONFIG), hf_config, indent=2)
     if dist.is_initialized():
         dist.barrier()
     dcp.save(state, storage_writer=storage.make_storage_writer(path), planner=storage.make_save_planner())
@@ -144,9 +147,10 @@ def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, choices=("hf", "dcp"), help="the format to write")
     p.add_argument("src", help="a DCP step folder (--to hf) or an HF folder (--to dcp)")
     p.add_argument("dst", help="the folder to write")
-    p.add_argument("--adapter", default="llama3", choices=sorted(ADAPTERS), help="the model family")
-    p.add_argument("--flavor", help="model preset; default: from config.json of the HF folder")
-    p.add_argument("--hf-assets", help="HF folder whose config.json and file split an export copies")
+    p.add_argument("--adapter", choices=sorted(ADAPTERS),
+                   help="the model family; default: config.json's model_type")
+    p.add_argument("--hf-assets", help="HF folder whose config.json (and file split) gives the model; "
+                   "default: the HF source (--to dcp) or the config the DCP step recorded (--to hf)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating tensors of an HF export")
     p.add_argument("--max-shard-size", default="5GB", help="largest HF file when there is no assets index")
     p.add_argument("--consolidation", default="one_pass", choices=MODES,
@@ -165,9 +169,8 @@ def run_convert(args: argparse.Namespace) -> int:
     if started:
         dist.init_process_group("gloo")
     try:
-        convert(args.to, args.src, args.dst, args.adapter, flavor=args.flavor,
-                hf_assets_path=args.hf_assets, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                consolidation=args.consolidation, threads=args.threads)
+        convert(args.to, args.src, args.dst, args.adapter, hf_assets_path=args.hf_assets, dtype=args.dtype,
+                max_shard_size=args.max_shard_size, consolidation=args.consolidation, threads=args.threads)
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
