@@ -40,8 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torchtitan_ckpt import CheckpointManager
 from torchtitan_ckpt.example.config import load_job_config
-from torchtitan_ckpt.example.model import ModelArgs, Transformer
-from torchtitan_ckpt.hf import LlamaAdapter, load_hf, save_hf
+from torchtitan_ckpt.example.model import ModelArgs, Transformer, hf_adapter
+from torchtitan_ckpt.hf import load_hf, save_hf
 from torchtitan_ckpt.states import ModelState
 from torchtitan_ckpt.example.train import shard_model
 
@@ -187,7 +187,7 @@ class _Paths:
         self.rank, self.root = rank, root
         self.model, self.opt = build_state(margs, world)
         self.fresh_model, self.fresh_opt = build_state(margs, world)
-        self.adapter = LlamaAdapter(margs)
+        self.adapter = hf_adapter(margs)
         self.all = local_tensors(self.model, self.opt)
         self.weights = local_tensors(self.model, self.opt, weights_only=True)
         config = load_job_config(None, ["--checkpoint.enable", "true", "--checkpoint.interval", "1",

@@ -11,7 +11,7 @@ from torchtitan_ckpt import CheckpointManager
 from torchtitan_ckpt.config import validate_tree
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.data import build_dataloader
-from torchtitan_ckpt.hf import LlamaAdapter
+from torchtitan_ckpt.example.model import hf_adapter
 from torchtitan_ckpt.example.train import TrainState, build_model, lr_lambda
 
 
@@ -58,5 +58,5 @@ def make_job(dump_folder: str, steps: int = 8, init_seed: int = 0, **checkpoint)
     ts = TrainState()
     manager = CheckpointManager(ck, [model], optimizers=opt, lr_schedulers=sched, dataloader=loader,
                                 states={"train_state": ts}, base_folder=dump_folder,
-                                state_dict_adapter=LlamaAdapter(model.args))
+                                state_dict_adapter=hf_adapter(model.args))
     return Job(model, opt, sched, loader, ts, manager)

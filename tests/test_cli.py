@@ -23,7 +23,8 @@ import torch.distributed.checkpoint as dcp
 from tqdm import tqdm
 
 from torchtitan_ckpt import cli, commit, layout
-from torchtitan_ckpt.example.model import FLAVORS, Transformer
+from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_config
+from torchtitan_ckpt.hf.convert import RECORDED_CONFIG
 
 from .helpers import ROOT
 
@@ -196,10 +197,13 @@ def test_progress_bar_on_a_terminal(folder):
 
 @pytest.fixture(scope="module")
 def small_step(tmp_path_factory) -> str:
-    """A DCP folder of the `small` flavor: 16 MB in 39 tensors."""
+    """A DCP folder of the `small` flavor (16 MB in 39 tensors) with the HF config it records,
+    as `convert --to dcp` writes it."""
     path = str(tmp_path_factory.mktemp("small") / "step-1")
     torch.manual_seed(0)
     dcp.save(Transformer(FLAVORS["small"]).state_dict(), checkpoint_id=path)
+    with open(os.path.join(path, RECORDED_CONFIG), "w") as f:
+        json.dump(hf_config(FLAVORS["small"]), f)
     return path
 
 
@@ -207,7 +211,7 @@ def test_progress_lines_off_a_terminal(small_step, tmp_path):
     """stderr a pipe: no bar, but log lines with bytes done, rate and time left (one per update
     with --progress-every 0), then the phase's time and throughput."""
     out = str(tmp_path / "hf")
-    done = subprocess.run([*CMD, "convert", "--to", "hf", small_step, out, "--flavor", "small", "--threads", "1",
+    done = subprocess.run([*CMD, "convert", "--to", "hf", small_step, out, "--threads", "1",
                            "--progress-every", "0"], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"converted {small_step} -> {out} (hf)\n"
@@ -253,7 +257,7 @@ def test_interrupted_convert_leaves_nothing_that_looks_complete(small_step, tmp_
     r, w = os.pipe()
     # No warnings: the first line after "reading" is then the one that starts the writing, once
     # the HF files exist, and it waits for the full pipe.
-    proc = subprocess.Popen([*CMD, "convert", "--to", "hf", small_step, out, "--flavor", "small", "--threads", "1",
+    proc = subprocess.Popen([*CMD, "convert", "--to", "hf", small_step, out, "--threads", "1",
                              "--progress-every", "0"], stdout=subprocess.PIPE, stderr=w,
                             env={**ENV, "PYTHONWARNINGS": "ignore"}, cwd=ROOT)
     try:

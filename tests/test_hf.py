@@ -17,20 +17,11 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers import assert_same, read_checkpoint
 from torchtitan_ckpt import cli
-from torchtitan_ckpt.errors import CheckpointError, CorruptCheckpointError
-from torchtitan_ckpt.example.model import FLAVORS, Transformer
-from torchtitan_ckpt.hf import (
-    AdapterMismatchError,
-    LlamaAdapter,
-    hf_llama_config,
-    llama_args_from_hf_config,
-    load_hf,
-    parse_size,
-    plan_files,
-    save_hf,
-)
+from torchtitan_ckpt.errors import AdapterMismatchError, CheckpointError, CorruptCheckpointError
+from torchtitan_ckpt.example.model import FLAVORS, Transformer, args_from_hf_config, hf_adapter, hf_config
+from torchtitan_ckpt.hf import HFModelConfig, LlamaAdapter, load_hf, parse_size, plan_files, save_hf
 from torchtitan_ckpt.hf import shards
-from torchtitan_ckpt.hf.adapter import HFSource, permute_rows
+from torchtitan_ckpt.hf.adapter import HFSource, reorder_rows, rope_row_order
 from torchtitan_ckpt.hf.safetensors_io import read_exact
 from torchtitan_ckpt.hf.shards import row_pieces
 
@@ -48,7 +39,7 @@ def our_model(tie: bool = False, seed: int = 0) -> Transformer:
 def hf_model(tie: bool = False, seed: int = 0):
     """A transformers Llama of our debug shapes with random weights (norms included)."""
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**hf_llama_config(replace(ARGS, tie_embeddings=tie), torch.float32))
+    config = transformers.LlamaConfig(**hf_config(replace(ARGS, tie_embeddings=tie)))
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -112,9 +103,10 @@ def test_plan_gives_an_oversized_layer_its_own_file():
 
 def test_permutation_moves_rope_pairs_to_halves_and_back():
     w = torch.arange(8.0).reshape(8, 1)  # 2 heads of head_dim 4
-    hf = permute_rows(w, n_heads=2, to_half_split=True)
+    order = rope_row_order(4)
+    hf = reorder_rows(w, order)
     assert hf.flatten().tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
-    assert torch.equal(permute_rows(hf, n_heads=2, to_half_split=False), w)
+    assert torch.equal(hf.view(2, 4)[:, list(order)].reshape(8, 1), w)  # HFSource.row_order reads it back
 
 
 @pytest.mark.parametrize("lo, hi, rows, block, piece_rows, expected", [
@@ -132,7 +124,7 @@ def test_row_pieces_read_whole_heads_around_a_shard(lo, hi, rows, block, piece_r
 @pytest.mark.parametrize("tie", [False, True])
 def test_hf_sources_invert_to_hf(tie):
     model = our_model(tie)
-    sd, adapter = model.state_dict(), LlamaAdapter(model.args)
+    sd, adapter = model.state_dict(), hf_adapter(model.args)
     hf, sources = adapter.to_hf(sd), adapter.hf_sources(sd)
     assert sorted(sources) == sorted(sd)
     for name, source in sources.items():
@@ -150,15 +142,16 @@ def test_to_hf_names_unknown_and_missing_keys():
     del sd["norm.weight"]
     sd["layers.0.attention.bias"] = torch.zeros(1)
     with pytest.raises(AdapterMismatchError) as e:
-        LlamaAdapter(ARGS).to_hf(sd)
+        hf_adapter(ARGS).to_hf(sd)
     assert e.value.unknown == ["layers.0.attention.bias"] and e.value.missing == ["norm.weight"]
     assert "layers.0.attention.bias" in str(e.value) and "norm.weight" in str(e.value)
 
 
 def test_model_args_from_the_config_we_write():
     for args in [*FLAVORS.values(), replace(ARGS, tie_embeddings=True, rope_theta=5e5)]:
-        back = llama_args_from_hf_config(hf_llama_config(args, torch.bfloat16))
-        assert replace(back, multiple_of=args.multiple_of) == args and back.ffn_dim == args.ffn_dim
+        back = args_from_hf_config(hf_config(args, torch.bfloat16))
+        assert replace(back, multiple_of=args.multiple_of, ffn_hidden=args.ffn_hidden, head_size=args.head_size) == args
+        assert (back.ffn_dim, back.head_dim) == (args.ffn_dim, args.head_dim)
 
 
 # ---------------------------------------------------------------------------- export
@@ -166,7 +159,7 @@ def test_model_args_from_the_config_we_write():
 @pytest.mark.parametrize("tie", [False, True])
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tie):
     model = our_model(tie)
-    save_hf(model.state_dict(), str(tmp_path), LlamaAdapter(model.args), max_shard_size="100KB")
+    save_hf(model.state_dict(), str(tmp_path), hf_adapter(model.args), max_shard_size="100KB")
     hf, info = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
     assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
     assert info["mismatched_keys"] == set()
@@ -185,25 +178,25 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tie):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_export_dtype(tmp_path, dtype):
     model = our_model()
-    save_hf(model.state_dict(), str(tmp_path), LlamaAdapter(ARGS), dtype=dtype)
+    save_hf(model.state_dict(), str(tmp_path), hf_adapter(ARGS), dtype=dtype)
     [file] = glob.glob(str(tmp_path / "*.safetensors"))
     assert os.path.basename(file) == "model-00001-of-00001.safetensors"
     exported = load_file(file)
     assert {t.dtype for t in exported.values()} == {dtype}
-    expected = LlamaAdapter(ARGS).to_hf({k: v.to(dtype) for k, v in model.state_dict().items()})
+    expected = hf_adapter(ARGS).to_hf({k: v.to(dtype) for k, v in model.state_dict().items()})
     assert_same(exported, expected)
     with open(tmp_path / "config.json") as f:
         assert json.load(f)["torch_dtype"] == str(dtype).removeprefix("torch.")
     # and an fp32 model imports it (as published bf16 checkpoints are), upcast exactly
     back = our_model(seed=1)
-    load_hf(back.state_dict(), str(tmp_path), LlamaAdapter(ARGS))
+    load_hf(back.state_dict(), str(tmp_path), hf_adapter(ARGS))
     assert_same(back.state_dict(), {k: v.to(dtype).float() for k, v in model.state_dict().items()})
 
 
 def test_export_replaces_an_earlier_export(tmp_path):
     model = our_model()
-    save_hf(model.state_dict(), str(tmp_path), LlamaAdapter(ARGS), max_shard_size="100KB")
-    save_hf(model.state_dict(), str(tmp_path), LlamaAdapter(ARGS), max_shard_size="5GB")
+    save_hf(model.state_dict(), str(tmp_path), hf_adapter(ARGS), max_shard_size="100KB")
+    save_hf(model.state_dict(), str(tmp_path), hf_adapter(ARGS), max_shard_size="5GB")
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model-00001-of-00001.safetensors",
                                             "model.safetensors.index.json"]
 
@@ -211,7 +204,7 @@ def test_export_replaces_an_earlier_export(tmp_path):
 def test_export_failure_names_the_folder(tmp_path):
     (tmp_path / "taken").write_text("a file, not a folder")
     with pytest.raises(CheckpointError, match=r"preparing .*taken failed on rank 0: FileExistsError"):
-        save_hf(our_model().state_dict(), str(tmp_path / "taken"), LlamaAdapter(ARGS))
+        save_hf(our_model().state_dict(), str(tmp_path / "taken"), hf_adapter(ARGS))
 
 
 # ---------------------------------------------------------------------------- import
@@ -229,10 +222,10 @@ def hf_checkpoint(tmp_path_factory):
 def test_import_gives_the_transformers_logits_and_exports_bit_identical(hf_checkpoint, tmp_path):
     src, expected = hf_checkpoint
     model = our_model(seed=1)
-    load_hf(model.state_dict(), src, LlamaAdapter(ARGS))
+    load_hf(model.state_dict(), src, hf_adapter(ARGS))
     assert (logits_of(model) - expected).abs().max() < 1e-5
 
-    save_hf(model.state_dict(), str(tmp_path), LlamaAdapter(ARGS, hf_assets_path=src))
+    save_hf(model.state_dict(), str(tmp_path), hf_adapter(ARGS, hf_assets_path=src))
     before, after = tensors_by_file(src), tensors_by_file(str(tmp_path))
     assert sorted(before) == sorted(after)
     for file in before:
@@ -240,7 +233,7 @@ def test_import_gives_the_transformers_logits_and_exports_bit_identical(hf_check
     with open(os.path.join(src, "config.json")) as a, open(tmp_path / "config.json") as b:
         assert json.load(a) == json.load(b)
     # the assets' config follows the export's dtype
-    save_hf(model.state_dict(), str(tmp_path), LlamaAdapter(ARGS, hf_assets_path=src), dtype=torch.bfloat16)
+    save_hf(model.state_dict(), str(tmp_path), hf_adapter(ARGS, hf_assets_path=src), dtype=torch.bfloat16)
     with open(os.path.join(src, "config.json")) as a, open(tmp_path / "config.json") as b:
         assert json.load(b) == {**json.load(a), "dtype": "bfloat16"}
 
@@ -250,7 +243,7 @@ def test_import_on_any_number_of_threads_gives_the_same_state(hf_checkpoint, num
     """More threads than pieces, or a run ending inside a tensor, change nothing."""
     src, expected = hf_checkpoint
     model = our_model(seed=1)
-    load_hf(model.state_dict(), src, LlamaAdapter(ARGS), num_threads=num_threads)
+    load_hf(model.state_dict(), src, hf_adapter(ARGS), num_threads=num_threads)
     assert (logits_of(model) - expected).abs().max() < 1e-5
 
 
@@ -273,7 +266,7 @@ def test_tied_import_fills_the_head_with_the_embedding(tmp_path):
     hf = hf_model(tie=True)
     hf.save_pretrained(str(tmp_path))
     model = our_model(tie=True, seed=1)
-    load_hf(model.state_dict(), str(tmp_path), LlamaAdapter(model.args))
+    load_hf(model.state_dict(), str(tmp_path), hf_adapter(model.args))
     assert model.output.weight is model.tok_embeddings.weight
     assert (logits_of(model) - logits_of(hf)).abs().max() < 1e-5
 
@@ -296,23 +289,24 @@ def no_data_reads(monkeypatch):
 ])
 def test_wrong_pairing_fails_before_reading_data(hf_checkpoint, no_data_reads, args, unknown, missing):
     with pytest.raises(AdapterMismatchError) as e:
-        load_hf(Transformer(args).state_dict(), hf_checkpoint[0], LlamaAdapter(args))
+        load_hf(Transformer(args).state_dict(), hf_checkpoint[0], hf_adapter(args))
     assert (e.value.unknown, e.value.missing) == (unknown, missing)
 
 
 def test_a_file_outside_the_index_is_refused(tmp_path):
-    save_hf(our_model().state_dict(), str(tmp_path), LlamaAdapter(ARGS))
+    save_hf(our_model().state_dict(), str(tmp_path), hf_adapter(ARGS))
     (tmp_path / "consolidated.safetensors").write_bytes(b"an older copy")
     with pytest.raises(CheckpointError, match=r"\['consolidated.safetensors'\] besides the "
                                               r"checkpoint that model.safetensors.index.json describes"):
-        load_hf(our_model(seed=1).state_dict(), str(tmp_path), LlamaAdapter(ARGS))
+        load_hf(our_model(seed=1).state_dict(), str(tmp_path), hf_adapter(ARGS))
 
 
 def test_wrong_shapes_fail_naming_them(hf_checkpoint, no_data_reads):
     args = replace(ARGS, vocab_size=300)
-    with pytest.raises(CheckpointError, match=r"model.embed_tokens.weight: \(256, 64\) in the "
-                                              r"checkpoint, \(300, 64\) expected"):
-        load_hf(Transformer(args).state_dict(), hf_checkpoint[0], LlamaAdapter(args))
+    with pytest.raises(AdapterMismatchError) as e:
+        load_hf(Transformer(args).state_dict(), hf_checkpoint[0], hf_adapter(args))
+    assert e.value.unknown == ["lm_head.weight [256, 64]", "model.embed_tokens.weight [256, 64]"]
+    assert e.value.missing == ["lm_head.weight [300, 64]", "model.embed_tokens.weight [300, 64]"]
 
 
 def test_a_row_order_that_does_not_tile_the_rows_fails_before_reading_data(hf_checkpoint, no_data_reads):
@@ -324,7 +318,7 @@ def test_a_row_order_that_does_not_tile_the_rows_fails_before_reading_data(hf_ch
 
     with pytest.raises(CheckpointError, match=r"model.layers.0.self_attn.q_proj.weight: \(64, 64\) is not made "
                                               r"of whole blocks of 5 rows, which the adapter reorders"):
-        load_hf(our_model(seed=1).state_dict(), hf_checkpoint[0], Fives(ARGS))
+        load_hf(our_model(seed=1).state_dict(), hf_checkpoint[0], Fives(HFModelConfig.parse(hf_config(ARGS))))
 
 
 def test_a_truncated_file_fails_naming_it_before_reading_data(hf_checkpoint, tmp_path, no_data_reads):
@@ -333,7 +327,7 @@ def test_a_truncated_file_fails_naming_it_before_reading_data(hf_checkpoint, tmp
     os.truncate(last, os.path.getsize(last) - 100)
     with pytest.raises(CorruptCheckpointError, match=rf"{re.escape(last)} is not a readable safetensors "
                                                      r"file: .* do not fit \d+ bytes in a data section"):
-        load_hf(our_model(seed=1).state_dict(), str(folder), LlamaAdapter(ARGS))
+        load_hf(our_model(seed=1).state_dict(), str(folder), hf_adapter(ARGS))
 
 
 def test_a_wrong_dtype_fails_naming_the_file_before_reading_data(hf_checkpoint, tmp_path, no_data_reads):
@@ -345,7 +339,7 @@ def test_a_wrong_dtype_fails_naming_the_file_before_reading_data(hf_checkpoint, 
     save_file({**tensors, name: tensors[name].to(torch.int32)}, folder / file, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=rf"{name}: torch.int32 in {file}, torch.float32 expected "
                                               r"\(only floating-point dtypes are converted\)"):
-        load_hf(our_model(seed=1).state_dict(), str(folder), LlamaAdapter(ARGS))
+        load_hf(our_model(seed=1).state_dict(), str(folder), hf_adapter(ARGS))
 
 
 def test_an_unknown_dtype_fails_naming_the_file_before_reading_data(hf_checkpoint, tmp_path, no_data_reads):
@@ -357,7 +351,7 @@ def test_an_unknown_dtype_fails_naming_the_file_before_reading_data(hf_checkpoin
         f.write(b'"Q32"')  # same length: the header stays well-formed
     with pytest.raises(CorruptCheckpointError, match=rf"{re.escape(first)} is not a readable safetensors "
                                                      r"file: .*dtype 'Q32' is not one of \['BF16', "):
-        load_hf(our_model(seed=1).state_dict(), str(folder), LlamaAdapter(ARGS))
+        load_hf(our_model(seed=1).state_dict(), str(folder), hf_adapter(ARGS))
 
 
 def test_a_file_cut_after_its_header_was_read_fails_naming_it(tmp_path):
@@ -393,19 +387,37 @@ def _convert(*argv: str) -> int:
     return cli.main(["convert", *argv])
 
 
+def _assets(folder, args) -> str:
+    """An HF assets folder holding only the `config.json` of `args`."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf_config(args)))
+    return str(folder)
+
+
 def test_convert_dcp_to_hf_and_back(tmp_path):
     state = our_model().state_dict()
     dcp.save(state, checkpoint_id=str(tmp_path / "step-5"))
-    assert _convert("--to", "hf", str(tmp_path / "step-5"), str(tmp_path / "hf"), "--flavor", "debugmodel",
+    assets = _assets(tmp_path / "assets", ARGS)
+    assert _convert("--to", "hf", str(tmp_path / "step-5"), str(tmp_path / "hf"), "--hf-assets", assets,
                     "--max-shard-size", "100KB") == 0
     assert len(glob.glob(str(tmp_path / "hf" / "*.safetensors"))) == 4
     assert _convert("--to", "dcp", str(tmp_path / "hf"), str(tmp_path / "back")) == 0
     assert_same(read_checkpoint(str(tmp_path / "back")), state)
+    # the step records its HF config: back to HF with no --hf-assets, the same files
+    assert _convert("--to", "hf", str(tmp_path / "back"), str(tmp_path / "again"), "--max-shard-size", "100KB") == 0
+    assert tensors_by_file(str(tmp_path / "again")).keys() == tensors_by_file(str(tmp_path / "hf")).keys()
+    for file, tensors in tensors_by_file(str(tmp_path / "again")).items():
+        assert_same(tensors, tensors_by_file(str(tmp_path / "hf"))[file])
 
 
-def test_convert_reports_a_wrong_flavor(tmp_path, capsys):
+def test_convert_reports_a_config_that_is_not_the_checkpoints(tmp_path, capsys):
     dcp.save(our_model().state_dict(), checkpoint_id=str(tmp_path / "step-5"))
-    assert _convert("--to", "hf", str(tmp_path / "step-5"), str(tmp_path / "hf"), "--flavor", "small") == 2
-    assert "lacks 18 tensors of this model: ['layers.2.attention.wq.weight'," in capsys.readouterr().err
-    assert _convert("--to", "hf", str(tmp_path / "nothing"), str(tmp_path / "hf"), "--flavor", "small") == 2
+    small = _assets(tmp_path / "small", FLAVORS["small"])
+    assert _convert("--to", "hf", str(tmp_path / "step-5"), str(tmp_path / "hf"), "--hf-assets", small) == 2
+    err = capsys.readouterr().err
+    assert "tensors in the checkpoint (unknown) vs the HF config's (missing)" in err
+    assert "'layers.2.attention.wq.weight [256, 256]'" in err and "'tok_embeddings.weight [256, 64]'" in err
+    assert _convert("--to", "hf", str(tmp_path / "step-5"), str(tmp_path / "hf")) == 2
+    assert "step-5 records no HF config (hf_config.json); pass --hf-assets" in capsys.readouterr().err
+    assert _convert("--to", "hf", str(tmp_path / "nothing"), str(tmp_path / "hf"), "--hf-assets", small) == 2
     assert "nothing is not a DCP checkpoint folder (no .metadata)" in capsys.readouterr().err

@@ -20,9 +20,9 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from tests.helpers import DEBUG_CONFIG, assert_same, spawn
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.errors import CheckpointError, CorruptCheckpointError
-from torchtitan_ckpt.example.model import FLAVORS, ModelArgs, Transformer
-from torchtitan_ckpt.hf import LlamaAdapter, hf_llama_config, load_hf, save_hf, shards
-from torchtitan_ckpt.hf.adapter import permute_rows
+from torchtitan_ckpt.example.model import FLAVORS, ModelArgs, Transformer, hf_adapter, hf_config
+from torchtitan_ckpt.hf import load_hf, save_hf, shards
+from torchtitan_ckpt.hf.adapter import reorder_rows, rope_row_order
 from torchtitan_ckpt.hf.convert import convert
 from torchtitan_ckpt.states import ModelState
 from torchtitan_ckpt.example.train import build_model, shard_model
@@ -47,8 +47,8 @@ def _check_permutation_across_a_split_head(world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     w = torch.arange(24.0 * 2).reshape(24, 2)
     sharded = distribute_tensor(w, mesh, [Shard(0)])
-    hf = permute_rows(sharded, n_heads=3, to_half_split=True)
-    assert torch.equal(hf, permute_rows(w, n_heads=3, to_half_split=True))
+    hf = reorder_rows(sharded, rope_row_order(8))
+    assert torch.equal(hf, reorder_rows(w, rope_row_order(8)))
 
 
 def _import_and_export(rank: int, world_size: int, src: str, out: str, expected: torch.Tensor) -> None:
@@ -59,21 +59,21 @@ def _import_and_export(rank: int, world_size: int, src: str, out: str, expected:
     args = model.args
     state = ModelState([model])
     sd = state.state_dict()
-    load_hf(sd, src, LlamaAdapter(args))
+    load_hf(sd, src, hf_adapter(args))
     state.load_state_dict(sd)
     with torch.no_grad():
         assert (model(TOKENS) - expected).abs().max() < 1e-5
 
     # the assets' split: the same files, bit for bit
-    save_hf(state.state_dict(), os.path.join(out, "same"), LlamaAdapter(args, hf_assets_path=src))
+    save_hf(state.state_dict(), os.path.join(out, "same"), hf_adapter(args, hf_assets_path=src))
     # the planner's split, files written by both ranks (loaded by transformers below)
-    save_hf(state.state_dict(), os.path.join(out, "planned"), LlamaAdapter(args), max_shard_size="100KB")
+    save_hf(state.state_dict(), os.path.join(out, "planned"), hf_adapter(args), max_shard_size="100KB")
     if rank == 0:
         _assert_same_files(src, os.path.join(out, "same"))
 
     # the CLI's path under torchrun: HF -> DCP -> HF, each rank holding half of every tensor
     convert("dcp", src, os.path.join(out, "dcp"))
-    convert("hf", os.path.join(out, "dcp"), os.path.join(out, "hf"), flavor="debugmodel", hf_assets_path=src)
+    convert("hf", os.path.join(out, "dcp"), os.path.join(out, "hf"), hf_assets_path=src)
     if rank == 0:
         _assert_same_files(src, os.path.join(out, "hf"))
 
@@ -81,7 +81,7 @@ def _import_and_export(rank: int, world_size: int, src: str, out: str, expected:
 def test_sharded_import_and_export_on_two_ranks(tmp_path):
     args = FLAVORS[load_job_config(DEBUG_CONFIG, []).model.flavor]
     torch.manual_seed(3)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_llama_config(args, torch.float32))).eval()
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(args))).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -129,17 +129,18 @@ def _merged(ranges) -> list[tuple[str, int, int]]:
 def _needed_ranges(src: str, rank: int, world_size: int) -> dict[str, tuple[str, int, int, int]]:
     """HF name -> the bytes this rank must read: its rows (FSDP splits rows as torch.chunk does),
     for wq/wk widened to whole heads; and how many of those bytes are its own rows."""
-    adapter = LlamaAdapter(MID_HEAD)
+    adapter = hf_adapter(MID_HEAD)
     with open(os.path.join(src, "model.safetensors.index.json")) as f:
         weight_map = json.load(f)["weight_map"]
     out = {}
-    for ours, name in adapter.names.items():
+    for source in adapter.sources.values():
+        name = source.name
         start, end, shape = _tensor_bytes(os.path.join(src, weight_map[name]))[name]
         rows = torch.arange(shape[0]).chunk(world_size)[rank]
         lo, hi = int(rows[0]), int(rows[-1]) + 1
         row_bytes = (end - start) // shape[0]
         own = (hi - lo) * row_bytes
-        if ours in adapter.heads:
+        if source.row_order:
             head = MID_HEAD.head_dim
             lo, hi = lo // head * head, -(-hi // head) * head
         out[name] = (weight_map[name], start + lo * row_bytes, start + hi * row_bytes, own)
@@ -163,7 +164,7 @@ def _load_mid_head(rank: int, world_size: int, folders: list[tuple[str, dict, to
 
         shards.read_exact = recording
         try:
-            load_hf(sd, src, LlamaAdapter(MID_HEAD))
+            load_hf(sd, src, hf_adapter(MID_HEAD))
         finally:
             shards.read_exact = real
         for name, value in sd.items():
@@ -195,14 +196,19 @@ def _reference(folder: str) -> dict[str, torch.Tensor]:
     hf = {}
     for file in glob.glob(os.path.join(folder, "*.safetensors")):
         hf.update(load_file(file))
-    adapter = LlamaAdapter(MID_HEAD)
-    return {ours: permute_rows(hf[name].float(), adapter.heads[ours], to_half_split=False)
-            if ours in adapter.heads else hf[name].float() for ours, name in adapter.names.items()}
+    adapter = hf_adapter(MID_HEAD)
+    return {ours: _from_hf_rows(hf[s.name].float(), s.row_order) if s.row_order else hf[s.name].float()
+            for ours, s in adapter.sources.items()}
+
+
+def _from_hf_rows(t: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """Our row k of each block is the HF row order[k] of that block."""
+    return t.reshape(-1, len(order), *t.shape[1:])[:, list(order)].reshape(t.shape)
 
 
 def test_shards_split_inside_heads_load_bit_identically_on_two_ranks(tmp_path):
     torch.manual_seed(4)
-    config = transformers.LlamaConfig(**hf_llama_config(MID_HEAD, torch.float32))
+    config = transformers.LlamaConfig(**hf_config(MID_HEAD))
     hf = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for p in hf.parameters():
@@ -243,7 +249,7 @@ def _sharded_big_heads(world_size: int, seed: int) -> Transformer:
 
 
 def _peak_of_a_load(rank: int, world_size: int, folder: str) -> None:
-    adapter = LlamaAdapter(BIG_HEADS)
+    adapter = hf_adapter(BIG_HEADS)
     model = _sharded_big_heads(world_size, seed=rank)
     save_hf(ModelState([model]).state_dict(), folder, adapter)
     fresh = _sharded_big_heads(world_size, seed=rank + 10)
@@ -275,17 +281,17 @@ def _one_rank_fails_to_read(rank: int, world_size: int, src: str, damaged: str) 
     shard_model(model, world_size)
     if rank == 1:  # rank 1 sees a damaged copy (as a node with a bad disk or cache would)
         with pytest.raises(CorruptCheckpointError, match=r"model-00001-of-0000\d\.safetensors"):
-            load_hf(ModelState([model]).state_dict(), damaged, LlamaAdapter(model.args))
+            load_hf(ModelState([model]).state_dict(), damaged, hf_adapter(model.args))
     else:
         with pytest.raises(CheckpointError, match=rf"reading {src} failed on rank 1: CorruptCheckpointError"):
-            load_hf(ModelState([model]).state_dict(), src, LlamaAdapter(model.args))
+            load_hf(ModelState([model]).state_dict(), src, hf_adapter(model.args))
 
 
 def test_a_read_error_on_one_rank_is_raised_on_every_rank(tmp_path):
     """Otherwise the other rank would return and wait forever in its next collective."""
     args = FLAVORS[load_job_config(DEBUG_CONFIG, []).model.flavor]
     src = str(tmp_path / "hf")
-    save_hf(Transformer(args).state_dict(), src, LlamaAdapter(args), max_shard_size="100KB")
+    save_hf(Transformer(args).state_dict(), src, hf_adapter(args), max_shard_size="100KB")
     damaged = str(tmp_path / "damaged")
     shutil.copytree(src, damaged)
     first = sorted(f for f in os.listdir(damaged) if f.startswith("model-00001"))[0]

@@ -33,7 +33,9 @@ from . import commit, layout
 from .dcp import storage
 from .hf.consolidate import INDEX_FILE, consolidate_safetensors, load_mapping
 from .errors import CheckpointError, CheckpointNotFoundError
-from .hf.convert import ADAPTERS, DTYPES, convert
+from .hf.convert import convert
+from .hf.registry import ADAPTERS
+from .io.dtypes import EXPORT_DTYPES
 from .hf.save import MODES
 from .progress import DEFAULT_INTERVAL, Progress, fmt_bytes, this_rank_draws
 
@@ -256,7 +258,7 @@ def cmd_convert(args: argparse.Namespace, progress: Progress) -> int:
     if os.path.isdir(args.dst) and os.listdir(args.dst):
         raise CheckpointError(f"{args.dst} exists and is not empty; remove it or name a new folder")
     with _process_group(), _staged(args.dst) as out, progress:
-        convert(args.to, args.src, out, args.adapter, flavor=args.flavor, hf_assets_path=args.hf_assets,
+        convert(args.to, args.src, out, args.adapter, hf_assets_path=args.hf_assets,
                 dtype=args.dtype, max_shard_size=args.max_shard_size, consolidation=args.consolidation,
                 threads=args.threads, progress=progress)
     if this_rank_draws():
@@ -321,10 +323,9 @@ def _add_convert(sub: Any) -> None:
     p.add_argument("--to", required=True, choices=("hf", "dcp"), help="the format to write")
     p.add_argument("src", help="a DCP step folder (--to hf) or an HF folder (--to dcp)")
     p.add_argument("dst", help="the folder to write (new or empty)")
-    p.add_argument("--adapter", default="llama3", choices=sorted(ADAPTERS), help="the model family")
-    p.add_argument("--flavor", help="model preset; default: from config.json of the HF folder")
-    p.add_argument("--hf-assets", help="HF folder whose config.json and file split an export copies")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating tensors of an HF export")
+    p.add_argument("--adapter", choices=sorted(ADAPTERS), help="the model family; default: config.json's model_type")
+    p.add_argument("--hf-assets", help="HF folder whose config.json (and file split) gives the model; default: the HF source (--to dcp) or the config the DCP step recorded (--to hf)")
+    p.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="cast floating tensors of an HF export")
     p.add_argument("--max-shard-size", default="5GB", help="largest HF file when there is no assets index")
     p.add_argument("--consolidation", default="one_pass", choices=MODES,
                    help="how the HF files are written (see checkpoint.consolidation)")

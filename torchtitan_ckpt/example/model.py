@@ -1,17 +1,59 @@
-"""A small Llama 3 style decoder: RMSNorm, grouped-query attention, RoPE, SwiGLU.
+"""A small decoder in the Llama 3 / Qwen3 / Qwen3-MoE families: RMSNorm, grouped-query attention
+(optionally with Qwen3's per-head q/k norms), RoPE (optionally Llama 3.1's scaling), and SwiGLU,
+or a mixture of experts (a router, experts stored as grouped 3-D weights as TorchTitan stores
+them, an optional shared expert).
 
 RoPE follows TorchTitan's convention: frequencies as complex numbers, applied to *interleaved*
-pairs of a head's channels (0,1), (2,3), ... (Hugging Face's Llama uses the half-split layout;
-an HF adapter has to permute `wq`/`wk` rows between the two).
+pairs of a head's channels (0,1), (2,3), ... (Hugging Face uses the half-split layout; the HF
+adapters permute `wq`/`wk` rows, and q/k norm weights, between the two).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..errors import ConfigError
+from ..hf import HFModelConfig, StateDictAdapter, adapter_for_config
+from ..hf.model_config import positive_float
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling, as `transformers` names it: "linear" divides every frequency by
+    `factor`; "llama3" (Llama 3.1 and later) divides the low frequencies by `factor`, keeps the
+    high ones and blends in between."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """A mixture-of-experts FFN: `num_experts` experts of width `hidden`, `top_k` per token."""
+
+    num_experts: int
+    top_k: int
+    hidden: int
+    norm_topk_prob: bool = True
+    """Renormalise the `top_k` routing weights of a token to sum to 1."""
+    shared_hidden: int = 0
+    """Width of an expert every token also goes through (0: none)."""
+    every: int = 1
+    """Layers l with (l + 1) % every == 0 are MoE layers (HF's `decoder_sparse_step`)."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers that keep a dense FFN (HF's `mlp_only_layers`)."""
 
 
 @dataclass(frozen=True)
@@ -27,15 +69,34 @@ class ModelArgs:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     """Share one matrix between `tok_embeddings` and `output` (as HF's `tie_word_embeddings`)."""
+    ffn_hidden: int = 0
+    """FFN width; 0 derives it from `dim` and `multiple_of` (Llama 3's rule)."""
+    head_size: int = 0
+    """Channels per head; 0 means dim / n_heads."""
+    rope_scaling: RopeScaling | None = None
+    qk_norm: bool = False
+    """RMSNorm over each head of q and k before RoPE (Qwen3)."""
+    moe: MoEArgs | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
 
     @property
     def ffn_dim(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
         hidden = int(2 * 4 * self.dim / 3)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def model_type(self) -> str:
+        """The HF family whose layout this model has."""
+        return "qwen3_moe" if self.moe else "qwen3" if self.qk_norm else "llama"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        moe = self.moe
+        return moe is not None and layer not in moe.dense_layers and (layer + 1) % moe.every == 0
 
 
 FLAVORS = {
@@ -43,12 +104,118 @@ FLAVORS = {
     "small": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048),
     # about 128M parameters: 1.5 GB of fp32 weights plus AdamW state, for benchmarks
     "bench": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=32000, multiple_of=256),
+    # Llama 3.1's shape in small: its own FFN width and head_dim, llama3 RoPE scaling
+    "llama31_debug": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=200,
+                               head_size=24, rope_theta=500000.0,
+                               rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 64)),
+    "qwen3_debug": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=96,
+                             head_size=32, norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True, tie_embeddings=True),
+    "qwen3_moe_debug": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=96,
+                                 head_size=16, norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True,
+                                 moe=MoEArgs(num_experts=4, top_k=2, hidden=32)),
 }
 
 
-def precompute_freqs_cis(head_dim: int, seq_len: int, theta: float) -> torch.Tensor:
+def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The `config.json` of the `transformers` model with the shapes and constants of `args`."""
+    if args.moe is not None and args.moe.shared_hidden:
+        raise ValueError("Qwen3-MoE has no shared expert; this model has one, so no HF family holds it")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.rope_scaling is not None:
+        rope.update(vars(args.rope_scaling))
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+    config = {
+        "architectures": [arch[args.model_type]], "model_type": args.model_type,
+        "hidden_size": args.dim, "intermediate_size": args.ffn_dim, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_parameters": rope,
+        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu", "attention_bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if args.moe is not None:
+        config.update(num_experts=args.moe.num_experts, num_experts_per_tok=args.moe.top_k,
+                      moe_intermediate_size=args.moe.hidden, norm_topk_prob=args.moe.norm_topk_prob,
+                      decoder_sparse_step=args.moe.every, mlp_only_layers=list(args.moe.dense_layers))
+    return config
+
+
+def hf_adapter(args: ModelArgs, hf_assets_path: str | None = None) -> StateDictAdapter:
+    """The HF adapter of a model with `args`, built from its `config.json` (`hf_config`)."""
+    return adapter_for_config(hf_config(args), hf_assets_path, where=f"the {args.model_type} model's config")
+
+
+def args_from_hf_config(raw: Any, where: str = "config.json") -> ModelArgs:
+    """The `ModelArgs` of the model a parsed HF `config.json` describes. Raises `ConfigError`
+    naming the key this model cannot express (biases, another activation, a RoPE type it does
+    not implement)."""
+    c = HFModelConfig.parse(raw, where)
+    if c.model_type not in ("llama", "mistral", "qwen3", "qwen3_moe"):
+        raise ConfigError(f"{where}: model_type", c.model_type, "expected llama, mistral, qwen3 or qwen3_moe")
+    for key in ("attention_bias", "mlp_bias"):
+        if raw.get(key):
+            raise ConfigError(f"{where}: {key}", raw[key], "the example model has no biases")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act", raw["hidden_act"], "the example model uses silu")
+    if raw.get("sliding_window") and raw.get("use_sliding_window", True):
+        logger.warning("%s: sliding_window %s is ignored: the example model attends to the whole context",
+                       where, raw["sliding_window"])
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}: rope_parameters", rope, "expected an object")
+    theta = positive_float(raw, "rope_theta", positive_float(rope, "rope_theta", 10000.0, where), where)
+    return ModelArgs(
+        dim=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
+        n_kv_heads=c.num_key_value_heads, vocab_size=c.vocab_size, ffn_hidden=c.intermediate_size,
+        head_size=c.head_dim, norm_eps=positive_float(raw, "rms_norm_eps", 1e-6, where), rope_theta=theta,
+        max_seq_len=int(positive_float(raw, "max_position_embeddings", 2048, where)),
+        tie_embeddings=c.tie_word_embeddings, rope_scaling=_rope_scaling(rope, where),
+        qk_norm=c.model_type.startswith("qwen3"), moe=_moe_args(c, raw),
+    )
+
+
+def _rope_scaling(rope: dict[str, Any], where: str) -> RopeScaling | None:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in ("linear", "llama3"):
+        raise ConfigError(f"{where}: rope_type", kind, "the example model implements default, linear and llama3 "
+                          "RoPE (the HF adapters take any: scaling changes no weight)")
+    factor = positive_float(rope, "factor", 1.0, where)
+    if kind == "linear":
+        return RopeScaling(kind, factor)
+    low, high = positive_float(rope, "low_freq_factor", 1.0, where), positive_float(rope, "high_freq_factor", 4.0, where)
+    if high <= low:
+        raise ConfigError(f"{where}: high_freq_factor", high, f"must exceed low_freq_factor ({low})")
+    original = int(positive_float(rope, "original_max_position_embeddings", 8192, where))
+    return RopeScaling(kind, factor, low, high, original)
+
+
+def _moe_args(c: HFModelConfig, raw: dict[str, Any]) -> MoEArgs | None:
+    if not c.num_experts:
+        return None
+    return MoEArgs(num_experts=c.num_experts, top_k=c.num_experts_per_tok, hidden=c.moe_intermediate_size,
+                   norm_topk_prob=bool(raw.get("norm_topk_prob", False)), every=c.decoder_sparse_step,
+                   dense_layers=c.mlp_only_layers)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """The rotation frequency of each channel pair of a head, scaled as `scaling` says."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    angles = torch.outer(torch.arange(seq_len).float(), freqs)
+    if scaling is None:
+        return freqs
+    if scaling.rope_type == "linear":
+        return freqs / scaling.factor
+    wavelen = 2 * math.pi / freqs
+    original = scaling.original_max_position_embeddings
+    scaled = torch.where(wavelen > original / scaling.low_freq_factor, freqs / scaling.factor, freqs)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    medium = (wavelen >= original / scaling.high_freq_factor) & (wavelen <= original / scaling.low_freq_factor)
+    return torch.where(medium, (1 - smooth) * scaled / scaling.factor + smooth * scaled, scaled)
+
+
+def precompute_freqs_cis(args: ModelArgs) -> torch.Tensor:
+    freqs = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling)
+    angles = torch.outer(torch.arange(args.max_seq_len).float(), freqs)
     return torch.polar(torch.ones_like(angles), angles)  # complex64 [seq_len, head_dim / 2]
 
 
@@ -77,12 +244,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         bs, seq, _ = x.shape
         q = self.wq(x).view(bs, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(bs, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(bs, seq, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
         repeat = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
@@ -103,37 +275,88 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class Router(nn.Module):
+    def __init__(self, dim: int, num_experts: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+
+
+class GroupedExperts(nn.Module):
+    """All experts' SwiGLU weights as 3-D tensors [expert, out, in], as TorchTitan stores them
+    (expert parallelism shards dim 0)."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return (F.silu(x @ self.w1[expert].T) * (x @ self.w3[expert].T)) @ self.w2[expert].T
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, moe: MoEArgs):
+        super().__init__()
+        self.args = moe
+        self.router = Router(dim, moe.num_experts)
+        self.experts = GroupedExperts(dim, moe.hidden, moe.num_experts)
+        if moe.shared_hidden:
+            self.shared_experts = FeedForward(dim, moe.shared_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.router.gate(flat), dim=-1, dtype=torch.float)
+        weights, chosen = probs.topk(self.args.top_k, dim=-1)
+        if self.args.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(flat)
+        for expert in range(self.args.num_experts):
+            token, slot = torch.where(chosen == expert)
+            if token.numel():
+                out.index_add_(0, token, self.experts(flat[token], expert) * weights[token, slot, None])
+        if self.args.shared_hidden:
+            out = out + self.shared_experts(flat)
+        return out.view(x.shape)
+
+
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        if args.is_moe_layer(layer):
+            self.moe = MoE(args.dim, args.moe)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+
+def _weight(m: nn.Module | nn.Parameter) -> torch.Tensor:
+    return m.weight if isinstance(m, nn.Linear) else m
 
 
 class Transformer(nn.Module):
-    """Parameter names match TorchTitan's Llama 3 (`tok_embeddings`, `layers.N.attention.wq`, ...)."""
+    """Parameter names match TorchTitan's Llama 3 / Qwen3 (`tok_embeddings`,
+    `layers.N.attention.wq`, `layers.N.moe.experts.w1`, ...)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # derived from the config, so not part of the checkpoint
-        self.register_buffer(
-            "freqs_cis",
-            precompute_freqs_cis(args.head_dim, args.max_seq_len, args.rope_theta),
-            persistent=False,
-        )
+        self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
         self.init_weights()
 
     @torch.no_grad()
@@ -142,10 +365,16 @@ class Transformer(nn.Module):
         nn.init.normal_(self.tok_embeddings.weight)
         std_out = 0.02 / (2 * self.args.n_layers) ** 0.5
         for block in self.layers.values():
-            for lin in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1):
-                nn.init.trunc_normal_(lin.weight, std=0.02)
-            for lin in (block.attention.wo, block.feed_forward.w2, block.feed_forward.w3):
-                nn.init.trunc_normal_(lin.weight, std=std_out)
+            att = block.attention
+            ffns = [block.moe.experts, *([block.moe.shared_experts] if block.moe.args.shared_hidden else [])] \
+                if hasattr(block, "moe") else [block.feed_forward]
+            weights = [_weight(getattr(f, w)) for f in ffns for w in ("w1", "w2", "w3")]
+            for w in (att.wq.weight, att.wk.weight, att.wv.weight, *weights[0::3]):
+                nn.init.trunc_normal_(w, std=0.02)
+            for w in (att.wo.weight, *weights[1::3], *weights[2::3]):
+                nn.init.trunc_normal_(w, std=std_out)
+            if hasattr(block, "moe"):
+                nn.init.trunc_normal_(block.moe.router.gate.weight, std=0.02)
         if not self.args.tie_embeddings:  # tied: the embedding's init is the head's
             nn.init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5)
 

@@ -21,8 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from .config import JobConfig, load_job_config
 from ..errors import ConfigError
 from .data import build_dataloader
-from .model import FLAVORS, Transformer
-from ..hf import LlamaAdapter
+from .model import FLAVORS, Transformer, hf_adapter
 from ..manager import CheckpointManager
 
 logger = logging.getLogger(__name__)
@@ -98,7 +97,7 @@ def train(config: JobConfig) -> None:
                     config.model.flavor, world_size, config.training.steps)
     ck = config.checkpoint
     model = build_model(config)
-    adapter = LlamaAdapter(model.args, hf_assets_path=config.model.hf_assets_path)
+    adapter = hf_adapter(model.args, hf_assets_path=config.model.hf_assets_path)
     if ck.create_seed_checkpoint:
         with CheckpointManager(ck, [model], base_folder=config.job.dump_folder, state_dict_adapter=adapter) as manager:
             manager.save(0)

@@ -2,17 +2,18 @@
 
 A `StateDictAdapter` renames (and where a layout differs, rearranges) tensors in both directions:
 `to_hf` converts whole tensors for an export; `hf_sources` tells an import where each of our
-tensors comes from, so that each rank reads only the rows of its own shard. It never drops or
-invents a tensor silently: a name it does not know, or one it expects and does not find, raises
-`AdapterMismatchError` listing both sets.
+tensors comes from, so that each rank reads only the rows of its own shard (of a grouped expert
+weight: the experts it holds). An adapter is built from an HF model config alone (`config.json`);
+it never needs the model. It never drops or invents a tensor silently: a name it does not know,
+or one it expects and does not find, raises `AdapterMismatchError` listing both sets.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
-from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -20,27 +21,13 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import AdapterMismatchError, CheckpointError, CorruptCheckpointError
+from .model_config import HFModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 _FILE_INDEX = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
-
-
-class AdapterMismatchError(CheckpointError, KeyError):
-    """The tensor names of a state dict or checkpoint are not the ones the adapter maps."""
-
-    def __init__(self, where: str, unknown: list[str], missing: list[str]):
-        self.where = where
-        self.unknown = sorted(unknown)
-        self.missing = sorted(missing)
-        super().__init__(where, self.unknown, self.missing)
-
-    def __str__(self) -> str:  # KeyError would print the repr of its args
-        return (f"{self.where}: {len(self.unknown)} unknown name(s) {self.unknown} and "
-                f"{len(self.missing)} missing name(s) {self.missing}; is the adapter (or the "
-                "model flavor) the one this checkpoint was made for?")
 
 
 def check_names(where: str, found: Any, expected: Any) -> None:
@@ -55,37 +42,111 @@ class HFSource:
     """Where one tensor of our state dict comes from in an HF checkpoint: the HF tensor `name`, of
     the same shape. An adapter that reorders rows within consecutive blocks of rows (an attention
     head) gives `row_order`, one entry per row of a block: our row k of each block is the HF row
-    `row_order[k]` of the same block. A rank then reads the blocks its rows fall in, nothing else."""
+    `row_order[k]` of the same block. A rank then reads the blocks its rows fall in, nothing else.
+    A grouped tensor (experts stored as one 3-D weight) gives `stack`: index e of our dim 0 is the
+    HF tensor `stack[e]`, and `name` describes them all in messages."""
 
     name: str
     row_order: tuple[int, ...] = ()
+    stack: tuple[str, ...] = ()
 
     @property
     def block_rows(self) -> int:
         return len(self.row_order) or 1
 
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return self.stack or (self.name,)
 
-class StateDictAdapter(ABC):
-    """Converts a model's state dict to Hugging Face names and layout, and back.
+
+@dataclass(frozen=True)
+class RowOf:
+    """Index `index` along dim 0 of `tensor` (a tensor or a DTensor): one expert of a grouped
+    weight, exported as an HF tensor of its own by the rank that holds it (no rank gathers)."""
+
+    tensor: Any
+    index: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape[1:])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+TIED_HEAD = "output.weight"
+EMBEDDING = "tok_embeddings.weight"
+
+
+class StateDictAdapter:
+    """Converts a model's state dict (TorchTitan's names) to Hugging Face names and layout, and
+    back, for the shapes of an HF model config. A family subclasses it and fills `_build`.
 
     `hf_assets_path` is the HF folder the adapter was built from (its `config.json` and
     `model.safetensors.index.json`), or None; exports copy that config and that file split.
     """
 
-    def __init__(self, hf_assets_path: str | None = None):
+    def __init__(self, config: HFModelConfig, hf_assets_path: str | None = None):
+        self.config = config
         self.hf_assets_path = hf_assets_path
+        self.sources: dict[str, HFSource] = {}  # ours -> HF, every tensor but a tied head
+        self.shapes: dict[str, tuple[int, ...]] = {}  # ours -> shape, from the config
+        self._build()
 
-    @abstractmethod
+    def _build(self) -> None:
+        """Fill `sources` and `shapes` with `add`, from `self.config`."""
+        raise NotImplementedError
+
+    def add(self, ours: str, hf: str, shape: tuple[int, ...], row_order: tuple[int, ...] = ()) -> None:
+        self.sources[ours] = HFSource(hf, row_order)
+        self.shapes[ours] = shape
+
+    def add_stack(self, ours: str, hf: str, count: int, shape: tuple[int, ...]) -> None:
+        """Our grouped tensor `ours` of `count` x `shape` <- HF tensors `hf` with `{}` = 0 .. count-1."""
+        self.sources[ours] = HFSource(hf.format("*"), stack=tuple(hf.format(e) for e in range(count)))
+        self.shapes[ours] = (count, *shape)
+
+    @property
+    def tied(self) -> bool:
+        return self.config.tie_word_embeddings
+
+    def state_dict_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the model's state dict and its shape (a tied head included)."""
+        return {**self.shapes, TIED_HEAD: self.shapes[EMBEDDING]} if self.tied else dict(self.shapes)
+
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Our names -> HF names. Values may be tensors or DTensors."""
+        """Our names -> HF names. Values may be tensors or DTensors; one expert of a grouped
+        tensor is a `RowOf` it."""
+        ours = dict(state_dict)
+        if self.tied:
+            ours.pop(TIED_HEAD, None)  # the same tensor as the embedding
+        check_names("state dict -> HF", ours, self.sources)
+        out: dict[str, Any] = {}
+        for name, value in ours.items():
+            source = self.sources[name]
+            if source.stack:
+                out.update((hf, RowOf(value, e)) for e, hf in enumerate(source.stack))
+            elif source.row_order:
+                out[source.name] = reorder_rows(value, source.row_order)
+            else:
+                out[source.name] = value
+        return out
 
-    @abstractmethod
     def hf_sources(self, names: Iterable[str]) -> dict[str, HFSource]:
         """Our names -> where each comes from in an HF checkpoint; the inverse of `to_hf`."""
-
-    @abstractmethod
-    def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
-        """The `config.json` of an export whose floating tensors are `dtype`."""
+        given = set(names)
+        ours = given - {TIED_HEAD} if self.tied else given  # tied: the embedding
+        check_names("state dict -> HF", ours, self.sources)
+        out = {name: self.sources[name] for name in ours}
+        if self.tied and TIED_HEAD in given:
+            out[TIED_HEAD] = self.sources[EMBEDDING]
+        return out
 
     @property
     def fqn_to_index_mapping(self) -> dict[str, int] | None:
@@ -95,13 +156,14 @@ class StateDictAdapter(ABC):
         return read_file_split(self.hf_assets_path)
 
     def export_config(self, dtype: torch.dtype) -> dict[str, Any]:
-        """The assets' `config.json` when there is one, its dtype set to `dtype` (the one of
-        the exported tensors); else `hf_config(dtype)`."""
+        """The assets' `config.json` when there is one, else the adapter's, its dtype set to
+        `dtype` (the one of the exported tensors)."""
         path = os.path.join(self.hf_assets_path or "", CONFIG_FILE)
         if self.hf_assets_path is None or not os.path.isfile(path):
-            return self.hf_config(dtype)
-        with open(path) as f:
-            config = json.load(f)
+            config = dict(self.config.raw)
+        else:
+            with open(path) as f:
+                config = json.load(f)
         # transformers 4 writes `torch_dtype`, 5 writes `dtype`
         for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
             config[key] = str(dtype).removeprefix("torch.")
@@ -139,21 +201,22 @@ def read_index(path: str) -> dict[str, str]:
     return weight_map
 
 
-def permute_rows(w: Any, n_heads: int, to_half_split: bool) -> torch.Tensor:
-    """Reorder the rows of a q/k projection, head by head, between RoPE's interleaved layout
-    (row 2i+j of a head holds component j of pair i) and the half-split layout (row j*d/2+i).
+def reorder_rows(w: Any, row_order: tuple[int, ...]) -> torch.Tensor:
+    """Our rows -> HF's: in each block of `len(row_order)` rows, our row k becomes HF row
+    `row_order[k]` (the inverse of what `HFSource.row_order` reads).
 
-    Rows of one head may live on several ranks, so a DTensor is gathered to a full tensor first
-    (one parameter at a time); the result is a plain tensor."""
+    Rows of one block (a head) may live on several ranks, so a DTensor is gathered to a full
+    tensor first (one parameter at a time); the result is a plain tensor."""
     if isinstance(w, DTensor):
         w = w.full_tensor()
-    rows, cols = w.shape
-    half = rows // n_heads // 2
-    split = (n_heads, half, 2, cols) if to_half_split else (n_heads, 2, half, cols)
-    return w.reshape(split).transpose(1, 2).reshape(rows, cols)
+    inverse = torch.empty(len(row_order), dtype=torch.long)
+    inverse[torch.tensor(row_order)] = torch.arange(len(row_order))
+    blocks = w.reshape(-1, len(row_order), *w.shape[1:])
+    return blocks[:, inverse].reshape(w.shape)
 
 
 def rope_row_order(head_dim: int) -> tuple[int, ...]:
-    """`HFSource.row_order` of a q/k projection: our (interleaved) row 2i+j of a head is the HF
-    (half-split) row j*head_dim/2+i; the inverse of `permute_rows(..., to_half_split=True)`."""
+    """`HFSource.row_order` of a q/k projection: our RoPE rotates interleaved channel pairs
+    (2i, 2i+1) of a head, HF's rotates channel i with i + head_dim/2, so our row 2i+j of a head
+    is the HF row j*head_dim/2+i."""
     return tuple(j * (head_dim // 2) + i for i in range(head_dim // 2) for j in range(2))

@@ -51,6 +51,7 @@ from ..io import durable
 from .. import faults
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..group import CheckpointGroup, RankFailed
+from .adapter import RowOf
 
 logger = logging.getLogger(__name__)
 
@@ -529,14 +530,15 @@ def consolidate_safetensors(input_dir: str, output_dir: str, fqn_to_index_mappin
                     total / 1e9 / max(seconds, 1e-9))
 
 
-def write_safetensors_one_pass(state_dict: Mapping[str, torch.Tensor], output_dir: str,
+def write_safetensors_one_pass(state_dict: Mapping[str, Any], output_dir: str,
                                fqn_to_index_mapping: Mapping[str, int] | None = None, *,
                                process_group=None, num_threads: int = 4, progress: ProgressFn | None = None) -> None:
-    """Write `state_dict` (tensors and DTensors) as final HF safetensors files and index in one
-    pass, collectively: every rank computes the same layout, writes its own blocks at their final
-    offsets (a replicated tensor or block by one rank only: rank 0 for plain tensors, the rank at
-    coordinate 0 of every replicated mesh dim for DTensors), fsyncs, and rank 0 writes the index
-    once every rank is done. No intermediate shard files. `progress` as for `consolidate_safetensors`."""
+    """Write `state_dict` (tensors, DTensors and `RowOf` experts) as final HF safetensors files
+    and index in one pass, collectively: every rank computes the same layout, writes its own
+    blocks at their final offsets (a replicated tensor or block by one rank only: rank 0 for plain
+    tensors, the rank at coordinate 0 of every replicated mesh dim for DTensors; an expert by the
+    rank holding it), fsyncs, and rank 0 writes the index once every rank is done. No
+    intermediate shard files. `progress` as for `consolidate_safetensors`."""
     group = CheckpointGroup(process_group)
     specs = {fqn: TensorSpec(fqn, _dtype_name(fqn, t), tuple(t.shape)) for fqn, t in state_dict.items()}
     files = plan_output_files(specs, fqn_to_index_mapping)
@@ -551,6 +553,8 @@ def write_safetensors_one_pass(state_dict: Mapping[str, torch.Tensor], output_di
 
 
 def _dtype_name(fqn: str, t: Any) -> str:
+    if isinstance(t, RowOf):
+        t = t.tensor
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fqn!r} is a {type(t).__name__}; safetensors holds tensors only")
     if t.dtype not in _TORCH_DTYPES:
@@ -558,8 +562,12 @@ def _dtype_name(fqn: str, t: Any) -> str:
     return _TORCH_DTYPES[t.dtype]
 
 
-def _local_block(fqn: str, t: torch.Tensor, dtype: str, rank: int) -> tuple[Block, memoryview] | None:
-    """This rank's block of `t` and its bytes, or None when another rank writes it."""
+def _local_block(fqn: str, t: Any, dtype: str, rank: int) -> tuple[Block, memoryview] | None:
+    """This rank's block of `t` and its bytes, or None when another rank writes it. Of a `RowOf`
+    (one expert of a grouped weight), the rank that holds that row writes it."""
+    row = None
+    if isinstance(t, RowOf):
+        t, row = t.tensor, t.index
     if isinstance(t, DTensor):
         coord = t.device_mesh.get_coordinate()
         if coord is None:
@@ -574,6 +582,10 @@ def _local_block(fqn: str, t: torch.Tensor, dtype: str, rank: int) -> tuple[Bloc
         return None
     else:
         shape, offsets, local = tuple(t.shape), (0,) * t.dim(), t
+    if row is not None:
+        if not offsets[0] <= row < offsets[0] + shape[0]:
+            return None
+        local, shape, offsets = local[row - offsets[0]], shape[1:], offsets[1:]
     local = local.detach().cpu().contiguous()
     if tuple(local.shape) != tuple(shape):
         raise ValueError(f"{fqn!r}: local tensor of shape {list(local.shape)}, expected {list(shape)}")

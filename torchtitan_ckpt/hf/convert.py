@@ -1,20 +1,22 @@
 """DCP step folder <-> Hugging Face folder, on one rank or under torchrun (`convert`, which the
 `torchtitan-ckpt convert` command runs):
 
-    torchtitan-ckpt convert --to hf STEP_DIR OUT_DIR [--flavor F | --hf-assets DIR] [--dtype bfloat16]
+    torchtitan-ckpt convert --to dcp HF_DIR OUT_DIR [--adapter llama|mistral|qwen3|qwen3_moe]
+    torchtitan-ckpt convert --to hf STEP_DIR OUT_DIR [--hf-assets DIR] [--dtype bfloat16]
     torchrun --nproc_per_node 4 -m torchtitan_ckpt.cli convert --to dcp HF_DIR OUT_DIR
 
-With several ranks every tensor is split by rows across them (a 1-D gloo mesh), so each rank
-reads and holds about 1/N of the model; the HF export then gathers one tensor at a time.
+No model is built: the adapter, picked by `config.json`'s `model_type`, gives the name and shape
+of every tensor, and the DCP side is those names -> tensors. `--to dcp` records the HF config in
+the step folder (`hf_config.json`), so `--to hf` of that folder needs no `--hf-assets`. With
+several ranks every tensor is split by rows across them (a 1-D gloo mesh), so each rank reads
+and holds about 1/N of the model; the HF export then gathers one tensor at a time.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,110 +28,106 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from .. import commit
 from ..dcp import storage
-from ..errors import CheckpointError, CheckpointNotFoundError
-from ..example.model import FLAVORS, ModelArgs, Transformer
+from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError
+from ..io import durable
+from ..io.dtypes import EXPORT_DTYPES
 from .adapter import CONFIG_FILE, StateDictAdapter
-from .llama import LlamaAdapter, llama_args_from_hf_config
-from .load import load_hf
+from .load import check_hf_dir, load_hf
+from .model_config import read_hf_config
+from .registry import adapter_for_config
 from .save import save_hf
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Progress = Callable[[str, int, int], None]
+"""`progress(phase, nbytes, total)`: this rank's bytes read ("reading") and written ("writing")."""
+RECORDED_CONFIG = "hf_config.json"
+"""The HF `config.json` that `--to dcp` records in the DCP step folder it writes."""
 
 
-@dataclass(frozen=True)
-class AdapterSpec:
-    """What converting one model family needs: its adapter, its presets, its model (for the
-    names and shapes of its state dict) and how to read its args from an HF `config.json`."""
-
-    adapter: Callable[[Any, str | None], StateDictAdapter]
-    flavors: dict[str, Any]
-    model: Callable[[Any], torch.nn.Module]
-    args_from_hf_config: Callable[[dict[str, Any], str], Any]
-
-
-ADAPTERS: dict[str, AdapterSpec] = {
-    "llama3": AdapterSpec(LlamaAdapter, FLAVORS, Transformer, llama_args_from_hf_config),
-}
-
-
-def model_args(spec: AdapterSpec, flavor: str | None, hf_dir: str | None) -> ModelArgs:
-    """The flavor's args when one is named, else those of `hf_dir/config.json`."""
-    if flavor is not None:
-        if flavor not in spec.flavors:
-            raise ValueError(f"unknown flavor {flavor!r}; expected one of {', '.join(spec.flavors)}")
-        return spec.flavors[flavor]
-    if hf_dir is None:
-        raise ValueError("name a --flavor or an HF folder (--hf-assets) whose config.json gives the model")
-    path = os.path.join(hf_dir, CONFIG_FILE)
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read the model config {path}: {e}") from e
-    return spec.args_from_hf_config(config, path)
-
-
-def empty_state_dict(spec: AdapterSpec, args: Any) -> dict[str, Any]:
-    """Uninitialised tensors shaped as the model's state dict, split by rows over every rank
-    when torch.distributed is initialised (so each rank holds about 1/N of the model)."""
-    with torch.device("meta"):
-        shapes = {k: (v.shape, v.dtype) for k, v in spec.model(args).state_dict().items()}
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in shapes.items()}
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    return {k: dtensor.empty(*shape, dtype=dtype, device_mesh=mesh, placements=[dtensor.Shard(0)])
-            for k, (shape, dtype) in shapes.items()}
-
-
-def convert(to: str, src: str, dst: str, adapter_name: str = "llama3", *, flavor: str | None = None,
-            hf_assets_path: str | None = None, dtype: str | None = None,
-            max_shard_size: str = "5GB", consolidation: str = "one_pass", threads: int = 4,
-            progress: Callable[[str, int, int], None] | None = None) -> None:
+def convert(to: str, src: str, dst: str, adapter_name: str | None = None, *, hf_assets_path: str | None = None,
+            dtype: str | None = None, max_shard_size: str = "5GB", consolidation: str = "one_pass",
+            threads: int = 4, progress: Progress | None = None) -> None:
     """Convert the model in `src` to format `to` ("hf" or "dcp") in `dst`; call on every rank.
-    `progress(phase, nbytes, total)` hears of this rank's bytes read ("reading", once the read is
-    done) and written ("writing": as the HF files are written, or once the DCP save is done)."""
-    if adapter_name not in ADAPTERS:
-        raise ValueError(f"unknown adapter {adapter_name!r}; expected one of {', '.join(ADAPTERS)}")
+    The adapter is `adapter_name` (one of `ADAPTERS`), else the config's `model_type`.
+    `progress` hears of the bytes read (once the read is done) and written (as the HF files are
+    written, or once the DCP save is done)."""
     if to not in ("hf", "dcp"):
         raise ValueError(f"--to {to!r}: expected 'hf' or 'dcp'")
-    spec = ADAPTERS[adapter_name]
-    assets = hf_assets_path if to == "hf" else (hf_assets_path or src)
-    args = model_args(spec, flavor, assets)
-    adapter = spec.adapter(args, assets)
-    state = empty_state_dict(spec, args)
     report = progress or (lambda phase, nbytes, total: None)
-    nbytes = _local_bytes(state)
-    report("reading", 0, nbytes)
-    if to == "hf":
-        _read_dcp(state, src)
-        report("reading", nbytes, nbytes)
-        save_hf(state, dst, adapter, dtype=DTYPES[dtype] if dtype else None, max_shard_size=max_shard_size,
-                mode=consolidation, num_threads=threads, progress=lambda n, total: report("writing", n, total))
+    if to == "dcp":
+        to_dcp(src, dst, adapter_name, hf_assets_path, report)
     else:
-        load_hf(state, src, adapter)
-        report("reading", nbytes, nbytes)
-        report("writing", 0, nbytes)
-        _write_dcp(state, dst)
-        report("writing", nbytes, nbytes)
+        to_hf(src, dst, adapter_name, hf_assets_path, report, dtype=EXPORT_DTYPES[dtype] if dtype else None,
+              max_shard_size=max_shard_size, consolidation=consolidation, threads=threads)
 
 
-def _local_bytes(state: dict[str, Any]) -> int:
-    """Bytes of this rank's part of every tensor of `state`."""
-    local = (t.to_local() if isinstance(t, dtensor.DTensor) else t for t in state.values())
-    return sum(t.numel() * t.element_size() for t in local)
+def to_dcp(hf_dir: str, dst: str, adapter_name: str | None = None, hf_assets_path: str | None = None,
+           report: Progress = lambda phase, nbytes, total: None) -> None:
+    """Write the HF folder `hf_dir` as a model-only DCP step folder `dst`, with its tensors
+    renamed and permuted by the adapter of its `config.json` (or `hf_assets_path`'s)."""
+    config_path = os.path.join(hf_assets_path or hf_dir, CONFIG_FILE)
+    config = read_hf_config(config_path)
+    adapter = adapter_for_config(config, hf_assets_path or hf_dir, adapter_name, config_path)
+    shapes = adapter.state_dict_shapes()
+    meta = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}
+    sources, layout = check_hf_dir(meta, hf_dir, adapter)  # every name and shape, before allocating
+    dtypes = {k: layout[source.hf_names[0]].dtype for k, source in sources.items()}
+    state = empty_state_dict(shapes, dtypes)
+    nbytes = _local_bytes(state)
+    load_hf(state, hf_dir, adapter)
+    report("reading", nbytes, nbytes)
+    _write_dcp(state, dst, config.raw)
+    report("writing", nbytes, nbytes)
 
 
-def _read_dcp(state: dict[str, Any], path: str) -> None:
+def to_hf(step_dir: str, dst: str, adapter_name: str | None = None, hf_assets_path: str | None = None,
+          report: Progress = lambda phase, nbytes, total: None, **export: Any) -> None:
+    """Export the model of the DCP step folder `step_dir` to the HF folder `dst`; the config is
+    `hf_assets_path`'s `config.json`, else the one `to_dcp` recorded. `export`: `save_hf`'s
+    dtype, max_shard_size, consolidation (its mode) and threads."""
+    config_path = os.path.join(hf_assets_path, CONFIG_FILE) if hf_assets_path else \
+        os.path.join(step_dir, RECORDED_CONFIG)
+    if not os.path.isfile(config_path):
+        raise CheckpointNotFoundError(f"{step_dir} records no HF config ({RECORDED_CONFIG}); pass --hf-assets "
+                                      "with the HF folder whose config.json describes the model")
+    adapter = adapter_for_config(read_hf_config(config_path), hf_assets_path, adapter_name, config_path)
+    state = empty_state_dict(*_dcp_tensors(step_dir, adapter))
+    _read_dcp(state, step_dir)
+    nbytes = _local_bytes(state)
+    report("reading", nbytes, nbytes)
+    save_hf(state, dst, adapter, dtype=export["dtype"], max_shard_size=export["max_shard_size"],
+            mode=export["consolidation"], num_threads=export["threads"],
+            progress=lambda n, total: report("writing", n, total))
+
+
+def _dcp_tensors(path: str, adapter: StateDictAdapter) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
+    """The shapes and dtypes of the adapter's tensors in the DCP folder `path`, checked against
+    the config's shapes before anything is allocated (a tied head may be absent)."""
     md_path = os.path.join(path, storage.METADATA_FILE)
     if not os.path.isfile(md_path):
         raise CheckpointNotFoundError(f"{path} is not a DCP checkpoint folder (no {storage.METADATA_FILE})")
-    metadata = storage.read_metadata(md_path)
-    missing = [k for k in state if k not in metadata.state_dict_metadata]
-    if missing:
-        raise CheckpointError(f"{path} lacks {len(missing)} tensors of this model: {missing}; "
-                              "is --flavor (or --hf-assets) the model it was saved from?")
+    saved = storage.read_metadata(md_path).state_dict_metadata
+    shapes = {k: v for k, v in adapter.state_dict_shapes().items() if k in saved or k in adapter.shapes}
+    found = {f"{k} {list(saved[k].size)}" for k in shapes if k in saved and hasattr(saved[k], "size")}
+    expected = {f"{k} {list(v)}" for k, v in shapes.items()}
+    if found != expected:
+        raise AdapterMismatchError(f"{path}: tensors in the checkpoint (unknown) vs the HF config's (missing)",
+                                   list(found - expected), list(expected - found))
+    return shapes, {k: saved[k].properties.dtype for k in shapes}
+
+
+def empty_state_dict(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+    """Uninitialised tensors of `shapes` and `dtypes`, split by rows over every rank when
+    torch.distributed is initialised (so each rank holds about 1/N of the model)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {k: torch.empty(shape, dtype=dtypes[k]) for k, shape in shapes.items()}
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return {k: dtensor.empty(*shape, dtype=dtypes[k], device_mesh=mesh, placements=[dtensor.Shard(0)])
+            for k, shape in shapes.items()}
+
+
+def _read_dcp(state: dict[str, Any], path: str) -> None:
     try:
         dcp.load(state, storage_reader=storage.make_storage_reader(path), planner=storage.make_load_planner())
     except CheckpointException as e:
@@ -139,12 +137,14 @@ def _read_dcp(state: dict[str, Any], path: str) -> None:
         raise CheckpointError(f"reading {path} failed: {type(cause).__name__}: {cause}") from None
 
 
-def _write_dcp(state: dict[str, Any], path: str) -> None:
-    """A model-only DCP folder with a commit marker, loadable as `initial_load_path`."""
+def _write_dcp(state: dict[str, Any], path: str, hf_config: dict[str, Any]) -> None:
+    """A model-only DCP folder with the HF config it came from and a commit marker, loadable as
+    `initial_load_path`."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if rank == 0:
         os.makedirs(path, exist_ok=True)
+        durable.write_json(os.path.join(path, RECORDED_CONFIG), hf_config, indent=2)
     if dist.is_initialized():
         dist.barrier()
     dcp.save(state, storage_writer=storage.make_storage_writer(path), planner=storage.make_save_planner())
@@ -152,3 +152,8 @@ def _write_dcp(state: dict[str, Any], path: str) -> None:
         commit.write_marker(path, commit.CommitInfo(step=0, states=["model"], world_size=world))
     if dist.is_initialized():
         dist.barrier()
+
+
+def _local_bytes(state: dict[str, Any]) -> int:
+    """Bytes of this rank's part of `state`."""
+    return sum((v.to_local() if isinstance(v, dtensor.DTensor) else v).nbytes for v in state.values())

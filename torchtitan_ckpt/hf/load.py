@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..group import CheckpointGroup, RankFailed
 from .adapter import INDEX_FILE, SINGLE_FILE, HFSource, StateDictAdapter, check_names, read_index
 from .safetensors_io import TensorEntry, read_header
@@ -71,17 +71,14 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
     group = CheckpointGroup(process_group or (dist.group.WORLD if dist.is_initialized() else None))
 
     def check_and_read() -> tuple[int, int]:
-        sources = adapter.hf_sources(state_dict)
-        layout = read_hf_layout(hf_dir)
-        check_names(hf_dir, layout, {s.name for s in sources.values()})
-        _check_fit(hf_dir, state_dict, sources, layout)
+        sources, layout = check_hf_dir(state_dict, hf_dir, adapter)
         with torch.no_grad():
             reads, seen = [], set()
             for name, source in sources.items():
                 where = _memory(state_dict[name])
                 if where not in seen:  # tied weights: one tensor's memory under two names
                     seen.add(where)
-                    reads += plan_reads(name, state_dict[name], source, layout[source.name])
+                    reads += plan_reads(name, state_dict[name], source, layout)
             return read_all(reads, num_threads), sum(e.nbytes for e in layout.values())
 
     try:  # every rank raises if one failed: its own error, or one naming the failing rank
@@ -95,6 +92,17 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
     return state_dict
 
 
+def check_hf_dir(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter
+                 ) -> tuple[dict[str, HFSource], dict[str, TensorEntry]]:
+    """The adapter's sources of `state_dict` (values need only a shape and a dtype: meta tensors
+    do) and the layout of `hf_dir`, once their names, shapes and dtypes are checked to fit."""
+    sources = adapter.hf_sources(state_dict)
+    layout = read_hf_layout(hf_dir)
+    check_names(hf_dir, layout, {n for s in sources.values() for n in s.hf_names})
+    _check_fit(hf_dir, state_dict, sources, layout)
+    return sources, layout
+
+
 def _memory(t: torch.Tensor) -> tuple:
     """Where a tensor's (local) values live; tied weights share it while being two objects."""
     local = t.to_local() if hasattr(t, "to_local") else t
@@ -103,18 +111,28 @@ def _memory(t: torch.Tensor) -> tuple:
 
 def _check_fit(hf_dir: str, state_dict: dict[str, Any], sources: dict[str, HFSource],
                layout: dict[str, TensorEntry]) -> None:
-    """Every HF tensor has the shape of ours and a dtype that converts to ours exactly or by a
-    floating-point cast; raise naming each one that does not."""
-    wrong = []
+    """Every HF tensor has the shape of ours (of one row of ours for a grouped tensor), or
+    `AdapterMismatchError` names both shapes; and a dtype that converts to ours exactly or by a
+    floating-point cast, or `CheckpointError` names each one that does not."""
+    shapes, wrong = ([], []), []
     for name, source in sorted(sources.items()):
-        entry, value = layout[source.name], state_dict[name]
-        if tuple(entry.shape) != tuple(value.shape):
-            wrong.append(f"{source.name}: {tuple(entry.shape)} in the checkpoint, {tuple(value.shape)} expected")
-        elif source.row_order and (not entry.shape or entry.shape[0] % source.block_rows):
-            wrong.append(f"{source.name}: {tuple(entry.shape)} is not made of whole blocks of "
-                         f"{source.block_rows} rows, which the adapter reorders")
-        elif entry.dtype != value.dtype and not (entry.dtype.is_floating_point and value.dtype.is_floating_point):
-            wrong.append(f"{source.name}: {entry.dtype} in {os.path.basename(entry.path)}, {value.dtype} "
-                         "expected (only floating-point dtypes are converted)")
+        value = state_dict[name]
+        expected = tuple(value.shape[1:]) if source.stack else tuple(value.shape)
+        if source.stack and len(source.stack) != value.shape[0]:
+            shapes[1].append(f"{name}: {len(source.stack)} experts, {value.shape[0]} expected")
+        for hf in source.hf_names:
+            entry = layout[hf]
+            if tuple(entry.shape) != expected:
+                shapes[0].append(f"{hf} {list(entry.shape)}")
+                shapes[1].append(f"{hf} {list(expected)}")
+            elif source.row_order and (not entry.shape or entry.shape[0] % source.block_rows):
+                wrong.append(f"{hf}: {tuple(entry.shape)} is not made of whole blocks of "
+                             f"{source.block_rows} rows, which the adapter reorders")
+            elif entry.dtype != value.dtype and not (entry.dtype.is_floating_point and value.dtype.is_floating_point):
+                wrong.append(f"{hf}: {entry.dtype} in {os.path.basename(entry.path)}, {value.dtype} "
+                             "expected (only floating-point dtypes are converted)")
+    if shapes[1]:
+        raise AdapterMismatchError(f"{hf_dir}: shapes in the checkpoint (unknown) vs this model's (missing)",
+                                   sorted(set(shapes[0])), sorted(set(shapes[1])))
     if wrong:
         raise CheckpointError(f"{hf_dir} does not fit this model: {'; '.join(dict.fromkeys(wrong))}")

@@ -22,12 +22,13 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.tensor import DTensor
 
 from ..io import durable
 from .consolidate import consolidate_safetensors, write_safetensors_one_pass
 from ..errors import CheckpointError
 from ..group import CheckpointGroup, RankFailed
-from .adapter import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, StateDictAdapter, check_names
+from .adapter import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, RowOf, StateDictAdapter, check_names
 from .planner import parse_size, plan_files
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,8 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
         raise ValueError(f"unknown HF export mode {mode!r}; expected one of {', '.join(MODES)}")
     start = time.perf_counter()
     group = CheckpointGroup(process_group)
-    hf_sd = {name: _cast(v, dtype) for name, v in adapter.to_hf(model_state_dict).items()}
-    nbytes = {name: v.numel() * v.element_size() for name, v in hf_sd.items()}
+    hf_sd = adapter.to_hf(_cast_all(model_state_dict, dtype))
+    nbytes = {name: v.nbytes if isinstance(v, RowOf) else v.numel() * v.element_size() for name, v in hf_sd.items()}
     mapping = adapter.fqn_to_index_mapping
     if mapping is None:
         mapping = plan_files(nbytes, parse_size(max_shard_size))
@@ -68,7 +69,7 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
     else:
         shards = os.path.join(out_dir, SHARDS)
         writer = HuggingFaceStorageWriter(shards, save_distributed=True, fqn_to_index_mapping=mapping)
-        dcp.save(hf_sd, storage_writer=writer, process_group=group.pg)
+        dcp.save(_whole_experts(hf_sd), storage_writer=writer, process_group=group.pg)
         consolidate_safetensors(shards, out_dir, mapping, process_group=group.pg, num_threads=num_threads,
                                 keep_shards=keep_shards, all_ranks=mode == "all_ranks", progress=progress)
     if group.rank == 0:
@@ -78,8 +79,29 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
                     max(mapping.values()), total, secs, total / max(secs, 1e-9))
 
 
-def _cast(value: Any, dtype: torch.dtype | None) -> Any:
-    return value.to(dtype) if dtype is not None and torch.is_floating_point(value) else value
+def _cast_all(state_dict: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
+    """Floating tensors cast to `dtype`, each tensor once (tied weights are one tensor)."""
+    cast: dict[int, Any] = {}
+    for value in state_dict.values():
+        if id(value) not in cast:
+            cast[id(value)] = value.to(dtype) if dtype is not None and torch.is_floating_point(value) else value
+    return {name: cast[id(value)] for name, value in state_dict.items()}
+
+
+def _whole_experts(hf_sd: dict[str, Any]) -> dict[str, Any]:
+    """`RowOf` experts as tensors, for the two-phase modes' DCP save: a sharded grouped weight
+    is gathered (once) on every rank, which `one_pass`, writing each expert from the rank that
+    holds it, avoids."""
+    full: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, value in hf_sd.items():
+        if isinstance(value, RowOf):
+            if id(value.tensor) not in full:
+                t = value.tensor
+                full[id(t)] = t.full_tensor() if isinstance(t, DTensor) else t
+            value = full[id(value.tensor)][value.index]
+        out[name] = value
+    return out
 
 
 def _clear_and_write_config(out_dir: str, config: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -81,10 +82,22 @@ def row_pieces(lo: int, hi: int, rows: int, block: int, piece_rows: int) -> list
     return [(r, min(r + step, stop)) for r in range(start, stop, step)]
 
 
-def plan_reads(name: str, value: Any, source: HFSource, entry: TensorEntry) -> list[Read]:
+def plan_reads(name: str, value: Any, source: HFSource, layout: Mapping[str, TensorEntry]) -> list[Read]:
     """The reads that fill this rank's part of `value` (our tensor `name`, a tensor or DTensor
-    of the shape of `entry`, the HF tensor it comes from)."""
+    shaped as its HF tensor, or as the stack of them for a grouped tensor) from the HF tensors
+    in `layout`. Of a grouped tensor, only the experts this rank holds are read."""
     local, offsets = _local_part(name, value)
+    if not source.stack:
+        return _plan_tensor(local, offsets, source, layout[source.name])
+    reads = []
+    for k in range(local.shape[0]):
+        hf = source.stack[offsets[0] + k]
+        reads += _plan_tensor(local[k], offsets[1:], HFSource(hf), layout[hf])
+    return reads
+
+
+def _plan_tensor(local: torch.Tensor, offsets: tuple[int, ...], source: HFSource, entry: TensorEntry) -> list[Read]:
+    """The reads that fill `local`, the part at `offsets` of a tensor shaped as `entry`."""
     if local.numel() == 0:
         return []
     shape = entry.shape or (1,)  # a scalar is one row of one element

@@ -1,0 +1,194 @@
+"""Real model families from `transformers`-made checkpoints: a Llama 3.1-shaped Llama (llama3 RoPE
+scaling, its own FFN width, head_dim != hidden / heads), a tied Qwen3 and a Qwen3-MoE with a dense
+layer among its expert layers; adapters built from config.json alone; bad configs refused."""
+
+from __future__ import annotations
+
+import filecmp
+import glob
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.helpers import assert_same, read_checkpoint
+from torchtitan_ckpt.errors import AdapterMismatchError, ConfigError
+from torchtitan_ckpt.example.model import Transformer, args_from_hf_config, hf_adapter
+from torchtitan_ckpt.hf import (HFModelConfig, LlamaAdapter, Qwen3Adapter, Qwen3MoeAdapter, adapter_for_config,
+                                adapter_for_hf_dir, load_hf, save_hf)
+from torchtitan_ckpt.hf.convert import convert
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = {
+    "llama31": ("LlamaForCausalLM", dict(
+        model_type="llama", vocab_size=250, hidden_size=96, intermediate_size=200, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=40, max_position_embeddings=256,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen3": ("Qwen3ForCausalLM", dict(
+        model_type="qwen3", vocab_size=250, hidden_size=64, intermediate_size=100, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=24, tie_word_embeddings=True)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(
+        model_type="qwen3_moe", vocab_size=250, hidden_size=48, intermediate_size=80, moe_intermediate_size=20,
+        num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
+}
+TOKENS = torch.randint(0, 250, (2, 20), generator=torch.Generator().manual_seed(1))
+
+
+def make_hf_model(family: str, seed: int = 0):
+    """A `transformers` model of the family with random weights (norms and router included)."""
+    cls, config = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls)(transformers.AutoConfig.for_model(**config)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def logits_of(model) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(TOKENS)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def read_config(folder: str) -> dict:
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def hf_folder(request, tmp_path_factory):
+    """(family, a transformers checkpoint in several files, its logits)."""
+    folder = str(tmp_path_factory.mktemp(request.param))
+    model = make_hf_model(request.param)
+    model.save_pretrained(folder, max_shard_size="60KB")
+    assert len(glob.glob(os.path.join(folder, "*.safetensors"))) >= 3
+    return request.param, folder, logits_of(model)
+
+
+def test_the_adapter_comes_from_model_type():
+    expected = {"llama31": LlamaAdapter, "qwen3": Qwen3Adapter, "qwen3_moe": Qwen3MoeAdapter}
+    for family, (_, config) in FAMILIES.items():
+        assert type(adapter_for_config(config)) is expected[family]
+    assert type(adapter_for_config({**FAMILIES["llama31"][1], "model_type": "mistral"})) is LlamaAdapter
+
+
+def test_the_example_model_loaded_through_the_adapter_gives_the_transformers_logits(hf_folder):
+    family, src, expected = hf_folder
+    args = args_from_hf_config(read_config(src))
+    model = Transformer(args)
+    load_hf(model.state_dict(), src, adapter_for_hf_dir(src))
+    assert (logits_of(model) - expected).abs().max() < 1e-5
+    if family == "llama31":  # the llama3 RoPE scaling is what makes them equal
+        unscaled = Transformer(replace(args, rope_scaling=None))
+        unscaled.load_state_dict(model.state_dict())
+        assert (logits_of(unscaled) - expected).abs().max() > 1e-3
+
+
+def test_hf_to_dcp_to_hf_gives_the_same_files_byte_for_byte(hf_folder, tmp_path):
+    family, src, _ = hf_folder
+    convert("dcp", src, str(tmp_path / "dcp"))  # no model, no flavor: config.json alone
+    dcp_state = read_checkpoint(str(tmp_path / "dcp"))
+    assert sorted(dcp_state) == sorted(Transformer(args_from_hf_config(read_config(src))).state_dict())
+    convert("hf", str(tmp_path / "dcp"), str(tmp_path / "hf"), hf_assets_path=src)
+    files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(src, "*.safetensors")))
+    assert files == sorted(os.path.basename(f) for f in glob.glob(str(tmp_path / "hf" / "*.safetensors")))
+    for file in files:
+        assert filecmp.cmp(os.path.join(src, file), tmp_path / "hf" / file, shallow=False), file
+    with open(os.path.join(src, "model.safetensors.index.json")) as a, open(tmp_path / "hf" / "model.safetensors.index.json") as b:
+        assert json.load(a)["weight_map"] == json.load(b)["weight_map"]
+
+
+def test_native_to_hf_to_native_is_exact_and_transformers_reads_it(hf_folder, tmp_path):
+    family, src, _ = hf_folder
+    args = args_from_hf_config(read_config(src))
+    torch.manual_seed(7)
+    ours = Transformer(args)
+    save_hf(ours.state_dict(), str(tmp_path), hf_adapter(args), max_shard_size="50KB")
+    assert len(glob.glob(str(tmp_path / "*.safetensors"))) >= 3
+    if family == "qwen3_moe":  # the Hub's layout: one 2-D tensor per expert
+        with open(tmp_path / "model.safetensors.index.json") as f:
+            names = json.load(f)["weight_map"]
+        assert {f"model.layers.0.mlp.experts.5.{p}_proj.weight" for p in ("gate", "up", "down")} <= set(names)
+        assert not any("layers.1.mlp.experts" in n for n in names)  # the dense layer
+    hf, info = getattr(transformers, FAMILIES[family][0]).from_pretrained(str(tmp_path), output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+    assert (logits_of(hf.eval()) - logits_of(ours)).abs().max() < 1e-5
+    torch.manual_seed(8)
+    back = Transformer(args)
+    load_hf(back.state_dict(), str(tmp_path), hf_adapter(args))
+    assert_same(back.state_dict(), ours.state_dict())
+
+    # what transformers' save_pretrained writes (its experts fused in memory) imports too
+    hf.save_pretrained(str(tmp_path / "resaved"), max_shard_size="50KB")
+    again = Transformer(args)
+    load_hf(again.state_dict(), str(tmp_path / "resaved"), adapter_for_hf_dir(str(tmp_path / "resaved")))
+    assert_same(again.state_dict(), ours.state_dict())
+
+
+# ---------------------------------------------------------------------------- bad input
+
+def test_an_unsupported_model_type_names_the_supported_ones():
+    with pytest.raises(ConfigError, match=r"model_type = 'gpt2': no adapter for it; supported: llama, mistral, "
+                                          r"qwen3, qwen3_moe"):
+        adapter_for_config({**FAMILIES["qwen3"][1], "model_type": "gpt2"})
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"hidden_size": "96"}, "hidden_size"),
+    ({"num_attention_heads": 0}, "num_attention_heads"),
+    ({"num_hidden_layers": 10**7}, "num_hidden_layers"),
+    ({"vocab_size": 2**40}, "vocab_size"),
+    ({"head_dim": 7.5}, "head_dim"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
+    ({"num_experts": -1}, "num_experts"),
+    ({"num_experts_per_tok": 7}, "num_experts_per_tok"),
+    ({"mlp_only_layers": [3]}, "mlp_only_layers"),
+    ({"vocab_size": None}, "vocab_size"),
+])
+def test_a_hostile_config_is_refused_naming_the_key(change, key):
+    with pytest.raises(ConfigError, match=rf"^config.json: {key} = "):
+        HFModelConfig.parse({**FAMILIES["qwen3_moe"][1], **change})
+
+
+def test_a_config_that_is_not_an_object_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"config.json = 'list': a config.json must hold a JSON object"):
+        adapter_for_hf_dir(str(tmp_path))
+
+
+def test_a_missing_expert_names_it(hf_folder, tmp_path):
+    family, src, _ = hf_folder
+    if family != "qwen3_moe":
+        pytest.skip("experts only")
+    config = {**read_config(src), "num_experts": 7, "num_local_experts": 7}
+    with pytest.raises(AdapterMismatchError) as e:
+        load_hf(Transformer(args_from_hf_config(config)).state_dict(), src, adapter_for_config(config))
+    assert e.value.unknown == [] and e.value.missing == [
+        f"model.layers.{layer}.mlp.experts.6.{p}_proj.weight" for layer in (0, 2) for p in ("down", "gate", "up")]
+
+
+def test_a_shape_the_files_contradict_names_both(hf_folder):
+    family, src, _ = hf_folder
+    if family != "qwen3":
+        pytest.skip("one family is enough")
+    config = {**read_config(src), "intermediate_size": 104}
+    with pytest.raises(AdapterMismatchError) as e:
+        load_hf(Transformer(args_from_hf_config(config)).state_dict(), src, adapter_for_config(config))
+    assert "model.layers.0.mlp.up_proj.weight [100, 64]" in e.value.unknown
+    assert "model.layers.0.mlp.up_proj.weight [104, 64]" in e.value.missing
+
+
+def test_the_library_never_imports_the_example():
+    code = ("import sys, torchtitan_ckpt, torchtitan_ckpt.hf, torchtitan_ckpt.cli; "
+            "print([m for m in sys.modules if m.startswith('torchtitan_ckpt.example')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

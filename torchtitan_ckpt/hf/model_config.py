@@ -1,0 +1,146 @@
+"""A Hugging Face `config.json`, read and checked before anything is sized from it.
+
+`HFModelConfig.parse` takes the parsed JSON of a `config.json` and keeps what renaming and
+permuting tensors needs: the shapes of every tensor (hidden size, layers, heads, `head_dim`, FFN
+and expert widths, vocabulary) and whether the embedding is tied. Every value is checked for its
+type and range first, so a hostile or malformed file (a string where a number belongs, zero
+heads, 10**7 layers, a 2**40 vocabulary, a list instead of an object) is refused with the key
+named before any tensor is allocated. RoPE settings are kept for a model to use; they change the
+forward pass, never the weights, so no adapter looks at them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError, CorruptCheckpointError
+
+# ceilings far above any published model, low enough that no shape computed from them overflows
+MAX_HIDDEN = 1 << 16
+MAX_LAYERS = 1 << 12
+MAX_HEADS = 1 << 12
+MAX_FFN = 1 << 20
+MAX_VOCAB = 1 << 24
+MAX_EXPERTS = 1 << 12
+MAX_POSITIONS = 1 << 24
+
+
+@dataclass(frozen=True)
+class HFModelConfig:
+    """The shapes of a decoder-only HF model; `raw` is the `config.json` object as read."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    num_experts_per_tok: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` holds experts, by the rule of `transformers`' Qwen3-MoE."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @classmethod
+    def parse(cls, raw: Any, where: str = "config.json") -> HFModelConfig:
+        """Check `raw` (a parsed `config.json`) and keep its shapes; raises `ConfigError` naming
+        `where` and the key of the first bad value."""
+        if not isinstance(raw, dict):
+            raise ConfigError(where, type(raw).__name__, "a config.json must hold a JSON object")
+        get = _Reader(raw, where)
+        hidden, heads = get.int("hidden_size", MAX_HIDDEN), get.int("num_attention_heads", MAX_HEADS)
+        kv = get.int("num_key_value_heads", heads, default=heads)
+        if heads % kv:
+            raise ConfigError(f"{where}: num_key_value_heads", kv, f"must divide num_attention_heads ({heads})")
+        head_dim = get.int("head_dim", MAX_HIDDEN, default=hidden // heads)
+        if head_dim % 2:
+            raise ConfigError(f"{where}: head_dim", head_dim, "must be even (RoPE rotates pairs of channels)")
+        layers = get.int("num_hidden_layers", MAX_LAYERS)
+        experts = get.int("num_experts", MAX_EXPERTS, default=get.int("num_local_experts", MAX_EXPERTS, 0, low=0), low=0)
+        moe = {}
+        if experts:
+            moe = dict(num_experts=experts, moe_intermediate_size=get.int("moe_intermediate_size", MAX_FFN),
+                       num_experts_per_tok=get.int("num_experts_per_tok", experts),
+                       decoder_sparse_step=get.int("decoder_sparse_step", layers, default=1),
+                       mlp_only_layers=get.layers("mlp_only_layers", layers))
+        return cls(
+            model_type=get.str("model_type"), hidden_size=hidden, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+            intermediate_size=get.int("intermediate_size", MAX_FFN, default=0 if experts else _MISSING),
+            vocab_size=get.int("vocab_size", MAX_VOCAB),
+            tie_word_embeddings=get.bool("tie_word_embeddings", False), raw=raw, **moe)
+
+
+def read_hf_config(path: str) -> HFModelConfig:
+    """Read and check the `config.json` at `path`."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"cannot read the model config {path}: {e}") from e
+    return HFModelConfig.parse(raw, path)
+
+
+_MISSING: Any = object()
+
+
+class _Reader:
+    """Typed, bounded reads of a config's keys; each failure names the file and the key."""
+
+    def __init__(self, raw: dict[str, Any], where: str):
+        self.raw, self.where = raw, where
+
+    def _value(self, key: str, default: Any) -> Any:
+        value = self.raw.get(key)
+        if value is None:
+            if default is _MISSING:
+                raise ConfigError(f"{self.where}: {key}", value, "required; the config does not give it")
+            return default
+        return value
+
+    def int(self, key: str, high: int, default: Any = _MISSING, low: int = 1) -> int:
+        value = self._value(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(f"{self.where}: {key}", value, f"expected an integer in [{low}, {high}]")
+        return value
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self._value(key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.where}: {key}", value, "expected true or false")
+        return value
+
+    def str(self, key: str) -> str:
+        value = self._value(key, _MISSING)
+        if not isinstance(value, str):
+            raise ConfigError(f"{self.where}: {key}", value, "expected a string")
+        return value
+
+    def layers(self, key: str, layers: int) -> tuple[int, ...]:
+        value = self._value(key, [])
+        if not isinstance(value, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers for v in value):
+            raise ConfigError(f"{self.where}: {key}", value, f"expected a list of layer numbers in [0, {layers})")
+        return tuple(value)
+
+
+def positive_float(raw: dict[str, Any], key: str, default: float, where: str = "config.json") -> float:
+    """A finite positive number of `raw` (a model's RoPE or norm constant)."""
+    value = raw.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{where}: {key}", value, "expected a finite positive number")
+    return float(value)

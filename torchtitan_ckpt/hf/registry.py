@@ -1,0 +1,38 @@
+"""Which adapter maps which Hugging Face `model_type`: a new family is one class and one line."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import ConfigError
+from .adapter import CONFIG_FILE, StateDictAdapter
+from .llama import LlamaAdapter, Qwen3Adapter, Qwen3MoeAdapter
+from .model_config import HFModelConfig, read_hf_config
+
+ADAPTERS: dict[str, type[StateDictAdapter]] = {
+    "llama": LlamaAdapter,
+    "mistral": LlamaAdapter,  # Llama's tensors; sliding-window attention changes no weight
+    "qwen3": Qwen3Adapter,
+    "qwen3_moe": Qwen3MoeAdapter,
+}
+
+
+def adapter_for_config(config: HFModelConfig | dict[str, Any], hf_assets_path: str | None = None,
+                       adapter: str | None = None, where: str = "config.json") -> StateDictAdapter:
+    """The adapter of `config` (an `HFModelConfig` or a parsed `config.json`), chosen by its
+    `model_type` unless `adapter` names one of `ADAPTERS`."""
+    if not isinstance(config, HFModelConfig):
+        config = HFModelConfig.parse(config, where)
+    name = adapter or config.model_type
+    if name not in ADAPTERS:
+        key = "adapter" if adapter else f"{where}: model_type"
+        raise ConfigError(key, name, f"no adapter for it; supported: {', '.join(sorted(ADAPTERS))}")
+    return ADAPTERS[name](config, hf_assets_path)
+
+
+def adapter_for_hf_dir(hf_dir: str, adapter: str | None = None) -> StateDictAdapter:
+    """The adapter of the HF folder `hf_dir`, from its `config.json`; exports copy its config
+    and file split."""
+    path = os.path.join(hf_dir, CONFIG_FILE)
+    return adapter_for_config(read_hf_config(path), hf_dir, adapter, path)
