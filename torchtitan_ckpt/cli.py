@@ -104,7 +104,7 @@ def cmd_clean(folder: str) -> int:
     if not os.path.isdir(folder):
         print(f"error: {folder} is not a folder", file=sys.stderr)
         return 2
-    partial = [s for s in layout.scan(folder) if not s.committed]
+    partial = [s for s in layout.scan(folder) if not s.committed and not s.linked]
     for s in partial:
         shutil.rmtree(s.path)
         print(f"removed {s.path} (partial)")

@@ -274,8 +274,8 @@ class CheckpointManager:
         return {**model_sd, **{name: s.state_dict() for name, s in self._states.items()}}
 
     def _prepare_folder(self, path: str, step: int) -> None:
-        if os.path.exists(path):  # a partial leftover, or a step saved again: it is replaced
-            commit.uncommit(path)
+        if os.path.lexists(path):  # a partial leftover, or a step saved again: it is replaced
+            commit.uncommit(path)  # refuses a symlink: another run's folder is never replaced
             shutil.rmtree(path)
         os.makedirs(path)
         faults.hit("prepare", step)
@@ -333,12 +333,26 @@ class CheckpointManager:
 
         try:
             self._group.run(read)
+            self._group.run(lambda: self._apply(state, target.path))
         except RankFailed as failed:
             failed.reraise(f"loading {target.path}")
+
+    def _apply(self, state: dict[str, Any], path: str) -> None:
+        """Hand what was read to the states. A state that cannot take it (damaged bytes, a value
+        of the wrong shape) is a `CorruptCheckpointError` naming the state. The dataloader's bytes
+        are decoded here, so it goes first: its failure leaves the other states untouched."""
         self._model.load_state_dict({k: v for k, v in state.items() if k not in self._states})
-        for name, stateful in self._states.items():
-            if name in state:
-                stateful.load_state_dict(state[name])
+        for name in sorted(self._states, key=lambda n: not isinstance(self._states[n], DataLoaderState)):
+            if name not in state:
+                continue
+            try:
+                self._states[name].load_state_dict(state[name])
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise CorruptCheckpointError(
+                    f"{path}: its '{name}' state cannot be applied to this job ({type(e).__name__}: {e}); "
+                    f"load another step, or add '{name}' to checkpoint.exclude_from_loading") from e
 
     def _find_load_target(self) -> _LoadTarget | None:
         folders = layout.scan(self.folder)
@@ -431,7 +445,7 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"{target.path} has no state '{name}'; add '{name}' to "
                     "checkpoint.exclude_from_loading to start it fresh")
-            if isinstance(stateful, DataLoaderState) and not self._expect_dataloader(stateful, saved, keys):
+            if isinstance(stateful, DataLoaderState) and not self._expect_dataloader(stateful, saved, target):
                 continue
             if isinstance(stateful, OptimizerState):
                 state[name] = stateful.state_dict_to_load({k[len(prefix):] for k in saved})
@@ -439,15 +453,20 @@ class CheckpointManager:
                 state[name] = stateful.state_dict()  # filled in place; applied once every rank has read
         return state
 
-    def _expect_dataloader(self, loader: DataLoaderState, saved: list[str], keys: dict) -> bool:
+    def _expect_dataloader(self, loader: DataLoaderState, saved: list[str], target: _LoadTarget) -> bool:
         if len(saved) != self._group.world_size:
             if self._group.is_coordinator:
                 logger.warning("the dataloader state was saved by %d ranks and this job has %d; "
                                "the dataloader starts from the beginning", len(saved), self._group.world_size)
             return False
-        md = keys[f"dataloader.{loader.key}"]
-        if not isinstance(md, TensorStorageMetadata):
-            raise CheckpointError("the dataloader entry of this checkpoint is not a byte tensor")
+        key = f"dataloader.{loader.key}"
+        md = target.metadata.state_dict_metadata[key]
+        if not (isinstance(md, TensorStorageMetadata) and md.properties.dtype == torch.uint8 and len(md.size) == 1
+                and 0 < md.size[0] <= storage.stored_bytes(target.path, target.metadata, key)):
+            raise CorruptCheckpointError(
+                f"{target.path}: entry '{key}' is not a byte tensor that its data file holds "
+                f"({getattr(md, 'size', md)}); the checkpoint is damaged: load another step, or add "
+                "'dataloader' to checkpoint.exclude_from_loading")
         loader.expect_load(md.size[0])
         return True
 
