@@ -451,3 +451,22 @@ def test_async_with_pinned_mem_saves_from_a_script_without_a_main_guard(tmp_path
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("top level ran") == 1
     assert commit.is_committed(str(tmp_path / "checkpoint" / "step-1"))
+
+
+# ---------------------------------------------------------------- Hugging Face files
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link"])
+def test_a_safetensors_file_that_is_a_fifo_or_a_link_out_is_refused(tmp_path, kind):
+    from torchtitan_ckpt.hf.safetensors_io import read_header
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    path = folder / "model-00001-of-00001.safetensors"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        (tmp_path / "outside.safetensors").write_bytes(SENTINEL)
+        os.symlink(tmp_path / "outside.safetensors", path)
+    with pytest.raises(CorruptCheckpointError, match=f"{path}.*(not a regular file|outside the checkpoint)"), within(10):
+        read_header(str(path))

@@ -503,7 +503,10 @@ class ItemReader:
                 if req.type == LoadItemType.BYTE_IO:
                     data = item.read(0, item.length)
                     with self._lock:
-                        planner.load_bytes(req, io.BytesIO(data))
+                        try:
+                            planner.load_bytes(req, io.BytesIO(data))
+                        except Exception as e:  # torch.load's errors on damaged bytes are of any class
+                            raise item.fail(f"is not a value this load can read ({type(e).__name__}: {e})") from e
                 else:
                     self._read_tensor(item, req, planner)
         except BaseException:
