@@ -33,9 +33,11 @@ MAX_INT = 2**62
 
 def _ints(value: Any, n: int | None = None) -> bool:
     """A sequence of `n` (any number when None) ints in [0, MAX_INT]."""
-    return (isinstance(value, (torch.Size, tuple, list)) and len(value) <= MAX_DIMS
-            and (n is None or len(value) == n)
-            and all(type(v) is int and 0 <= v <= MAX_INT for v in value))
+    if not isinstance(value, (torch.Size, tuple, list)) or len(value) > MAX_DIMS or n not in (None, len(value)):
+        return False
+    if type(value) is not torch.Size and not all(type(v) is int for v in value):  # a Size holds only ints
+        return False
+    return not value or (min(value) >= 0 and max(value) <= MAX_INT)
 
 
 def check_metadata(metadata: Metadata, root: str, path: str) -> None:
