@@ -3,6 +3,7 @@ end in our own error with a message, never an unrelated traceback or a hang."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -179,3 +180,77 @@ def test_index_names_that_escape_the_folder_are_refused(tmp_path, file):
     index.write_text(json.dumps({"metadata": {}, "weight_map": {"model.norm.weight": file}}))
     with pytest.raises(CheckpointError, match="not a file of this folder"):
         read_index(str(index))
+
+
+ODD_VALUES = st.sampled_from([None, -1, 0, 2**70, 1.5, "x", "../x", "/etc/passwd", [], [1, 2], {}, [[3]], ("a",)])
+METADATA_FIELDS = ["state_dict_metadata", "storage_data", "storage_meta", "w.size", "w.chunks", "w.properties",
+                   "w.properties.dtype", "w.chunk.offsets", "w.chunk.sizes", "w.storage.relative_path",
+                   "w.storage.offset", "w.storage.length", "n.storage.length", "n.storage.relative_path", "key"]
+
+
+def _set_metadata_field(md, field: str, value) -> None:
+    w = md.state_dict_metadata["w"]
+    storage_of = {i.fqn: info for i, info in md.storage_data.items()}
+    owners = {"w": w, "w.properties": w.properties, "w.chunk": w.chunks[0], "w.storage": storage_of["w"],
+              "n.storage": storage_of["n"]}
+    if field == "key":
+        md.state_dict_metadata[value if isinstance(value, (int, float, str, type(None))) else 7] = w
+        return
+    owner, _, name = field.rpartition(".")
+    setattr(owners[owner] if owner else md, name, value)
+
+
+@FAST
+@given(st.lists(st.tuples(st.sampled_from(METADATA_FIELDS), ODD_VALUES), min_size=1, max_size=3))
+def test_dcp_metadata_with_fields_of_the_wrong_type_or_range(tmp_path, edits):
+    """Inspecting or loading a folder whose `.metadata` has odd field values is our error or a load."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "step"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    dcp.save({"w": torch.ones(3), "n": 1}, storage_writer=storage.make_storage_writer(str(folder)))
+    md = storage.read_metadata(str(folder / storage.METADATA_FILE))
+    for field, value in edits:
+        with contextlib.suppress(KeyError, AttributeError, TypeError, IndexError):  # an earlier edit removed it
+            _set_metadata_field(md, field, value)
+    (folder / storage.METADATA_FILE).write_bytes(pickle.dumps(md))
+    state = {"w": torch.zeros(3), "n": None}
+    try:  # as the manager loads: `.metadata` read and checked first, then what it has handed to the reader
+        checked = storage.read_metadata(str(folder / storage.METADATA_FILE))
+        state = {k: v for k, v in state.items() if k in checked.state_dict_metadata}
+        storage.load_on_this_rank(state, storage.make_storage_reader(str(folder), checked),
+                                  storage.make_load_planner())
+    except CheckpointError as e:
+        assert str(folder) in str(e)
+    except BaseException as e:  # DCP wraps a reader's failure in its CheckpointException
+        cause = storage.root_cause(e)
+        assert isinstance(cause, CheckpointError) and str(folder) in str(cause), repr(cause)
+    else:
+        assert torch.equal(state.get("w", torch.ones(3)), torch.ones(3)) and state.get("n", 1) == 1
+
+
+@FAST
+@given(st.lists(st.tuples(st.sampled_from(["step", "states", "files", "format", "world_size", "created",
+                                           "version", "files.entry", "files.name"]), ODD_VALUES),
+                min_size=1, max_size=3))
+def test_commit_markers_with_fields_of_the_wrong_type_or_range(tmp_path, edits):
+    """`verify` of a real step whose marker has odd field values: our error, or a check of its files."""
+    (tmp_path / "data").write_bytes(b"123")
+    raw = {"step": 1, "states": ["model"], "format": "dcp", "world_size": 1, "created": 0.0, "version": 2,
+           "files": {"data": {"size": 3, "crc32": "884863d2"}}}
+    for field, value in edits:
+        if field == "files.entry":
+            raw["files"] = {"data": value}
+        elif field == "files.name":
+            raw["files"] = {str(value): {"size": 3, "crc32": "884863d2"}}
+        else:
+            raw[field] = value
+    (tmp_path / commit.MARKER).write_text(json.dumps(raw))
+    try:
+        problems = commit.verify(str(tmp_path))
+    except CheckpointError as e:
+        assert commit.MARKER in str(e)
+    else:
+        assert all(str(tmp_path) in p for p in problems)

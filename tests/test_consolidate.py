@@ -134,7 +134,7 @@ def test_consolidates_dcp_shards_bit_identical_with_index(tmp_path):
     state = full_state()
     shards = dcp_shards(tmp_path, state, MAPPING)
     out = str(tmp_path / "hf")
-    C.consolidate_safetensors(shards, out, MAPPING)
+    C.consolidate_safetensors(shards, out, MAPPING, remove_shards=True)
     assert_identical(read_output(out), state)
     index = json.load(open(os.path.join(out, C.INDEX_FILE)))
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
@@ -144,11 +144,11 @@ def test_consolidates_dcp_shards_bit_identical_with_index(tmp_path):
     assert not os.path.exists(shards)  # shards removed after success
 
 
-def test_keep_shards_and_no_mapping_gives_one_file(tmp_path):
+def test_shards_kept_by_default_and_no_mapping_gives_one_file(tmp_path):
     state = full_state()
     shards = dcp_shards(tmp_path, state, None)
     out = str(tmp_path / "hf")
-    C.consolidate_safetensors(shards, out, keep_shards=True, num_threads=3)
+    C.consolidate_safetensors(shards, out, num_threads=3)
     assert sorted(os.listdir(out)) == sorted([C.INDEX_FILE, "model-00001-of-00001.safetensors"])
     assert_identical(read_output(out), state)
     assert os.listdir(shards)
@@ -172,7 +172,7 @@ def test_matches_pytorch_consolidation_on_the_same_shards(tmp_path):
     write_shards(str(tmp_path / "in"), full, {"a": 1, "b": 0}, [0.5])
     os.makedirs(tmp_path / "theirs")
     consolidate_safetensors_files_on_every_rank(str(tmp_path / "in"), str(tmp_path / "theirs"), {"a": 1, "b": 1})
-    C.consolidate_safetensors(str(tmp_path / "in"), str(tmp_path / "ours"), keep_shards=True)
+    C.consolidate_safetensors(str(tmp_path / "in"), str(tmp_path / "ours"))
     theirs = load_file(str(tmp_path / "theirs" / "model-00001-of-00001.safetensors"))  # no index single-process
     assert_identical(read_output(str(tmp_path / "ours")), theirs)
     assert_identical(theirs, full)
@@ -240,7 +240,7 @@ def test_cli_consolidates_with_a_mapping_file(tmp_path, capsys):
     shards = dcp_shards(tmp_path, state, MAPPING)
     json.dump(MAPPING, open(tmp_path / "map.json", "w"))
     assert cli.main(["consolidate", shards, str(tmp_path / "hf"), "--mapping", str(tmp_path / "map.json"),
-                     "--keep-shards", "--num-threads", "2"]) == 0
+                     "--num-threads", "2"]) == 0
     assert_identical(read_output(str(tmp_path / "hf")), state)
     assert not os.path.exists(str(tmp_path / "hf") + cli.PARTIAL_SUFFIX)
     assert cli.main(["consolidate", str(tmp_path / "nope"), str(tmp_path / "o")]) == 2

@@ -54,7 +54,8 @@ def _every_mode(rank: int, world: int, root: str) -> None:
         shards, out, one = (os.path.join(root, f"{label}-{x}") for x in ("shards", "hf", "onepass"))
         dcp.save(state, storage_writer=HuggingFaceStorageWriter(shards, fqn_to_index_mapping=mapping,
                                                                 save_distributed=True))
-        C.consolidate_safetensors(shards, out, mapping, num_threads=2, all_ranks=label != "1files")
+        C.consolidate_safetensors(shards, out, mapping, num_threads=2, all_ranks=label != "1files",
+                                  remove_shards=True)
         C.write_safetensors_one_pass(state, one, mapping, num_threads=2)
         dist.barrier()
         if rank == 0:

@@ -203,7 +203,7 @@ def _remove_tree(path: str, progress: Progress, total: int) -> None:
 def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
     """Run it while no job writes to the folder: a save in flight looks partial too."""
     _require_folder(args.folder)
-    partial = [s for s in layout.scan(args.folder) if not s.committed]
+    partial = [s for s in layout.scan(args.folder) if not s.committed and not s.linked]
     total = sum(layout.folder_bytes(s.path) for s in partial)
     with progress:
         for s in partial:
@@ -272,7 +272,7 @@ def cmd_consolidate(args: argparse.Namespace, progress: Progress) -> int:
     with _process_group(), (contextlib.nullcontext(args.output_dir) if same else _staged(args.output_dir)) as out, \
             progress:
         consolidate_safetensors(args.input_dir, out, mapping, num_threads=args.num_threads,
-                                keep_shards=args.keep_shards, progress=progress.phase("writing"))
+                                remove_shards=args.remove_shards, progress=progress.phase("writing"))
     if this_rank_draws():
         print(f"wrote {os.path.join(args.output_dir, INDEX_FILE)}")
     return EXIT_OK
@@ -339,7 +339,8 @@ def _add_consolidate(sub: Any) -> None:
     p.add_argument("output_dir", metavar="OUT_DIR")
     p.add_argument("--mapping", help="JSON file: {fqn: file index} or an HF index whose weight_map names the files")
     p.add_argument("--num-threads", type=int, default=4, help="copy threads per rank (default 4)")
-    p.add_argument("--keep-shards", action="store_true", help="do not delete the shard files after success")
+    p.add_argument("--remove-shards", action="store_true", help="delete the input shard files after success "
+                   "(they are kept by default)")
 
 
 # ---------------------------------------------------------------------------------------------

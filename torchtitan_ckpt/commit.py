@@ -16,10 +16,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from .io import durable
+from .io import durable, safe_open
 from . import faults
-from .io.checksum import file_crc32
-from .errors import CorruptCheckpointError
+from .io.checksum import file_crc32, stream_crc32
+from .errors import ConfigError, CorruptCheckpointError
 
 MARKER = "COMMITTED.json"
 FORMAT_VERSION = 2
@@ -51,18 +51,49 @@ def is_committed(path: str) -> bool:
 
 
 def read_marker(path: str) -> CommitInfo:
-    """The commit record of a step folder; `CorruptCheckpointError` if it is unreadable."""
+    """The commit record of a step folder, every field checked; `CorruptCheckpointError` naming
+    the marker if it is unreadable or of the wrong shape."""
     marker = os.path.join(path, MARKER)
     try:
-        with open(marker) as f:
+        with safe_open.open_file(path, MARKER, "the commit marker", "r") as f:
             raw = json.load(f)
-        return CommitInfo(**raw)
-    except (OSError, ValueError, TypeError) as e:
-        raise CorruptCheckpointError(f"{marker} is not a valid commit marker: {e}") from e
+        info = CommitInfo(**raw)
+    except CorruptCheckpointError:
+        raise
+    except (OSError, ValueError, TypeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{marker} is not a valid commit marker: {type(e).__name__}: {e}") from e
+    if problem := _marker_problem(info, path):
+        raise CorruptCheckpointError(f"{marker} is not a valid commit marker: {problem}; the step is damaged "
+                                     "or was not written by torchtitan_ckpt: load another step")
+    return info
+
+
+def _marker_problem(info: CommitInfo, path: str) -> str | None:
+    def count(v: object, low: int) -> bool:
+        return type(v) is int and low <= v <= 2**62
+
+    if not count(info.step, 0) or not count(info.world_size, 1) or not count(info.version, 0):
+        return f"step {info.step!r}, world_size {info.world_size!r} and version {info.version!r} must be counts"
+    if not isinstance(info.states, list) or not all(isinstance(s, str) and s for s in info.states):
+        return f"states {info.states!r} is not a list of names"
+    if not isinstance(info.format, str) or type(info.created) not in (int, float):
+        return f"format {info.format!r} or created {info.created!r} has the wrong type"
+    if not isinstance(info.files, dict):
+        return f"files is a {type(info.files).__name__}, not a dict of file names"
+    for rel, entry in info.files.items():
+        safe_open.inside(path, rel, f"the file named in {MARKER}")
+        if (not isinstance(entry, dict) or set(entry) != {"size", "crc32"} or not count(entry["size"], 0)
+                or not isinstance(entry["crc32"], str)):
+            return f"files[{rel!r}] = {entry!r} is not {{'size': bytes, 'crc32': hex}}"
+    return None
 
 
 def uncommit(path: str) -> None:
-    """Make a step invisible before it is rewritten or deleted; a crash afterwards leaves it partial."""
+    """Make a step invisible before it is rewritten or deleted; a crash afterwards leaves it partial.
+    A step folder that is a symlink (a run linked in from elsewhere) is never acted on through."""
+    if os.path.islink(path):
+        raise OSError(f"{path} is a symlink to {os.path.realpath(path)}, not a step folder this "
+                      "checkpoint wrote; it is left alone")
     marker = os.path.join(path, MARKER)
     if os.path.exists(marker):
         os.remove(marker)
@@ -91,12 +122,17 @@ def write_marker(path: str, info: CommitInfo,
 
 def _check_file(path: str, rel: str, entry: dict) -> str | None:
     full = os.path.join(path, rel)
-    if not os.path.isfile(full):
+    if not os.path.lexists(full):
         return f"{full}: missing"
-    size = os.path.getsize(full)
-    if size != entry["size"]:
-        return f"{full}: {size} bytes, the manifest says {entry['size']}"
-    crc = file_crc32(full)
+    try:
+        fd = safe_open.open_fd(path, rel, f"the file named in {MARKER}")
+    except CorruptCheckpointError as e:
+        return str(e)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size != entry["size"]:
+            return f"{full}: {size} bytes, the manifest says {entry['size']}"
+        crc = stream_crc32(f)
     if crc != entry["crc32"]:
         return f"{full}: CRC-32 {crc}, the manifest says {entry['crc32']}"
     return None
@@ -105,6 +141,8 @@ def _check_file(path: str, rel: str, entry: dict) -> str | None:
 def verify(path: str, files: list[str] | None = None, threads: int = 4) -> list[str]:
     """Check a committed step's files (all, or those named) against its manifest, several files
     at a time. Returns one message per problem; empty when the step is intact."""
+    if type(threads) is not int or threads < 1:
+        raise ConfigError("threads", threads, "files are checked on at least 1 thread")
     info = read_marker(path)
     names = sorted(info.files) if files is None else files
     with ThreadPoolExecutor(max_workers=threads) as pool:

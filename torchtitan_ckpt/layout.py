@@ -27,6 +27,8 @@ class StepFolder:
     step: int
     path: str
     committed: bool
+    linked: bool = False
+    """A symlink to a folder elsewhere (a run linked in): loaded from, never changed or deleted."""
 
 
 def scan(folder: str) -> list[StepFolder]:
@@ -37,7 +39,7 @@ def scan(folder: str) -> list[StepFolder]:
     for entry in os.scandir(folder):
         step = parse_step(entry.name)
         if step is not None and entry.is_dir():
-            found.append(StepFolder(step, entry.path, commit.is_committed(entry.path)))
+            found.append(StepFolder(step, entry.path, commit.is_committed(entry.path), entry.is_symlink()))
     return sorted(found, key=lambda s: s.step)
 
 
@@ -47,5 +49,5 @@ def committed_steps(folder: str) -> list[int]:
 
 
 def folder_bytes(path: str) -> int:
-    """Total size of the files under `path`."""
-    return sum(os.path.getsize(os.path.join(r, n)) for r, _, names in os.walk(path) for n in names)
+    """Total size of the files under `path` (a symlink counts as itself, dangling or not)."""
+    return sum(os.lstat(os.path.join(r, n)).st_size for r, _, names in os.walk(path) for n in names)

@@ -261,8 +261,8 @@ class CheckpointManager:
         return {**model_sd, **{name: s.state_dict() for name, s in self._states.items()}}
 
     def _prepare_folder(self, path: str, step: int) -> None:
-        if os.path.exists(path):  # a partial leftover, or a step saved again: it is replaced
-            commit.uncommit(path)
+        if os.path.lexists(path):  # a partial leftover, or a step saved again: it is replaced
+            commit.uncommit(path)  # refuses a symlink: another run's folder is never replaced
             shutil.rmtree(path)
         os.makedirs(path)
         faults.hit("prepare", step)
@@ -304,12 +304,26 @@ class CheckpointManager:
         state = self._state_for_load(target)
         try:
             self._group.run(lambda: target.format.read(target.path, target.index, state))
+            self._group.run(lambda: self._apply(state, target.path))
         except RankFailed as failed:
             failed.reraise(f"loading {target.path}")
+
+    def _apply(self, state: dict[str, Any], path: str) -> None:
+        """Hand what was read to the states. A state that cannot take it (damaged bytes, a value
+        of the wrong shape) is a `CorruptCheckpointError` naming the state. The dataloader's bytes
+        are decoded here, so it goes first: its failure leaves the other states untouched."""
         self._model.load_state_dict({k: v for k, v in state.items() if k not in self._states})
-        for name, stateful in self._states.items():
-            if name in state:
-                stateful.load_state_dict(state[name])
+        for name in sorted(self._states, key=lambda n: not isinstance(self._states[n], DataLoaderState)):
+            if name not in state:
+                continue
+            try:
+                self._states[name].load_state_dict(state[name])
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise CorruptCheckpointError(
+                    f"{path}: its '{name}' state cannot be applied to this job ({type(e).__name__}: {e}); "
+                    f"load another step, or add '{name}' to checkpoint.exclude_from_loading") from e
 
     def _find_load_target(self) -> _LoadTarget | None:
         folders = layout.scan(self.folder)
@@ -409,10 +423,8 @@ class CheckpointManager:
                 logger.warning("the dataloader state was saved by %d ranks and this job has %d; "
                                "the dataloader starts from the beginning", len(saved), self._group.world_size)
             return False
-        size = target.index.tensors.get(f"dataloader.{loader.key}")
-        if size is None or len(size) != 1:
-            raise CorruptCheckpointError(f"{target.path}: the dataloader entry dataloader.{loader.key} is not a byte tensor")
-        loader.expect_load(size[0])
+        key = f"dataloader.{loader.key}"
+        loader.expect_load(target.format.byte_tensor_size(target.path, target.index, key))
         return True
 
 

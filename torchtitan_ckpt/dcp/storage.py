@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo  # the format's entry type
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
     LoadPlanner,
@@ -43,9 +43,10 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # as DCP's own planning
 from torch.futures import Future
 
-from ..io import filewriter, reader
+from ..io import filewriter, reader, safe_open
 from ..io.checksum import crc32
 from .planner import DedupSavePlanner, PlanCache
+from .validate import check_metadata
 from ..errors import CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
@@ -97,16 +98,18 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: str) -> Metadata:
-    """Read a DCP `.metadata` file without running code from it."""
-    with open(path, "rb") as f:
+    """Read a DCP `.metadata` file without running code from it, every field checked
+    (`validate.check_metadata`) against the folder it is in."""
+    with safe_open.open_path(path, "the DCP metadata file") as f:
         try:
             metadata = _MetadataUnpickler(f, path).load()
         except CorruptCheckpointError:
             raise
-        except Exception as e:
-            raise CorruptCheckpointError(f"{path} is not a readable DCP metadata file: {e}") from e
+        except Exception as e:  # RecursionError and MemoryError included: a crafted pickle
+            raise CorruptCheckpointError(f"{path} is not a readable DCP metadata file: {type(e).__name__}: {e}") from e
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")
+    check_metadata(metadata, os.path.dirname(path) or ".", path)
     return metadata
 
 
@@ -120,6 +123,7 @@ class SafeFileSystemReader(FileSystemReader):
 
     def __init__(self, path: str, metadata: Metadata | None = None, threads: int = 1, fast: bool = True):
         super().__init__(path)
+        self.fs = _ReadOnlyRegularFiles()
         self._metadata = metadata
         self.threads = threads
         self.fast = fast
@@ -144,6 +148,18 @@ class SafeFileSystemReader(FileSystemReader):
         return fut
 
 
+class _ReadOnlyRegularFiles(FileSystem):
+    """DCP's file system for the reads DCP's own reader still does (transformed items): every
+    file is opened as `safe_open` opens one (a FIFO or a device is refused, never waited on)."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "r" not in mode or "+" in mode:
+            raise CorruptCheckpointError(f"{path}: opened as {mode!r} by a checkpoint reader")
+        with safe_open.open_path(str(path), "a data file named in .metadata") as f:
+            yield f
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, but non-tensor values are unpickled with `weights_only=True`."""
 
@@ -164,6 +180,23 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             node[last] = obj
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def stored_bytes(root: str, metadata: Metadata, fqn: str) -> int:
+    """Bytes the data files of the checkpoint folder `root` hold for entry `fqn` (a checked
+    `metadata`'s), each of its items checked to lie inside its file: a bound on what the entry
+    can hold, known before anything of its size is allocated."""
+    md = metadata.state_dict_metadata[fqn]
+    indexes = [MetadataIndex(fqn, c.offsets) for c in md.chunks] if hasattr(md, "chunks") else [MetadataIndex(fqn)]
+    total = 0
+    for index in indexes:
+        info = metadata.storage_data[index]
+        size = safe_open.file_size(root, info.relative_path, f"the data file of '{fqn}'")
+        if info.offset + info.length > size:
+            raise CorruptCheckpointError(f"{os.path.join(root, info.relative_path)}: entry '{fqn}' lies at bytes "
+                                         f"{info.offset}-{info.offset + info.length}, past its end ({size} bytes)")
+        total += info.length
+    return total
 
 
 def load_on_this_rank(state: dict[str, Any], storage_reader: SafeFileSystemReader, planner: SafeLoadPlanner) -> None:

@@ -47,7 +47,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..io import durable
+from ..io import durable, safe_open
 from .. import faults
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..group import CheckpointGroup, RankFailed
@@ -287,8 +287,8 @@ def _check_coverage(fqn: str, group: list[Block], shape: tuple[int, ...], files:
 def read_shard_blocks(path: str) -> list[Block]:
     """The tensor blocks one DCP HF shard file holds, read from its header alone and checked
     against the file's size. Raises `InvalidShardsError` naming the file."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with safe_open.open_path(path, "a shard file") as f:
+        size = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         if len(raw) < 8:
             raise InvalidShardsError(f"{path}: {size} bytes, too short for a safetensors header")
@@ -298,23 +298,34 @@ def read_shard_blocks(path: str) -> list[Block]:
         try:
             header = json.loads(f.read(header_len))
             sharding = json.loads(header.pop("__metadata__", {})[_SHARDING_KEY])
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise InvalidShardsError(f"{path}: not a DCP HF shard file (header or {_SHARDING_KEY} "
                                      f"unreadable: {e}); save with save_distributed=True") from e
     data_start = 8 + header_len
     return [_block(path, fqn, entry, sharding, data_start, size) for fqn, entry in header.items()]
 
 
-def _block(path: str, fqn: str, entry: dict, sharding: dict, data_start: int, size: int) -> Block:
-    dtype = entry.get("dtype")
+def _counts(value: Any) -> bool:
+    """A list of non-negative ints, none beyond 2**62 (no real shape, offset or size is)."""
+    return isinstance(value, list) and len(value) <= 64 and all(type(v) is int and 0 <= v <= 2**62 for v in value)
+
+
+def _block(path: str, fqn: str, entry: Any, sharding: Any, data_start: int, size: int) -> Block:
+    info = sharding.get(fqn, {}) if isinstance(sharding, dict) else None
+    if not isinstance(entry, dict) or not isinstance(info, dict):
+        raise InvalidShardsError(f"{path}: tensor {fqn!r} has header entry {entry!r} and sharding info {info!r}; "
+                                 f"expected objects (save with save_distributed=True)")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), info.get("saved_offsets", [])
     if dtype not in DTYPE_SIZES:
         raise InvalidShardsError(f"{path}: tensor {fqn!r} has dtype {dtype!r}; known: {sorted(DTYPE_SIZES)}")
-    shape = tuple(entry["shape"])
-    begin, end = entry["data_offsets"]
-    offsets = tuple(sharding.get(fqn, {}).get("saved_offsets", ()))
-    block = Block(fqn, dtype, offsets, shape, path, data_start + begin)
-    if len(offsets) != len(shape):
-        raise InvalidShardsError(f"{path}: tensor {fqn!r} has shape {list(shape)} but saved_offsets {list(offsets)}")
+    data_offsets = entry.get("data_offsets")
+    if not (_counts(shape) and _counts(offsets) and _counts(data_offsets) and len(data_offsets) == 2
+            and len(offsets) == len(shape)):
+        raise InvalidShardsError(f"{path}: tensor {fqn!r} has shape {shape!r}, saved_offsets {offsets!r} and "
+                                 f"data_offsets {data_offsets!r}; expected lists of non-negative ints, "
+                                 "one offset per dimension")
+    begin, end = data_offsets
+    block = Block(fqn, dtype, tuple(offsets), tuple(shape), path, data_start + begin)
     if end - begin != block.nbytes or data_start + end > size:
         raise InvalidShardsError(f"{path}: tensor {fqn!r} claims bytes [{begin}, {end}) after the header: "
                                  f"{block.nbytes} expected, file has {size - data_start}")
@@ -495,15 +506,16 @@ def _write_everything(group: CheckpointGroup, output_dir: str, files: list[Outpu
 
 
 def consolidate_safetensors(input_dir: str, output_dir: str, fqn_to_index_mapping: Mapping[str, int] | None = None,
-                            *, process_group=None, num_threads: int = 4, keep_shards: bool = False,
+                            *, process_group=None, num_threads: int = 4, remove_shards: bool = False,
                             all_ranks: bool = True, progress: ProgressFn | None = None) -> None:
     """Consolidate DCP HF shard files (`HuggingFaceStorageWriter(save_distributed=True)`) from
     `input_dir` into `model-0000X-of-0000N.safetensors` and `model.safetensors.index.json` in
     `output_dir`. Collective over `process_group` (a dedicated gloo group over every rank when
     None and `torch.distributed` is initialised; a single process otherwise). `all_ranks=False`
     lets rank 0 copy every byte (the others still take part in the collectives). The shard files
-    are deleted after success unless `keep_shards`. `progress(nbytes, total)` is called as this
-    rank's copy threads write (from those threads). Raises `InvalidShardsError` for bad input."""
+    are kept (as PyTorch's own consolidation keeps them) unless `remove_shards`, which deletes them
+    after success. `progress(nbytes, total)` is called as this rank's copy threads write (from
+    those threads). Raises `InvalidShardsError` for bad input."""
     group = CheckpointGroup(process_group)
     t0 = time.perf_counter()
     shard_files = _step(group, "listing shards", lambda: find_shard_files(input_dir) if group.rank == 0 else None)[0]
@@ -518,7 +530,7 @@ def consolidate_safetensors(input_dir: str, output_dir: str, fqn_to_index_mappin
     tasks = plan_tasks(blocks, files, specs, group.world_size if all_ranks else 1)
     my_tasks = tasks[group.rank] if group.rank < len(tasks) else []
     _write_everything(group, output_dir, files, specs, my_tasks, num_threads, progress=progress)
-    if not keep_shards:
+    if remove_shards:
         _step(group, "removing shard files", lambda: [os.remove(p) for p in mine])
         if group.rank == 0 and os.path.abspath(input_dir) != os.path.abspath(output_dir) and not os.listdir(input_dir):
             os.rmdir(input_dir)

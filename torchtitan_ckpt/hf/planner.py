@@ -13,6 +13,7 @@ from collections.abc import Callable
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_MAX_SIZE = 2**62
 _LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
 
 
@@ -24,9 +25,10 @@ def parse_size(value: str | int) -> int:
         m = _SIZE.match(value) if isinstance(value, str) else None
         if m is None or m.group(2).lower() not in _UNITS:
             raise ValueError(f"size {value!r} is not a byte count like '5GB', '500MB' or '512MiB'")
-        size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if size <= 0:
-        raise ValueError(f"size {value!r} must be positive")
+        amount = float(m.group(1)) * _UNITS[m.group(2).lower()]  # inf for hundreds of digits
+        size = int(amount) if amount <= _MAX_SIZE else _MAX_SIZE + 1
+    if not 0 < size <= _MAX_SIZE:
+        raise ValueError(f"size {value!r} must be positive and at most 2**62 bytes")
     return size
 
 

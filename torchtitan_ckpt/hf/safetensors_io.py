@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CorruptCheckpointError
+from ..io import safe_open
 from ..io.filewriter import IOV_MAX
 
 _DTYPES = {
@@ -48,7 +49,7 @@ def read_header(path: str) -> dict[str, TensorEntry]:
     """Name -> dtype, shape and position of every tensor in the safetensors file `path` (no
     data read)."""
     try:
-        with open(path, "rb") as f:
+        with safe_open.open_path(path, "a safetensors file") as f:
             size = os.fstat(f.fileno()).st_size
             (length,) = struct.unpack("<Q", f.read(8))
             if length > min(_MAX_HEADER, size - 8):
@@ -60,7 +61,8 @@ def read_header(path: str) -> dict[str, TensorEntry]:
         entries = {name: _entry(name, e, path, 8 + length) for name, e in header.items()}
         _check_offsets(header, entries, size - 8 - length)
         return entries
-    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, struct.error) as e:
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError,
+            struct.error) as e:
         raise CorruptCheckpointError(f"{path} is not a readable safetensors file: {e!r}") from e
 
 

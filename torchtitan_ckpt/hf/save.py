@@ -71,7 +71,7 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
         writer = HuggingFaceStorageWriter(shards, save_distributed=True, fqn_to_index_mapping=mapping)
         dcp.save(_whole_experts(hf_sd), storage_writer=writer, process_group=group.pg)
         consolidate_safetensors(shards, out_dir, mapping, process_group=group.pg, num_threads=num_threads,
-                                keep_shards=keep_shards, all_ranks=mode == "all_ranks", progress=progress)
+                                remove_shards=not keep_shards, all_ranks=mode == "all_ranks", progress=progress)
     if group.rank == 0:
         secs = time.perf_counter() - start
         total = sum(nbytes.values()) / 1e9

@@ -15,15 +15,20 @@ try:
 except ImportError:  # a machine isal has no wheel for
     from zlib import crc32
 
-__all__ = ["crc32", "file_crc32"]
+__all__ = ["crc32", "file_crc32", "stream_crc32"]
 
 _CHUNK = 8 << 20
 
 
 def file_crc32(path: str) -> str:
     """The CRC-32 of a file's bytes, as 8 hex digits."""
-    crc = 0
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = crc32(chunk, crc)
+        return stream_crc32(f)
+
+
+def stream_crc32(f) -> str:
+    """The CRC-32 of the rest of an open binary file, as 8 hex digits."""
+    crc = 0
+    while chunk := f.read(_CHUNK):
+        crc = crc32(chunk, crc)
     return f"{crc:08x}"

@@ -29,6 +29,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ..errors import CorruptCheckpointError
+from . import safe_open
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,8 @@ def _zip64_fields(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, 
     while pos + 4 <= len(extra):
         tag, size = struct.unpack_from("<HH", extra, pos)
         if tag == 1:
+            if pos + 4 + size > len(extra):
+                break
             values = iter(struct.unpack_from(f"<{size // 8}Q", extra, pos + 4))
             try:
                 return tuple(next(values) if v == _FULL32 else v for v in (usize, csize, lho))
@@ -275,9 +278,10 @@ class _Cursor:
     an item's zip directory, at its end, and the next item's header records, at its start; the
     file's own descriptor keeps the kernel's read-ahead seeing one sequential stream."""
 
-    def __init__(self, path: str):
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
+    def __init__(self, root: str, rel: str):
+        self.path = os.path.join(root, rel)
+        self.fd = safe_open.open_fd(root, rel, "a data file named in .metadata")
+        self.size = os.fstat(self.fd).st_size
         self._windows: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=2)
 
     def close(self) -> None:
@@ -486,17 +490,23 @@ class ItemReader:
         return runs
 
     def _read_run(self, rel: str, run: list[ReadItem], planner: LoadPlanner) -> None:
-        cursor = _Cursor(os.path.join(self.root, rel))
+        cursor = _Cursor(self.root, rel)
         try:
             for req in run:
                 if self._failed.is_set():
                     return
                 info = self.storage_data[req.storage_index]
                 item = _Item(cursor, info.offset, info.length, req.storage_index.fqn)
+                if info.offset + info.length > cursor.size:  # before any buffer of that length
+                    raise item.fail(f"is cut short: the file ends at byte {cursor.size}, "
+                                    f"{info.offset + info.length - cursor.size} bytes early")
                 if req.type == LoadItemType.BYTE_IO:
                     data = item.read(0, item.length)
                     with self._lock:
-                        planner.load_bytes(req, io.BytesIO(data))
+                        try:
+                            planner.load_bytes(req, io.BytesIO(data))
+                        except Exception as e:  # torch.load's errors on damaged bytes are of any class
+                            raise item.fail(f"is not a value this load can read ({type(e).__name__}: {e})") from e
                 else:
                     self._read_tensor(item, req, planner)
         except BaseException:

@@ -22,6 +22,9 @@ import os
 import pickle
 import signal
 import sys
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import count
 from typing import Any
 
@@ -51,7 +54,8 @@ class WriterProcess:
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child_conn, os.getpid()), daemon=True,
                                  name="ckpt-writer")
-        self._proc.start()
+        with _main_hidden():
+            self._proc.start()
         child_conn.close()
         self._ids = count()
         self._registered: dict[tuple[int, int], tuple[int, torch.UntypedStorage]] = {}
@@ -128,6 +132,19 @@ class WriterProcess:
             self._proc.join()
         self._conn.close()
         self._registered.clear()
+
+
+@contextmanager
+def _main_hidden() -> Iterator[None]:
+    """While the writer starts, hide the user's `__main__` from `spawn`, so the child runs only
+    this module: it would otherwise run the training script again, and one without an
+    `if __name__ == "__main__":` guard would start training in the writer, which then dies."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def _die_with_parent(parent: int) -> None:

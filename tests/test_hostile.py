@@ -1,0 +1,472 @@
+"""Hostile and damaged checkpoints: a crafted or broken folder ends in our own error naming the
+file, entry or key, within a time limit, with nothing outside the checkpoint read, changed or
+deleted, and no state of the job changed when the checkpoint's content is refused."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+from torchtitan_ckpt import CheckpointError, CheckpointSaveError, ConfigError, CorruptCheckpointError, cli, commit
+from torchtitan_ckpt.config import Checkpoint, validate_tree
+from torchtitan_ckpt.dcp import storage
+from torchtitan_ckpt.example.config import load_job_config
+from torchtitan_ckpt.hf import consolidate as C
+from torchtitan_ckpt.policy.schedule import SaveKind
+
+from .helpers import ROOT
+from .jobs import make_job
+
+SENTINEL = b"sentinel: never to be read, changed or deleted\n"
+
+
+@contextlib.contextmanager
+def within(seconds: int):
+    """Fail instead of hanging: a blocked `open()` is interrupted and the test fails."""
+    def expire(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> str:
+    """A dump folder whose checkpoint holds one full step, 2."""
+    dump = str(tmp_path_factory.mktemp("pristine"))
+    job = make_job(dump, steps=2, interval=2, keep_latest_k=0, last_save_model_only=False)
+    job.run_to(2, steps=2)
+    job.manager.close()
+    return dump
+
+
+@pytest.fixture
+def ckpt(tmp_path, pristine):
+    """(dump folder, step-2 folder, sentinel file outside the checkpoint) of a fresh copy."""
+    dump = str(tmp_path / "dump")
+    shutil.copytree(pristine, dump)
+    sentinel = tmp_path / "outside.distcp"
+    sentinel.write_bytes(SENTINEL)
+    return dump, os.path.join(dump, "checkpoint", "step-2"), sentinel
+
+
+def _load(dump: str, **checkpoint):
+    job = make_job(dump, steps=2, interval=2, keep_latest_k=0, **checkpoint)
+    with within(60):
+        job.manager.load()
+    return job
+
+
+def _refused(dump: str, match: str, **checkpoint) -> None:
+    with pytest.raises(CorruptCheckpointError, match=match):
+        _load(dump, **checkpoint)
+
+
+def _recommit(step: str) -> None:
+    """Make the marker's manifest match the files again, as an attacker would."""
+    commit.write_marker(step, commit.read_marker(step))
+
+
+def _edit_metadata(step: str, edit) -> None:
+    path = os.path.join(step, storage.METADATA_FILE)
+    with open(path, "rb") as f:
+        md = pickle.load(f)  # our own test file: plain pickle is fine here
+    edit(md)
+    with open(path, "wb") as f:
+        pickle.dump(md, f)
+    _recommit(step)
+
+
+def _storage_of(md, fqn: str):
+    return next(i for i in md.storage_data if i.fqn == fqn)
+
+
+def _untouched(sentinel) -> None:
+    assert sentinel.read_bytes() == SENTINEL
+
+
+# ---------------------------------------------------------------- 1. paths that escape the folder
+
+
+@pytest.mark.parametrize("verify_on_load", [False, True])
+@pytest.mark.parametrize("name", ["../../outside.distcp", "/etc/passwd", "/dev/zero"])
+def test_storage_paths_outside_the_step_folder_are_refused(ckpt, name, verify_on_load):
+    dump, step, sentinel = ckpt
+
+    def point_out(md):
+        index = _storage_of(md, "train_state.step")
+        md.storage_data[index] = replace(md.storage_data[index], relative_path=name, length=1 << 30)
+
+    _edit_metadata(step, point_out)
+    _refused(dump, f"'train_state.step'.*{name}.*outside the checkpoint folder", verify_on_load=verify_on_load)
+    _untouched(sentinel)
+
+
+def test_a_data_file_linked_outside_the_folder_is_refused(ckpt):
+    dump, step, sentinel = ckpt
+    os.remove(os.path.join(step, "__0_1.distcp"))
+    os.symlink(sentinel, os.path.join(step, "__0_1.distcp"))
+    _recommit(step)
+    _refused(dump, rf"__0_1.distcp: .* link to {sentinel}, outside the checkpoint folder")
+    os.remove(os.path.join(step, "__0_1.distcp"))
+    os.symlink("/dev/zero", os.path.join(step, "__0_1.distcp"))
+    _refused(dump, "__0_1.distcp: .* link to /dev/zero")
+    _untouched(sentinel)
+
+
+# ---------------------------------------------------------------- 2. a FIFO never blocks
+
+
+@pytest.mark.parametrize("victim", [storage.METADATA_FILE, "__0_1.distcp"])
+@pytest.mark.parametrize("verify_on_load", [False, True])
+def test_a_fifo_in_place_of_a_file_is_refused_without_blocking(ckpt, victim, verify_on_load):
+    dump, step, _ = ckpt
+    path = os.path.join(step, victim)
+    os.remove(path)
+    os.mkfifo(path)
+    with pytest.raises(CheckpointError, match=rf"{victim}.* not a regular file"):
+        _load(dump, verify_on_load=verify_on_load, verify_fallback=False)
+
+
+def test_a_fifo_as_the_marker_is_refused_without_blocking(ckpt, capsys):
+    dump, step, _ = ckpt
+    os.remove(os.path.join(step, commit.MARKER))
+    os.mkfifo(os.path.join(step, commit.MARKER))
+    with pytest.raises(CorruptCheckpointError, match=f"{commit.MARKER}.* not a regular file"), within(10):
+        commit.read_marker(step)
+    with within(10):
+        assert cli.main(["list", os.path.dirname(step)]) == 0
+    assert "PARTIAL" in capsys.readouterr().out
+    job = make_job(dump, steps=2, interval=2)
+    with within(60):
+        assert not job.manager.load()  # a step without a readable marker is partial: never loaded
+
+
+# ---------------------------------------------------------------- 3. symlinked step folders
+
+
+def _other_run(tmp_path) -> tuple[str, bytes]:
+    """Another checkpoint's committed step: (its folder, its marker's bytes)."""
+    other = tmp_path / "other" / "step-1"
+    other.mkdir(parents=True)
+    (other / "weights").write_bytes(SENTINEL)
+    commit.write_marker(str(other), commit.CommitInfo(step=1, states=["model"]))
+    return str(other), (other / commit.MARKER).read_bytes()
+
+
+def test_retention_never_deletes_or_uncommits_through_a_linked_step(tmp_path):
+    other, marker = _other_run(tmp_path)
+    os.makedirs(tmp_path / "dump" / "checkpoint")
+    os.symlink(other, tmp_path / "dump" / "checkpoint" / "step-1")
+    job = make_job(str(tmp_path / "dump"), steps=6, interval=2, keep_latest_k=1)
+    job.run_to(6, steps=6)
+    job.manager.close()
+    assert sorted(os.listdir(tmp_path / "dump" / "checkpoint")) == ["step-1", "step-6"]
+    assert (tmp_path / "other" / "step-1" / commit.MARKER).read_bytes() == marker
+    assert cli.main(["clean", str(tmp_path / "dump" / "checkpoint")]) == 0
+    assert os.path.islink(tmp_path / "dump" / "checkpoint" / "step-1")
+
+
+def test_a_save_never_replaces_a_linked_step_folder(tmp_path):
+    other, marker = _other_run(tmp_path)
+    os.makedirs(tmp_path / "dump" / "checkpoint")
+    os.symlink(other, tmp_path / "dump" / "checkpoint" / "step-2")
+    job = make_job(str(tmp_path / "dump"), steps=2, interval=2)
+    with pytest.raises(CheckpointSaveError, match="step-2 is a symlink to .*left alone"):
+        job.run_to(2, steps=2)
+    job.manager.close()
+    assert (tmp_path / "other" / "step-1" / commit.MARKER).read_bytes() == marker
+    assert sorted(os.listdir(other)) == [commit.MARKER, "weights"]
+
+
+def test_clean_leaves_a_linked_partial_step_alone(tmp_path, capsys):
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep").write_bytes(SENTINEL)
+    os.makedirs(tmp_path / "ckpt")
+    os.symlink(target, tmp_path / "ckpt" / "step-3")
+    assert cli.main(["clean", str(tmp_path / "ckpt")]) == 0
+    assert "0 partial step folder(s) removed" in capsys.readouterr().out
+    assert (target / "keep").read_bytes() == SENTINEL
+
+
+# ---------------------------------------------------------------- 4. the dataloader's size
+
+
+@pytest.mark.parametrize("size", [[2**40], [-1], [], [3, 3]])
+def test_a_dataloader_size_the_files_do_not_hold_is_refused(ckpt, size):
+    dump, step, _ = ckpt
+
+    def resize(md):
+        entry = md.state_dict_metadata["dataloader.rank_0"]
+        entry.size = torch.Size(size) if all(s >= 0 for s in size) else size
+        if len(size) == 1 and size[0] > 0:
+            entry.chunks[0] = ChunkStorageMetadata(torch.Size([0]), torch.Size(size))
+            old = _storage_of(md, "dataloader.rank_0")
+            info = md.storage_data.pop(old)
+            md.storage_data[type(old)("dataloader.rank_0", [0])] = info
+
+    _edit_metadata(step, resize)
+    _refused(dump, r"'dataloader.rank_0'")
+
+
+# ---------------------------------------------------------------- 5. states that cannot be applied
+
+
+def _craft(dump: str, edit) -> None:
+    """Overwrite step 2 with the job's full state edited by `edit`, committed as a save would."""
+    job = make_job(dump, steps=2, interval=2)
+    state = job.manager._state_for_save(SaveKind.FULL)
+    edit(state)
+    step = os.path.join(dump, "checkpoint", "step-2")
+    shutil.rmtree(step)
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, storage_writer=storage.make_storage_writer(step))
+    commit.write_marker(step, commit.CommitInfo(step=2, states=["model", *job.manager._states]))
+    job.manager.close()
+
+
+def _garbled_loader_bytes(state):
+    data = state["dataloader"]["rank_0"].clone()
+    at = bytes(data.tolist()).index(b"_index_sampler_state")  # a key in its pickle: no longer UTF-8
+    data[at : at + 2] = 0xFF
+    state["dataloader"]["rank_0"] = data
+
+
+def _five_as_param_groups(state):
+    key = next(k for k in state["optimizer"] if k.startswith("param_groups."))
+    state["optimizer"][key] = 5
+
+
+@pytest.mark.parametrize("edit, name", [(_garbled_loader_bytes, "dataloader"), (_five_as_param_groups, "optimizer")])
+def test_a_state_that_cannot_be_applied_is_our_error_naming_it(ckpt, edit, name):
+    dump, _, _ = ckpt
+    _craft(dump, edit)
+    job = make_job(dump, steps=2, interval=2)
+    with pytest.raises(CorruptCheckpointError, match=f"its '{name}' state cannot be applied"), within(60):
+        job.manager.load()
+    if name == "dataloader":  # decoded first: the optimizer's saved moments and the step were not applied
+        assert job.train_state.step == 0
+        assert all(not s["exp_avg"].any() for s in job.opt.state.values())
+
+
+# ---------------------------------------------------------------- 6. the commit marker
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    ("files", {"../../outside.distcp": {"size": 1, "crc32": "00000000"}}, "outside the checkpoint folder"),
+    ("files", {"/etc/passwd": {"size": 1, "crc32": "00000000"}}, "outside the checkpoint folder"),
+    ("files", {"__0_0.distcp": {}}, r"files\['__0_0.distcp'\]"),
+    ("files", None, "files is a NoneType"),
+    ("states", [1], "states"),
+    ("step", "2", "step"),
+    ("world_size", 0, "world_size"),
+])
+def test_a_crafted_marker_is_refused_by_verify_list_and_load(ckpt, capsys, field, value, problem):
+    dump, step, sentinel = ckpt
+    path = os.path.join(step, commit.MARKER)
+    raw = json.loads(open(path).read())
+    raw[field] = value
+    open(path, "w").write(json.dumps(raw))
+    for command in (["verify", step], ["list", os.path.dirname(step)]):
+        assert cli.main(command) == 2
+        assert commit.MARKER in capsys.readouterr().err
+    _refused(dump, f"{commit.MARKER}.*{problem}")
+    _untouched(sentinel)
+
+
+def test_a_deeply_nested_marker_is_refused(ckpt):
+    dump, step, _ = ckpt
+    open(os.path.join(step, commit.MARKER), "w").write("[" * 100_000 + "]" * 100_000)
+    _refused(dump, "RecursionError")
+
+
+# ---------------------------------------------------------------- 7, 8. .metadata fields, chunk coverage
+
+
+def _set(attr_path: str, value):
+    def edit(md):
+        entry = md.state_dict_metadata["norm.weight"]
+        *parents, last = attr_path.split(".")
+        for p in parents:
+            entry = getattr(entry, p)
+        setattr(entry, last, value)
+    return edit
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (_set("properties", None), "'norm.weight' has properties None"),
+    (_set("size", [[64]]), "'norm.weight' has size"),
+    (_set("chunks", []), "'norm.weight' of size \\[64\\] has chunks holding 0 of its 64 elements"),
+    (_set("chunks", [ChunkStorageMetadata(torch.Size([0]), torch.Size([32]))]), "holding 32 of its 64"),
+    (_set("chunks", [ChunkStorageMetadata(torch.Size([0]), torch.Size([32]))] * 2), "overlap"),
+    (_set("chunks", [ChunkStorageMetadata(torch.Size([40]), torch.Size([32]))]), "outside its size"),
+    (lambda md: setattr(md, "state_dict_metadata", None), "must be dicts"),
+    (lambda md: md.state_dict_metadata.__setitem__(7, md.state_dict_metadata["norm.weight"]), "key 7"),
+])
+def test_malformed_metadata_is_refused_by_inspect_and_load(ckpt, capsys, edit, problem):
+    dump, step, _ = ckpt
+    _edit_metadata(step, edit)
+    assert cli.main(["inspect", step]) == 2
+    assert storage.METADATA_FILE in capsys.readouterr().err
+    _refused(dump, problem)
+
+
+def test_a_byte_item_longer_than_its_file_is_refused_naming_it(ckpt):
+    dump, step, _ = ckpt
+
+    def lengthen(md):
+        index = _storage_of(md, "train_state.step")
+        md.storage_data[index] = replace(md.storage_data[index], length=2**40)
+
+    _edit_metadata(step, lengthen)
+    _refused(dump, "item 'train_state.step' .*cut short")
+
+
+# ---------------------------------------------------------------- 9. a dangling symlink
+
+
+def test_a_dangling_symlink_in_a_step_folder_breaks_neither_list_nor_load(ckpt):
+    dump, step, _ = ckpt
+    os.symlink("/nonexistent/file", os.path.join(step, "dangling"))
+    assert cli.main(["list", os.path.dirname(step)]) == 0
+    job = _load(dump)
+    assert job.train_state.step == 2
+
+
+# ---------------------------------------------------------------- 11. consolidate's shards
+
+
+def _shard(path, header: dict, sharding, data: bytes = b"\0" * 16) -> None:
+    header = {**header, "__metadata__": {"DCP_SHARDING_INFO": json.dumps(sharding)}}
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+@pytest.mark.parametrize("entry, sharding", [
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0.0, 8.0]}, {"w": {"saved_offsets": [0]}}),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, {"w": {"saved_offsets": [0.5]}}),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, {"w": [0]}),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, [1]),
+    ({"dtype": "F32", "shape": [-4], "data_offsets": [0, 0]}, {"w": {"saved_offsets": [0]}}),
+    ({"dtype": "F32", "shape": [2**60], "data_offsets": [0, 8]}, {"w": {"saved_offsets": [0]}}),
+])
+def test_malformed_shards_are_refused_and_kept(tmp_path, entry, sharding):
+    shards = tmp_path / "in"
+    shards.mkdir()
+    _shard(shards / "shard-0.safetensors", {"w": entry}, sharding)
+    with pytest.raises(C.InvalidShardsError, match="shard-0.safetensors"), within(30):
+        C.consolidate_safetensors(str(shards), str(tmp_path / "out"))
+    assert os.listdir(shards) == ["shard-0.safetensors"]
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+def test_consolidate_keeps_its_input_unless_asked(tmp_path):
+    shards = tmp_path / "in"
+    shards.mkdir()
+    _shard(shards / "shard-0.safetensors", {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+           {"w": {"saved_offsets": [0]}})
+    C.consolidate_safetensors(str(shards), str(tmp_path / "out"))
+    assert os.listdir(shards) == ["shard-0.safetensors"]
+    C.consolidate_safetensors(str(shards), str(tmp_path / "out2"), remove_shards=True)
+    assert not shards.exists()
+
+
+# ---------------------------------------------------------------- 12. config values
+
+
+@pytest.mark.parametrize("key, value", [
+    ("checkpoint.hf_max_shard_size", "9" * 400),
+    ("checkpoint.collective_timeout_s", "inf"),
+    ("checkpoint.save_threads", str(2**62)),
+    ("checkpoint.folder", "ck\0pt"),
+    ("optimizer.lr", "nan"),
+    ("training.max_norm", "nan"),
+])
+def test_config_values_out_of_bounds_name_their_key(key, value):
+    with pytest.raises(ConfigError) as e:
+        load_job_config(None, [f"--{key}", value])
+    assert e.value.key == key
+
+
+def test_a_deeply_nested_toml_is_a_config_error(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError):
+        load_job_config(path)
+
+
+def test_a_huge_shard_size_is_a_config_error_naming_it():
+    with pytest.raises(ConfigError, match="hf_max_shard_size = '1111.*at most 2\\*\\*62 bytes"):
+        validate_tree(Checkpoint(hf_max_shard_size="1" * 400 + "GB"))
+
+
+# ---------------------------------------------------------------- small ones
+
+
+def test_verify_needs_a_thread(ckpt, capsys):
+    _, step, _ = ckpt
+    assert cli.main(["verify", step, "--threads", "0"]) == 2
+    assert "threads = 0" in capsys.readouterr().err
+
+
+def test_a_short_zip64_extra_field_is_not_a_struct_error():
+    from torchtitan_ckpt.io import reader
+
+    with pytest.raises(reader._Unrecognised, match="zip64"):
+        reader._zip64_fields(struct.pack("<HH", 1, 24) + b"\0" * 8, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+
+
+def test_async_with_pinned_mem_saves_from_a_script_without_a_main_guard(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from torchtitan_ckpt import CheckpointManager\n"
+        "from torchtitan_ckpt.config import Checkpoint\n"
+        "print('top level ran', flush=True)\n"
+        "m = CheckpointManager(Checkpoint(enable=True, async_mode='async_with_pinned_mem', interval=1),\n"
+        "                      [torch.nn.Linear(4, 4)], base_folder=sys.argv[1])\n"
+        "m.save(1, last_step=True)\n"
+        "m.close()\n")
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": ROOT}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("top level ran") == 1
+    assert commit.is_committed(str(tmp_path / "checkpoint" / "step-1"))
+
+
+# ---------------------------------------------------------------- Hugging Face files
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link"])
+def test_a_safetensors_file_that_is_a_fifo_or_a_link_out_is_refused(tmp_path, kind):
+    from torchtitan_ckpt.hf.safetensors_io import read_header
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    path = folder / "model-00001-of-00001.safetensors"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        (tmp_path / "outside.safetensors").write_bytes(SENTINEL)
+        os.symlink(tmp_path / "outside.safetensors", path)
+    with pytest.raises(CorruptCheckpointError, match=f"{path}.*(not a regular file|outside the checkpoint)"), within(10):
+        read_header(str(path))

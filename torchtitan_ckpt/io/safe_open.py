@@ -1,0 +1,76 @@
+"""The one rule for every file name read from a checkpoint (`.metadata`, `COMMITTED.json`, an HF
+index, a shard header): it names a regular file inside the checkpoint's folder.
+
+A name must be relative, without `..` or NUL, and resolve (symlinks followed) inside the folder,
+so a crafted entry cannot read `/etc/passwd`, another checkpoint's tensors or `/dev/zero`. It is
+opened with `O_NONBLOCK` and checked to be a regular file before anything is read, so a FIFO or a
+device in its place is refused instead of blocking the load forever. Anything else is a
+`CorruptCheckpointError` naming the entry.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from ..errors import CorruptCheckpointError
+
+
+def inside(root: str, name: object, what: str) -> str:
+    """The path of `name` under `root`, checked by its spelling to stay inside it (relative, no
+    `..`); `what` names the entry in the error (e.g. "the storage entry 'w'")."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise CorruptCheckpointError(f"{root}: {what} names the file {name!r}, which is not a file name")
+    if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        raise CorruptCheckpointError(f"{root}: {what} names {name!r}, outside the checkpoint folder; "
+                                     "refusing to read it (the checkpoint was crafted or damaged)")
+    return os.path.join(root, name)
+
+
+def _resolved_inside(root: str, name: object, what: str) -> str:
+    """`inside`, and the path with its symlinks followed is inside `root` too."""
+    path = inside(root, name, what)
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:
+        raise CorruptCheckpointError(f"{path}: {what} is a link to {os.path.realpath(path)}, outside the "
+                                     "checkpoint folder; refusing to read it")
+    return path
+
+
+def open_fd(root: str, name: object, what: str) -> int:
+    """A read-only descriptor of the regular file `name` under `root` (see `inside`); never blocks
+    on a FIFO. The caller closes it."""
+    path = _resolved_inside(root, name, what)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: {what} cannot be opened: {e.strerror}") from e
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CorruptCheckpointError(f"{path}: {what} is not a regular file (mode {stat.filemode(mode)}); "
+                                         "refusing to read it")
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_file(root: str, name: object, what: str, mode: str = "rb"):
+    """`open_fd` as a file object (`mode` "rb" or "r")."""
+    return os.fdopen(open_fd(root, name, what), mode)
+
+
+def open_path(path: str, what: str, mode: str = "rb"):
+    """`open_file` of a path given as a whole: its own folder is the one it must stay in."""
+    return open_file(os.path.dirname(path) or ".", os.path.basename(path), what, mode)
+
+
+def file_size(root: str, name: object, what: str) -> int:
+    """Bytes of the regular file `name` under `root` (see `open_fd`)."""
+    fd = open_fd(root, name, what)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
