@@ -15,6 +15,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
 from torchtitan_ckpt import cli
 from torchtitan_ckpt.hf import consolidate as C
+from torchtitan_ckpt.hf.files import model_file_name
 from torchtitan_ckpt.errors import CorruptCheckpointError
 
 
@@ -106,7 +107,7 @@ def test_output_layout_is_aligned_and_sorted_by_element_size():
     assert start % 8 == 0 and f.starts == {"a": start, "c": start + 8, "b": start + 10}
     assert f.size == start + 13
     files = C.plan_output_files(specs, {"a": 1, "b": 3, "c": 3})
-    assert [x.name for x in files] == [C.file_name(i, 3) for i in (1, 2, 3)] and files[1].starts == {}
+    assert [x.name for x in files] == [model_file_name(i, 3) for i in (1, 2, 3)] and files[1].starts == {}
 
 
 def test_full_tensors_rejects_gaps_and_overlaps():
@@ -140,7 +141,7 @@ def test_consolidates_dcp_shards_bit_identical_with_index(tmp_path):
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
     assert index["weight_map"]["ids"] == "model-00002-of-00003.safetensors"
     for i in (1, 2, 3):
-        assert_aligned(os.path.join(out, C.file_name(i, 3)))
+        assert_aligned(os.path.join(out, model_file_name(i, 3)))
     assert not os.path.exists(shards)  # shards removed after success
 
 
@@ -230,7 +231,7 @@ def test_one_pass_export_single_process(tmp_path):
     state = full_state()
     C.write_safetensors_one_pass(state, str(tmp_path / "hf"), MAPPING)
     assert_identical(read_output(str(tmp_path / "hf")), state)
-    assert_aligned(os.path.join(tmp_path, "hf", C.file_name(1, 3)))
+    assert_aligned(os.path.join(tmp_path, "hf", model_file_name(1, 3)))
     with pytest.raises(TypeError, match="'step' is a int"):
         C.write_safetensors_one_pass({"step": 3}, str(tmp_path / "x"))
 

@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import commit, layout
 from .dcp import storage
-from .hf.consolidate import INDEX_FILE, consolidate_safetensors, load_mapping
+from .hf.consolidate import consolidate_safetensors, load_mapping
+from .hf.files import INDEX_FILE
 from .errors import CheckpointError, CheckpointNotFoundError
 from .hf.convert import convert
 from .hf.registry import ADAPTERS

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ..config import Checkpoint, load_config
 from ..errors import ConfigError
-from ..hf.adapter import INDEX_FILE, SINGLE_FILE
+from ..hf.files import INDEX_FILE, SINGLE_FILE
 from .model import FLAVORS
 
 

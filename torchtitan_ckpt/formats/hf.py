@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..hf import load_hf, save_hf
-from ..hf.adapter import INDEX_FILE, SINGLE_FILE
+from ..hf.files import INDEX_FILE, SINGLE_FILE
 from ..io.dtypes import EXPORT_DTYPES
 from ..io.filewriter import Sink
 from ..policy.schedule import SaveKind

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -21,13 +20,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..errors import AdapterMismatchError, CheckpointError, CorruptCheckpointError
+from ..errors import AdapterMismatchError, CorruptCheckpointError
+from ..io import safe_open
+from .files import CONFIG_FILE, INDEX_FILE, file_number
 from .model_config import HFModelConfig
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
-_FILE_INDEX = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
 
 
 def check_names(where: str, found: Any, expected: Any) -> None:
@@ -178,7 +175,7 @@ def read_file_split(hf_dir: str) -> dict[str, int] | None:
         return None
     weight_map = read_index(path)
     files = sorted(set(weight_map.values()))
-    numbered = {f: int(m.group(1)) for f in files if (m := _FILE_INDEX.search(f))}
+    numbered = {f: n for f in files if (n := file_number(f)) is not None}
     if len(numbered) != len(files) or sorted(numbered.values()) != list(range(1, len(files) + 1)):
         numbered = {f: i for i, f in enumerate(files, start=1)}
     return {name: numbered[f] for name, f in weight_map.items()}
@@ -187,12 +184,12 @@ def read_file_split(hf_dir: str) -> dict[str, int] | None:
 def read_index(path: str) -> dict[str, str]:
     """The `weight_map` of a `model.safetensors.index.json`."""
     try:
-        with open(path) as f:
+        with safe_open.open_path(path, "the safetensors index", "r") as f:
             weight_map = json.load(f)["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path} is not a safetensors index with a weight_map: {e}") from e
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{path} is not a safetensors index with a weight_map: {e!r}") from e
     if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{path}: weight_map is a {type(weight_map).__name__}, expected an object")
+        raise CorruptCheckpointError(f"{path}: weight_map is a {type(weight_map).__name__}, expected an object")
     for name, file in weight_map.items():
         # a file name that leaves the folder would make a load read (or probe) anything
         if not isinstance(file, str) or os.path.isabs(file) or os.sep in file or file in ("", ".", ".."):

@@ -52,32 +52,17 @@ from .. import faults
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..group import CheckpointGroup, RankFailed
 from .adapter import RowOf
+from .files import DTYPE_NAMES, DTYPE_SIZES, INDEX_FILE, MAX_HEADER_BYTES, model_file_name
 
 logger = logging.getLogger(__name__)
 
 ProgressFn = Callable[[int, int], None]
 """`progress(nbytes, total)`: `nbytes` more bytes written, of `total` this rank writes."""
 
-INDEX_FILE = "model.safetensors.index.json"
 CHUNK_BYTES = 16 << 20
 HEADER_ALIGN = 8
-MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 _SHARDING_KEY = "DCP_SHARDING_INFO"
 _MAX_IO = 1 << 30  # Linux moves at most ~2 GiB per read/write call
-
-# Bytes per element of every safetensors dtype that has whole bytes per element.
-DTYPE_SIZES: dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
-}
-_TORCH_DTYPES: dict[torch.dtype, str] = {
-    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fn: "F8_E4M3", torch.int16: "I16", torch.uint16: "U16", torch.float16: "F16",
-    torch.bfloat16: "BF16", torch.int32: "I32", torch.uint32: "U32", torch.float32: "F32",
-    torch.int64: "I64", torch.uint64: "U64", torch.float64: "F64", torch.complex64: "C64",
-}
 
 
 class InvalidShardsError(CorruptCheckpointError):
@@ -164,11 +149,6 @@ class Runs:
 # Pure planning: layout, geometry, balanced assignment, coverage.
 
 
-def file_name(index: int, num_files: int) -> str:
-    """The HF name of output file `index` (1-based) of `num_files`."""
-    return f"model-{index:05d}-of-{num_files:05d}.safetensors"
-
-
 def plan_output_files(specs: Mapping[str, TensorSpec],
                       fqn_to_index_mapping: Mapping[str, int] | None = None) -> list[OutputFile]:
     """The final files: tensors grouped by the mapping's file index (one file without a mapping),
@@ -182,7 +162,7 @@ def plan_output_files(specs: Mapping[str, TensorSpec],
     groups: dict[int, list[TensorSpec]] = {i: [] for i in range(1, num_files + 1)}
     for fqn, spec in specs.items():
         groups[mapping[fqn]].append(spec)
-    return [_layout_file(file_name(i, num_files), specs_in_file) for i, specs_in_file in groups.items()]
+    return [_layout_file(model_file_name(i, num_files), specs_in_file) for i, specs_in_file in groups.items()]
 
 
 def _layout_file(name: str, specs: list[TensorSpec]) -> OutputFile:
@@ -569,9 +549,9 @@ def _dtype_name(fqn: str, t: Any) -> str:
         t = t.tensor
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fqn!r} is a {type(t).__name__}; safetensors holds tensors only")
-    if t.dtype not in _TORCH_DTYPES:
+    if t.dtype not in DTYPE_NAMES:
         raise TypeError(f"{fqn!r} has dtype {t.dtype}, which safetensors cannot hold")
-    return _TORCH_DTYPES[t.dtype]
+    return DTYPE_NAMES[t.dtype]
 
 
 def _local_block(fqn: str, t: Any, dtype: str, rank: int) -> tuple[Block, memoryview] | None:

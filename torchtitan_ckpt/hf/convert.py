@@ -31,7 +31,8 @@ from ..dcp import storage
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError
 from ..io import durable
 from ..io.dtypes import EXPORT_DTYPES
-from .adapter import CONFIG_FILE, StateDictAdapter
+from .adapter import StateDictAdapter
+from .files import CONFIG_FILE
 from .load import check_hf_dir, load_hf
 from .model_config import read_hf_config
 from .registry import adapter_for_config

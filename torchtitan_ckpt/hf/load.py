@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..group import CheckpointGroup, RankFailed
-from .adapter import INDEX_FILE, SINGLE_FILE, HFSource, StateDictAdapter, check_names, read_index
+from .adapter import HFSource, StateDictAdapter, check_names, read_index
+from .files import INDEX_FILE, SINGLE_FILE
 from .safetensors_io import TensorEntry, read_header
 from .shards import plan_reads, read_all
 

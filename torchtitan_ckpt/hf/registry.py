@@ -6,7 +6,8 @@ import os
 from typing import Any
 
 from ..errors import ConfigError
-from .adapter import CONFIG_FILE, StateDictAdapter
+from .adapter import StateDictAdapter
+from .files import CONFIG_FILE
 from .llama import LlamaAdapter, Qwen3Adapter, Qwen3MoeAdapter
 from .model_config import HFModelConfig, read_hf_config
 

@@ -19,16 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CorruptCheckpointError
+from .files import MAX_HEADER_BYTES, SAFETENSORS_DTYPES
 from ..io import safe_open
 from ..io.filewriter import IOV_MAX
 
-_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
-_BY_NAME = {v: k for k, v in _DTYPES.items()}
-_MAX_HEADER = 100 << 20
 
 
 @dataclass(frozen=True)
@@ -52,7 +46,7 @@ def read_header(path: str) -> dict[str, TensorEntry]:
         with safe_open.open_path(path, "a safetensors file") as f:
             size = os.fstat(f.fileno()).st_size
             (length,) = struct.unpack("<Q", f.read(8))
-            if length > min(_MAX_HEADER, size - 8):
+            if length > min(MAX_HEADER_BYTES, size - 8):
                 raise ValueError(f"header length {length} exceeds the file ({size} bytes) or the format's limit")
             header = json.loads(f.read(length))
         if not isinstance(header, dict):
@@ -67,12 +61,12 @@ def read_header(path: str) -> dict[str, TensorEntry]:
 
 
 def _entry(name: str, fields: dict, path: str, data_start: int) -> TensorEntry:
-    if fields["dtype"] not in _BY_NAME:
-        raise ValueError(f"{name}: dtype {fields['dtype']!r} is not one of {sorted(_BY_NAME)}")
+    if fields["dtype"] not in SAFETENSORS_DTYPES:
+        raise ValueError(f"{name}: dtype {fields['dtype']!r} is not one of {sorted(SAFETENSORS_DTYPES)}")
     shape = tuple(int(d) for d in fields["shape"])
     if any(d < 0 for d in shape):
         raise ValueError(f"{name}: negative dimension in shape {list(shape)}")
-    return TensorEntry(_BY_NAME[fields["dtype"]], shape, path, data_start + int(fields["data_offsets"][0]))
+    return TensorEntry(SAFETENSORS_DTYPES[fields["dtype"]], shape, path, data_start + int(fields["data_offsets"][0]))
 
 
 def read_exact(fd: int, bufs: list[memoryview], offset: int, path: str) -> None:

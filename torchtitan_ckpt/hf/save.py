@@ -28,7 +28,8 @@ from ..io import durable
 from .consolidate import consolidate_safetensors, write_safetensors_one_pass
 from ..errors import CheckpointError
 from ..group import CheckpointGroup, RankFailed
-from .adapter import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, RowOf, StateDictAdapter, check_names
+from .adapter import RowOf, StateDictAdapter, check_names
+from .files import CONFIG_FILE, INDEX_FILE, MODEL_FILES_GLOB, SINGLE_FILE
 from .planner import parse_size, plan_files
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ def _clear_and_write_config(out_dir: str, config: dict[str, Any]) -> None:
     index = os.path.join(out_dir, INDEX_FILE)
     if os.path.exists(index):
         os.remove(index)
-    for old in glob.glob(os.path.join(out_dir, "model-*-of-*.safetensors")) + \
+    for old in glob.glob(os.path.join(out_dir, MODEL_FILES_GLOB)) + \
             glob.glob(os.path.join(out_dir, SINGLE_FILE)):
         os.remove(old)
     durable.write_json(os.path.join(out_dir, CONFIG_FILE), config, indent=2)

@@ -1,0 +1,45 @@
+"""The files of a Hugging Face model folder: their names, and the safetensors format's dtype
+names and header limit. Every module that names an HF file or reads a safetensors header takes
+these from here."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+INDEX_FILE = "model.safetensors.index.json"
+"""The index of a model split over several files: `weight_map` (tensor -> file)."""
+SINGLE_FILE = "model.safetensors"
+"""The one file of a model that is not split."""
+CONFIG_FILE = "config.json"
+"""The model's `transformers` config."""
+MODEL_FILES_GLOB = "model-*-of-*.safetensors"
+"""Every numbered model file of a split export (`glob` pattern)."""
+_NUMBERED = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
+
+MAX_HEADER_BYTES = 100_000_000
+"""The largest safetensors header the `safetensors` library itself reads."""
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8,
+    "F8_E5M2": torch.float8_e5m2, "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu,
+    "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
+    "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64, "C64": torch.complex64,
+}
+"""safetensors' dtype name -> torch dtype, for every dtype with whole bytes per element."""
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+DTYPE_SIZES: dict[str, int] = {k: v.itemsize for k, v in SAFETENSORS_DTYPES.items()}
+"""safetensors' dtype name -> bytes per element."""
+
+
+def model_file_name(index: int, num_files: int) -> str:
+    """The name of file `index` (1-based) of a model split into `num_files` files."""
+    return f"model-{index:05d}-of-{num_files:05d}.safetensors"
+
+
+def file_number(name: str) -> int | None:
+    """`...-00002-of-00005.safetensors` -> 2; a name without a number -> None."""
+    m = _NUMBERED.search(name)
+    return int(m.group(1)) if m else None
