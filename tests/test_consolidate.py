@@ -16,6 +16,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torchtitan_ckpt import cli
 from torchtitan_ckpt.hf import consolidate as C
 from torchtitan_ckpt.hf.files import model_file_name
+from torchtitan_ckpt.policy.split import byte_ranges
 from torchtitan_ckpt.errors import CorruptCheckpointError
 
 
@@ -82,10 +83,10 @@ def write_shards(folder: str, tensors: dict[str, torch.Tensor], dims: dict[str, 
 
 
 def test_assign_bytes_cuts_items_into_equal_shares():
-    assert C.assign_bytes([10, 2, 4], 2) == [[(0, 0, 8)], [(0, 8, 10), (1, 0, 2), (2, 0, 4)]]
-    assert C.assign_bytes([100], 3) == [[(0, 0, 33)], [(0, 33, 66)], [(0, 66, 100)]]
-    assert C.assign_bytes([1], 3) == [[], [], [(0, 0, 1)]]
-    assert C.assign_bytes([], 2) == [[], []]
+    assert byte_ranges([10, 2, 4], 2) == [[(0, 0, 8)], [(0, 8, 10), (1, 0, 2), (2, 0, 4)]]
+    assert byte_ranges([100], 3) == [[(0, 0, 33)], [(0, 33, 66)], [(0, 66, 100)]]
+    assert byte_ranges([1], 3) == [[], [], [(0, 0, 1)]]
+    assert byte_ranges([], 2) == [[], []]
 
 
 def test_block_runs_of_a_dim1_block_are_rows():

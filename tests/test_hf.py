@@ -21,6 +21,7 @@ from torchtitan_ckpt.errors import AdapterMismatchError, CheckpointError, Corrup
 from torchtitan_ckpt.example.model import FLAVORS, Transformer, args_from_hf_config, hf_adapter, hf_config
 from torchtitan_ckpt.hf import HFModelConfig, LlamaAdapter, load_hf, parse_size, plan_files, save_hf
 from torchtitan_ckpt.hf import shards
+from torchtitan_ckpt.policy.split import in_order_runs, share
 from torchtitan_ckpt.hf.adapter import HFSource, reorder_rows, rope_row_order
 from torchtitan_ckpt.hf.safetensors_io import read_exact
 from torchtitan_ckpt.hf.shards import row_pieces
@@ -257,7 +258,7 @@ def test_import_on_any_number_of_threads_gives_the_same_state(hf_checkpoint, num
 ])
 def test_runs_cut_the_reads_in_order_into_at_most_n_runs_of_about_equal_bytes(sizes, n, expected):
     reads = [argparse.Namespace(nbytes=size) for size in sizes]
-    runs = shards._runs(reads, n)
+    runs = in_order_runs(reads, lambda r: r.nbytes, share(sum(sizes), n), n)
     assert [[r.nbytes for r in run] for run in runs] == expected
     assert [r for run in runs for r in run] == reads
 

@@ -88,3 +88,18 @@ def test_marker_refuses_a_file_whose_size_changed_after_writing(tmp_path):
     with pytest.raises(OSError, match="a.distcp has 10 bytes on disk, its writer wrote 12"):
         commit.write_marker(str(tmp_path), commit.CommitInfo(step=5, states=["model"]), {"a.distcp": (12, "0")})
     assert not commit.is_committed(str(tmp_path))
+
+
+def test_balanced_groups_put_the_largest_first_into_the_lightest_group():
+    from torchtitan_ckpt.policy.split import balanced_groups
+
+    assert balanced_groups([1, 7, 3, 5], 2, lambda x: x) == [[7, 1], [5, 3]]
+    assert balanced_groups([4], 3, lambda x: x) == [[4]]
+    assert balanced_groups([], 2, lambda x: x) == [[]]
+
+
+def test_in_order_runs_keep_the_order_and_cut_at_the_target():
+    from torchtitan_ckpt.policy.split import in_order_runs
+
+    assert in_order_runs([2, 2, 2, 2, 2], lambda x: x, 4) == [[2, 2], [2, 2], [2]]
+    assert in_order_runs([2, 2, 2, 2, 2], lambda x: x, 4, max_runs=2) == [[2, 2], [2, 2, 2]]

@@ -62,6 +62,10 @@ def kill_also(pid: int) -> None:
 
 def hit_in(phase: str, folder: str) -> None:
     """`hit()` for the step whose folder (`.../step-N`) is being written, if it is one."""
-    name = os.path.basename(os.path.normpath(folder))
-    if armed() and name.startswith("step-") and name[5:].isdigit():
-        hit(phase, int(name[5:]))
+    if not armed():
+        return
+    from .layout import parse_step  # noqa: PLC0415 - layout imports commit, which imports this module
+
+    step = parse_step(os.path.basename(os.path.normpath(folder)))
+    if step is not None:
+        hit(phase, step)

@@ -4,34 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any
 
 import torch.distributed as dist
 
-from .errors import CheckpointError
+from .errors import RankFailed
 
-
-class RankFailed(Exception):
-    """A function run by `CheckpointGroup.run` failed on some rank. Every rank raises it, the
-    failing ones and the others alike, so no rank waits forever on one that gave up."""
-
-    def __init__(self, rank: int, message: str, kinds: tuple[str, ...], error: BaseException | None):
-        super().__init__(f"rank {rank}: {message}")
-        self.rank = rank
-        self.kinds = kinds
-        """Class names of the failure and its bases, e.g. to tell corrupt input from I/O errors."""
-        self.error = error
-        """This rank's own failure; None when only other ranks failed."""
-
-    def reraise(self, what: str) -> NoReturn:
-        """Raise the failure of `what` (e.g. "loading /ckpt/step-5") as a `CheckpointError`:
-        this rank's own `CheckpointError` as it is, its other error wrapped, or one naming the
-        rank that failed."""
-        if isinstance(self.error, CheckpointError):
-            raise self.error from None
-        if self.error is not None:
-            raise CheckpointError(f"{what} failed: {type(self.error).__name__}: {self.error}") from self.error
-        raise CheckpointError(f"{what} failed on {self}") from None
 
 
 class CheckpointGroup:

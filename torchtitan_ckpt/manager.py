@@ -28,8 +28,9 @@ from .errors import (
     CheckpointSaveError,
     ConfigError,
     CorruptCheckpointError,
+    RankFailed,
 )
-from .group import CheckpointGroup, RankFailed
+from .group import CheckpointGroup
 from .formats import FORMATS, Context, StepFormat, StepIndex, Written
 from .hf import StateDictAdapter
 from .io.dtypes import EXPORT_DTYPES

@@ -45,6 +45,7 @@ from torch.futures import Future
 
 from ..io import filewriter, reader, safe_open
 from ..io.checksum import crc32
+from ..policy.split import balanced_groups
 from .planner import DedupSavePlanner, PlanCache
 from .validate import check_metadata
 from ..errors import CorruptCheckpointError
@@ -334,7 +335,7 @@ class DataFileWriter(FileSystemWriter):
                 return
             local = [(key, value.to_local() if isinstance(value, DTensor) else value) for key, value in mine]
             jobs = []
-            for i, bucket in enumerate(_spread(local, self.thread_count, lambda kt: kt[1].numel() * kt[1].element_size())):
+            for i, bucket in enumerate(balanced_groups(local, self.thread_count, lambda kt: kt[1].numel() * kt[1].element_size())):
                 self._early_names.append(f"__{rank}_{i}.distcp")
                 jobs.append(filewriter.FileJob(os.path.join(self.path, self._early_names[-1]),
                                                [filewriter.Entry(key, t) for key, t in bucket]))
@@ -355,7 +356,7 @@ class DataFileWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results, rest = self._written_early(plan.items)
-        buckets = _spread(rest, self.thread_count, _item_bytes) if rest or self._early is None else []
+        buckets = balanced_groups(rest, self.thread_count, _item_bytes) if rest or self._early is None else []
         jobs, names = [], []
         for i, bucket in enumerate(buckets):
             names.append(f"{plan.storage_data.prefix}{len(self._early_names) + i}.distcp")
@@ -455,17 +456,6 @@ def _item_bytes(item: WriteItem) -> int:
     if item.tensor_data is None:
         return 0
     return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
-
-
-def _spread(items: list, n: int, nbytes: Callable[[Any], int]) -> list[list]:
-    """`items` in `n` groups of about equal bytes (largest first into the lightest group)."""
-    groups: list[list] = [[] for _ in range(n)]
-    loads = [0] * n
-    for item in sorted(items, key=nbytes, reverse=True):
-        lightest = loads.index(min(loads))
-        groups[lightest].append(item)
-        loads[lightest] += nbytes(item) or 1
-    return [g for g in groups if g] or [[]]
 
 
 class TorchFileWriter(FileSystemWriter):

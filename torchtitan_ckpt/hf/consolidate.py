@@ -12,7 +12,7 @@ without `torch.distributed`):
 
 How the work is shared: the layout of the output (each tensor's file and byte offset) depends only
 on names, dtypes and global shapes, so every rank computes the same layout. The bytes to copy are
-then cut into `world_size` equal runs of the output stream (`assign_bytes`), splitting a tensor
+then cut into `world_size` equal runs of the output stream (`policy.split.byte_ranges`), splitting a tensor
 block wherever a cut falls, so W ranks help even with fewer than W files or one huge file. Rank 0
 creates and pre-sizes the files and writes their headers; every rank then `os.pwrite`s its bytes
 at their final offsets. A block sharded on a dimension other than the first lands in the output as
@@ -49,8 +49,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..io import durable, safe_open
 from .. import faults
-from ..errors import CheckpointError, CorruptCheckpointError
-from ..group import CheckpointGroup, RankFailed
+from ..errors import ConsolidationError, CorruptCheckpointError, InvalidShardsError, RankFailed
+from ..group import CheckpointGroup
+from ..policy.split import byte_ranges
 from .adapter import RowOf
 from .files import DTYPE_NAMES, DTYPE_SIZES, INDEX_FILE, MAX_HEADER_BYTES, model_file_name
 
@@ -63,15 +64,6 @@ CHUNK_BYTES = 16 << 20
 HEADER_ALIGN = 8
 _SHARDING_KEY = "DCP_SHARDING_INFO"
 _MAX_IO = 1 << 30  # Linux moves at most ~2 GiB per read/write call
-
-
-class InvalidShardsError(CorruptCheckpointError):
-    """The shard files cannot be consolidated: unreadable header, unknown dtype, missing or
-    overlapping blocks. The message names the file or tensor."""
-
-
-class ConsolidationError(CheckpointError):
-    """Another rank failed while writing the final files; the export is incomplete (no index)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,26 +185,6 @@ def block_runs(block: Block, full_shape: Sequence[int], data_start: int) -> Runs
     return Runs(item * math.prod(block.shape[k:]), base, tuple(block.shape[:k]), tuple(strides[:k]))
 
 
-def assign_bytes(sizes: Sequence[int], parts: int) -> list[list[tuple[int, int, int]]]:
-    """Split items of `sizes` bytes, taken in order, among `parts` workers so that each gets the
-    same number of bytes (within one byte): the concatenated items are cut at `total * p / parts`,
-    splitting an item wherever a cut falls. Returns, per worker, (item, start, stop) ranges."""
-    total = sum(sizes)
-    cuts = [total * p // parts for p in range(parts + 1)]
-    out: list[list[tuple[int, int, int]]] = [[] for _ in range(parts)]
-    pos, part = 0, 0
-    for item, size in enumerate(sizes):
-        start = 0
-        while start < size:
-            while pos + start >= cuts[part + 1]:
-                part += 1
-            stop = min(size, cuts[part + 1] - pos)
-            out[part].append((item, start, stop))
-            start = stop
-        pos += size
-    return out
-
-
 def plan_tasks(blocks: Sequence[Block], files: Sequence[OutputFile], specs: Mapping[str, TensorSpec],
                workers: int) -> list[list[Task]]:
     """Each worker's copy tasks, equal in bytes, in output order so a worker writes one mostly
@@ -225,7 +197,7 @@ def plan_tasks(blocks: Sequence[Block], files: Sequence[OutputFile], specs: Mapp
 
     ordered = sorted((b for b in blocks if b.nbytes), key=position)
     return [[Task(ordered[i], a, z) for i, a, z in ranges]
-            for ranges in assign_bytes([b.nbytes for b in ordered], workers)]
+            for ranges in byte_ranges([b.nbytes for b in ordered], workers)]
 
 
 def full_tensors(blocks: Sequence[Block]) -> dict[str, TensorSpec]:
@@ -366,7 +338,7 @@ class _Writer:
 
     def run(self, tasks: Sequence[Task], num_threads: int) -> set[str]:
         self.total = sum(t.stop - t.start for t in tasks)
-        shares = assign_bytes([t.stop - t.start for t in tasks], max(1, num_threads))
+        shares = byte_ranges([t.stop - t.start for t in tasks], max(1, num_threads))
         shares = [[Task(tasks[i].block, tasks[i].start + a, tasks[i].start + z) for i, a, z in s] for s in shares]
         errors: list[BaseException] = []
         threads = [threading.Thread(target=self._guarded, args=(s, errors)) for s in shares if s]

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..group import CheckpointGroup, RankFailed
+from ..errors import RankFailed
+from ..group import CheckpointGroup
 from .adapter import HFSource, StateDictAdapter, check_names, read_index
 from .files import INDEX_FILE, SINGLE_FILE
 from .safetensors_io import TensorEntry, read_header

@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor
 from ..io import durable
 from .consolidate import consolidate_safetensors, write_safetensors_one_pass
 from ..errors import CheckpointError
-from ..group import CheckpointGroup, RankFailed
+from ..errors import RankFailed
+from ..group import CheckpointGroup
 from .adapter import RowOf, StateDictAdapter, check_names
 from .files import CONFIG_FILE, INDEX_FILE, MODEL_FILES_GLOB, SINGLE_FILE
 from .planner import parse_size, plan_files

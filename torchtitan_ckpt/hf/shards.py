@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..errors import CheckpointError
 from ..dcp.storage import dtensor_chunk
+from ..policy.split import in_order_runs, share
 from .adapter import HFSource
 from .safetensors_io import TensorEntry, read_exact
 
@@ -168,7 +169,7 @@ def read_all(reads: list[Read], num_threads: int) -> int:
             for fd in fds.values():
                 os.close(fd)
 
-    runs = _runs(reads, num_threads)
+    runs = in_order_runs(reads, lambda r: r.nbytes, share(sum(r.nbytes for r in reads), num_threads), num_threads)
     if len(runs) <= 1:
         for run in runs:
             read_run(run)
@@ -177,19 +178,6 @@ def read_all(reads: list[Read], num_threads: int) -> int:
             for future in [pool.submit(read_run, run) for run in runs]:
                 future.result()
     return total
-
-
-def _runs(reads: list[Read], n: int) -> list[list[Read]]:
-    """`reads` cut, in order, into at most `n` runs of about equal bytes."""
-    target = max(1, -(-sum(r.nbytes for r in reads) // n))
-    runs: list[list[Read]] = [[]]
-    done = 0
-    for r in reads:
-        if done >= target * len(runs) and len(runs) < n:
-            runs.append([])
-        runs[-1].append(r)
-        done += r.nbytes
-    return [run for run in runs if run]
 
 
 class _Scratch:

@@ -29,6 +29,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ..errors import CorruptCheckpointError
+from ..policy.split import in_order_runs, share
 from . import safe_open
 
 logger = logging.getLogger(__name__)
@@ -473,21 +474,13 @@ class ItemReader:
         by_file: dict[str, list[ReadItem]] = {}
         for req in items:
             by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-        total = sum(self.storage_data[req.storage_index].length for req in items)
-        target = max(1, -(-total // self.threads))
-        runs: list[tuple[str, list[ReadItem]]] = []
-        for rel, reqs in by_file.items():
-            run: list[ReadItem] = []
-            run_bytes = 0
-            for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
-                run.append(req)
-                run_bytes += self.storage_data[req.storage_index].length
-                if run_bytes >= target:
-                    runs.append((rel, run))
-                    run, run_bytes = [], 0
-            if run:
-                runs.append((rel, run))
-        return runs
+        def length(req: ReadItem) -> int:
+            return self.storage_data[req.storage_index].length
+
+        target = share(sum(map(length, items)), self.threads)
+        ordered = {rel: sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset)
+                   for rel, reqs in by_file.items()}
+        return [(rel, run) for rel, reqs in ordered.items() for run in in_order_runs(reqs, length, target)]
 
     def _read_run(self, rel: str, run: list[ReadItem], planner: LoadPlanner) -> None:
         cursor = _Cursor(self.root, rel)

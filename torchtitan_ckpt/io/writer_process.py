@@ -32,15 +32,12 @@ import torch
 import torch.multiprocessing as mp
 
 from .. import faults
+from ..errors import WriterProcessError
 from .filewriter import Entry, FileJob, WrittenFile, write_files
 
 logger = logging.getLogger(__name__)
 
 _STOP = None
-
-
-class WriterProcessError(RuntimeError):
-    """The writer process is gone (killed, crashed) or answered nonsense."""
 
 
 class WriterProcess:
