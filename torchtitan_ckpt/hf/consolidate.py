@@ -47,7 +47,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..io import durable, safe_open
+from ..io import durable, posio, safe_open
 from .. import faults
 from ..errors import ConsolidationError, CorruptCheckpointError, InvalidShardsError, RankFailed
 from ..group import CheckpointGroup
@@ -63,7 +63,6 @@ ProgressFn = Callable[[int, int], None]
 CHUNK_BYTES = 16 << 20
 HEADER_ALIGN = 8
 _SHARDING_KEY = "DCP_SHARDING_INFO"
-_MAX_IO = 1 << 30  # Linux moves at most ~2 GiB per read/write call
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,19 +297,10 @@ def find_shard_files(input_dir: str) -> list[str]:
 # Positioned I/O.
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        n = os.pwrite(fd, data[:_MAX_IO], offset)
-        data, offset = data[n:], offset + n
-
-
 def _pread_all(fd: int, buf: memoryview, offset: int, path: str) -> None:
-    got = 0
-    while got < len(buf):
-        n = os.preadv(fd, [buf[got:]], offset + got)
-        if n == 0:
-            raise InvalidShardsError(f"{path}: ends at byte {offset + got}, before its data does")
-        got += n
+    got = posio.read_into(fd, [buf], offset)
+    if got < len(buf):
+        raise InvalidShardsError(f"{path}: ends at byte {offset + got}, before its data does")
 
 
 def _scatter(fd: int, runs: Runs, data: memoryview, pos: int) -> None:
@@ -319,7 +309,7 @@ def _scatter(fd: int, runs: Runs, data: memoryview, pos: int) -> None:
     while i < len(data):
         run, within = divmod(pos + i, runs.run_bytes)
         n = min(runs.run_bytes - within, len(data) - i)
-        _pwrite_all(fd, data[i:i + n], runs.dst(run) + within)
+        posio.write_all(fd, data[i:i + n], runs.dst(run) + within)
         i += n
 
 
@@ -402,7 +392,7 @@ def _create_files(output_dir: str, files: Sequence[OutputFile]) -> None:
         fd = os.open(os.path.join(output_dir, f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, f.size)
-            _pwrite_all(fd, memoryview(f.header), 0)
+            posio.write_all(fd, memoryview(f.header), 0)
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -21,7 +21,7 @@ import torch
 from ..errors import CorruptCheckpointError
 from .files import MAX_HEADER_BYTES, SAFETENSORS_DTYPES
 from ..io import safe_open
-from ..io.filewriter import IOV_MAX
+from ..io import posio
 
 
 
@@ -74,19 +74,11 @@ def read_exact(fd: int, bufs: list[memoryview], offset: int, path: str) -> None:
     on: one `preadv` per `IOV_MAX` buffers, so rows bound for scattered places in memory are read
     as one stretch of the file. A file that ends sooner (cut after its header was checked) is an
     error naming it."""
-    bufs = [b for b in bufs if len(b)]
-    want, start, i = sum(len(b) for b in bufs), offset, 0
-    while i < len(bufs):
-        n = os.preadv(fd, bufs[i : i + IOV_MAX], offset)
-        if n == 0:
-            raise CorruptCheckpointError(f"{path} ends at byte {offset}, inside the {want} bytes from byte "
-                                         f"{start} that its header describes: the file is truncated")
-        offset += n
-        while i < len(bufs) and n >= len(bufs[i]):
-            n -= len(bufs[i])
-            i += 1
-        if n:
-            bufs[i] = bufs[i][n:]
+    want = sum(len(b) for b in bufs)
+    got = posio.read_into(fd, bufs, offset)
+    if got < want:
+        raise CorruptCheckpointError(f"{path} ends at byte {offset + got}, inside the {want} bytes from byte "
+                                     f"{offset} that its header describes: the file is truncated")
 
 
 def _check_offsets(header: dict, entries: dict[str, TensorEntry], data_bytes: int) -> None:

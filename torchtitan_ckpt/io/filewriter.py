@@ -42,10 +42,10 @@ from torch.utils.serialization import config as serialization_config
 
 from .. import faults
 from .checksum import crc32
+from .posio import IOV_MAX
 
 BATCH_BYTES = 64 << 20
 """Bytes gathered before they are handed to the kernel in one system call."""
-IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX"), 1024))  # buffers per writev or preadv (1 if the limit is unknown)
 
 
 @dataclass

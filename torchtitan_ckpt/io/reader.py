@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from ..errors import CorruptCheckpointError
 from ..policy.split import in_order_runs, share
-from . import safe_open
+from . import posio, safe_open
 
 logger = logging.getLogger(__name__)
 
@@ -245,29 +245,6 @@ def load_plain(data: bytes) -> Any:
 # ---------------------------------------------------------------- one file, read forward
 
 
-def _readinto(fd: int, offset: int, buf: memoryview) -> int:
-    """Fill `buf` from `offset`; returns the bytes read (fewer only at the end of the file)."""
-    done = 0
-    while done < len(buf):
-        n = os.preadv(fd, [buf[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
-
-
-def _pread(fd: int, offset: int, n: int) -> bytes:
-    """Up to `n` bytes from `offset` (fewer only at the end of the file)."""
-    parts = []
-    while n > 0:
-        part = os.pread(fd, n, offset)
-        if not part:
-            break
-        parts.append(part)
-        offset, n = offset + len(part), n - len(part)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """A writable view of a contiguous CPU tensor's memory."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
@@ -294,13 +271,13 @@ class _Cursor:
             if start <= at and at + n <= start + len(data):
                 return data[at - start : at - start + n]
         if n > 2 * _WINDOW:  # a whole item of some size: read once, not kept
-            return _pread(self.fd, at, n)
-        data = _pread(self.fd, at, 2 * _WINDOW)
+            return posio.read_bytes(self.fd, at, n)
+        data = posio.read_bytes(self.fd, at, 2 * _WINDOW)
         self._windows.append((at, data))
         return data[:n]
 
     def readinto(self, at: int, buf: memoryview) -> int:
-        return _readinto(self.fd, at, buf)
+        return posio.read_into(self.fd, [buf], at)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,49 @@
+"""Positioned and vectored file I/O that moves every byte asked for: the kernel may move fewer
+bytes per call than asked (about 2 GiB at most on Linux, fewer on a signal), so each call loops.
+The readers and writers of every format use these."""
+
+from __future__ import annotations
+
+import os
+
+IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX"), 1024))
+"""Buffers per `preadv` / `writev` call (1 where the system does not say)."""
+_MAX_IO = 1 << 30
+"""Bytes per `pwrite` call: Linux moves at most about 2 GiB per call."""
+
+
+def read_into(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Fill `bufs`, one after the other, from byte `offset` of `fd` on, `IOV_MAX` buffers per
+    `preadv`; returns the bytes read (fewer than asked only at the end of the file)."""
+    bufs = [b for b in bufs if len(b)]
+    done, i = 0, 0
+    while i < len(bufs):
+        n = os.preadv(fd, bufs[i : i + IOV_MAX], offset + done)
+        if n == 0:
+            break
+        done += n
+        while i < len(bufs) and n >= len(bufs[i]):
+            n -= len(bufs[i])
+            i += 1
+        if n:
+            bufs[i] = bufs[i][n:]
+    return done
+
+
+def read_bytes(fd: int, offset: int, n: int) -> bytes:
+    """Up to `n` bytes from `offset` (fewer only at the end of the file)."""
+    parts = []
+    while n > 0:
+        part = os.pread(fd, n, offset)
+        if not part:
+            break
+        parts.append(part)
+        offset, n = offset + len(part), n - len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def write_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of `data` at byte `offset` of `fd`."""
+    while len(data):
+        n = os.pwrite(fd, data[:_MAX_IO], offset)
+        data, offset = data[n:], offset + n
