@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -33,6 +32,7 @@ from . import commit, layout
 from .dcp import storage
 from .hf.consolidate import consolidate_safetensors, load_mapping
 from .hf.files import INDEX_FILE
+from .group import launched_group
 from .errors import CheckpointError, CheckpointNotFoundError
 from .hf.convert import convert
 from .hf.registry import ADAPTERS
@@ -219,19 +219,6 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
 
 
 @contextlib.contextmanager
-def _process_group() -> Iterator[None]:
-    """A gloo group over every rank when launched by torchrun with more than one rank."""
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
-    if launched:
-        dist.init_process_group("gloo")
-    try:
-        yield
-    finally:
-        if launched:
-            dist.destroy_process_group()
-
-
-@contextlib.contextmanager
 def _staged(dst: str) -> Iterator[str]:
     """The folder to write: a `dst` that exists is written in place (its format's last-written
     file marks it complete); a new one is written as `dst.partial`, renamed to `dst` by rank 0
@@ -258,7 +245,7 @@ def _staged(dst: str) -> Iterator[str]:
 def cmd_convert(args: argparse.Namespace, progress: Progress) -> int:
     if os.path.isdir(args.dst) and os.listdir(args.dst):
         raise CheckpointError(f"{args.dst} exists and is not empty; remove it or name a new folder")
-    with _process_group(), _staged(args.dst) as out, progress:
+    with launched_group(), _staged(args.dst) as out, progress:
         convert(args.to, args.src, out, args.adapter, hf_assets_path=args.hf_assets,
                 dtype=args.dtype, max_shard_size=args.max_shard_size, consolidation=args.consolidation,
                 threads=args.threads, progress=progress)
@@ -270,7 +257,7 @@ def cmd_convert(args: argparse.Namespace, progress: Progress) -> int:
 def cmd_consolidate(args: argparse.Namespace, progress: Progress) -> int:
     mapping = load_mapping(args.mapping) if args.mapping else None
     same = os.path.abspath(args.input_dir) == os.path.abspath(args.output_dir)
-    with _process_group(), (contextlib.nullcontext(args.output_dir) if same else _staged(args.output_dir)) as out, \
+    with launched_group(), (contextlib.nullcontext(args.output_dir) if same else _staged(args.output_dir)) as out, \
             progress:
         consolidate_safetensors(args.input_dir, out, mapping, num_threads=args.num_threads,
                                 remove_shards=args.remove_shards, progress=progress.phase("writing"))

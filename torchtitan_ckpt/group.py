@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -70,3 +72,18 @@ class CheckpointGroup:
         box = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
         return box[0]
+
+
+@contextlib.contextmanager
+def launched_group(backend: str = "gloo") -> Iterator[None]:
+    """The default process group a launcher (torchrun) asks for through `WORLD_SIZE`, initialised
+    for the duration of the block and destroyed after it; nothing when not launched so, or when
+    the caller initialised one already."""
+    launched = "WORLD_SIZE" in os.environ and not dist.is_initialized()
+    if launched:
+        dist.init_process_group(backend)
+    try:
+        yield
+    finally:
+        if launched:
+            dist.destroy_process_group()

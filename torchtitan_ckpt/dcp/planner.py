@@ -69,10 +69,9 @@ def apply_assignment(rank: int, plan: SavePlan, assignment: Assignment) -> SaveP
 class PlanCache:
     """What the last save of one kind of state planned, kept between saves (one per manager and
     kind) so that an unchanged plan is neither sent to the coordinator nor planned again: a
-    training job saves the same tensors and values every time, only their contents change.
-    Planning and shipping a 1.6 GB state's plans took 10-15% of its save on the benchmark
-    machine (PyTorch's own path: 0.85x with its plan cache on, paired runs). Reset it after a
-    failed save, so every rank starts over together."""
+    training job saves the same tensors and values every time, only their contents change, and
+    planning and shipping the plans is a noticeable part of a save (`docs/performance.md`).
+    Reset it after a failed save, so every rank starts over together."""
 
     local: SavePlan | None = None
     """This rank's local plan of the last save."""
@@ -90,8 +89,8 @@ def layout_key(state_dict: Mapping[str, object]) -> tuple | None:
     """Everything DCP's local save plan of a flattened state dict is computed from: per value its
     name and, for a tensor, its global shape, dtype, layout, autograd and pinning flags, and for a
     DTensor also its mesh and placements (the local shard's place follows from those). Equal keys
-    give equal plans, so a cached plan stands in for planning again: planning a 1.6 GB state's
-    DTensors took 0.1-0.2 s of the save's CPU per rank, the key takes 10 ms for 500 values. None
+    give equal plans, so a cached plan stands in for planning again, and the key costs a small
+    fraction of planning every DTensor's shard anew. None
     when a value plans itself in a way the key does not describe (a tensor subclass, such as
     `ShardedTensor` or a DTensor subclass; a custom `__create_write_items__`): such a state is
     planned every time."""

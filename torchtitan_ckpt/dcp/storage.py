@@ -204,9 +204,9 @@ def load_on_this_rank(state: dict[str, Any], storage_reader: SafeFileSystemReade
     """`dcp.load` of what this rank's `state` needs, without DCP's collectives.
 
     A default load plan has no cross-rank step: each rank reads the items its own tensors
-    overlap. DCP still sends every rank's plan through rank 0 and back and gathers every rank's
-    result, which cost 0.4-0.9 s of a 1.5 s cold load of 0.8 GB on 2 ranks. The caller makes a
-    failure on one rank known to the others.
+    overlap. DCP would still send every rank's plan through rank 0 and back and gather every
+    rank's result, a large share of a cold load's time (`docs/performance.md`). The caller makes
+    a failure on one rank known to the others.
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -432,7 +432,8 @@ def _local_chunk(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 @functools.lru_cache(maxsize=256)
 def dtensor_chunk(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offsets, sizes) of this rank's part of a DTensor of `shape` laid out as `placements` on
-    `mesh`. Cached: it takes about 0.3 ms, and a model's layers repeat a few shapes."""
+    `mesh`. Cached: it is costly next to a small tensor's write, and a model's layers repeat a
+    few shapes."""
     sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
     return tuple(offsets), tuple(sizes)
 

@@ -22,6 +22,7 @@ from .config import JobConfig, load_job_config
 from ..errors import ConfigError
 from .data import build_dataloader
 from .model import FLAVORS, Transformer, hf_adapter
+from ..group import launched_group
 from ..manager import CheckpointManager
 
 logger = logging.getLogger(__name__)
@@ -165,13 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     torch.use_deterministic_algorithms(True)
-    if "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo")
-    try:
+    with launched_group():
         train(config)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0
 
 

@@ -65,8 +65,8 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
     the differing tensors, or `CheckpointError` naming wrong shapes or dtypes, before reading
     any data, when the folder is not the adapter's. Up to `num_threads` threads read on each
     rank, each its own stretch of the files front to back (`checkpoint.load_threads` in the
-    manager): on the benchmark machine's virtio disk, 4 streams per rank read 1.1-1.3x faster
-    than one (one reads when most bytes need a buffer, e.g. a checkpoint in another dtype)."""
+    manager): a few sequential streams keep a disk busier than one (one reads when most bytes
+    need a buffer, e.g. a checkpoint in another dtype, since the threads would take turns at it)."""
     if num_threads < 1:
         raise ValueError(f"load_hf: num_threads = {num_threads}; expected 1 or more")
     start = time.perf_counter()

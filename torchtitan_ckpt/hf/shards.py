@@ -140,11 +140,11 @@ def read_all(reads: list[Read], num_threads: int) -> int:
     front to back: a few long sequential streams, which kernel readahead serves well (threads
     taking pieces in turn broke the streams up and were slower than one thread). Pieces that
     need a buffer share one, the size of the largest of them, so the extra memory does not grow
-    with the threads (a fresh buffer per piece left the allocator holding up to 4x more). Since
-    the buffer serialises the pieces that need it, one thread reads everything when they are
-    most of the bytes (a bf16 checkpoint into fp32 weights: 4 threads taking turns at the buffer
-    took 1.13x one thread's time at 1.6 GB). On an error the other threads stop at their next
-    piece and the error is raised."""
+    with the threads (a fresh buffer per piece left the allocator holding several times more).
+    Since the buffer serialises the pieces that need it, one thread reads everything when they
+    are most of the bytes (a bf16 checkpoint into fp32 weights), where threads taking turns at
+    the buffer are slower than one. On an error the other threads stop at their next piece and
+    the error is raised."""
     reads = sorted(reads, key=lambda r: (r.path, r.offset))
     largest = max((r.nbytes for r in reads if r.buffered), default=0)
     total = sum(r.nbytes for r in reads)

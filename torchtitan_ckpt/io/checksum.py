@@ -1,8 +1,8 @@
 """The CRC-32 of the commit manifest.
 
 The same CRC-32 as `zlib.crc32` (the gzip polynomial; the values are identical), computed by
-Intel's ISA-L through `isal`: with its carry-less-multiply code it runs at 9.2 GB/s on this
-project's benchmark machine against zlib's 2.7 GB/s, and releases the GIL as zlib does. A
+Intel's ISA-L through `isal`: its carry-less-multiply code runs several times faster than zlib
+(`docs/performance.md`) and releases the GIL as zlib does. A
 durable save is CPU-bound on a small host (every byte is copied into the page cache and
 checksummed), so the checksum's cost is a direct part of the save's time. `isal` has wheels
 for x86-64 and ARM64 only (a dependency there); elsewhere zlib computes the same values.

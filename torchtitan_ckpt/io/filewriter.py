@@ -102,8 +102,8 @@ class _BackgroundCrc:
     """CRC-32 of the buffers fed to it, in order, computed on a helper thread while the writes
     go on. The writes of a save end when the disk has taken most of their bytes (the kernel
     holds back writers beyond its dirty-page limit), so a checksum computed beside them ends
-    with them; computed after them, it was the save's tail (0.4 s of a 1.6 GB save on a disk
-    writing 1 GB/s). Fed buffers must stay unchanged until `value()`.
+    with them; computed after them, it would be the save's tail. Fed buffers must stay unchanged
+    until `value()`.
 
     A temporary buffer (a copy made only to be written: a GPU tensor's, a view's) is let go
     once checksummed; the writer waits while more than `TEMPORARY_BYTES` of them are pending,
@@ -169,10 +169,9 @@ class _BackgroundCrc:
 class _Writeback:
     """Starts the disk on a file's written ranges (`sync_file_range`) from a helper thread, in
     order. Called by the writer itself, a start blocks while the disk's queue is full, and the
-    writer with it, so the writer could not run ahead of the disk: at 3.2 GB (2 ranks), writes
-    with the starts inline took 1.39x a plain write + fsync of the same bytes, with the starts
-    on a helper 0.86x (paired rounds; no starts at all: 1.13x), since the writer keeps filling
-    the page cache while the disk works. `close()` waits for the starts queued; it comes before
+    writer with it, so the writer could not run ahead of the disk; from a helper, the writer
+    keeps filling the page cache while the disk works (`docs/performance.md` compares the
+    three ways). `close()` waits for the starts queued; it comes before
     the file's fsync and close, so no start acts on a closed descriptor. Does nothing where the
     call is missing."""
 
@@ -296,8 +295,8 @@ _MAX_FRAMES = 4096
 def _frame(t: torch.Tensor) -> tuple[bytes, bytes]:
     """The archive `torch.save(t)` writes around `t`'s storage bytes (whose storage holds
     exactly its elements). It depends only on the tensor's dtype, shape and strides and on
-    torch's serialization settings, so it is computed once per kind of tensor: framing each
-    tensor anew took 0.3 ms (0.13 s per rank per save of the 1.6 GB benchmark state)."""
+    torch's serialization settings, so it is computed once per kind of tensor rather than per
+    tensor per save."""
     settings = serialization_config.save
     key = (type(t), t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), settings.storage_alignment,
            settings.compute_crc32)
@@ -437,8 +436,8 @@ def _places(entries: list[tuple[object, _Buffers | Callable[[], _Buffers]]]) -> 
 def start_files(jobs: list[FileJob], step: int | None = None, sync: bool = True) -> StartedFiles:
     """`write_files` on helper threads. The buffers of the tensors that need no copy are looked
     up here first (so where each entry will land is known at once): in a helper thread, each of
-    the dozen torch calls that takes (each releasing the GIL) waited up to 5 ms for a busy caller
-    to let go of the GIL again. Tensors that need a copy (on another device, views) are copied
+    the dozen torch calls that takes (each releasing the GIL) would wait for a busy caller to let
+    go of the GIL again. Tensors that need a copy (on another device, views) are copied
     by the helper, one at a time."""
     looked_up = [(job.path, [(e.key, _lookup(e)) for e in job.entries]) for job in jobs]
     done: Future = Future()

@@ -2,7 +2,7 @@
 
 DCP stores every tensor and every non-tensor value of a checkpoint as one `torch.save` archive (an
 uncompressed zip) inside a rank's `.distcp` file, and its `FileSystemReader` reads each one back
-with `torch.load` (about 1 ms each, then a copy into the destination). Here each file's items are
+with `torch.load` (a fixed cost per item, then a copy into the destination). Here each file's items are
 read in offset order on a few threads; a tensor item's zip directory and header pickle are parsed
 without running code from the file, and its single storage record is read straight into the
 destination tensor (through a bounded temporary when the destination is a non-contiguous view,
