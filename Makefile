@@ -8,7 +8,7 @@ DEMO_OUT ?= outputs/demo
 ASYNC_MODE ?= disabled
 DEMO_ARGS = --config configs/debug_model.toml --job.dump_folder $(DEMO_OUT) --checkpoint.async_mode $(ASYNC_MODE)
 
-.PHONY: demo test bench docs clean
+.PHONY: demo test test-torch-latest bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# the suite on the newest torch pip installs here (a CUDA build, about 3 GB with its CUDA
+# libraries, that runs on CPU), in a venv of its own
+LATEST := .venv-torch-latest
+test-torch-latest:
+	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install --quiet --upgrade torch
+	$(LATEST)/bin/python -m pip install --quiet -e '.[test]'
+	$(LATEST)/bin/python -c 'import torch; print("torch", torch.__version__)'
+	$(LATEST)/bin/python -m pytest -q
+
 # the benchmark suite (about 9 minutes); BENCH_ARGS=--quick for a short run
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
@@ -38,4 +48,4 @@ docs: $(STAMP)
 	$(PY) -m torchtitan_ckpt.docgen torchtitan_ckpt.example.config:JobConfig > docs/config.md
 
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) $(LATEST) outputs
