@@ -3,7 +3,7 @@
     torchtitan-ckpt list DIR          every step folder, complete or not, its size and contents
     torchtitan-ckpt inspect STEP_DIR  the states, tensors, dtypes, shapes and bytes of one step
     torchtitan-ckpt verify STEP_DIR   check every file against the sizes and CRC-32s of its commit
-    torchtitan-ckpt clean DIR         remove the partial step folders crashed saves left behind
+    torchtitan-ckpt clean DIR         remove the partial step folders crashed saves of ours left behind
     torchtitan-ckpt convert --to hf STEP_DIR OUT_DIR | --to dcp HF_DIR OUT_DIR
     torchtitan-ckpt consolidate IN_DIR OUT_DIR   per-rank HF shard files -> final safetensors files
 """
@@ -43,13 +43,19 @@ def cmd_list(folder: str) -> int:
         return 0
     print(f"{'step':>8}  {'status':<10}  {'size':>10}  contents")
     for s in steps:
-        if s.committed:
-            info = commit.read_marker(s.path)
-            status, what = "complete", f"{info.format}: {', '.join(info.states)}"
-        else:
-            status, what = "PARTIAL", f"no {commit.MARKER}: never loaded"
-        print(f"{s.step:>8}  {status:<10}  {_fmt_bytes(layout.folder_bytes(s.path)):>10}  {what}")
+        print(f"{s.step:>8}  {s.status:<10}  {_fmt_bytes(layout.folder_bytes(s.path)):>10}  {_contents(s)}")
     return 0
+
+
+def _contents(s: layout.StepFolder) -> str:
+    if s.status == layout.COMPLETE:
+        info = commit.read_marker(s.path)
+        return f"{info.format}: {', '.join(info.states)}"
+    if s.status == layout.PARTIAL:
+        return f"no {commit.MARKER}: a save that did not finish; never loaded"
+    if s.status == layout.FOREIGN:
+        return f"{layout.foreign_format(s.path)}: not written here; loadable, unverified, never deleted"
+    return "not written here, not a finished checkpoint: never loaded, never deleted"
 
 
 def _state_of(key: str, states: list[str]) -> str:
@@ -100,11 +106,16 @@ def cmd_verify(path: str, threads: int) -> int:
 
 
 def cmd_clean(folder: str) -> int:
-    """Run it while no job writes to `folder`: a save in flight looks partial too."""
+    """Run it while no job writes to `folder`: a save in flight looks partial too. Only folders
+    this package started writing are removed; another program's are listed and kept."""
     if not os.path.isdir(folder):
         print(f"error: {folder} is not a folder", file=sys.stderr)
         return 2
-    partial = [s for s in layout.scan(folder) if not s.committed]
+    steps = layout.scan(folder)
+    for s in steps:
+        if not s.ours:
+            print(f"kept {s.path} ({s.status}: not written by torchtitan_ckpt)")
+    partial = [s for s in steps if s.status == layout.PARTIAL]
     for s in partial:
         shutil.rmtree(s.path)
         print(f"removed {s.path} (partial)")
