@@ -165,29 +165,33 @@ class DataLoaderState(Stateful):
     r's loader and `world_size` the data-parallel degree. Ranks that share a data-parallel rank
     (tensor parallel) save the same entry once. The pickle is read back without running code.
 
-    `dp_rank` and `dp_world_size` are the loader's own attributes when it has them (TorchTitan's
-    loaders do), else the checkpoint group's rank and size."""
+    A loader with `dp_rank` and `dp_world_size` attributes (TorchTitan's) already saves this
+    layout; its state passes through as it is. Any other loader is at the checkpoint group's
+    rank, of its size."""
 
     def __init__(self, dataloader: Any, rank: int, world_size: int):
         self.dataloader = dataloader
-        self.dp_rank = getattr(dataloader, "dp_rank", rank)
-        self.dp_world_size = getattr(dataloader, "dp_world_size", world_size)
+        self.own_layout = hasattr(dataloader, "dp_rank") and hasattr(dataloader, "dp_world_size")
+        self.dp_rank = dataloader.dp_rank if self.own_layout else rank
+        self.dp_world_size = dataloader.dp_world_size if self.own_layout else world_size
 
     @property
     def key(self) -> str:
         return f"{DP_RANK_PREFIX}{self.dp_rank}"
 
     def state_dict(self) -> dict[str, Any]:
+        if self.own_layout:
+            return self.dataloader.state_dict()
         return {self.key: pickle.dumps(self.dataloader.state_dict()), "world_size": self.dp_world_size}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        data = state_dict[self.key]
         try:
-            position = load_plain_pickle(data)
+            position = load_plain_pickle(state_dict[self.key])
         except pickle.UnpicklingError as e:
             raise CorruptCheckpointError(f"dataloader.{self.key} is not plain data and loading it could "
                                          f"run code; refused ({e})") from None
-        self.dataloader.load_state_dict(position)
+        # TorchTitan's loader unpickles the entry itself: it is known to be plain data by now
+        self.dataloader.load_state_dict(state_dict if self.own_layout else position)
 
 
 DP_RANK_PREFIX = "dp_rank_"
