@@ -272,6 +272,50 @@ def main(out: str) -> None:
     assert titan.load(step=5)
     titan.close()
     compare(snapshot(back), after_ours, "TorchTitan loads our step with load(step=5)")
+    hf_round_trip(back, out)
+
+
+def _hf_config(adapter: Any, hf: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """`config.json` for TorchTitan's llama3 debug model (TorchTitan's adapters write none)."""
+    args = getattr(adapter, "model_args", None)  # 0.2.2; 0.3.0 keeps a per-layer config
+    attention = args if args is not None else adapter.model_config.layers[0].attention
+    vocab, hidden = hf["model.embed_tokens.weight"].shape
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+            "intermediate_size": hf["model.layers.0.mlp.gate_proj.weight"].shape[0],
+            "num_hidden_layers": len({k.split(".")[2] for k in hf if k.startswith("model.layers.")}),
+            "num_attention_heads": attention.n_heads, "vocab_size": vocab,
+            "num_key_value_heads": attention.n_kv_heads or attention.n_heads,
+            "tie_word_embeddings": "lm_head.weight" not in hf, "torch_dtype": "float32"}
+
+
+def hf_round_trip(stack: Stack, out: str) -> None:
+    """TorchTitan's own adapter through our manager: an export `transformers` loads, imported back."""
+    import json
+
+    full = {k: _plain(v) for k, v in stack.model.state_dict().items()}
+    hf = stack.adapter.to_hf(dict(full))
+    assets = os.path.join(out, "assets")
+    if dist.get_rank() == 0:
+        os.makedirs(assets)
+        with open(os.path.join(assets, "config.json"), "w") as f:
+            json.dump(_hf_config(stack.adapter, hf), f)
+    dist.barrier()
+    stack.adapter.hf_assets_path = assets
+    with our_manager(stack, os.path.join(out, "hf"), last_save_in_hf=True, last_save_model_only=True) as manager:
+        assert manager.save(stack.train_state.step, last_step=True)
+    exported = layout.step_dir(os.path.join(out, "hf"), stack.train_state.step)
+    if dist.get_rank() == 0:
+        from transformers import LlamaForCausalLM
+
+        loaded = LlamaForCausalLM.from_pretrained(exported).state_dict()
+        compare({k: v for k, v in loaded.items() if k in hf}, hf, "TorchTitan's adapter exports an HF folder "
+                "through ours that transformers loads")
+    back = build_stack(seed=4)
+    with our_manager(back, os.path.join(out, "hf-empty"), initial_load_path=exported,
+                     initial_load_in_hf=True) as manager:
+        assert manager.load()
+    compare({k: _plain(v) for k, v in back.model.state_dict().items()}, full,
+            "TorchTitan's adapter imports the HF folder back through ours")
 
 
 if __name__ == "__main__":

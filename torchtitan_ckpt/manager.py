@@ -36,6 +36,7 @@ from .errors import (
 )
 from .group import CheckpointGroup, RankFailed
 from .hf import StateDictAdapter, load_hf, save_hf
+from .hf.adapter import as_adapter
 from .policy.schedule import SaveKind, hf_copy_due, save_kind
 from .io.filewriter import Sink, write_files
 from .staging import SaveJob, make_strategy
@@ -94,12 +95,13 @@ class CheckpointManager:
         *,
         sd_adapter: StateDictAdapter | None = None,
     ):
-        """`sd_adapter` is TorchTitan's name for `state_dict_adapter`; pass either."""
+        """`sd_adapter` is TorchTitan's name for `state_dict_adapter`; pass either. The adapter
+        is one of ours, or any with TorchTitan's `BaseStateDictAdapter` surface."""
         if state_dict_adapter is not None and sd_adapter is not None:
             raise TypeError("pass the state-dict adapter once: state_dict_adapter= or sd_adapter=, not both")
         state_dict_adapter = state_dict_adapter if state_dict_adapter is not None else sd_adapter
         self.config = config
-        self._adapter = state_dict_adapter
+        self._adapter = as_adapter(state_dict_adapter)
         self.folder = os.path.join(base_folder, config.folder)
         parts = _as_list(model_parts)
         if not parts:

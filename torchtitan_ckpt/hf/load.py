@@ -15,9 +15,12 @@ import os
 import time
 from typing import Any
 
+import safetensors.torch
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+from ..dcp.storage import dtensor_chunk
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..group import CheckpointGroup, RankFailed
 from .adapter import INDEX_FILE, SINGLE_FILE, HFSource, StateDictAdapter, check_names, read_index
@@ -72,6 +75,8 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
 
     def check_and_read() -> tuple[int, int]:
         sources = adapter.hf_sources(state_dict)
+        if sources is None:
+            return _read_through(state_dict, hf_dir, adapter)
         layout = read_hf_layout(hf_dir)
         check_names(hf_dir, layout, {s.name for s in sources.values()})
         _check_fit(hf_dir, state_dict, sources, layout)
@@ -93,6 +98,30 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
         logger.info("loaded %s: %.3f GB (%.3f GB read by rank 0) in %.2f s, %.2f GB/s per rank", hf_dir,
                     total / 1e9, nbytes / 1e9, secs, nbytes / 1e9 / max(secs, 1e-9))
     return state_dict
+
+
+def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any) -> tuple[int, int]:
+    """For an adapter that converts whole tensors only (`ForeignAdapter`): every rank reads
+    every tensor whole, converts them with `from_hf` and copies its own part of each into
+    `state_dict`. Returns (bytes read, bytes in the folder)."""
+    layout = read_hf_layout(hf_dir)
+    hf: dict[str, torch.Tensor] = {}
+    for path in sorted({entry.path for entry in layout.values()}):
+        hf.update(safetensors.torch.load_file(path))
+    ours = adapter.from_hf(hf)
+    check_names(hf_dir, ours, state_dict)
+    wrong = [f"{k}: {tuple(ours[k].shape)} in the checkpoint, {tuple(v.shape)} expected"
+             for k, v in state_dict.items() if tuple(ours[k].shape) != tuple(v.shape)]
+    if wrong:
+        raise CheckpointError(f"{hf_dir} does not fit this model: {'; '.join(wrong)}")
+    with torch.no_grad():
+        for name, dest in state_dict.items():
+            offsets, sizes = dtensor_chunk(tuple(dest.shape), dest.device_mesh, tuple(dest.placements)) \
+                if isinstance(dest, DTensor) else ((0,) * dest.dim(), tuple(dest.shape))
+            local = dest.to_local() if isinstance(dest, DTensor) else dest
+            local.copy_(ours[name][tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
+    nbytes = sum(entry.nbytes for entry in layout.values())
+    return nbytes, nbytes
 
 
 def _memory(t: torch.Tensor) -> tuple:
