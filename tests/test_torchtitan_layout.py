@@ -259,3 +259,29 @@ def test_sd_adapter_is_torchtitans_name_for_state_dict_adapter(tmp_path):
                                        "model.safetensors.index.json"))
     with pytest.raises(TypeError, match="state_dict_adapter= or sd_adapter=, not both"):
         CheckpointManager(config, job.model, state_dict_adapter=adapter, sd_adapter=adapter)
+
+
+class _Values:
+    def __init__(self, values: dict):
+        self.values = values
+
+    def state_dict(self) -> dict:
+        return dict(self.values)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.values = dict(state_dict)
+
+
+def test_small_values_are_written_as_torch_save_writes_them_each(tmp_path):
+    """Small values' bytes are made once per value (one per optimizer setting adds up); values
+    that compare equal but are not the same value stay apart."""
+    values = {"a": 1, "b": 1.0, "c": True, "d": -0.0, "e": 0.0, "f": (1, True), "g": (1.0, 1), "h": None}
+    model = nn.Linear(2, 2)
+    config = Checkpoint(enable=True, interval=1)
+    for step in (1, 2):  # the second save reuses the bytes the first one made
+        with CheckpointManager(config, model, states={"values": _Values(values)}, base_folder=str(tmp_path)) as m:
+            m.save(step)
+        saved = read_checkpoint(layout.step_dir(_folder(tmp_path), step))
+        got = {k.removeprefix("values."): v for k, v in saved.items() if k.startswith("values.")}
+        assert [(k, type(v), repr(v)) for k, v in sorted(got.items())] == \
+            [(k, type(v), repr(v)) for k, v in sorted(values.items())]
