@@ -14,7 +14,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from torchtitan_ckpt import CheckpointManager, CheckpointNotFoundError, CheckpointSaveError, cli, commit, layout
+from torchtitan_ckpt import (CheckpointError, CheckpointManager, CheckpointNotFoundError, CheckpointSaveError, cli,
+                             commit, layout)
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.dcp.storage import METADATA_FILE
 from torchtitan_ckpt.hf import LlamaAdapter
@@ -285,3 +286,20 @@ def test_small_values_are_written_as_torch_save_writes_them_each(tmp_path):
         got = {k.removeprefix("values."): v for k, v in saved.items() if k.startswith("values.")}
         assert [(k, type(v), repr(v)) for k, v in sorted(got.items())] == \
             [(k, type(v), repr(v)) for k, v in sorted(values.items())]
+
+
+def test_a_scheduler_or_optimizer_in_another_layout_is_an_error_not_a_silent_skip(tmp_path):
+    source = make_job(str(tmp_path), steps=8, interval=2)
+    source.run_to(2, steps=8)
+    source.manager.close()
+    state = read_checkpoint(layout.step_dir(_folder(tmp_path), 2))
+    for old, new, message in (
+            ("lr_scheduler.", "lr_scheduler.0.", r"step-2: the checkpoint has no lr_scheduler.last_epoch \(it has lr_scheduler.0._get_lr"),
+            ("optimizer.param_groups.", "optimizer.param_groups_", r"step-2: the checkpoint has no optimizer "
+                                                                   r"settings .* for 21 parameters")):
+        path = str(tmp_path / new / "step-2")
+        dcp.save({k.replace(old, new, 1): v for k, v in state.items()}, checkpoint_id=path, no_dist=True)
+        job = make_job(str(tmp_path / "b"), steps=8, initial_load_path=path, initial_load_model_only=False)
+        with pytest.raises(CheckpointError, match=message + ".*exclude_from_loading"):
+            job.manager.load()
+        job.manager.close()

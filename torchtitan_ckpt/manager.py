@@ -480,7 +480,10 @@ class CheckpointManager:
             if isinstance(stateful, DataLoaderState) and not self._dataloader_fits(stateful, relative):
                 continue
             if isinstance(stateful, (OptimizerState, LRSchedulerState)):
-                state[name] = stateful.state_dict_to_load(relative)
+                try:
+                    state[name] = stateful.state_dict_to_load(relative)
+                except CheckpointError as e:
+                    raise CheckpointError(f"{target.path}: {e}") from None
             else:
                 state[name] = stateful.state_dict()  # filled in place; applied once every rank has read
         return state

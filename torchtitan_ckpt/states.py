@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .errors import CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
 from .io.reader import load_plain_pickle
 
 
@@ -101,6 +101,11 @@ class OptimizerState(Stateful):
         sd = self.state_dict()
         sd["param_groups"] = {fqn: {k: v for k, v in settings.items() if f"param_groups.{fqn}.{k}" in saved_keys}
                               for fqn, settings in sd["param_groups"].items()}
+        bare = [fqn for fqn, settings in sd["param_groups"].items() if not settings]
+        if bare:
+            raise CheckpointError(f"the checkpoint has no optimizer settings (optimizer.param_groups.<fqn>.lr, "
+                                  f"...) for {len(bare)} parameters, e.g. {bare[:3]}; add 'optimizer' to "
+                                  "checkpoint.exclude_from_loading to start it fresh")
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -143,6 +148,10 @@ class LRSchedulerState(Stateful):
 
     def state_dict_to_load(self, saved_keys: Collection[str]) -> dict[str, Any]:
         """The entries of this state the checkpoint holds (`saved_keys` relative to it)."""
+        if "last_epoch" not in saved_keys:
+            raise CheckpointError(f"the checkpoint has no lr_scheduler.last_epoch (it has lr_scheduler."
+                                  f"{sorted(saved_keys)[0]}, ...); add 'lr_scheduler' to "
+                                  "checkpoint.exclude_from_loading to start it fresh")
         return {k: v for k, v in self.state_dict().items() if any(s == k or s.startswith(k + ".") for s in saved_keys)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
