@@ -218,8 +218,9 @@ class CheckpointManager:
         return self.config.enable and self._saves.in_flight()
 
     def maybe_wait_for_staging(self) -> None:
-        """Return once the state handed to the last `save()` is safe to mutate. Staging copies
-        inside `save()`, so this never blocks; it exists for loops written against TorchTitan."""
+        """TorchTitan's: block until the staging of the last `save()` is done, so the training
+        step may change the state it copied. Staging copies inside `save()` here, so this returns
+        at once; training loops written against TorchTitan call it before the optimizer step."""
 
     def _save_job(self, step: int, kind: SaveKind, folder: str | None = None, fmt: str = "dcp") -> SaveJob:
         """The phases of one save into `{folder}/step-N` (DCP, or Hugging Face with `fmt="hf"`),
