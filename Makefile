@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# the real torchtitan releases the interop tests run against (tests/test_torchtitan_interop.py)
+TORCHTITAN_DIR := $(VENV)/torchtitan
+TORCHTITAN_STAMP := $(TORCHTITAN_DIR)/.installed-stamp
 DEMO_OUT ?= outputs/demo
 # `make demo ASYNC_MODE=async` (or async_with_pinned_mem) runs the demo with background saves
 ASYNC_MODE ?= disabled
@@ -17,6 +20,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# each torchtitan release in its own folder (they cannot share one), without its dependencies;
+# common/ holds what importing them needs (tests/requirements-torchtitan.txt). Test-only.
+$(TORCHTITAN_STAMP): tests/requirements-torchtitan.txt $(STAMP)
+	rm -rf $(TORCHTITAN_DIR)
+	$(PY) -m pip install --quiet --no-deps --target $(TORCHTITAN_DIR)/0.2.2 torchtitan==0.2.2
+	$(PY) -m pip install --quiet --no-deps --target $(TORCHTITAN_DIR)/0.3.0 torchtitan==0.3.0 spmd_types==0.2.3
+	$(PY) -m pip install --quiet --no-deps --target $(TORCHTITAN_DIR)/common -r tests/requirements-torchtitan.txt
+	touch $(TORCHTITAN_STAMP)
+
 demo: $(STAMP)
 	rm -rf $(DEMO_OUT)
 	@echo "== run 1: 2 ranks train steps 1-10, then stop as a preemption would"
@@ -26,7 +38,7 @@ demo: $(STAMP)
 	@echo "== checkpoints in $(abspath $(DEMO_OUT))/checkpoint"
 	$(VENV)/bin/torchtitan-ckpt list $(DEMO_OUT)/checkpoint
 
-test: $(STAMP)
+test: $(STAMP) $(TORCHTITAN_STAMP)
 	$(PY) -m pytest -q
 
 # the suite on the newest torch pip installs here (a CUDA build, about 3 GB with its CUDA

@@ -36,6 +36,7 @@ class Job:
         self.sched.step()
         self.opt.zero_grad()
         self.train_state.step += 1
+        self.train_state.ntokens_seen += labels.numel()
         return loss.item()
 
     def run_to(self, last: int, steps: int) -> None:

@@ -84,9 +84,10 @@ def test_list_json(folder, capsys):
 
 def test_list_json_exit_codes(tmp_path, capsys):
     os.makedirs(layout.step_dir(str(tmp_path), 7))
+    commit.mark_in_progress(layout.step_dir(str(tmp_path), 7))  # a save of ours that crashed
     assert _run_json(capsys, "list", str(tmp_path)) == (1, {"folder": str(tmp_path), "latest_complete": None,
                                                             "steps": [{"step": 7, "path": layout.step_dir(str(tmp_path), 7),
-                                                                       "status": "partial", "bytes": 0, "format": None,
+                                                                       "status": "partial", "bytes": _du(layout.step_dir(str(tmp_path), 7)), "format": None,
                                                                        "states": None, "world_size": None}]})
     assert cli.main(["list", str(tmp_path / "nope"), "--json"]) == 2
     out = capsys.readouterr()

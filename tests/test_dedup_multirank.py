@@ -33,7 +33,7 @@ from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.dcp import storage
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.dcp.planner import DedupSavePlanner, PlanCache
-from torchtitan_ckpt.states import ModelState, OptimizerState, settings_per_parameter
+from torchtitan_ckpt.states import ModelState, OptimizerState
 from torchtitan_ckpt.example.train import build_model, shard_model
 
 from .helpers import DEBUG_CONFIG, assert_same, read_checkpoint, spawn
@@ -54,7 +54,7 @@ def _job(world_size: int, replicate: int):
 def _full_state(model, opt) -> dict:
     """Model and optimizer state as one rank-0 dict, keyed as the checkpoint keys them."""
     state = get_model_state_dict(model, options=FULL)
-    optim = settings_per_parameter(get_optimizer_state_dict(model, opt, options=FULL))
+    optim = get_optimizer_state_dict(model, opt, options=FULL)
     return {**state, **{f"optimizer.{k}": v for k, v in optim.items()}}
 
 
@@ -249,7 +249,7 @@ def test_hsdp_job_saves_through_the_manager_with_the_policy(tmp_path):
     step5 = os.path.join(tmp_path, "checkpoint", "step-5")
     files = {index.fqn: info.relative_path for index, info in _metadata(step5).storage_data.items()}
     # only rank 1's own dataloader position is not replicated; everything else is in rank 0's file
-    assert files.pop("dataloader.rank_1") == "__1_0.distcp"
+    assert files.pop("dataloader.dp_rank_1") == "__1_0.distcp"
     assert set(files.values()) == {"__0_0.distcp"}
 
 

@@ -153,7 +153,7 @@ def test_a_fifo_as_the_marker_is_refused_without_blocking(ckpt, capsys):
         commit.read_marker(step)
     with within(10):
         assert cli.main(["list", os.path.dirname(step)]) == 1  # no complete step (docs/cli.md)
-    assert "PARTIAL" in capsys.readouterr().out
+    assert "partial" in capsys.readouterr().out
     job = make_job(dump, steps=2, interval=2)
     with within(60):
         assert not job.manager.load()  # a step without a readable marker is partial: never loaded

@@ -33,8 +33,11 @@ def test_schedule():
     assert _kinds(Checkpoint(enable=False, interval=1), 4) == {}
 
 
-def _folders(committed: list[int], partial: list[int] = ()) -> list[StepFolder]:
-    return [StepFolder(s, f"step-{s}", True) for s in committed] + [StepFolder(s, f"step-{s}", False) for s in partial]
+def _folders(committed: list[int], partial: list[int] = (), foreign: list[int] = (),
+             unknown: list[int] = ()) -> list[StepFolder]:
+    kinds = ((committed, layout.COMPLETE), (partial, layout.PARTIAL), (foreign, layout.FOREIGN),
+             (unknown, layout.UNKNOWN))
+    return [StepFolder(s, f"step-{s}", status) for steps, status in kinds for s in steps]
 
 
 def test_retention_counts_complete_steps_only():
@@ -43,6 +46,12 @@ def test_retention_counts_complete_steps_only():
     doomed = steps_to_delete(_folders([4, 8], partial=[2, 6]), keep_latest_k=1)
     assert [f.step for f in doomed] == [2, 4, 6]
     assert steps_to_delete(_folders([1, 2, 3]), keep_latest_k=0) == []
+
+
+def test_retention_never_chooses_a_folder_it_did_not_write():
+    doomed = steps_to_delete(_folders([5, 9], partial=[3], foreign=[1, 2, 7, 10], unknown=[4, 8]), keep_latest_k=1)
+    assert [f.step for f in doomed] == [3, 5]
+    assert steps_to_delete(_folders([], foreign=[1, 2]), keep_latest_k=1) == []
     assert steps_to_delete(_folders([], partial=[1, 2]), keep_latest_k=1) == []
     assert [f.step for f in steps_to_delete(_folders([7]), keep_latest_k=1)] == []
 

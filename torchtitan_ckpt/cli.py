@@ -3,7 +3,7 @@
     torchtitan-ckpt list DIR          every step folder, complete or not, its size and contents
     torchtitan-ckpt inspect STEP_DIR  the states, tensors, dtypes, shapes and bytes of one step
     torchtitan-ckpt verify STEP_DIR   check every file against the sizes and CRC-32s of its commit
-    torchtitan-ckpt clean DIR         remove the partial step folders crashed saves left behind
+    torchtitan-ckpt clean DIR         remove the partial step folders crashed saves of ours left behind
     torchtitan-ckpt convert --to hf STEP_DIR OUT_DIR | --to dcp HF_DIR OUT_DIR
     torchtitan-ckpt consolidate IN_DIR OUT_DIR   per-rank HF shard files -> final safetensors files
 
@@ -68,9 +68,17 @@ def _require_folder(folder: str) -> None:
 
 def _step_record(s: layout.StepFolder) -> dict[str, Any]:
     info = commit.read_marker(s.path) if s.committed else None
-    return {"step": s.step, "path": s.path, "status": "complete" if info else "partial",
-            "bytes": layout.folder_bytes(s.path), "format": info.format if info else None,
-            "states": info.states if info else None, "world_size": info.world_size if info else None}
+    fmt = info.format if info else layout.foreign_format(s.path) if s.status == layout.FOREIGN else None
+    return {"step": s.step, "path": s.path, "status": s.status, "bytes": layout.folder_bytes(s.path),
+            "format": fmt, "states": info.states if info else None,
+            "world_size": info.world_size if info else None}
+
+
+def _contents(s: dict[str, Any]) -> str:
+    return {layout.COMPLETE: f"{s['format']}: {', '.join(s['states'] or ())}",
+            layout.PARTIAL: f"no {commit.MARKER}: a save of ours that did not finish; never loaded",
+            layout.FOREIGN: f"{s['format']}: not written here; loadable, unverified, never deleted",
+            }.get(s["status"], "not written here, not a finished checkpoint: never loaded, never deleted")
 
 
 def cmd_list(args: argparse.Namespace, progress: Progress) -> int:
@@ -84,10 +92,9 @@ def cmd_list(args: argparse.Namespace, progress: Progress) -> int:
     else:
         print(f"{'step':>8}  {'status':<10}  {'size':>10}  contents")
         for s in steps:
-            status, what = (("complete", f"{s['format']}: {', '.join(s['states'])}") if s["format"] else
-                            ("PARTIAL", f"no {commit.MARKER}: never loaded"))
-            print(f"{s['step']:>8}  {status:<10}  {fmt_bytes(s['bytes']):>10}  {what}")
-    return EXIT_OK if complete else EXIT_FAILED
+            print(f"{s['step']:>8}  {s['status']:<10}  {fmt_bytes(s['bytes']):>10}  {_contents(s)}")
+    loadable = [s for s in steps if s["status"] in (layout.COMPLETE, layout.FOREIGN)]
+    return EXIT_OK if loadable else EXIT_FAILED
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,7 +122,7 @@ def _describe(path: str) -> dict[str, Any]:
                             "bytes": md.size.numel() * md.properties.dtype.itemsize})
         else:
             objects.append({"key": key, "state": _state_of(key, states)})
-    return {"path": path, "status": "complete" if info else "partial", "step": info.step if info else None,
+    return {"path": path, "status": layout.status_of(path), "step": info.step if info else None,
             "format": info.format if info else None, "world_size": info.world_size if info else None,
             "states": states, "tensor_bytes": sum(t["bytes"] for t in tensors), "tensors": tensors,
             "objects": objects}
@@ -123,7 +130,7 @@ def _describe(path: str) -> dict[str, Any]:
 
 def _print_inspect(doc: dict[str, Any]) -> None:
     status = (f"complete, step {doc['step']}, saved by {doc['world_size']} rank(s)"
-              if doc["status"] == "complete" else "no commit marker")
+              if doc["status"] == layout.COMPLETE else f"{doc['status']}, no commit marker")
     print(f"{doc['path']}: {status}")
     for state in dict.fromkeys([*doc["states"], "model"]):
         tensors = [t for t in doc["tensors"] if t["state"] == state]
@@ -202,9 +209,15 @@ def _remove_tree(path: str, progress: Progress, total: int) -> None:
 
 
 def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
-    """Run it while no job writes to the folder: a save in flight looks partial too."""
+    """Run it while no job writes to the folder: a save in flight looks partial too. Only folders
+    this package started writing are removed; another program's are listed and kept, and so is
+    a step folder that is a symlink."""
     _require_folder(args.folder)
-    partial = [s for s in layout.scan(args.folder) if not s.committed and not s.linked]
+    steps = layout.scan(args.folder)
+    for s in steps:
+        if not s.ours or s.linked:
+            print(f"kept {s.path} ({s.status}{', a symlink' if s.linked else ''}: not removed by clean)")
+    partial = [s for s in steps if s.status == layout.PARTIAL and not s.linked]
     total = sum(layout.folder_bytes(s.path) for s in partial)
     with progress:
         for s in partial:

@@ -6,6 +6,12 @@ marker is written to a temporary name, fsynced and renamed into place, and the f
 so it is either absent or whole. It records what the step holds (`states`, `format`) and a
 manifest of every file with its size and CRC-32 (computed by the writers as they wrote);
 `load()` trusts only folders that have it, and `verify()` checks the files against it.
+
+Before any file is written, the folder gets the in-progress marker `IN_PROGRESS.json`: it says
+that this package started writing the folder, so a save that crashed is recognised as ours
+(partial, cleaned up by retention) and a folder with neither marker as another program's
+(`layout.FOREIGN`, never deleted). The commit marker replaces it; a folder about to be rewritten
+or deleted gets it back before it loses its commit marker.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from .io.checksum import file_crc32, stream_crc32
 from .errors import ConfigError, CorruptCheckpointError
 
 MARKER = "COMMITTED.json"
+IN_PROGRESS = "IN_PROGRESS.json"
 FORMAT_VERSION = 2
 
 
@@ -48,6 +55,15 @@ class CommitInfo:
 
 def is_committed(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MARKER))
+
+
+def is_in_progress(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, IN_PROGRESS))
+
+
+def mark_in_progress(path: str) -> None:
+    """Mark `path` as a step folder this package is writing (see the module docstring)."""
+    durable.write_json(os.path.join(path, IN_PROGRESS), {"started": time.time()})
 
 
 def read_marker(path: str) -> CommitInfo:
@@ -89,13 +105,15 @@ def _marker_problem(info: CommitInfo, path: str) -> str | None:
 
 
 def uncommit(path: str) -> None:
-    """Make a step invisible before it is rewritten or deleted; a crash afterwards leaves it partial.
-    A step folder that is a symlink (a run linked in from elsewhere) is never acted on through."""
+    """Make a step invisible before it is rewritten or deleted; a crash afterwards leaves it
+    partial, and still ours. A step folder that is a symlink (a run linked in from elsewhere) is
+    never acted on through."""
     if os.path.islink(path):
         raise OSError(f"{path} is a symlink to {os.path.realpath(path)}, not a step folder this "
                       "checkpoint wrote; it is left alone")
     marker = os.path.join(path, MARKER)
     if os.path.exists(marker):
+        mark_in_progress(path)
         os.remove(marker)
         durable.fsync_path(path)
 
@@ -117,6 +135,8 @@ def write_marker(path: str, info: CommitInfo,
         durable.fsync_path(os.path.join(path, rel))
     durable.write_json(os.path.join(path, MARKER), asdict(info), indent=1, sort_keys=True,
                        before_replace=lambda: faults.hit("commit", info.step))
+    if is_in_progress(path):  # a crash before this leaves both: complete wins
+        os.remove(os.path.join(path, IN_PROGRESS))
     return info
 
 
@@ -156,6 +176,6 @@ def _manifest(path: str) -> dict[str, int]:
         for name in names:
             full = os.path.join(root, name)
             rel = os.path.relpath(full, path)
-            if rel not in (MARKER, MARKER + ".tmp"):
+            if rel not in (MARKER, MARKER + ".tmp", IN_PROGRESS):
                 files[rel] = os.path.getsize(full)
     return dict(sorted(files.items()))

@@ -64,7 +64,8 @@ class Checkpoint:
     """Save every this many steps (step % interval == 0)."""
 
     initial_load_path: str | None = None
-    """Checkpoint (a `step-N` folder or any DCP folder) loaded when `folder` holds no complete step."""
+    """Checkpoint (a `step-N` folder or any DCP folder) loaded when `folder` holds no loadable step
+    (a complete step of ours, or another program's finished one: docs/torchtitan.md)."""
 
     initial_load_model_only: bool = True
     """Load only the model from `initial_load_path` (optimizer, schedulers and data start fresh)."""
@@ -91,10 +92,12 @@ class Checkpoint:
     size). 1 suits a disk that one stream saturates; raise it for fast parallel storage."""
 
     keep_latest_k: int = 10
-    """Keep this many newest complete steps and delete older ones in the background; 0 keeps all."""
+    """Keep this many newest complete steps and delete older ones in the background; 0 keeps all.
+    Only steps this package wrote are counted or deleted; another program's never are."""
 
     load_step: int = -1
-    """Step to load; -1 loads the newest complete step."""
+    """Step to load (a complete step of ours or another program's finished one); -1 loads the
+    newest such step."""
 
     load_threads: int = 4
     """I/O threads per rank reading a step on load, DCP or HF (each reads its own stretch of the

@@ -1,4 +1,17 @@
-"""Step folders: their names, and which of them exist under a checkpoint folder."""
+"""Step folders: their names, which of them exist under a checkpoint folder, and whose they are.
+
+A folder this package writes is marked as ours from the moment it is created (the in-progress
+marker, `commit.IN_PROGRESS`) until its commit marker replaces that mark, so a step folder is:
+
+- complete: ours, with `COMMITTED.json`; loaded, and deleted by retention beyond `keep_latest_k`;
+- partial: ours, without it (a save in flight, or one that crashed); never loaded, and deleted
+  once a newer step of ours is complete;
+- foreign: not ours, but a finished checkpoint by its own format's test: a DCP `.metadata`
+  (DCP renames it into place last; TorchTitan's own test) or a Hugging Face
+  `model.safetensors(.index.json)`. Loaded, unverified; never deleted;
+- unknown: not ours and neither of those (another program's save in flight, or not a
+  checkpoint). Never loaded, never deleted.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +20,7 @@ import re
 from dataclasses import dataclass
 
 from . import commit
+from .formats import FORMATS
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
@@ -22,13 +36,44 @@ def parse_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+COMPLETE, PARTIAL, FOREIGN, UNKNOWN = "complete", "partial", "foreign", "unknown"
+
+
 @dataclass(frozen=True)
 class StepFolder:
     step: int
     path: str
-    committed: bool
+    status: str
+    """COMPLETE, PARTIAL, FOREIGN or UNKNOWN (see the module docstring)."""
     linked: bool = False
     """A symlink to a folder elsewhere (a run linked in): loaded from, never changed or deleted."""
+
+    @property
+    def committed(self) -> bool:
+        return self.status == COMPLETE
+
+    @property
+    def ours(self) -> bool:
+        """This package started writing it: only such folders are ever deleted."""
+        return self.status in (COMPLETE, PARTIAL)
+
+    @property
+    def loadable(self) -> bool:
+        return self.status in (COMPLETE, FOREIGN)
+
+
+def foreign_format(path: str) -> str | None:
+    """"dcp" or "hf" when `path` holds a finished checkpoint of that format, else None."""
+    return next((name for name, fmt in FORMATS.items() if fmt.holds(path)), None)
+
+
+def status_of(path: str) -> str:
+    """Whose step folder `path` is, and whether it is finished (see the module docstring)."""
+    if commit.is_committed(path):
+        return COMPLETE
+    if commit.is_in_progress(path) or os.path.lexists(os.path.join(path, commit.MARKER)):
+        return PARTIAL  # ours: started, or its marker is there but not a readable file
+    return FOREIGN if foreign_format(path) else UNKNOWN
 
 
 def scan(folder: str) -> list[StepFolder]:
@@ -39,7 +84,7 @@ def scan(folder: str) -> list[StepFolder]:
     for entry in os.scandir(folder):
         step = parse_step(entry.name)
         if step is not None and entry.is_dir():
-            found.append(StepFolder(step, entry.path, commit.is_committed(entry.path), entry.is_symlink()))
+            found.append(StepFolder(step, entry.path, status_of(entry.path), entry.is_symlink()))
     return sorted(found, key=lambda s: s.step)
 
 

@@ -33,11 +33,12 @@ from .errors import (
 from .group import CheckpointGroup
 from .formats import FORMATS, Context, StepFormat, StepIndex, Written
 from .hf import StateDictAdapter
+from .hf.adapter import as_adapter
 from .io.dtypes import EXPORT_DTYPES
 from .io.filewriter import Sink
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
 from .staging import SaveJob, make_strategy
-from .states import DataLoaderState, LRSchedulerState, ModelState, OptimizerState
+from .states import DataLoaderState, LRSchedulerState, ModelState, OptimizerState, saved_dp_degree
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,15 @@ def _as_list(x: Any) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
+def _members(x: Any) -> list:
+    """Optimizers or LR schedulers: one, a list, or TorchTitan's `OptimizersContainer` /
+    `LRSchedulersContainer` (iterables of the real ones; a torch optimizer or scheduler is not
+    iterable)."""
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) or hasattr(type(x), "__iter__") else [x]
+
+
 class CheckpointManager:
     """Saves and restores a training job's state through DCP, as the `[checkpoint]` config says.
 
@@ -79,9 +89,16 @@ class CheckpointManager:
         base_folder: str = "",
         process_group: Any | None = None,
         state_dict_adapter: StateDictAdapter | None = None,
+        *,
+        sd_adapter: StateDictAdapter | None = None,
     ):
+        """`sd_adapter` is TorchTitan's name for `state_dict_adapter`; pass either. The adapter
+        is one of ours, or any with TorchTitan's `BaseStateDictAdapter` surface."""
+        if state_dict_adapter is not None and sd_adapter is not None:
+            raise TypeError("pass the state-dict adapter once: state_dict_adapter= or sd_adapter=, not both")
+        state_dict_adapter = state_dict_adapter if state_dict_adapter is not None else sd_adapter
         self.config = config
-        self._adapter = state_dict_adapter
+        self._adapter = as_adapter(state_dict_adapter)
         self.folder = os.path.join(base_folder, config.folder)
         parts = _as_list(model_parts)
         if not parts:
@@ -89,43 +106,45 @@ class CheckpointManager:
         self._model = ModelState(parts)
         self._closed = False
         self._group = CheckpointGroup(process_group, config.collective_timeout_s) if config.enable else None
-        rank = self._group.rank if self._group else 0
-        self._states = self._build_states(parts, optimizers, lr_schedulers, dataloader, states or {}, rank)
+        rank, world_size = (self._group.rank, self._group.world_size) if self._group else (0, 1)
+        self._states = self._build_states(parts, optimizers, lr_schedulers, dataloader, states or {}, rank,
+                                          world_size)
         if self._group is None:
             return
+        self._check_job()
+        self._saves = make_strategy(config.async_mode)
+        self._deleter = BackgroundDeleter() if self._group.is_coordinator else None
+        context = Context(config, self._group, self._adapter)
+        self._formats = {name: cls(context) for name, cls in FORMATS.items()}
+
+    def _check_job(self) -> None:
+        """What the config asks of this job: an adapter for the Hugging Face format, one process
+        for a seed checkpoint, one folder for every rank."""
+        config = self.config
         for key in ("initial_load_in_hf", "last_save_in_hf", "hf_export_interval"):
-            if getattr(config, key) and state_dict_adapter is None:
+            if getattr(config, key) and self._adapter is None:
                 raise ConfigError(f"checkpoint.{key}", getattr(config, key),
                                   "the Hugging Face format needs a state-dict adapter: pass "
                                   "state_dict_adapter= to CheckpointManager")
         if config.create_seed_checkpoint and self._group.world_size != 1:
-            raise ConfigError(
-                "checkpoint.create_seed_checkpoint", True,
-                f"a seed checkpoint is written by a single process; this job has "
-                f"{self._group.world_size} ranks",
-            )
+            raise ConfigError("checkpoint.create_seed_checkpoint", True,
+                              f"a seed checkpoint is written by a single process; this job has "
+                              f"{self._group.world_size} ranks")
         if self._group.world_size > 1:
             rank0_folder = self._group.broadcast(os.path.abspath(self.folder))
             if rank0_folder != os.path.abspath(self.folder):
                 raise ConfigError("checkpoint.folder", self.folder,
                                   f"every rank must use the same folder; rank 0 uses {rank0_folder}")
-        self._saves = make_strategy(config.async_mode)
-        self._deleter = BackgroundDeleter() if self._group.is_coordinator else None
-        context = Context(config, self._group, state_dict_adapter)
-        self._formats = {name: cls(context) for name, cls in FORMATS.items()}
 
-    def _build_states(self, parts, optimizers, lr_schedulers, dataloader, extra, rank) -> dict[str, Stateful]:
+    def _build_states(self, parts, optimizers, lr_schedulers, dataloader, extra, rank,
+                      world_size) -> dict[str, Stateful]:
         found: dict[str, Stateful] = {}
-        opts = _as_list(optimizers)
-        if opts:
-            if len(opts) != len(parts):
-                raise ValueError(f"got {len(opts)} optimizers for {len(parts)} model parts; "
-                                 "pass one optimizer per model part")
+        if opts := _members(optimizers):
             found["optimizer"] = OptimizerState(parts, opts)
-        if scheds := _as_list(lr_schedulers):
+        if scheds := _members(lr_schedulers):
             found["lr_scheduler"] = LRSchedulerState(scheds)
         if dataloader is not None:
-            found["dataloader"] = DataLoaderState(dataloader, rank)
+            found["dataloader"] = DataLoaderState(dataloader, rank, world_size)
         for name, state in extra.items():
             if name in BUILTIN_STATES or not name.isidentifier():
                 raise ValueError(f"states key {name!r} is reserved or not an identifier; "
@@ -167,10 +186,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ saving
 
-    def save(self, step: int, last_step: bool = False) -> bool:
-        """Save `step` if the schedule says so; returns True when a save was made (or, with
+    def save(self, curr_step: int, last_step: bool = False) -> bool:
+        """Save `curr_step` if the schedule says so; returns True when a save was made (or, with
         `async_mode`, staged and handed to the background writer). The last step's save is
         always waited for. Raises the failure of an earlier background save, if any."""
+        step = curr_step
         if self._closed:
             raise CheckpointError("save() called after close()")
         if not self.config.enable:
@@ -203,8 +223,9 @@ class CheckpointManager:
         return self.config.enable and self._saves.in_flight()
 
     def maybe_wait_for_staging(self) -> None:
-        """Return once the state handed to the last `save()` is safe to mutate. Staging copies
-        inside `save()`, so this never blocks; it exists for loops written against TorchTitan."""
+        """TorchTitan's: block until the staging of the last `save()` is done, so the training
+        step may change the state it copied. Staging copies inside `save()` here, so this returns
+        at once; training loops written against TorchTitan call it before the optimizer step."""
 
     def _save_job(self, step: int, kind: SaveKind, folder: str, fmt: StepFormat) -> SaveJob:
         """The phases of one save into `{folder}/step-N` in format `fmt`, which the staging
@@ -263,9 +284,13 @@ class CheckpointManager:
 
     def _prepare_folder(self, path: str, step: int) -> None:
         if os.path.lexists(path):  # a partial leftover, or a step saved again: it is replaced
+            if not layout.StepFolder(step, path, layout.status_of(path)).ours:
+                raise CheckpointError(f"{path} exists and was not written by torchtitan_ckpt; it is "
+                                      "never replaced: move it away or save into another folder")
             commit.uncommit(path)  # refuses a symlink: another run's folder is never replaced
             shutil.rmtree(path)
         os.makedirs(path)
+        commit.mark_in_progress(path)  # ours from now on, even if this save crashes
         faults.hit("prepare", step)
 
     def _agree(self, step: int, path: str, fn: Callable[[], Any], coordinator_only: bool = False) -> list[Any]:
@@ -279,14 +304,14 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ loading
 
-    def load(self) -> bool:
-        """Restore the newest complete step (or `load_step`), else `initial_load_path`, else
-        nothing. Returns True when a checkpoint was loaded."""
+    def load(self, step: int = -1) -> bool:
+        """Restore `step` (when >= 0, else `load_step`), or else the newest loadable step, else
+        `initial_load_path`, else nothing. Returns True when a checkpoint was loaded."""
         if not self.config.enable:
             return False
         self._saves.wait()
         start = time.perf_counter()
-        target = self._find_load_target()
+        target = self._find_load_target(step if step >= 0 else self.config.load_step)
         if target is None:
             logger.info("no checkpoint in %s and no initial_load_path: starting from scratch", self.folder)
             return False
@@ -326,16 +351,30 @@ class CheckpointManager:
                     f"{path}: its '{name}' state cannot be applied to this job ({type(e).__name__}: {e}); "
                     f"load another step, or add '{name}' to checkpoint.exclude_from_loading") from e
 
-    def _find_load_target(self) -> _LoadTarget | None:
+    def _find_load_target(self, step: int) -> _LoadTarget | None:
         folders = layout.scan(self.folder)
-        committed = [f for f in folders if f.committed]
-        if self.config.load_step >= 0:
-            return self._explicit_step(folders, self.config.load_step)
-        newest_step = committed[-1].step if committed else -1
+        if step >= 0:
+            return self._explicit_step(folders, step)
+        loadable = [f for f in folders if f.loadable]
+        newest_step = loadable[-1].step if loadable else -1
         for f in folders:
-            if not f.committed and f.step > newest_step and self._group.is_coordinator:
-                logger.warning("ignoring %s: its save did not finish (no %s)", f.path, commit.MARKER)
-        for newest in reversed(committed):
+            if not f.loadable and f.step > newest_step and self._group.is_coordinator:
+                logger.warning("ignoring %s: %s", f.path, _not_loadable(f))
+        if loadable:
+            if self.config.initial_load_path:
+                logger.info("%s has loadable steps; ignoring initial_load_path", self.folder)
+            return self._newest_target(loadable)
+        if self.config.initial_load_in_hf:
+            return self._target(self.config.initial_load_path or self._adapter.hf_assets_path, None, True, "hf")
+        if self.config.initial_load_path:
+            return self._initial_target(self.config.initial_load_path)
+        return None
+
+    def _newest_target(self, loadable: list[layout.StepFolder]) -> _LoadTarget:
+        """The newest loadable step; with `verify_fallback`, an older one if it is corrupt."""
+        for newest in reversed(loadable):
+            if newest.status == layout.FOREIGN:
+                return self._foreign_target(newest.path, newest.step)
             problems = self._verify(newest.path)
             if problems and self.config.verify_fallback:
                 if self._group.is_coordinator:
@@ -344,34 +383,45 @@ class CheckpointManager:
                 continue
             if problems:
                 raise CorruptCheckpointError(f"step {newest.step} failed verification: {'; '.join(problems)}")
-            if self.config.initial_load_path:
-                logger.info("%s has complete steps; ignoring initial_load_path", self.folder)
             return self._committed_target(newest.path, newest.step)
-        if committed:
-            raise CorruptCheckpointError(f"every complete step in {self.folder} failed verification")
-        if self.config.initial_load_in_hf:
-            return self._target(self.config.initial_load_path or self._adapter.hf_assets_path, None, True, "hf")
-        if self.config.initial_load_path:
-            path = self.config.initial_load_path
-            model_only = self.config.initial_load_model_only
-            if commit.is_committed(path):
-                model_only = model_only or commit.read_marker(path).model_only
-            else:
-                logger.warning("%s has no %s; loading it as a plain DCP checkpoint", path, commit.MARKER)
-            return self._target(path, None, model_only)
-        return None
+        raise CorruptCheckpointError(f"every complete step in {self.folder} failed verification")
+
+    def _initial_target(self, path: str) -> _LoadTarget:
+        status = layout.status_of(path)
+        if status == layout.PARTIAL:
+            raise CheckpointNotFoundError(f"checkpoint.initial_load_path = {path}: its save did not finish "
+                                          f"(no {commit.MARKER}); it is never loaded")
+        if status != layout.COMPLETE:
+            return self._foreign_target(path, None, self.config.initial_load_model_only)
+        model_only = self.config.initial_load_model_only or commit.read_marker(path).model_only
+        return self._target(path, None, model_only)
+
+    def _foreign_target(self, path: str, step: int | None, model_only: bool = False) -> _LoadTarget:
+        """A checkpoint another program wrote (TorchTitan's own manager, a Hugging Face export):
+        loaded as its format's files say, without a manifest to verify them against."""
+        fmt = layout.foreign_format(path) or "dcp"
+        if self._group.is_coordinator:
+            logger.info("loading %s: a foreign %s checkpoint (no %s: not written by torchtitan_ckpt), "
+                        "unverified", path, fmt, commit.MARKER)
+        target = self._target(path, step, model_only, fmt)
+        if not target.model_only:  # a model-only save has none of the other states
+            saved = {k.split(".", 1)[0] for k in target.index.keys()}
+            target.model_only = not saved & set(self._states)
+        return target
 
     def _explicit_step(self, folders: list[layout.StepFolder], step: int) -> _LoadTarget:
         path = layout.step_dir(self.folder, step)
         match = [f for f in folders if f.step == step]
-        complete = [f.step for f in folders if f.committed]
+        loadable = [f.step for f in folders if f.loadable]
         if not match:
             raise CheckpointNotFoundError(
-                f"checkpoint.load_step = {step}: {path} does not exist; complete steps: {complete}")
-        if not match[0].committed:
+                f"checkpoint.load_step = {step}: {path} does not exist; loadable steps: {loadable}")
+        if not match[0].loadable:
             raise CheckpointNotFoundError(
-                f"checkpoint.load_step = {step}: {path} is incomplete (no {commit.MARKER}; its save "
-                f"did not finish); complete steps: {complete}")
+                f"checkpoint.load_step = {step}: {path} is not loadable ({_not_loadable(match[0])}); "
+                f"loadable steps: {loadable}")
+        if match[0].status == layout.FOREIGN:
+            return self._foreign_target(path, step)
         if problems := self._verify(path):
             raise CorruptCheckpointError(f"step {step} failed verification: {'; '.join(problems)}")
         return self._committed_target(path, step)
@@ -410,23 +460,35 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"{target.path} has no state '{name}'; add '{name}' to "
                     "checkpoint.exclude_from_loading to start it fresh")
-            if isinstance(stateful, DataLoaderState) and not self._expect_dataloader(stateful, saved, target):
+            relative = {k[len(prefix):] for k in saved}
+            if isinstance(stateful, DataLoaderState) and not self._dataloader_fits(stateful, relative):
                 continue
-            if isinstance(stateful, OptimizerState):
-                state[name] = stateful.state_dict_to_load({k[len(prefix):] for k in saved})
+            if isinstance(stateful, (OptimizerState, LRSchedulerState)):
+                try:
+                    state[name] = stateful.state_dict_to_load(relative)
+                except CheckpointError as e:
+                    raise CheckpointError(f"{target.path}: {e}") from None
             else:
                 state[name] = stateful.state_dict()  # filled in place; applied once every rank has read
         return state
 
-    def _expect_dataloader(self, loader: DataLoaderState, saved: list[str], target: _LoadTarget) -> bool:
-        if len(saved) != self._group.world_size:
-            if self._group.is_coordinator:
-                logger.warning("the dataloader state was saved by %d ranks and this job has %d; "
-                               "the dataloader starts from the beginning", len(saved), self._group.world_size)
-            return False
-        key = f"dataloader.{loader.key}"
-        loader.expect_load(target.format.byte_tensor_size(target.path, target.index, key))
-        return True
+    def _dataloader_fits(self, loader: DataLoaderState, saved: set[str]) -> bool:
+        """TorchTitan refuses a dataloader state saved by another data-parallel degree; here the
+        dataloader starts from the beginning instead, and says so once."""
+        degree = saved_dp_degree(saved)
+        if degree == loader.dp_world_size and loader.key in saved:
+            return True
+        if self._group.is_coordinator:
+            logger.warning("the dataloader state was saved by %d data-parallel ranks and this job has %d; "
+                           "the dataloader starts from the beginning", degree, loader.dp_world_size)
+        return False
+
+
+def _not_loadable(folder: layout.StepFolder) -> str:
+    if folder.status == layout.PARTIAL:
+        return f"its save did not finish (no {commit.MARKER})"
+    return ("not written by torchtitan_ckpt, and holding no finished checkpoint of a known format "
+            f"({', '.join(FORMATS)}): its save did not finish, or it is not a checkpoint")
 
 
 def _space_hint(path: str) -> str:

@@ -1,58 +1,64 @@
-"""`Stateful` wrappers that turn a job's parts into DCP state dicts and back.
+"""`Stateful` wrappers that turn a job's parts into DCP state dicts and back, in TorchTitan's
+layout, so that a step folder is one format for both: TorchTitan's `CheckpointManager` resumes
+from ours and we resume from its (docs/torchtitan.md).
 
-Model parts are flattened into one dict of fully-qualified names (non-persistent buffers are not
-part of it), optimizer state is keyed by parameter name so it reshards, and the dataloader's
-per-rank position is stored as an opaque byte tensor per rank, read back with
-`torch.load(weights_only=True)`.
+Model parts are flattened into one dict of their `state_dict()` keys (non-persistent buffers are
+not part of it), optimizer state is keyed by parameter name so it reshards, the schedulers are
+one scheduler's state, and the dataloader's position is a pickle per data-parallel rank, read
+back without running code.
 """
 
 from __future__ import annotations
 
-import io
+import copy
 import itertools
-import logging
+import pickle
 from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.checkpoint.stateful import Stateful
 
-logger = logging.getLogger(__name__)
+from .errors import CheckpointError, CorruptCheckpointError
+from .io.reader import load_plain_pickle
 
-_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+_WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+"""Name segments that activation checkpointing, `torch.compile` and FSDP1 insert in a module's
+names; a key in a checkpoint never carries one (TorchTitan's `ModelWrapper` guarantees the same)."""
+
+
+def canonical_name(name: str) -> str:
+    """`layers.0._checkpoint_wrapped_module.attention.wq.weight` -> `layers.0.attention.wq.weight`."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
 
 
 class ModelState(Stateful):
-    """All model parts as one flat state dict (DTensors stay sharded)."""
+    """All model parts as one flat state dict: what each part's own `state_dict()` holds (its
+    state-dict hooks included, so a model that fuses `wq`/`wk`/`wv` into one parameter still
+    saves them apart), keys without wrapper segments; DTensors stay sharded."""
 
     def __init__(self, parts: Sequence[nn.Module]):
         self.parts = list(parts)
 
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for part in self.parts:
-            out.update(get_model_state_dict(part))
-        return out
+        return {canonical_name(k): v for part in self.parts for k, v in part.state_dict().items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Each part takes its own keys out of the merged dict (DCP already checked that every
-        requested key was in the checkpoint). Values that already are a parameter's or buffer's
-        own memory (DCP loads a `state_dict()` in place) are not copied onto themselves: that
-        copy would be a second pass over every weight of a cold load."""
+        requested key was in the checkpoint), under the names its `load_state_dict` expects.
+        Values that already are a parameter's or buffer's own memory (DCP loads a
+        `state_dict()` in place) are not copied onto themselves: that copy would be a second
+        pass over every weight of a cold load."""
         for part in self.parts:
             live = {_memory(t) for t in itertools.chain(part.parameters(), part.buffers())}
-            rest = {k: v for k, v in state_dict.items() if not (isinstance(v, torch.Tensor) and _memory(v) in live)}
+            mine = {k: state_dict[canonical_name(k)] for k in part.state_dict() if canonical_name(k) in state_dict}
+            rest = {k: v for k, v in mine.items() if not (isinstance(v, torch.Tensor) and _memory(v) in live)}
             if rest:
-                set_model_state_dict(part, rest, options=StateDictOptions(strict=False))
+                part.load_state_dict(rest, strict=False)
 
 
 def _memory(t: torch.Tensor) -> tuple:
@@ -62,111 +68,144 @@ def _memory(t: torch.Tensor) -> tuple:
 
 
 class OptimizerState(Stateful):
-    """One optimizer per model part, keyed by parameter FQN so the state reshards on load.
+    """Optimizers keyed by parameter name, in TorchTitan's layout, so the state reshards on load
+    and TorchTitan's `CheckpointManager` reads it: `state.{fqn}.{name}` for each state tensor
+    and `param_groups.{fqn}.{setting}` for each setting of the parameter's group (what
+    `get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)` produces, without the
+    `param_names` list). The state dict is nested (`state` -> fqn -> name); DCP's flattening
+    joins the keys with dots into those names.
 
-    Tensors are stored as `flatten_optimizer_state_dict` lays them out (`state.{fqn}.{name}`,
-    TorchTitan's layout). A parameter's hyperparameters (`lr`, `betas`, ...) are stored as one
-    value, `param_groups.{fqn}`, instead of one value per setting (`param_groups.{fqn}.lr`, ...):
-    with a dozen settings per parameter, those made 3 of every 4 items of an AdamW state, and
-    each item costs planning, pickling and metadata on every save. Keys still name the
-    parameter, so ranks holding different parameters (pipeline stages) never collide, and
-    `state_dict_to_load` reads either layout: TorchTitan's checkpoints load here (TorchTitan
-    itself, asking for one value per setting, cannot load these)."""
+    Any number of optimizers per model part (TorchTitan's `OptimizersContainer` may build
+    several); each optimizer's parameters must belong to one of the parts."""
 
     def __init__(self, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]):
-        self.pairs = list(zip(parts, optimizers, strict=True))
-
-    def _flat(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for part, opt in self.pairs:
-            out.update(get_optimizer_state_dict(part, opt, options=_OPTIM_OPTIONS))
-        return out
+        self.named = [(opt, _parameter_names(parts, opt)) for opt in optimizers]
 
     def state_dict(self) -> dict[str, Any]:
-        return settings_per_parameter(self._flat())
+        state: dict[str, Any] = {}
+        groups: dict[str, Any] = {}
+        for opt, names in self.named:
+            _init_optim_state(opt)  # TorchTitan's manager expects the state of every parameter
+            saved = opt.state_dict()
+            for index, values in saved["state"].items():
+                state[names[index]] = values
+            for group in saved["param_groups"]:
+                settings = {k: v for k, v in group.items() if k not in _NOT_SETTINGS}
+                groups.update({names[index]: dict(settings) for index in group["params"]})
+        return {"state": state, "param_groups": groups}
 
     def state_dict_to_load(self, saved_keys: Collection[str]) -> dict[str, Any]:
-        """What to load from a checkpoint holding `saved_keys` (relative to this state): this
-        layout, or one value per setting when the checkpoint has that (TorchTitan's)."""
-        ours = self.state_dict()
-        if any(k.startswith(_GROUPS) and k in saved_keys for k in ours):
-            return ours
-        return self._flat()
+        """What to load from a checkpoint holding `saved_keys` (relative to this state): every
+        state tensor, and the settings the checkpoint has (a setting a newer PyTorch added
+        keeps its present value)."""
+        sd = self.state_dict()
+        sd["param_groups"] = {fqn: {k: v for k, v in settings.items() if f"param_groups.{fqn}.{k}" in saved_keys}
+                              for fqn, settings in sd["param_groups"].items()}
+        bare = [fqn for fqn, settings in sd["param_groups"].items() if not settings]
+        if bare:
+            raise CheckpointError(f"the checkpoint has no optimizer settings (optimizer.param_groups.<fqn>.lr, "
+                                  f"...) for {len(bare)} parameters, e.g. {bare[:3]}; add 'optimizer' to "
+                                  "checkpoint.exclude_from_loading to start it fresh")
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # which keys are one value per setting (a setting's value may itself be a tuple: betas)
-        per_setting = self._flat()
-        flat: dict[str, Any] = {}
-        for key, value in state_dict.items():
-            if key.startswith(_GROUPS) and key not in per_setting:
-                flat.update({f"{key}.{name}": v for name, v in value})
-            else:
-                flat[key] = value
-        for part, opt in self.pairs:
-            set_optimizer_state_dict(part, opt, flat, options=_OPTIM_OPTIONS)
+        for opt, names in self.named:
+            current = opt.state_dict()
+            state = {index: state_dict["state"][names[index]] for index in current["state"]}
+            groups = [{**group, **state_dict["param_groups"].get(names[group["params"][0]], {})} if group["params"]
+                      else group for group in current["param_groups"]]
+            opt.load_state_dict({"state": state, "param_groups": groups})
 
 
-_GROUPS = "param_groups."
+_NOT_SETTINGS = ("params", "param_names")
 
 
-def settings_per_parameter(flat: dict[str, Any]) -> dict[str, Any]:
-    """A flattened optimizer state dict (`flatten_optimizer_state_dict`) with each parameter's
-    settings gathered into one value `param_groups.{fqn}`: a tuple of (name, value) pairs, which
-    DCP stores as one item (a dict would be flattened into one item per setting again)."""
-    out = {k: v for k, v in flat.items() if not k.startswith(_GROUPS)}
-    settings: dict[str, list[tuple[str, Any]]] = {}
-    for key, value in flat.items():
-        if key.startswith(_GROUPS):
-            fqn, name = key[len(_GROUPS):].rsplit(".", 1)
-            settings.setdefault(fqn, []).append((name, value))
-    out.update({_GROUPS + fqn: tuple(sorted(pairs)) for fqn, pairs in settings.items()})
-    return out
+def _parameter_names(parts: Sequence[nn.Module], opt: torch.optim.Optimizer) -> list[str]:
+    """The canonical name of each of `opt`'s parameters, by their index in its state dict."""
+    names = {id(p): canonical_name(n) for part in parts for n, p in part.named_parameters()}
+    params = [p for group in opt.param_groups for p in group["params"]]
+    unknown = [i for i, p in enumerate(params) if id(p) not in names]
+    if unknown:
+        raise ValueError(f"{type(opt).__name__} optimizes {len(unknown)} parameters that are in none of "
+                         f"the model parts (indices {unknown[:5]}); pass every part its parameters are in")
+    return [names[id(p)] for p in params]
 
 
 class LRSchedulerState(Stateful):
-    """Learning-rate schedulers, one entry per scheduler in the order given."""
+    """Learning-rate schedulers as TorchTitan's `LRSchedulersContainer` keeps them: they step
+    together, so the first one's `state_dict()` is saved (`last_epoch`, `base_lrs`, ... at the
+    top of the state: TorchTitan 0.2.2's layout, whose `last_epoch` is all 0.3.0 reads).
+
+    Loading takes whichever of those keys the checkpoint has (0.3.0 saves `last_epoch` alone)
+    over each scheduler's own state; each scheduler keeps its own `base_lrs` when there are
+    several, and its last learning rates are its optimizer's, which load before it."""
 
     def __init__(self, schedulers: Sequence[Any]):
         self.schedulers = list(schedulers)
 
     def state_dict(self) -> dict[str, Any]:
-        return {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}
+        return self.schedulers[0].state_dict()
+
+    def state_dict_to_load(self, saved_keys: Collection[str]) -> dict[str, Any]:
+        """The entries of this state the checkpoint holds (`saved_keys` relative to it)."""
+        if "last_epoch" not in saved_keys:
+            raise CheckpointError(f"the checkpoint has no lr_scheduler.last_epoch (it has lr_scheduler."
+                                  f"{sorted(saved_keys)[0]}, ...); add 'lr_scheduler' to "
+                                  "checkpoint.exclude_from_loading to start it fresh")
+        return {k: v for k, v in self.state_dict().items() if any(s == k or s.startswith(k + ".") for s in saved_keys)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for i, s in enumerate(self.schedulers):
-            s.load_state_dict(state_dict[str(i)])
+        for scheduler in self.schedulers:
+            own = scheduler.state_dict()
+            shared = {k: v for k, v in state_dict.items() if len(self.schedulers) == 1 or k not in _PER_SCHEDULER}
+            scheduler.load_state_dict(copy.deepcopy({**own, **shared}))
+            if "_step_count" not in state_dict:
+                scheduler._step_count = scheduler.last_epoch + 1  # what step() would have counted
+            if "_last_lr" not in shared:
+                scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
+_PER_SCHEDULER = ("base_lrs", "_last_lr")
 
 
 class DataLoaderState(Stateful):
-    """A `StatefulDataLoader`'s position, one entry per rank of the checkpoint group.
+    """A `StatefulDataLoader`'s position per data-parallel rank, as TorchTitan's
+    `ParallelAwareDataloader` saves it: `dp_rank_{r}` holds the pickled `state_dict()` of rank
+    r's loader and `world_size` the data-parallel degree. Ranks that share a data-parallel rank
+    (tensor parallel) save the same entry once. The pickle is read back without running code.
 
-    The state is serialised with `torch.save` into a uint8 tensor, so DCP stores it as one item
-    per rank rather than flattening its nested structure, and loading it runs no code.
-    """
+    A loader with `dp_rank` and `dp_world_size` attributes (TorchTitan's) already saves this
+    layout; its state passes through as it is. Any other loader is at the checkpoint group's
+    rank, of its size."""
 
-    def __init__(self, dataloader: Any, rank: int):
+    def __init__(self, dataloader: Any, rank: int, world_size: int):
         self.dataloader = dataloader
-        self.rank = rank
-        self._loaded_size: int | None = None
+        self.own_layout = hasattr(dataloader, "dp_rank") and hasattr(dataloader, "dp_world_size")
+        self.dp_rank = dataloader.dp_rank if self.own_layout else rank
+        self.dp_world_size = dataloader.dp_world_size if self.own_layout else world_size
 
     @property
     def key(self) -> str:
-        return f"rank_{self.rank}"
+        return f"{DP_RANK_PREFIX}{self.dp_rank}"
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        if self._loaded_size is not None:  # DCP asks for a destination to load into
-            return {self.key: torch.empty(self._loaded_size, dtype=torch.uint8)}
-        buf = io.BytesIO()
-        torch.save(self.dataloader.state_dict(), buf)
-        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        return {self.key: data}
+    def state_dict(self) -> dict[str, Any]:
+        if self.own_layout:
+            return self.dataloader.state_dict()
+        return {self.key: pickle.dumps(self.dataloader.state_dict()), "world_size": self.dp_world_size}
 
-    def expect_load(self, nbytes: int) -> None:
-        """Prepare `state_dict()` to hand DCP an empty buffer of the saved size."""
-        self._loaded_size = nbytes
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        try:
+            position = load_plain_pickle(state_dict[self.key])
+        except pickle.UnpicklingError as e:
+            raise CorruptCheckpointError(f"dataloader.{self.key} is not plain data and loading it could "
+                                         f"run code; refused ({e})") from None
+        # TorchTitan's loader unpickles the entry itself: it is known to be plain data by now
+        self.dataloader.load_state_dict(state_dict if self.own_layout else position)
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self._loaded_size = None
-        data = state_dict[self.key]
-        obj = torch.load(io.BytesIO(bytes(data.tolist())), weights_only=True)  # small; no numpy needed
-        self.dataloader.load_state_dict(obj)
+
+DP_RANK_PREFIX = "dp_rank_"
+
+
+def saved_dp_degree(saved_keys: Collection[str]) -> int:
+    """How many data-parallel ranks saved a dataloader state (`saved_keys` relative to it)."""
+    return sum(1 for k in saved_keys if k.startswith(DP_RANK_PREFIX))

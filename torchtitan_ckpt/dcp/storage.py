@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo  # the format's entry type
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
     LoadPlanner,
@@ -181,23 +181,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             node[last] = obj
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
-
-
-def stored_bytes(root: str, metadata: Metadata, fqn: str) -> int:
-    """Bytes the data files of the checkpoint folder `root` hold for entry `fqn` (a checked
-    `metadata`'s), each of its items checked to lie inside its file: a bound on what the entry
-    can hold, known before anything of its size is allocated."""
-    md = metadata.state_dict_metadata[fqn]
-    indexes = [MetadataIndex(fqn, c.offsets) for c in md.chunks] if hasattr(md, "chunks") else [MetadataIndex(fqn)]
-    total = 0
-    for index in indexes:
-        info = metadata.storage_data[index]
-        size = safe_open.file_size(root, info.relative_path, f"the data file of '{fqn}'")
-        if info.offset + info.length > size:
-            raise CorruptCheckpointError(f"{os.path.join(root, info.relative_path)}: entry '{fqn}' lies at bytes "
-                                         f"{info.offset}-{info.offset + info.length}, past its end ({size} bytes)")
-        total += info.length
-    return total
 
 
 def load_on_this_rank(state: dict[str, Any], storage_reader: SafeFileSystemReader, planner: SafeLoadPlanner) -> None:

@@ -29,17 +29,20 @@ logger = logging.getLogger(__name__)
 
 
 class TrainState(Stateful):
-    """The step reached and the RNG state, so a resumed run continues exactly."""
+    """The step reached and the tokens trained on: what TorchTitan's trainer saves as
+    `train_state`, so either resumes the other's steps. (Training draws no global random
+    numbers: the data has its own generator and the model is initialised before a load.)"""
 
     def __init__(self) -> None:
         self.step = 0
+        self.ntokens_seen = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "rng": torch.get_rng_state()}
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
-        torch.set_rng_state(state_dict["rng"])
+        self.ntokens_seen = int(state_dict["ntokens_seen"])
 
 
 def lr_lambda(warmup: int, steps: int, min_factor: float):
@@ -132,6 +135,7 @@ def train(config: JobConfig) -> None:
             sched.step()
             opt.zero_grad(set_to_none=True)
             train_state.step = step
+            train_state.ntokens_seen += labels.numel()
             _log_step(step, loss.detach(), sched.get_last_lr()[0])
             manager.save(step, last_step=step == steps)
     if rank == 0:

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import Checkpoint
-from ..errors import CorruptCheckpointError
 from ..group import CheckpointGroup
 from ..io.filewriter import Sink
 from ..policy.schedule import SaveKind
@@ -78,11 +77,6 @@ class StepFormat(ABC):
     def read(self, path: str, index: StepIndex, state: dict[str, Any]) -> None:
         """Fill this rank's part of `state` (tensors in place, other values replaced) from the
         step; raise on this rank's failure (the caller makes it every rank's)."""
-
-    def byte_tensor_size(self, path: str, index: StepIndex, key: str) -> int:
-        """The length of the 1-D uint8 tensor `key` (a state serialised to bytes), checked
-        against the bytes the step stores for it before anything of that size is allocated."""
-        raise CorruptCheckpointError(f"{path}: a {self.name} step holds no byte tensor '{key}'")
 
     on_training_thread: bool = False
     """Whether saves must run on the training thread (their collectives use the training mesh)

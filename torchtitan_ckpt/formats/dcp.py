@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from .. import faults
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError
 from ..dcp import storage
 from ..dcp.planner import PlanCache
 from ..io.filewriter import Sink, write_files
@@ -62,16 +62,6 @@ class DcpFormat(StepFormat):
             else:
                 tensors[key] = tuple(md.size)
         return StepIndex(tensors, frozenset(values), metadata)
-
-    def byte_tensor_size(self, path: str, index: StepIndex, key: str) -> int:
-        md = index.native.state_dict_metadata.get(key)
-        if not (isinstance(md, TensorStorageMetadata) and md.properties.dtype == torch.uint8 and len(md.size) == 1
-                and 0 < md.size[0] <= storage.stored_bytes(path, index.native, key)):
-            raise CorruptCheckpointError(
-                f"{path}: entry '{key}' is not a byte tensor that its data file holds "
-                f"({getattr(md, 'size', md)}); the checkpoint is damaged: load another step, or exclude "
-                "its state from loading (checkpoint.exclude_from_loading)")
-        return md.size[0]
 
     def read(self, path: str, index: StepIndex, state: dict[str, Any]) -> None:
         missing = [k for k, v in state.items() if isinstance(v, torch.Tensor) and k not in index.tensors]

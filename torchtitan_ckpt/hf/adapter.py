@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..errors import AdapterMismatchError, CorruptCheckpointError
+from ..errors import AdapterMismatchError, CheckpointError, CorruptCheckpointError
 from ..io import safe_open
 from .files import CONFIG_FILE, INDEX_FILE, file_number
 from .model_config import HFModelConfig
@@ -165,6 +165,47 @@ class StateDictAdapter:
         for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
             config[key] = str(dtype).removeprefix("torch.")
         return config
+
+
+class ForeignAdapter(StateDictAdapter):
+    """Any adapter with TorchTitan's `BaseStateDictAdapter` surface (`to_hf`, `from_hf`,
+    `fqn_to_index_mapping`, `hf_assets_path`), e.g. TorchTitan's own llama3 / qwen3 /
+    deepseek_v3 adapters. Exports go through its `to_hf`; imports read whole tensors and go
+    through its `from_hf` (`hf_sources` is None: it cannot say which rows a shard needs, so the
+    sharded import of our own adapters does not apply). TorchTitan's adapters write no
+    `config.json`: an export copies the one in `hf_assets_path`, if any."""
+
+    def __init__(self, adapter: Any):
+        missing = [name for name in ("to_hf", "from_hf") if not callable(getattr(adapter, name, None))]
+        if missing:
+            raise TypeError(f"{type(adapter).__name__} is not a state-dict adapter: it has no "
+                            f"{' or '.join(missing)}()")
+        super().__init__(getattr(adapter, "hf_assets_path", None))
+        self.adapter = adapter
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return self.adapter.to_hf(state_dict)
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return self.adapter.from_hf(hf_state_dict)
+
+    def hf_sources(self, names: Iterable[str]) -> None:  # type: ignore[override]
+        return None
+
+    def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
+        raise CheckpointError(f"{type(self.adapter).__name__} has no hf_assets_path holding a {CONFIG_FILE}, "
+                              "and it cannot write one: give it the model's Hugging Face assets folder")
+
+    @property
+    def fqn_to_index_mapping(self) -> dict[str, int] | None:
+        return getattr(self.adapter, "fqn_to_index_mapping", None)
+
+
+def as_adapter(adapter: Any) -> StateDictAdapter | None:
+    """Ours as it is; any other (TorchTitan's) behind `ForeignAdapter`."""
+    if adapter is None or isinstance(adapter, StateDictAdapter):
+        return adapter
+    return ForeignAdapter(adapter)
 
 
 def read_file_split(hf_dir: str) -> dict[str, int] | None:

@@ -72,7 +72,8 @@ def to_dcp(hf_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pat
     adapter = adapter_for_config(config, hf_assets_path or hf_dir, adapter_name, config_path)
     shapes = adapter.state_dict_shapes()
     meta = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}
-    sources, layout = check_hf_dir(meta, hf_dir, adapter)  # every name and shape, before allocating
+    sources = adapter.hf_sources(meta)
+    layout = check_hf_dir(meta, hf_dir, sources)  # every name and shape, before allocating
     dtypes = {k: layout[source.hf_names[0]].dtype for k, source in sources.items()}
     state = empty_state_dict(shapes, dtypes)
     nbytes = _local_bytes(state)

@@ -15,9 +15,12 @@ import os
 import time
 from typing import Any
 
+import safetensors.torch
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+from ..dcp.storage import dtensor_chunk
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..errors import RankFailed
 from ..group import CheckpointGroup
@@ -73,7 +76,10 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
     group = CheckpointGroup(process_group or (dist.group.WORLD if dist.is_initialized() else None))
 
     def check_and_read() -> tuple[int, int]:
-        sources, layout = check_hf_dir(state_dict, hf_dir, adapter)
+        sources = adapter.hf_sources(state_dict)
+        if sources is None:  # an adapter of whole tensors only (`ForeignAdapter`)
+            return _read_through(state_dict, hf_dir, adapter)
+        layout = check_hf_dir(state_dict, hf_dir, sources)
         with torch.no_grad():
             reads, seen = [], set()
             for name, source in sources.items():
@@ -94,15 +100,38 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
     return state_dict
 
 
-def check_hf_dir(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter
-                 ) -> tuple[dict[str, HFSource], dict[str, TensorEntry]]:
-    """The adapter's sources of `state_dict` (values need only a shape and a dtype: meta tensors
-    do) and the layout of `hf_dir`, once their names, shapes and dtypes are checked to fit."""
-    sources = adapter.hf_sources(state_dict)
+def check_hf_dir(state_dict: dict[str, Any], hf_dir: str, sources: dict[str, HFSource]
+                 ) -> dict[str, TensorEntry]:
+    """The layout of `hf_dir`, once the names, shapes and dtypes of the adapter's `sources` of
+    `state_dict` (values need only a shape and a dtype: meta tensors do) are checked to fit."""
     layout = read_hf_layout(hf_dir)
     check_names(hf_dir, layout, {n for s in sources.values() for n in s.hf_names})
     _check_fit(hf_dir, state_dict, sources, layout)
-    return sources, layout
+    return layout
+
+
+def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any) -> tuple[int, int]:
+    """For an adapter that converts whole tensors only (`ForeignAdapter`): every rank reads
+    every tensor whole, converts them with `from_hf` and copies its own part of each into
+    `state_dict`. Returns (bytes read, bytes in the folder)."""
+    layout = read_hf_layout(hf_dir)
+    hf: dict[str, torch.Tensor] = {}
+    for path in sorted({entry.path for entry in layout.values()}):
+        hf.update(safetensors.torch.load_file(path))
+    ours = adapter.from_hf(hf)
+    check_names(hf_dir, ours, state_dict)
+    wrong = [f"{k}: {tuple(ours[k].shape)} in the checkpoint, {tuple(v.shape)} expected"
+             for k, v in state_dict.items() if tuple(ours[k].shape) != tuple(v.shape)]
+    if wrong:
+        raise CheckpointError(f"{hf_dir} does not fit this model: {'; '.join(wrong)}")
+    with torch.no_grad():
+        for name, dest in state_dict.items():
+            offsets, sizes = dtensor_chunk(tuple(dest.shape), dest.device_mesh, tuple(dest.placements)) \
+                if isinstance(dest, DTensor) else ((0,) * dest.dim(), tuple(dest.shape))
+            local = dest.to_local() if isinstance(dest, DTensor) else dest
+            local.copy_(ours[name][tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
+    nbytes = sum(entry.nbytes for entry in layout.values())
+    return nbytes, nbytes
 
 
 def _memory(t: torch.Tensor) -> tuple:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import _weights_only_unpickler
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ..errors import CorruptCheckpointError
@@ -240,6 +241,16 @@ def load_plain(data: bytes) -> Any:
         return _unpickle(_PlainUnpickler, pkl)
     except _Unrecognised:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def load_plain_pickle(data: bytes) -> Any:
+    """A plain pickle (`pickle.dumps`, not a `torch.save` archive), read without running code:
+    plain data here, else with the globals `torch.load(weights_only=True)` allows (its
+    unpickler, which is private to torch). Anything else raises `pickle.UnpicklingError`."""
+    try:
+        return _unpickle(_PlainUnpickler, data)
+    except _Unrecognised:
+        return _weights_only_unpickler.load(io.BytesIO(data), encoding="utf-8")
 
 
 # ---------------------------------------------------------------- one file, read forward

@@ -1,0 +1,305 @@
+"""TorchTitan's layout and its step folders, without the torchtitan package: foreign folders are
+loaded and never deleted, every built-in state has TorchTitan's keys, models with state-dict hooks
+and wrappers save under their own keys, and the manager has TorchTitan's API."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from torchtitan_ckpt import (CheckpointError, CheckpointManager, CheckpointNotFoundError, CheckpointSaveError, cli,
+                             commit, layout)
+from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.dcp.storage import METADATA_FILE
+from torchtitan_ckpt.hf import LlamaAdapter
+
+from .helpers import assert_same, read_checkpoint
+from .jobs import make_job
+
+
+def _folder(tmp_path) -> str:
+    return os.path.join(tmp_path, "checkpoint")
+
+
+def _as_foreign(path: str) -> None:
+    """What another program's finished DCP step looks like: the same files, no marker of ours."""
+    os.remove(os.path.join(path, commit.MARKER))
+
+
+def _foreign_steps(tmp_path) -> tuple:
+    """Steps 2 and 4 as another program left them (finished), step 5 as one it is still writing
+    (no `.metadata` yet), and the job that wrote them at step 4 with what it did next."""
+    job = make_job(str(tmp_path), steps=20, interval=2, keep_latest_k=0)
+    job.run_to(4, steps=20)
+    job.manager.close()
+    folder = _folder(tmp_path)
+    for step in (2, 4):
+        _as_foreign(layout.step_dir(folder, step))
+    shutil.copytree(layout.step_dir(folder, 4), layout.step_dir(folder, 5))
+    os.remove(os.path.join(layout.step_dir(folder, 5), METADATA_FILE))
+    return job, [job.step() for _ in range(2)]
+
+
+def test_foreign_steps_resume_and_are_never_deleted(tmp_path, capsys, caplog):
+    source, later = _foreign_steps(tmp_path)
+    folder = _folder(tmp_path)
+    assert [(s.step, s.status) for s in layout.scan(folder)] == [(2, "foreign"), (4, "foreign"), (5, "unknown")]
+
+    fresh = make_job(str(tmp_path), steps=20, interval=2, keep_latest_k=1, init_seed=7)
+    with caplog.at_level(logging.INFO, logger="torchtitan_ckpt.manager"):
+        assert fresh.manager.load()
+    assert "step-4: a foreign dcp checkpoint (no COMMITTED.json: not written by torchtitan_ckpt), unverified" in caplog.text
+    assert "ignoring" in caplog.text and "step-5: not written by torchtitan_ckpt" in caplog.text
+    assert (fresh.train_state.step, fresh.sched.last_epoch) == (4, 4)
+    assert [fresh.step() for _ in range(2)] == later  # dataloader position, optimizer, model: all resumed
+    assert_same(fresh.model.state_dict(), source.model.state_dict())
+    fresh.manager.save(6)
+    fresh.manager.save(8)
+    fresh.manager.close()
+    # keep_latest_k = 1 keeps one step of ours; the other program's folders all stay
+    assert [(s.step, s.status) for s in layout.scan(folder)] == [
+        (2, "foreign"), (4, "foreign"), (5, "unknown"), (8, "complete")]
+
+    assert cli.main(["clean", folder]) == 0
+    assert cli.main(["list", folder]) == 0
+    out = capsys.readouterr().out
+    assert "0 partial step folder(s) removed" in out
+    rows = [line.split()[:2] for line in out.splitlines() if line.split()[:1] in (["2"], ["4"], ["5"], ["8"])]
+    assert rows == [["2", "foreign"], ["4", "foreign"], ["5", "unknown"], ["8", "complete"]]
+    assert len(layout.scan(folder)) == 4
+    assert cli.main(["inspect", layout.step_dir(folder, 2)]) == 0
+    assert "optimizer.state.output.weight.exp_avg" in capsys.readouterr().out
+
+
+def test_load_step_and_initial_load_path_may_name_a_foreign_step(tmp_path):
+    _foreign_steps(tmp_path)
+    chosen = make_job(str(tmp_path), steps=20, load_step=2)
+    assert chosen.manager.load() and chosen.train_state.step == 2
+    chosen.manager.close()
+    again = make_job(str(tmp_path), steps=20)
+    assert again.manager.load(step=2) and again.train_state.step == 2  # load(step) wins over the newest
+    again.manager.close()
+    with pytest.raises(CheckpointNotFoundError, match=r"step-5 is not loadable \(not written by torchtitan_ckpt"):
+        make_job(str(tmp_path), steps=20, load_step=5).manager.load()
+
+    other = tmp_path / "other"
+    initial = make_job(str(other), steps=20, initial_load_path=layout.step_dir(_folder(tmp_path), 4),
+                       initial_load_model_only=False)
+    assert initial.manager.load() and initial.train_state.step == 4
+    initial.manager.close()
+
+
+def test_a_crashed_save_of_ours_is_partial_never_loaded_and_cleaned(tmp_path, capsys):
+    job = make_job(str(tmp_path), steps=20, interval=2, keep_latest_k=0)
+    job.run_to(2, steps=20)
+    job.manager.close()
+    folder = _folder(tmp_path)
+    # prepare marks the folder ours before any file is written; a crash after DCP's .metadata
+    # (a finished checkpoint by DCP's test) leaves it ours and partial
+    crashed = layout.step_dir(folder, 4)
+    shutil.copytree(layout.step_dir(folder, 2), crashed)
+    commit.uncommit(crashed)
+    assert sorted(os.listdir(crashed)) == sorted(set(os.listdir(layout.step_dir(folder, 2))) - {commit.MARKER}
+                                                 | {commit.IN_PROGRESS})
+    assert layout.status_of(crashed) == layout.PARTIAL
+    fresh = make_job(str(tmp_path), steps=20)
+    assert fresh.manager.load() and fresh.train_state.step == 2
+    fresh.manager.close()
+    with pytest.raises(CheckpointNotFoundError, match="its save did not finish"):
+        make_job(str(tmp_path / "b"), steps=20, initial_load_path=crashed).manager.load()
+    assert cli.main(["clean", folder]) == 0
+    assert "1 partial step folder(s) removed" in capsys.readouterr().out
+    assert [s.step for s in layout.scan(folder)] == [2]
+
+
+def test_a_committed_step_has_no_in_progress_marker(tmp_path):
+    job = make_job(str(tmp_path), steps=4, interval=2)
+    job.run_to(2, steps=4)
+    job.manager.close()
+    step2 = layout.step_dir(_folder(tmp_path), 2)
+    assert commit.IN_PROGRESS not in os.listdir(step2)
+    assert commit.IN_PROGRESS not in commit.read_marker(step2).files
+
+
+def test_a_save_never_replaces_a_folder_that_is_not_ours(tmp_path):
+    _foreign_steps(tmp_path)
+    step4 = layout.step_dir(_folder(tmp_path), 4)
+    before = sorted(os.listdir(step4))
+    job = make_job(str(tmp_path), steps=20, interval=2)
+    job.train_state.step = 4
+    with pytest.raises(CheckpointSaveError, match="step-4 exists and was not written by torchtitan_ckpt"):
+        job.manager.save(4)
+    job.manager.close()
+    assert sorted(os.listdir(step4)) == before
+
+
+def test_every_builtin_state_has_torchtitans_keys(tmp_path):
+    job = make_job(str(tmp_path), steps=4, interval=2)
+    job.run_to(2, steps=4)
+    job.manager.close()
+    saved = read_checkpoint(layout.step_dir(_folder(tmp_path), 2))
+    sched = job.sched.state_dict()
+    assert {k for k in saved if k.startswith("lr_scheduler.")} == {f"lr_scheduler.{k}" for k in sched}
+    assert saved["lr_scheduler.last_epoch"] == 2 and saved["lr_scheduler.base_lrs"] == sched["base_lrs"]
+    assert {k for k in saved if k.startswith("dataloader.")} == {"dataloader.dp_rank_0", "dataloader.world_size"}
+    assert saved["dataloader.world_size"] == 1 and isinstance(saved["dataloader.dp_rank_0"], bytes)
+    assert {k: saved[k] for k in saved if k.startswith("train_state.")} == {
+        "train_state.step": 2, "train_state.ntokens_seen": 2 * 4 * 16}
+    assert saved["optimizer.param_groups.output.weight.lr"] == job.opt.param_groups[0]["lr"]
+    assert saved["optimizer.param_groups.output.weight.betas"] == (0.9, 0.999)
+    assert not any(k.endswith(".param_names") for k in saved)
+
+
+def _torchtitan_030_step(tmp_path, source) -> str:
+    """A step as TorchTitan 0.3.0 lays out the scheduler (`last_epoch` alone) and a dataloader
+    state saved by 2 data-parallel ranks."""
+    state = read_checkpoint(layout.step_dir(_folder(tmp_path), 2))
+    state = {k: v for k, v in state.items() if not k.startswith(("lr_scheduler.", "dataloader."))}
+    state.update({"lr_scheduler.last_epoch": 2, "dataloader.dp_rank_0": state.get("dataloader.dp_rank_0", b""),
+                  "dataloader.dp_rank_1": b"", "dataloader.world_size": 2})
+    path = str(tmp_path / "titan030" / "step-2")
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+    return path
+
+
+def test_a_scheduler_saved_as_last_epoch_alone_and_another_dp_degree_load(tmp_path, caplog):
+    source = make_job(str(tmp_path), steps=8, interval=2)
+    source.run_to(2, steps=8)
+    source.manager.close()
+    path = _torchtitan_030_step(tmp_path, source)
+    job = make_job(str(tmp_path / "b"), steps=8, initial_load_path=path, initial_load_model_only=False)
+    with caplog.at_level(logging.WARNING, logger="torchtitan_ckpt.manager"):
+        assert job.manager.load()
+    job.manager.close()
+    assert caplog.text.count("the dataloader state was saved by 2 data-parallel ranks and this job has 1; "
+                             "the dataloader starts from the beginning") == 1
+    assert (job.sched.last_epoch, job.sched._step_count) == (2, 3)
+    assert job.sched.get_last_lr() == source.sched.get_last_lr()
+    assert job.opt.param_groups[0]["lr"] == source.opt.param_groups[0]["lr"]
+
+
+class _FusedQKV(nn.Module):
+    """One `wqkv` parameter saved as `wq`/`wk`/`wv` by state-dict hooks (TorchTitan 0.3.0's
+    llama3 attention does the same)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.wqkv = nn.Parameter(torch.randn(3 * dim, dim))
+        self.register_state_dict_post_hook(self._split)
+        self.register_load_state_dict_pre_hook(self._fuse)
+
+    @staticmethod
+    def _split(module, state_dict, prefix, local_metadata):
+        fused = state_dict.pop(prefix + "wqkv")
+        for name, part in zip(("wq", "wk", "wv"), fused.chunk(3)):
+            state_dict[prefix + name] = part
+
+    @staticmethod
+    def _fuse(module, state_dict, prefix, *args):
+        names = [prefix + n for n in ("wq", "wk", "wv")]
+        if all(n in state_dict for n in names):
+            state_dict[prefix + "wqkv"] = torch.cat([state_dict.pop(n) for n in names])
+
+    def forward(self, x):
+        return x @ self.wqkv.T
+
+
+def _wrapped_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    blocks = nn.ModuleList([checkpoint_wrapper(_FusedQKV(4)) for _ in range(2)])
+    return torch.compile(nn.ModuleDict({"layers": blocks}))  # compiled only when called
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    x = torch.ones(2, 4)
+    for block in model._orig_mod["layers"]:
+        x = block(x)[:, :4]
+    x.sum().backward()
+    opt.step()
+
+
+def test_a_model_with_state_dict_hooks_and_wrappers_saves_under_its_own_keys(tmp_path):
+    model = _wrapped_model(0)
+    opts = [torch.optim.AdamW([p], lr=0.1) for p in model.parameters()]  # two optimizers, one part
+    _train(model, opts[0])
+    _train(model, opts[1])
+    config = Checkpoint(enable=True, interval=1)
+    with CheckpointManager(config, model, optimizers=opts, base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    saved = read_checkpoint(layout.step_dir(_folder(tmp_path), 1))
+    assert sorted(k for k in saved if "optimizer" not in k) == [
+        f"layers.{i}.{n}" for i in range(2) for n in ("wk", "wq", "wv")]
+    assert sorted(k for k in saved if k.startswith("optimizer.state.")) == [
+        f"optimizer.state.layers.{i}.wqkv.{n}" for i in range(2) for n in ("exp_avg", "exp_avg_sq", "step")]
+
+    fresh = _wrapped_model(1)
+    fresh_opts = [torch.optim.AdamW([p], lr=0.5) for p in fresh.parameters()]
+    with CheckpointManager(config, fresh, optimizers=fresh_opts, base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert_same(fresh.state_dict(), model.state_dict())
+    for got, want in zip(fresh_opts, opts):
+        assert got.param_groups[0]["lr"] == 0.1
+        assert_same(got.state_dict()["state"][0], want.state_dict()["state"][0])
+
+
+def test_sd_adapter_is_torchtitans_name_for_state_dict_adapter(tmp_path):
+    job = make_job(str(tmp_path))
+    job.manager.close()
+    adapter = LlamaAdapter(job.model.args)
+    config = Checkpoint(enable=True, last_save_in_hf=True)
+    with CheckpointManager(config, job.model, sd_adapter=adapter, base_folder=str(tmp_path / "x")) as manager:
+        assert manager.save(1, last_step=True)
+    assert os.path.isfile(os.path.join(layout.step_dir(str(tmp_path / "x" / "checkpoint"), 1),
+                                       "model.safetensors.index.json"))
+    with pytest.raises(TypeError, match="state_dict_adapter= or sd_adapter=, not both"):
+        CheckpointManager(config, job.model, state_dict_adapter=adapter, sd_adapter=adapter)
+
+
+class _Values:
+    def __init__(self, values: dict):
+        self.values = values
+
+    def state_dict(self) -> dict:
+        return dict(self.values)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.values = dict(state_dict)
+
+
+def test_small_values_are_written_as_torch_save_writes_them_each(tmp_path):
+    """Small values' bytes are made once per value (one per optimizer setting adds up); values
+    that compare equal but are not the same value stay apart."""
+    values = {"a": 1, "b": 1.0, "c": True, "d": -0.0, "e": 0.0, "f": (1, True), "g": (1.0, 1), "h": None}
+    model = nn.Linear(2, 2)
+    config = Checkpoint(enable=True, interval=1)
+    for step in (1, 2):  # the second save reuses the bytes the first one made
+        with CheckpointManager(config, model, states={"values": _Values(values)}, base_folder=str(tmp_path)) as m:
+            m.save(step)
+        saved = read_checkpoint(layout.step_dir(_folder(tmp_path), step))
+        got = {k.removeprefix("values."): v for k, v in saved.items() if k.startswith("values.")}
+        assert [(k, type(v), repr(v)) for k, v in sorted(got.items())] == \
+            [(k, type(v), repr(v)) for k, v in sorted(values.items())]
+
+
+def test_a_scheduler_or_optimizer_in_another_layout_is_an_error_not_a_silent_skip(tmp_path):
+    source = make_job(str(tmp_path), steps=8, interval=2)
+    source.run_to(2, steps=8)
+    source.manager.close()
+    state = read_checkpoint(layout.step_dir(_folder(tmp_path), 2))
+    for old, new, message in (
+            ("lr_scheduler.", "lr_scheduler.0.", r"step-2: the checkpoint has no lr_scheduler.last_epoch \(it has lr_scheduler.0._get_lr"),
+            ("optimizer.param_groups.", "optimizer.param_groups_", r"step-2: the checkpoint has no optimizer "
+                                                                   r"settings .* for 21 parameters")):
+        path = str(tmp_path / new / "step-2")
+        dcp.save({k.replace(old, new, 1): v for k, v in state.items()}, checkpoint_id=path, no_dist=True)
+        job = make_job(str(tmp_path / "b"), steps=8, initial_load_path=path, initial_load_model_only=False)
+        with pytest.raises(CheckpointError, match=message + ".*exclude_from_loading"):
+            job.manager.load()
+        job.manager.close()
