@@ -47,11 +47,12 @@ def _save_step(folder: str, step: int, state: dict, states: list[str]) -> str:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> str:
-    """step-2 (model, optimizer, train_state), step-3 partial (no marker), step-4 (model only)."""
+    """step-2 (model, optimizer, train_state), step-3 partial (ours, no marker), step-4 (model only)."""
     folder = str(tmp_path_factory.mktemp("ckpt"))
     _save_step(folder, 2, _state(), ["model", "optimizer", "train_state"])
     shutil.copytree(layout.step_dir(folder, 2), layout.step_dir(folder, 3))
     os.remove(os.path.join(layout.step_dir(folder, 3), commit.MARKER))
+    commit.mark_in_progress(layout.step_dir(folder, 3))  # a save of ours that did not finish
     _save_step(folder, 4, {"model.w": _state()["model.w"]}, ["model"])
     return folder
 

@@ -18,7 +18,7 @@ from torchtitan_ckpt import (CheckpointError, CheckpointManager, CheckpointNotFo
                              commit, layout)
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.dcp.storage import METADATA_FILE
-from torchtitan_ckpt.hf import LlamaAdapter
+from torchtitan_ckpt.example.model import hf_adapter
 
 from .helpers import assert_same, read_checkpoint
 from .jobs import make_job
@@ -252,7 +252,7 @@ def test_a_model_with_state_dict_hooks_and_wrappers_saves_under_its_own_keys(tmp
 def test_sd_adapter_is_torchtitans_name_for_state_dict_adapter(tmp_path):
     job = make_job(str(tmp_path))
     job.manager.close()
-    adapter = LlamaAdapter(job.model.args)
+    adapter = hf_adapter(job.model.args)
     config = Checkpoint(enable=True, last_save_in_hf=True)
     with CheckpointManager(config, job.model, sd_adapter=adapter, base_folder=str(tmp_path / "x")) as manager:
         assert manager.save(1, last_step=True)

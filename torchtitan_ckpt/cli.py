@@ -32,6 +32,7 @@ from . import commit, layout
 from .dcp import storage
 from .hf.consolidate import consolidate_safetensors, load_mapping
 from .hf.files import INDEX_FILE
+from .config import MAX_THREADS
 from .group import launched_group
 from .errors import CheckpointError, CheckpointNotFoundError
 from .hf.convert import convert
@@ -295,6 +296,17 @@ def _common_options(json_output: bool = False) -> argparse.ArgumentParser:
     return common
 
 
+def _threads(text: str) -> int:
+    """A thread count from the command line, within the config's bound."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"threads = {text!r}: expected an integer") from None
+    if not 1 <= value <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"threads = {value}: expected 1 to {MAX_THREADS}")
+    return value
+
+
 def _add(sub: Any, name: str, run: Any, help: str, json_output: bool = False) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help, description=help, parents=[_common_options(json_output)], epilog=EXIT_CODES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -310,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(sub, "inspect", cmd_inspect, "show what one step folder holds", True).add_argument("step_dir")
     p = _add(sub, "verify", cmd_verify, "check a step's files against its commit manifest", True)
     p.add_argument("step_dir")
-    p.add_argument("--threads", type=int, default=4, help="files checked at once")
+    p.add_argument("--threads", type=_threads, default=4, help="files checked at once")
     p = _add(sub, "clean", cmd_clean, "remove partial step folders (run while no job is saving)")
     p.add_argument("folder")
     _add_convert(sub)
@@ -330,7 +342,7 @@ def _add_convert(sub: Any) -> None:
     p.add_argument("--max-shard-size", default="5GB", help="largest HF file when there is no assets index")
     p.add_argument("--consolidation", default="one_pass", choices=MODES,
                    help="how the HF files are written (see checkpoint.consolidation)")
-    p.add_argument("--threads", type=int, default=4, help="I/O threads per rank for the HF files")
+    p.add_argument("--threads", type=_threads, default=4, help="I/O threads per rank for the HF files")
 
 
 def _add_consolidate(sub: Any) -> None:
@@ -339,7 +351,7 @@ def _add_consolidate(sub: Any) -> None:
     p.add_argument("input_dir", metavar="IN_DIR")
     p.add_argument("output_dir", metavar="OUT_DIR")
     p.add_argument("--mapping", help="JSON file: {fqn: file index} or an HF index whose weight_map names the files")
-    p.add_argument("--num-threads", type=int, default=4, help="copy threads per rank (default 4)")
+    p.add_argument("--num-threads", type=_threads, default=4, help="copy threads per rank (default 4)")
     p.add_argument("--remove-shards", action="store_true", help="delete the input shard files after success "
                    "(they are kept by default)")
 
