@@ -430,10 +430,10 @@ def test_verify_needs_a_thread(ckpt, capsys):
 
 
 def test_a_short_zip64_extra_field_is_not_a_struct_error():
-    from torchtitan_ckpt.io import reader
+    from torchtitan_ckpt.io import torch_archive
 
-    with pytest.raises(reader._Unrecognised, match="zip64"):
-        reader._zip64_fields(struct.pack("<HH", 1, 24) + b"\0" * 8, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+    with pytest.raises(torch_archive.Unrecognised, match="zip64"):
+        torch_archive._zip64_fields(struct.pack("<HH", 1, 24) + b"\0" * 8, 0xFFFFFFFF, 0xFFFFFFFF, 0)
 
 
 def test_async_with_pinned_mem_saves_from_a_script_without_a_main_guard(tmp_path):

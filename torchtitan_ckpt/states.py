@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .errors import CheckpointError, CorruptCheckpointError
-from .io.reader import load_plain_pickle
+from .io.torch_archive import load_plain_pickle
 
 
 _WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})

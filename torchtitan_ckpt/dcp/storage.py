@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # as DCP's own planning
 from torch.futures import Future
 
-from ..io import filewriter, reader, safe_open
+from ..io import filewriter, reader, safe_open, torch_archive
 from ..io.checksum import crc32
 from ..policy.split import balanced_groups
 from .planner import DedupSavePlanner, PlanCache
@@ -166,7 +166,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
-            obj = reader.load_plain(value.getvalue())
+            obj = torch_archive.load_plain(value.getvalue())
         except pickle.UnpicklingError as e:
             raise CorruptCheckpointError(
                 f"checkpoint value '{read_item.dest_index.fqn}' is not plain data and loading it "

@@ -4,8 +4,8 @@ A file holds its items back to back in DCP's default format (a value's pickled b
 tensor as one `torch.save` archive), so plain `dcp.load` with `FileSystemReader` reads it.
 What differs is how the bytes reach the disk:
 
-- a tensor's archive is framed by `torch.save` under `torch.serialization.skip_data()` (once
-  per dtype, shape and strides, then reused) and its storage bytes are written straight from
+- a tensor's archive is framed by `torch.save` under `torch.serialization.skip_data()`
+  (`torch_archive.frame`: once per dtype, shape and strides, then reused) and its storage bytes are written straight from
   the tensor's memory, instead of through `torch.save`'s own copy and CRC (the archive's
   per-record CRC is left 0, as `torch.serialization.set_crc32_options(False)` does; the commit
   manifest's CRC-32 of the whole file, computed here, covers every byte instead);
@@ -38,10 +38,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from torch.utils.serialization import config as serialization_config
 
 from .. import faults
 from .checksum import crc32
+from . import torch_archive
 from .posio import IOV_MAX
 
 BATCH_BYTES = 64 << 20
@@ -254,67 +254,6 @@ class _Output:
                 buffers[first] = buffers[first][written:]
 
 
-class _Frame(io.RawIOBase):
-    """Records what `torch.save` writes under `skip_data`: the bytes before the hole left for
-    the storage's bytes, and the bytes after it."""
-
-    def __init__(self, hole: int):
-        self.parts = [bytearray()]
-        self._hole = hole
-        self._pos = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        self.parts[-1] += view
-        self._pos += len(view)
-        return len(view)
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_CUR and offset == self._hole > 0 and len(self.parts) == 1:
-            self.parts.append(bytearray())
-            self._pos += offset
-        elif {io.SEEK_SET: offset, io.SEEK_CUR: self._pos + offset}.get(whence) != self._pos:
-            raise io.UnsupportedOperation(f"torch.save under skip_data seeked ({offset}, {whence}); "
-                                          "this torch version frames archives differently")
-        return self._pos
-
-
-_FRAMES: dict[tuple, tuple[bytes, bytes]] = {}
-_MAX_FRAMES = 4096
-
-
-def _frame(t: torch.Tensor) -> tuple[bytes, bytes]:
-    """The archive `torch.save(t)` writes around `t`'s storage bytes (whose storage holds
-    exactly its elements). It depends only on the tensor's dtype, shape and strides and on
-    torch's serialization settings, so it is computed once per kind of tensor rather than per
-    tensor per save."""
-    settings = serialization_config.save
-    key = (type(t), t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), settings.storage_alignment,
-           settings.compute_crc32)
-    found = _FRAMES.get(key)
-    if found is None:
-        frame = _Frame(t.untyped_storage().nbytes())
-        with torch.serialization.skip_data():
-            torch.save(t, frame)
-        if len(frame.parts) != (2 if t.untyped_storage().nbytes() else 1):
-            raise RuntimeError("torch.save under skip_data did not leave the expected hole for the "
-                               "tensor's bytes; this torch version frames archives differently")
-        found = (bytes(frame.parts[0]), bytes(frame.parts[-1]) if len(frame.parts) == 2 else b"")
-        if len(_FRAMES) >= _MAX_FRAMES:
-            _FRAMES.clear()
-        _FRAMES[key] = found
-    return found
-
-
 def _storage_bytes(t: torch.Tensor) -> memoryview:
     raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
     return memoryview(raw.numpy()).cast("B")
@@ -326,7 +265,7 @@ _Buffers = list[tuple[bytes | memoryview, bool]]
 
 def _framed(data: torch.Tensor, t: torch.Tensor) -> _Buffers:
     """The buffers of tensor `data`, whose bytes are `t = exact_storage(data)`."""
-    before, after = _frame(t)
+    before, after = torch_archive.frame(t)
     if not t.untyped_storage().nbytes():
         return [(before, False), (after, False)]
     copied = t.data_ptr() != data.data_ptr()

@@ -4,7 +4,7 @@ DCP stores every tensor and every non-tensor value of a checkpoint as one `torch
 uncompressed zip) inside a rank's `.distcp` file, and its `FileSystemReader` reads each one back
 with `torch.load` (a fixed cost per item, then a copy into the destination). Here each file's items are
 read in offset order on a few threads; a tensor item's zip directory and header pickle are parsed
-without running code from the file, and its single storage record is read straight into the
+(`torch_archive`) without running code from the file, and its single storage record is read straight into the
 destination tensor (through a bounded temporary when the destination is a non-contiguous view,
 another dtype or another device). A non-tensor value is unpickled from the archive's first
 record with no globals allowed. An archive of any other shape goes through
@@ -18,20 +18,18 @@ import io
 import logging
 import os
 import pickle
-import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from torch import _weights_only_unpickler
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ..errors import CorruptCheckpointError
 from ..policy.split import in_order_runs, share
 from . import posio, safe_open
+from .torch_archive import HeaderUnpickler, SavedTensor, Unrecognised, header_pickle, local_record, unpickle, zip_record, zip_records
 
 logger = logging.getLogger(__name__)
 
@@ -39,219 +37,6 @@ _WINDOW = 4096
 """Bytes read at once at each end of an item: its zip directory and header records fit in them."""
 _PIECE_BYTES = 4 << 20
 """Largest temporary buffer of one indirect tensor copy, per thread."""
-
-_EOCD = struct.Struct("<4sHHHHIIH")
-_ZIP64_LOCATOR = struct.Struct("<4sIQI")
-_ZIP64_EOCD = struct.Struct("<4sQHHIIQQQQ")
-_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
-_LOCAL = struct.Struct("<4sHHHHHIIIHH")
-_FULL32 = 0xFFFFFFFF
-
-# the storage classes `torch.save` names in a tensor's header pickle
-_STORAGE_DTYPES = {
-    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
-}
-
-
-class _Unrecognised(Exception):
-    """The archive is not of the one shape read here; `torch.load` reads it instead."""
-
-
-# ---------------------------------------------------------------- the zip archive of one item
-
-
-def _records(read: Callable[[int, int], bytes], length: int) -> dict[bytes, tuple[int, int]]:
-    """Name -> (offset of its local header within the item, size) of every record of a zip
-    whose records are all stored uncompressed."""
-    if length < _EOCD.size:
-        raise _Unrecognised("shorter than a zip directory")
-    sig, _, _, _, count, cd_size, cd_offset, comment = _EOCD.unpack(read(length - _EOCD.size, _EOCD.size))
-    if sig != b"PK\x05\x06" or comment:
-        raise _Unrecognised("no zip directory at its end")
-    if _FULL32 in (cd_size, cd_offset) or count == 0xFFFF:
-        count, cd_size, cd_offset = _zip64_directory(read, length)
-    if cd_offset + cd_size > length:
-        raise _Unrecognised("zip directory outside the item")
-    directory = read(cd_offset, cd_size)
-    out: dict[bytes, tuple[int, int]] = {}
-    pos = 0
-    for _ in range(count):
-        if pos + _CENTRAL.size > len(directory):
-            raise _Unrecognised("zip directory cut short")
-        sig, _, _, _, method, _, _, _, csize, usize, nlen, xlen, clen, _, _, _, lho = _CENTRAL.unpack_from(directory, pos)
-        pos += _CENTRAL.size
-        name = directory[pos : pos + nlen]
-        if sig != b"PK\x01\x02" or method != 0:
-            raise _Unrecognised(f"record {name!r} is not stored uncompressed")
-        if _FULL32 in (usize, csize, lho):
-            usize, csize, lho = _zip64_fields(directory[pos + nlen : pos + nlen + xlen], usize, csize, lho)
-        if usize != csize:
-            raise _Unrecognised(f"record {name!r} is compressed")
-        out[name] = (lho, usize)
-        pos += nlen + xlen + clen
-    return out
-
-
-def _zip64_directory(read: Callable[[int, int], bytes], length: int) -> tuple[int, int, int]:
-    at = length - _EOCD.size - _ZIP64_LOCATOR.size
-    if at < 0:
-        raise _Unrecognised("no zip64 locator")
-    sig, _, eocd64, _ = _ZIP64_LOCATOR.unpack(read(at, _ZIP64_LOCATOR.size))
-    if sig != b"PK\x06\x07" or eocd64 + _ZIP64_EOCD.size > length:
-        raise _Unrecognised("bad zip64 locator")
-    fields = _ZIP64_EOCD.unpack(read(eocd64, _ZIP64_EOCD.size))
-    if fields[0] != b"PK\x06\x06":
-        raise _Unrecognised("bad zip64 directory")
-    return fields[7], fields[8], fields[9]
-
-
-def _zip64_fields(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, int, int]:
-    """The 64-bit sizes and offset of a record whose 32-bit fields are full."""
-    pos = 0
-    while pos + 4 <= len(extra):
-        tag, size = struct.unpack_from("<HH", extra, pos)
-        if tag == 1:
-            if pos + 4 + size > len(extra):
-                break
-            values = iter(struct.unpack_from(f"<{size // 8}Q", extra, pos + 4))
-            try:
-                return tuple(next(values) if v == _FULL32 else v for v in (usize, csize, lho))
-            except StopIteration:
-                break
-        pos += 4 + size
-    raise _Unrecognised("zip64 record without its sizes")
-
-
-def _record(read: Callable[[int, int], bytes], length: int, records: dict[bytes, tuple[int, int]],
-            name: bytes) -> tuple[int, int] | None:
-    """(offset within the item, size) of the bytes of record `name`, or None."""
-    if name not in records:
-        return None
-    lho, size = records[name]
-    if lho + _LOCAL.size > length:
-        raise _Unrecognised(f"record {name!r} outside the item")
-    fields = _LOCAL.unpack(read(lho, _LOCAL.size))
-    start = lho + _LOCAL.size + fields[9] + fields[10]
-    if fields[0] != b"PK\x03\x04" or start + size > length:
-        raise _Unrecognised(f"record {name!r} outside the item")
-    return start, size
-
-
-def _local_record(buf: bytes, pos: int) -> tuple[bytes, int]:
-    """Name and data offset of the zip local header at `pos` of `buf`."""
-    if pos + _LOCAL.size > len(buf):
-        raise _Unrecognised("record header past the bytes read")
-    fields = _LOCAL.unpack_from(buf, pos)
-    start = pos + _LOCAL.size + fields[9] + fields[10]
-    if fields[0] != b"PK\x03\x04" or start > len(buf):
-        raise _Unrecognised("bad record header")
-    return buf[pos + _LOCAL.size : pos + _LOCAL.size + fields[9]], start
-
-
-def _header_pickle(buf: bytes) -> tuple[bytes, bytes, int]:
-    """From an archive's first bytes: its folder name (`archive/`), the bytes of its first
-    record, `data.pkl` (up to the next record's header), and where that next header starts.
-    `torch.save` writes `data.pkl` first; the local headers carry no sizes, so the next header
-    is found by its signature."""
-    name, start = _local_record(buf, 0)
-    if not name.endswith(b"/data.pkl"):
-        raise _Unrecognised("no header pickle first")
-    end = buf.find(b"PK\x03\x04", start)
-    if end < 0:
-        raise _Unrecognised("header pickle past the bytes read")
-    return name[: -len(b"data.pkl")], buf[start:end], end
-
-
-# ---------------------------------------------------------------- the header pickle
-
-
-@dataclass(frozen=True)
-class _SavedTensor:
-    """What a tensor item's header pickle says: dtype, storage record and view of it."""
-
-    dtype: torch.dtype
-    key: str
-    storage_numel: int
-    storage_offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class _StorageRef:
-    dtype: torch.dtype
-    key: str
-    numel: int
-
-
-def _rebuild(storage, storage_offset, size, stride, requires_grad, hooks, metadata=None) -> _SavedTensor:
-    if not isinstance(storage, _StorageRef) or hooks or metadata:
-        raise _Unrecognised("a tensor with hooks or metadata")
-    return _SavedTensor(storage.dtype, storage.key, storage.numel, int(storage_offset),
-                        tuple(int(s) for s in size), tuple(int(s) for s in stride))
-
-
-class _HeaderUnpickler(pickle.Unpickler):
-    """Reads a tensor's header pickle into a `_SavedTensor`; every global it resolves is one of
-    ours, so nothing from the file runs."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
-        raise _Unrecognised(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> _StorageRef:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and isinstance(pid[1], torch.dtype) and isinstance(pid[2], str) and isinstance(pid[4], int)):
-            raise _Unrecognised(f"storage reference {pid!r}")
-        return _StorageRef(pid[1], pid[2], pid[4])
-
-
-class _PlainUnpickler(pickle.Unpickler):
-    """Numbers, strings, bools, None and containers of them; anything else is not read here."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise _Unrecognised(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise _Unrecognised("a tensor")
-
-
-def _unpickle(unpickler: type[pickle.Unpickler], data: bytes) -> Any:
-    try:
-        return unpickler(io.BytesIO(data)).load()
-    except _Unrecognised:
-        raise
-    except Exception as e:  # a broken pickle: let torch.load judge it
-        raise _Unrecognised(str(e)) from None
-
-
-def load_plain(data: bytes) -> Any:
-    """A non-tensor value that DCP saved with `torch.save`: plain data is unpickled here (no
-    globals allowed, so no code runs); anything else by `torch.load(weights_only=True)`."""
-    try:
-        _, pkl, _ = _header_pickle(data)
-        return _unpickle(_PlainUnpickler, pkl)
-    except _Unrecognised:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-
-
-def load_plain_pickle(data: bytes) -> Any:
-    """A plain pickle (`pickle.dumps`, not a `torch.save` archive), read without running code:
-    plain data here, else with the globals `torch.load(weights_only=True)` allows (its
-    unpickler, which is private to torch). Anything else raises `pickle.UnpicklingError`."""
-    try:
-        return _unpickle(_PlainUnpickler, data)
-    except _Unrecognised:
-        return _weights_only_unpickler.load(io.BytesIO(data), encoding="utf-8")
-
 
 # ---------------------------------------------------------------- one file, read forward
 
@@ -295,7 +80,7 @@ class _Cursor:
 class _Located:
     """A tensor item's header and where its storage record was found from the item's first bytes."""
 
-    saved: _SavedTensor
+    saved: SavedTensor
     folder: bytes
     header: int
     start: int
@@ -331,37 +116,37 @@ class _Item:
         if got != len(buf):
             raise self.fail(f"is cut short: the file ends {len(buf) - got} bytes early")
 
-    def locate(self, headers: dict[bytes, _SavedTensor]) -> _Located:
+    def locate(self, headers: dict[bytes, SavedTensor]) -> _Located:
         """The tensor's header and storage record, from the item's first bytes only, so that the
         file is read forward; `confirm` checks them against the zip directory afterwards.
         `headers` caches parsed header pickles: tensors of one shape and dtype share theirs."""
         head = self.read(0, min(self.length, _WINDOW))
-        folder, pkl, pos = _header_pickle(head)
+        folder, pkl, pos = header_pickle(head)
         saved = headers.get(pkl)
         if saved is None:
-            saved = _unpickle(_HeaderUnpickler, pkl)
-            if not isinstance(saved, _SavedTensor):
-                raise _Unrecognised("not a tensor")
+            saved = unpickle(HeaderUnpickler, pkl)
+            if not isinstance(saved, SavedTensor):
+                raise Unrecognised("not a tensor")
             headers[pkl] = saved
         record = folder + b"data/" + saved.key.encode()
         while pos >= 0:
-            found, start = _local_record(head, pos)
+            found, start = local_record(head, pos)
             if found == record:
                 located = _Located(saved, folder, pos, start)
                 if start + located.nbytes > self.length:
-                    raise _Unrecognised("storage record past the item's end")
+                    raise Unrecognised("storage record past the item's end")
                 return located
             pos = head.find(b"PK\x03\x04", pos + 4)
-        raise _Unrecognised("storage record not among the first records")
+        raise Unrecognised("storage record not among the first records")
 
     def confirm(self, located: _Located) -> None:
         """Check what `locate` found against the zip directory at the item's end."""
         tail = max(located.start + located.nbytes, self.length - _WINDOW)
         self.read(tail, self.length - tail)  # one read for the directory and the next item's start
-        records = _records(self.read, self.length)
-        order = _record(self.read, self.length, records, located.folder + b"byteorder")
+        records = zip_records(self.read, self.length)
+        order = zip_record(self.read, self.length, records, located.folder + b"byteorder")
         if order is None or self.read(*order) != b"little":
-            raise _Unrecognised("not a little-endian torch.save archive")
+            raise Unrecognised("not a little-endian torch.save archive")
         if located.record not in records:
             raise self.fail(f"lacks the storage record {located.record.decode()!r} its header names")
         header, size = records[located.record]
@@ -369,7 +154,7 @@ class _Item:
             raise self.fail(f"has a storage record of {size} bytes; its header says {located.saved.storage_numel} "
                             f"x {located.saved.dtype} = {located.nbytes} bytes")
         if header != located.header:
-            raise _Unrecognised("storage record elsewhere than its first header")
+            raise Unrecognised("storage record elsewhere than its first header")
 
 
 # ---------------------------------------------------------------- a plan's reads
@@ -399,13 +184,13 @@ class _Region:
     offset: int
     contiguous: bool
 
-    def view(self, saved: _SavedTensor) -> torch.Tensor:
+    def view(self, saved: SavedTensor) -> torch.Tensor:
         """The region as a meta tensor over a storage of the saved record's size."""
         storage = torch.empty(saved.storage_numel, dtype=saved.dtype, device="meta")
         return storage.as_strided(self.size, self.stride, self.offset)
 
 
-def _fits(saved: _SavedTensor) -> bool:
+def _fits(saved: SavedTensor) -> bool:
     """Whether the saved view lies within its storage (meta tensors' `as_strided` does not check)."""
     if saved.storage_offset < 0 or len(saved.stride) != len(saved.size) or any(st < 0 for st in saved.stride):
         return False
@@ -413,7 +198,7 @@ def _fits(saved: _SavedTensor) -> bool:
     return 0 in saved.size or saved.storage_offset + extent < saved.storage_numel
 
 
-def _region(saved: _SavedTensor, req: ReadItem) -> _Region | None:
+def _region(saved: SavedTensor, req: ReadItem) -> _Region | None:
     """What `req` reads of `saved` (a view that `_fits`), or None when it lies outside it."""
     size = torch.Size(req.lengths)
     if (tuple(size) == saved.size and not any(req.storage_offsets) and saved.storage_offset == 0
@@ -441,7 +226,7 @@ class ItemReader:
         self.root, self.storage_data, self.threads = root, storage_data, threads
         self._lock = threading.Lock()
         self._failed = threading.Event()
-        self._headers: dict[bytes, _SavedTensor] = {}
+        self._headers: dict[bytes, SavedTensor] = {}
 
     def read(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
         runs = self._runs(items)
@@ -499,7 +284,7 @@ class ItemReader:
     def _read_tensor(self, item: _Item, req: ReadItem, planner: LoadPlanner) -> None:
         try:
             located = item.locate(self._headers)
-        except _Unrecognised as e:
+        except Unrecognised as e:
             return self._read_tensor_with_torch_load(item, req, planner, e)
         saved = located.saved
         if not _fits(saved):
@@ -521,13 +306,13 @@ class ItemReader:
             _copy_pieces(item, located.start, region.view(saved), dest)
         try:
             item.confirm(located)
-        except _Unrecognised as e:  # not the archive it looked like: read it the slow way after all
+        except Unrecognised as e:  # not the archive it looked like: read it the slow way after all
             return self._read_tensor_with_torch_load(item, req, planner, e)
         with self._lock:
             planner.commit_tensor(req, dest)
 
     def _read_tensor_with_torch_load(self, item: _Item, req: ReadItem, planner: LoadPlanner,
-                                     why: _Unrecognised) -> None:
+                                     why: Unrecognised) -> None:
         logger.debug("%s: item '%s' read with torch.load (%s)", item.cursor.path, item.what, why)
         try:
             tensor = torch.load(io.BytesIO(item.read(0, item.length)), map_location="cpu", weights_only=True)

@@ -1,0 +1,309 @@
+"""The `torch.save` archive, both ways: how a tensor's archive is framed around its storage bytes
+(write) and how an item's archive is taken apart without `torch.load` (read). DCP stores every
+tensor and non-tensor value of a checkpoint as one such archive (an uncompressed zip) inside a
+rank's `.distcp` file; `filewriter` writes them and `reader` reads them with what is here.
+
+What this relies on of torch, beyond its public API, in one list (a torch release that changes
+one of them is met by `checkpoint.io_engine = "torch"`, which uses none of them):
+- the zip layout `torch.save` writes: a `data.pkl` record holding the header pickle, one record
+  per storage named by its key, a `byteorder` record, stored uncompressed, zip64 extras when large;
+- the header pickle: `torch._utils._rebuild_tensor_v2`, `collections.OrderedDict`, the storage
+  class names in `_STORAGE_DTYPES`, persistent ids `("storage", dtype, key, location, numel)`;
+- `torch.serialization.skip_data()` leaving one hole for the storage's bytes, and the save
+  settings `torch.utils.serialization.config.save` (`storage_alignment`, `compute_crc32`) that
+  the framing depends on;
+- `torch._weights_only_unpickler`, torch's own allow-list unpickler, for plain pickles that are
+  not plain data.
+An archive of another shape (float8, uint16, a compressed record) is `Unrecognised` and goes
+through `torch.load(weights_only=True)`, as DCP does; a framing that differs raises at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import _weights_only_unpickler
+from torch.utils.serialization import config as serialization_config
+
+_EOCD = struct.Struct("<4sHHHHIIH")
+_ZIP64_LOCATOR = struct.Struct("<4sIQI")
+_ZIP64_EOCD = struct.Struct("<4sQHHIIQQQQ")
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")
+_FULL32 = 0xFFFFFFFF
+
+# the storage classes `torch.save` names in a tensor's header pickle
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
+}
+
+
+class Unrecognised(Exception):
+    """The archive is not of the one shape read here; `torch.load` reads it instead."""
+
+
+# ---------------------------------------------------------------- the zip archive of one item
+
+
+def zip_records(read: Callable[[int, int], bytes], length: int) -> dict[bytes, tuple[int, int]]:
+    """Name -> (offset of its local header within the item, size) of every record of a zip
+    whose records are all stored uncompressed."""
+    if length < _EOCD.size:
+        raise Unrecognised("shorter than a zip directory")
+    sig, _, _, _, count, cd_size, cd_offset, comment = _EOCD.unpack(read(length - _EOCD.size, _EOCD.size))
+    if sig != b"PK\x05\x06" or comment:
+        raise Unrecognised("no zip directory at its end")
+    if _FULL32 in (cd_size, cd_offset) or count == 0xFFFF:
+        count, cd_size, cd_offset = _zip64_directory(read, length)
+    if cd_offset + cd_size > length:
+        raise Unrecognised("zip directory outside the item")
+    directory = read(cd_offset, cd_size)
+    out: dict[bytes, tuple[int, int]] = {}
+    pos = 0
+    for _ in range(count):
+        if pos + _CENTRAL.size > len(directory):
+            raise Unrecognised("zip directory cut short")
+        sig, _, _, _, method, _, _, _, csize, usize, nlen, xlen, clen, _, _, _, lho = _CENTRAL.unpack_from(directory, pos)
+        pos += _CENTRAL.size
+        name = directory[pos : pos + nlen]
+        if sig != b"PK\x01\x02" or method != 0:
+            raise Unrecognised(f"record {name!r} is not stored uncompressed")
+        if _FULL32 in (usize, csize, lho):
+            usize, csize, lho = _zip64_fields(directory[pos + nlen : pos + nlen + xlen], usize, csize, lho)
+        if usize != csize:
+            raise Unrecognised(f"record {name!r} is compressed")
+        out[name] = (lho, usize)
+        pos += nlen + xlen + clen
+    return out
+
+
+def _zip64_directory(read: Callable[[int, int], bytes], length: int) -> tuple[int, int, int]:
+    at = length - _EOCD.size - _ZIP64_LOCATOR.size
+    if at < 0:
+        raise Unrecognised("no zip64 locator")
+    sig, _, eocd64, _ = _ZIP64_LOCATOR.unpack(read(at, _ZIP64_LOCATOR.size))
+    if sig != b"PK\x06\x07" or eocd64 + _ZIP64_EOCD.size > length:
+        raise Unrecognised("bad zip64 locator")
+    fields = _ZIP64_EOCD.unpack(read(eocd64, _ZIP64_EOCD.size))
+    if fields[0] != b"PK\x06\x06":
+        raise Unrecognised("bad zip64 directory")
+    return fields[7], fields[8], fields[9]
+
+
+def _zip64_fields(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, int, int]:
+    """The 64-bit sizes and offset of a record whose 32-bit fields are full."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, size = struct.unpack_from("<HH", extra, pos)
+        if tag == 1:
+            if pos + 4 + size > len(extra):
+                break
+            values = iter(struct.unpack_from(f"<{size // 8}Q", extra, pos + 4))
+            try:
+                return tuple(next(values) if v == _FULL32 else v for v in (usize, csize, lho))
+            except StopIteration:
+                break
+        pos += 4 + size
+    raise Unrecognised("zip64 record without its sizes")
+
+
+def zip_record(read: Callable[[int, int], bytes], length: int, records: dict[bytes, tuple[int, int]],
+            name: bytes) -> tuple[int, int] | None:
+    """(offset within the item, size) of the bytes of record `name`, or None."""
+    if name not in records:
+        return None
+    lho, size = records[name]
+    if lho + _LOCAL.size > length:
+        raise Unrecognised(f"record {name!r} outside the item")
+    fields = _LOCAL.unpack(read(lho, _LOCAL.size))
+    start = lho + _LOCAL.size + fields[9] + fields[10]
+    if fields[0] != b"PK\x03\x04" or start + size > length:
+        raise Unrecognised(f"record {name!r} outside the item")
+    return start, size
+
+
+def local_record(buf: bytes, pos: int) -> tuple[bytes, int]:
+    """Name and data offset of the zip local header at `pos` of `buf`."""
+    if pos + _LOCAL.size > len(buf):
+        raise Unrecognised("record header past the bytes read")
+    fields = _LOCAL.unpack_from(buf, pos)
+    start = pos + _LOCAL.size + fields[9] + fields[10]
+    if fields[0] != b"PK\x03\x04" or start > len(buf):
+        raise Unrecognised("bad record header")
+    return buf[pos + _LOCAL.size : pos + _LOCAL.size + fields[9]], start
+
+
+def header_pickle(buf: bytes) -> tuple[bytes, bytes, int]:
+    """From an archive's first bytes: its folder name (`archive/`), the bytes of its first
+    record, `data.pkl` (up to the next record's header), and where that next header starts.
+    `torch.save` writes `data.pkl` first; the local headers carry no sizes, so the next header
+    is found by its signature."""
+    name, start = local_record(buf, 0)
+    if not name.endswith(b"/data.pkl"):
+        raise Unrecognised("no header pickle first")
+    end = buf.find(b"PK\x03\x04", start)
+    if end < 0:
+        raise Unrecognised("header pickle past the bytes read")
+    return name[: -len(b"data.pkl")], buf[start:end], end
+
+
+# ---------------------------------------------------------------- the header pickle
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """What a tensor item's header pickle says: dtype, storage record and view of it."""
+
+    dtype: torch.dtype
+    key: str
+    storage_numel: int
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    dtype: torch.dtype
+    key: str
+    numel: int
+
+
+def _rebuild(storage, storage_offset, size, stride, requires_grad, hooks, metadata=None) -> SavedTensor:
+    if not isinstance(storage, _StorageRef) or hooks or metadata:
+        raise Unrecognised("a tensor with hooks or metadata")
+    return SavedTensor(storage.dtype, storage.key, storage.numel, int(storage_offset),
+                        tuple(int(s) for s in size), tuple(int(s) for s in stride))
+
+
+class HeaderUnpickler(pickle.Unpickler):
+    """Reads a tensor's header pickle into a `SavedTensor`; every global it resolves is one of
+    ours, so nothing from the file runs."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        raise Unrecognised(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> _StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                and isinstance(pid[1], torch.dtype) and isinstance(pid[2], str) and isinstance(pid[4], int)):
+            raise Unrecognised(f"storage reference {pid!r}")
+        return _StorageRef(pid[1], pid[2], pid[4])
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Numbers, strings, bools, None and containers of them; anything else is not read here."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise Unrecognised(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise Unrecognised("a tensor")
+
+
+def unpickle(unpickler: type[pickle.Unpickler], data: bytes) -> Any:
+    try:
+        return unpickler(io.BytesIO(data)).load()
+    except Unrecognised:
+        raise
+    except Exception as e:  # a broken pickle: let torch.load judge it
+        raise Unrecognised(str(e)) from None
+
+
+def load_plain(data: bytes) -> Any:
+    """A non-tensor value that DCP saved with `torch.save`: plain data is unpickled here (no
+    globals allowed, so no code runs); anything else by `torch.load(weights_only=True)`."""
+    try:
+        _, pkl, _ = header_pickle(data)
+        return unpickle(_PlainUnpickler, pkl)
+    except Unrecognised:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def load_plain_pickle(data: bytes) -> Any:
+    """A plain pickle (`pickle.dumps`, not a `torch.save` archive), read without running code:
+    plain data here, else with the globals `torch.load(weights_only=True)` allows (its
+    unpickler, which is private to torch). Anything else raises `pickle.UnpicklingError`."""
+    try:
+        return unpickle(_PlainUnpickler, data)
+    except Unrecognised:
+        return _weights_only_unpickler.load(io.BytesIO(data), encoding="utf-8")
+
+
+# ---------------------------------------------------------------- framing a tensor's archive
+
+
+class _Frame(io.RawIOBase):
+    """Records what `torch.save` writes under `skip_data`: the bytes before the hole left for
+    the storage's bytes, and the bytes after it."""
+
+    def __init__(self, hole: int):
+        self.parts = [bytearray()]
+        self._hole = hole
+        self._pos = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.parts[-1] += view
+        self._pos += len(view)
+        return len(view)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_CUR and offset == self._hole > 0 and len(self.parts) == 1:
+            self.parts.append(bytearray())
+            self._pos += offset
+        elif {io.SEEK_SET: offset, io.SEEK_CUR: self._pos + offset}.get(whence) != self._pos:
+            raise io.UnsupportedOperation(f"torch.save under skip_data seeked ({offset}, {whence}); "
+                                          "this torch version frames archives differently")
+        return self._pos
+
+
+_FRAMES: dict[tuple, tuple[bytes, bytes]] = {}
+_MAX_FRAMES = 4096
+
+
+def frame(t: torch.Tensor) -> tuple[bytes, bytes]:
+    """The archive `torch.save(t)` writes around `t`'s storage bytes (whose storage holds
+    exactly its elements). It depends only on the tensor's dtype, shape and strides and on
+    torch's serialization settings, so it is computed once per kind of tensor rather than per
+    tensor per save."""
+    settings = serialization_config.save
+    key = (type(t), t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), settings.storage_alignment,
+           settings.compute_crc32)
+    found = _FRAMES.get(key)
+    if found is None:
+        frame = _Frame(t.untyped_storage().nbytes())
+        with torch.serialization.skip_data():
+            torch.save(t, frame)
+        if len(frame.parts) != (2 if t.untyped_storage().nbytes() else 1):
+            raise RuntimeError("torch.save under skip_data did not leave the expected hole for the "
+                               "tensor's bytes; this torch version frames archives differently")
+        found = (bytes(frame.parts[0]), bytes(frame.parts[-1]) if len(frame.parts) == 2 else b"")
+        if len(_FRAMES) >= _MAX_FRAMES:
+            _FRAMES.clear()
+        _FRAMES[key] = found
+    return found
