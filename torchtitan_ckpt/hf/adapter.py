@@ -155,19 +155,26 @@ class StateDictAdapter:
     def export_config(self, dtype: torch.dtype) -> dict[str, Any]:
         """The assets' `config.json` when there is one, else the adapter's, its dtype set to
         `dtype` (the one of the exported tensors)."""
-        path = os.path.join(self.hf_assets_path or "", CONFIG_FILE)
-        if self.hf_assets_path is None or not os.path.isfile(path):
-            config = dict(self.config.raw)
-        else:
-            with open(path) as f:
-                config = json.load(f)
-        # transformers 4 writes `torch_dtype`, 5 writes `dtype`
-        for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
-            config[key] = str(dtype).removeprefix("torch.")
-        return config
+        return _with_dtype(_assets_config(self.hf_assets_path) or dict(self.config.raw), dtype)
 
 
-class ForeignAdapter(StateDictAdapter):
+def _assets_config(hf_assets_path: str | None) -> dict[str, Any] | None:
+    """The `config.json` of an assets folder, or None without one."""
+    path = os.path.join(hf_assets_path or "", CONFIG_FILE)
+    if hf_assets_path is None or not os.path.isfile(path):
+        return None
+    with safe_open.open_path(path, "the model config", "r") as f:
+        return json.load(f)
+
+
+def _with_dtype(config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """`config` naming `dtype` as the model's (transformers 4 writes `torch_dtype`, 5 `dtype`)."""
+    for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
+        config[key] = str(dtype).removeprefix("torch.")
+    return config
+
+
+class ForeignAdapter:
     """Any adapter with TorchTitan's `BaseStateDictAdapter` surface (`to_hf`, `from_hf`,
     `fqn_to_index_mapping`, `hf_assets_path`), e.g. TorchTitan's own llama3 / qwen3 /
     deepseek_v3 adapters. Exports go through its `to_hf`; imports read whole tensors and go
@@ -180,8 +187,8 @@ class ForeignAdapter(StateDictAdapter):
         if missing:
             raise TypeError(f"{type(adapter).__name__} is not a state-dict adapter: it has no "
                             f"{' or '.join(missing)}()")
-        super().__init__(getattr(adapter, "hf_assets_path", None))
         self.adapter = adapter
+        self.hf_assets_path = getattr(adapter, "hf_assets_path", None)
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         return self.adapter.to_hf(state_dict)
@@ -189,19 +196,22 @@ class ForeignAdapter(StateDictAdapter):
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
         return self.adapter.from_hf(hf_state_dict)
 
-    def hf_sources(self, names: Iterable[str]) -> None:  # type: ignore[override]
+    def hf_sources(self, names: Iterable[str]) -> None:
         return None
 
-    def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
-        raise CheckpointError(f"{type(self.adapter).__name__} has no hf_assets_path holding a {CONFIG_FILE}, "
-                              "and it cannot write one: give it the model's Hugging Face assets folder")
+    def export_config(self, dtype: torch.dtype) -> dict[str, Any]:
+        config = _assets_config(self.hf_assets_path)
+        if config is None:
+            raise CheckpointError(f"{type(self.adapter).__name__} has no hf_assets_path holding a {CONFIG_FILE}, "
+                                  "and it cannot write one: give it the model's Hugging Face assets folder")
+        return _with_dtype(config, dtype)
 
     @property
     def fqn_to_index_mapping(self) -> dict[str, int] | None:
         return getattr(self.adapter, "fqn_to_index_mapping", None)
 
 
-def as_adapter(adapter: Any) -> StateDictAdapter | None:
+def as_adapter(adapter: Any) -> StateDictAdapter | ForeignAdapter | None:
     """Ours as it is; any other (TorchTitan's) behind `ForeignAdapter`."""
     if adapter is None or isinstance(adapter, StateDictAdapter):
         return adapter
