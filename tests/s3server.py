@@ -35,6 +35,7 @@ class FaultProxy:
         self.upstream = upstream.split("://", 1)[1]
         self.plan = plan
         self.injected: Counter[str] = Counter()
+        self.seen: list = []
         self._count = itertools.count(1)
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -49,6 +50,7 @@ class FaultProxy:
     def _decide(self, method: str, path: str) -> str | None:
         with self._lock:
             fault = self.plan(next(self._count), method, path)
+            self.seen.append((method, path, fault))
             if fault:
                 self.injected[fault] += 1
             return fault

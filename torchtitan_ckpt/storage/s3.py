@@ -58,7 +58,7 @@ def _client(key: str, url: str, config: Checkpoint) -> Any:
         from botocore.config import Config  # noqa: PLC0415
     except ImportError:
         raise ConfigError(key, url, "object storage needs boto3: pip install 'torchtitan_ckpt[s3]'") from None
-    retry = {"max_attempts": config.storage_retries + 1, "mode": "standard"}
+    retry = {"total_max_attempts": config.storage_retries + 1, "mode": "standard"}
     return boto3.session.Session().client(
         "s3", config=Config(retries=retry, max_pool_connections=config.upload_parallel_parts + 2))
 
