@@ -139,9 +139,9 @@ class CheckpointManager:
             if rank0_folder != self._store.url:
                 raise ConfigError("checkpoint.folder", self._store.url,
                                   f"every rank must use the same folder; rank 0 uses {rank0_folder}")
-        for store in (self._store, self._initial):
-            if store is not None:
-                store.check(self._group)
+        self._store.check(self._group, write=not config.load_only)  # a probe written: shared by every rank?
+        if self._initial is not None:
+            self._initial.check(self._group, write=False)
 
     def _build_states(self, parts, optimizers, lr_schedulers, dataloader, extra, rank,
                       world_size) -> dict[str, Stateful]:

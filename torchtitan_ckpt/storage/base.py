@@ -24,9 +24,9 @@ class Store(ABC):
         return path
 
     @abstractmethod
-    def check(self, group: CheckpointGroup) -> None:
-        """At start-up: the folder is reachable and every rank sees the same one; a
-        `ConfigError` naming the folder otherwise (raised on every rank)."""
+    def check(self, group: CheckpointGroup, write: bool = True) -> None:
+        """At start-up: the folder is reachable (and, with `write`, writable, and every rank
+        sees the same one); a `ConfigError` naming the folder otherwise (raised on every rank)."""
 
     @abstractmethod
     def scan(self, folder: str) -> list[StepFolder]:

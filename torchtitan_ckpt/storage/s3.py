@@ -134,18 +134,21 @@ class S3Store(Store):
 
     # ------------------------------------------------------------------ the store
 
-    def check(self, group: CheckpointGroup) -> None:
-        """Every rank reaches the bucket with its credentials and can write under the prefix."""
+    def check(self, group: CheckpointGroup, write: bool = True) -> None:
+        """Every rank reaches the bucket with its credentials (and, with `write`, can write
+        under the prefix)."""
         try:
-            group.run(self._probe)
+            group.run(lambda: self._probe(write))
         except RankFailed as failed:
             raise ConfigError(self.key, self.url, (
                 f"the bucket cannot be used: {failed}. Check the bucket's name, the endpoint "
                 "(AWS_ENDPOINT_URL) and the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
                 "AWS_PROFILE): docs/storage.md")) from None
 
-    def _probe(self) -> None:
+    def _probe(self, write: bool) -> None:
         self._call("reaching the bucket of", self.prefix, self.client.head_bucket)
+        if not write:
+            return
         probe = "/".join(p for p in (self.prefix, f".probe-rank{self.rank}") if p)
         self._put(probe, b"")
         self._delete([probe])
