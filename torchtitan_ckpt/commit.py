@@ -125,7 +125,7 @@ def write_marker(path: str, info: CommitInfo,
     by a writer that does not checksum) is read once to compute its CRC. A file whose size on
     disk differs from what its writer wrote fails the commit. Returns the completed info."""
     info.files = {}
-    for rel, size in _manifest(path).items():
+    for rel, size in manifest(path).items():
         written = (checksums or {}).get(rel)
         if written is not None and written[0] != size:
             raise OSError(f"{os.path.join(path, rel)} has {size} bytes on disk, its writer wrote {written[0]}")
@@ -170,7 +170,8 @@ def verify(path: str, files: list[str] | None = None, threads: int = 4) -> list[
         return [problem for problem in found if problem is not None]
 
 
-def _manifest(path: str) -> dict[str, int]:
+def manifest(path: str) -> dict[str, int]:
+    """Size of every file of the step folder `path` but the markers, by relative path, sorted."""
     files = {}
     for root, _, names in os.walk(path):
         for name in names:

@@ -16,7 +16,6 @@ import inspect
 import logging
 import math
 import os
-import re
 import sys
 import textwrap
 import types
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from .errors import ConfigError
+from .storage import STORES, scheme_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -48,7 +48,8 @@ MAX_THREADS = 256
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Upper bound of `collective_timeout_s` (a week): larger values overflow the process group's timer."""
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+MIN_PART, MAX_PART = 5 << 20, 5 << 30
+"""The part sizes S3's multipart upload accepts (every part but the last)."""
 T = TypeVar("T")
 
 
@@ -58,13 +59,15 @@ class Checkpoint:
     """Save checkpoints and resume from them. When false, `save()` and `load()` do nothing."""
 
     folder: str = "checkpoint"
-    """Folder of the step folders (`step-N`), relative to `job.dump_folder` unless absolute."""
+    """Folder of the step folders (`step-N`), relative to `job.dump_folder` unless absolute; every
+    rank must see the same folder (checked at start-up). Or object storage: `s3://bucket/prefix`
+    (docs/storage.md)."""
 
     interval: int = 500
     """Save every this many steps (step % interval == 0)."""
 
     initial_load_path: str | None = None
-    """Checkpoint (a `step-N` folder or any DCP folder) loaded when `folder` holds no loadable step
+    """Checkpoint (a `step-N` folder or any DCP folder, a path or `s3://bucket/prefix`) loaded when `folder` holds no loadable step
     (a complete step of ours, or another program's finished one: docs/torchtitan.md)."""
 
     initial_load_model_only: bool = True
@@ -161,6 +164,23 @@ class Checkpoint:
     detail the fast engine relies on). The commit protocol, dedup policy and checksums are the
     same with both, and each reads what the other wrote."""
 
+    staging_folder: str = ""
+    """With an object-storage `folder` or `initial_load_path`: the local folder where each rank
+    writes its files of a save before uploading them, and downloads a step to load it
+    (`{staging_folder}/{url}/rank-N`). Needs room for a rank's share of a step (two with async
+    saves). Empty: the system's temporary folder."""
+
+    upload_part_size: str = "64MB"
+    """Object storage: the size of each part of a multipart upload and of each ranged download.
+    A rank holds at most `upload_part_size` x `upload_parallel_parts` bytes in flight."""
+
+    upload_parallel_parts: int = 8
+    """Object storage: parts each rank uploads (or downloads) at once."""
+
+    storage_retries: int = 5
+    """Object storage: how many times a request that failed transiently (throttling, 5xx, a
+    reset connection) is retried, with exponential backoff, before the save or load fails."""
+
     def validate(self, prefix: str = "checkpoint.") -> None:
         """Check ranges and contradictions; raise the first `ConfigError` found, its key
         `prefix + name` (the section's place in the caller's config tree)."""
@@ -180,15 +200,20 @@ def _check_ranges(ck: Checkpoint, p: str) -> None:
     for name, low in (("interval", 1), ("keep_latest_k", 0), ("load_step", -1), ("hf_export_interval", 0),
                       ("dedup_min_slice_bytes", 1)):
         _at_least(p + name, getattr(ck, name), low)
-    for name in ("load_threads", "save_threads", "consolidation_threads"):
+    for name in ("load_threads", "save_threads", "consolidation_threads", "upload_parallel_parts"):
         _at_least(p + name, getattr(ck, name), 1, MAX_THREADS)
     if not 0 < ck.collective_timeout_s <= MAX_TIMEOUT_S:
         raise ConfigError(p + "collective_timeout_s", ck.collective_timeout_s,
                           f"expected > 0 seconds and at most {MAX_TIMEOUT_S:.0f} (a week)")
-    try:
-        parse_size(ck.hf_max_shard_size)
-    except ValueError as e:
-        raise ConfigError(p + "hf_max_shard_size", ck.hf_max_shard_size, str(e)) from None
+    _at_least(p + "storage_retries", ck.storage_retries, 0, 100)
+    for name in ("hf_max_shard_size", "upload_part_size"):
+        try:
+            parse_size(getattr(ck, name))
+        except ValueError as e:
+            raise ConfigError(p + name, getattr(ck, name), str(e)) from None
+    if not MIN_PART <= parse_size(ck.upload_part_size) <= MAX_PART:
+        raise ConfigError(p + "upload_part_size", ck.upload_part_size,
+                          "S3 takes multipart parts of 5MiB to 5GiB")
     _check_exclusions(p + "exclude_from_loading", ck.exclude_from_loading)
 
 
@@ -197,11 +222,28 @@ def _check_paths(ck: Checkpoint, p: str) -> None:
         raise ConfigError(p + "folder", ck.folder, "expected a non-empty folder name")
     for name in ("folder", "initial_load_path"):
         value = getattr(ck, name)
-        if value is not None and _URL.match(value):
-            raise ConfigError(p + name, value, "URLs (object storage) are not supported: expected a path "
-                                               "on a file system every rank shares")
-    if ck.initial_load_path is not None and not ck.initial_load_in_hf:
+        if value is not None and scheme_of(value) is not None:
+            _check_url(p, name, value, ck)
+    if ck.initial_load_path is not None and not ck.initial_load_in_hf and scheme_of(ck.initial_load_path) is None:
         _check_initial_load_path(p + "initial_load_path", ck.initial_load_path)
+
+
+def _check_url(p: str, name: str, url: str, ck: Checkpoint) -> None:
+    """A supported scheme, a bucket, and no Hugging Face format (not on object storage yet)."""
+    scheme = scheme_of(url)
+    if scheme not in STORES:
+        raise ConfigError(p + name, url, f"{scheme}:// is not a supported storage; expected a path on a file "
+                          f"system every rank shares, or one of {', '.join(s + '://bucket/prefix' for s in STORES)}")
+    if not url.split("://", 1)[1].split("/", 1)[0]:
+        raise ConfigError(p + name, url, f"expected {scheme}://bucket/prefix (no bucket given)")
+    hf = [k for k in ("last_save_in_hf", "hf_export_interval", "initial_load_in_hf") if getattr(ck, k)]
+    if name == "initial_load_path":
+        hf = [k for k in hf if k == "initial_load_in_hf"]
+    elif "initial_load_in_hf" in hf:
+        hf.remove("initial_load_in_hf")
+    if hf:
+        raise ConfigError(p + name, url, f"the Hugging Face format ({p}{hf[0]}) is not supported on object "
+                          "storage yet; export to a file system folder")
 
 
 def _check_combinations(ck: Checkpoint, p: str) -> None:

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import logging
 import queue
-import shutil
 import threading
+from collections.abc import Callable
 
-from . import commit, faults
 from .layout import StepFolder
 
 logger = logging.getLogger(__name__)
 
 
 class BackgroundDeleter:
-    """Deletes step folders on a daemon thread so a save never waits for `rm -r`."""
+    """Deletes step folders on a daemon thread so a save never waits for `rm -r`, each with
+    `remove` (the store's: marker first, so a half-deleted step reads as partial)."""
 
-    def __init__(self) -> None:
+    def __init__(self, remove: Callable[[StepFolder], None]) -> None:
+        self._remove = remove
         self._queue: queue.Queue[StepFolder | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="ckpt-deleter", daemon=True)
         self._thread.start()
@@ -33,9 +34,7 @@ class BackgroundDeleter:
     def _run(self) -> None:
         while (folder := self._queue.get()) is not None:
             try:
-                commit.uncommit(folder.path)  # a half-deleted folder must read as partial
-                faults.hit("purge", folder.step)
-                shutil.rmtree(folder.path)
+                self._remove(folder)
                 logger.info("deleted old checkpoint step %d (%s)", folder.step, folder.path)
             except OSError as e:
                 logger.warning("could not delete %s: %s", folder.path, e)

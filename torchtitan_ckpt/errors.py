@@ -54,6 +54,11 @@ class CheckpointSaveError(CheckpointError):
         super().__init__(f"saving step {step} to {path} failed: {type(cause).__name__}: {cause}{hint}")
 
 
+class StorageError(CheckpointError, OSError):
+    """A storage backend (an object store) refused or kept failing a request after its bounded
+    retries; the message names the URL and what was tried."""
+
+
 class InvalidShardsError(CorruptCheckpointError):
     """The shard files cannot be consolidated: unreadable header, unknown dtype, missing or
     overlapping blocks. The message names the file or tensor."""

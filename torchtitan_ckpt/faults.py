@@ -9,6 +9,7 @@ while saving (or, for `purge`, deleting) step STEP:
 - `write`: a data file is half written;
 - `written`: `dcp.save` has returned: DCP's `.metadata` is written, the data files may still be
   being written and fsynced, the commit marker is not;
+- `upload`: (object storage) this rank's first file is uploaded, its others and the marker are not;
 - `commit`: the marker's temporary file is written, not yet renamed into place;
 - `purge`: the old step's marker is removed, its files are not;
 - `consolidate`: a Hugging Face export's bytes from this rank are written, its index is not.
@@ -22,7 +23,7 @@ import os
 import signal
 
 ENV = "TORCHTITAN_CKPT_FAILPOINT"
-PHASES = ("staging", "prepare", "write", "written", "commit", "purge", "consolidate")
+PHASES = ("staging", "prepare", "write", "written", "upload", "commit", "purge", "consolidate")
 _also_kill: int | None = None
 
 

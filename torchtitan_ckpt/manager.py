@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import commit, faults, layout
+from . import commit, layout, storage
 from .deleter import BackgroundDeleter
 from .policy.retention import steps_to_delete
 from .config import BUILTIN_STATES, Checkpoint
@@ -99,7 +98,7 @@ class CheckpointManager:
         state_dict_adapter = state_dict_adapter if state_dict_adapter is not None else sd_adapter
         self.config = config
         self._adapter = as_adapter(state_dict_adapter)
-        self.folder = os.path.join(base_folder, config.folder)
+        self.folder = config.folder if storage.scheme_of(config.folder) else os.path.join(base_folder, config.folder)
         parts = _as_list(model_parts)
         if not parts:
             raise ValueError("model_parts is empty; pass the model (or its pipeline stages)")
@@ -111,9 +110,14 @@ class CheckpointManager:
                                           world_size)
         if self._group is None:
             return
+        self._store = storage.open_store(self.folder, "checkpoint.folder", rank, config)
+        self.folder = self._store.root  # where the formats write and read: the folder, or a local stage
+        initial = config.initial_load_path
+        self._initial = (storage.open_store(initial, "checkpoint.initial_load_path", rank, config)
+                         if initial and storage.scheme_of(initial) else None)
         self._check_job()
         self._saves = make_strategy(config.async_mode)
-        self._deleter = BackgroundDeleter() if self._group.is_coordinator else None
+        self._deleter = BackgroundDeleter(self._store.remove) if self._group.is_coordinator else None
         context = Context(config, self._group, self._adapter)
         self._formats = {name: cls(context) for name, cls in FORMATS.items()}
 
@@ -131,10 +135,13 @@ class CheckpointManager:
                               f"a seed checkpoint is written by a single process; this job has "
                               f"{self._group.world_size} ranks")
         if self._group.world_size > 1:
-            rank0_folder = self._group.broadcast(os.path.abspath(self.folder))
-            if rank0_folder != os.path.abspath(self.folder):
-                raise ConfigError("checkpoint.folder", self.folder,
+            rank0_folder = self._group.broadcast(self._store.url)
+            if rank0_folder != self._store.url:
+                raise ConfigError("checkpoint.folder", self._store.url,
                                   f"every rank must use the same folder; rank 0 uses {rank0_folder}")
+        self._store.check(self._group, write=not config.load_only)  # a probe written: shared by every rank?
+        if self._initial is not None:
+            self._initial.check(self._group, write=False)
 
     def _build_states(self, parts, optimizers, lr_schedulers, dataloader, extra, rank,
                       world_size) -> dict[str, Stateful]:
@@ -231,36 +238,38 @@ class CheckpointManager:
         """The phases of one save into `{folder}/step-N` in format `fmt`, which the staging
         strategy runs in order on every rank."""
         path = layout.step_dir(folder, step)
+        where = self._store.describe(path)  # the step as the user names it, in messages
         start = time.perf_counter()
 
         def prepare() -> None:
-            self._agree(step, path, lambda: self._prepare_folder(path, step), coordinator_only=True)
+            self._agree(step, path, lambda: self._store.prepare(path, step), coordinator_only=True)
 
         def write(state: dict[str, Any], sink: Sink) -> Written:
             try:
+                self._store.prepare_rank(path)
                 return fmt.write(path, step, kind, state, sink)
             except CheckpointSaveError:
                 raise
             except Exception as e:
-                raise CheckpointSaveError(step, path, e, _space_hint(path)) from None
+                raise CheckpointSaveError(step, where, e, _space_hint(path)) from None
 
         def commit_step(written: Written) -> None:
             info = self._commit(step, path, kind, fmt, written)
             if self._group.is_coordinator:
-                self._log_saved(info, path, kind, time.perf_counter() - start, written.summary)
-                self._deleter.submit(steps_to_delete(layout.scan(folder), self.config.keep_latest_k))
+                self._log_saved(info, where, kind, time.perf_counter() - start, written.summary)
+                self._deleter.submit(steps_to_delete(self._store.scan(folder), self.config.keep_latest_k))
 
-        return SaveJob(step=step, path=path, prepare=_save_errors(step, path, prepare),
-                       write=_save_errors(step, path, write), commit=_save_errors(step, path, commit_step))
+        return SaveJob(step=step, path=path, prepare=_save_errors(step, where, prepare),
+                       write=_save_errors(step, where, write), commit=_save_errors(step, where, commit_step))
 
     def _commit(self, step: int, path: str, kind: SaveKind, fmt: StepFormat, written: Written) -> commit.CommitInfo:
-        """Wait until every rank's files are on the disk, then write the marker on rank 0."""
+        """Wait until every rank's files are durable in the store, then write the marker on rank 0."""
         checksums: dict[str, tuple[int, str]] = {}
-        for ranks_files in self._agree(step, path, written.durable):
+        for ranks_files in self._agree(step, path, lambda: self._store.publish(path, written.durable())):
             checksums.update(ranks_files)
         states = ["model"] if kind is not SaveKind.FULL else ["model", *self._states]
         info = commit.CommitInfo(step=step, states=states, format=fmt.name, world_size=self._group.world_size)
-        self._agree(step, path, lambda: commit.write_marker(path, info, checksums), coordinator_only=True)
+        self._agree(step, path, lambda: self._store.commit(path, info, checksums), coordinator_only=True)
         return info
 
     @staticmethod
@@ -282,24 +291,13 @@ class CheckpointManager:
             return model_sd
         return {**model_sd, **{name: s.state_dict() for name, s in self._states.items()}}
 
-    def _prepare_folder(self, path: str, step: int) -> None:
-        if os.path.lexists(path):  # a partial leftover, or a step saved again: it is replaced
-            if not layout.StepFolder(step, path, layout.status_of(path)).ours:
-                raise CheckpointError(f"{path} exists and was not written by torchtitan_ckpt; it is "
-                                      "never replaced: move it away or save into another folder")
-            commit.uncommit(path)  # refuses a symlink: another run's folder is never replaced
-            shutil.rmtree(path)
-        os.makedirs(path)
-        commit.mark_in_progress(path)  # ours from now on, even if this save crashes
-        faults.hit("prepare", step)
-
     def _agree(self, step: int, path: str, fn: Callable[[], Any], coordinator_only: bool = False) -> list[Any]:
         """Run `fn` on every rank (or on rank 0) and return every rank's result; any rank's
         failure is every rank's `CheckpointSaveError`."""
         try:
             return self._group.run(fn, coordinator_only)
         except RankFailed as failed:
-            raise CheckpointSaveError(step, path, failed.error or RuntimeError(str(failed)),
+            raise CheckpointSaveError(step, self._store.describe(path), failed.error or RuntimeError(str(failed)),
                                       _space_hint(path)) from failed.error
 
     # ------------------------------------------------------------------ loading
@@ -319,7 +317,7 @@ class CheckpointManager:
         if self._group.is_coordinator:
             secs = time.perf_counter() - start
             gb = layout.folder_bytes(target.path) / 1e9
-            logger.info("loaded %s%s: %.3f GB in %.2f s, %.2f GB/s", target.path,
+            logger.info("loaded %s%s: %.3f GB in %.2f s, %.2f GB/s", self._store.describe(target.path),
                         " (model only)" if target.model_only else "", gb, secs, gb / max(secs, 1e-9))
         return True
 
@@ -352,7 +350,7 @@ class CheckpointManager:
                     f"load another step, or add '{name}' to checkpoint.exclude_from_loading") from e
 
     def _find_load_target(self, step: int) -> _LoadTarget | None:
-        folders = layout.scan(self.folder)
+        folders = self._store.scan(self.folder)
         if step >= 0:
             return self._explicit_step(folders, step)
         loadable = [f for f in folders if f.loadable]
@@ -367,7 +365,8 @@ class CheckpointManager:
         if self.config.initial_load_in_hf:
             return self._target(self.config.initial_load_path or self._adapter.hf_assets_path, None, True, "hf")
         if self.config.initial_load_path:
-            return self._initial_target(self.config.initial_load_path)
+            initial = self.config.initial_load_path
+            return self._initial_target(self._initial.fetch(self._initial.root) if self._initial else initial)
         return None
 
     def _newest_target(self, loadable: list[layout.StepFolder]) -> _LoadTarget:
@@ -431,6 +430,7 @@ class CheckpointManager:
         gets every problem found. Without it: nothing to report."""
         if not self.config.verify_on_load:
             return []
+        self._store.fetch(path)
         names = sorted(commit.read_marker(path).files)
         mine = names[self._group.rank :: self._group.world_size]
         return [p for found in self._group.all_gather(commit.verify(path, mine)) for p in found]
@@ -443,7 +443,7 @@ class CheckpointManager:
         return _LoadTarget(path, step, model_only or not index.keys(), fmt, index)
 
     def _committed_target(self, path: str, step: int) -> _LoadTarget:
-        info = commit.read_marker(path)
+        info = commit.read_marker(self._store.fetch(path))
         return self._target(path, step, info.model_only, info.format)
 
     def _state_for_load(self, target: _LoadTarget) -> dict[str, Any]:

@@ -1,0 +1,72 @@
+"""The local or shared file system: the formats write the checkpoint folder itself, and the
+commit is `commit.write_marker`'s fsync-and-rename."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+from .. import commit, faults, layout
+from ..errors import CheckpointError, ConfigError, RankFailed
+from ..group import CheckpointGroup
+from .base import Store
+
+_PROBE = ".probe-{token}-rank{rank}"
+
+
+class LocalStore(Store):
+    """A folder on a file system; every rank must see the same one (`check`)."""
+
+    def __init__(self, folder: str):
+        self.url = os.path.abspath(folder)
+        self.root = folder
+
+    def check(self, group: CheckpointGroup, write: bool = True) -> None:
+        """Every rank writes a probe file into the folder, then looks for every other rank's: a
+        folder that is not shared (a node-local disk) would otherwise give a step whose marker
+        lists only rank 0's files, complete to look at and missing every other node's shards."""
+        if group.world_size == 1 or not write:
+            return
+        token = group.broadcast(uuid.uuid4().hex)
+        probes = [os.path.join(self.root, _PROBE.format(token=token, rank=r)) for r in range(group.world_size)]
+        try:
+            group.run(lambda: self._write_probe(probes[group.rank]))
+        except RankFailed as failed:
+            raise ConfigError("checkpoint.folder", self.root, f"cannot write there: {failed}") from None
+        unseen = group.all_gather([r for r, p in enumerate(probes) if not os.path.exists(p)])
+        os.remove(probes[group.rank])
+        for rank, missing in enumerate(unseen):
+            if missing:
+                raise ConfigError("checkpoint.folder", self.root, (
+                    f"rank {rank} does not see the files rank(s) {missing} wrote there: the folder is not "
+                    "shared by every rank (a node-local disk?), and a step saved there would be spread over "
+                    "the nodes with no node holding all of it. Use a file system every rank shares, or "
+                    "object storage (checkpoint.folder = 's3://bucket/prefix', docs/storage.md)"))
+
+    def _write_probe(self, probe: str) -> None:
+        os.makedirs(self.root, exist_ok=True)
+        with open(probe, "w"):
+            pass
+
+    def scan(self, folder: str) -> list[layout.StepFolder]:
+        return layout.scan(folder)
+
+    def prepare(self, path: str, step: int) -> None:
+        if os.path.lexists(path):  # a partial leftover, or a step saved again: it is replaced
+            if not layout.StepFolder(step, path, layout.status_of(path)).ours:
+                raise CheckpointError(f"{path} exists and was not written by torchtitan_ckpt; it is "
+                                      "never replaced: move it away or save into another folder")
+            commit.uncommit(path)  # refuses a symlink: another run's folder is never replaced
+            shutil.rmtree(path)
+        os.makedirs(path)
+        commit.mark_in_progress(path)  # ours from now on, even if this save crashes
+        faults.hit("prepare", step)
+
+    def commit(self, path: str, info: commit.CommitInfo, checksums: dict[str, tuple[int, str]]) -> commit.CommitInfo:
+        return commit.write_marker(path, info, checksums)
+
+    def remove(self, folder: layout.StepFolder) -> None:
+        commit.uncommit(folder.path)  # a half-deleted folder must read as partial
+        faults.hit("purge", folder.step)
+        shutil.rmtree(folder.path)
