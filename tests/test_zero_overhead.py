@@ -147,3 +147,27 @@ def test_verify_staging_names_a_parameter_changed_outside_the_optimizer(tmp_path
 def test_verify_staging_needs_an_async_mode():
     with pytest.raises(ConfigError, match="checkpoint.verify_staging = True: checks the async modes"):
         Checkpoint(enable=True, verify_staging=True).validate()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_staging_on_a_side_stream_holds_the_values_at_save_time(tmp_path, mode):
+    """GPU state: the side stream's copies (non-blocking into pinned buffers in the pinned mode)
+    hold the values at `save()`, and the optimizer's step right after waits for them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.BatchNorm1d(1024)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    config = Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0)
+    with CheckpointManager(config, [model], optimizers=opt, base_folder=str(tmp_path)) as manager:
+        for step in (1, 2, 3):
+            model(torch.randn(64, 1024, device="cuda")).square().mean().backward()
+            opt.step()
+            before = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+            before.update({f"optimizer.state.{n}.exp_avg": opt.state[p]["exp_avg"].cpu()
+                           for n, p in model.named_parameters()})
+            manager.save(step)
+            model(torch.randn(64, 1024, device="cuda")).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    saved = _saved(tmp_path, 3)
+    assert_same({k: saved[k] for k in before}, before)
