@@ -7,6 +7,7 @@ from .errors import (
     CheckpointSaveError,
     ConfigError,
     CorruptCheckpointError,
+    StagingMismatchError,
 )
 from .manager import CheckpointManager
 
@@ -18,5 +19,6 @@ __all__ = [
     "CheckpointSaveError",
     "ConfigError",
     "CorruptCheckpointError",
+    "StagingMismatchError",
     "load_config",
 ]

@@ -88,7 +88,15 @@ class Checkpoint:
     """Dtype of floating tensors in a model-only last-step save."""
 
     async_mode: AsyncMode = "disabled"
-    """How saves overlap training: `disabled`, `async` or `async_with_pinned_mem`."""
+    """How saves overlap training: `disabled`, `async` or `async_with_pinned_mem`. Both async
+    modes return from `save()` before the state is copied: the copy runs while the next step's
+    forward and backward do, and the optimizer's step waits for it (docs/async.md)."""
+
+    verify_staging: bool = False
+    """Debug setting for the async modes: copy the state inside `save()`, and at the next
+    optimizer step check that no parameter or optimizer state changed since, raising
+    `StagingMismatchError` naming the tensor (a loop that changes them outside the optimizer
+    needs `maybe_wait_for_staging()` first). Costs the copy's time in every `save()`."""
 
     save_threads: int = 1
     """Data files each rank writes in parallel, one thread each (tensors spread over them by
@@ -257,6 +265,9 @@ def _check_combinations(ck: Checkpoint, p: str) -> None:
         raise ConfigError(p + "create_seed_checkpoint", True, f"writing a seed checkpoint contradicts {p}load_only = true")
     if ck.create_seed_checkpoint and not ck.enable:
         raise ConfigError(p + "create_seed_checkpoint", True, f"needs {p}enable = true")
+    if ck.verify_staging and ck.async_mode == "disabled":
+        raise ConfigError(p + "verify_staging", True, f"checks the async modes' staging; set {p}async_mode "
+                                                      '= "async" or "async_with_pinned_mem", or drop it')
     if ck.export_dtype != "float32" and not ck.last_save_model_only:
         logger.info("%sexport_dtype = %r does not apply: the last save is a full checkpoint "
                     "(%slast_save_model_only = false) and keeps the training dtype", p, ck.export_dtype, p)

@@ -59,6 +59,12 @@ class StorageError(CheckpointError, OSError):
     retries; the message names the URL and what was tried."""
 
 
+class StagingMismatchError(CheckpointError):
+    """With `checkpoint.verify_staging`: a tensor a background save was staging changed between
+    `save()` and the optimizer's step (the message names it), so the checkpoint would hold values
+    of two steps."""
+
+
 class InvalidShardsError(CorruptCheckpointError):
     """The shard files cannot be consolidated: unreadable header, unknown dtype, missing or
     overlapping blocks. The message names the file or tensor."""

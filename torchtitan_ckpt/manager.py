@@ -103,7 +103,9 @@ class CheckpointManager:
         if not parts:
             raise ValueError("model_parts is empty; pass the model (or its pipeline stages)")
         self._model = ModelState(parts)
+        self._parameters = self._model.parameter_names()
         self._closed = False
+        self._hooks: list = []
         self._group = CheckpointGroup(process_group, config.collective_timeout_s) if config.enable else None
         rank, world_size = (self._group.rank, self._group.world_size) if self._group else (0, 1)
         self._states = self._build_states(parts, optimizers, lr_schedulers, dataloader, states or {}, rank,
@@ -116,7 +118,9 @@ class CheckpointManager:
         self._initial = (storage.open_store(initial, "checkpoint.initial_load_path", rank, config)
                          if initial and storage.scheme_of(initial) else None)
         self._check_job()
-        self._saves = make_strategy(config.async_mode)
+        self._saves = make_strategy(config.async_mode, config.verify_staging)
+        if optimizer := self._states.get("optimizer"):
+            self._hooks = [opt.register_step_pre_hook(self._before_optimizer_step) for opt in optimizer.optimizers]
         self._deleter = BackgroundDeleter(self._store.remove) if self._group.is_coordinator else None
         context = Context(config, self._group, self._adapter)
         self._formats = {name: cls(context) for name, cls in FORMATS.items()}
@@ -180,6 +184,8 @@ class CheckpointManager:
             self._closed = True
             return
         self._closed = True
+        for hook in self._hooks:
+            hook.remove()
         try:
             self._saves.close()
         finally:
@@ -222,7 +228,19 @@ class CheckpointManager:
             self._saves.wait()
             job.run(self._state_for_save(kind))
         else:
-            self._saves.submit(self._state_for_save(kind), job)
+            self._saves.submit(self._state_for_save(kind), job, self._deferred)
+
+    def _deferred(self, path: tuple) -> bool:
+        """Whether a background save may copy the tensor at `path` of the state after `save()`
+        returns: a parameter, or the optimizer's state of one, which only the optimizer's step
+        changes (and it waits: `_before_optimizer_step`). Buffers (a norm's running statistics
+        change in the forward pass) and every other state's tensors are copied in `save()`."""
+        return path[0] in self._parameters if len(path) == 1 else path[:2] == ("optimizer", "state")
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        """Step pre-hook of every optimizer given to the manager: the step changes what a
+        background save may still be copying."""
+        self._saves.wait_for_staging()
 
     @property
     def save_in_flight(self) -> bool:
@@ -231,8 +249,12 @@ class CheckpointManager:
 
     def maybe_wait_for_staging(self) -> None:
         """TorchTitan's: block until the staging of the last `save()` is done, so the training
-        step may change the state it copied. Staging copies inside `save()` here, so this returns
-        at once; training loops written against TorchTitan call it before the optimizer step."""
+        step may change the state it copied. The optimizers' steps call it themselves (a step
+        pre-hook); call it before changing parameters any other way (an EMA update, a weight
+        written by hand) between `save()` and the next optimizer step. Returns at once without
+        an async mode."""
+        if self.config.enable:
+            self._saves.wait_for_staging()
 
     def _save_job(self, step: int, kind: SaveKind, folder: str, fmt: StepFormat) -> SaveJob:
         """The phases of one save into `{folder}/step-N` in format `fmt`, which the staging

@@ -2,10 +2,19 @@
 
 A strategy receives the resolved state (plain nested dicts of tensors and values, taken at the
 step being saved) and a `SaveJob`: the phases that prepare the step folder, write the state
-through DCP and commit the step. Synchronous saving runs them in place. The asynchronous strategies first *stage* the state, i.e. copy every tensor into CPU
-memory the training loop never touches, so `save()` can return while the copy is written in the
-background; training may then update weights and optimizer state in place without changing what
-is written (CPU tensors are copied too: aliasing them is how async DCP once wrote wrong data).
+through DCP and commit the step. Synchronous saving runs them in place. The asynchronous
+strategies first *stage* the state, i.e. copy every tensor into CPU memory the training loop never
+touches, so the copy can be written in the background (CPU tensors are copied too: aliasing them
+is how async DCP once wrote wrong data).
+
+Staging itself runs in the background too, overlapped with the next step's forward and backward,
+which change neither the parameters nor the optimizer's state. `submit()` only fixes what the
+rest of the step could change: every value that is not a tensor is copied, and so is every tensor
+outside the *deferred* ones (the caller names them: parameters and the optimizer's per-parameter
+state); the deferred tensors are copied by the background thread, and whatever would change them
+first calls `wait_for_staging()` (the manager's optimizer step pre-hook). On a GPU those copies run
+on a side CUDA stream that waits for the work queued before `save()`, with `non_blocking` copies
+into pinned buffers, and staging is done once that stream has finished them.
 
 At most one save is in flight: `submit()` first waits for the previous one. A failure of the
 background save is kept and raised by the next `submit()`, `wait()` or `close()`.
@@ -17,6 +26,7 @@ import copy
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,10 +34,20 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import faults
+from .errors import StagingMismatchError
 from .io.filewriter import Sink, write_files
 from .io.writer_process import WriterProcess
 
 logger = logging.getLogger(__name__)
+
+Deferred = Callable[[tuple], bool]
+"""Whether the tensor at a path of the state (its keys, in order) may be staged after `submit()`
+returns: true only for tensors that nothing changes in place before `wait_for_staging()`."""
+
+
+def _nothing_deferred(path: tuple) -> bool:
+    return False
+
 
 @dataclass(frozen=True)
 class SaveJob:
@@ -53,7 +73,7 @@ class SaveJob:
 class SynchronousSaves:
     """`async_mode = "disabled"`: the training loop waits until the step is committed."""
 
-    def submit(self, state: dict[str, Any], job: SaveJob) -> None:
+    def submit(self, state: dict[str, Any], job: SaveJob, deferred: Deferred = _nothing_deferred) -> None:
         job.run(state)
 
     def in_flight(self) -> bool:
@@ -62,15 +82,31 @@ class SynchronousSaves:
     def wait(self) -> None:
         """Nothing is ever in flight."""
 
+    def wait_for_staging(self) -> None:
+        """Nothing is ever staged."""
+
     def close(self) -> None:
         """Nothing to shut down."""
 
 
+def freeze(state: Any, deferred: Deferred, path: tuple = ()) -> Any:
+    """`state` as it is now, except for the deferred tensors: those are kept as they are (live),
+    every other tensor is cloned on its device (no host synchronisation) and every other value is
+    deep-copied, so that nothing but a change to a deferred tensor reaches what is staged."""
+    if isinstance(state, torch.Tensor):
+        return state if deferred(path) else state.detach().clone()
+    if isinstance(state, dict):
+        return {k: freeze(v, deferred, (*path, k)) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(freeze(v, deferred, (*path, i)) for i, v in enumerate(state))
+    return copy.deepcopy(state)
+
+
 def _copy_tensor(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
     """A CPU copy of `t` (written into `into`, `t`'s shape, when given), keeping a DTensor's
-    placement."""
+    placement. A copy into pinned memory does not block the host (`_CopyStream` waits for it)."""
     local = _local(t).detach()
-    copied = local.to("cpu", copy=True) if into is None else into.copy_(local)
+    copied = local.to("cpu", copy=True) if into is None else into.copy_(local, non_blocking=local.is_cuda)
     if isinstance(t, DTensor):
         return DTensor.from_local(copied, t.device_mesh, t.placements, run_check=False,
                                   shape=t.shape, stride=t.stride())
@@ -203,26 +239,91 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+class _CopyStream:
+    """The CUDA side of staging: the copies run on a side stream of each device the state uses
+    (the training streams keep computing), after the work queued on the caller's current stream
+    before `save()`, and staging is done when that stream has finished them. CPU states skip it."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def mark(self, state: Any) -> dict[torch.device, torch.cuda.Event]:
+        """On the training thread: an event after the work queued so far on each CUDA device
+        the state's tensors are on."""
+        devices = {_local(t).device for _, t in _tensors(state, ()) if _local(t).is_cuda}
+        return {d: torch.cuda.current_stream(d).record_event() for d in devices}
+
+    def run(self, marks: dict[torch.device, torch.cuda.Event], copy_all: Callable[[], Any]) -> Any:
+        """`copy_all()` with its CUDA copies on side streams after `marks`, once they are done."""
+        if not marks:
+            return copy_all()
+        streams = [self._stream(device) for device in marks]
+        for stream, event in zip(streams, marks.values()):
+            stream.wait_event(event)
+        with torch.cuda.stream(streams[0]):  # a rank's state is on one device, or a few
+            staged = copy_all()
+        for stream in streams:
+            stream.synchronize()
+        return staged
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+
 class BackgroundSaves:
-    """Stage in `submit()`, then write and commit on a background thread.
+    """Stage, write and commit on a background thread; `submit()` returns before the copy.
 
     `async`: fresh CPU copies each save, files written by the background thread.
     `async_with_pinned_mem`: long-lived shared-memory staging arenas, reused, and the files
     written by a separate writer process that reads them (the background thread then
-    only plans, waits and commits, so training keeps the GIL)."""
+    only plans, waits and commits, so training keeps the GIL).
 
-    def __init__(self, reuse_buffer: bool):
+    With `verify=True` (`checkpoint.verify_staging`, a debug setting) staging is done inside
+    `submit()` instead, and `wait_for_staging()` compares the deferred tensors with their staged
+    copies: one changed in between (by anything but the optimizer's step, which the hook runs
+    before) is a `StagingMismatchError` naming it."""
+
+    def __init__(self, reuse_buffer: bool, verify: bool = False):
         self.stager = Stager(reuse=reuse_buffer)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
         self._pending: Future | None = None
+        self._staging: Future | None = None
+        self._copies = _CopyStream()
+        self._verify = verify
+        self._check: list[tuple[tuple, torch.Tensor, torch.Tensor]] = []
+        """(path, live tensor, its staged copy) for each deferred tensor, with `verify`."""
         self.writer = WriterProcess() if reuse_buffer else None
 
-    def submit(self, state: dict[str, Any], job: SaveJob) -> None:
+    def submit(self, state: dict[str, Any], job: SaveJob, deferred: Deferred = _nothing_deferred) -> None:
         self.wait()
         sink = self._sink()
-        staged = self.stager.stage(state)
-        faults.hit("staging", job.step)
-        self._pending = self._pool.submit(job.run, staged, sink)
+        frozen = freeze(state, deferred)
+        marks = self._copies.mark(frozen)
+        staging = self._staging = self._pool.submit(self._stage, frozen, marks, job.step)
+        if self._verify:
+            staged = staging.result()
+            self._check = [(path, t, _at(staged, path)) for path, t in _tensors(frozen, ()) if deferred(path)]
+        self._pending = self._pool.submit(lambda: job.run(staging.result(), sink))
+
+    def _stage(self, frozen: dict[str, Any], marks: dict, step: int) -> dict[str, Any]:
+        staged = self._copies.run(marks, lambda: self.stager.stage(frozen))
+        faults.hit("staging", step)
+        return staged
+
+    def wait_for_staging(self) -> None:
+        """Block until the last submitted state is staged (a staging failure is raised by
+        `wait()`, with its step); with `verify`, check the deferred tensors first."""
+        if self._staging is not None:
+            wait_for([self._staging])
+        check, self._check = self._check, []
+        for path, live, staged in check:
+            if not _same_bytes(live, staged):
+                raise StagingMismatchError(
+                    f"{'.'.join(map(str, path))} changed between save() and the optimizer's step; the "
+                    "checkpoint would hold a mix of old and new values. Change the state only after "
+                    "the optimizer's step, or call maybe_wait_for_staging() first")
 
     def _sink(self) -> Sink:
         """Where the files go; a writer process that died (its save failed and said so) is
@@ -237,12 +338,13 @@ class BackgroundSaves:
         return self.writer.write
 
     def in_flight(self) -> bool:
-        """True while a background save is still being written or committed."""
+        """True while a background save is still being staged, written or committed."""
         return self._pending is not None and not self._pending.done()
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its failure if it had one."""
         pending, self._pending = self._pending, None
+        self._staging, self._check = None, []
         if pending is not None:
             pending.result()
 
@@ -256,8 +358,20 @@ class BackgroundSaves:
                 self.writer.close()
 
 
-def make_strategy(async_mode: str) -> SynchronousSaves | BackgroundSaves:
-    """The strategy for a validated `checkpoint.async_mode`."""
+def _at(state: Any, path: tuple) -> Any:
+    for key in path:
+        state = state[key]
+    return state
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape and dtype hold the same bytes (NaNs included)."""
+    a, b = (_local(t).detach().cpu().reshape(-1).view(torch.uint8) for t in (a, b))
+    return torch.equal(a, b)
+
+
+def make_strategy(async_mode: str, verify: bool = False) -> SynchronousSaves | BackgroundSaves:
+    """The strategy for a validated `checkpoint.async_mode` (`verify`: `checkpoint.verify_staging`)."""
     if async_mode == "disabled":
         return SynchronousSaves()
-    return BackgroundSaves(reuse_buffer=async_mode == "async_with_pinned_mem")
+    return BackgroundSaves(reuse_buffer=async_mode == "async_with_pinned_mem", verify=verify)

@@ -47,6 +47,10 @@ class ModelState(Stateful):
     def state_dict(self) -> dict[str, Any]:
         return {canonical_name(k): v for part in self.parts for k, v in part.state_dict().items()}
 
+    def parameter_names(self) -> set[str]:
+        """The keys of `state_dict()` that are parameters (both names of a tied one)."""
+        return {canonical_name(n) for part in self.parts for n, _ in part.named_parameters(remove_duplicate=False)}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Each part takes its own keys out of the merged dict (DCP already checked that every
         requested key was in the checkpoint), under the names its `load_state_dict` expects.
@@ -80,6 +84,10 @@ class OptimizerState(Stateful):
 
     def __init__(self, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]):
         self.named = [(opt, _parameter_names(parts, opt)) for opt in optimizers]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [opt for opt, _ in self.named]
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {}

@@ -1,0 +1,173 @@
+"""Staging in the background: `save()` returns before the copy, and what would change the staged
+state (the optimizer's step, a forward pass's buffers, any other state) never reaches the
+checkpoint; `verify_staging` catches what the optimizer's hook cannot see."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from torchtitan_ckpt import CheckpointManager, ConfigError, StagingMismatchError, layout
+from torchtitan_ckpt.config import Checkpoint
+
+from .helpers import assert_same, read_checkpoint, spawn
+
+MODES = ["async", "async_with_pinned_mem"]
+
+
+class _Counter:
+    """A user state whose tensor the training loop changes in place."""
+
+    def __init__(self):
+        self.value = torch.zeros(3)
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, sd):
+        self.value.copy_(sd["value"])
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
+def _snapshot(model, opt, counter) -> dict[str, torch.Tensor]:
+    """The values the checkpoint must hold, under its names (a collective on sharded tensors)."""
+    out = {k: _full(v) for k, v in model.state_dict().items()}
+    for name, p in model.named_parameters():
+        out.update({f"optimizer.state.{name}.{k}": _full(v) for k, v in opt.state[p].items()})
+    out["counter.value"] = counter.value.clone()
+    return out
+
+
+def _next_step_right_after_save(rank: int, world_size: int, folder: str) -> None:
+    """FSDP over 2 ranks; each save is followed at once by the optimizer's step (the gradients
+    are ready before `save()`, so nothing hides the copy) and an in-place change of a user
+    state: the checkpoint holds the values at `save()`, in every mode."""
+    from torchtitan_ckpt.example.config import load_job_config
+    from torchtitan_ckpt.example.train import build_model, shard_model
+
+    torch.manual_seed(1)
+    inputs, labels = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    for mode in ("disabled", *MODES):
+        model = build_model(load_job_config(None, []))
+        shard_model(model, world_size)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
+        counter = _Counter()
+        config = Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0)
+        expected = {}
+        with CheckpointManager(config, [model], optimizers=opt, states={"counter": counter},
+                               base_folder=os.path.join(folder, mode)) as manager:
+            for step in (1, 2, 3):
+                F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).backward()
+                if step > 1:
+                    expected[step] = _snapshot(model, opt, counter)
+                manager.save(step)
+                opt.step()  # changes every parameter and moment in place
+                counter.value.add_(1)
+                opt.zero_grad()
+            after = _snapshot(model, opt, counter)
+        assert not opt._optimizer_step_pre_hooks  # noqa: SLF001 - close() removes the manager's hook
+        for step, values in expected.items():  # read on every rank: dcp.load is a collective
+            saved = read_checkpoint(layout.step_dir(os.path.join(folder, mode, "checkpoint"), step))
+            assert_same({k: saved[k] for k in values}, values)
+        assert not torch.equal(after["output.weight"], expected[3]["output.weight"])
+
+
+@pytest.mark.multirank
+def test_the_next_optimizer_step_never_reaches_the_checkpoint(tmp_path):
+    spawn(2, _next_step_right_after_save, str(tmp_path))
+
+
+def _job(tmp_path, mode: str, **config):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ck = Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0, **config)
+    return model, opt, CheckpointManager(ck, [model], optimizers=opt, base_folder=str(tmp_path))
+
+
+def _train_step(model, opt) -> None:
+    model(torch.randn(16, 8)).square().mean().backward()  # a forward in train mode moves BatchNorm's stats
+    opt.step()
+    opt.zero_grad()
+
+
+def _saved(tmp_path, step: int) -> dict[str, torch.Tensor]:
+    return read_checkpoint(layout.step_dir(os.path.join(tmp_path, "checkpoint"), step))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_buffers_changed_by_the_next_forward_are_saved_as_they_were(tmp_path, mode):
+    model, opt, manager = _job(tmp_path, mode)
+    _train_step(model, opt)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    manager.save(1)
+    _train_step(model, opt)
+    assert not torch.equal(model[1].running_mean, before["1.running_mean"])
+    manager.close()
+    saved = _saved(tmp_path, 1)
+    assert_same({k: saved[k] for k in before}, before)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_maybe_wait_for_staging_makes_a_change_by_hand_safe(tmp_path, mode):
+    model, opt, manager = _job(tmp_path, mode)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    manager.save(1)
+    manager.maybe_wait_for_staging()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-3.0)  # e.g. an EMA update outside the optimizer
+    manager.close()
+    saved = _saved(tmp_path, 1)
+    assert_same({k: saved[k] for k in before}, before)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_verify_staging_names_a_parameter_changed_outside_the_optimizer(tmp_path, mode):
+    model, opt, manager = _job(tmp_path, mode, verify_staging=True)
+    _train_step(model, opt)
+    manager.save(1)
+    _train_step(model, opt)  # through the optimizer: nothing to report
+    manager.save(2)
+    with torch.no_grad():
+        model[2].bias.add_(1.0)
+    with pytest.raises(StagingMismatchError, match=r"^2\.bias changed between save\(\) and the optimizer's step"):
+        _train_step(model, opt)
+    _train_step(model, opt)  # reported once
+    manager.close()
+
+
+def test_verify_staging_needs_an_async_mode():
+    with pytest.raises(ConfigError, match="checkpoint.verify_staging = True: checks the async modes"):
+        Checkpoint(enable=True, verify_staging=True).validate()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_staging_on_a_side_stream_holds_the_values_at_save_time(tmp_path, mode):
+    """GPU state: the side stream's copies (non-blocking into pinned buffers in the pinned mode)
+    hold the values at `save()`, and the optimizer's step right after waits for them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.BatchNorm1d(1024)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    config = Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0)
+    with CheckpointManager(config, [model], optimizers=opt, base_folder=str(tmp_path)) as manager:
+        for step in (1, 2, 3):
+            model(torch.randn(64, 1024, device="cuda")).square().mean().backward()
+            opt.step()
+            before = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+            before.update({f"optimizer.state.{n}.exp_avg": opt.state[p]["exp_avg"].cpu()
+                           for n, p in model.named_parameters()})
+            manager.save(step)
+            model(torch.randn(64, 1024, device="cuda")).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    saved = _saved(tmp_path, 3)
+    assert_same({k: saved[k] for k in before}, before)
