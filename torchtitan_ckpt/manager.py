@@ -110,8 +110,12 @@ class CheckpointManager:
         rank, world_size = (self._group.rank, self._group.world_size) if self._group else (0, 1)
         self._states = self._build_states(parts, optimizers, lr_schedulers, dataloader, states or {}, rank,
                                           world_size)
-        if self._group is None:
-            return
+        if self._group is not None:
+            self._start(rank)
+
+    def _start(self, rank: int) -> None:
+        """Open the storage, check the job against the config, and start the strategies."""
+        config = self.config
         self._store = storage.open_store(self.folder, "checkpoint.folder", rank, config)
         self.folder = self._store.root  # where the formats write and read: the folder, or a local stage
         initial = config.initial_load_path
