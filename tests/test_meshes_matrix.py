@@ -9,6 +9,7 @@ reports what differs per saved layout, and each is its own test."""
 
 from __future__ import annotations
 
+import filecmp
 import json
 import os
 from typing import Any
@@ -18,17 +19,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from torchtitan_ckpt import CheckpointManager, layout
 from torchtitan_ckpt.example.config import JobConfig, load_job_config
 from torchtitan_ckpt.example.data import build_dataloader
-from torchtitan_ckpt.example.model import FLAVORS
-from torchtitan_ckpt.example.train import Run, TrainState, build_run, train_steps
+from torchtitan_ckpt.example.model import FLAVORS, hf_adapter
+from torchtitan_ckpt.example.train import Run, TrainState, build_model, build_run, train_steps
+from torchtitan_ckpt.dcp.storage import dtensor_chunk
+from torchtitan_ckpt.hf import load_hf, save_hf
+from torchtitan_ckpt.hf.load import read_hf_layout
 from torchtitan_ckpt.states import ModelState, OptimizerState
 
-from .helpers import spawn
+from .helpers import RecordedReads, data_file_use, spawn
 
 pytestmark = pytest.mark.multirank
 
@@ -157,22 +161,137 @@ def _matrix(rank: int, world_size: int, folder: str, flavor: str, saved_on: str)
     return wrong
 
 
+def _model_state(run: Run) -> dict[str, Any] | None:
+    return {k: v for k, v in _gathered(run).items() if not k.startswith("optimizer.")} \
+        if dist.get_rank() == 0 else _gathered(run)
+
+
+def _hf(rank: int, world_size: int, folder: str, flavor: str, name: str, reference: str) -> list[str]:
+    """Export from the layout: the files of a 1-rank export, byte for byte, each byte written
+    by one rank. Import that folder
+    into the layout (other weights before): every tensor equal, each rank reading exactly the
+    bytes it needs (`_bytes_to_read`)."""
+    config = _config(folder, flavor, name)
+    run = build_run(config, world_size, rank, torch.device("cpu"))
+    adapter = hf_adapter(FLAVORS[flavor])
+    out = os.path.join(folder, "hf")
+    written = []
+    save_hf(ModelState(run.parts).state_dict(), out, adapter, max_shard_size=HF_SHARD,
+            progress=lambda n, total: written.append(n))
+    every = [None] * world_size
+    dist.all_gather_object(every, sum(written))
+    wrong = [f"{name}: HF export: {f} differs from 1 rank's" for f in _differing_files(reference, out)] \
+        if rank == 0 else []
+    tensors = sum(e.nbytes for e in read_hf_layout(reference).values())
+    wrong += [f"{name}: HF export: the ranks wrote {every} bytes, not {tensors} once"] \
+        if rank == 0 and sum(every) != tensors else []
+    other = build_run(_config(folder, flavor, name, "--training.seed", "7"), world_size, rank, torch.device("cpu"))
+    state = ModelState(other.parts)
+    sd = state.state_dict()
+    with RecordedReads() as recorded:
+        load_hf(sd, reference, adapter)
+    state.load_state_dict(sd)
+    held = _bytes_to_read(sd, adapter)
+    counts = [None] * world_size
+    dist.all_gather_object(counts, (sum(n for _, _, n in recorded.reads), held))
+    expected, got = _model_state(run), _model_state(other)
+    if rank == 0:
+        wrong += [f"{name}: HF import: rank {r} read {a} bytes for the {b} it needs"
+                  for r, (a, b) in enumerate(counts) if a != b]
+        wrong += _differences(expected, got, f"{name}: HF import")
+    return wrong
+
+
+def _bytes_to_read(sd: dict[str, Any], adapter: Any) -> int:
+    """The bytes of the HF files a rank needs: those of the blocks it holds, whole heads of a
+    q/k projection or norm (RoPE's row order moves rows within a head, so a shard that cuts a
+    head reads the rest of it)."""
+    total = 0
+    for name, source in adapter.hf_sources(sd).items():
+        value = sd[name]
+        local = value.to_local() if isinstance(value, DTensor) else value
+        lo = dtensor_chunk(tuple(value.shape), value.device_mesh, tuple(value.placements))[0][0] \
+            if isinstance(value, DTensor) else 0
+        block = len(source.row_order) or 1
+        rows = -(-(lo + local.shape[0]) // block) * block - lo // block * block
+        total += local.nbytes // local.shape[0] * rows
+    return total
+
+
+def _differing_files(a: str, b: str) -> list[str]:
+    names = sorted(f for f in os.listdir(a) if f.endswith((".safetensors", ".json")))
+    if names != sorted(f for f in os.listdir(b) if f.endswith((".safetensors", ".json"))):
+        return [f"the file list {sorted(os.listdir(b))}"]
+    return [f for f in names if not filecmp.cmp(os.path.join(a, f), os.path.join(b, f), shallow=False)]
+
+
+DEDUP_NORM = "layers.0.attention_norm.weight"
+"""A norm: replicated over tensor-parallel ranks (and FSDP-sharded over the data-parallel ones)."""
+
+
+def _dedup(rank: int, world_size: int, folder: str, name: str, policy: str) -> dict[str, Any]:
+    """Save with `policy`; rank 0 reports the norm's chunks and the ranks that wrote them, the
+    bytes on disk no item uses, and what `dcp.load` reads that differs from the state."""
+    config = _config(folder, DENSE, name, "--checkpoint.dedup_policy", policy,
+                     "--checkpoint.dedup_min_slice_bytes", "1")
+    run = build_run(config, world_size, rank, torch.device("cpu"))
+    with CheckpointManager(config.checkpoint, run.parts, optimizers=run.optimizers,
+                           base_folder=config.job.dump_folder) as manager:
+        manager.save(1, last_step=True)
+    saved = _gathered(run)
+    if rank != 0:
+        return {}
+    path = layout.step_dir(os.path.join(folder, "checkpoint"), 1)
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    chunks = metadata.state_dict_metadata[DEDUP_NORM].chunks
+    writers = {int(metadata.storage_data[MetadataIndex(DEDUP_NORM, c.offsets)].relative_path.split("_")[2])
+               for c in chunks}
+    return {"chunks": len(chunks), "writers": sorted(writers),
+            "unused": sum(disk - used for used, disk in data_file_use(path).values()),
+            "differs": _differences(saved, _torch_reads(path, sorted(saved)), f"{name} {policy}")}
+
+
 CASES = [(DENSE, name) for name in MODEL_LAYOUTS[DENSE]] + [(MOE, "ep2_fsdp2")]
+DEDUP_CASES = [(name, policy) for name in ("tp2_fsdp2", "tp4") for policy in ("balanced", "lowest_rank",
+                                                                              "replica_slices")]
+HF_CASES = [(flavor, name) for flavor, name in CASES if name != "pp2_fsdp2"]
+"""The example job refuses the HF format with pipeline stages (`test_meshes`)."""
+HF_SHARD = "40KB"
+"""Several HF files per export."""
 
 
-def _every_layout(rank: int, world_size: int, folder: str, out: str) -> None:
-    """One process start for the whole matrix: each saved layout in turn, in its own folder."""
+def _every_layout(rank: int, world_size: int, folder: str, references: dict[str, str], out: str) -> None:
+    """One process start for the whole matrix: each saved layout in turn, in its own folder;
+    then the HF export and import of each layout, and the dedup policies under TP."""
     found = {f"{flavor}-{name}": _matrix(rank, world_size, os.path.join(folder, name), flavor, name)
              for flavor, name in CASES}
+    found.update({f"hf-{flavor}-{name}": _hf(rank, world_size, os.path.join(folder, "hf_" + name), flavor, name,
+                                             references[flavor]) for flavor, name in HF_CASES})
+    found.update({f"dedup-{name}-{policy}": _dedup(rank, world_size, os.path.join(folder, f"{name}_{policy}"),
+                                                   name, policy) for name, policy in DEDUP_CASES})
     if rank == 0:
         with open(out, "w") as f:
             json.dump(found, f)
 
 
+def _reference_export(folder: str, flavor: str) -> str:
+    """The HF export of the flavor's seed-0 model from one process."""
+    config = _config(folder, flavor, None)
+    out = os.path.join(folder, "hf_" + flavor)
+    save_hf(ModelState([build_model(config)]).state_dict(), out, hf_adapter(FLAVORS[flavor]), max_shard_size=HF_SHARD)
+    return out
+
+
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory) -> dict[str, list[str]]:
+def references(tmp_path_factory) -> dict[str, str]:
+    folder = str(tmp_path_factory.mktemp("hf"))
+    return {flavor: _reference_export(folder, flavor) for flavor in (DENSE, MOE)}
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory, references) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("meshes")
-    spawn(4, _every_layout, str(folder), str(folder / "found.json"))
+    spawn(4, _every_layout, str(folder), references, str(folder / "found.json"))
     with open(folder / "found.json") as f:
         return json.load(f)
 
@@ -180,3 +299,31 @@ def matrix(tmp_path_factory) -> dict[str, list[str]]:
 @pytest.mark.parametrize("flavor,saved_on", CASES)
 def test_save_on_one_layout_load_on_every_other(matrix, flavor, saved_on):
     assert matrix[f"{flavor}-{saved_on}"] == []
+
+
+@pytest.mark.parametrize("flavor,layout_name", HF_CASES)
+def test_hf_export_and_import_on_each_layout(matrix, flavor, layout_name):
+    assert matrix[f"hf-{flavor}-{layout_name}"] == []
+
+
+@pytest.mark.parametrize("flavor", [DENSE, MOE])
+def test_the_exports_load_in_transformers_with_equal_logits(references, flavor):
+    """Every layout's export is these files byte for byte (above); `transformers` reads them."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(references[flavor], dtype=torch.float32).eval()
+    model = build_model(_config(references[flavor], flavor, None))
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(tokens).logits - model(tokens)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name,policy,chunks,writers", [
+    ("tp2_fsdp2", "balanced", 2, None), ("tp2_fsdp2", "lowest_rank", 2, [0, 2]),
+    ("tp2_fsdp2", "replica_slices", 4, [0, 1, 2, 3]),
+    ("tp4", "balanced", 1, None), ("tp4", "lowest_rank", 1, [0]), ("tp4", "replica_slices", 4, [0, 1, 2, 3])])
+def test_dedup_policies_on_tensor_parallel_replicated_norms(matrix, name, policy, chunks, writers):
+    """A norm's shard is held by every tp rank: written once (as slices by each holder with
+    replica_slices), no byte written twice or unused, and read back as saved."""
+    found = matrix[f"dedup-{name}-{policy}"]
+    assert found["chunks"] == chunks and found["unused"] == 0 and found["differs"] == []
+    assert found["writers"] == writers if writers else len(found["writers"]) == chunks
