@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torchtitan_ckpt import layout
 from torchtitan_ckpt.errors import ConfigError
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.model import FLAVORS, Transformer
 from torchtitan_ckpt.example.parallel import ParallelDims, pipeline_parts, select_device
 
-from .helpers import run_job
+from .helpers import losses, run_job
 
 
 def _config(*argv: str):
@@ -109,3 +110,14 @@ def test_the_job_refuses_degrees_that_do_not_fit_its_ranks_at_start(tmp_path):
                   nproc=2, expect_ok=False)
     assert "config error: parallelism.data_parallel_replicate_degree = 1" in log
     assert not (tmp_path / "checkpoint").exists()
+
+
+@pytest.mark.multirank
+def test_the_job_trains_a_pipeline_of_tensor_parallel_stages(tmp_path):
+    """PP 2 x TP 2 through torchrun and the job's own start (device, group, meshes, schedule)."""
+    log = run_job(str(tmp_path), "--model.flavor", "debugmodel_mesh", "--parallelism.pipeline_parallel_degree", "2",
+                  "--parallelism.tensor_parallel_degree", "2", "--training.steps", "4", "--training.local_batch_size",
+                  "2", "--training.seq_len", "16", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only",
+                  "false", nproc=4)
+    assert "on 4 rank(s) (cpu)" in log and sorted(losses(log)) == [1, 2, 3, 4]
+    assert layout.committed_steps(str(tmp_path / "checkpoint")) == [2, 4]

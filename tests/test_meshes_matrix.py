@@ -45,9 +45,12 @@ LAYOUTS = {
     # the dense model: two stages (model parts) per rank; the MoE one has 2 layers, one stage each
     "pp2_fsdp2": ("--parallelism.pipeline_parallel_degree", "2"),
     "ep2_fsdp2": ("--parallelism.expert_parallel_degree", "2"),
+    # 3-D meshes, loaded on only
+    "pp2_tp2": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"),
+    "hsdp2_ep2": ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.expert_parallel_degree", "2"),
 }
-MODEL_LAYOUTS = {DENSE: ("fsdp4", "hsdp2x2", "tp2_fsdp2", "tp4", "pp2_fsdp2"),
-                 MOE: ("ep2_fsdp2", "fsdp4", "hsdp2x2", "pp2_fsdp2")}
+SAVED_ON = {DENSE: ("fsdp4", "hsdp2x2", "tp2_fsdp2", "tp4", "pp2_fsdp2"), MOE: ("ep2_fsdp2",)}
+MODEL_LAYOUTS = {DENSE: (*SAVED_ON[DENSE], "pp2_tp2"), MOE: ("ep2_fsdp2", "fsdp4", "hsdp2x2", "pp2_fsdp2", "hsdp2_ep2")}
 """The layouts of each model: the MoE flavor has per-head q/k norms, so no tensor parallelism."""
 
 
@@ -109,8 +112,8 @@ def _with_manager(config: JobConfig, run: Run, rank: int, fn, **kw) -> Any:
 
 
 def _train_and_resume(rank: int, world_size: int, folder: str, flavor: str, name: str) -> tuple[Any, list[str]]:
-    """Train 4 steps (saving step 2), then resume a new run from step 2; the losses of steps 3
-    and 4 must be the same bits. Returns the state as of step 2 and the differences (rank 0)."""
+    """Train 3 steps (saving step 2), then resume a new run from step 2; the loss of step 3
+    must be the same bits. Returns the state as of step 2 and the differences (rank 0)."""
     config = _config(folder, flavor, name)
     run = build_run(config, world_size, rank, torch.device("cpu"))
 
@@ -118,7 +121,7 @@ def _train_and_resume(rank: int, world_size: int, folder: str, flavor: str, name
         batches = iter(loader)
         train_steps(config, run, batches, train_state, manager, 2)
         saved = _gathered(run)
-        return saved, train_steps(config, run, batches, train_state, manager, 4)
+        return saved, train_steps(config, run, batches, train_state, manager, 3)
 
     saved, rest = _with_manager(config, run, rank, straight)
     config = _config(folder, flavor, name, "--checkpoint.load_step", "2")  # the seed is the data's too
@@ -126,7 +129,7 @@ def _train_and_resume(rank: int, world_size: int, folder: str, flavor: str, name
 
     def resume(manager, loader, train_state):
         assert manager.load() and train_state.step == 2
-        return train_steps(config, resumed, iter(loader), train_state, manager, 4)
+        return train_steps(config, resumed, iter(loader), train_state, manager, 3)
 
     pairs = [None] * world_size
     dist.all_gather_object(pairs, (rest, _with_manager(config, resumed, rank, resume)))
@@ -251,7 +254,7 @@ def _dedup(rank: int, world_size: int, folder: str, name: str, policy: str) -> d
             "differs": _differences(saved, _torch_reads(path, sorted(saved)), f"{name} {policy}")}
 
 
-CASES = [(DENSE, name) for name in MODEL_LAYOUTS[DENSE]] + [(MOE, "ep2_fsdp2")]
+CASES = [(flavor, name) for flavor, names in SAVED_ON.items() for name in names]
 DEDUP_CASES = [(name, policy) for name in ("tp2_fsdp2", "tp4") for policy in ("balanced", "lowest_rank",
                                                                               "replica_slices")]
 HF_CASES = [(flavor, name) for flavor, name in CASES if name != "pp2_fsdp2"]

@@ -190,17 +190,18 @@ def train_steps(config: JobConfig, run: Run, batches: Iterator, train_state: Tra
         train_state.step = step
         train_state.ntokens_seen += labels.numel()
         losses[step] = None if loss is None else loss.item()
-        _log_step(step, loss, run.schedulers[0].get_last_lr()[0], run.dims)
+        _log_step(step, loss, run.schedulers[0].get_last_lr()[0], run)
         manager.save(step, last_step=step == tc.steps)
     return losses
 
 
-def _log_step(step: int, loss: torch.Tensor | None, lr: float, dims: ParallelDims) -> None:
-    """Rank 0 logs the mean loss over the ranks that compute one (the last pipeline stage's)."""
+def _log_step(step: int, loss: torch.Tensor | None, lr: float, run: Run) -> None:
+    """Rank 0 logs the mean loss over the ranks that compute one (the last pipeline stage's);
+    the others add a zero on the same device (so the same backend)."""
     if dist.is_initialized():
-        loss = torch.zeros((), device=loss.device if loss is not None else None) if loss is None else loss
+        loss = torch.zeros((), device=run.device) if loss is None else loss
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-        loss = loss / (dist.get_world_size() // dims.pp)
+        loss = loss / (dist.get_world_size() // run.dims.pp)
     if not dist.is_initialized() or dist.get_rank() == 0:
         # repr of the float: exact, so runs can be compared bit for bit
         logger.info("step %d loss %r lr %.6g", step, loss.item(), lr)
