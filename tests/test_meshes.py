@@ -37,6 +37,8 @@ def _config(*argv: str):
      "parallelism.pipeline_parallel_degree", "ties its embedding"),
     (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "3"],
      "parallelism.pipeline_parallel_microbatch_size", "local_batch_size (8)"),
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "8"],
+     "parallelism.pipeline_parallel_microbatch_size", "makes 1 microbatches"),
     (["--parallelism.pipeline_parallel_degree", "2", "--checkpoint.last_save_in_hf", "true"],
      "checkpoint.last_save_in_hf", "a pipeline stage holds part of the model"),
     (["--parallelism.pipeline_parallel_schedule", "ZeroBubble"], "parallelism.pipeline_parallel_schedule", "GPipe"),

@@ -108,7 +108,8 @@ class Parallelism:
     `Interleaved1F1B` (two stages per rank, so two model parts on each rank)."""
 
     pipeline_parallel_microbatch_size: int = 1
-    """Sequences per pipeline microbatch; must divide `training.local_batch_size`."""
+    """Sequences per pipeline microbatch; must divide `training.local_batch_size`, into a multiple
+    of `pipeline_parallel_degree` microbatches for the 1F1B schedules."""
 
     expert_parallel_degree: int = 1
     """Expert parallel degree for MoE flavors: the experts (`moe.experts.w1/w2/w3`) are
@@ -230,6 +231,12 @@ def _validate_pipeline(c: JobConfig) -> None:
     if c.training.local_batch_size % p.pipeline_parallel_microbatch_size:
         raise ConfigError("parallelism.pipeline_parallel_microbatch_size", p.pipeline_parallel_microbatch_size,
                           f"must divide training.local_batch_size ({c.training.local_batch_size})")
+    microbatches = c.training.local_batch_size // p.pipeline_parallel_microbatch_size
+    if microbatches % p.pipeline_parallel_degree and p.pipeline_parallel_schedule != "GPipe":
+        raise ConfigError("parallelism.pipeline_parallel_microbatch_size", p.pipeline_parallel_microbatch_size,
+                          f"makes {microbatches} microbatches of training.local_batch_size "
+                          f"({c.training.local_batch_size}); {p.pipeline_parallel_schedule} needs a multiple of "
+                          f"pipeline_parallel_degree ({p.pipeline_parallel_degree})")
 
 
 def _validate_experts(c: JobConfig) -> None:
