@@ -11,7 +11,6 @@ and FSDP-sharded over `(dp_replicate,) efsdp`; every other parameter is FSDP-sha
 from __future__ import annotations
 
 import copy
-import logging
 import os
 from dataclasses import dataclass
 
@@ -26,8 +25,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from ..errors import ConfigError
 from .config import PIPELINE_SCHEDULES, Parallelism
 from .model import Transformer
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
