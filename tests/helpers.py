@@ -16,6 +16,8 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchtitan_ckpt.dcp import storage
+from torchtitan_ckpt.hf import shards
+from torchtitan_ckpt.hf.load import read_hf_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_CONFIG = os.path.join(ROOT, "configs", "debug_model.toml")
@@ -92,3 +94,27 @@ def run_job(dump_folder: str, *overrides: str, nproc: int = 1, config: str = DEB
 def losses(log: str) -> dict[int, str]:
     """Step -> the exact loss the job logged (repr of the float)."""
     return {int(s): loss for s, loss in re.findall(r"step (\d+) loss (\S+)", log)}
+
+
+class RecordedReads:
+    """The (file, offset, bytes) of every read `load_hf` makes on this rank."""
+
+    def __init__(self):
+        self.reads: list[tuple[str, int, int]] = []
+        self.real = shards.read_exact
+
+    def __enter__(self):
+        def recording(fd, bufs, offset, path):
+            self.reads.append((path, offset, sum(len(b) for b in bufs)))
+            self.real(fd, bufs, offset, path)
+
+        shards.read_exact = recording
+        return self
+
+    def __exit__(self, *exc):
+        shards.read_exact = self.real
+
+    def tensors(self, src: str) -> set[str]:
+        """The HF tensors whose bytes the reads touched."""
+        return {name for name, e in read_hf_layout(src).items() for path, offset, n in self.reads
+                if path == e.path and offset < e.offset + e.nbytes and e.offset < offset + n}

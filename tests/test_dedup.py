@@ -23,7 +23,7 @@ from torchtitan_ckpt.policy.dedup import (
     summarize,
 )
 from torchtitan_ckpt.dcp.storage import make_save_planner
-from torchtitan_ckpt.example.train import _dp_degree
+from torchtitan_ckpt.example.parallel import ParallelDims
 
 # rank 0 alone holds x, rank 2 alone c; a, b and the scalar s are replicated
 LAYOUT = [
@@ -234,7 +234,8 @@ def _parallelism(replicate: int, shard: int):
 @pytest.mark.parametrize("world,replicate,shard,shape", [
     (4, 2, -1, (2, 2)), (4, 1, -1, (1, 4)), (2, 2, -1, (2, 1)), (4, 2, 2, (2, 2)), (1, 1, -1, (1, 1))])
 def test_mesh_shape(world, replicate, shard, shape):
-    assert _dp_degree(_parallelism(replicate, shard), world) == shape
+    dims = ParallelDims.from_config(_parallelism(replicate, shard).parallelism, world)
+    assert (dims.dp_replicate, dims.dp_shard) == shape
 
 
 @pytest.mark.parametrize("world,replicate,shard,key", [
@@ -243,7 +244,7 @@ def test_mesh_shape(world, replicate, shard, shape):
     (2, 1, 1, "parallelism.data_parallel_shard_degree")])
 def test_mesh_shape_that_does_not_fit_the_ranks(world, replicate, shard, key):
     with pytest.raises(ConfigError) as e:
-        _dp_degree(_parallelism(replicate, shard), world)
+        ParallelDims.from_config(_parallelism(replicate, shard).parallelism, world)
     assert e.value.key == key and str(world) in str(e.value)
 
 

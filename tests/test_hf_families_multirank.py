@@ -13,15 +13,14 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from tests.helpers import spawn
+from tests.helpers import RecordedReads, spawn
 from tests.test_hf_families import FAMILIES, logits_of, make_hf_model, read_config
 from torchtitan_ckpt.example.model import Transformer, args_from_hf_config
 from torchtitan_ckpt.example.train import shard_model
-from torchtitan_ckpt.hf import adapter_for_hf_dir, load_hf, save_hf, shards
+from torchtitan_ckpt.hf import adapter_for_hf_dir, load_hf, save_hf
 from torchtitan_ckpt.hf.adapter import RowOf
 from torchtitan_ckpt.hf.consolidate import _local_block
 from torchtitan_ckpt.hf.convert import convert
-from torchtitan_ckpt.hf.load import read_hf_layout
 from torchtitan_ckpt.states import ModelState
 
 pytest.importorskip("transformers")
@@ -46,30 +45,6 @@ def _dense(rank: int, world_size: int, src: str, expected: torch.Tensor) -> None
     assert (logits_of(model) - expected).abs().max() < 1e-5
 
 
-class _Recorded:
-    """The (file, offset, bytes) of every read `load_hf` makes on this rank."""
-
-    def __init__(self):
-        self.reads: list[tuple[str, int, int]] = []
-        self.real = shards.read_exact
-
-    def __enter__(self):
-        def recording(fd, bufs, offset, path):
-            self.reads.append((path, offset, sum(len(b) for b in bufs)))
-            self.real(fd, bufs, offset, path)
-
-        shards.read_exact = recording
-        return self
-
-    def __exit__(self, *exc):
-        shards.read_exact = self.real
-
-    def tensors(self, src: str) -> set[str]:
-        """The HF tensors whose bytes the reads touched."""
-        return {name for name, e in read_hf_layout(src).items() for path, offset, n in self.reads
-                if path == e.path and offset < e.offset + e.nbytes and e.offset < offset + n}
-
-
 def _experts_of(rank: int, world_size: int, experts: int) -> range:
     per = -(-experts // world_size)
     return range(rank * per, min(experts, (rank + 1) * per))
@@ -82,7 +57,7 @@ def _moe_with_ep(rank: int, world_size: int, src: str, out: str, expected: torch
     # experts Shard(0) on `ep`: this rank holds its experts; the rest FSDP-like rows
     sd = {k: distribute_tensor(v.detach().clone(), mesh, [Shard(0)]) for k, v in Transformer(args).state_dict().items()}
     adapter = adapter_for_hf_dir(src)
-    with _Recorded() as recorded:
+    with RecordedReads() as recorded:
         load_hf(sd, src, adapter)
     own = _experts_of(rank, world_size, args.moe.num_experts)
     read_experts = {n for n in recorded.tensors(src) if ".mlp.experts." in n}

@@ -422,10 +422,13 @@ def dtensor_chunk(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]
 
 
 def _only_here(t: torch.Tensor, world_size: int) -> bool:
-    """Whether no other rank holds these values, so any save plan has this rank write them."""
+    """Whether no other rank holds these values, so any save plan has this rank write them: a
+    DTensor sharded on every dimension of a mesh of all the ranks (on a smaller mesh, FSDP's
+    beside tensor parallelism, the ranks outside it may hold the same shard)."""
     if world_size == 1:
         return True
-    return isinstance(t, DTensor) and all(type(p) is Shard for p in t.placements)
+    return (isinstance(t, DTensor) and t.device_mesh.size() == world_size
+            and all(type(p) is Shard for p in t.placements))
 
 
 def _resolve(planner: SavePlanner, item: WriteItem) -> bytes | torch.Tensor:

@@ -55,6 +55,10 @@ class Training:
     """Stop this process after this step, as a preemption would (0 runs to `steps`). The step is
     not the last step: it is saved only if the schedule says so, and a later run resumes from it."""
 
+    device: str = "auto"
+    """Where the model trains: `auto` (CUDA with NCCL where a GPU is present, else the CPU with
+    gloo), `cuda` or `cpu`. Checkpoint collectives run on a gloo group either way."""
+
 
 @dataclass
 class Optimizer:
@@ -89,6 +93,30 @@ class Parallelism:
     """HSDP replicate degree: the job's ranks form a (replicate x shard) mesh and each replica
     holds a full copy of the sharded state, so its tensors are replicated across replicas."""
 
+    tensor_parallel_degree: int = 1
+    """Tensor parallel degree (the innermost mesh dimension, `tp`): `wq`/`wk`/`wv`/`w1`/`w3`
+    colwise (`Shard(0)`), `wo`/`w2` rowwise (`Shard(1)`), embeddings, norms and the output
+    replicated. Must divide the flavor's heads, KV heads and FFN width; not with q/k norms
+    (Qwen3 flavors) or expert parallelism."""
+
+    pipeline_parallel_degree: int = 1
+    """Pipeline parallel degree (the outermost mesh dimension, `pp`): the layers are split into
+    stages, each a model part with its own optimizer and LR scheduler."""
+
+    pipeline_parallel_schedule: str = "1F1B"
+    """`torch.distributed.pipelining` schedule: `GPipe` or `1F1B` (one stage per rank), or
+    `Interleaved1F1B` (two stages per rank, so two model parts on each rank)."""
+
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline microbatch; must divide `training.local_batch_size`, into a multiple
+    of `pipeline_parallel_degree` microbatches for the 1F1B schedules."""
+
+    expert_parallel_degree: int = 1
+    """Expert parallel degree for MoE flavors: the experts (`moe.experts.w1/w2/w3`) are
+    `Shard(0)` on an `ep` dimension carved out of the data-parallel shard ranks (TorchTitan's
+    layout), FSDP shards them over the rest; must divide `data_parallel_shard_degree` and the
+    number of experts."""
+
 
 @dataclass
 class JobConfig:
@@ -108,6 +136,7 @@ class JobConfig:
     def validate(self, prefix: str = "") -> None:
         """The example job's own ranges, and what its sections say about each other."""
         _validate_sections(self)
+        _validate_parallelism(self)
         if self.checkpoint.initial_load_in_hf:
             _validate_hf_source(self)
         if self.model.hf_assets_path is not None and not os.path.isdir(self.model.hf_assets_path):
@@ -147,6 +176,82 @@ def _validate_sections(c: JobConfig) -> None:
         raise ConfigError("parallelism.data_parallel_shard_degree", dp, "expected -1 (all ranks) or >= 1")
     if not c.job.dump_folder:
         raise ConfigError("job.dump_folder", c.job.dump_folder, "expected a non-empty path")
+
+
+PIPELINE_SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
+"""Each pipeline schedule the example job runs, and how many stages (model parts) it puts on a rank."""
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _validate_parallelism(c: JobConfig) -> None:
+    """What the parallelism degrees ask of the model; how they multiply to the number of ranks
+    is checked at start (`parallel.ParallelDims`), when that number is known."""
+    p, args, flavor = c.parallelism, FLAVORS[c.model.flavor], c.model.flavor
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree",
+                "pipeline_parallel_microbatch_size"):
+        _at_least(f"parallelism.{key}", getattr(p, key), 1)
+    if c.training.device not in DEVICES:
+        raise ConfigError("training.device", c.training.device, "expected one of " + ", ".join(DEVICES))
+    if p.pipeline_parallel_schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError("parallelism.pipeline_parallel_schedule", p.pipeline_parallel_schedule,
+                          "expected one of " + ", ".join(PIPELINE_SCHEDULES))
+    tp = p.tensor_parallel_degree
+    widths = (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("FFN width", args.ffn_dim))
+    for what, n in widths if tp > 1 else ():
+        if n % tp:
+            raise ConfigError("parallelism.tensor_parallel_degree", tp, f"must divide the {what} of flavor "
+                              f"{flavor} ({n})")
+    if tp > 1 and args.qk_norm:
+        raise ConfigError("parallelism.tensor_parallel_degree", tp, f"flavor {flavor} has per-head q/k norms, "
+                          "whose gradients tensor parallelism would split over heads; use 1 for it")
+    if p.pipeline_parallel_degree > 1:
+        _validate_pipeline(c)
+    if p.expert_parallel_degree > 1:
+        _validate_experts(c)
+
+
+def _validate_pipeline(c: JobConfig) -> None:
+    p, args = c.parallelism, FLAVORS[c.model.flavor]
+    stages = p.pipeline_parallel_degree * PIPELINE_SCHEDULES[p.pipeline_parallel_schedule]
+    if stages > args.n_layers:
+        raise ConfigError("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree,
+                          f"{p.pipeline_parallel_schedule} makes {stages} stages and flavor {c.model.flavor} "
+                          f"has {args.n_layers} layers; every stage needs one")
+    if args.tie_embeddings:
+        raise ConfigError("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree,
+                          f"flavor {c.model.flavor} ties its embedding to its output, which would be on "
+                          "two stages; use 1 for it")
+    for key in ("last_save_in_hf", "hf_export_interval", "initial_load_in_hf"):
+        if getattr(c.checkpoint, key):
+            raise ConfigError(f"checkpoint.{key}", getattr(c.checkpoint, key),
+                              "the Hugging Face format needs every tensor in each rank's state dict and a "
+                              "pipeline stage holds part of the model; set parallelism.pipeline_parallel_degree "
+                              "= 1, or save DCP steps and run `torchtitan-ckpt convert`")
+    if c.training.local_batch_size % p.pipeline_parallel_microbatch_size:
+        raise ConfigError("parallelism.pipeline_parallel_microbatch_size", p.pipeline_parallel_microbatch_size,
+                          f"must divide training.local_batch_size ({c.training.local_batch_size})")
+    microbatches = c.training.local_batch_size // p.pipeline_parallel_microbatch_size
+    if microbatches % p.pipeline_parallel_degree and p.pipeline_parallel_schedule != "GPipe":
+        raise ConfigError("parallelism.pipeline_parallel_microbatch_size", p.pipeline_parallel_microbatch_size,
+                          f"makes {microbatches} microbatches of training.local_batch_size "
+                          f"({c.training.local_batch_size}); {p.pipeline_parallel_schedule} needs a multiple of "
+                          f"pipeline_parallel_degree ({p.pipeline_parallel_degree})")
+
+
+def _validate_experts(c: JobConfig) -> None:
+    p, args = c.parallelism, FLAVORS[c.model.flavor]
+    ep = p.expert_parallel_degree
+    if args.moe is None:
+        raise ConfigError("parallelism.expert_parallel_degree", ep, f"flavor {c.model.flavor} has no experts; "
+                          "use a MoE flavor (qwen3_moe_debug) or 1")
+    if args.moe.num_experts % ep:
+        raise ConfigError("parallelism.expert_parallel_degree", ep,
+                          f"must divide the number of experts of flavor {c.model.flavor} ({args.moe.num_experts})")
+    if p.tensor_parallel_degree > 1:
+        raise ConfigError("parallelism.expert_parallel_degree", ep, "experts sharded over tensor parallel ranks "
+                          "too (TorchTitan's ETP) are not built by the example job; set "
+                          "parallelism.tensor_parallel_degree = 1")
 
 
 def _validate_hf_source(c: JobConfig) -> None:

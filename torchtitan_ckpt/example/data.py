@@ -7,10 +7,16 @@ data in the same order for the same seed and data-parallel layout.
 
 from __future__ import annotations
 
+import pickle
+from typing import Any
+
 import torch
 from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
+
+from ..io.reader import load_plain_pickle
+from ..states import DP_RANK_PREFIX
 
 
 class SyntheticTokens(Dataset):
@@ -27,13 +33,31 @@ class SyntheticTokens(Dataset):
         return tokens[:-1], tokens[1:]
 
 
+class DataParallelLoader(StatefulDataLoader):
+    """A loader that knows its data-parallel rank, saved as TorchTitan's `ParallelAwareDataloader`
+    saves it (`dp_rank_{r}`: the pickled position, `world_size`: the data-parallel degree), so the
+    tensor-parallel ranks and pipeline stages that share a data-parallel rank save one entry.
+    The manager checks the pickle is plain data before `load_state_dict` sees it."""
+
+    def __init__(self, dataset: Dataset, dp_rank: int, dp_world_size: int, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"{DP_RANK_PREFIX}{self.dp_rank}": pickle.dumps(super().state_dict()),
+                "world_size": self.dp_world_size}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(load_plain_pickle(state_dict[f"{DP_RANK_PREFIX}{self.dp_rank}"]))
+
+
 def build_dataloader(
     vocab_size: int, seq_len: int, batch_size: int, seed: int, dp_rank: int, dp_degree: int
-) -> StatefulDataLoader:
+) -> DataParallelLoader:
     dataset = SyntheticTokens(vocab_size, seq_len, seed)
     sampler = DistributedSampler(dataset, num_replicas=dp_degree, rank=dp_rank, shuffle=True, seed=seed)
     # its own generator: starting an iterator must not draw from the global RNG, whose state
     # the train state restores
     generator = torch.Generator().manual_seed(seed)
-    return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=0,
-                              drop_last=True, generator=generator)
+    return DataParallelLoader(dataset, dp_rank, dp_degree, batch_size=batch_size, sampler=sampler,
+                              num_workers=0, drop_last=True, generator=generator)

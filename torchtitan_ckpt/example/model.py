@@ -16,8 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError
 from ..hf import HFModelConfig, StateDictAdapter, adapter_for_config
@@ -110,6 +113,12 @@ FLAVORS = {
                                rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 64)),
     "qwen3_debug": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=96,
                              head_size=32, norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True, tie_embeddings=True),
+    # every mesh of the layout tests: 4 layers (two stages per pipeline rank at pp 2), 4 KV heads (tp 4)
+    "debugmodel_mesh": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=256),
+    # the MoE layouts of benchmarks/meshes.py: about 0.2 GB with AdamW state, 8 experts per layer
+    "small_moe": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048, ffn_hidden=704,
+                           head_size=32, norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True,
+                           moe=MoEArgs(num_experts=8, top_k=2, hidden=512)),
     "qwen3_moe_debug": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=96,
                                  head_size=16, norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True,
                                  moe=MoEArgs(num_experts=4, top_k=2, hidden=32)),
@@ -250,9 +259,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         bs, seq, _ = x.shape
-        q = self.wq(x).view(bs, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(bs, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(bs, seq, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism a rank holds n_heads / tp of them
+        q = self.wq(x).view(bs, seq, -1, self.head_dim)
+        k = self.wk(x).view(bs, seq, -1, self.head_dim)
+        v = self.wv(x).view(bs, seq, -1, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
@@ -292,7 +302,14 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        return (F.silu(x @ self.w1[expert].T) * (x @ self.w3[expert].T)) @ self.w2[expert].T
+        """Expert number `expert` of those this rank holds (all of them without expert parallelism)."""
+        w1, w2, w3 = (_local(w)[expert] for w in (self.w1, self.w2, self.w3))
+        return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's experts: the local shard of an expert-parallel DTensor, else the tensor."""
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class MoE(nn.Module):
@@ -303,6 +320,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, moe.hidden, moe.num_experts)
         if moe.shared_hidden:
             self.shared_experts = FeedForward(dim, moe.shared_hidden)
+        self.ep_group: dist.ProcessGroup | None = None
+        """The expert-parallel group whose ranks hold the experts in turn (`parallel.py`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -311,14 +330,32 @@ class MoE(nn.Module):
         if self.args.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(x.dtype)
-        out = torch.zeros_like(flat)
-        for expert in range(self.args.num_experts):
-            token, slot = torch.where(chosen == expert)
-            if token.numel():
-                out.index_add_(0, token, self.experts(flat[token], expert) * weights[token, slot, None])
+        out = self._routed(flat, chosen, weights) if self.ep_group is None else self._routed_ep(flat, chosen, weights)
         if self.args.shared_hidden:
             out = out + self.shared_experts(flat)
         return out.view(x.shape)
+
+
+    def _routed(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                first: int = 0) -> torch.Tensor:
+        """Each token's weighted sum over the experts this rank holds, numbered from `first`."""
+        out = torch.zeros_like(flat)
+        for i in range(_local(self.experts.w1).shape[0]):
+            token, slot = torch.where(chosen == first + i)
+            if token.numel():
+                out.index_add_(0, token, self.experts(flat[token], i) * weights[token, slot, None])
+        return out
+
+    def _routed_ep(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Expert parallel: every rank of the group applies its experts to the tokens of all of
+        them, and the sums go back to the tokens' ranks (an all-gather and a reduce-scatter, where
+        TorchTitan uses an all-to-all: the same values, with simpler code)."""
+        group = self.ep_group
+        all_flat, all_weights = (funcol.all_gather_tensor_autograd(t, 0, group) for t in (flat, weights))
+        all_chosen = funcol.all_gather_tensor(chosen, 0, group).wait()
+        first = dist.get_rank(group) * _local(self.experts.w1).shape[0]
+        out = self._routed(all_flat, all_chosen, all_weights, first)
+        return funcol.reduce_scatter_tensor_autograd(out, "sum", 0, group)
 
 
 class TransformerBlock(nn.Module):
@@ -379,7 +416,9 @@ class Transformer(nn.Module):
             nn.init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        """Tokens to logits; a pipeline stage (`parallel.pipeline_parts`) lacks the embedding
+        (it takes the previous stage's activations) or the norm and output (it returns its own)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
             h = block(h, self.freqs_cis)
-        return self.output(self.norm(h))
+        return self.output(self.norm(h)) if self.output is not None else h

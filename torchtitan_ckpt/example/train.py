@@ -9,21 +9,23 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from .config import JobConfig, load_job_config
 from ..errors import ConfigError
-from .data import build_dataloader
-from .model import FLAVORS, Transformer, hf_adapter
 from ..group import launched_group
 from ..manager import CheckpointManager
+from .config import JobConfig, load_job_config
+from .data import build_dataloader
+from .model import FLAVORS, Transformer, hf_adapter
+from .parallel import ParallelDims, build_meshes, clip_grad_norm_, parallelize, pipeline_parts, select_device
 
 logger = logging.getLogger(__name__)
 
@@ -57,23 +59,6 @@ def lr_lambda(warmup: int, steps: int, min_factor: float):
     return factor
 
 
-def _dp_degree(config: JobConfig, world_size: int) -> tuple[int, int]:
-    """The (replicate, shard) data-parallel mesh shape; a shard degree of -1 takes the ranks the
-    replicate degree leaves. Both must multiply to the number of ranks."""
-    replicate = config.parallelism.data_parallel_replicate_degree
-    shard = config.parallelism.data_parallel_shard_degree
-    if shard == -1:
-        if world_size % replicate:
-            raise ConfigError("parallelism.data_parallel_replicate_degree", replicate,
-                              f"must divide the number of ranks ({world_size})")
-        shard = world_size // replicate
-    if replicate * shard != world_size:
-        raise ConfigError("parallelism.data_parallel_shard_degree", shard,
-                          f"times data_parallel_replicate_degree ({replicate}) must equal the number "
-                          f"of ranks ({world_size}); or set it to -1")
-    return replicate, shard
-
-
 def build_model(config: JobConfig) -> Transformer:
     torch.manual_seed(config.training.seed)
     return Transformer(FLAVORS[config.model.flavor])
@@ -82,71 +67,141 @@ def build_model(config: JobConfig) -> Transformer:
 def shard_model(model: Transformer, world_size: int, replicate: int = 1) -> None:
     """FSDP over all ranks, or HSDP when `replicate` > 1: a ("dp_replicate", "dp_shard") mesh of
     `replicate` x `world_size // replicate` ranks, each replica holding a sharded full copy."""
-    if replicate == 1:
-        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
-    else:
-        mesh = init_device_mesh("cpu", (replicate, world_size // replicate),
-                                mesh_dim_names=("dp_replicate", "dp_shard"))
-    for block in model.layers.values():
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    dims = ParallelDims(dp_replicate=replicate, dp_shard=world_size // replicate)
+    parallelize(model, dims, build_meshes(dims, torch.device("cpu")))
 
 
-def train(config: JobConfig) -> None:
+@dataclass
+class Run:
+    """What one rank trains: its model parts (one, or its pipeline stages), an optimizer and an
+    LR scheduler per part, and the pipeline schedule that drives the stages."""
+
+    dims: ParallelDims
+    device: torch.device
+    parts: list[Transformer]
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[torch.optim.lr_scheduler.LRScheduler]
+    schedule: Any = None
+    stages: list[PipelineStage] = field(default_factory=list)
+    pp_group: dist.ProcessGroup | None = None
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of one batch; the mean loss where this rank computes it."""
+        if self.schedule is None:
+            loss = _loss(self.parts[0](inputs), labels)
+            loss.backward()
+            return loss.detach()
+        losses: list[torch.Tensor] = []
+        first = any(stage.is_first for stage in self.stages)
+        last = any(stage.is_last for stage in self.stages)
+        self.schedule.step(*([inputs] if first else []), **(dict(target=labels, losses=losses) if last else {}))
+        return torch.stack(losses).mean().detach() if last else None
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def build_run(config: JobConfig, world_size: int, rank: int, device: torch.device) -> Run:
+    """The model parts of `rank` on the meshes `config.parallelism` names, each with its optimizer
+    and scheduler (`ConfigError` when the degrees do not fit `world_size`)."""
+    dims = ParallelDims.from_config(config.parallelism, world_size)
+    model = build_model(config).to(device)
+    staged, schedule, stages, pp_group = [(0, model)], None, [], None
+    if world_size > 1:
+        meshes = build_meshes(dims, device)
+        if dims.pp > 1:
+            staged = pipeline_parts(model, dims, dims.pp_rank(rank))
+        for _, part in staged:
+            parallelize(part, dims, meshes)
+        if dims.pp > 1:
+            pp_group = meshes.world["pp"].get_group()
+            stages = [PipelineStage(part, index, dims.pp * dims.stages_per_rank, device, group=pp_group)
+                      for index, part in staged]
+            schedule = _schedule(config, dims, stages)
+    o, tc = config.optimizer, config.training
+    optimizers = [torch.optim.AdamW(part.parameters(), lr=o.lr, eps=o.eps, weight_decay=o.weight_decay, foreach=False)
+                  for _, part in staged]
+    factor = lr_lambda(config.lr_scheduler.warmup_steps, tc.steps, config.lr_scheduler.min_lr_factor)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, factor) for opt in optimizers]
+    return Run(dims, device, [part for _, part in staged], optimizers, schedulers, schedule, stages, pp_group)
+
+
+_SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
+
+
+def _schedule(config: JobConfig, dims: ParallelDims, stages: list[PipelineStage]) -> Any:
+    p = config.parallelism
+    microbatches = config.training.local_batch_size // p.pipeline_parallel_microbatch_size
+    cls = _SCHEDULES[p.pipeline_parallel_schedule]
+    return cls(stages if dims.stages_per_rank > 1 else stages[0], microbatches, loss_fn=_loss)
+
+
+def train(config: JobConfig, device: torch.device | None = None) -> None:
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    replicate, _shard = _dp_degree(config, world_size)
+    device = device or select_device(config.training.device)[0]
     if rank == 0:
-        logger.info("%s: %s/%s on %d rank(s), %d steps", config.job.description, config.model.name,
-                    config.model.flavor, world_size, config.training.steps)
+        logger.info("%s: %s/%s on %d rank(s) (%s), %d steps", config.job.description, config.model.name,
+                    config.model.flavor, world_size, device, config.training.steps)
     ck = config.checkpoint
-    model = build_model(config)
-    adapter = hf_adapter(model.args, hf_assets_path=config.model.hf_assets_path)
     if ck.create_seed_checkpoint:
+        model = build_model(config)
+        adapter = hf_adapter(model.args, hf_assets_path=config.model.hf_assets_path)
         with CheckpointManager(ck, [model], base_folder=config.job.dump_folder, state_dict_adapter=adapter) as manager:
             manager.save(0)
         logger.info("seed checkpoint written to %s", os.path.join(config.checkpoint_folder, "step-0"))
         return
-    if world_size > 1:
-        shard_model(model, world_size, replicate)
-    opt = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr, eps=config.optimizer.eps,
-                            weight_decay=config.optimizer.weight_decay, foreach=False)
-    steps = config.training.steps
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lr_lambda(config.lr_scheduler.warmup_steps, steps, config.lr_scheduler.min_lr_factor))
+    run = build_run(config, world_size, rank, device)
+    adapter = hf_adapter(FLAVORS[config.model.flavor], hf_assets_path=config.model.hf_assets_path)
     tc = config.training
-    # both mesh dimensions are data parallel: every rank reads its own part of the data
-    loader = build_dataloader(model.args.vocab_size, tc.seq_len, tc.local_batch_size, tc.seed, rank,
-                              world_size)
+    loader = build_dataloader(FLAVORS[config.model.flavor].vocab_size, tc.seq_len, tc.local_batch_size, tc.seed,
+                              run.dims.dp_rank(rank), run.dims.dp)
     train_state = TrainState()
-    with CheckpointManager(ck, [model], optimizers=opt, lr_schedulers=sched, dataloader=loader,
-                           states={"train_state": train_state}, base_folder=config.job.dump_folder,
-                           state_dict_adapter=adapter) as manager:
+    with CheckpointManager(ck, run.parts, optimizers=run.optimizers, lr_schedulers=run.schedulers,
+                           dataloader=loader, states={"train_state": train_state},
+                           base_folder=config.job.dump_folder, state_dict_adapter=adapter) as manager:
         manager.load()
-        batches = iter(loader)
-        last = min(steps, tc.stop_at_step) if tc.stop_at_step else steps
-        for step in range(train_state.step + 1, last + 1):
-            inputs, labels = next(batches)
-            loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
-            loss.backward()
-            if tc.max_norm > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_norm)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            train_state.step = step
-            train_state.ntokens_seen += labels.numel()
-            _log_step(step, loss.detach(), sched.get_last_lr()[0])
-            manager.save(step, last_step=step == steps)
+        tc = config.training
+        train_steps(config, run, iter(loader), train_state, manager,
+                    min(tc.steps, tc.stop_at_step) if tc.stop_at_step else tc.steps)
     if rank == 0:
         logger.info("done at step %d; checkpoints in %s", train_state.step,
                     os.path.abspath(config.checkpoint_folder))
 
 
-def _log_step(step: int, loss: torch.Tensor, lr: float) -> None:
+def train_steps(config: JobConfig, run: Run, batches: Iterator, train_state: TrainState,
+                manager: CheckpointManager, last: int) -> dict[int, float | None]:
+    """Train from the step after `train_state.step` to `last`, saving as the manager decides;
+    returns each step's loss as this rank computed it (None on a pipeline rank without the last
+    stage)."""
+    tc = config.training
+    params = [p for part in run.parts for p in part.parameters()]
+    losses = {}
+    for step in range(train_state.step + 1, last + 1):
+        inputs, labels = (t.to(run.device) for t in next(batches))
+        loss = run.step(inputs, labels)
+        if tc.max_norm > 0:
+            clip_grad_norm_(params, tc.max_norm, run.pp_group)
+        for opt, sched in zip(run.optimizers, run.schedulers):
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        train_state.step = step
+        train_state.ntokens_seen += labels.numel()
+        losses[step] = None if loss is None else loss.item()
+        _log_step(step, loss, run.schedulers[0].get_last_lr()[0], run)
+        manager.save(step, last_step=step == tc.steps)
+    return losses
+
+
+def _log_step(step: int, loss: torch.Tensor | None, lr: float, run: Run) -> None:
+    """Rank 0 logs the mean loss over the ranks that compute one (the last pipeline stage's);
+    the others add a zero on the same device (so the same backend)."""
     if dist.is_initialized():
+        loss = torch.zeros((), device=run.device) if loss is None else loss
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-        loss = loss / dist.get_world_size()
+        loss = loss / (dist.get_world_size() // run.dims.pp)
     if not dist.is_initialized() or dist.get_rank() == 0:
         # repr of the float: exact, so runs can be compared bit for bit
         logger.info("step %d loss %r lr %.6g", step, loss.item(), lr)
@@ -170,8 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     torch.use_deterministic_algorithms(True)
-    with launched_group():
-        train(config)
+    try:
+        device, backend = select_device(config.training.device)
+        with launched_group(backend):
+            train(config, device)
+    except ConfigError as e:  # the parallelism degrees against the number of ranks, at start
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..errors import AdapterMismatchError, CheckpointError, CorruptCheckpointError
 from ..io import safe_open
@@ -54,6 +55,13 @@ class HFSource:
     @property
     def hf_names(self) -> tuple[str, ...]:
         return self.stack or (self.name,)
+
+
+LOCAL_PLACEMENTS = (Shard, _StridedShard, Replicate)
+"""DTensor placements whose local tensor is one block of the whole: FSDP's and tensor
+parallelism's `Shard`, FSDP's `_StridedShard` over a tensor-parallel `Shard` on the same dim
+(rows [r*n/2, (r+1)*n/2) of a TP rank's rows are still one block), `Replicate`. A rank reads and
+writes its block in place; `Partial` values would need a reduction first."""
 
 
 @dataclass(frozen=True)

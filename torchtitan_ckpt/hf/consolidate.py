@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..io import durable, posio, safe_open
@@ -52,7 +52,7 @@ from .. import faults
 from ..errors import ConsolidationError, CorruptCheckpointError, InvalidShardsError, RankFailed
 from ..group import CheckpointGroup
 from ..policy.split import byte_ranges
-from .adapter import RowOf
+from .adapter import LOCAL_PLACEMENTS, RowOf
 from .files import DTYPE_NAMES, DTYPE_SIZES, INDEX_FILE, MAX_HEADER_BYTES, model_file_name
 
 logger = logging.getLogger(__name__)
@@ -502,8 +502,18 @@ def write_safetensors_one_pass(state_dict: Mapping[str, Any], output_dir: str,
         if found is not None and found[0].nbytes:
             blocks.append(found[0])
             memory[fqn] = found[1]
-    tasks = [Task(b, 0, b.nbytes) for b in blocks]
+    tasks = [Task(b, 0, b.nbytes) for b in _lowest_holders(group, blocks)]
     _write_everything(group, output_dir, files, specs, tasks, num_threads, memory, progress)
+
+
+def _lowest_holders(group: CheckpointGroup, blocks: list[Block]) -> list[Block]:
+    """This rank's blocks that no lower rank also holds: a DTensor replicated beyond its mesh
+    (FSDP's shard of a norm on every tensor-parallel rank) is written once."""
+    first: dict[tuple[str, tuple[int, ...]], int] = {}
+    for rank, keys in enumerate(group.all_gather([(b.fqn, b.offsets) for b in blocks])):
+        for key in keys:
+            first.setdefault(key, rank)
+    return [b for b in blocks if first[(b.fqn, b.offsets)] == group.rank]
 
 
 def _dtype_name(fqn: str, t: Any) -> str:
@@ -526,7 +536,7 @@ def _local_block(fqn: str, t: Any, dtype: str, rank: int) -> tuple[Block, memory
         coord = t.device_mesh.get_coordinate()
         if coord is None:
             return None
-        if not all(isinstance(p, (Shard, Replicate)) for p in t.placements):
+        if not all(isinstance(p, LOCAL_PLACEMENTS) for p in t.placements):
             raise ValueError(f"{fqn!r} has placements {t.placements}; reduce Partial tensors before exporting")
         if any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord)):
             return None

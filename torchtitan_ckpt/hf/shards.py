@@ -25,12 +25,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError
 from ..dcp.storage import dtensor_chunk
 from ..policy.split import in_order_runs, share
-from .adapter import HFSource
+from .adapter import LOCAL_PLACEMENTS, HFSource
 from .safetensors_io import TensorEntry, read_exact
 
 PIECE_BYTES = 8 << 20
@@ -101,6 +101,8 @@ def _plan_tensor(local: torch.Tensor, offsets: tuple[int, ...], source: HFSource
     """The reads that fill `local`, the part at `offsets` of a tensor shaped as `entry`."""
     if local.numel() == 0:
         return []
+    if not source.row_order and local.dim() == 2 and local.shape[1] < entry.shape[1]:
+        return _plan_columns(local, offsets, entry)
     shape = entry.shape or (1,)  # a scalar is one row of one element
     local, offsets = (local.view(1), (0,)) if local.dim() == 0 else (local, offsets)
     lo, hi = offsets[0], offsets[0] + local.shape[0]
@@ -119,13 +121,21 @@ def _plan_tensor(local: torch.Tensor, offsets: tuple[int, ...], source: HFSource
     return reads
 
 
+def _plan_columns(local: torch.Tensor, offsets: tuple[int, ...], entry: TensorEntry) -> list[Read]:
+    """A block of columns (a rowwise tensor-parallel shard, `Shard(1)`): each of its rows is
+    one stretch of the file, read into its row, so the rank reads its own bytes and no others."""
+    (row, col), width, itemsize = offsets, entry.shape[1], entry.dtype.itemsize
+    return [Read(entry.path, entry.offset + ((row + k) * width + col) * itemsize, entry.dtype, (1, local.shape[1]),
+                 local[k:k + 1], slice(0, 1), (slice(0, local.shape[1]),)) for k in range(local.shape[0])]
+
+
 def _local_part(name: str, value: Any) -> tuple[torch.Tensor, tuple[int, ...]]:
     """This rank's tensor of `value` and where it starts in the global tensor."""
     if not isinstance(value, DTensor):
         return value.detach(), (0,) * value.dim()
-    if any(type(p) not in (Shard, Replicate) for p in value.placements):
+    if not all(isinstance(p, LOCAL_PLACEMENTS) for p in value.placements):
         raise CheckpointError(f"{name}: loading a DTensor with placements {value.placements} from HF "
-                              "is not supported (only Shard and Replicate)")
+                              "is not supported (only Shard, FSDP's _StridedShard and Replicate)")
     return value.to_local().detach(), dtensor_chunk(tuple(value.shape), value.device_mesh, tuple(value.placements))[0]
 
 
