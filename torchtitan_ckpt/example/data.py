@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from ..io.reader import load_plain_pickle
+from ..io.torch_archive import load_plain_pickle
 from ..states import DP_RANK_PREFIX
 
 
