@@ -118,3 +118,19 @@ class RecordedReads:
         """The HF tensors whose bytes the reads touched."""
         return {name for name, e in read_hf_layout(src).items() for path, offset, n in self.reads
                 if path == e.path and offset < e.offset + e.nbytes and e.offset < offset + n}
+
+
+def perturbed(model: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
+    """`model` with random noise added to every parameter (so norms and routers are not their
+    constant init, and a mix-up of two tensors shows in the logits)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return model
+
+
+def logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The logits of ours (a tensor) or of a `transformers` model (an output with `.logits`)."""
+    with torch.no_grad():
+        out = model(tokens)
+    return out if isinstance(out, torch.Tensor) else out.logits

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import assert_same, read_checkpoint
+from tests.helpers import assert_same, logits, perturbed, read_checkpoint
 from torchtitan_ckpt import cli
 from torchtitan_ckpt.errors import AdapterMismatchError, CheckpointError, CorruptCheckpointError
 from torchtitan_ckpt.example.model import FLAVORS, Transformer, args_from_hf_config, hf_adapter, hf_config
@@ -41,17 +41,11 @@ def hf_model(tie: bool = False, seed: int = 0):
     """A transformers Llama of our debug shapes with random weights (norms included)."""
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(**hf_config(replace(ARGS, tie_embeddings=tie)))
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return perturbed(transformers.LlamaForCausalLM(config).eval())
 
 
 def logits_of(model) -> torch.Tensor:
-    with torch.no_grad():
-        out = model(TOKENS)
-    return out if isinstance(out, torch.Tensor) else out.logits
+    return logits(model, TOKENS)
 
 
 def tensors_by_file(folder: str) -> dict[str, dict[str, torch.Tensor]]:

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.helpers import assert_same, read_checkpoint
+from tests.helpers import assert_same, logits, perturbed, read_checkpoint
 from torchtitan_ckpt.errors import AdapterMismatchError, ConfigError
 from torchtitan_ckpt.example.model import Transformer, args_from_hf_config, hf_adapter
 from torchtitan_ckpt.hf import (HFModelConfig, LlamaAdapter, Qwen3Adapter, Qwen3MoeAdapter, adapter_for_config,
@@ -45,17 +45,11 @@ def make_hf_model(family: str, seed: int = 0):
     """A `transformers` model of the family with random weights (norms and router included)."""
     cls, config = FAMILIES[family]
     torch.manual_seed(seed)
-    model = getattr(transformers, cls)(transformers.AutoConfig.for_model(**config)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return perturbed(getattr(transformers, cls)(transformers.AutoConfig.for_model(**config)).eval())
 
 
 def logits_of(model) -> torch.Tensor:
-    with torch.no_grad():
-        out = model(TOKENS)
-    return out if isinstance(out, torch.Tensor) else out.logits
+    return logits(model, TOKENS)
 
 
 def read_config(folder: str) -> dict:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from tests.helpers import DEBUG_CONFIG, assert_same, spawn
+from tests.helpers import DEBUG_CONFIG, assert_same, perturbed, spawn
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.errors import CheckpointError, CorruptCheckpointError
 from torchtitan_ckpt.example.model import FLAVORS, ModelArgs, Transformer, hf_adapter, hf_config
@@ -209,10 +209,7 @@ def _from_hf_rows(t: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
 def test_shards_split_inside_heads_load_bit_identically_on_two_ranks(tmp_path):
     torch.manual_seed(4)
     config = transformers.LlamaConfig(**hf_config(MID_HEAD))
-    hf = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    hf = perturbed(transformers.LlamaForCausalLM(config).eval())
     folders = []
     for dtype in (torch.float32, torch.bfloat16):  # bf16: read, cast to fp32, reordered
         src = str(tmp_path / str(dtype))
