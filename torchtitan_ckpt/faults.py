@@ -4,7 +4,8 @@ Set `TORCHTITAN_CKPT_FAILPOINT=PHASE@STEP` (every rank) or `PHASE@STEP:RANK` (on
 starting a job. The process kills itself, without any cleanup, the first time it reaches PHASE
 while saving (or, for `purge`, deleting) step STEP:
 
-- `staging`: an async save has copied the state, nothing is written yet;
+- `staging`: an async save has copied the state; no data file is written yet (the step folder,
+  prepared while the state was copied, may exist);
 - `prepare`: the step folder exists and is empty;
 - `write`: a data file is half written;
 - `written`: `dcp.save` has returned: DCP's `.metadata` is written, the data files may still be

@@ -230,7 +230,8 @@ class CheckpointManager:
         job = self._save_job(step, kind, folder, fmt)
         if fmt.on_training_thread:
             self._saves.wait()
-            job.run(self._state_for_save(kind))
+            state = self._state_for_save(kind)
+            job.run(lambda: state)
         else:
             self._saves.submit(self._state_for_save(kind), job, self._deferred)
 

@@ -65,16 +65,18 @@ class SaveJob:
     commit: Callable[[Any], None]
     """Make the step visible (the commit marker), log it, apply retention."""
 
-    def run(self, state: dict[str, Any], sink: Sink = write_files) -> None:
+    def run(self, state: Callable[[], dict[str, Any]], sink: Sink = write_files) -> None:
+        """Every phase, in order. `state()` is asked for once the step folder is prepared, so a
+        background save prepares it while the state is still being staged."""
         self.prepare()
-        self.commit(self.write(state, sink))
+        self.commit(self.write(state(), sink))
 
 
 class SynchronousSaves:
     """`async_mode = "disabled"`: the training loop waits until the step is committed."""
 
     def submit(self, state: dict[str, Any], job: SaveJob, deferred: Deferred = _nothing_deferred) -> None:
-        job.run(state)
+        job.run(lambda: state)
 
     def in_flight(self) -> bool:
         return False
@@ -99,7 +101,11 @@ def freeze(state: Any, deferred: Deferred, path: tuple = ()) -> Any:
         return {k: freeze(v, deferred, (*path, k)) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
         return type(state)(freeze(v, deferred, (*path, i)) for i, v in enumerate(state))
-    return copy.deepcopy(state)
+    return state if type(state) in _IMMUTABLE else copy.deepcopy(state)
+
+
+_IMMUTABLE = frozenset({int, float, bool, str, bytes, type(None)})
+"""Leaf types `freeze` keeps as they are: an optimizer's settings are thousands of them."""
 
 
 def _copy_tensor(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
@@ -250,7 +256,9 @@ class _CopyStream:
     def mark(self, state: Any) -> dict[torch.device, torch.cuda.Event]:
         """On the training thread: an event after the work queued so far on each CUDA device
         the state's tensors are on."""
-        devices = {_local(t).device for _, t in _tensors(state, ()) if _local(t).is_cuda}
+        if not torch.cuda.is_initialized():  # no tensor can be on a GPU: skip the walk over the state
+            return {}
+        devices = {t.device for _, t in _tensors(state, ()) if t.is_cuda}  # a DTensor's is its shard's
         return {d: torch.cuda.current_stream(d).record_event() for d in devices}
 
     def run(self, marks: dict[torch.device, torch.cuda.Event], copy_all: Callable[[], Any]) -> Any:
@@ -287,7 +295,7 @@ class BackgroundSaves:
 
     def __init__(self, reuse_buffer: bool, verify: bool = False):
         self.stager = Stager(reuse=reuse_buffer)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-save")  # staging, the rest
         self._pending: Future | None = None
         self._staging: Future | None = None
         self._copies = _CopyStream()
@@ -301,16 +309,16 @@ class BackgroundSaves:
         sink = self._sink()
         frozen = freeze(state, deferred)
         marks = self._copies.mark(frozen)
-        staging = self._staging = self._pool.submit(self._stage, frozen, marks, job.step)
+        staged: list[dict[str, Any]] = []
+        staging = self._staging = self._pool.submit(self._stage, frozen, marks, job.step, staged)
         if self._verify:
-            staged = staging.result()
-            self._check = [(path, t, _at(staged, path)) for path, t in _tensors(frozen, ()) if deferred(path)]
-        self._pending = self._pool.submit(lambda: job.run(staging.result(), sink))
+            staging.result()
+            self._check = [(path, t, _at(staged[0], path)) for path, t in _tensors(frozen, ()) if deferred(path)]
+        self._pending = self._pool.submit(job.run, lambda: _take(staging, staged), sink)
 
-    def _stage(self, frozen: dict[str, Any], marks: dict, step: int) -> dict[str, Any]:
-        staged = self._copies.run(marks, lambda: self.stager.stage(frozen))
+    def _stage(self, frozen: dict[str, Any], marks: dict, step: int, into: list[dict[str, Any]]) -> None:
+        into.append(self._copies.run(marks, lambda: self.stager.stage(frozen)))
         faults.hit("staging", step)
-        return staged
 
     def wait_for_staging(self) -> None:
         """Block until the last submitted state is staged (a staging failure is raised by
@@ -356,6 +364,14 @@ class BackgroundSaves:
             self.stager.release()
             if self.writer is not None:
                 self.writer.close()
+
+
+def _take(staging: Future, staged: list[dict[str, Any]]) -> dict[str, Any]:
+    """The staged state once staging is done (raising its failure), taken out of `staged` so
+    that the save alone holds it: a fresh copy (`async`) is freed on the save's thread once
+    written, not by the next `save()` (unmapping a whole state's copy takes tens of ms)."""
+    staging.result()
+    return staged.pop()
 
 
 def _at(state: Any, path: tuple) -> Any:
