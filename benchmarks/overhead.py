@@ -1,31 +1,32 @@
 """The checkpoint's cost to training: the same training run with no checkpointing and with a save
-every `--every` steps through each path, side by side.
+every `--every` steps through each path, side by side, in paired rounds.
 
-    python -m benchmarks.overhead [--ranks 2] [--flavor bench] [--saves 3] [--every 4] [--dir /tmp/bench]
-                                  [--paths none,disabled,async,async_with_pinned_mem,torch_checkpointing,dcp]
+    python -m benchmarks.overhead [--ranks 2] [--flavor bench] [--saves 3] [--every 4] [--rounds 6]
+                                  [--dir /tmp/bench]
+                                  [--paths disabled,async,async_with_pinned_mem,torch_checkpointing,dcp]
 
 The example model (flavor `bench`: ~128M parameters, ~1.5 GB with AdamW state), FSDP-sharded over
 gloo ranks on the CPU, trains `(saves + 1) * every` steps after a warm-up save (writer processes
-and buffers are made once per job); the run with no checkpointing is timed
-before and after the others and its mean is the baseline. Paths:
+and buffers are made once per job). Paths:
 
 - ours: `async_mode` `disabled`, `async`, `async_with_pinned_mem` (the optimizer's step waits for
   staging through the manager's step pre-hook: the loop calls nothing extra);
-- `torch_checkpointing` (the `bench` extra; skipped when it is not installed): its async manager
-  configured as its docs say for a CPU-only host (no pinned memory, no non-blocking copies),
-  direct I/O off (ext4 refuses it), made durable by its pre-finalize callback (fsync of every
-  file and folder: it never fsyncs) and the finalize callback (the folder holding the renamed
-  step); the optimizer's step runs under `manager.lock()` as its docs say;
+- `torch_checkpointing` (the `bench` extra; skipped when it is not installed): its async manager,
+  configured and made durable as `benchmarks/peers.py` says; the optimizer's step runs under
+  `manager.lock()` as its docs say;
 - `dcp`: PyTorch's `dcp.async_save` in its process mode with its `DefaultStager` (shared memory,
   staging in the background, pinned only where there is a GPU); the optimizer's step waits for
   `staging_completion`.
 
-Per path it prints, per save: the training time lost (the run's time over the baseline's,
-divided by the saves, and as % of the baseline run), how long `save()` blocked, the time from
-`save()` until the step is durable (ours: the commit marker's time; the peers: their write
-future), each against a synchronous save of the same state (ours, `disabled`: `save()` returns
-once durable), and the most resident memory a rank held beyond the baseline. Absolute times on a
-shared machine are noise; read the ratios, from one run.
+On a shared machine a run's length drifts by more than a save costs, so each round runs every
+path between two runs with no checkpointing (in an order that turns every round) and takes the
+path's cost against the mean of the two around it: drift slower than a run cancels. Per path it
+prints, per save: the training time lost (seconds, x a synchronous save, % of the run), how long
+`save()` blocked, and the time from `save()` until the step is durable (ours: the commit marker's
+time; the peers: their write future), each against the synchronous save (ours, `disabled`) of the
+same round; the median over rounds with a distribution-free 95% interval of it
+(`paired.median_interval`; 6 rounds or more, else it is the whole range); and the most resident
+memory a rank held beyond the run's start.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -44,13 +44,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from benchmarks import peers
 from benchmarks.common import run_ranks
+from benchmarks.paired import median_interval
 from torchtitan_ckpt import CheckpointManager, commit, layout
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.train import build_model, shard_model
 
 OURS = ["disabled", "async", "async_with_pinned_mem"]
-PATHS = ["none", *OURS, "torch_checkpointing", "dcp"]
+PATHS = [*OURS, "torch_checkpointing", "dcp"]
 
 
 @dataclass
@@ -128,58 +130,10 @@ def _ours(model, opt, tokens, args, mode: str) -> Run:
     return run
 
 
-def _fsync_tree(args) -> None:
-    """torch_checkpointing's pre-finalize callback: make the written files durable."""
-    for root, _dirs, files in os.walk(args.path):
-        for name in [*files, "."]:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
-def _fsync_parent(args) -> None:
-    """Its finalize callback: the rename of the step into place is durable."""
-    fd = os.open(os.path.dirname(os.path.abspath(args.path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _free_port() -> int:
-    """A port free on rank 0's host, the same on every rank."""
-    port = [0]
-    if dist.get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port[0] = s.getsockname()[1]
-    dist.broadcast_object_list(port, src=0)
-    return port[0]
-
-
 def _torch_checkpointing(model, opt, tokens, args) -> Run:
-    from torch_checkpointing import AsyncCheckpointSaverConfig, CheckpointManager as TCManager
-    from torch_checkpointing import CheckpointWriterConfig, TCPStoreBarrierConfig
-    from torch_checkpointing.staging import CheckpointStagerConfig
-    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
-
-    gpu = torch.accelerator.is_available()
-    config = TCManager.Config(
-        save=AsyncCheckpointSaverConfig(
-            staging_config=CheckpointStagerConfig(use_pinned_memory=gpu, use_non_blocking_copy=gpu),
-            # its default barrier reopens the process group's FileStore, which the gloo
-            # rendezvous of these ranks has removed by then: a TCP store instead
-            writer_config=CheckpointWriterConfig(barrier_config=TCPStoreBarrierConfig(
-                use_checkpoint_barrier_tcpstore_libuv=True, tcpstore_port=_free_port(),
-                master_address="127.0.0.1", timeout_barrier_init_sec=300))),
-        storage_config=LocalFileSystemStorageConfig(use_direct_io=False),
-        pre_finalize_callback=_fsync_tree, finalize_callback=_fsync_parent)
-    manager = config.build()
+    manager = peers.torch_checkpointing_manager(asynchronous=True)
     return _peer(model, opt, tokens, args, "torch_checkpointing",
-                 lambda path: manager.save(path, {"model": model.state_dict(), "optimizer": opt.state_dict()}),
-                 manager.lock, manager.close)
+                 lambda path: manager.save(path, peers.payload(model, opt)), manager.lock, manager.close)
 
 
 def _dcp(model, opt, tokens, args) -> Run:
@@ -238,6 +192,14 @@ def _peer(model, opt, tokens, args, name: str, submit, guard, close) -> Run:
     return run
 
 
+def _run(path: str, model, opt, tokens, args) -> Run:
+    if path == "none":
+        return _train(model, opt, tokens, args, lambda step, wall: False, _NoGuard)
+    if path in OURS:
+        return _ours(model, opt, tokens, args, path)
+    return (_torch_checkpointing if path == "torch_checkpointing" else _dcp)(model, opt, tokens, args)
+
+
 def _bench(rank: int, world: int, args, results: dict) -> None:
     config = load_job_config(None, ["--model.flavor", args.flavor])
     model = build_model(config)
@@ -247,37 +209,62 @@ def _bench(rank: int, world: int, args, results: dict) -> None:
     F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()  # optimizer state exists
     opt.step()
     opt.zero_grad()
-    runs: dict[str, list[Run]] = {}
-    order = [p for p in args.paths.split(",") if p != "none"]
-    for path in ["none", *order, "none"]:
-        if path == "none":
-            run = _train(model, opt, tokens, args, lambda step, wall: False, _NoGuard)
-        elif path in OURS:
-            run = _ours(model, opt, tokens, args, path)
-        else:
-            run = (_torch_checkpointing if path == "torch_checkpointing" else _dcp)(model, opt, tokens, args)
-        runs.setdefault(path, []).append(run)
+    paths = args.paths.split(",")
+    rounds = []
+    for r in range(args.rounds):
+        runs = {"none": _run("none", model, opt, tokens, args)}
+        for path in paths[r % len(paths):] + paths[:r % len(paths)]:
+            runs[path] = _run(path, model, opt, tokens, args)
+            runs[f"none after {path}"] = _run("none", model, opt, tokens, args)
+        rounds.append({key: vars(run) for key, run in runs.items()})
     if rank == 0:
-        results.update({path: [vars(r) for r in rs] for path, rs in runs.items()})
+        results["rounds"] = rounds
+
+
+def _before(round_: dict, path: str) -> dict:
+    """The run with no checkpointing right before `path`'s in its round."""
+    keys = list(round_)
+    return round_[keys[keys.index(path) - 1]]
+
+
+def per_round(round_: dict, path: str, saves: int) -> dict[str, float]:
+    """One round's figures for `path`, each paired with that round's runs around it."""
+    run, sync = round_[path], statistics.median(round_["disabled"]["blocks"])
+    base = (_before(round_, path)["seconds"] + round_[f"none after {path}"]["seconds"]) / 2
+    lost = (run["seconds"] - base) / saves
+    return {"lost": lost, "lost_x": lost / sync, "lost_pct": 100 * lost * saves / base,
+            "block": statistics.median(run["blocks"]), "block_x": statistics.median(run["blocks"]) / sync,
+            "durable": statistics.median(run["durable"]), "durable_x": statistics.median(run["durable"]) / sync,
+            "sync": sync, "base": base, "rss": run["extra_rss"]}
+
+
+def _cell(values: list[float], fmt: str) -> str:
+    """The median over rounds, with its 95% interval."""
+    low, high = median_interval(values)
+    return f"{format(statistics.median(values), fmt)} ({format(low, fmt)} to {format(high, fmt)})"
+
+
+_COLUMNS = [("lost", ".2f", 1), ("lost_x", ".2f", 1), ("lost_pct", ".1f", 1), ("block", ".1f", 1000),
+            ("block_x", ".4f", 1), ("durable", ".2f", 1), ("durable_x", ".2f", 1)]
+"""The table's columns of `per_round` figures: key, format, scale."""
 
 
 def print_table(results: dict, args) -> None:
-    base = statistics.mean(r["seconds"] for r in results["none"])
-    sync = statistics.median(results["disabled"][0]["blocks"])
+    rounds = results["rounds"]
+    paths = [p for p in PATHS if p in rounds[0]]
+    figures = {p: [per_round(r, p, args.saves) for r in rounds] for p in paths}
+    sync = [f["sync"] for f in figures["disabled"]]
     print(f"\ncheckpoint cost to training: {args.flavor} on {args.ranks} ranks, a save every {args.every} steps, "
-          f"{args.saves} saves; baseline run {base:.1f} s (two runs: "
-          f"{', '.join(format(r['seconds'], '.1f') for r in results['none'])} s); synchronous save {sync:.2f} s\n")
+          f"{args.saves} saves per run, {len(rounds)} rounds; run with no checkpointing "
+          f"{_cell([f['base'] for f in figures['disabled']], '.1f')} s, synchronous save {_cell(sync, '.2f')} s "
+          "(median over rounds, 95% interval)\n")
     print("| path | training lost / save | x sync save | % of run | save() returns in | x sync save | "
           "durable after | x sync save | extra memory / rank |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for path in [p for p in PATHS if p in results and p != "none"]:
-        run = results[path][0]
-        lost = (run["seconds"] - base) / args.saves
-        block = statistics.median(run["blocks"])
-        durable = statistics.median(run["durable"])
-        print(f"| {path} | {lost:.2f} s | {lost / sync:.2f} | {100 * lost * args.saves / base:.1f}% | "
-              f"{1000 * block:.1f} ms | {block / sync:.4f} | {durable:.2f} s | {durable / sync:.2f} | "
-              f"{run['extra_rss'] / 1e9:.2f} GB |")
+    for path, f in figures.items():
+        cells = [_cell([x[key] * scale for x in f], fmt) for key, fmt, scale in _COLUMNS]
+        print(f"| {path} | {cells[0]} s | {cells[1]} | {cells[2]}% | {cells[3]} ms | {cells[4]} | {cells[5]} s | "
+              f"{cells[6]} | {max(x['rss'] for x in f) / 1e9:.2f} GB |")
 
 
 def main() -> None:
@@ -287,13 +274,15 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64, help="tokens per step (sets a step's compute)")
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--every", type=int, default=4, help="steps between saves")
-    parser.add_argument("--paths", default=",".join(PATHS[1:]), help=f"of {','.join(PATHS[1:])}")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of paired runs (the interval needs 6)")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"of {','.join(PATHS)}; needs disabled")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
     args = parser.parse_args()
-    try:
-        import torch_checkpointing  # noqa: F401
-    except ImportError:
-        args.paths = ",".join(p for p in args.paths.split(",") if p != "torch_checkpointing")
+    paths = args.paths.split(",")
+    if "disabled" not in paths or not set(paths) <= set(PATHS):
+        parser.error(f"--paths: some of {','.join(PATHS)}, with disabled (each path is compared with it)")
+    if "torch_checkpointing" in paths and not peers.have_torch_checkpointing():
+        args.paths = ",".join(p for p in paths if p != "torch_checkpointing")
         print("torch_checkpointing is not installed (pip install -e .[bench]): its row is skipped")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         args.dir = tmp

@@ -5,8 +5,11 @@ each of `--repeats` rounds, every rank times (between barriers, so the slowest r
 
 - raw floor: writing its share of the state's bytes with plain Python + fsync, and reading them
   back cold; the same for the model weights alone (the floor of the Hugging Face rows);
-- a durable save: `CheckpointManager.save` (sync) against `dcp.save` with PyTorch's defaults;
-- a cold resume: `CheckpointManager.load` into a fresh model + optimizer against `dcp.load`;
+- a durable save: `CheckpointManager.save` (sync) against `dcp.save` with PyTorch's defaults and
+  against `torch_checkpointing`'s synchronous save (the `bench` extra, configured and made durable
+  as `benchmarks/peers.py` says; its rows are left out when it is not installed);
+- a cold resume: `CheckpointManager.load` into a fresh model + optimizer against `dcp.load` and
+  `torch_checkpointing`'s load;
 - the Hugging Face format: `save_hf` / `load_hf` (our Llama adapter) against `dcp.save` with
   `HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)` / `dcp.load` with
   `HuggingFaceStorageReader`;
@@ -38,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from benchmarks import peers
 from torchtitan_ckpt import CheckpointManager
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.model import ModelArgs, Transformer, hf_adapter
@@ -55,9 +59,11 @@ ROWS = [
     ("raw_write", "raw write + fsync (floor)", "raw_write"),
     ("ours_save", "ours: CheckpointManager.save", "raw_write"),
     ("pt_save", "PyTorch: dcp.save (FileSystemWriter defaults)", "raw_write"),
+    ("tc_save", "torch_checkpointing: sync save, made durable", "raw_write"),
     ("raw_read", "raw cold read (floor)", "raw_read"),
     ("ours_load", "ours: CheckpointManager.load, cold", "raw_read"),
     ("pt_load", "PyTorch: dcp.load + set_state_dict, cold", "raw_read"),
+    ("tc_load", "torch_checkpointing: load, cold", "raw_read"),
     ("raw_write_model", "raw write + fsync, weights only (HF floor)", "raw_write_model"),
     ("ours_hf_save", "ours: save_hf (LlamaAdapter)", "raw_write_model"),
     ("pt_hf_save", "PyTorch: HuggingFaceStorageWriter + consolidation", "raw_write_model"),
@@ -208,6 +214,9 @@ class _Paths:
             ("ours_hf_save", "ours_hf_load", os.path.join(root, "hf"), self.ours_hf_save, self.ours_hf_load),
             ("pt_hf_save", "pt_hf_load", os.path.join(root, "pt_hf"), self.pt_hf_save, self.pt_hf_load),
         ]
+        self.tc = peers.torch_checkpointing_manager(asynchronous=False) if peers.have_torch_checkpointing() else None
+        if self.tc is not None:
+            self.pairs.append(("tc_save", "tc_load", os.path.join(root, "tc"), self.tc_save, self.tc_load))
 
     def _raw_file(self) -> str:
         return os.path.join(self.root, "raw", f"rank-{self.rank}")
@@ -224,6 +233,12 @@ class _Paths:
         msd, osd = get_state_dict(self.fresh_model, self.fresh_opt)
         dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=os.path.join(self.root, "pt"))
         set_state_dict(self.fresh_model, self.fresh_opt, model_state_dict=msd, optim_state_dict=osd)
+
+    def tc_save(self) -> None:
+        self.tc.save(os.path.join(self.root, "tc", "step"), peers.payload(self.model, self.opt))
+
+    def tc_load(self) -> None:
+        peers.load_into(self.tc, os.path.join(self.root, "tc", "step"), self.fresh_model, self.fresh_opt)
 
     def ours_hf_save(self) -> None:
         save_hf(get_model_state_dict(self.model), os.path.join(self.root, "hf"), self.adapter)
@@ -246,6 +261,8 @@ class _Paths:
     def close(self) -> None:
         self.saver.close()
         self.loader.close()
+        if self.tc is not None:
+            self.tc.close()
 
 
 def bench_size(rank: int, world: int, args: Any, results: dict) -> None:

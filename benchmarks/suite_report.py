@@ -110,8 +110,8 @@ def plot(results: dict, img_dir: str) -> list[str]:
     gbs = [s["state_bytes"] / 1e9 for s in results["sizes"]]
     files = []
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    groups = [("save (full state)", ["raw_write", "ours_save", "pt_save"]),
-              ("cold resume (full state)", ["raw_read", "ours_load", "pt_load"]),
+    groups = [("save (full state)", ["raw_write", "ours_save", "pt_save", "tc_save"]),
+              ("cold resume (full state)", ["raw_read", "ours_load", "pt_load", "tc_load"]),
               ("HF format (weights only)", ["raw_write_model", "ours_hf_save", "pt_hf_save",
                                             "raw_read_model", "ours_hf_load", "pt_hf_load"])]
     for ax, (title, keys) in zip(axes, groups):
@@ -134,7 +134,7 @@ def plot(results: dict, img_dir: str) -> list[str]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(8, 4.8))
-    for key in ("ours_save", "pt_save", "ours_load", "pt_load", "ours_hf_load", "pt_hf_load"):
+    for key in ("ours_save", "pt_save", "tc_save", "ours_load", "pt_load", "tc_load", "ours_hf_load", "pt_hf_load"):
         pts = [(g, _ratio(s, key)) for g, s in zip(gbs, results["sizes"]) if _ratio(s, key) is not None]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=_NAMES[key], linestyle="-" if key.startswith("ours") else ":")
