@@ -5,6 +5,8 @@ checkpoint; `verify_staging` catches what the optimizer's hook cannot see."""
 from __future__ import annotations
 
 import os
+import time
+import weakref
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_ckpt import CheckpointManager, ConfigError, StagingMismatchError, layout
 from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.staging import SaveJob, make_strategy
 
 from .helpers import assert_same, read_checkpoint, spawn
 
@@ -142,6 +145,22 @@ def test_verify_staging_names_a_parameter_changed_outside_the_optimizer(tmp_path
         _train_step(model, opt)
     _train_step(model, opt)  # reported once
     manager.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_saves_staged_copy_is_let_go_by_that_save_not_by_the_next_save_call(mode):
+    """Freeing a whole state's copy takes tens of ms: the save's own thread does it once it has
+    written the copy, so the next `save()` does not."""
+    saves, written = make_strategy(mode), []
+
+    def write(state, sink):
+        written.append(weakref.ref(state["w"]))
+
+    saves.submit({"w": torch.ones(4)}, SaveJob(1, "", lambda: None, write, lambda _: None))
+    while saves.in_flight():
+        time.sleep(0.01)
+    assert written and written[0]() is None
+    saves.close()
 
 
 def test_verify_staging_needs_an_async_mode():
