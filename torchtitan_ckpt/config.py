@@ -145,7 +145,8 @@ class Checkpoint:
     consolidation: Consolidation = "one_pass"
     """How Hugging Face exports write their files: `one_pass` (every rank writes its bytes at
     their final offsets, no intermediate files), `all_ranks` (DCP writes per-rank shards, then
-    every rank consolidates a share of the bytes) or `rank0` (rank 0 consolidates alone)."""
+    every rank consolidates a share of the bytes) or `rank0` (rank 0 consolidates alone). On
+    object storage, `one_pass` only (docs/storage.md)."""
 
     consolidation_threads: int = 4
     """I/O threads per rank writing Hugging Face files."""
