@@ -29,12 +29,14 @@ def start_moto() -> tuple[ThreadedMotoServer, str]:
 class FaultProxy:
     """Forwards every request to `upstream`; `plan(n, method, path)` (n counts requests from 1)
     returns None to forward it, "slowdown" / "internal" to answer S3's 503 / 500 error instead,
-    or "reset" to close the connection without an answer. `injected` counts what was done."""
+    or "reset" to close the connection without an answer. `injected` counts what was done,
+    `served` the body bytes of successful GETs by path."""
 
     def __init__(self, upstream: str, plan):
         self.upstream = upstream.split("://", 1)[1]
         self.plan = plan
         self.injected: Counter[str] = Counter()
+        self.served: Counter[str] = Counter()
         self.seen: list = []
         self._count = itertools.count(1)
         self._lock = threading.Lock()
@@ -81,6 +83,9 @@ class FaultProxy:
                 reply = conn.getresponse()
                 data = reply.read()
                 conn.close()
+                if self.command == "GET" and reply.status < 300:
+                    with proxy._lock:
+                        proxy.served[self.path.split("?")[0]] += len(data)
                 self._answer(reply.status, reply.getheaders(), data)
 
             def _answer(self, status: int, headers, data: bytes) -> None:

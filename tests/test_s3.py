@@ -10,6 +10,8 @@ import json
 import os
 import subprocess
 import uuid
+import zlib
+from urllib.parse import quote
 
 import boto3
 import pytest
@@ -17,14 +19,22 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing import ProcessExitedException
 
-from torchtitan_ckpt import CheckpointManager, commit, faults
+from torchtitan_ckpt import CheckpointManager, cli, commit, faults
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.errors import CheckpointSaveError, ConfigError
+from torchtitan_ckpt.example.config import load_job_config
+from torchtitan_ckpt.example.model import hf_adapter
+from torchtitan_ckpt.example.train import build_model, shard_model
+from torchtitan_ckpt.group import CheckpointGroup
+from torchtitan_ckpt.hf import save_hf
+from torchtitan_ckpt.storage.s3 import S3Store
 
-from .helpers import spawn
+from .helpers import DEBUG_CONFIG, assert_same, data_file_use, logits, perturbed, spawn
 from .s3server import CREDENTIALS, FaultProxy, start_moto
 
 pytestmark = pytest.mark.multirank
+
+TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
 @pytest.fixture(scope="module")
@@ -238,10 +248,100 @@ def test_config_refuses_what_storage_cannot_do(key, value, message):
         config.validate()
 
 
-def test_hugging_face_exports_to_object_storage_are_refused_at_start_up():
-    config = Checkpoint(folder="s3://b/run", last_save_in_hf=True)
-    with pytest.raises(ConfigError, match="checkpoint.folder = 's3://b/run': the Hugging Face format"):
+def test_a_two_phase_hugging_face_export_to_object_storage_is_refused_at_start_up():
+    config = Checkpoint(folder="s3://b/run", last_save_in_hf=True, consolidation="rank0")
+    with pytest.raises(ConfigError, match="checkpoint.consolidation = 'rank0': .* set checkpoint.consolidation"):
         config.validate()
+
+
+def _hf_model(seed: int, world_size: int):
+    model = build_model(load_job_config(DEBUG_CONFIG, []))
+    if seed:
+        torch.manual_seed(seed)  # the same noise on every rank
+        perturbed(model)
+    shard_model(model, world_size)
+    return model
+
+
+def _export_hf(rank, world_size, url, staging, expected, failpoint):
+    if failpoint:
+        os.environ["RANK"] = str(rank)
+        os.environ[faults.ENV] = failpoint
+    model = _hf_model(3, world_size)
+    config = _config(url, staging, last_save_in_hf=True, last_save_model_only=True, hf_max_shard_size="200KB")
+    with CheckpointManager(config, [model], state_dict_adapter=hf_adapter(model.args)) as manager:
+        manager.save(1, last_step=True)
+    out = logits(model, TOKENS)
+    if rank == 0:
+        torch.save(out, expected)
+
+
+def _load_hf_step(rank, world_size, url, staging, expected):
+    model = _hf_model(0, world_size)
+    with CheckpointManager(_config(url, staging), [model], state_dict_adapter=hf_adapter(model.args)) as manager:
+        assert manager.load()
+    assert (logits(model, TOKENS) - torch.load(expected)).abs().max() < 1e-5
+
+
+def _download(bucket: str, prefix: str, to) -> None:
+    client = boto3.client("s3")
+    for key in _objects(bucket):
+        if key.startswith(prefix + "/"):
+            client.download_file(bucket, key, str(to / key[len(prefix) + 1:]))
+
+
+def test_a_hugging_face_export_to_object_storage_loads_in_transformers(bucket, tmp_path):
+    """Files written jointly by 2 ranks, each assembled on one rank and uploaded from there;
+    read back by safetensors and transformers after a download, and by the manager from the
+    store."""
+    from safetensors.torch import load_file
+
+    transformers = pytest.importorskip("transformers")
+    url, expected = f"s3://{bucket}/run", str(tmp_path / "logits.pt")
+    spawn(2, _export_hf, url, str(tmp_path / "a"), expected, "")
+    names = {k.split("/", 2)[2] for k in _objects(bucket)}
+    files = sorted(n for n in names if n.endswith(".safetensors"))
+    assert len(files) >= 2 and {"COMMITTED.json", "config.json", "model.safetensors.index.json"} < names
+    marker = json.loads(boto3.client("s3").get_object(Bucket=bucket, Key="run/step-1/COMMITTED.json")["Body"].read())
+    assert marker["format"] == "hf" and set(marker["files"]) == names - {"COMMITTED.json"}
+    (tmp_path / "hf").mkdir()
+    _download(bucket, "run/step-1", tmp_path / "hf")
+    assert commit.verify(str(tmp_path / "hf")) == []  # sizes and CRC-32s of what each owner uploaded
+    with open(tmp_path / "hf" / "model.safetensors.index.json") as f:
+        weight_map = json.load(f)["weight_map"]
+    loaded = {k: v for name in files for k, v in load_file(str(tmp_path / "hf" / name)).items()}
+    assert sorted(loaded) == sorted(weight_map) and not any(torch.count_nonzero(v) == 0 for v in loaded.values())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert (logits(hf, TOKENS) - torch.load(expected)).abs().max() < 1e-5
+    spawn(2, _load_hf_step, url, str(tmp_path / "b"), expected)
+
+
+def test_a_kill_during_a_hugging_face_upload_leaves_no_index_and_no_marker(bucket, tmp_path):
+    with pytest.raises(ProcessExitedException):
+        spawn(2, _export_hf, f"s3://{bucket}/run", str(tmp_path), str(tmp_path / "logits.pt"), "upload@1:0")
+    names = {k.split("/", 2)[2] for k in _objects(bucket)}
+    assert any(n.startswith("model-00001-of-") for n in names)  # rank 0 died right after uploading it
+    assert names.isdisjoint({"model.safetensors.index.json", "COMMITTED.json"}) and "IN_PROGRESS.json" in names
+
+
+def _publish_joint(rank, world_size, url, staging):
+    """A 11 MiB file, each rank writing every other MiB of it (zeros elsewhere in its copy)."""
+    store = S3Store(url, "checkpoint.folder", rank, _config(url, staging))
+    path = os.path.join(store.root, "step-1")
+    store.prepare_rank(path)
+    data = torch.arange(11 << 20, dtype=torch.int64).remainder(251).to(torch.uint8)
+    mine = torch.zeros_like(data)
+    for mib in range(rank, 11, world_size):
+        mine[mib << 20:(mib + 1) << 20] = data[mib << 20:(mib + 1) << 20]
+    mine.numpy().tofile(os.path.join(path, "joint.bin"))
+    uploaded = store.publish(path, {}, CheckpointGroup(), joint=["joint.bin"])
+    assert uploaded == ({"joint.bin": (11 << 20, f"{zlib.crc32(data.numpy()):08x}")} if rank == 0 else {})
+
+
+def test_a_joint_file_is_assembled_across_ranks_in_several_parts(bucket, tmp_path):
+    spawn(2, _publish_joint, f"s3://{bucket}/run", str(tmp_path))
+    body = boto3.client("s3").get_object(Bucket=bucket, Key="run/step-1/joint.bin")["Body"].read()
+    assert body == bytes(torch.arange(11 << 20, dtype=torch.int64).remainder(251).to(torch.uint8).numpy())
 
 
 def _own_disk(rank, world_size, tmp):
@@ -284,3 +384,99 @@ def test_initial_load_path_on_object_storage(bucket, tmp_path):
     with CheckpointManager(config, [fresh], fresh_opt) as manager:
         assert manager.load()
     _assert_equal(_snapshot(fresh, fresh_opt), _snapshot(model, opt))
+
+
+def _save_sharded(rank, world_size, url, staging):
+    with CheckpointManager(_config(url, staging), [_hf_model(3, world_size)]) as manager:
+        manager.save(1)
+
+
+def _load_sharded(rank, world_size, url, staging):
+    model = _hf_model(0, world_size)
+    with CheckpointManager(_config(url, staging), [model]) as manager:
+        assert manager.load()
+    saved = _hf_model(3, world_size).state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value.to_local(), saved[key].to_local()), key
+    here = os.listdir(os.path.join(staging, quote(url, safe=""), f"rank-{rank}", "step-1"))
+    assert sorted(here) == sorted([".metadata", "COMMITTED.json", f"__{rank}_0.distcp"])  # not the other rank's
+
+
+def test_each_rank_downloads_only_the_bytes_its_load_plan_reads(bucket, tmp_path, monkeypatch, moto_url):
+    """An FSDP model resumed on the same 2 ranks: each rank's shards are in its own data file,
+    and that file's item bytes are all that is fetched of it (the whole step on each rank was
+    twice the step)."""
+    url = f"s3://{bucket}/run"
+    spawn(2, _save_sharded, url, str(tmp_path / "a"))
+    proxy = FaultProxy(moto_url, lambda n, method, path: None)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        spawn(2, _load_sharded, url, str(tmp_path / "b"))
+    finally:
+        proxy.close()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", moto_url)
+    (tmp_path / "c").mkdir()
+    _download(bucket, "run/step-1", tmp_path / "c")
+    used = data_file_use(str(tmp_path / "c"))
+    small = {n: os.path.getsize(tmp_path / "c" / n) for n in (".metadata", "COMMITTED.json")}
+    assert {path: n for path, n in proxy.served.items() if "/step-1/" in path} == {
+        **{f"/{bucket}/run/step-1/{n}": 2 * size for n, size in small.items()},  # every rank reads these
+        **{f"/{bucket}/run/step-1/{n}": item_bytes for n, (item_bytes, _) in used.items()}}
+
+
+def _cli_json(capsys, *argv: str) -> tuple[int, dict]:
+    code = cli.main([*argv, "--json", "--quiet"])
+    out = capsys.readouterr()
+    return code, json.loads(out.out) if out.out else out.err
+
+
+def test_the_cli_lists_inspects_and_verifies_steps_on_object_storage(bucket, tmp_path, capsys):
+    url, client = f"s3://{bucket}/run", boto3.client("s3")
+    model, opt = _job()
+    _train(model, opt)
+    with CheckpointManager(_config(url, str(tmp_path), keep_latest_k=2), [model], opt) as manager:
+        manager.save(1)
+        manager.save(2)
+    client.delete_object(Bucket=bucket, Key="run/step-2/COMMITTED.json")  # as a save that died
+    client.put_object(Bucket=bucket, Key="run/step-2/IN_PROGRESS.json", Body=b"{}")
+    sizes = {step: sum(n for k, n in _objects(bucket).items() if k.startswith(f"run/step-{step}/")) for step in (1, 2)}
+
+    code, doc = _cli_json(capsys, "list", url)
+    assert (code, doc["latest_complete"]) == (0, 1)
+    assert [(s["step"], s["path"], s["status"], s["bytes"], s["format"], s["states"]) for s in doc["steps"]] == [
+        (1, f"{url}/step-1", "complete", sizes[1], "dcp", ["model", "optimizer"]),
+        (2, f"{url}/step-2", "partial", sizes[2], None, None)]
+
+    code, doc = _cli_json(capsys, "inspect", f"{url}/step-1")
+    assert (code, doc["path"], doc["status"], doc["step"]) == (0, f"{url}/step-1", "complete", 1)
+    assert {t["key"]: t["shape"] for t in doc["tensors"]}["0.weight"] == [1200, 1200]
+    assert _cli_json(capsys, "inspect", f"{url}/step-2")[1]["status"] == "partial"
+
+    code, doc = _cli_json(capsys, "verify", f"{url}/step-1")
+    names = sorted(k.split("/")[-1] for k in _objects(bucket) if k.startswith("run/step-1/") and "COMMITTED" not in k)
+    assert (code, doc["ok"], [f["file"] for f in doc["files"]]) == (0, True, names)
+    data = "run/step-1/__0_0.distcp"
+    body = bytearray(client.get_object(Bucket=bucket, Key=data)["Body"].read())
+    body[-1] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=data, Body=bytes(body))
+    code, doc = _cli_json(capsys, "verify", f"{url}/step-1")
+    assert (code, [f["file"] for f in doc["files"] if not f["ok"]]) == (1, ["__0_0.distcp"])
+
+    code, err = _cli_json(capsys, "list", "s3://no-such-bucket/run")
+    assert code == 2 and "folder = 's3://no-such-bucket/run': the bucket cannot be used" in err
+
+
+def test_the_cli_converts_from_object_storage(bucket, tmp_path):
+    """An HF folder in the bucket -> DCP (local) -> HF (local): the same tensors as the source."""
+    from safetensors.torch import load_file
+
+    model = perturbed(build_model(load_job_config(DEBUG_CONFIG, [])))
+    save_hf(model.state_dict(), str(tmp_path / "hf"), hf_adapter(model.args))
+    client = boto3.client("s3")
+    for name in os.listdir(tmp_path / "hf"):
+        client.upload_file(str(tmp_path / "hf" / name), bucket, f"hf/{name}")
+    assert cli.main(["convert", "--to", "dcp", f"s3://{bucket}/hf", str(tmp_path / "dcp"), "--quiet"]) == 0
+    assert cli.main(["convert", "--to", "hf", str(tmp_path / "dcp"), str(tmp_path / "back"), "--quiet"]) == 0
+    name = "model-00001-of-00001.safetensors"
+    assert_same(load_file(str(tmp_path / "back" / name)), load_file(str(tmp_path / "hf" / name)))
+

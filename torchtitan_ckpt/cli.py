@@ -7,6 +7,10 @@
     torchtitan-ckpt convert --to hf STEP_DIR OUT_DIR | --to dcp HF_DIR OUT_DIR
     torchtitan-ckpt consolidate IN_DIR OUT_DIR   per-rank HF shard files -> final safetensors files
 
+list's DIR, inspect's and verify's STEP_DIR and convert's source may be object-store URLs
+(`s3://bucket/prefix/step-N`, read with the standard AWS environment: docs/storage.md); what a
+command reads of one is downloaded into a temporary folder (verify and convert: the whole step).
+
 All argparse of the package lives here. `list`, `inspect` and `verify` take `--json` (one JSON
 document on stdout; docs/cli.md shows each). Long work shows progress on stderr: a bar on a
 terminal, a log line every `--progress-every` seconds otherwise, only on rank 0 under torchrun.
@@ -21,6 +25,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,14 +37,16 @@ from . import commit, layout
 from .dcp import storage
 from .hf.consolidate import consolidate_safetensors, load_mapping
 from .hf.files import INDEX_FILE
-from .config import MAX_THREADS
-from .group import launched_group
+from .config import MAX_THREADS, Checkpoint
+from .group import CheckpointGroup, launched_group
 from .errors import CheckpointError, CheckpointNotFoundError
 from .hf.convert import convert
 from .hf.registry import ADAPTERS
 from .io.dtypes import EXPORT_DTYPES
 from .hf.save import MODES
 from .progress import DEFAULT_INTERVAL, Progress, fmt_bytes, this_rank_draws
+from .storage import open_store, scheme_of
+from .storage.base import Store
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
 EXIT_CODES = """exit status:
@@ -63,14 +70,28 @@ def _require_folder(folder: str) -> None:
         raise CheckpointNotFoundError(f"{folder} is not a folder")
 
 
+@contextlib.contextmanager
+def _opened(where: str, argument: str) -> Iterator[tuple[Store, str]]:
+    """The store holding the folder `where` names, and the local folder to read it in: a path
+    itself, or for an object-store URL a temporary folder (removed afterwards) that the
+    command fetches objects into. An unreachable bucket is an error naming the URL."""
+    if scheme_of(where) is None:
+        yield open_store(where, argument, 0, Checkpoint()), where
+        return
+    with tempfile.TemporaryDirectory(prefix="torchtitan-ckpt-") as tmp:
+        store = open_store(where, argument, 0, Checkpoint(staging_folder=tmp))
+        store.check(CheckpointGroup(), write=False)
+        yield store, store.root
+
+
 # ---------------------------------------------------------------------------------------------
 # list
 
 
-def _step_record(s: layout.StepFolder) -> dict[str, Any]:
-    info = commit.read_marker(s.path) if s.committed else None
+def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any]:
+    info = commit.read_marker(store.fetch(s.path, [commit.MARKER])) if s.committed else None
     fmt = info.format if info else layout.foreign_format(s.path) if s.status == layout.FOREIGN else None
-    return {"step": s.step, "path": s.path, "status": s.status, "bytes": layout.folder_bytes(s.path),
+    return {"step": s.step, "path": store.describe(s.path), "status": s.status, "bytes": store.size(s.path),
             "format": fmt, "states": info.states if info else None,
             "world_size": info.world_size if info else None}
 
@@ -83,8 +104,10 @@ def _contents(s: dict[str, Any]) -> str:
 
 
 def cmd_list(args: argparse.Namespace, progress: Progress) -> int:
-    _require_folder(args.folder)
-    steps = [_step_record(s) for s in layout.scan(args.folder)]
+    if scheme_of(args.folder) is None:
+        _require_folder(args.folder)
+    with _opened(args.folder, "folder") as (store, folder):
+        steps = [_step_record(s, store) for s in store.scan(folder)]
     complete = [s["step"] for s in steps if s["status"] == "complete"]
     if args.json:
         _print_json({"folder": args.folder, "latest_complete": max(complete, default=None), "steps": steps})
@@ -107,11 +130,11 @@ def _state_of(key: str, states: list[str]) -> str:
     return head if head in states else "model"
 
 
-def _describe(path: str) -> dict[str, Any]:
-    """The `inspect --json` document of a DCP step folder."""
+def _describe(path: str, where: str) -> dict[str, Any]:
+    """The `inspect --json` document of a DCP step folder `path` (`where` as the user named it)."""
     md_path = os.path.join(path, storage.METADATA_FILE)
     if not os.path.isfile(md_path):
-        raise CheckpointNotFoundError(f"{path} is not a DCP checkpoint folder (no {storage.METADATA_FILE})")
+        raise CheckpointNotFoundError(f"{where} is not a DCP checkpoint folder (no {storage.METADATA_FILE})")
     info = commit.read_marker(path) if commit.is_committed(path) else None
     metadata = storage.read_metadata(md_path)
     states = info.states if info else sorted({k.split(".", 1)[0] for k in metadata.state_dict_metadata})
@@ -123,7 +146,7 @@ def _describe(path: str) -> dict[str, Any]:
                             "bytes": md.size.numel() * md.properties.dtype.itemsize})
         else:
             objects.append({"key": key, "state": _state_of(key, states)})
-    return {"path": path, "status": layout.status_of(path), "step": info.step if info else None,
+    return {"path": where, "status": layout.status_of(path), "step": info.step if info else None,
             "format": info.format if info else None, "world_size": info.world_size if info else None,
             "states": states, "tensor_bytes": sum(t["bytes"] for t in tensors), "tensors": tensors,
             "objects": objects}
@@ -148,7 +171,8 @@ def _print_inspect(doc: dict[str, Any]) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace, progress: Progress) -> int:
-    doc = _describe(args.step_dir)
+    with _opened(args.step_dir, "step_dir") as (store, path):
+        doc = _describe(store.fetch(path, [commit.MARKER, commit.IN_PROGRESS, storage.METADATA_FILE]), args.step_dir)
     if args.json:
         _print_json(doc)
     else:
@@ -174,12 +198,14 @@ def _verify_files(path: str, info: commit.CommitInfo, threads: int, progress: Pr
 
 
 def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
-    path = args.step_dir
-    if not commit.is_committed(path):
-        raise CheckpointNotFoundError(f"{path} has no {commit.MARKER}: not a complete step")
-    info = commit.read_marker(path)
-    with progress:
-        files = _verify_files(path, info, args.threads, progress)
+    """An object-store step is downloaded into a temporary folder (under TMPDIR), then checked."""
+    with _opened(args.step_dir, "step_dir") as (store, local):
+        path = args.step_dir
+        if not commit.is_committed(store.fetch(local, [commit.MARKER])):
+            raise CheckpointNotFoundError(f"{path} has no {commit.MARKER}: not a complete step")
+        info = commit.read_marker(store.fetch(local))
+        with progress:
+            files = _verify_files(local, info, args.threads, progress)
     failed = [f for f in files if not f["ok"]]
     if args.json:
         _print_json({"path": path, "step": info.step, "ok": not failed, "bytes": info.total_bytes,
@@ -259,8 +285,8 @@ def _staged(dst: str) -> Iterator[str]:
 def cmd_convert(args: argparse.Namespace, progress: Progress) -> int:
     if os.path.isdir(args.dst) and os.listdir(args.dst):
         raise CheckpointError(f"{args.dst} exists and is not empty; remove it or name a new folder")
-    with launched_group(), _staged(args.dst) as out, progress:
-        convert(args.to, args.src, out, args.adapter, hf_assets_path=args.hf_assets,
+    with launched_group(), _opened(args.src, "src") as (store, src), _staged(args.dst) as out, progress:
+        convert(args.to, store.fetch(src), out, args.adapter, hf_assets_path=args.hf_assets,
                 dtype=args.dtype, max_shard_size=args.max_shard_size, consolidation=args.consolidation,
                 threads=args.threads, progress=progress)
     if this_rank_draws():

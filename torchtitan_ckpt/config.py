@@ -145,7 +145,8 @@ class Checkpoint:
     consolidation: Consolidation = "one_pass"
     """How Hugging Face exports write their files: `one_pass` (every rank writes its bytes at
     their final offsets, no intermediate files), `all_ranks` (DCP writes per-rank shards, then
-    every rank consolidates a share of the bytes) or `rank0` (rank 0 consolidates alone)."""
+    every rank consolidates a share of the bytes) or `rank0` (rank 0 consolidates alone). On
+    object storage, `one_pass` only (docs/storage.md)."""
 
     consolidation_threads: int = 4
     """I/O threads per rank writing Hugging Face files."""
@@ -237,21 +238,18 @@ def _check_paths(ck: Checkpoint, p: str) -> None:
 
 
 def _check_url(p: str, name: str, url: str, ck: Checkpoint) -> None:
-    """A supported scheme, a bucket, and no Hugging Face format (not on object storage yet)."""
+    """A supported scheme, a bucket, and a Hugging Face export that object storage can take."""
     scheme = scheme_of(url)
     if scheme not in STORES:
         raise ConfigError(p + name, url, f"{scheme}:// is not a supported storage; expected a path on a file "
                           f"system every rank shares, or one of {', '.join(s + '://bucket/prefix' for s in STORES)}")
     if not url.split("://", 1)[1].split("/", 1)[0]:
         raise ConfigError(p + name, url, f"expected {scheme}://bucket/prefix (no bucket given)")
-    hf = [k for k in ("last_save_in_hf", "hf_export_interval", "initial_load_in_hf") if getattr(ck, k)]
-    if name == "initial_load_path":
-        hf = [k for k in hf if k == "initial_load_in_hf"]
-    elif "initial_load_in_hf" in hf:
-        hf.remove("initial_load_in_hf")
-    if hf:
-        raise ConfigError(p + name, url, f"the Hugging Face format ({p}{hf[0]}) is not supported on object "
-                          "storage yet; export to a file system folder")
+    hf = [k for k in ("last_save_in_hf", "hf_export_interval") if getattr(ck, k)]
+    if name == "folder" and hf and ck.consolidation != "one_pass":
+        raise ConfigError(p + "consolidation", ck.consolidation, f"a Hugging Face export ({p}{hf[0]}) to "
+                          f"object storage ({p}folder = {url!r}) is written in one pass; set {p}consolidation "
+                          "= \"one_pass\"")
 
 
 def _check_combinations(ck: Checkpoint, p: str) -> None:

@@ -38,6 +38,7 @@ from .io.filewriter import Sink
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
 from .staging import SaveJob, make_strategy
 from .states import DataLoaderState, LRSchedulerState, ModelState, OptimizerState, saved_dp_degree
+from .storage.base import Store
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class _LoadTarget:
     model_only: bool
     format: StepFormat
     index: StepIndex
+    store: Store
 
 
 def _as_list(x: Any) -> list:
@@ -119,14 +121,13 @@ class CheckpointManager:
         self._store = storage.open_store(self.folder, "checkpoint.folder", rank, config)
         self.folder = self._store.root  # where the formats write and read: the folder, or a local stage
         initial = config.initial_load_path
-        self._initial = (storage.open_store(initial, "checkpoint.initial_load_path", rank, config)
-                         if initial and storage.scheme_of(initial) else None)
+        self._initial = storage.open_store(initial, "checkpoint.initial_load_path", rank, config) if initial else None
         self._check_job()
         self._saves = make_strategy(config.async_mode, config.verify_staging)
         if optimizer := self._states.get("optimizer"):
             self._hooks = [opt.register_step_pre_hook(self._before_optimizer_step) for opt in optimizer.optimizers]
         self._deleter = BackgroundDeleter(self._store.remove) if self._group.is_coordinator else None
-        context = Context(config, self._group, self._adapter)
+        context = Context(config, self._group, self._adapter, self._store.staged)
         self._formats = {name: cls(context) for name, cls in FORMATS.items()}
 
     def _check_job(self) -> None:
@@ -292,7 +293,10 @@ class CheckpointManager:
     def _commit(self, step: int, path: str, kind: SaveKind, fmt: StepFormat, written: Written) -> commit.CommitInfo:
         """Wait until every rank's files are durable in the store, then write the marker on rank 0."""
         checksums: dict[str, tuple[int, str]] = {}
-        for ranks_files in self._agree(step, path, lambda: self._store.publish(path, written.durable())):
+        def publish() -> dict[str, tuple[int, str]]:
+            return self._store.publish(path, written.durable(), self._group, written.joint, written.last)
+
+        for ranks_files in self._agree(step, path, publish):
             checksums.update(ranks_files)
         states = ["model"] if kind is not SaveKind.FULL else ["model", *self._states]
         info = commit.CommitInfo(step=step, states=states, format=fmt.name, world_size=self._group.world_size)
@@ -354,7 +358,7 @@ class CheckpointManager:
         rank's failure before any state is applied."""
         state = self._state_for_load(target)
         try:
-            self._group.run(lambda: target.format.read(target.path, target.index, state))
+            self._group.run(lambda: target.format.read(target.path, target.index, state, target.store))
             self._group.run(lambda: self._apply(state, target.path))
         except RankFailed as failed:
             failed.reraise(f"loading {target.path}")
@@ -390,17 +394,18 @@ class CheckpointManager:
                 logger.info("%s has loadable steps; ignoring initial_load_path", self.folder)
             return self._newest_target(loadable)
         if self.config.initial_load_in_hf:
-            return self._target(self.config.initial_load_path or self._adapter.hf_assets_path, None, True, "hf")
-        if self.config.initial_load_path:
-            initial = self.config.initial_load_path
-            return self._initial_target(self._initial.fetch(self._initial.root) if self._initial else initial)
+            store = self._initial or storage.open_store(self._adapter.hf_assets_path, "hf_assets_path",
+                                                        self._group.rank, self.config)
+            return self._target(store.root, None, True, store, "hf")
+        if self._initial:
+            return self._initial_target(self._initial.fetch(self._initial.root))
         return None
 
     def _newest_target(self, loadable: list[layout.StepFolder]) -> _LoadTarget:
         """The newest loadable step; with `verify_fallback`, an older one if it is corrupt."""
         for newest in reversed(loadable):
             if newest.status == layout.FOREIGN:
-                return self._foreign_target(newest.path, newest.step)
+                return self._foreign_target(newest.path, newest.step, self._store)
             problems = self._verify(newest.path)
             if problems and self.config.verify_fallback:
                 if self._group.is_coordinator:
@@ -418,18 +423,18 @@ class CheckpointManager:
             raise CheckpointNotFoundError(f"checkpoint.initial_load_path = {path}: its save did not finish "
                                           f"(no {commit.MARKER}); it is never loaded")
         if status != layout.COMPLETE:
-            return self._foreign_target(path, None, self.config.initial_load_model_only)
+            return self._foreign_target(path, None, self._initial, self.config.initial_load_model_only)
         model_only = self.config.initial_load_model_only or commit.read_marker(path).model_only
-        return self._target(path, None, model_only)
+        return self._target(path, None, model_only, self._initial)
 
-    def _foreign_target(self, path: str, step: int | None, model_only: bool = False) -> _LoadTarget:
+    def _foreign_target(self, path: str, step: int | None, store: Store, model_only: bool = False) -> _LoadTarget:
         """A checkpoint another program wrote (TorchTitan's own manager, a Hugging Face export):
         loaded as its format's files say, without a manifest to verify them against."""
         fmt = layout.foreign_format(path) or "dcp"
         if self._group.is_coordinator:
             logger.info("loading %s: a foreign %s checkpoint (no %s: not written by torchtitan_ckpt), "
                         "unverified", path, fmt, commit.MARKER)
-        target = self._target(path, step, model_only, fmt)
+        target = self._target(path, step, model_only, store, fmt)
         if not target.model_only:  # a model-only save has none of the other states
             saved = {k.split(".", 1)[0] for k in target.index.keys()}
             target.model_only = not saved & set(self._states)
@@ -447,7 +452,7 @@ class CheckpointManager:
                 f"checkpoint.load_step = {step}: {path} is not loadable ({_not_loadable(match[0])}); "
                 f"loadable steps: {loadable}")
         if match[0].status == layout.FOREIGN:
-            return self._foreign_target(path, step)
+            return self._foreign_target(path, step, self._store)
         if problems := self._verify(path):
             raise CorruptCheckpointError(f"step {step} failed verification: {'; '.join(problems)}")
         return self._committed_target(path, step)
@@ -457,21 +462,22 @@ class CheckpointManager:
         gets every problem found. Without it: nothing to report."""
         if not self.config.verify_on_load:
             return []
-        self._store.fetch(path)
-        names = sorted(commit.read_marker(path).files)
+        names = sorted(commit.read_marker(self._store.fetch(path, [commit.MARKER])).files)
         mine = names[self._group.rank :: self._group.world_size]
+        self._store.fetch(path, mine)
         return [p for found in self._group.all_gather(commit.verify(path, mine)) for p in found]
 
-    def _target(self, path: str, step: int | None, model_only: bool, fmt_name: str = "dcp") -> _LoadTarget:
+    def _target(self, path: str, step: int | None, model_only: bool, store: Store,
+                fmt_name: str = "dcp") -> _LoadTarget:
         fmt = self._formats.get(fmt_name)
         if fmt is None:
             raise CorruptCheckpointError(f"{path}: format {fmt_name!r} is not one of {', '.join(self._formats)}")
-        index = fmt.index(path)
-        return _LoadTarget(path, step, model_only or not index.keys(), fmt, index)
+        index = fmt.index(path, store)
+        return _LoadTarget(path, step, model_only or not index.keys(), fmt, index, store)
 
     def _committed_target(self, path: str, step: int) -> _LoadTarget:
-        info = commit.read_marker(self._store.fetch(path))
-        return self._target(path, step, info.model_only, info.format)
+        info = commit.read_marker(self._store.fetch(path, [commit.MARKER]))
+        return self._target(path, step, info.model_only, self._store, info.format)
 
     def _state_for_load(self, target: _LoadTarget) -> dict[str, Any]:
         state: dict[str, Any] = self._model.state_dict()

@@ -119,15 +119,18 @@ class SafeFileSystemReader(FileSystemReader):
     and items read by `reader.ItemReader` on `threads` threads, straight into their destinations.
 
     `metadata`, when the caller has already read the folder's `.metadata`, is used instead of
-    reading it again.
+    reading it again. `before_read`, when given, hears of the byte ranges this rank's plan reads
+    ({data file: [(offset, length)]}) before any is read (a remote store fetches them).
     """
 
-    def __init__(self, path: str, metadata: Metadata | None = None, threads: int = 1, fast: bool = True):
+    def __init__(self, path: str, metadata: Metadata | None = None, threads: int = 1, fast: bool = True,
+                 before_read: Callable[[dict[str, list[tuple[int, int]]]], None] | None = None):
         super().__init__(path)
         self.fs = _ReadOnlyRegularFiles()
         self._metadata = metadata
         self.threads = threads
         self.fast = fast
+        self.before_read = before_read
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -141,6 +144,11 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self.before_read is not None:
+            ranges: dict[str, list[tuple[int, int]]] = {}
+            for info in (self.storage_data[req.storage_index] for req in plan.items):
+                ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
+            self.before_read(ranges)
         if not self.fast or any(self.storage_data[req.storage_index].transform_descriptors for req in plan.items):
             return super().read_data(plan, planner)  # PyTorch's engine, or compressed or otherwise transformed items
         reader.ItemReader(str(self.path), self.storage_data, self.threads).read(plan.items, planner)
@@ -295,8 +303,9 @@ class DataFileWriter(FileSystemWriter):
     the plan cannot give them to another rank, so their bytes reach the disk while DCP plans,
     and `write_data` writes only the rest, in up to `files_per_rank` more files."""
 
-    def __init__(self, path: str, sink: filewriter.Sink, step: int | None, files_per_rank: int = 1):
-        super().__init__(path, sync_files=True, single_file_per_rank=True, thread_count=files_per_rank)
+    def __init__(self, path: str, sink: filewriter.Sink, step: int | None, files_per_rank: int = 1,
+                 sync: bool = True):
+        super().__init__(path, sync_files=sync, single_file_per_rank=True, thread_count=files_per_rank)
         self.fs = ChecksummingFileSystem(path)
         self._sink = sink
         self._step = step
@@ -462,21 +471,23 @@ class TorchFileWriter(FileSystemWriter):
 
 
 def make_storage_writer(path: str, sink: filewriter.Sink = filewriter.write_files, step: int | None = None,
-                        files_per_rank: int = 1, fast: bool = True) -> DataFileWriter | TorchFileWriter:
+                        files_per_rank: int = 1, fast: bool = True,
+                        sync: bool = True) -> DataFileWriter | TorchFileWriter:
     """Writer of a DCP step folder, by the fast engine or (`fast=False`) PyTorch's. `dcp.save`
-    returns once the data files are written (their fsync may still run); `writer.durable()`
-    waits for it and returns each file's size and CRC-32, recorded as it was written. `step`
-    arms the `write` fail point."""
+    returns once the data files are written (their fsync, with `sync`, may still run);
+    `writer.durable()` waits for it and returns each file's size and CRC-32, recorded as it was
+    written. `step` arms the `write` fail point."""
     if not fast:
-        return TorchFileWriter(path, sync_files=True, single_file_per_rank=True, thread_count=files_per_rank)
-    return DataFileWriter(path, sink, step, files_per_rank)
+        return TorchFileWriter(path, sync_files=sync, single_file_per_rank=True, thread_count=files_per_rank)
+    return DataFileWriter(path, sink, step, files_per_rank, sync)
 
 
-def make_storage_reader(path: str, metadata: Metadata | None = None, threads: int = 1,
-                        fast: bool = True) -> SafeFileSystemReader:
+def make_storage_reader(path: str, metadata: Metadata | None = None, threads: int = 1, fast: bool = True,
+                        before_read: Callable[[dict[str, list[tuple[int, int]]]], None] | None = None,
+                        ) -> SafeFileSystemReader:
     """Reader of a DCP folder on `threads` I/O threads (PyTorch's reads with `fast=False`);
-    pass `metadata` if it is already read."""
-    return SafeFileSystemReader(path, metadata, threads, fast)
+    pass `metadata` if it is already read, `before_read` as `SafeFileSystemReader` takes it."""
+    return SafeFileSystemReader(path, metadata, threads, fast, before_read)
 
 
 def make_save_planner(policy: str = "balanced", min_slice_bytes: int = 1 << 20,

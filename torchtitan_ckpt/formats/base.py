@@ -5,12 +5,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import Checkpoint
 from ..group import CheckpointGroup
 from ..io.filewriter import Sink
 from ..policy.schedule import SaveKind
+
+if TYPE_CHECKING:  # storage.base imports layout, which imports the formats
+    from ..storage.base import Store
 
 
 @dataclass
@@ -21,6 +24,8 @@ class Context:
     config: Checkpoint
     group: CheckpointGroup
     adapter: Any | None = None
+    staged: bool = False
+    """Whether the formats write into a rank's local staging folder (`Store.staged`)."""
 
 
 @dataclass
@@ -33,6 +38,10 @@ class Written:
     once by the commit)."""
     summary: str = ""
     """A line about the save for rank 0 to log (e.g. bytes per rank), or empty."""
+    joint: tuple[str, ...] = ()
+    """Files every rank wrote parts of at their final offsets (`Store.publish`)."""
+    last: tuple[str, ...] = ()
+    """Files published after every rank's others: the index that says the step is whole."""
 
 
 @dataclass
@@ -70,14 +79,16 @@ class StepFormat(ABC):
         names) into the existing folder `path`; the data files' bytes go through `sink`."""
 
     @abstractmethod
-    def index(self, path: str) -> StepIndex:
-        """Read what the step at `path` holds, checking its index file."""
+    def index(self, path: str, store: Store) -> StepIndex:
+        """Read what the step at `path` holds, checking its index file. `store` holds `path`:
+        a format fetches through it (`Store.fetch`, `fetch_ranges`) the files it reads."""
 
     @abstractmethod
-    def read(self, path: str, index: StepIndex, state: dict[str, Any]) -> None:
+    def read(self, path: str, index: StepIndex, state: dict[str, Any], store: Store) -> None:
         """Fill this rank's part of `state` (tensors in place, other values replaced) from the
         step; raise on this rank's failure (the caller makes it every rank's)."""
 
     on_training_thread: bool = False
     """Whether saves must run on the training thread (their collectives use the training mesh)
     rather than in the background."""
+

@@ -10,7 +10,7 @@ no code run on load) are the same.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,6 +24,9 @@ from ..dcp.planner import PlanCache
 from ..io.filewriter import Sink, write_files
 from ..policy.schedule import SaveKind
 from .base import StepFormat, StepIndex, Written
+
+if TYPE_CHECKING:  # storage.base imports layout, which imports the formats
+    from ..storage.base import Store
 
 
 class DcpFormat(StepFormat):
@@ -41,7 +44,8 @@ class DcpFormat(StepFormat):
         ck, group = self.ctx.config, self.ctx.group
         planner = storage.make_save_planner(ck.dedup_policy, ck.dedup_min_slice_bytes,
                                             self._plan_caches.setdefault(kind, PlanCache()))
-        writer = storage.make_storage_writer(path, sink, step, ck.save_threads, fast=ck.io_engine == "fast")
+        writer = storage.make_storage_writer(path, sink, step, ck.save_threads, fast=ck.io_engine == "fast",
+                                             sync=not self.ctx.staged)  # a staged copy is uploaded, not kept
         try:
             if sink is write_files:  # in this process only: a writer process forgets the buffers a call does not name
                 writer.write_early(state, group.rank, group.world_size)
@@ -53,7 +57,8 @@ class DcpFormat(StepFormat):
         faults.hit("written", step)
         return Written(writer.durable, planner.summary_line() if group.is_coordinator else "")
 
-    def index(self, path: str) -> StepIndex:
+    def index(self, path: str, store: Store) -> StepIndex:
+        store.fetch(path, [storage.METADATA_FILE])
         metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
         tensors, values = {}, set()
         for key, md in metadata.state_dict_metadata.items():
@@ -63,14 +68,17 @@ class DcpFormat(StepFormat):
                 tensors[key] = tuple(md.size)
         return StepIndex(tensors, frozenset(values), metadata)
 
-    def read(self, path: str, index: StepIndex, state: dict[str, Any]) -> None:
+    def read(self, path: str, index: StepIndex, state: dict[str, Any], store: Store) -> None:
+        """Only the byte ranges this rank's load plan reads are fetched from `store`."""
         missing = [k for k, v in state.items() if isinstance(v, torch.Tensor) and k not in index.tensors]
         if missing:
             raise CheckpointError(f"{path} lacks {len(missing)} model tensors this model has, "
                                   f"e.g. {missing[:3]}; was it saved from a different model?")
         ck = self.ctx.config
-        reader = storage.make_storage_reader(path, index.native, ck.load_threads, fast=ck.io_engine == "fast")
+        reader = storage.make_storage_reader(path, index.native, ck.load_threads, fast=ck.io_engine == "fast",
+                                             before_read=lambda ranges: store.fetch_ranges(path, ranges))
         try:
             storage.load_on_this_rank(state, reader, storage.make_load_planner())
         except CheckpointException as e:  # a BaseException: unwrap it for the group's `run`
             raise storage.root_cause(e) from None
+

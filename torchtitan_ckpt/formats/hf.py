@@ -3,16 +3,20 @@ loads as they are. Holds the model only, renamed by the job's state-dict adapter
 
 from __future__ import annotations
 
+import glob
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
 from ..hf import load_hf, save_hf
-from ..hf.files import INDEX_FILE, SINGLE_FILE
+from ..hf.files import INDEX_FILE, MODEL_FILES_GLOB, SINGLE_FILE
 from ..io.dtypes import EXPORT_DTYPES
 from ..io.filewriter import Sink
 from ..policy.schedule import SaveKind
 from .base import StepFormat, StepIndex, Written
+
+if TYPE_CHECKING:  # storage.base imports layout, which imports the formats
+    from ..storage.base import Store
 
 
 class HfFormat(StepFormat):
@@ -31,19 +35,22 @@ class HfFormat(StepFormat):
 
     def write(self, path: str, step: int, kind: SaveKind, state: dict[str, Any], sink: Sink) -> Written:
         """Write the model (floating tensors cast to `export_dtype`); the commit reads each file
-        once for its CRC-32."""
+        once for its CRC-32. The safetensors files are written jointly by every rank, and the
+        index is published last."""
         ck = self.ctx.config
         save_hf(state, path, self._adapter(path), dtype=EXPORT_DTYPES[ck.export_dtype],
                 max_shard_size=ck.hf_max_shard_size, process_group=self.ctx.group.pg, mode=ck.consolidation,
-                num_threads=ck.consolidation_threads, keep_shards=ck.keep_hf_shards)
-        return Written()
+                num_threads=ck.consolidation_threads, keep_shards=ck.keep_hf_shards, shared=not self.ctx.staged)
+        joint = sorted(os.path.basename(f) for f in glob.glob(os.path.join(path, MODEL_FILES_GLOB)))
+        return Written(joint=tuple(joint), last=(INDEX_FILE,))
 
-    def index(self, path: str) -> StepIndex:
+    def index(self, path: str, store: Store) -> StepIndex:
         """Names are the adapter's business (`read` checks them against the model): an HF step
         holds the model and nothing else."""
         self._adapter(path)
         return StepIndex()
 
-    def read(self, path: str, index: StepIndex, state: dict[str, Any]) -> None:
-        load_hf(state, path, self._adapter(path), process_group=self.ctx.group.pg,
+    def read(self, path: str, index: StepIndex, state: dict[str, Any], store: Store) -> None:
+        load_hf(state, store.fetch(path), self._adapter(path), process_group=self.ctx.group.pg,
                 num_threads=self.ctx.config.load_threads)
+

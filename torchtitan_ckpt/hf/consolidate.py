@@ -381,9 +381,10 @@ class _Writer:
             self.progress(nbytes, self.total)
 
 
-def _create_files(output_dir: str, files: Sequence[OutputFile]) -> None:
+def _create_files(output_dir: str, files: Sequence[OutputFile], header: bool = True) -> None:
     """Create every output file at its final size, with its header (run by one rank, which also
-    fsyncs them: the writers fsync only the files they write tensor bytes into)."""
+    fsyncs them: the writers fsync only the files they write tensor bytes into). Without
+    `header`: a rank's own copy of files another rank heads (a folder not shared)."""
     os.makedirs(output_dir, exist_ok=True)
     stale = os.path.join(output_dir, INDEX_FILE)
     if os.path.exists(stale):
@@ -392,7 +393,8 @@ def _create_files(output_dir: str, files: Sequence[OutputFile]) -> None:
         fd = os.open(os.path.join(output_dir, f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, f.size)
-            posio.write_all(fd, memoryview(f.header), 0)
+            if header:
+                posio.write_all(fd, memoryview(f.header), 0)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -424,10 +426,14 @@ def _step(group: CheckpointGroup, what: str, fn: Callable[[], Any]) -> list[Any]
 
 def _write_everything(group: CheckpointGroup, output_dir: str, files: list[OutputFile],
                       specs: Mapping[str, TensorSpec], tasks: Sequence[Task], num_threads: int,
-                      memory: Mapping[str, memoryview] | None = None, progress: ProgressFn | None = None) -> float:
-    """Create (rank 0), fill (every rank), fsync, then index (rank 0). Returns the seconds taken."""
+                      memory: Mapping[str, memoryview] | None = None, progress: ProgressFn | None = None,
+                      shared: bool = True) -> float:
+    """Create (rank 0; every rank its own copy without `shared`), fill (every rank), fsync,
+    then index (rank 0). Returns the seconds taken."""
     t0 = time.perf_counter()
-    _step(group, "creating the output files", lambda: _create_files(output_dir, files) if group.rank == 0 else None)
+    creates = group.rank == 0 or not shared
+    _step(group, "creating the output files",
+          lambda: _create_files(output_dir, files, header=group.rank == 0) if creates else None)
 
     def fill() -> None:
         for name in sorted(_Writer(output_dir, files, specs, memory, progress).run(tasks, num_threads)):
@@ -486,13 +492,15 @@ def consolidate_safetensors(input_dir: str, output_dir: str, fqn_to_index_mappin
 
 def write_safetensors_one_pass(state_dict: Mapping[str, Any], output_dir: str,
                                fqn_to_index_mapping: Mapping[str, int] | None = None, *,
-                               process_group=None, num_threads: int = 4, progress: ProgressFn | None = None) -> None:
+                               process_group=None, num_threads: int = 4, progress: ProgressFn | None = None,
+                               shared: bool = True) -> None:
     """Write `state_dict` (tensors, DTensors and `RowOf` experts) as final HF safetensors files
     and index in one pass, collectively: every rank computes the same layout, writes its own
     blocks at their final offsets (a replicated tensor or block by one rank only: rank 0 for plain
     tensors, the rank at coordinate 0 of every replicated mesh dim for DTensors; an expert by the
     rank holding it), fsyncs, and rank 0 writes the index once every rank is done. No
-    intermediate shard files. `progress` as for `consolidate_safetensors`."""
+    intermediate shard files. `progress` as for `consolidate_safetensors`. Without `shared`,
+    each rank writes into its own copy of every file (zeros where other ranks' bytes go)."""
     group = CheckpointGroup(process_group)
     specs = {fqn: TensorSpec(fqn, _dtype_name(fqn, t), tuple(t.shape)) for fqn, t in state_dict.items()}
     files = plan_output_files(specs, fqn_to_index_mapping)
@@ -503,7 +511,7 @@ def write_safetensors_one_pass(state_dict: Mapping[str, Any], output_dir: str,
             blocks.append(found[0])
             memory[fqn] = found[1]
     tasks = [Task(b, 0, b.nbytes) for b in _lowest_holders(group, blocks)]
-    _write_everything(group, output_dir, files, specs, tasks, num_threads, memory, progress)
+    _write_everything(group, output_dir, files, specs, tasks, num_threads, memory, progress, shared)
 
 
 def _lowest_holders(group: CheckpointGroup, blocks: list[Block]) -> list[Block]:

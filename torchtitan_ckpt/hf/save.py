@@ -43,13 +43,18 @@ SHARDS = "sharded"
 def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAdapter, *,
             dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
             process_group: Any | None = None, mode: str = "one_pass", num_threads: int = 4,
-            keep_shards: bool = False, progress: Callable[[int, int], None] | None = None) -> None:
+            keep_shards: bool = False, progress: Callable[[int, int], None] | None = None,
+            shared: bool = True) -> None:
     """Write `model_state_dict` (our names) to `out_dir` in HF format; call on every rank.
     Floating tensors are cast to `dtype` when given. The split follows the adapter's assets'
     index, else `plan_files(..., max_shard_size)`. `mode` is one of `MODES`. `progress(nbytes,
-    total)` hears of the final files' bytes this rank writes."""
+    total)` hears of the final files' bytes this rank writes. Without `shared` (each rank has
+    its own `out_dir`, to be combined by an object store's upload), `mode` must be `one_pass`:
+    each rank's copy of a file holds its own bytes only, zeros elsewhere."""
     if mode not in MODES:
         raise ValueError(f"unknown HF export mode {mode!r}; expected one of {', '.join(MODES)}")
+    if not shared and mode != "one_pass":
+        raise ValueError(f"HF export mode {mode!r} needs a folder every rank shares; use one_pass")
     start = time.perf_counter()
     group = CheckpointGroup(process_group)
     hf_sd = adapter.to_hf(_cast_all(model_state_dict, dtype))
@@ -67,7 +72,7 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
         raise CheckpointError(f"preparing {out_dir} failed on {failed}") from failed.error
     if mode == "one_pass":
         write_safetensors_one_pass(hf_sd, out_dir, mapping, process_group=group.pg, num_threads=num_threads,
-                                   progress=progress)
+                                   progress=progress, shared=shared)
     else:
         shards = os.path.join(out_dir, SHARDS)
         writer = HuggingFaceStorageWriter(shards, save_distributed=True, fqn_to_index_mapping=mapping)

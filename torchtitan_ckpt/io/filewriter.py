@@ -175,11 +175,11 @@ class _Writeback:
     the file's fsync and close, so no start acts on a closed descriptor. Does nothing where the
     call is missing."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, enabled: bool = True):
         self._fd = fd
         self._ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        if _SYNC_FILE_RANGE is not None:
+        if enabled and _SYNC_FILE_RANGE is not None:
             self._thread = threading.Thread(target=self._run, name="ckpt-writeback", daemon=True)
             self._thread.start()
 
@@ -205,14 +205,14 @@ class _Output:
     (`sync_file_range`, from a helper: `_Writeback`), so the disk works while the rest of the save
     is prepared; the final fsync then waits for the last batches only."""
 
-    def __init__(self, f: io.FileIO, step: int | None):
+    def __init__(self, f: io.FileIO, step: int | None, sync: bool = True):
         self._fd = f.fileno()
         self._batch: list[memoryview] = []
         self._batch_bytes = 0
         self.pos = 0
         self._written = 0
         self.crc = _BackgroundCrc()
-        self.writeback = _Writeback(self._fd)
+        self.writeback = _Writeback(self._fd, enabled=sync)  # a file never fsynced is left to the page cache
         self._step = step
 
     def write(self, data, temporary: bool = False) -> None:
@@ -286,7 +286,7 @@ def _lookup(entry: Entry) -> _Buffers | Callable[[], _Buffers]:
 def _write(path: str, entries: list[tuple[object, _Buffers | Callable[[], _Buffers]]], step: int | None,
            sync: bool) -> WrittenFile:
     f = open(path, "wb", buffering=0)
-    out = _Output(f, step if faults.armed() else None)
+    out = _Output(f, step if faults.armed() else None, sync)
     places = []
     try:
         try:

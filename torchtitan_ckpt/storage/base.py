@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 
 from ..commit import CommitInfo
 from ..group import CheckpointGroup
-from ..layout import StepFolder
+from ..layout import StepFolder, folder_bytes
 
 
 class Store(ABC):
@@ -18,6 +19,10 @@ class Store(ABC):
     """The folder as the user named it (absolute for a path), for messages and rank agreement."""
     root: str
     """The local folder whose `step-N` folders the formats write and read."""
+    staged: bool = False
+    """Whether `root` is this rank's own local staging folder, which `publish` uploads from:
+    its files need no fsync, and a file the ranks write jointly holds only this rank's bytes
+    (`publish` combines them). Else every rank sees the same `root`, and it is the checkpoint."""
 
     def describe(self, path: str) -> str:
         """A local path under `root` as the user knows it (the object's URL for a remote store)."""
@@ -41,20 +46,33 @@ class Store(ABC):
     def prepare_rank(self, path: str) -> None:
         """Every rank, before writing: make sure this rank can write into `path`."""
 
-    def publish(self, path: str, files: dict[str, tuple[int, str]]) -> dict[str, tuple[int, str]]:
+    def publish(self, path: str, files: dict[str, tuple[int, str]], group: CheckpointGroup,
+                joint: Sequence[str] = (), last: Sequence[str] = ()) -> dict[str, tuple[int, str]]:
         """Every rank, once its files of `path` are durable locally (`files`: their writers'
-        size and CRC-32): make them durable in the store. Returns the (size, CRC-32) of every
-        file of this rank's that the commit manifest lists."""
+        size and CRC-32): make them durable in the store. `joint` files were written by every
+        rank at their final offsets, each byte by one rank (zeros elsewhere in a rank's copy
+        when the folder is `staged`); `last` ones go after every rank's others (an index
+        that says the rest is complete). Returns the (size, CRC-32) of every file of this rank's
+        that the commit manifest lists."""
         return files
 
     @abstractmethod
     def commit(self, path: str, info: CommitInfo, checksums: dict[str, tuple[int, str]]) -> CommitInfo:
         """Rank 0, after every rank's `publish`: write the commit marker, last."""
 
-    def fetch(self, path: str) -> str:
+    def fetch(self, path: str, names: Sequence[str] | None = None) -> str:
         """Every rank, before reading the step (or any checkpoint folder) at `path`: make its
-        files readable there. Returns `path`."""
+        files (or only those of `names` that exist, relative to `path`) readable there.
+        Returns `path`."""
         return path
+
+    def fetch_ranges(self, path: str, ranges: Mapping[str, Sequence[tuple[int, int]]]) -> None:
+        """Every rank, before reading byte ranges of files of `path` ({file relative to `path`:
+        [(offset, length)]}): make those bytes readable at their offsets there."""
+
+    def size(self, path: str) -> int:
+        """The bytes of every file under the folder `path` in the store."""
+        return folder_bytes(path)
 
     @abstractmethod
     def remove(self, folder: StepFolder) -> None:

@@ -11,6 +11,11 @@ An object store has no rename and no fsync, so a step commits by the order of it
 3. once every rank's uploads are complete, rank 0 puts `step-N/COMMITTED.json` with every
    file's size and CRC-32, then deletes the in-progress marker.
 
+A Hugging Face export's safetensors files are written jointly (each rank its own bytes at their
+final offsets): each rank's staged copy holds its bytes and zeros elsewhere, and file i is
+assembled part by part onto rank i % world_size (a bitwise-or reduce over the checkpoint group)
+and uploaded from there; the index goes up once every rank's other files are in the store.
+
 Discovery lists the markers; a step without `COMMITTED.json` is never loaded; retention deletes
 the marker first. Endpoint, region and credentials come from boto3's standard chain
 (`AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`, `AWS_PROFILE`, ...) and are never logged.
@@ -20,17 +25,22 @@ exponential backoff, `storage_retries` times, then fail the save on every rank.
 
 from __future__ import annotations
 
+import base64
+import collections
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 from urllib.parse import quote
+
+import torch
+import torch.distributed as dist
 
 from .. import commit, faults, layout
 from ..config import Checkpoint
@@ -67,6 +77,8 @@ class S3Store(Store):
     """A checkpoint folder `s3://bucket/prefix`; each rank stages its files in
     `{staging_folder}/{url}/rank-N`."""
 
+    staged = True
+
     def __init__(self, url: str, key: str, rank: int, config: Checkpoint):
         self.url = url.rstrip("/")
         self.key = key
@@ -79,7 +91,8 @@ class S3Store(Store):
         self.retries = config.storage_retries
         self.client = _client(key, url, config)
         self._pool = ThreadPoolExecutor(self.parallel, thread_name_prefix="ckpt-s3")
-        self._fetched: set[str] = set()
+        self._held: str | None = None  # the step folder fetched here
+        self._whole = False  # with every object of it
 
     # ------------------------------------------------------------------ names and requests
 
@@ -115,8 +128,8 @@ class S3Store(Store):
                 return found
             token = {"ContinuationToken": page["NextContinuationToken"]}
 
-    def _put(self, key: str, body: bytes) -> None:
-        self._call("writing", key, self.client.put_object, Key=key, Body=body)
+    def _put(self, key: str, body: bytes | bytearray) -> None:
+        self._call("writing", key, self.client.put_object, Key=key, Body=body, ChecksumCRC32=_crc_header(body))
 
     def _delete(self, keys: list[str]) -> None:
         for i in range(0, len(keys), 1000):
@@ -177,25 +190,77 @@ class S3Store(Store):
 
     def prepare_rank(self, path: str) -> None:
         """An empty local staging folder for this rank's files of the step."""
-        self._fetched.discard(path)
+        if path == self._held:
+            self._held, self._whole = None, False
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path)
 
-    def publish(self, path: str, files: dict[str, tuple[int, str]]) -> dict[str, tuple[int, str]]:
+    def publish(self, path: str, files: dict[str, tuple[int, str]], group: CheckpointGroup,
+                joint: Sequence[str] = (), last: Sequence[str] = ()) -> dict[str, tuple[int, str]]:
         """Upload this rank's staged files (each one's CRC-32 computed from the bytes uploaded
-        and checked against its writer's), then free the staging folder."""
+        and checked against its writer's), then free the staging folder. `joint` files go
+        first (`_upload_joint_files`), and `last` ones once every rank's others are in the store."""
         start, key, step = time.perf_counter(), self._key(path), layout.parse_step(os.path.basename(path))
-        uploaded = {}
-        for rel in commit.manifest(path):
-            uploaded[rel] = self._upload(os.path.join(path, rel), f"{key}/{rel}")
-            if rel in files and files[rel] != uploaded[rel]:
-                raise StorageError(f"{os.path.join(path, rel)} changed between its write {files[rel]} and its "
-                                   f"upload {uploaded[rel]} (size, CRC-32): the local staging disk is failing?")
-            faults.hit("upload", step)
+        own = [rel for rel in commit.manifest(path) if rel not in joint]
+        uploaded: dict[str, tuple[int, str]] = {}
+
+        def upload(names: list[str]) -> None:
+            for rel in names:
+                uploaded[rel] = self._upload_checked(path, rel, f"{key}/{rel}", files.get(rel))
+                faults.hit("upload", step)
+
+        if joint or last:  # each phase complete on every rank (or failed on every rank) before the next
+            group.run(lambda: self._upload_joint_files(path, key, joint, group, uploaded))
+            group.run(lambda: upload([rel for rel in own if rel not in last]))
+            upload([rel for rel in own if rel in last])
+        else:
+            upload(own)
         shutil.rmtree(path)
         _log_rate("rank %d uploaded %d files to %s" % (self.rank, len(uploaded), self.where(key)),
                   sum(s for s, _ in uploaded.values()), start)
         return uploaded
+
+    def _upload_checked(self, path: str, rel: str, key: str, written: tuple[int, str] | None) -> tuple[int, str]:
+        uploaded = self._upload(os.path.join(path, rel), key)
+        if written is not None and written != uploaded:
+            raise StorageError(f"{os.path.join(path, rel)} changed between its write {written} and its "
+                               f"upload {uploaded} (size, CRC-32): the local staging disk is failing?")
+        return uploaded
+
+    def _upload_joint_files(self, path: str, key: str, joint: Sequence[str], group: CheckpointGroup,
+                            uploaded: dict[str, tuple[int, str]]) -> None:
+        """File i of `joint` is assembled onto rank i % world_size, which uploads it; every
+        rank takes part in every file's reduces, even after a failure of its own (raised at the
+        end), so that no rank is left waiting in one."""
+        step, failure = layout.parse_step(os.path.basename(path)), None
+        for i, rel in enumerate(joint):
+            parts = self._joint_parts(os.path.join(path, rel), group, i % group.world_size)
+            if i % group.world_size != group.rank or failure is not None:
+                collections.deque(parts, maxlen=0)
+                continue
+            try:
+                uploaded[rel] = self._upload_stream(parts, os.path.getsize(os.path.join(path, rel)), f"{key}/{rel}")
+            except Exception as e:
+                failure = e
+                collections.deque(parts, maxlen=0)
+            faults.hit("upload", step)
+        if failure is not None:
+            raise failure
+
+    def _joint_parts(self, local: str, group: CheckpointGroup, owner: int) -> Iterator[bytearray]:
+        """`local`'s parts, each a bitwise or of every rank's copy (each byte is written by one
+        rank, zeros in the others' copies) reduced onto `owner`: one part in memory per rank.
+        On the other ranks, what they yield is not the file's."""
+        size = os.path.getsize(local)
+        with open(local, "rb") as f:
+            for offset in range(0, size, self.part_size):
+                part = bytearray(min(self.part_size, size - offset))
+                if f.readinto(part) != len(part):
+                    raise StorageError(f"{local} shrank while being uploaded (at byte {offset})")
+                if group.pg is not None:
+                    dist.reduce(torch.frombuffer(part, dtype=torch.uint8), dist.get_global_rank(group.pg, owner),
+                                op=dist.ReduceOp.BOR, group=group.pg)
+                yield part
 
     def commit(self, path: str, info: commit.CommitInfo, checksums: dict[str, tuple[int, str]]) -> commit.CommitInfo:
         key = self._key(path)
@@ -206,27 +271,51 @@ class S3Store(Store):
         self._delete([f"{key}/{commit.IN_PROGRESS}"])
         return info
 
-    def fetch(self, path: str) -> str:
-        """Download every object under the step (or checkpoint folder) into `path`, afresh (a
-        local copy is never trusted: the same step may have been saved again since). The local
-        folder keeps one fetched step: the others are removed first."""
-        if path in self._fetched:
+    def fetch(self, path: str, names: Sequence[str] | None = None) -> str:
+        """Download the objects under the step (or checkpoint folder) into `path`: every one,
+        or those of `names`. Afresh (the same step may have been saved again since), unless the
+        whole step is already here."""
+        self._hold(path)
+        if self._whole:
             return path
         start, key = time.perf_counter(), self._key(path)
-        objects = {n: s for n, s in self._list(key).items() if n != commit.IN_PROGRESS}
-        if not objects:
+        objects = {n: size for n, size in self._list(key).items()
+                   if (n != commit.IN_PROGRESS if names is None else n in names)}
+        if names is None and not objects:
             raise CheckpointNotFoundError(f"{self.where(key)}: no objects there")
-        for old in self._fetched:
-            shutil.rmtree(old, ignore_errors=True)
-        self._fetched.clear()
-        shutil.rmtree(path, ignore_errors=True)
         for name, size in objects.items():
             local = safe_open.inside(path, name, f"an object under {self.where(key)}")
             os.makedirs(os.path.dirname(local), exist_ok=True)
-            self._download(f"{key}/{name}", size, local)
-        self._fetched.add(path)
-        _log_rate("rank %d downloaded %s" % (self.rank, self.where(key)), sum(objects.values()), start)
+            self._download(f"{key}/{name}", local, [(0, size)], size)
+        self._whole = names is None
+        _log_rate("rank %d downloaded %d objects of %s" % (self.rank, len(objects), self.where(key)),
+                  sum(objects.values()), start)
         return path
+
+    def fetch_ranges(self, path: str, ranges: Mapping[str, Sequence[tuple[int, int]]]) -> None:
+        """Download only `ranges` of the step's objects (ranged GETs, ranges that touch merged)
+        into sparse local files, at their offsets: this rank's share of the step, not all of it."""
+        self._hold(path)
+        if self._whole:
+            return
+        start, key, total = time.perf_counter(), self._key(path), 0
+        for rel, wanted in sorted(ranges.items()):
+            spans, local = _merged(wanted), safe_open.inside(path, rel, f"an object under {self.where(key)}")
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            self._download(f"{key}/{rel}", local, spans)
+            total += sum(n for _, n in spans)
+        _log_rate("rank %d downloaded its ranges of %d objects of %s" % (self.rank, len(ranges), self.where(key)),
+                  total, start)
+
+    def _hold(self, path: str) -> None:
+        """The local folder keeps one fetched step: another one fetched before is removed."""
+        if path != self._held:
+            for old in filter(None, (self._held, path)):
+                shutil.rmtree(old, ignore_errors=True)
+            self._held, self._whole = path, False
+
+    def size(self, path: str) -> int:
+        return sum(self._list(self._key(path)).values())
 
     def remove(self, folder: layout.StepFolder) -> None:
         key = self._key(folder.path)
@@ -239,42 +328,40 @@ class S3Store(Store):
     # ------------------------------------------------------------------ bytes
 
     def _upload(self, local: str, key: str) -> tuple[int, str]:
-        """Upload one file; its (size, CRC-32) from the bytes sent. At most `parallel` parts
-        are held at once."""
-        size = os.path.getsize(local)
+        """Upload one file; its (size, CRC-32) from the bytes sent."""
         with open(local, "rb") as f:
-            if size <= self.part_size:
-                data = f.read()
-                self._put(key, data)
-                return len(data), f"{crc32(data):08x}"
-            upload = self._call("starting an upload of", key, self.client.create_multipart_upload, Key=key)
-            try:
-                crc, parts = self._send_parts(f, key, upload["UploadId"])
-                self._call("finishing the upload of", key, self.client.complete_multipart_upload, Key=key,
-                           UploadId=upload["UploadId"], MultipartUpload={"Parts": parts})
-            except BaseException:
-                self._abort(key, upload["UploadId"])
-                raise
-        return size, f"{crc:08x}"
+            return self._upload_stream(iter(lambda: f.read(self.part_size), b""), os.path.getsize(local), key)
 
-    def _send_parts(self, f, key: str, upload_id: str) -> tuple[int, list[dict]]:
-        crc, parts, pending = 0, [], deque()
-        number = 0
-        while True:
-            if len(pending) >= self.parallel:  # wait before reading: at most `parallel` parts held
-                parts.append(pending.popleft().result())
-            data = f.read(self.part_size)
-            if not data:
-                break
-            number += 1
-            crc = crc32(data, crc)
+    def _upload_stream(self, parts: Iterator[bytes | bytearray], size: int, key: str) -> tuple[int, str]:
+        """Upload `size` bytes coming as `parts` of `part_size` (one put when they fit in one
+        part); (size, CRC-32) of the bytes sent. At most `parallel` parts are held at once."""
+        if size <= self.part_size:
+            data = next(parts, b"")
+            self._put(key, data)
+            return len(data), f"{crc32(data):08x}"
+        upload = self._call("starting an upload of", key, self.client.create_multipart_upload, Key=key)
+        try:
+            sent, crc, done = self._send_parts(parts, key, upload["UploadId"])
+            self._call("finishing the upload of", key, self.client.complete_multipart_upload, Key=key,
+                       UploadId=upload["UploadId"], MultipartUpload={"Parts": done})
+        except BaseException:
+            self._abort(key, upload["UploadId"])
+            raise
+        return sent, f"{crc:08x}"
+
+    def _send_parts(self, parts: Iterator[bytes | bytearray], key: str, upload_id: str) -> tuple[int, int, list[dict]]:
+        sent, crc, done, pending = 0, 0, [], collections.deque()
+        for number, data in enumerate(parts, 1):
+            sent, crc = sent + len(data), crc32(data, crc)
             pending.append(self._pool.submit(self._send_part, key, upload_id, number, data))
-        parts.extend(p.result() for p in pending)
-        return crc, parts
+            if len(pending) >= self.parallel:  # wait before the next part is read: `parallel` held at most
+                done.append(pending.popleft().result())
+        done.extend(p.result() for p in pending)
+        return sent, crc, done
 
     def _send_part(self, key: str, upload_id: str, number: int, data: bytes) -> dict:
         reply = self._call(f"uploading part {number} of", key, self.client.upload_part, Key=key,
-                           UploadId=upload_id, PartNumber=number, Body=data)
+                           UploadId=upload_id, PartNumber=number, Body=data, ChecksumCRC32=_crc_header(data))
         return {"PartNumber": number, "ETag": reply["ETag"]}
 
     def _abort(self, key: str, upload_id: str) -> None:
@@ -283,13 +370,16 @@ class S3Store(Store):
         except StorageError as e:  # the save fails anyway; a bucket lifecycle rule reclaims the parts
             logger.warning("%s", e)
 
-    def _download(self, key: str, size: int, local: str) -> None:
-        """Ranged GETs of `part_size` bytes, `parallel` at once, each written at its offset."""
-        fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    def _download(self, key: str, local: str, spans: list[tuple[int, int]], size: int | None = None) -> None:
+        """Ranged GETs of `spans` ((offset, length), cut into `part_size` pieces, `parallel` at
+        once), each written at its offset into `local`, made `size` bytes long when given."""
+        fd = os.open(local, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if size is not None else 0), 0o644)
         try:
-            os.ftruncate(fd, size)
-            ranges = [(o, min(self.part_size, size - o)) for o in range(0, size, self.part_size)]
-            for _ in self._pool.map(lambda r: self._get_range(key, fd, *r), ranges):
+            if size is not None:
+                os.ftruncate(fd, size)
+            pieces = [(o, min(self.part_size, start + n - o)) for start, n in spans
+                      for o in range(start, start + n, self.part_size)]
+            for _ in self._pool.map(lambda r: self._get_range(key, fd, *r), pieces):
                 pass
         finally:
             os.close(fd)
@@ -311,6 +401,23 @@ class S3Store(Store):
                 raise StorageError(f"{self.where(key)}: asked for {length} bytes at {offset}, got {len(data)}")
             posio.write_all(fd, memoryview(data), offset)
             return
+
+
+def _crc_header(data: bytes | bytearray) -> str:
+    """The request's CRC-32 as S3 takes it (base64 of 4 big-endian bytes), computed here by
+    `io.checksum` instead of by botocore (zlib, a slower pass over every byte)."""
+    return base64.b64encode(crc32(data).to_bytes(4, "big")).decode()
+
+
+def _merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset, length) ranges, sorted, with overlapping or touching ones merged."""
+    spans: list[list[int]] = []
+    for offset, length in sorted(ranges):
+        if spans and offset <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], offset + length)
+        else:
+            spans.append([offset, offset + length])
+    return [(a, z - a) for a, z in spans]
 
 
 def _status(names: set[str]) -> str:
