@@ -7,7 +7,9 @@ with two stages per rank, EP 2 x FSDP 2 on the MoE flavor, of about the dense fl
 example job's model parts and AdamW state (after one step) are saved with
 `CheckpointManager.save` (sync, committed, fsynced) and loaded back with `CheckpointManager.load`
 after the step folder's page cache was dropped. Each time runs from a barrier to the barrier
-after it (the slowest rank counts), median of `--repeats`.
+after it (the slowest rank counts); each repeat times ours, then its floor, and the table gives
+the median time of each and the median of the repeats' ratios (steadier than a ratio of
+medians while the disk's speed drifts).
 
 The floor is the same bytes with plain Python, in new files as our save writes them:
 - save: each rank writes as many bytes as its data files of our step hold (in one `write`, from
@@ -125,7 +127,9 @@ def _bench_layout(rank: int, folder: str, flavor: str, name: str, repeats: int) 
             times["raw_read"].append(measure(lambda: read_ranges(floor_ranges))[0])
     gb = torch.tensor(float(sum(t.nbytes for _, t in held)))
     dist.all_reduce(gb)
-    return {**{k: statistics.median(v) for k, v in times.items()}, "gb_held": gb.item() / 1e9}
+    ratios = {"save_x": [s / w for s, w in zip(times["save"], times["raw_write"])],
+              "load_x": [lo / r for lo, r in zip(times["load"], times["raw_read"])]}
+    return {**{k: statistics.median(v) for k, v in {**times, **ratios}.items()}, "gb_held": gb.item() / 1e9}
 
 
 def _bench(rank: int, world: int, args, results: dict) -> None:
@@ -137,13 +141,13 @@ def _bench(rank: int, world: int, args, results: dict) -> None:
 
 
 def print_table(results: dict) -> None:
-    print(f"\nsave and cold load per layout, {RANKS} gloo ranks, median; (x) = ratio to the raw floor "
-          "of the same bytes\n")
+    print(f"\nsave and cold load per layout, {RANKS} gloo ranks, median; (x) = median of each repeat's ratio "
+          "to the raw floor of the same bytes, measured just after it\n")
     print("| layout | flavor | GB held (all ranks) | durable save | raw write + fsync | cold load | raw cold read |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['flavor']} | {r['gb_held']:.3f} | {r['save']:.3f} s ({r['save'] / r['raw_write']:.2f}x)"
-              f" | {r['raw_write']:.3f} s | {r['load']:.3f} s ({r['load'] / r['raw_read']:.2f}x) | "
+        print(f"| {name} | {r['flavor']} | {r['gb_held']:.3f} | {r['save']:.3f} s ({r['save_x']:.2f}x)"
+              f" | {r['raw_write']:.3f} s | {r['load']:.3f} s ({r['load_x']:.2f}x) | "
               f"{r['raw_read']:.3f} s |")
 
 
