@@ -1,22 +1,30 @@
 """Durable save and cold resume on every mesh the example job builds, as ratios to the raw floor.
 
-    python -m benchmarks.meshes [--flavor small] [--moe-flavor small_moe] [--repeats 3] [--dir /tmp/bench]
+    python -m benchmarks.meshes [--flavor bench] [--moe-flavor bench_moe] [--only PP,EP] [--repeats 3] [--dir /tmp/bench]
 
 On 4 gloo ranks on the CPU, for each layout (FSDP 4, HSDP 2x2, TP 2 x FSDP 2, TP 4, PP 2 x FSDP 2
-with two stages per rank, EP 2 x FSDP 2 on the MoE flavor) the example job's model parts and AdamW
-state (after one step) are saved with `CheckpointManager.save` (sync, committed, fsynced) and
-loaded back with `CheckpointManager.load` after the step folder's page cache was dropped. Each
-time runs from a barrier to the barrier after it (the slowest rank counts), median of `--repeats`.
+with two stages per rank, EP 2 x FSDP 2 on the MoE flavor, of about the dense flavor's size) the
+example job's model parts and AdamW state (after one step) are saved with
+`CheckpointManager.save` (sync, committed, fsynced) and loaded back with `CheckpointManager.load`
+after the step folder's page cache was dropped. Each time runs from a barrier to the barrier
+after it (the slowest rank counts); each repeat times ours, then its floor, and the table gives
+the median time of each and the median of the repeats' ratios (steadier than a ratio of
+medians while the disk's speed drifts).
 
-The floor is the same bytes with plain Python: each rank writes as many bytes as its data files
-of our step hold, then fsyncs (save floor), and reads back cold a file of the bytes it holds in
-memory, replicas included (load floor: a rank loads every value it holds). A layout whose
-ratio grows shows a regression in that layout's path.
+The floor is the same bytes with plain Python, in new files as our save writes them:
+- save: each rank writes as many bytes as its data files of our step hold (in one `write`, from
+  memory already touched), then fsyncs;
+- load: each rank reads cold every value it holds (replicas included: a rank loads all it holds)
+  with plain `preadv`s. Each distinct piece of the state is in one file (its lowest holder's), so
+  replicas read the same bytes of the same file, as they do from our step, where the dedup
+  policy wrote one copy.
+A layout whose ratio grows shows a regression in that layout's path.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import os
 import statistics
@@ -27,8 +35,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from benchmarks.common import run_ranks
-from benchmarks.suite import clear, drop_cache, measure, raw_read, raw_write
+from benchmarks.suite import clear, drop_cache, measure, raw_write, read_ranges
 from torchtitan_ckpt import CheckpointManager, layout
+from torchtitan_ckpt.dcp.storage import dtensor_chunk
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.train import Run, build_run
 
@@ -58,20 +67,49 @@ def _run(folder: str, flavor: str, name: str, rank: int) -> tuple[Run, object]:
     return run, config
 
 
-def _held(run: Run) -> list[torch.Tensor]:
-    """Every tensor this rank holds of the state (local shards; replicas included)."""
+def _held(run: Run) -> list[tuple[tuple, torch.Tensor]]:
+    """Every tensor this rank holds of the state (local shards, replicas included), keyed by
+    (name, parameter or moment, offsets of the shard): replicas have equal keys."""
+    names = {id(p): name for part in run.parts for name, p in part.named_parameters()}
     out = []
     for opt in run.optimizers:
         for p in (p for group in opt.param_groups for p in group["params"]):
-            for t in (p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]):
-                out.append(t.to_local() if isinstance(t, DTensor) else t)
+            for kind in ("param", "exp_avg", "exp_avg_sq"):
+                t = p.detach() if kind == "param" else opt.state[p][kind]
+                offsets = dtensor_chunk(tuple(t.shape), t.device_mesh, tuple(t.placements))[0] \
+                    if isinstance(t, DTensor) else ()
+                out.append(((names[id(p)], kind, offsets), t.to_local() if isinstance(t, DTensor) else t))
     return out
+
+
+def _write_load_floor(held: list[tuple[tuple, torch.Tensor]], folder: str, rank: int) -> list[tuple[str, int, int]]:
+    """Write each distinct piece of the state once, its lowest holder's file holding it (pieces
+    in key order); return the byte ranges (file, offset, length) of the pieces this rank holds."""
+    mine = sorted((key, t.nbytes) for key, t in held)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    owner: dict[tuple, tuple[int, int]] = {}
+    for r, pieces in enumerate(every):
+        for key, n in pieces:
+            owner.setdefault(key, (r, n))
+    places, ends = {}, [0] * len(every)
+    for key in sorted(owner):
+        r, n = owner[key]
+        places[key] = (os.path.join(folder, f"rank{r}"), ends[r], n)
+        ends[r] += n
+    raw_write([t for key, t in sorted(held, key=lambda kt: kt[0]) if owner[key][0] == rank],
+              os.path.join(folder, f"rank{rank}"))
+    dist.barrier()
+    drop_cache(folder)
+    return [places[key] for key, _ in mine]
 
 
 def _bench_layout(rank: int, folder: str, flavor: str, name: str, repeats: int) -> dict[str, float]:
     run, config = _run(folder, flavor, name, rank)
     step = layout.step_dir(os.path.join(folder, "checkpoint"), 1)
     raw = os.path.join(folder, "raw", f"rank{rank}")
+    held = _held(run)
+    floor_ranges = _write_load_floor(held, os.path.join(folder, "raw_load"), rank)
     times: dict[str, list[float]] = {"save": [], "load": [], "raw_write": [], "raw_read": []}
     with CheckpointManager(config.checkpoint, run.parts, optimizers=run.optimizers,
                            base_folder=folder) as manager:
@@ -79,20 +117,23 @@ def _bench_layout(rank: int, folder: str, flavor: str, name: str, repeats: int) 
             clear(step, rank)
             times["save"].append(measure(lambda: manager.save(1, last_step=True))[0])
             written = sum(os.path.getsize(f) for f in glob.glob(os.path.join(step, f"__{rank}_*.distcp")))
-            block = [torch.empty(written, dtype=torch.uint8)]
-            times["raw_write"].append(measure(lambda: raw_write(block, raw))[0])
+            block = [torch.ones(written, dtype=torch.uint8)]
+            clear(os.path.dirname(raw), rank)  # a new file, as our save's
+            times["raw_write"].append(measure(functools.partial(raw_write, block, raw))[0])
+            block.clear()  # its memory back before the load
             drop_cache(step)
             times["load"].append(measure(lambda: manager.load(1))[0])
-            raw_write(_held(run), raw)
-            drop_cache(os.path.dirname(raw))
-            times["raw_read"].append(measure(lambda: raw_read(raw))[0])
-    gb = torch.tensor(float(sum(t.nbytes for t in _held(run))))
+            drop_cache(os.path.join(folder, "raw_load"))
+            times["raw_read"].append(measure(lambda: read_ranges(floor_ranges))[0])
+    gb = torch.tensor(float(sum(t.nbytes for _, t in held)))
     dist.all_reduce(gb)
-    return {**{k: statistics.median(v) for k, v in times.items()}, "gb_held": gb.item() / 1e9}
+    ratios = {"save_x": [s / w for s, w in zip(times["save"], times["raw_write"])],
+              "load_x": [lo / r for lo, r in zip(times["load"], times["raw_read"])]}
+    return {**{k: statistics.median(v) for k, v in {**times, **ratios}.items()}, "gb_held": gb.item() / 1e9}
 
 
 def _bench(rank: int, world: int, args, results: dict) -> None:
-    for name in LAYOUTS:
+    for name in (n for n in LAYOUTS if not args.only or any(word in n for word in args.only.split(","))):
         flavor = args.moe_flavor if name.startswith("EP") else args.flavor
         row = _bench_layout(rank, os.path.join(args.dir, name.replace(" ", "")), flavor, name, args.repeats)
         if rank == 0:
@@ -100,20 +141,21 @@ def _bench(rank: int, world: int, args, results: dict) -> None:
 
 
 def print_table(results: dict) -> None:
-    print(f"\nsave and cold load per layout, {RANKS} gloo ranks, median; (x) = ratio to the raw floor "
-          "of the same bytes\n")
+    print(f"\nsave and cold load per layout, {RANKS} gloo ranks, median; (x) = median of each repeat's ratio "
+          "to the raw floor of the same bytes, measured just after it\n")
     print("| layout | flavor | GB held (all ranks) | durable save | raw write + fsync | cold load | raw cold read |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['flavor']} | {r['gb_held']:.3f} | {r['save']:.3f} s ({r['save'] / r['raw_write']:.2f}x)"
-              f" | {r['raw_write']:.3f} s | {r['load']:.3f} s ({r['load'] / r['raw_read']:.2f}x) | "
+        print(f"| {name} | {r['flavor']} | {r['gb_held']:.3f} | {r['save']:.3f} s ({r['save_x']:.2f}x)"
+              f" | {r['raw_write']:.3f} s | {r['load']:.3f} s ({r['load_x']:.2f}x) | "
               f"{r['raw_read']:.3f} s |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--flavor", default="small", help="dense flavor (4 layers, KV heads divisible by 4)")
-    parser.add_argument("--moe-flavor", default="small_moe")
+    parser.add_argument("--flavor", default="bench", help="dense flavor (KV heads divisible by 4, layers by 4)")
+    parser.add_argument("--moe-flavor", default="bench_moe", help="MoE flavor (experts divisible by 2)")
+    parser.add_argument("--only", default="", help="layouts whose name holds one of these comma-separated words")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
     args = parser.parse_args()

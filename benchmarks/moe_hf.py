@@ -23,12 +23,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from benchmarks.common import run_ranks
-from benchmarks.suite import clear, drop_cache, measure
+from benchmarks.suite import clear, drop_cache, measure, read_ranges
 from torchtitan_ckpt.dcp import storage
 from torchtitan_ckpt.example.model import ModelArgs, MoEArgs, Transformer, hf_adapter
 from torchtitan_ckpt.hf import load_hf, save_hf, shards
-
-CHUNK = 8 << 20
 
 
 def model_args(experts: int, layers: int) -> ModelArgs:
@@ -51,16 +49,6 @@ def _recorded_load(sd: dict, folder: str, adapter) -> list[tuple[str, int, int]]
     return reads
 
 
-def _raw_read(ranges: list[tuple[str, int, int]]) -> None:
-    buf = bytearray(CHUNK)
-    for path, offset, n in sorted(ranges):
-        with open(path, "rb", buffering=0) as f:
-            end = offset + n
-            while offset < end:
-                got = os.preadv(f.fileno(), [memoryview(buf)[:min(CHUNK, end - offset)]], offset)
-                offset += got
-
-
 def _bench(rank: int, world: int, args: argparse.Namespace, results: dict) -> None:
     margs = model_args(args.experts, args.layers)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
@@ -79,7 +67,7 @@ def _bench(rank: int, world: int, args: argparse.Namespace, results: dict) -> No
         t_hf, _ = measure(lambda: save_hf(sd, hf_dir, adapter))
         ratios["export"].append(t_hf / t_dcp)
         drop_cache(hf_dir)
-        t_raw, _ = measure(lambda: _raw_read(ranges))
+        t_raw, _ = measure(lambda: read_ranges(ranges))
         drop_cache(hf_dir)
         t_load, _ = measure(lambda: load_hf(sd, hf_dir, adapter))
         ratios["import"].append(t_load / t_raw)

@@ -182,6 +182,29 @@ def raw_read(path: str) -> None:
             pass
 
 
+def read_ranges(ranges: list[tuple[str, int, int]]) -> None:
+    """Read the byte ranges (path, offset, length) with plain `preadv`s into one buffer: each
+    file opened once, its ranges in offset order, adjacent ones read as one."""
+    buf = memoryview(bytearray(_CHUNK))
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for path, offset, n in ranges:
+        by_file.setdefault(path, []).append((offset, n))
+    for path, spans in sorted(by_file.items()):
+        merged: list[list[int]] = []
+        for offset, n in sorted(spans):
+            if merged and merged[-1][1] == offset:
+                merged[-1][1] += n
+            else:
+                merged.append([offset, offset + n])
+        with open(path, "rb", buffering=0) as f:
+            for offset, end in merged:
+                while offset < end:
+                    got = os.preadv(f.fileno(), [buf[:min(_CHUNK, end - offset)]], offset)
+                    if not got:
+                        raise EOFError(f"{path} ends before byte {end}")
+                    offset += got
+
+
 # ---------------------------------------------------------------- one size, on every rank
 
 

@@ -268,7 +268,7 @@ class _Recording(DedupSavePlanner):
 
 def _saves_with_a_plan_cache(rank: int, world_size: int, root: str) -> None:
     model, _ = _job(world_size, 2)  # 2 x 1: both ranks hold every tensor, replicas sliced between them
-    cache, sent, planned = PlanCache(), [], []
+    cache, sent, planned, early = PlanCache(), [], [], []
     plan_afresh = default_planner.create_default_local_save_plan
 
     def counting_plan(*args, **kwargs):
@@ -279,10 +279,13 @@ def _saves_with_a_plan_cache(rank: int, world_size: int, root: str) -> None:
 
     def save(name: str, extra: dict) -> tuple[dict, dict]:
         state = {**ModelState([model]).state_dict(), **extra}
+        os.makedirs(os.path.join(root, name), exist_ok=True)  # the manager's prepare, which early writes need
         writer = storage.make_storage_writer(os.path.join(root, name))
         planned.append(False)
         planner = _Recording(sent, cache)
+        writer.write_early(state, rank, world_size, cache)
         dcp.save(state, storage_writer=writer, planner=planner)
+        early.append(writer.early_bytes)
         writer.fs.durable()
         # a reused local plan is the plan DCP makes of this state (guards the layout key against torch changes)
         fresh_plan = plan_afresh(planner.state_dict, planner.is_coordinator)
@@ -311,6 +314,9 @@ def _saves_with_a_plan_cache(rank: int, world_size: int, root: str) -> None:
     saved["5"] = save("5", extra)
     assert sent == [True, False, rank == 1, False, rank == 0], sent
     assert planned == sent, planned
+    # a rank whose layout is unchanged starts on what the last plan gave it before DCP plans (on
+    # 2x1 replicas, nothing is written early without a plan); saves 3 and 5 replan those writes
+    assert [n > 0 for n in early] == [not s for s in sent], early
 
     fresh, _ = _job(world_size, 2)
     for name, (values, extras) in saved.items():

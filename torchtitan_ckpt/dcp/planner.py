@@ -17,6 +17,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's own keys, as its planner
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
@@ -85,6 +86,17 @@ class PlanCache:
     """Coordinator: every rank's local plan, as planned globally last time."""
     metadata: Metadata | None = None
     summary: DedupSummary | None = None
+
+    def tensor_writes(self, state_dict: Mapping[str, object]) -> list[WriteItem] | None:
+        """The tensor writes of this rank's final plan of the last save, when `state_dict` (as
+        handed to `dcp.save`) has the layout that save was planned from: unless another rank's
+        state changed, this save plans the same writes, so they may start before DCP plans.
+        None when there is no such plan."""
+        if self.final is None or self.layout is None:
+            return None
+        if layout_key(flatten_state_dict(dict(state_dict))[0]) != self.layout:
+            return None
+        return [item for item in self.final.items if item.tensor_data is not None]
 
 
 def layout_key(state_dict: Mapping[str, object]) -> tuple | None:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo  # the format's entry type
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's keys, as its planner makes them
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -299,9 +300,11 @@ class DataFileWriter(FileSystemWriter):
 
     `files_per_rank` files are written in parallel, tensors spread over them by size.
 
-    `write_early` starts on the tensors only this rank holds before DCP has planned the save:
-    the plan cannot give them to another rank, so their bytes reach the disk while DCP plans,
-    and `write_data` writes only the rest, in up to `files_per_rank` more files."""
+    `write_early` starts on tensors this rank will write before DCP has planned the save: those
+    the last save's plan gave it, when the state's layout is unchanged (the plan is the same
+    unless another rank's state changed), else those no other rank holds (no plan can give them
+    to another rank). Their bytes reach the disk while DCP plans, and `write_data` writes only
+    the rest, in up to `files_per_rank` more files."""
 
     def __init__(self, path: str, sink: filewriter.Sink, step: int | None, files_per_rank: int = 1,
                  sync: bool = True):
@@ -312,27 +315,26 @@ class DataFileWriter(FileSystemWriter):
         self._early: filewriter.StartedFiles | None = None
         self._early_error: Exception | None = None
         self._early_names: list[str] = []
-        self._early_chunks: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-        """DCP key -> (offsets, sizes) of the chunk of it written early."""
+        self.early_bytes = 0
+        """Tensor bytes `write_early` started on."""
 
-    def write_early(self, state: dict[str, Any], rank: int, world_size: int) -> None:
-        """Start writing, on helper threads in this process (not through the sink), the tensors
-        of `state` that no other rank holds: with one rank, every tensor; else those of DTensors
-        sharded on every mesh dimension. Keys are DCP's (nested keys joined by dots), so
-        `write_data` finds them in the plan."""
+    def write_early(self, state: dict[str, Any], rank: int, world_size: int, cache: PlanCache | None = None) -> None:
+        """Start writing, on helper threads in this process (not through the sink), the tensor
+        writes of the last save's plan in `cache` (`PlanCache.tensor_writes`), or without one the
+        tensors of `state` no other rank holds: with one rank, every tensor; else those of
+        DTensors sharded on every dimension of a mesh of all the ranks. Entries are keyed by
+        (DCP key, chunk offsets, chunk sizes), so `write_data` finds them in the plan."""
         try:
-            mine = [(key, value) for key, value in _flat_items(state)
-                    if isinstance(value, torch.Tensor) and value.numel() and _only_here(value, world_size)]
-            if not mine:
+            pieces = _early_pieces(state, world_size, cache.tensor_writes(state) if cache is not None else None)
+            if not pieces:
                 return
-            local = [(key, value.to_local() if isinstance(value, DTensor) else value) for key, value in mine]
             jobs = []
-            for i, bucket in enumerate(balanced_groups(local, self.thread_count, lambda kt: kt[1].numel() * kt[1].element_size())):
+            for i, bucket in enumerate(balanced_groups(pieces, self.thread_count, lambda kt: kt[1].nbytes)):
                 self._early_names.append(f"__{rank}_{i}.distcp")
                 jobs.append(filewriter.FileJob(os.path.join(self.path, self._early_names[-1]),
                                                [filewriter.Entry(key, t) for key, t in bucket]))
             self._early = filewriter.start_files(jobs, self._step, self.sync_files)
-            self._early_chunks = {key: _local_chunk(value) for key, value in mine}  # while they write
+            self.early_bytes = sum(t.nbytes for _, t in pieces)
         except Exception as e:  # raised in write_data, inside DCP's protocol, so every rank hears of it
             self._early_error = e
 
@@ -376,16 +378,16 @@ class DataFileWriter(FileSystemWriter):
             places = [written.places for written in started.done.result()]
         else:
             places = started.places
-        early: dict[str, _StorageInfo] = {}
+        early: dict[tuple, _StorageInfo] = {}
         for i, (name, file_places) in enumerate(zip(self._early_names, places, strict=True)):
             self.fs.add(os.path.join(self.path, name), functools.partial(_written_as_planned, started.done, i, file_places))
             early.update((key, _StorageInfo(name, offset, length)) for key, offset, length in file_places)
         results, rest = [], []
         for item in items:
             found = None
-            if item.tensor_data is not None and self._early_chunks.get(item.index.fqn) == (
-                    tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes)):
-                found = early.pop(item.index.fqn, None)
+            if item.tensor_data is not None:
+                chunk = item.tensor_data.chunk
+                found = early.pop((item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes)), None)
             if found is None:
                 rest.append(item)
             else:
@@ -405,13 +407,26 @@ def _written_as_planned(done: concurrent.futures.Future, index: int,
     return written
 
 
-def _flat_items(state: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(DCP key, value) of every leaf under nested dicts (DCP joins the keys with dots)."""
-    for key, value in state.items():
-        if isinstance(value, dict):
-            yield from _flat_items(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
+def _early_pieces(state: dict[str, Any], world_size: int,
+                  planned: list[WriteItem] | None) -> list[tuple[tuple, torch.Tensor]]:
+    """((DCP key, chunk offsets, chunk sizes), local tensor) of each piece `write_early` writes."""
+    flat = flatten_state_dict(state)[0]
+    if planned is None:
+        return [((key, *_local_chunk(value)), _local(value)) for key, value in flat.items()
+                if isinstance(value, torch.Tensor) and value.numel() and _only_here(value, world_size)]
+    pieces = []
+    for item in planned:
+        chunk, value = item.tensor_data.chunk, flat[item.index.fqn]
+        offsets, sizes = _local_chunk(value)
+        local = _local(value)
+        if tuple(chunk.sizes) != sizes:  # a slice of the rows this rank holds (`policy.dedup`)
+            local = local.narrow(0, chunk.offsets[0] - offsets[0], chunk.sizes[0])
+        pieces.append(((item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes)), local))
+    return pieces
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _local_chunk(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -437,7 +452,7 @@ def _only_here(t: torch.Tensor, world_size: int) -> bool:
     if world_size == 1:
         return True
     return (isinstance(t, DTensor) and t.device_mesh.size() == world_size
-            and all(type(p) is Shard for p in t.placements))
+            and all(isinstance(p, Shard) for p in t.placements))
 
 
 def _resolve(planner: SavePlanner, item: WriteItem) -> bytes | torch.Tensor:
@@ -459,7 +474,7 @@ class TorchFileWriter(FileSystemWriter):
     nothing is written early and no checksum is computed while writing (the commit reads each
     file once for its CRC-32)."""
 
-    def write_early(self, state: dict[str, Any], rank: int, world_size: int) -> None:
+    def write_early(self, state: dict[str, Any], rank: int, world_size: int, cache: PlanCache | None = None) -> None:
         """Nothing is written before DCP plans."""
 
     def wait_early(self) -> None:

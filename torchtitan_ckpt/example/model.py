@@ -115,10 +115,15 @@ FLAVORS = {
                              head_size=32, norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True, tie_embeddings=True),
     # every mesh of the layout tests: 4 layers (two stages per pipeline rank at pp 2), 4 KV heads (tp 4)
     "debugmodel_mesh": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=256),
-    # the MoE layouts of benchmarks/meshes.py: about 0.2 GB with AdamW state, 8 experts per layer
+    # a small MoE model: about 0.2 GB with AdamW state, 8 experts per layer
     "small_moe": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048, ffn_hidden=704,
                            head_size=32, norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True,
                            moe=MoEArgs(num_experts=8, top_k=2, hidden=512)),
+    # the MoE layout of benchmarks/meshes.py at the dense `bench` size: about 127M parameters
+    # (1.5 GB with AdamW state), 70% of them in 16 experts per layer
+    "bench_moe": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=32000, ffn_hidden=1024,
+                           head_size=64, norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True,
+                           moe=MoEArgs(num_experts=16, top_k=2, hidden=448)),
     "qwen3_moe_debug": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=96,
                                  head_size=16, norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True,
                                  moe=MoEArgs(num_experts=4, top_k=2, hidden=32)),

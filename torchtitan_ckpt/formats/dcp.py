@@ -42,13 +42,13 @@ class DcpFormat(StepFormat):
 
     def write(self, path: str, step: int, kind: SaveKind, state: dict[str, Any], sink: Sink) -> Written:
         ck, group = self.ctx.config, self.ctx.group
-        planner = storage.make_save_planner(ck.dedup_policy, ck.dedup_min_slice_bytes,
-                                            self._plan_caches.setdefault(kind, PlanCache()))
+        cache = self._plan_caches.setdefault(kind, PlanCache())
+        planner = storage.make_save_planner(ck.dedup_policy, ck.dedup_min_slice_bytes, cache)
         writer = storage.make_storage_writer(path, sink, step, ck.save_threads, fast=ck.io_engine == "fast",
                                              sync=not self.ctx.staged)  # a staged copy is uploaded, not kept
         try:
             if sink is write_files:  # in this process only: a writer process forgets the buffers a call does not name
-                writer.write_early(state, group.rank, group.world_size)
+                writer.write_early(state, group.rank, group.world_size, cache)
             dcp.save(state, storage_writer=writer, planner=planner, process_group=group.pg)
         except (Exception, CheckpointException) as e:
             writer.wait_early()
