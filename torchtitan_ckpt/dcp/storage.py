@@ -10,6 +10,7 @@ data or go through `torch.load(weights_only=True)` (DCP itself uses `weights_onl
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import io
 import logging
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
+    LoadItemType,
     LoadPlan,
     LoadPlanner,
     ReadItem,
@@ -48,7 +50,7 @@ from ..io.checksum import crc32
 from ..policy.split import balanced_groups
 from .planner import DedupSavePlanner, PlanCache
 from .validate import check_metadata
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, PartialLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -118,16 +120,24 @@ class SafeFileSystemReader(FileSystemReader):
     """DCP's file-system reader with a metadata read that refuses anything but DCP's own classes,
     and items read by `reader.ItemReader` on `threads` threads, straight into their destinations.
 
+    Every item is checked and every non-tensor value read before any tensor is written (with
+    `fast=False` too, where PyTorch's engine then reads the tensors). `agree(checks)` runs
+    those checks: on every rank together, so that no rank writes a tensor before every rank's
+    checks passed, when the caller passes a collective. A failure after them (the storage
+    failing, a file changed while it is read) is a `PartialLoadError`.
+
     `metadata`, when the caller has already read the folder's `.metadata`, is used instead of
     reading it again.
     """
 
-    def __init__(self, path: str, metadata: Metadata | None = None, threads: int = 1, fast: bool = True):
+    def __init__(self, path: str, metadata: Metadata | None = None, threads: int = 1, fast: bool = True,
+                 agree: Callable[[Callable[[], None]], None] | None = None):
         super().__init__(path)
         self.fs = _ReadOnlyRegularFiles()
         self._metadata = metadata
         self.threads = threads
         self.fast = fast
+        self._agree = agree or (lambda checks: checks())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -141,9 +151,24 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if not self.fast or any(self.storage_data[req.storage_index].transform_descriptors for req in plan.items):
-            return super().read_data(plan, planner)  # PyTorch's engine, or compressed or otherwise transformed items
-        reader.ItemReader(str(self.path), self.storage_data, self.threads).read(plan.items, planner)
+        """Items DCP stored through a transform (compression) are not checked before: PyTorch's
+        engine reads them last."""
+        plain = [r for r in plan.items if not self.storage_data[r.storage_index].transform_descriptors]
+        items = reader.ItemReader(str(self.path), self.storage_data, self.threads)
+        try:
+            self._agree(lambda: items.check(plain, planner))
+            try:
+                if self.fast:
+                    items.fill(planner)
+                else:  # the values are read: PyTorch's engine reads the tensors
+                    rest = [r for r in plain if r.type != LoadItemType.BYTE_IO]
+                    super().read_data(dataclasses.replace(plan, items=rest), planner).wait()
+                if transformed := [r for r in plan.items if self.storage_data[r.storage_index].transform_descriptors]:
+                    super().read_data(dataclasses.replace(plan, items=transformed), planner).wait()
+            except Exception as e:
+                raise PartialLoadError(str(self.path), e) from e
+        finally:
+            items.close()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -312,7 +337,7 @@ class DataFileWriter(FileSystemWriter):
         sharded on every mesh dimension. Keys are DCP's (nested keys joined by dots), so
         `write_data` finds them in the plan."""
         try:
-            mine = [(key, value) for key, value in _flat_items(state)
+            mine = [(key, value) for key, value in flat_items(state)
                     if isinstance(value, torch.Tensor) and value.numel() and _only_here(value, world_size)]
             if not mine:
                 return
@@ -396,11 +421,11 @@ def _written_as_planned(done: concurrent.futures.Future, index: int,
     return written
 
 
-def _flat_items(state: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+def flat_items(state: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     """(DCP key, value) of every leaf under nested dicts (DCP joins the keys with dots)."""
     for key, value in state.items():
         if isinstance(value, dict):
-            yield from _flat_items(value, f"{prefix}{key}.")
+            yield from flat_items(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", value
 
@@ -472,11 +497,12 @@ def make_storage_writer(path: str, sink: filewriter.Sink = filewriter.write_file
     return DataFileWriter(path, sink, step, files_per_rank)
 
 
-def make_storage_reader(path: str, metadata: Metadata | None = None, threads: int = 1,
-                        fast: bool = True) -> SafeFileSystemReader:
+def make_storage_reader(path: str, metadata: Metadata | None = None, threads: int = 1, fast: bool = True,
+                        agree: Callable[[Callable[[], None]], None] | None = None) -> SafeFileSystemReader:
     """Reader of a DCP folder on `threads` I/O threads (PyTorch's reads with `fast=False`);
-    pass `metadata` if it is already read."""
-    return SafeFileSystemReader(path, metadata, threads, fast)
+    pass `metadata` if it is already read, and `agree` to run its checks under (see
+    `SafeFileSystemReader`)."""
+    return SafeFileSystemReader(path, metadata, threads, fast, agree)
 
 
 def make_save_planner(policy: str = "balanced", min_slice_bytes: int = 1 << 20,

@@ -4,6 +4,7 @@ loads as they are. Holds the model only, renamed by the job's state-dict adapter
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import CheckpointError
@@ -44,6 +45,6 @@ class HfFormat(StepFormat):
         self._adapter(path)
         return StepIndex()
 
-    def read(self, path: str, index: StepIndex, state: dict[str, Any]) -> None:
+    def read(self, path: str, index: StepIndex, state: dict[str, Any], check: Callable[[], None]) -> None:
         load_hf(state, path, self._adapter(path), process_group=self.ctx.group.pg,
-                num_threads=self.ctx.config.load_threads)
+                num_threads=self.ctx.config.load_threads, check=check)
