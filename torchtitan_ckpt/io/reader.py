@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 _WINDOW = 4096
 """Bytes read at once at each end of an item: its zip directory and header records fit in them."""
+_AHEAD = 64
+"""Items whose ends the first pass asks the kernel for ahead of the one it checks."""
 _PIECE_BYTES = 4 << 20
 """Largest temporary buffer of one indirect tensor copy, per thread."""
 
@@ -65,6 +67,25 @@ class _Cursor:
 
     def close(self) -> None:
         os.close(self.fd)
+
+    def prefetch(self, places: Sequence) -> None:
+        """Ask the kernel to start reading, in the background, the few KB at each end of the
+        items at `places` (DCP's `_StorageInfo`s, in offset order) that the first pass reads:
+        on a cold cache it then waits on many small reads at once rather than on one after the
+        other. An item's end and the next one's start are one range; ranges that touch, one call."""
+        if not hasattr(os, "posix_fadvise"):  # macOS
+            return
+        ranges: list[list[int]] = []
+        for p in places:
+            end = p.offset + p.length
+            for start, stop in [(p.offset, p.offset + 2 * _WINDOW), (end - _WINDOW, end + 2 * _WINDOW)]:
+                start, stop = max(start, p.offset), min(stop, self.size)
+                if ranges and start <= ranges[-1][1]:
+                    ranges[-1][1] = max(ranges[-1][1], stop)
+                elif stop > start:
+                    ranges.append([start, stop])
+        for start, stop in ranges:
+            os.posix_fadvise(self.fd, start, stop - start, os.POSIX_FADV_WILLNEED)
 
     def read(self, at: int, n: int) -> bytes:
         """Up to `n` bytes from `at` (fewer at the end of the file)."""
@@ -304,11 +325,15 @@ class ItemReader:
             cursor = _Cursor(self.root, rel)
             with self._lock:
                 self._cursors.append(cursor)
+            places = [self.storage_data[req.storage_index] for req in run]
+            cursor.prefetch(places[:_AHEAD])
             planned = []
-            for req in run:
+            for k, req in enumerate(run):
                 if self._failed.is_set():
                     break
-                info = self.storage_data[req.storage_index]
+                if k % _AHEAD == 0:  # one batch ahead of the checks
+                    cursor.prefetch(places[k + _AHEAD : k + 2 * _AHEAD])
+                info = places[k]
                 item = _Item(cursor, info.offset, info.length, req.storage_index.fqn)
                 if info.offset + info.length > cursor.size:  # before any buffer of that length
                     raise item.fail(f"is cut short: the file ends at byte {cursor.size}, "
