@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +23,22 @@ from torchtitan_ckpt.hf.load import read_hf_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_CONFIG = os.path.join(ROOT, "configs", "debug_model.toml")
+
+
+@contextlib.contextmanager
+def within(seconds: int):
+    """Fail instead of hanging: a blocked `open()` or a runaway loop is interrupted (SIGALRM, so
+    in the main thread) and the test fails."""
+    def expire(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def read_checkpoint(path: str) -> dict[str, Any]:

@@ -45,8 +45,10 @@ class Job:
             self.manager.save(self.train_state.step, last_step=self.train_state.step == steps)
 
 
-def make_job(dump_folder: str, steps: int = 8, init_seed: int = 0, **checkpoint) -> Job:
-    """A job whose model is initialised from `init_seed`; its data is the same for every seed."""
+def make_job(dump_folder: str, steps: int = 8, init_seed: int = 0, extra_states: dict | None = None,
+             **checkpoint) -> Job:
+    """A job whose model is initialised from `init_seed`; its data is the same for every seed.
+    `extra_states` are given to the manager besides `train_state`."""
     config = load_job_config(None, ["--checkpoint.enable", "true", "--training.steps", str(steps)])
     config.checkpoint = replace(config.checkpoint, **checkpoint)
     config.training.seed = init_seed
@@ -58,6 +60,6 @@ def make_job(dump_folder: str, steps: int = 8, init_seed: int = 0, **checkpoint)
     loader = build_dataloader(model.args.vocab_size, 16, 4, 0, 0, 1)
     ts = TrainState()
     manager = CheckpointManager(ck, [model], optimizers=opt, lr_schedulers=sched, dataloader=loader,
-                                states={"train_state": ts}, base_folder=dump_folder,
+                                states={"train_state": ts, **(extra_states or {})}, base_folder=dump_folder,
                                 state_dict_adapter=hf_adapter(model.args))
     return Job(model, opt, sched, loader, ts, manager)

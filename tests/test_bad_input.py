@@ -20,9 +20,11 @@ from torchtitan_ckpt.dcp import storage
 from torchtitan_ckpt.config import sections
 from torchtitan_ckpt.example.config import JobConfig
 
-from .helpers import DEBUG_CONFIG
+from .helpers import DEBUG_CONFIG, within
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+BOUND = 20
+"""Seconds one example may take (a hang fails the test instead of stalling it)."""
 
 with open(DEBUG_CONFIG, "rb") as f:
     TOML = f.read()
@@ -42,45 +44,49 @@ def _mutate(data: bytes, edits: list[tuple[int, int]]) -> bytes:
 @FAST
 @given(st.lists(st.tuples(st.integers(0, len(TOML) - 1), st.integers(0, 255)), min_size=1, max_size=8))
 def test_mutated_toml_is_loaded_or_refused_with_a_config_error(tmp_path, edits):
-    path = tmp_path / "job.toml"
-    path.write_bytes(_mutate(TOML, edits))
-    try:
-        load_job_config(path)
-    except ConfigError as e:
-        assert str(e)
+    with within(BOUND):
+        path = tmp_path / "job.toml"
+        path.write_bytes(_mutate(TOML, edits))
+        try:
+            load_job_config(path)
+        except ConfigError as e:
+            assert str(e)
 
 
 @FAST
 @given(st.lists(st.tuples(st.sampled_from(KEYS + ["checkpoint.nope", "nope.x"]), VALUES), max_size=4))
 def test_random_overrides_are_accepted_or_refused_naming_the_key(pairs):
-    argv = [a for key, value in pairs for a in (f"--{key}", value)]
-    try:
-        load_job_config(DEBUG_CONFIG, argv)
-    except ConfigError as e:
-        assert e.key and str(e).startswith(e.key)
+    with within(BOUND):
+        argv = [a for key, value in pairs for a in (f"--{key}", value)]
+        try:
+            load_job_config(DEBUG_CONFIG, argv)
+        except ConfigError as e:
+            assert e.key and str(e).startswith(e.key)
 
 
 @FAST
 @given(st.binary(max_size=400))
 def test_random_bytes_as_a_commit_marker(tmp_path, data):
-    (tmp_path / commit.MARKER).write_bytes(data)
-    try:
-        info = commit.read_marker(str(tmp_path))
-    except CheckpointError as e:
-        assert commit.MARKER in str(e)
-    else:
-        assert isinstance(info, commit.CommitInfo)
+    with within(BOUND):
+        (tmp_path / commit.MARKER).write_bytes(data)
+        try:
+            info = commit.read_marker(str(tmp_path))
+        except CheckpointError as e:
+            assert commit.MARKER in str(e)
+        else:
+            assert isinstance(info, commit.CommitInfo)
 
 
 @FAST
 @given(st.dictionaries(st.sampled_from(["step", "states", "files", "format", "world_size", "x"]),
                        st.one_of(st.integers(), st.text(max_size=5), st.lists(st.integers(), max_size=2))))
 def test_json_markers_of_the_wrong_shape(tmp_path, raw):
-    (tmp_path / commit.MARKER).write_text(json.dumps(raw))
-    try:
-        commit.read_marker(str(tmp_path))
-    except CheckpointError as e:
-        assert commit.MARKER in str(e)
+    with within(BOUND):
+        (tmp_path / commit.MARKER).write_text(json.dumps(raw))
+        try:
+            commit.read_marker(str(tmp_path))
+        except CheckpointError as e:
+            assert commit.MARKER in str(e)
 
 
 @functools.cache
@@ -125,7 +131,8 @@ MUTATIONS = {"edits": st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 2
 @FAST
 @given(**MUTATIONS)
 def test_mutated_dcp_metadata_is_read_or_refused(tmp_path, edits, cut):
-    _read_mutated(tmp_path, _real_metadata(), edits, cut, ".metadata", storage.read_metadata)
+    with within(BOUND):
+        _read_mutated(tmp_path, _real_metadata(), edits, cut, ".metadata", storage.read_metadata)
 
 
 def test_pickled_code_in_metadata_never_runs(tmp_path):
@@ -150,11 +157,12 @@ def test_pickled_code_in_metadata_never_runs(tmp_path):
 @FAST
 @given(**MUTATIONS)
 def test_mutated_safetensors_headers_are_read_or_refused(tmp_path, edits, cut):
-    from torchtitan_ckpt.hf.safetensors_io import read_header
+    with within(BOUND):
+        from torchtitan_ckpt.hf.safetensors_io import read_header
 
-    entries, data = _read_mutated(tmp_path, _real_safetensors(), edits, cut, "model.safetensors", read_header)
-    if entries is not None:  # what it accepts is consistent with the file
-        assert sum(e.nbytes for e in entries.values()) <= len(data)
+        entries, data = _read_mutated(tmp_path, _real_safetensors(), edits, cut, "model.safetensors", read_header)
+        if entries is not None:  # what it accepts is consistent with the file
+            assert sum(e.nbytes for e in entries.values()) <= len(data)
 
 
 def test_safetensors_header_claiming_more_than_the_file(tmp_path):
@@ -204,31 +212,32 @@ def _set_metadata_field(md, field: str, value) -> None:
 @given(st.lists(st.tuples(st.sampled_from(METADATA_FIELDS), ODD_VALUES), min_size=1, max_size=3))
 def test_dcp_metadata_with_fields_of_the_wrong_type_or_range(tmp_path, edits):
     """Inspecting or loading a folder whose `.metadata` has odd field values is our error or a load."""
-    import torch
-    import torch.distributed.checkpoint as dcp
+    with within(BOUND):
+        import torch
+        import torch.distributed.checkpoint as dcp
 
-    folder = tmp_path / "step"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir()
-    dcp.save({"w": torch.ones(3), "n": 1}, storage_writer=storage.make_storage_writer(str(folder)))
-    md = storage.read_metadata(str(folder / storage.METADATA_FILE))
-    for field, value in edits:
-        with contextlib.suppress(KeyError, AttributeError, TypeError, IndexError):  # an earlier edit removed it
-            _set_metadata_field(md, field, value)
-    (folder / storage.METADATA_FILE).write_bytes(pickle.dumps(md))
-    state = {"w": torch.zeros(3), "n": None}
-    try:  # as the manager loads: `.metadata` read and checked first, then what it has handed to the reader
-        checked = storage.read_metadata(str(folder / storage.METADATA_FILE))
-        state = {k: v for k, v in state.items() if k in checked.state_dict_metadata}
-        storage.load_on_this_rank(state, storage.make_storage_reader(str(folder), checked),
-                                  storage.make_load_planner())
-    except CheckpointError as e:
-        assert str(folder) in str(e)
-    except BaseException as e:  # DCP wraps a reader's failure in its CheckpointException
-        cause = storage.root_cause(e)
-        assert isinstance(cause, CheckpointError) and str(folder) in str(cause), repr(cause)
-    else:
-        assert torch.equal(state.get("w", torch.ones(3)), torch.ones(3)) and state.get("n", 1) == 1
+        folder = tmp_path / "step"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        dcp.save({"w": torch.ones(3), "n": 1}, storage_writer=storage.make_storage_writer(str(folder)))
+        md = storage.read_metadata(str(folder / storage.METADATA_FILE))
+        for field, value in edits:
+            with contextlib.suppress(KeyError, AttributeError, TypeError, IndexError):  # an earlier edit removed it
+                _set_metadata_field(md, field, value)
+        (folder / storage.METADATA_FILE).write_bytes(pickle.dumps(md))
+        state = {"w": torch.zeros(3), "n": None}
+        try:  # as the manager loads: `.metadata` read and checked first, then what it has handed to the reader
+            checked = storage.read_metadata(str(folder / storage.METADATA_FILE))
+            state = {k: v for k, v in state.items() if k in checked.state_dict_metadata}
+            storage.load_on_this_rank(state, storage.make_storage_reader(str(folder), checked),
+                                      storage.make_load_planner())
+        except CheckpointError as e:
+            assert str(folder) in str(e)
+        except BaseException as e:  # DCP wraps a reader's failure in its CheckpointException
+            cause = storage.root_cause(e)
+            assert isinstance(cause, CheckpointError) and str(folder) in str(cause), repr(cause)
+        else:
+            assert torch.equal(state.get("w", torch.ones(3)), torch.ones(3)) and state.get("n", 1) == 1
 
 
 @FAST
@@ -237,20 +246,115 @@ def test_dcp_metadata_with_fields_of_the_wrong_type_or_range(tmp_path, edits):
                 min_size=1, max_size=3))
 def test_commit_markers_with_fields_of_the_wrong_type_or_range(tmp_path, edits):
     """`verify` of a real step whose marker has odd field values: our error, or a check of its files."""
-    (tmp_path / "data").write_bytes(b"123")
-    raw = {"step": 1, "states": ["model"], "format": "dcp", "world_size": 1, "created": 0.0, "version": 2,
-           "files": {"data": {"size": 3, "crc32": "884863d2"}}}
-    for field, value in edits:
-        if field == "files.entry":
-            raw["files"] = {"data": value}
-        elif field == "files.name":
-            raw["files"] = {str(value): {"size": 3, "crc32": "884863d2"}}
+    with within(BOUND):
+        (tmp_path / "data").write_bytes(b"123")
+        raw = {"step": 1, "states": ["model"], "format": "dcp", "world_size": 1, "created": 0.0, "version": 2,
+               "files": {"data": {"size": 3, "crc32": "884863d2"}}}
+        for field, value in edits:
+            if field == "files.entry":
+                raw["files"] = {"data": value}
+            elif field == "files.name":
+                raw["files"] = {str(value): {"size": 3, "crc32": "884863d2"}}
+            else:
+                raw[field] = value
+        (tmp_path / commit.MARKER).write_text(json.dumps(raw))
+        try:
+            problems = commit.verify(str(tmp_path))
+        except CheckpointError as e:
+            assert commit.MARKER in str(e)
         else:
-            raw[field] = value
-    (tmp_path / commit.MARKER).write_text(json.dumps(raw))
-    try:
-        problems = commit.verify(str(tmp_path))
-    except CheckpointError as e:
-        assert commit.MARKER in str(e)
-    else:
-        assert all(str(tmp_path) in p for p in problems)
+            assert all(str(tmp_path) in p for p in problems)
+
+
+# ---------------------------------------------------------------- Hugging Face headers and index
+
+
+HEADER_FIELDS = ["a.dtype", "a.shape", "a.data_offsets", "a", "b.shape", "b.data_offsets", "__metadata__",
+                 "__metadata__.format"]
+
+
+@FAST
+@given(st.lists(st.tuples(st.sampled_from(HEADER_FIELDS), ODD_VALUES), min_size=1, max_size=3))
+def test_safetensors_headers_with_fields_of_the_wrong_type_or_range(tmp_path, edits):
+    """A header JSON whose fields hold odd values is our error naming the file, or entries that
+    fit the file's data."""
+    import struct
+
+    from torchtitan_ckpt.hf.safetensors_io import read_header
+
+    with within(BOUND):
+        header = {"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+                  "b": {"dtype": "BF16", "shape": [4], "data_offsets": [24, 32]}, "__metadata__": {"format": "pt"}}
+        for field, value in edits:
+            owner, _, name = field.rpartition(".")
+            with contextlib.suppress(TypeError, AttributeError):  # an earlier edit replaced the owner
+                (header[owner] if owner else header)[name] = value
+        text = json.dumps(header).encode()
+        path = tmp_path / "model.safetensors"
+        path.write_bytes(struct.pack("<Q", len(text)) + text + b"\0" * 32)
+        try:
+            entries = read_header(str(path))
+        except CheckpointError as e:
+            assert str(path) in str(e)
+        else:
+            assert all(e.offset + e.nbytes <= os.path.getsize(path) for e in entries.values())
+
+
+INDEX_FIELDS = ["weight_map", "weight_map.a", "weight_map.b", "weight_map.new", "metadata", "top"]
+
+
+@FAST
+@given(st.lists(st.tuples(st.sampled_from(INDEX_FIELDS), ODD_VALUES), max_size=3),
+       st.lists(st.tuples(st.integers(0, 10**4), st.integers(0, 255)), max_size=4))
+def test_hf_index_with_odd_fields_or_bytes_is_read_or_refused(tmp_path, edits, flips):
+    """`model.safetensors.index.json` with odd field values, then odd bytes, next to a real
+    safetensors file: the folder's layout, or our error naming the folder or the index."""
+    from torchtitan_ckpt.hf.load import read_hf_layout
+
+    with within(BOUND):
+        folder = tmp_path / "hf"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(_real_safetensors())
+        index = {"metadata": {"total_size": 32},
+                 "weight_map": {"a": "model.safetensors", "b": "model.safetensors", "c": "model.safetensors"}}
+        for field, value in edits:
+            owner, _, name = field.rpartition(".")
+            with contextlib.suppress(TypeError, AttributeError):
+                if field == "top":
+                    index = value
+                elif owner:
+                    index[owner][name] = value
+                else:
+                    index[name] = value
+        data = json.dumps(index).encode()
+        (folder / "model.safetensors.index.json").write_bytes(_mutate(data, flips) if flips else data)
+        try:
+            layout = read_hf_layout(str(folder))
+        except CheckpointError as e:
+            assert str(folder) in str(e)
+        else:
+            assert set(layout) <= {"a", "b", "c"}
+
+
+TOML_VALUES = st.sampled_from(["[1]", "{ a = 1 }", "1979-05-27", "07:32:00", '"x"', "-1", "0", "1e400", "nan",
+                               "-inf", "true", "9" * 40, "[[1]]", '"\\u0000"', '""', "[]", "{}", "0x10",
+                               '"../../etc"', "3.5"])
+
+
+@FAST
+@given(st.lists(st.tuples(st.sampled_from(KEYS + ["checkpoint.nope"]), TOML_VALUES), min_size=1, max_size=4))
+def test_toml_values_of_any_type_are_loaded_or_refused_naming_the_key(tmp_path, pairs):
+    """A job TOML whose keys hold values of any TOML type: loaded, or a `ConfigError` naming a
+    key of the file."""
+    with within(BOUND):
+        sections_of: dict[str, list[str]] = {}
+        for key, value in pairs:
+            section, name = key.split(".", 1)
+            sections_of.setdefault(section, []).append(f"{name} = {value}")
+        path = tmp_path / "job.toml"
+        path.write_text("".join(f"[{s}]\n" + "\n".join(dict.fromkeys(lines)) + "\n" for s, lines in sections_of.items()))
+        try:
+            load_job_config(path)
+        except ConfigError as e:
+            assert e.key and str(e).startswith(e.key)

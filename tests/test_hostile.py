@@ -4,12 +4,11 @@ deleted, and no state of the job changed when the checkpoint's content is refuse
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import json
 import os
 import pickle
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -17,34 +16,21 @@ from dataclasses import replace
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata
 
 from torchtitan_ckpt import CheckpointError, CheckpointSaveError, ConfigError, CorruptCheckpointError, cli, commit
 from torchtitan_ckpt.config import Checkpoint, validate_tree
 from torchtitan_ckpt.dcp import storage
+from torchtitan_ckpt.errors import PartialLoadError
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.hf import consolidate as C
 from torchtitan_ckpt.policy.schedule import SaveKind
+from torchtitan_ckpt.states import CheckedState
 
-from .helpers import ROOT
+from .helpers import ROOT, read_checkpoint, spawn, within
 from .jobs import make_job
 
 SENTINEL = b"sentinel: never to be read, changed or deleted\n"
-
-
-@contextlib.contextmanager
-def within(seconds: int):
-    """Fail instead of hanging: a blocked `open()` is interrupted and the test fails."""
-    def expire(*_):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.fixture(scope="module")
@@ -226,9 +212,30 @@ def test_a_dataloader_entry_its_file_does_not_hold_is_refused(ckpt, field, value
 # ---------------------------------------------------------------- 5. states that cannot be applied
 
 
+def _snapshot(job) -> tuple:
+    """What a load changes of `job`: its model's tensors, its optimizer, step and schedule."""
+    return ({k: v.clone() for k, v in job.model.state_dict().items()}, copy.deepcopy(job.opt.state_dict()),
+            job.train_state.step, job.sched.last_epoch)
+
+
+def _unchanged(job, snapshot: tuple) -> None:
+    model, opt, step, epoch = snapshot
+    now = job.model.state_dict()
+    assert [k for k, v in model.items() if not torch.equal(now[k], v)] == []
+    assert job.opt.state_dict() == opt and not job.opt.state  # a fresh optimizer stays without state
+    assert (job.train_state.step, job.sched.last_epoch) == (step, epoch)
+
+
+def _differs_from(pristine: str, job, snapshot: tuple) -> None:
+    """Every parameter saved in the step differs from the job's (so `_unchanged` tells a load,
+    even of one tensor, from none)."""
+    saved = read_checkpoint(os.path.join(pristine, "checkpoint", "step-2"))
+    assert [n for n, _ in job.model.named_parameters() if torch.equal(saved[n], snapshot[0][n])] == []
+
+
 def _craft(dump: str, edit) -> None:
-    """Overwrite step 2 with the job's full state edited by `edit`, committed as a save would."""
-    job = make_job(dump, steps=2, interval=2)
+    """Overwrite step 2 with the state saved there, edited by `edit`, committed as a save would."""
+    job = _load(dump)
     state = job.manager._state_for_save(SaveKind.FULL)
     edit(state)
     step = os.path.join(dump, "checkpoint", "step-2")
@@ -252,19 +259,189 @@ def _five_as_param_groups(state):
     groups[next(iter(groups))] = 5  # a parameter's settings: a number instead of a table
 
 
-@pytest.mark.parametrize("edit, name, problem", [
-    (_garbled_loader_bytes, "dataloader", "dataloader.dp_rank_0 is not plain data"),
-    (_five_as_param_groups, "optimizer", "no optimizer settings .* for 1 parameters, e.g. \\['tok_embeddings.weight'\\]"),
+def _text_as_last_epoch(state):
+    state["lr_scheduler"]["last_epoch"] = "2"
+
+
+def _value_as_moment(state):
+    moments = next(iter(state["optimizer"]["state"].values()))
+    moments["exp_avg"] = 0.5  # a number where the optimizer has a tensor
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (_garbled_loader_bytes, "dataloader.dp_rank_0 is not plain data"),
+    (_five_as_param_groups, "no optimizer settings .* for 1 parameters, e.g. \\['tok_embeddings.weight'\\]"),
+    (_text_as_last_epoch, "lr_scheduler.last_epoch is '2', not a step count"),
+    (_value_as_moment, "a value where this job has a tensor.*'optimizer.state.tok_embeddings.weight.exp_avg'"),
 ])
-def test_a_state_that_cannot_be_applied_is_our_error_naming_it(ckpt, edit, name, problem):
+def test_a_state_that_cannot_be_applied_is_refused_before_anything_changes(ckpt, pristine, edit, problem):
     dump, _, _ = ckpt
     _craft(dump, edit)
     job = make_job(dump, steps=2, interval=2)
+    before = _snapshot(job)
     with pytest.raises(CheckpointError, match=problem), within(60):
         job.manager.load()
-    # refused before the other states were applied: the optimizer's saved moments and the step
-    assert job.train_state.step == 0
-    assert all(not s["exp_avg"].any() for s in job.opt.state.values())
+    _unchanged(job, before)
+    _differs_from(pristine, job, before)
+
+
+# ---------------------------------------------------------------- 5. nothing is written before all is checked
+
+
+def _items(step: str) -> list[tuple[str, int, int, bool]]:
+    """(file, offset, length, is a tensor) of every item of a DCP step, in file order."""
+    md = storage.read_metadata(os.path.join(step, storage.METADATA_FILE))
+    return sorted((os.path.join(step, info.relative_path), info.offset, info.length,
+                   not isinstance(md.state_dict_metadata[index.fqn], BytesStorageMetadata))
+                  for index, info in md.storage_data.items())
+
+
+def _patch(file: str, at: int, data: bytes) -> None:
+    with open(file, "r+b") as f:
+        f.seek(at)
+        f.write(data)
+
+
+def _damage_last_tensor_header(step: str) -> str:
+    file, offset, length, _ = [i for i in _items(step) if i[3]][-1]
+    with open(file, "rb") as f:
+        f.seek(offset)
+        at = f.read(length).index(b"_rebuild_tensor_v2")
+    _patch(file, offset + at, b"_rebuild_tensor_v9")  # a global no tensor header names
+    return "could run code; refused"
+
+
+def _damage_last_value(step: str) -> str:
+    items = _items(step)
+    file, offset, length, _ = [i for i in items if not i[3]][-1]
+    assert any(tensor and f != file for f, _, _, tensor in items)  # tensors in a file read alongside
+    _patch(file, offset, b"\0" * length)
+    return "is not a value this load can read"
+
+
+@pytest.mark.parametrize("damage", [_damage_last_tensor_header, _damage_last_value])
+def test_a_damaged_item_is_refused_before_any_tensor_is_written(ckpt, pristine, damage):
+    """Without verify_on_load: the damage is found in the reader's first pass, after the items
+    before it were checked and before any of them is read into the job's tensors."""
+    dump, step, _ = ckpt
+    problem = damage(step)
+    job = make_job(dump, steps=2, interval=2)
+    before = _snapshot(job)
+    with pytest.raises(CorruptCheckpointError, match=problem), within(60):
+        job.manager.load()
+    _unchanged(job, before)
+    _differs_from(pristine, job, before)
+
+
+def _flip_a_byte(step: str) -> str:
+    """Flip the middle byte of the step's largest data file; returns the file."""
+    file = max((os.path.join(step, f) for f in os.listdir(step) if f.endswith(".distcp")), key=os.path.getsize)
+    with open(file, "r+b") as f:
+        f.seek(os.path.getsize(file) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return file
+
+
+def test_a_flipped_byte_with_verify_on_load_changes_nothing(ckpt, pristine):
+    dump, step, _ = ckpt
+    file = _flip_a_byte(step)
+    job = make_job(dump, steps=2, interval=2, verify_on_load=True, verify_fallback=False)
+    before = _snapshot(job)
+    with pytest.raises(CorruptCheckpointError, match=f"{file}: CRC-32"), within(60):
+        job.manager.load()
+    _unchanged(job, before)
+    _differs_from(pristine, job, before)
+
+
+class _Saboteur(CheckedState):
+    """A job's state whose check runs after the load checked everything and before it writes a
+    tensor: armed with a step folder, it cuts the step's largest data file in half there, as a
+    storage losing a file's end under a running load would; armed with a rank, it refuses its
+    values on that rank only."""
+
+    def __init__(self, cut: str | None = None, refuse_on: int | None = None):
+        self.cut, self.refuse_on = cut, refuse_on
+
+    def state_dict(self) -> dict:
+        return {"armed": 1}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
+
+    def check_loaded(self, state_dict: dict) -> None:
+        if self.cut:
+            file = max((os.path.join(self.cut, f) for f in os.listdir(self.cut) if f.endswith(".distcp")),
+                       key=os.path.getsize)
+            os.truncate(file, os.path.getsize(file) // 2)
+            self.cut = None
+        if self.refuse_on is not None and torch.distributed.get_rank() == self.refuse_on:
+            raise CorruptCheckpointError(f"saboteur: refused on rank {self.refuse_on}")
+
+
+def _saved_with_saboteur(dump: str) -> str:
+    job = make_job(dump, steps=4, interval=2, extra_states={"saboteur": _Saboteur()})
+    job.run_to(2, steps=4)  # a full save: step 4 would be the last, model-only one
+    job.manager.close()
+    return os.path.join(dump, "checkpoint", "step-2")
+
+
+def test_a_file_cut_while_it_is_read_leaves_the_job_refusing_to_save(tmp_path):
+    dump = str(tmp_path / "dump")
+    step = _saved_with_saboteur(dump)
+    shutil.copytree(step, tmp_path / "intact")
+    job = make_job(dump, steps=4, interval=2, extra_states={"saboteur": _Saboteur(cut=step)})
+    partial = "failed after it had begun writing .*cut short.* do not train or save"
+    with pytest.raises(PartialLoadError, match=partial), within(60):
+        job.manager.load()
+    with pytest.raises(CheckpointError, match="save\\(4\\) refused: the job's state is not one step's"):
+        job.manager.save(4, last_step=True)
+    shutil.rmtree(step)
+    shutil.copytree(tmp_path / "intact", step)
+    with within(60):
+        assert job.manager.load()
+    assert job.train_state.step == 2
+    assert job.manager.save(4, last_step=True)
+    job.manager.close()
+
+
+def test_a_safetensors_file_cut_while_it_is_read_is_a_partial_load(tmp_path):
+    from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_adapter
+    from torchtitan_ckpt.hf import load_hf, save_hf
+
+    torch.manual_seed(0)
+    model = Transformer(FLAVORS["debugmodel"])
+    save_hf(model.state_dict(), str(tmp_path), hf_adapter(model.args))
+    file = next(str(p) for p in tmp_path.glob("*.safetensors"))
+    with pytest.raises(PartialLoadError, match=f"loading {tmp_path} failed after .*{file} ends at byte"):
+        load_hf(model.state_dict(), str(tmp_path), hf_adapter(model.args),
+                check=lambda: os.truncate(file, os.path.getsize(file) // 2))
+
+
+def _refused_on_two_ranks(rank: int, world_size: int, dump: str, case: str) -> None:
+    if case == "one rank refuses":
+        job = make_job(dump, steps=2, interval=2, extra_states={"saboteur": _Saboteur(refuse_on=1)})
+        problem = "saboteur: refused on rank 1"
+    else:
+        job = make_job(dump, steps=2, interval=2, extra_states={"saboteur": _Saboteur()}, verify_on_load=True,
+                       verify_fallback=False)
+        problem = "CRC-32"
+    before = _snapshot(job)
+    with pytest.raises(CheckpointError, match=problem), within(60):
+        job.manager.load()
+    _unchanged(job, before)  # on rank 0 too, whose own checks passed
+    job.manager.close()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", ["one rank refuses", "a flipped byte with verify_on_load"])
+def test_a_load_refused_on_one_of_two_ranks_changes_nothing_on_either(tmp_path, case):
+    dump = str(tmp_path / "dump")
+    step = _saved_with_saboteur(dump)
+    if case != "one rank refuses":
+        _flip_a_byte(step)
+    spawn(2, _refused_on_two_ranks, dump, case)
 
 
 # ---------------------------------------------------------------- 6. the commit marker
@@ -292,9 +469,12 @@ def test_a_crafted_marker_is_refused_by_verify_list_and_load(ckpt, capsys, field
     _untouched(sentinel)
 
 
-def test_a_deeply_nested_marker_is_refused(ckpt):
+def test_a_deeply_nested_marker_is_refused(ckpt, capsys):
     dump, step, _ = ckpt
     open(os.path.join(step, commit.MARKER), "w").write("[" * 100_000 + "]" * 100_000)
+    for command in (["verify", step], ["list", os.path.dirname(step)]):
+        assert cli.main(command) == 2
+        assert f"{commit.MARKER} is not a valid commit marker: RecursionError" in capsys.readouterr().err
     _refused(dump, "RecursionError")
 
 
@@ -349,6 +529,29 @@ def test_a_dangling_symlink_in_a_step_folder_breaks_neither_list_nor_load(ckpt):
     assert cli.main(["list", os.path.dirname(step)]) == 0
     job = _load(dump)
     assert job.train_state.step == 2
+
+
+# ---------------------------------------------------------------- 10. convert's config.json
+
+
+@pytest.mark.parametrize("config, problem", [
+    ("[1, 2]", "config.json = 'list': a config.json must hold a JSON object"),
+    ({"num_attention_heads": 0}, "config.json: num_attention_heads = 0"),
+    ({"hidden_size": "64"}, "config.json: hidden_size = '64'"),
+    ({"vocab_size": 2**40}, "config.json: vocab_size = 1099511627776"),
+    ({"num_hidden_layers": 10**7}, "config.json: num_hidden_layers = 10000000"),
+])
+def test_convert_to_dcp_refuses_a_hostile_config_before_writing(tmp_path, capsys, config, problem):
+    from torchtitan_ckpt.example.model import FLAVORS, hf_config
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    text = config if isinstance(config, str) else json.dumps({**hf_config(FLAVORS["debugmodel"]), **config})
+    (hf / "config.json").write_text(text)
+    with within(30):
+        assert cli.main(["convert", "--to", "dcp", str(hf), str(tmp_path / "out")]) == 2
+    assert problem in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # no output, not even a partial one
 
 
 # ---------------------------------------------------------------- 11. consolidate's shards
@@ -454,7 +657,23 @@ def test_async_with_pinned_mem_saves_from_a_script_without_a_main_guard(tmp_path
     assert commit.is_committed(str(tmp_path / "checkpoint" / "step-1"))
 
 
+def test_an_export_dtype_that_does_not_apply_is_a_note(caplog):
+    with caplog.at_level("INFO", logger="torchtitan_ckpt.config"):
+        config = load_job_config(None, ["--checkpoint.export_dtype", "bfloat16",
+                                        "--checkpoint.last_save_model_only", "false"])
+    assert config.checkpoint.export_dtype == "bfloat16"
+    assert "checkpoint.export_dtype = 'bfloat16' does not apply" in caplog.text
+
+
 # ---------------------------------------------------------------- Hugging Face files
+
+
+def test_an_hf_index_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    from torchtitan_ckpt.hf.adapter import read_index
+
+    os.mkfifo(tmp_path / "model.safetensors.index.json")
+    with pytest.raises(CorruptCheckpointError, match="model.safetensors.index.json.* not a regular file"), within(10):
+        read_index(str(tmp_path / "model.safetensors.index.json"))
 
 
 @pytest.mark.parametrize("kind", ["fifo", "link"])

@@ -7,6 +7,7 @@ from .errors import (
     CheckpointSaveError,
     ConfigError,
     CorruptCheckpointError,
+    PartialLoadError,
     StagingMismatchError,
 )
 from .manager import CheckpointManager
@@ -19,6 +20,7 @@ __all__ = [
     "CheckpointSaveError",
     "ConfigError",
     "CorruptCheckpointError",
+    "PartialLoadError",
     "StagingMismatchError",
     "load_config",
 ]

@@ -27,6 +27,23 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint's files exist but cannot be trusted: bad marker, bad metadata, unsafe content."""
 
 
+class PartialLoadError(CheckpointError):
+    """A load failed after it had begun changing the job's state in place: the storage failed (an
+    I/O error) or a file changed while it was read, or a state refused what was read. What this
+    package can check of a checkpoint is checked before the first tensor byte is written, so a
+    damaged or crafted checkpoint is refused before this point. The model and optimizer in
+    memory are now part one step, part what they were: the manager refuses to save them until a
+    load succeeds."""
+
+    def __init__(self, path: str, cause: BaseException):
+        self.path = path
+        self.cause = cause
+        super().__init__(f"loading {path} failed after it had begun writing the job's tensors in place "
+                         f"({type(cause).__name__}: {cause}); the model and optimizer in memory are now part "
+                         "that step, part what they were: do not train or save them; load a step again, or "
+                         "restart the job")
+
+
 class AdapterMismatchError(CheckpointError, KeyError):
     """The tensors of a state dict or checkpoint are not the ones a state-dict adapter maps:
     names it does not know, names it expects and does not find, or shapes other than the model

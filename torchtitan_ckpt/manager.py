@@ -27,6 +27,7 @@ from .errors import (
     CheckpointSaveError,
     ConfigError,
     CorruptCheckpointError,
+    PartialLoadError,
     RankFailed,
 )
 from .group import CheckpointGroup
@@ -37,7 +38,7 @@ from .io.dtypes import EXPORT_DTYPES
 from .io.filewriter import Sink
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
 from .staging import SaveJob, make_strategy
-from .states import DataLoaderState, LRSchedulerState, ModelState, OptimizerState, saved_dp_degree
+from .states import CheckedState, DataLoaderState, LRSchedulerState, ModelState, OptimizerState, saved_dp_degree
 from .storage.base import Store
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ class CheckpointManager:
         self._model = ModelState(parts)
         self._parameters = self._model.parameter_names()
         self._closed = False
+        self._half_loaded: PartialLoadError | None = None
+        """Set by a load that failed once it had begun changing the job's state; saves refuse."""
         self._hooks: list = []
         self._group = CheckpointGroup(process_group, config.collective_timeout_s) if config.enable else None
         rank, world_size = (self._group.rank, self._group.world_size) if self._group else (0, 1)
@@ -213,6 +216,8 @@ class CheckpointManager:
             raise CheckpointError("save() called after close()")
         if not self.config.enable:
             return False
+        if self._half_loaded is not None:
+            raise CheckpointError(f"save({step}) refused: the job's state is not one step's ({self._half_loaded})")
         kind = save_kind(step, last_step, self.config)
         fmt = save_format(kind, self.config)
         if kind is not None:
@@ -353,32 +358,48 @@ class CheckpointManager:
         return True
 
     def _read(self, target: _LoadTarget) -> None:
-        """Each rank reads its own share of the step (the model's tensors are filled in place,
-        the other states' into their state dicts), then one gather makes any rank's failure every
-        rank's failure before any state is applied."""
+        """Each rank checks its share of the step and reads its values, the states check them,
+        and every rank agrees before any tensor is written (`StepFormat.read`); then each rank
+        fills its tensors in place, one gather makes any rank's failure every rank's, and the
+        states take what was read. A failure once tensors are being written leaves the job's
+        state undefined: `PartialLoadError` on every rank, and `save()` refuses until a load
+        succeeds."""
         state = self._state_for_load(target)
+        self._half_loaded = None
         try:
-            self._group.run(lambda: target.format.read(target.path, target.index, state, target.store))
+            self._group.run(lambda: target.format.read(target.path, target.index, state, target.store,
+                                                       lambda: self._check_loaded(state, target.path)))
             self._group.run(lambda: self._apply(state, target.path))
         except RankFailed as failed:
-            failed.reraise(f"loading {target.path}")
+            if PartialLoadError.__name__ not in failed.kinds:
+                failed.reraise(f"loading {target.path}")
+            own = failed.error if isinstance(failed.error, PartialLoadError) else None
+            self._half_loaded = own or PartialLoadError(target.path, failed)
+            raise self._half_loaded from failed.error
+
+    def _check_loaded(self, state: dict[str, Any], path: str) -> None:
+        """Whether each state takes the values read for it, before any of the load is applied."""
+        for name, stateful in self._states.items():
+            if name in state and isinstance(stateful, CheckedState):
+                try:
+                    stateful.check_loaded(state[name])
+                except CheckpointError:
+                    raise
+                except Exception as e:
+                    raise _cannot_apply(path, name, e) from e
 
     def _apply(self, state: dict[str, Any], path: str) -> None:
-        """Hand what was read to the states. A state that cannot take it (damaged bytes, a value
-        of the wrong shape) is a `CorruptCheckpointError` naming the state. The dataloader's bytes
-        are decoded here, so it goes first: its failure leaves the other states untouched."""
-        self._model.load_state_dict({k: v for k, v in state.items() if k not in self._states})
-        for name in sorted(self._states, key=lambda n: not isinstance(self._states[n], DataLoaderState)):
-            if name not in state:
-                continue
-            try:
-                self._states[name].load_state_dict(state[name])
-            except CheckpointError:
-                raise
-            except Exception as e:
-                raise CorruptCheckpointError(
-                    f"{path}: its '{name}' state cannot be applied to this job ({type(e).__name__}: {e}); "
-                    f"load another step, or add '{name}' to checkpoint.exclude_from_loading") from e
+        """Hand what was read to the states (checked by `_check_loaded`). A state that still
+        cannot take it (a job's own state, or a dataloader, refusing its values) is a
+        `PartialLoadError`: the model's tensors are loaded by now."""
+        name = "model"
+        try:
+            self._model.load_state_dict({k: v for k, v in state.items() if k not in self._states})
+            for name in sorted(self._states, key=lambda n: not isinstance(self._states[n], DataLoaderState)):
+                if name in state:
+                    self._states[name].load_state_dict(state[name])
+        except Exception as e:
+            raise PartialLoadError(path, e if isinstance(e, CheckpointError) else _cannot_apply(path, name, e)) from e
 
     def _find_load_target(self, step: int) -> _LoadTarget | None:
         folders = self._store.scan(self.folder)
@@ -515,6 +536,12 @@ class CheckpointManager:
             logger.warning("the dataloader state was saved by %d data-parallel ranks and this job has %d; "
                            "the dataloader starts from the beginning", degree, loader.dp_world_size)
         return False
+
+
+def _cannot_apply(path: str, name: str, error: Exception) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{path}: its '{name}' state cannot be applied to this job ({type(error).__name__}: {error}); "
+        f"load another step, or add '{name}' to checkpoint.exclude_from_loading")
 
 
 def _not_loadable(folder: layout.StepFolder) -> str:

@@ -36,7 +36,15 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
 
 
-class ModelState(Stateful):
+class CheckedState(Stateful):
+    """One of this package's states: it can tell whether what a load read for it is something
+    its `load_state_dict` takes, before the load changes anything (`check_loaded`)."""
+
+    def check_loaded(self, state_dict: dict[str, Any]) -> None:
+        """Raise unless `load_state_dict(state_dict)` would take the values just read."""
+
+
+class ModelState(CheckedState):
     """All model parts as one flat state dict: what each part's own `state_dict()` holds (its
     state-dict hooks included, so a model that fuses `wq`/`wk`/`wv` into one parameter still
     saves them apart), keys without wrapper segments; DTensors stay sharded."""
@@ -71,7 +79,7 @@ def _memory(t: torch.Tensor) -> tuple:
     return local.device, local.dtype, local.data_ptr(), tuple(local.shape), local.stride()
 
 
-class OptimizerState(Stateful):
+class OptimizerState(CheckedState):
     """Optimizers keyed by parameter name, in TorchTitan's layout, so the state reshards on load
     and TorchTitan's `CheckpointManager` reads it: `state.{fqn}.{name}` for each state tensor
     and `param_groups.{fqn}.{setting}` for each setting of the parameter's group (what
@@ -105,8 +113,13 @@ class OptimizerState(Stateful):
     def state_dict_to_load(self, saved_keys: Collection[str]) -> dict[str, Any]:
         """What to load from a checkpoint holding `saved_keys` (relative to this state): every
         state tensor, and the settings the checkpoint has (a setting a newer PyTorch added
-        keeps its present value)."""
+        keeps its present value). An optimizer that has no state yet is left without one (its
+        state is made here to be read into and is given to it when the load is applied), so a
+        load refused before then leaves it as it was."""
+        fresh = [opt for opt in self.optimizers if not opt.state]
         sd = self.state_dict()
+        for opt in fresh:
+            opt.state.clear()
         sd["param_groups"] = {fqn: {k: v for k, v in settings.items() if f"param_groups.{fqn}.{k}" in saved_keys}
                               for fqn, settings in sd["param_groups"].items()}
         bare = [fqn for fqn, settings in sd["param_groups"].items() if not settings]
@@ -119,7 +132,7 @@ class OptimizerState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for opt, names in self.named:
             current = opt.state_dict()
-            state = {index: state_dict["state"][names[index]] for index in current["state"]}
+            state = {index: state_dict["state"][name] for index, name in enumerate(names) if name in state_dict["state"]}
             groups = [{**group, **state_dict["param_groups"].get(names[group["params"][0]], {})} if group["params"]
                       else group for group in current["param_groups"]]
             opt.load_state_dict({"state": state, "param_groups": groups})
@@ -139,7 +152,7 @@ def _parameter_names(parts: Sequence[nn.Module], opt: torch.optim.Optimizer) -> 
     return [names[id(p)] for p in params]
 
 
-class LRSchedulerState(Stateful):
+class LRSchedulerState(CheckedState):
     """Learning-rate schedulers as TorchTitan's `LRSchedulersContainer` keeps them: they step
     together, so the first one's `state_dict()` is saved (`last_epoch`, `base_lrs`, ... at the
     top of the state: TorchTitan 0.2.2's layout, whose `last_epoch` is all 0.3.0 reads).
@@ -162,6 +175,11 @@ class LRSchedulerState(Stateful):
                                   "checkpoint.exclude_from_loading to start it fresh")
         return {k: v for k, v in self.state_dict().items() if any(s == k or s.startswith(k + ".") for s in saved_keys)}
 
+    def check_loaded(self, state_dict: dict[str, Any]) -> None:
+        for key in ("last_epoch", "_step_count"):
+            if key in state_dict and type(state_dict[key]) is not int:
+                raise CorruptCheckpointError(f"lr_scheduler.{key} is {state_dict[key]!r}, not a step count")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for scheduler in self.schedulers:
             own = scheduler.state_dict()
@@ -176,7 +194,7 @@ class LRSchedulerState(Stateful):
 _PER_SCHEDULER = ("base_lrs", "_last_lr")
 
 
-class DataLoaderState(Stateful):
+class DataLoaderState(CheckedState):
     """A `StatefulDataLoader`'s position per data-parallel rank, as TorchTitan's
     `ParallelAwareDataloader` saves it: `dp_rank_{r}` holds the pickled `state_dict()` of rank
     r's loader and `world_size` the data-parallel degree. Ranks that share a data-parallel rank
@@ -201,14 +219,24 @@ class DataLoaderState(Stateful):
             return self.dataloader.state_dict()
         return {self.key: pickle.dumps(self.dataloader.state_dict()), "world_size": self.dp_world_size}
 
+    def check_loaded(self, state_dict: dict[str, Any]) -> None:
+        self._position(state_dict)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        position = self._position(state_dict)
+        # TorchTitan's loader unpickles the entry itself: it is known to be plain data by now
+        self.dataloader.load_state_dict(state_dict if self.own_layout else position)
+
+    def _position(self, state_dict: dict[str, Any]) -> Any:
+        """This rank's loader state, unpickled without running code."""
+        data = state_dict[self.key]
+        if not isinstance(data, bytes):
+            raise CorruptCheckpointError(f"dataloader.{self.key} is a {type(data).__name__}, not a pickle")
         try:
-            position = load_plain_pickle(state_dict[self.key])
+            return load_plain_pickle(data)
         except pickle.UnpicklingError as e:
             raise CorruptCheckpointError(f"dataloader.{self.key} is not plain data and loading it could "
                                          f"run code; refused ({e})") from None
-        # TorchTitan's loader unpickles the entry itself: it is known to be plain data by now
-        self.dataloader.load_state_dict(state_dict if self.own_layout else position)
 
 
 DP_RANK_PREFIX = "dp_rank_"

@@ -10,6 +10,7 @@ data or go through `torch.load(weights_only=True)` (DCP itself uses `weights_onl
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import io
 import logging
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
+    LoadItemType,
     LoadPlan,
     LoadPlanner,
     ReadItem,
@@ -49,7 +51,7 @@ from ..io.checksum import crc32
 from ..policy.split import balanced_groups
 from .planner import DedupSavePlanner, PlanCache
 from .validate import check_metadata
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, PartialLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -119,19 +121,27 @@ class SafeFileSystemReader(FileSystemReader):
     """DCP's file-system reader with a metadata read that refuses anything but DCP's own classes,
     and items read by `reader.ItemReader` on `threads` threads, straight into their destinations.
 
+    Every item is checked and every non-tensor value read before any tensor is written (with
+    `fast=False` too, where PyTorch's engine then reads the tensors). `agree(checks)` runs
+    those checks: on every rank together, so that no rank writes a tensor before every rank's
+    checks passed, when the caller passes a collective. A failure after them (the storage
+    failing, a file changed while it is read) is a `PartialLoadError`.
+
     `metadata`, when the caller has already read the folder's `.metadata`, is used instead of
     reading it again. `before_read`, when given, hears of the byte ranges this rank's plan reads
     ({data file: [(offset, length)]}) before any is read (a remote store fetches them).
     """
 
     def __init__(self, path: str, metadata: Metadata | None = None, threads: int = 1, fast: bool = True,
-                 before_read: Callable[[dict[str, list[tuple[int, int]]]], None] | None = None):
+                 before_read: Callable[[dict[str, list[tuple[int, int]]]], None] | None = None,
+                 agree: Callable[[Callable[[], None]], None] | None = None):
         super().__init__(path)
         self.fs = _ReadOnlyRegularFiles()
         self._metadata = metadata
         self.threads = threads
         self.fast = fast
         self.before_read = before_read
+        self._agree = agree or (lambda checks: checks())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -145,14 +155,29 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Items DCP stored through a transform (compression) are not checked before: PyTorch's
+        engine reads them last."""
         if self.before_read is not None:
             ranges: dict[str, list[tuple[int, int]]] = {}
             for info in (self.storage_data[req.storage_index] for req in plan.items):
                 ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
             self.before_read(ranges)
-        if not self.fast or any(self.storage_data[req.storage_index].transform_descriptors for req in plan.items):
-            return super().read_data(plan, planner)  # PyTorch's engine, or compressed or otherwise transformed items
-        reader.ItemReader(str(self.path), self.storage_data, self.threads).read(plan.items, planner)
+        plain = [r for r in plan.items if not self.storage_data[r.storage_index].transform_descriptors]
+        items = reader.ItemReader(str(self.path), self.storage_data, self.threads)
+        try:
+            self._agree(lambda: items.check(plain, planner))
+            try:
+                if self.fast:
+                    items.fill(planner)
+                else:  # the values are read: PyTorch's engine reads the tensors
+                    rest = [r for r in plain if r.type != LoadItemType.BYTE_IO]
+                    super().read_data(dataclasses.replace(plan, items=rest), planner).wait()
+                if transformed := [r for r in plan.items if self.storage_data[r.storage_index].transform_descriptors]:
+                    super().read_data(dataclasses.replace(plan, items=transformed), planner).wait()
+            except Exception as e:
+                raise PartialLoadError(str(self.path), e) from e
+        finally:
+            items.close()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -429,6 +454,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def flat_items(state: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(DCP key, value) of every leaf under nested dicts (DCP joins the keys with dots)."""
+    for key, value in state.items():
+        if isinstance(value, dict):
+            yield from flat_items(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
 def _local_chunk(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offsets, sizes) of this rank's part of `t` in the whole tensor, as DCP plans it."""
     if not isinstance(t, DTensor):
@@ -499,10 +533,11 @@ def make_storage_writer(path: str, sink: filewriter.Sink = filewriter.write_file
 
 def make_storage_reader(path: str, metadata: Metadata | None = None, threads: int = 1, fast: bool = True,
                         before_read: Callable[[dict[str, list[tuple[int, int]]]], None] | None = None,
-                        ) -> SafeFileSystemReader:
+                        agree: Callable[[Callable[[], None]], None] | None = None) -> SafeFileSystemReader:
     """Reader of a DCP folder on `threads` I/O threads (PyTorch's reads with `fast=False`);
-    pass `metadata` if it is already read, `before_read` as `SafeFileSystemReader` takes it."""
-    return SafeFileSystemReader(path, metadata, threads, fast, before_read)
+    pass `metadata` if it is already read, `before_read` and `agree` as
+    `SafeFileSystemReader` takes them."""
+    return SafeFileSystemReader(path, metadata, threads, fast, before_read, agree)
 
 
 def make_save_planner(policy: str = "balanced", min_slice_bytes: int = 1 << 20,

@@ -84,9 +84,16 @@ class StepFormat(ABC):
         a format fetches through it (`Store.fetch`, `fetch_ranges`) the files it reads."""
 
     @abstractmethod
-    def read(self, path: str, index: StepIndex, state: dict[str, Any], store: Store) -> None:
+    def read(self, path: str, index: StepIndex, state: dict[str, Any], store: Store,
+             check: Callable[[], None]) -> None:
         """Fill this rank's part of `state` (tensors in place, other values replaced) from the
-        step; raise on this rank's failure (the caller makes it every rank's)."""
+        step; raise on this rank's failure (the caller makes it every rank's).
+
+        Everything the format can check of the step is checked, and every value that is not a
+        tensor is read, before any tensor is written; then `check()` runs, and every rank's
+        checks are agreed on in one `group.run` that every rank joins once (a failure on any
+        rank there leaves every rank's tensors as they were). A failure once tensors are being
+        written is a `PartialLoadError`."""
 
     on_training_thread: bool = False
     """Whether saves must run on the training thread (their collectives use the training mesh)

@@ -10,7 +10,8 @@ no code run on load) are the same.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -18,7 +19,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from .. import faults
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, RankFailed
+from ..group import CheckpointGroup
 from ..dcp import storage
 from ..dcp.planner import PlanCache
 from ..io.filewriter import Sink, write_files
@@ -68,17 +70,59 @@ class DcpFormat(StepFormat):
                 tensors[key] = tuple(md.size)
         return StepIndex(tensors, frozenset(values), metadata)
 
-    def read(self, path: str, index: StepIndex, state: dict[str, Any], store: Store) -> None:
+    def read(self, path: str, index: StepIndex, state: dict[str, Any], store: Store,
+             check: Callable[[], None]) -> None:
         """Only the byte ranges this rank's load plan reads are fetched from `store`."""
-        missing = [k for k, v in state.items() if isinstance(v, torch.Tensor) and k not in index.tensors]
-        if missing:
-            raise CheckpointError(f"{path} lacks {len(missing)} model tensors this model has, "
-                                  f"e.g. {missing[:3]}; was it saved from a different model?")
-        ck = self.ctx.config
-        reader = storage.make_storage_reader(path, index.native, ck.load_threads, fast=ck.io_engine == "fast",
-                                             before_read=lambda ranges: store.fetch_ranges(path, ranges))
+        agreement = _Agreement(self.ctx.group, check, path)
         try:
+            _check_kinds(path, index, state)
+            ck = self.ctx.config
+            reader = storage.make_storage_reader(path, index.native, ck.load_threads, fast=ck.io_engine == "fast",
+                                                 before_read=lambda ranges: store.fetch_ranges(path, ranges),
+                                                 agree=agreement)
             storage.load_on_this_rank(state, reader, storage.make_load_planner())
-        except CheckpointException as e:  # a BaseException: unwrap it for the group's `run`
-            raise storage.root_cause(e) from None
+        except (Exception, CheckpointException) as e:  # a BaseException: unwrap it for the group's `run`
+            agreement.join_failed(storage.root_cause(e))
 
+
+def _check_kinds(path: str, index: StepIndex, state: dict[str, Any]) -> None:
+    """Every tensor of `state` is a tensor in the step, and every other value is not: DCP would
+    put a saved value in a tensor's place, or fail reading a tensor into a value."""
+    missing, swapped = [], []
+    for key, value in storage.flat_items(state):
+        is_tensor = isinstance(value, torch.Tensor)
+        if is_tensor and key in index.values or not is_tensor and key in index.tensors:
+            swapped.append(key)
+        elif is_tensor and key not in index.tensors:
+            missing.append(key)
+    if missing:
+        raise CheckpointError(f"{path} lacks {len(missing)} tensors this job has, e.g. {missing[:3]}; "
+                              "was it saved from a different model?")
+    if swapped:
+        raise CorruptCheckpointError(f"{path} holds a value where this job has a tensor, or the other way "
+                                     f"round, for {swapped[:3]}; the step is damaged or was not saved by this job")
+
+
+class _Agreement:
+    """The one round in which every rank's checks of a load are agreed on, before any rank writes
+    a tensor (`StepFormat.read`): the reader calls it with its checks; a rank that failed before
+    reaching it joins it with its failure, so that every rank joins it exactly once."""
+
+    def __init__(self, group: CheckpointGroup, check: Callable[[], None], path: str):
+        self.group, self.check, self.path = group, check, path
+        self.joined = False
+
+    def __call__(self, checks: Callable[[], None]) -> None:
+        self.joined = True
+        try:
+            self.group.run(lambda: (checks(), self.check()))
+        except RankFailed as failed:
+            failed.reraise(f"loading {self.path}")
+
+    def join_failed(self, error: BaseException) -> NoReturn:
+        """Raise `error`, after joining the round with it if this rank had not joined yet."""
+        if not self.joined:
+            def fail() -> None:
+                raise error
+            self(fail)
+        raise error from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
@@ -50,7 +51,7 @@ class HfFormat(StepFormat):
         self._adapter(path)
         return StepIndex()
 
-    def read(self, path: str, index: StepIndex, state: dict[str, Any], store: Store) -> None:
+    def read(self, path: str, index: StepIndex, state: dict[str, Any], store: Store,
+             check: Callable[[], None]) -> None:
         load_hf(state, store.fetch(path), self._adapter(path), process_group=self.ctx.group.pg,
-                num_threads=self.ctx.config.load_threads)
-
+                num_threads=self.ctx.config.load_threads, check=check)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import safetensors.torch
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from ..dcp.storage import dtensor_chunk
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..errors import RankFailed
+from ..errors import PartialLoadError, RankFailed
 from ..group import CheckpointGroup
 from .adapter import HFSource, StateDictAdapter, check_names, read_index
 from .files import INDEX_FILE, SINGLE_FILE
@@ -62,42 +63,58 @@ def read_hf_layout(hf_dir: str) -> dict[str, TensorEntry]:
 
 
 def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
-            process_group: Any | None = None, num_threads: int = 4) -> dict[str, Any]:
+            process_group: Any | None = None, num_threads: int = 4,
+            check: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Fill `state_dict` (our names; tensors or DTensors, read in place) from the HF folder
     `hf_dir`; call on every rank. Returns `state_dict`. Raises `AdapterMismatchError` naming
     the differing tensors, or `CheckpointError` naming wrong shapes or dtypes, before reading
-    any data, when the folder is not the adapter's. Up to `num_threads` threads read on each
-    rank, each its own stretch of the files front to back (`checkpoint.load_threads` in the
-    manager): a few sequential streams keep a disk busier than one (one reads when most bytes
-    need a buffer, e.g. a checkpoint in another dtype, since the threads would take turns at it)."""
+    any data, when the folder is not the adapter's: every rank's checks (and the caller's
+    `check()`) pass before any rank writes a tensor, and a failure after that is a
+    `PartialLoadError`. Up to `num_threads` threads read on each rank, each its own stretch of
+    the files front to back (`checkpoint.load_threads` in the manager): a few sequential
+    streams keep a disk busier than one (one reads when most bytes need a buffer, e.g. a
+    checkpoint in another dtype, since the threads would take turns at it)."""
     if num_threads < 1:
         raise ValueError(f"load_hf: num_threads = {num_threads}; expected 1 or more")
     start = time.perf_counter()
     group = CheckpointGroup(process_group or (dist.group.WORLD if dist.is_initialized() else None))
-
-    def check_and_read() -> tuple[int, int]:
-        sources = adapter.hf_sources(state_dict)
-        if sources is None:  # an adapter of whole tensors only (`ForeignAdapter`)
-            return _read_through(state_dict, hf_dir, adapter)
-        layout = check_hf_dir(state_dict, hf_dir, sources)
-        with torch.no_grad():
-            reads, seen = [], set()
-            for name, source in sources.items():
-                where = _memory(state_dict[name])
-                if where not in seen:  # tied weights: one tensor's memory under two names
-                    seen.add(where)
-                    reads += plan_reads(name, state_dict[name], source, layout)
-            return read_all(reads, num_threads), sum(e.nbytes for e in layout.values())
-
+    planned: list[tuple[Callable[[], int], int]] = []
     try:  # every rank raises if one failed: its own error, or one naming the failing rank
-        nbytes, total = group.run(check_and_read)[group.rank]
+        group.run(lambda: (planned.append(_checked(state_dict, hf_dir, adapter, num_threads)), check()))
     except RankFailed as failed:
         failed.reraise(f"reading {hf_dir}")
+    fill, total = planned[0]
+    try:
+        nbytes = group.run(fill)[group.rank]
+    except RankFailed as failed:
+        raise PartialLoadError(hf_dir, failed.error or failed) from failed.error
     secs = time.perf_counter() - start
     if group.is_coordinator:
         logger.info("loaded %s: %.3f GB (%.3f GB read by rank 0) in %.2f s, %.2f GB/s per rank", hf_dir,
                     total / 1e9, nbytes / 1e9, secs, nbytes / 1e9 / max(secs, 1e-9))
     return state_dict
+
+
+def _checked(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
+             num_threads: int) -> tuple[Callable[[], int], int]:
+    """Check `hf_dir` against `state_dict` and plan this rank's reads, writing nothing. Returns
+    the function that reads them (returning the bytes read) and the bytes in the folder."""
+    sources = adapter.hf_sources(state_dict)
+    if sources is None:  # an adapter of whole tensors only (`ForeignAdapter`)
+        return _read_through(state_dict, hf_dir, adapter)
+    layout = check_hf_dir(state_dict, hf_dir, sources)
+    with torch.no_grad():
+        reads, seen = [], set()
+        for name, source in sources.items():
+            where = _memory(state_dict[name])
+            if where not in seen:  # tied weights: one tensor's memory under two names
+                seen.add(where)
+                reads += plan_reads(name, state_dict[name], source, layout)
+
+    def fill() -> int:
+        with torch.no_grad():
+            return read_all(reads, num_threads)
+    return fill, sum(e.nbytes for e in layout.values())
 
 
 def check_hf_dir(state_dict: dict[str, Any], hf_dir: str, sources: dict[str, HFSource]
@@ -110,10 +127,10 @@ def check_hf_dir(state_dict: dict[str, Any], hf_dir: str, sources: dict[str, HFS
     return layout
 
 
-def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any) -> tuple[int, int]:
+def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any) -> tuple[Callable[[], int], int]:
     """For an adapter that converts whole tensors only (`ForeignAdapter`): every rank reads
-    every tensor whole, converts them with `from_hf` and copies its own part of each into
-    `state_dict`. Returns (bytes read, bytes in the folder)."""
+    every tensor whole and converts them with `from_hf`; the function returned copies its own
+    part of each into `state_dict`. Returns it and the bytes in the folder (all read)."""
     layout = read_hf_layout(hf_dir)
     hf: dict[str, torch.Tensor] = {}
     for path in sorted({entry.path for entry in layout.values()}):
@@ -124,14 +141,17 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any) -> tupl
              for k, v in state_dict.items() if tuple(ours[k].shape) != tuple(v.shape)]
     if wrong:
         raise CheckpointError(f"{hf_dir} does not fit this model: {'; '.join(wrong)}")
-    with torch.no_grad():
-        for name, dest in state_dict.items():
-            offsets, sizes = dtensor_chunk(tuple(dest.shape), dest.device_mesh, tuple(dest.placements)) \
-                if isinstance(dest, DTensor) else ((0,) * dest.dim(), tuple(dest.shape))
-            local = dest.to_local() if isinstance(dest, DTensor) else dest
-            local.copy_(ours[name][tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
     nbytes = sum(entry.nbytes for entry in layout.values())
-    return nbytes, nbytes
+
+    def fill() -> int:
+        with torch.no_grad():
+            for name, dest in state_dict.items():
+                offsets, sizes = dtensor_chunk(tuple(dest.shape), dest.device_mesh, tuple(dest.placements)) \
+                    if isinstance(dest, DTensor) else ((0,) * dest.dim(), tuple(dest.shape))
+                local = dest.to_local() if isinstance(dest, DTensor) else dest
+                local.copy_(ours[name][tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
+        return nbytes
+    return fill, nbytes
 
 
 def _memory(t: torch.Tensor) -> tuple:

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError
 from ..dcp.storage import dtensor_chunk
+from ..io import safe_open
 from ..policy.split import in_order_runs, share
 from .adapter import LOCAL_PLACEMENTS, HFSource
 from .safetensors_io import TensorEntry, read_exact
@@ -170,7 +171,8 @@ def read_all(reads: list[Read], num_threads: int) -> int:
                 if failed.is_set():
                     return
                 if r.path not in fds:
-                    fds[r.path] = os.open(r.path, os.O_RDONLY)
+                    fds[r.path] = safe_open.open_fd(os.path.dirname(r.path), os.path.basename(r.path),
+                                                    "a safetensors file")
                 _read(r, fds[r.path], scratch)
         except BaseException:
             failed.set()

@@ -9,6 +9,10 @@ destination tensor (through a bounded temporary when the destination is a non-co
 another dtype or another device). A non-tensor value is unpickled from the archive's first
 record with no globals allowed. An archive of any other shape goes through
 `torch.load(weights_only=True)`, as DCP does.
+
+Every item is checked, and every value read, before the first tensor byte is written
+(`ItemReader`): the destinations are the job's own tensors, and a damaged item found halfway
+would leave them part one step, part another.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ import logging
 import os
 import pickle
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
@@ -35,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 _WINDOW = 4096
 """Bytes read at once at each end of an item: its zip directory and header records fit in them."""
+_AHEAD = 64
+"""Items whose ends the first pass asks the kernel for ahead of the one it checks."""
 _PIECE_BYTES = 4 << 20
 """Largest temporary buffer of one indirect tensor copy, per thread."""
 
@@ -60,6 +67,25 @@ class _Cursor:
 
     def close(self) -> None:
         os.close(self.fd)
+
+    def prefetch(self, places: Sequence) -> None:
+        """Ask the kernel to start reading, in the background, the few KB at each end of the
+        items at `places` (DCP's `_StorageInfo`s, in offset order) that the first pass reads:
+        on a cold cache it then waits on many small reads at once rather than on one after the
+        other. An item's end and the next one's start are one range; ranges that touch, one call."""
+        if not hasattr(os, "posix_fadvise"):  # macOS
+            return
+        ranges: list[list[int]] = []
+        for p in places:
+            end = p.offset + p.length
+            for start, stop in [(p.offset, p.offset + 2 * _WINDOW), (end - _WINDOW, end + 2 * _WINDOW)]:
+                start, stop = max(start, p.offset), min(stop, self.size)
+                if ranges and start <= ranges[-1][1]:
+                    ranges[-1][1] = max(ranges[-1][1], stop)
+                elif stop > start:
+                    ranges.append([start, stop])
+        for start, stop in ranges:
+            os.posix_fadvise(self.fd, start, stop - start, os.POSIX_FADV_WILLNEED)
 
     def read(self, at: int, n: int) -> bytes:
         """Up to `n` bytes from `at` (fewer at the end of the file)."""
@@ -213,13 +239,37 @@ def _region(saved: SavedTensor, req: ReadItem) -> _Region | None:
     return _Region(view.size(), view.stride(), view.storage_offset(), view.is_contiguous())
 
 
+@dataclass
+class _Planned:
+    """A tensor item, checked: where its bytes go, and how to read them (`located` None: through
+    `torch.load`)."""
+
+    item: _Item
+    req: ReadItem
+    dest: torch.Tensor
+    located: _Located | None = None
+    region: _Region | None = None
+
+
+@dataclass
+class _Run:
+    cursor: _Cursor
+    planned: list[_Planned]
+
+
 class ItemReader:
     """Reads a load plan's items from a checkpoint folder into the planner's destinations.
 
     `storage_data` maps each item's storage index to DCP's `_StorageInfo` (relative path, offset,
-    length). Each file's items are read in offset order; the plan is cut into runs of about
-    total / `threads` bytes, read in parallel. Planner calls are serialised by a lock; the first
-    failure stops every run at its next item.
+    length). The read has two passes, so that what a checkpoint holds can fail a load only
+    before any destination is written (destinations are the model's own tensors, filled in
+    place): `check` opens every file, checks every item against its file and its tensor header
+    (a few KB at each end of an item) and reads every non-tensor value; `fill` reads the
+    tensors' bytes through the descriptors `check` opened. What can still fail in `fill` is the
+    storage itself (an I/O error, a file cut short or changed since `check`). Each file's items
+    are read in offset order; the plan is cut into runs of about total / `threads` bytes, each
+    pass reading the runs in parallel. Planner calls are serialised by a lock; the first
+    failure stops every run at its next item. `close` closes the files.
     """
 
     def __init__(self, root: str, storage_data: dict, threads: int):
@@ -227,20 +277,34 @@ class ItemReader:
         self._lock = threading.Lock()
         self._failed = threading.Event()
         self._headers: dict[bytes, SavedTensor] = {}
+        self._cursors: list[_Cursor] = []
+        self._checked: list[_Run] = []
 
-    def read(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
-        runs = self._runs(items)
-        if self.threads == 1 or len(runs) == 1:
-            for rel, run in runs:
-                self._read_run(rel, run, planner)
-            return
+    def check(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
+        """The first pass: open every file of `items`, check every item, hand every non-tensor
+        value to the planner; no tensor is written."""
+        self._checked = self._each(lambda run: self._check_run(*run, planner), self._runs(items))
+
+    def fill(self, planner: LoadPlanner) -> None:
+        """The second pass: read the checked tensors into their destinations."""
+        self._each(lambda run: self._fill_run(run, planner), self._checked)
+
+    def close(self) -> None:
+        for cursor in self._cursors:
+            cursor.close()
+        self._cursors.clear()
+
+    def _each(self, fn: Callable[[Any], Any], jobs: list) -> list:
+        """`fn` of each job, on up to `threads` threads; the first failure stops the others."""
+        if self.threads == 1 or len(jobs) <= 1:
+            return [fn(job) for job in jobs]
         with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-load") as pool:
-            futures = [pool.submit(self._read_run, rel, run, planner) for rel, run in runs]
+            futures = [pool.submit(fn, job) for job in jobs]
             try:
-                for f in futures:
-                    f.result()
-            finally:
-                self._failed.set()  # a no-op once every run is done
+                return [f.result() for f in futures]
+            except BaseException:
+                self._failed.set()
+                raise
 
     def _runs(self, items: Sequence[ReadItem]) -> list[tuple[str, list[ReadItem]]]:
         """Each file's items in offset order, cut into runs of about total / threads bytes."""
@@ -255,65 +319,95 @@ class ItemReader:
                    for rel, reqs in by_file.items()}
         return [(rel, run) for rel, reqs in ordered.items() for run in in_order_runs(reqs, length, target)]
 
-    def _read_run(self, rel: str, run: list[ReadItem], planner: LoadPlanner) -> None:
-        cursor = _Cursor(self.root, rel)
+    def _check_run(self, rel: str, run: list[ReadItem], planner: LoadPlanner) -> _Run:
+        """The first pass over a run: nothing is written to a destination."""
         try:
-            for req in run:
+            cursor = _Cursor(self.root, rel)
+            with self._lock:
+                self._cursors.append(cursor)
+            places = [self.storage_data[req.storage_index] for req in run]
+            cursor.prefetch(places[:_AHEAD])
+            planned = []
+            for k, req in enumerate(run):
                 if self._failed.is_set():
-                    return
-                info = self.storage_data[req.storage_index]
+                    break
+                if k % _AHEAD == 0:  # one batch ahead of the checks
+                    cursor.prefetch(places[k + _AHEAD : k + 2 * _AHEAD])
+                info = places[k]
                 item = _Item(cursor, info.offset, info.length, req.storage_index.fqn)
                 if info.offset + info.length > cursor.size:  # before any buffer of that length
                     raise item.fail(f"is cut short: the file ends at byte {cursor.size}, "
                                     f"{info.offset + info.length - cursor.size} bytes early")
                 if req.type == LoadItemType.BYTE_IO:
-                    data = item.read(0, item.length)
-                    with self._lock:
-                        try:
-                            planner.load_bytes(req, io.BytesIO(data))
-                        except Exception as e:  # torch.load's errors on damaged bytes are of any class
-                            raise item.fail(f"is not a value this load can read ({type(e).__name__}: {e})") from e
+                    self._read_value(item, req, planner)
                 else:
-                    self._read_tensor(item, req, planner)
+                    planned.append(self._check_tensor(item, req, planner))
+            return _Run(cursor, planned)
         except BaseException:
             self._failed.set()
             raise
-        finally:
-            cursor.close()
 
-    def _read_tensor(self, item: _Item, req: ReadItem, planner: LoadPlanner) -> None:
+    def _fill_run(self, run: _Run, planner: LoadPlanner) -> None:
+        """The second pass over a run: its tensors' bytes, into their destinations."""
         try:
-            located = item.locate(self._headers)
-        except Unrecognised as e:
-            return self._read_tensor_with_torch_load(item, req, planner, e)
-        saved = located.saved
-        if not _fits(saved):
-            raise item.fail(f"has a header whose view (size {list(saved.size)}, stride {list(saved.stride)}, "
-                            f"offset {saved.storage_offset}) runs past its {saved.storage_numel} stored elements")
-        region = _region(saved, req)
-        if region is None:
-            raise item.fail(f"does not hold the region {list(req.storage_offsets)} + {list(req.lengths)} "
-                            f"the checkpoint's metadata says (it holds {list(saved.size)})")
+            for p in run.planned:
+                if self._failed.is_set():
+                    return
+                if p.located is None:
+                    p.dest.copy_(self._load_with_torch(p.item, p.req, p.dest))
+                else:
+                    self._read_tensor(p)
+                with self._lock:
+                    planner.commit_tensor(p.req, p.dest)
+        except BaseException:
+            self._failed.set()
+            raise
+
+    def _read_value(self, item: _Item, req: ReadItem, planner: LoadPlanner) -> None:
+        data = item.read(0, item.length)
+        with self._lock:
+            try:
+                planner.load_bytes(req, io.BytesIO(data))
+            except Exception as e:  # torch.load's errors on damaged bytes are of any class
+                raise item.fail(f"is not a value this load can read ({type(e).__name__}: {e})") from e
+
+    def _check_tensor(self, item: _Item, req: ReadItem, planner: LoadPlanner) -> _Planned:
+        """The item's header and zip directory checked against the metadata's region and the
+        destination; an archive of another shape is loaded once with `torch.load` to check it."""
         with self._lock:
             dest = planner.resolve_tensor(req).detach()
-        if dest.size() != region.size:
-            raise item.fail(f"holds {list(region.size)} where the destination is {list(dest.size())}")
-        if (region.contiguous and dest.is_contiguous() and dest.dtype == saved.dtype
+        try:
+            located = item.locate(self._headers)
+            saved = located.saved
+            if not _fits(saved):
+                raise item.fail(f"has a header whose view (size {list(saved.size)}, stride {list(saved.stride)}, "
+                                f"offset {saved.storage_offset}) runs past its {saved.storage_numel} stored elements")
+            region = _region(saved, req)
+            if region is None:
+                raise item.fail(f"does not hold the region {list(req.storage_offsets)} + {list(req.lengths)} "
+                                f"the checkpoint's metadata says (it holds {list(saved.size)})")
+            if dest.size() != region.size:
+                raise item.fail(f"holds {list(region.size)} where the destination is {list(dest.size())}")
+            item.confirm(located)
+        except Unrecognised as e:  # not the archive it looked like: read it the slow way
+            logger.debug("%s: item '%s' read with torch.load (%s)", item.cursor.path, item.what, e)
+            self._load_with_torch(item, req, dest)
+            return _Planned(item, req, dest)
+        return _Planned(item, req, dest, located, region)
+
+    @staticmethod
+    def _read_tensor(p: _Planned) -> None:
+        saved, dest = p.located.saved, p.dest
+        if (p.region.contiguous and dest.is_contiguous() and dest.dtype == saved.dtype
                 and dest.device.type == "cpu"):
             if dest.numel():
-                item.readinto(located.start + region.offset * saved.dtype.itemsize, _bytes_of(dest))
+                p.item.readinto(p.located.start + p.region.offset * saved.dtype.itemsize, _bytes_of(dest))
         else:
-            _copy_pieces(item, located.start, region.view(saved), dest)
-        try:
-            item.confirm(located)
-        except Unrecognised as e:  # not the archive it looked like: read it the slow way after all
-            return self._read_tensor_with_torch_load(item, req, planner, e)
-        with self._lock:
-            planner.commit_tensor(req, dest)
+            _copy_pieces(p.item, p.located.start, p.region.view(saved), dest)
 
-    def _read_tensor_with_torch_load(self, item: _Item, req: ReadItem, planner: LoadPlanner,
-                                     why: Unrecognised) -> None:
-        logger.debug("%s: item '%s' read with torch.load (%s)", item.cursor.path, item.what, why)
+    @staticmethod
+    def _load_with_torch(item: _Item, req: ReadItem, dest: torch.Tensor) -> torch.Tensor:
+        """The region `req` reads of the item, loaded with `torch.load(weights_only=True)`."""
         try:
             tensor = torch.load(io.BytesIO(item.read(0, item.length)), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
@@ -327,13 +421,9 @@ class ItemReader:
         except RuntimeError:
             raise item.fail(f"does not hold the region {list(req.storage_offsets)} + {list(req.lengths)} "
                             f"the checkpoint's metadata says (it holds {list(tensor.size())})") from None
-        with self._lock:
-            dest = planner.resolve_tensor(req).detach()
         if dest.size() != tensor.size():
             raise item.fail(f"holds {tuple(tensor.size())} where the destination is {tuple(dest.size())}")
-        dest.copy_(tensor)
-        with self._lock:
-            planner.commit_tensor(req, dest)
+        return tensor
 
 
 def _copy_pieces(item: _Item, start: int, region: torch.Tensor, dest: torch.Tensor) -> None:
