@@ -39,16 +39,16 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor
 
 from ..io import durable, posio, safe_open
 from .. import faults
+from ..dcp.storage import dtensor_chunk
 from ..errors import ConsolidationError, CorruptCheckpointError, InvalidShardsError, RankFailed
 from ..group import CheckpointGroup
 from ..policy.split import byte_ranges
@@ -59,6 +59,9 @@ logger = logging.getLogger(__name__)
 
 ProgressFn = Callable[[int, int], None]
 """`progress(nbytes, total)`: `nbytes` more bytes written, of `total` this rank writes."""
+PrepareFn = Callable[[], list[str]]
+"""Run by rank 0 before the output files are created (to clear the folder, write `config.json`):
+returns the paths of the files it wrote, which rank 0 fsyncs before the index is written."""
 
 CHUNK_BYTES = 16 << 20
 HEADER_ALIGN = 8
@@ -381,9 +384,9 @@ class _Writer:
             self.progress(nbytes, self.total)
 
 
-def _create_files(output_dir: str, files: Sequence[OutputFile]) -> None:
-    """Create every output file at its final size, with its header (run by one rank, which also
-    fsyncs them: the writers fsync only the files they write tensor bytes into)."""
+def _create_files(output_dir: str, files: Sequence[OutputFile], sync: Collection[str]) -> None:
+    """Create every output file at its final size, with its header (run by one rank, which
+    fsyncs those named in `sync` now and the others with the tensor bytes it writes into them)."""
     os.makedirs(output_dir, exist_ok=True)
     stale = os.path.join(output_dir, INDEX_FILE)
     if os.path.exists(stale):
@@ -393,16 +396,16 @@ def _create_files(output_dir: str, files: Sequence[OutputFile]) -> None:
         try:
             os.ftruncate(fd, f.size)
             posio.write_all(fd, memoryview(f.header), 0)
-            os.fsync(fd)
+            if f.name in sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
 
 
 def _write_index(output_dir: str, files: Sequence[OutputFile], specs: Mapping[str, TensorSpec]) -> None:
-    """Write the index atomically, after fsyncing the folder so the files it names are durable."""
+    """Write the index atomically (the folder, which names the files it lists, is durable)."""
     weight_map = dict(sorted((fqn, f.name) for f in files for fqn in f.starts))
     index = {"metadata": {"total_size": sum(s.nbytes for s in specs.values())}, "weight_map": weight_map}
-    durable.fsync_path(output_dir)
     durable.write_json(os.path.join(output_dir, INDEX_FILE), index, indent=2)
 
 
@@ -424,16 +427,30 @@ def _step(group: CheckpointGroup, what: str, fn: Callable[[], Any]) -> list[Any]
 
 def _write_everything(group: CheckpointGroup, output_dir: str, files: list[OutputFile],
                       specs: Mapping[str, TensorSpec], tasks: Sequence[Task], num_threads: int,
-                      memory: Mapping[str, memoryview] | None = None, progress: ProgressFn | None = None) -> float:
-    """Create (rank 0), fill (every rank), fsync, then index (rank 0). Returns the seconds taken."""
+                      memory: Mapping[str, memoryview] | None = None, progress: ProgressFn | None = None,
+                      prepare: PrepareFn | None = None) -> float:
+    """Create (rank 0, after `prepare`), fill (every rank), fsync, then index (rank 0). Each
+    file is fsynced once by each rank writing into it, after its last write; rank 0 also fsyncs
+    what `prepare` wrote and the folder while the others still write. Returns the seconds taken."""
     t0 = time.perf_counter()
-    _step(group, "creating the output files", lambda: _create_files(output_dir, files) if group.rank == 0 else None)
+    file_of = {fqn: f.name for f in files for fqn in f.starts}
+    own = sorted({file_of[t.block.fqn] for t in tasks})
+    small: list[str] = []
+
+    def create() -> None:
+        if group.rank == 0:
+            small.extend(prepare() if prepare is not None else [])
+            _create_files(output_dir, files, sync={f.name for f in files} - set(own))
 
     def fill() -> None:
-        for name in sorted(_Writer(output_dir, files, specs, memory, progress).run(tasks, num_threads)):
-            durable.fsync_path(os.path.join(output_dir, name))
+        _Writer(output_dir, files, specs, memory, progress).run(tasks, num_threads)
+        for path in [os.path.join(output_dir, name) for name in own] + small:
+            durable.fsync_path(path)
+        if group.rank == 0:
+            durable.fsync_path(output_dir)  # the files' names, before an index names them
         faults.hit_in("consolidate", output_dir)  # this rank's bytes are in, the index is not
 
+    _step(group, "creating the output files", create)
     _step(group, "writing tensor data", fill)
     _step(group, "writing the index", lambda: _write_index(output_dir, files, specs) if group.rank == 0 else None)
     seconds = time.perf_counter() - t0
@@ -484,36 +501,87 @@ def consolidate_safetensors(input_dir: str, output_dir: str, fqn_to_index_mappin
                     total / 1e9 / max(seconds, 1e-9))
 
 
+@dataclass(frozen=True)
+class OnePassPlan:
+    """A one-pass export the ranks agreed on: every tensor of it, in the model's order, and the
+    blocks this rank writes with their values (views of the state dict's tensors)."""
+
+    specs: dict[str, TensorSpec]
+    blocks: list[Block]
+    values: dict[str, torch.Tensor]
+
+
+def plan_one_pass(state_dict: Mapping[str, Any], group: CheckpointGroup,
+                  order: Sequence[str] | None = None) -> OnePassPlan:
+    """Agree, collectively, on what each rank writes: every rank describes the blocks it holds
+    (a pipeline stage's rank holds only its stage's tensors, each a block or all of it), the
+    descriptions are gathered, and each block is written by the lowest rank holding it. The
+    export's tensors follow `order` (HF names in the model's order, which the file split
+    follows), else the order the ranks list them in, rank by rank."""
+    held: dict[str, tuple[Block, tuple[int, ...], torch.Tensor]] = {}
+
+    def describe() -> list[tuple[Block, tuple[int, ...]]]:
+        for fqn, t in state_dict.items():
+            found = _local_block(fqn, t, _dtype_name(fqn, t))
+            if found is not None:
+                held[fqn] = (found[0], tuple(t.shape), found[1])
+        return [(block, shape) for block, shape, _ in held.values()]
+
+    every = _step(group, "planning the export", describe)
+    specs = agreed_specs(every, order)
+    first = writers(every)
+    mine = [found for found in held.values() if first[(found[0].fqn, found[0].offsets)] == group.rank]
+    return OnePassPlan(specs, [b for b, _, _ in mine if b.nbytes], {b.fqn: v for b, _, v in mine})
+
+
+def agreed_specs(every: Sequence[Sequence[tuple[Block, tuple[int, ...]]]],
+                 order: Sequence[str] | None = None) -> dict[str, TensorSpec]:
+    """The full tensors the ranks' blocks (`(block, full shape)` per rank) belong to, in `order`
+    (names it lacks last), else in the ranks' order. Raises `ValueError` naming the tensor when
+    two ranks disagree on its dtype or shape."""
+    specs: dict[str, TensorSpec] = {}
+    for rank, blocks in enumerate(every):
+        for block, shape in blocks:
+            spec = TensorSpec(block.fqn, block.dtype, shape)
+            if specs.setdefault(block.fqn, spec) != spec:
+                other = specs[block.fqn]
+                raise ValueError(f"tensor {block.fqn!r} is {spec.dtype} {list(shape)} on rank {rank} and "
+                                 f"{other.dtype} {list(other.shape)} on a lower rank; every rank must hold "
+                                 "the same model")
+    if order is not None:
+        position = {name: i for i, name in enumerate(order)}
+        specs = dict(sorted(specs.items(), key=lambda item: position.get(item[0], len(position))))
+    return specs
+
+
+def writers(every: Sequence[Sequence[tuple[Block, Any]]]) -> dict[tuple[str, tuple[int, ...]], int]:
+    """Each block's writer, by its tensor and offsets: the lowest rank holding it, so a block
+    on several ranks (a replicated tensor: on every rank of a pipeline stage, on every
+    tensor-parallel rank) is written once."""
+    first: dict[tuple[str, tuple[int, ...]], int] = {}
+    for rank, blocks in enumerate(every):
+        for block, _ in blocks:
+            first.setdefault((block.fqn, block.offsets), rank)
+    return first
+
+
 def write_safetensors_one_pass(state_dict: Mapping[str, Any], output_dir: str,
                                fqn_to_index_mapping: Mapping[str, int] | None = None, *,
-                               process_group=None, num_threads: int = 4, progress: ProgressFn | None = None) -> None:
-    """Write `state_dict` (tensors, DTensors and `RowOf` experts) as final HF safetensors files
-    and index in one pass, collectively: every rank computes the same layout, writes its own
-    blocks at their final offsets (a replicated tensor or block by one rank only: rank 0 for plain
-    tensors, the rank at coordinate 0 of every replicated mesh dim for DTensors; an expert by the
-    rank holding it), fsyncs, and rank 0 writes the index once every rank is done. No
-    intermediate shard files. `progress` as for `consolidate_safetensors`."""
+                               process_group=None, num_threads: int = 4, progress: ProgressFn | None = None,
+                               plan: OnePassPlan | None = None, prepare: PrepareFn | None = None) -> None:
+    """Write `state_dict` (tensors, DTensors and `RowOf` experts; on each rank the tensors it
+    holds) as final HF safetensors files and index in one pass, collectively: the ranks agree on
+    the layout and on who writes what (`plan_one_pass`, or `plan` when already agreed; a block
+    by the lowest rank holding it, an expert by the rank holding it), write their own blocks at
+    their final offsets, fsync, and rank 0 writes the index once every rank is done. No
+    intermediate shard files. `progress` as for `consolidate_safetensors`; `prepare` runs on
+    rank 0 first (`PrepareFn`)."""
     group = CheckpointGroup(process_group)
-    specs = {fqn: TensorSpec(fqn, _dtype_name(fqn, t), tuple(t.shape)) for fqn, t in state_dict.items()}
-    files = plan_output_files(specs, fqn_to_index_mapping)
-    blocks, memory = [], {}
-    for fqn, t in state_dict.items():
-        found = _local_block(fqn, t, specs[fqn].dtype, group.rank)
-        if found is not None and found[0].nbytes:
-            blocks.append(found[0])
-            memory[fqn] = found[1]
-    tasks = [Task(b, 0, b.nbytes) for b in _lowest_holders(group, blocks)]
-    _write_everything(group, output_dir, files, specs, tasks, num_threads, memory, progress)
-
-
-def _lowest_holders(group: CheckpointGroup, blocks: list[Block]) -> list[Block]:
-    """This rank's blocks that no lower rank also holds: a DTensor replicated beyond its mesh
-    (FSDP's shard of a norm on every tensor-parallel rank) is written once."""
-    first: dict[tuple[str, tuple[int, ...]], int] = {}
-    for rank, keys in enumerate(group.all_gather([(b.fqn, b.offsets) for b in blocks])):
-        for key in keys:
-            first.setdefault(key, rank)
-    return [b for b in blocks if first[(b.fqn, b.offsets)] == group.rank]
+    plan = plan or plan_one_pass(state_dict, group)
+    files = plan_output_files(plan.specs, fqn_to_index_mapping)
+    memory = {fqn: _bytes_of(t) for fqn, t in plan.values.items()}
+    tasks = [Task(b, 0, b.nbytes) for b in plan.blocks]
+    _write_everything(group, output_dir, files, plan.specs, tasks, num_threads, memory, progress, prepare)
 
 
 def _dtype_name(fqn: str, t: Any) -> str:
@@ -526,35 +594,34 @@ def _dtype_name(fqn: str, t: Any) -> str:
     return DTYPE_NAMES[t.dtype]
 
 
-def _local_block(fqn: str, t: Any, dtype: str, rank: int) -> tuple[Block, memoryview] | None:
-    """This rank's block of `t` and its bytes, or None when another rank writes it. Of a `RowOf`
-    (one expert of a grouped weight), the rank that holds that row writes it."""
+def _local_block(fqn: str, t: Any, dtype: str) -> tuple[Block, torch.Tensor] | None:
+    """This rank's block of `t` and its values (a view), or None when this rank holds none of
+    it. Of a `RowOf` (one expert of a grouped weight), only the rank holding that row has it."""
     row = None
     if isinstance(t, RowOf):
         t, row = t.tensor, t.index
     if isinstance(t, DTensor):
-        coord = t.device_mesh.get_coordinate()
-        if coord is None:
+        if t.device_mesh.get_coordinate() is None:
             return None
         if not all(isinstance(p, LOCAL_PLACEMENTS) for p in t.placements):
             raise ValueError(f"{fqn!r} has placements {t.placements}; reduce Partial tensors before exporting")
-        if any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord)):
-            return None
-        shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        offsets, shape = dtensor_chunk(tuple(t.shape), t.device_mesh, tuple(t.placements))
         local = t.to_local()
-    elif rank != 0:
-        return None
     else:
         shape, offsets, local = tuple(t.shape), (0,) * t.dim(), t
     if row is not None:
         if not offsets[0] <= row < offsets[0] + shape[0]:
             return None
         local, shape, offsets = local[row - offsets[0]], shape[1:], offsets[1:]
-    local = local.detach().cpu().contiguous()
     if tuple(local.shape) != tuple(shape):
         raise ValueError(f"{fqn!r}: local tensor of shape {list(local.shape)}, expected {list(shape)}")
-    data = memoryview(local.reshape(-1).view(torch.uint8).numpy())
-    return Block(fqn, dtype, tuple(offsets), tuple(shape)), data
+    return Block(fqn, dtype, tuple(offsets), tuple(shape)), local
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A block's bytes in CPU memory (a copy only of a GPU or non-contiguous tensor)."""
+    local = t.detach().cpu().contiguous()
+    return memoryview(local.reshape(-1).view(torch.uint8).numpy())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import safetensors.torch
@@ -75,11 +76,15 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
     start = time.perf_counter()
     group = CheckpointGroup(process_group or (dist.group.WORLD if dist.is_initialized() else None))
 
+    # with pipeline stages a rank holds part of the model: the folder must fit all ranks' names
+    every = dict.fromkeys(name for names in group.all_gather(list(state_dict)) for name in names)
+
     def check_and_read() -> tuple[int, int]:
-        sources = adapter.hf_sources(state_dict)
-        if sources is None:  # an adapter of whole tensors only (`ForeignAdapter`)
-            return _read_through(state_dict, hf_dir, adapter)
-        layout = check_hf_dir(state_dict, hf_dir, sources)
+        all_sources = adapter.hf_sources(every)
+        if all_sources is None:  # an adapter of whole tensors only (`ForeignAdapter`)
+            return _read_through(state_dict, hf_dir, adapter, every)
+        sources = {name: all_sources[name] for name in state_dict}
+        layout = check_hf_dir(state_dict, hf_dir, sources, {n for s in all_sources.values() for n in s.hf_names})
         with torch.no_grad():
             reads, seen = [], set()
             for name, source in sources.items():
@@ -100,26 +105,29 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
     return state_dict
 
 
-def check_hf_dir(state_dict: dict[str, Any], hf_dir: str, sources: dict[str, HFSource]
-                 ) -> dict[str, TensorEntry]:
+def check_hf_dir(state_dict: dict[str, Any], hf_dir: str, sources: dict[str, HFSource],
+                 hf_names: Iterable[str] | None = None) -> dict[str, TensorEntry]:
     """The layout of `hf_dir`, once the names, shapes and dtypes of the adapter's `sources` of
-    `state_dict` (values need only a shape and a dtype: meta tensors do) are checked to fit."""
+    `state_dict` (values need only a shape and a dtype: meta tensors do) are checked to fit.
+    The folder holds `hf_names` (the whole model's, of which `state_dict` may be a pipeline
+    stage's part; default: the names of `sources`)."""
     layout = read_hf_layout(hf_dir)
-    check_names(hf_dir, layout, {n for s in sources.values() for n in s.hf_names})
+    check_names(hf_dir, layout, {n for s in sources.values() for n in s.hf_names} if hf_names is None else hf_names)
     _check_fit(hf_dir, state_dict, sources, layout)
     return layout
 
 
-def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any) -> tuple[int, int]:
+def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any, every: Iterable[str]) -> tuple[int, int]:
     """For an adapter that converts whole tensors only (`ForeignAdapter`): every rank reads
     every tensor whole, converts them with `from_hf` and copies its own part of each into
-    `state_dict`. Returns (bytes read, bytes in the folder)."""
+    `state_dict`; `every` names the tensors of all ranks, which the folder must hold. Returns
+    (bytes read, bytes in the folder)."""
     layout = read_hf_layout(hf_dir)
     hf: dict[str, torch.Tensor] = {}
     for path in sorted({entry.path for entry in layout.values()}):
         hf.update(safetensors.torch.load_file(path))
     ours = adapter.from_hf(hf)
-    check_names(hf_dir, ours, state_dict)
+    check_names(hf_dir, ours, every)
     wrong = [f"{k}: {tuple(ours[k].shape)} in the checkpoint, {tuple(v.shape)} expected"
              for k, v in state_dict.items() if tuple(ours[k].shape) != tuple(v.shape)]
     if wrong:
