@@ -47,6 +47,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..io import durable, posio, safe_open
+from ..io.filewriter import Writeback
 from .. import faults
 from ..dcp.storage import dtensor_chunk
 from ..errors import ConsolidationError, CorruptCheckpointError, InvalidShardsError, RankFailed
@@ -316,6 +317,14 @@ def _scatter(fd: int, runs: Runs, data: memoryview, pos: int) -> None:
         i += n
 
 
+def _span(runs: Runs, pos: int, n: int) -> tuple[int, int]:
+    """(offset, length) of the stretch of the output file that bytes [pos, pos + n) of a block
+    land in (other blocks' bytes lie between its runs)."""
+    first, last = pos, pos + n - 1
+    lo = runs.dst(first // runs.run_bytes) + first % runs.run_bytes
+    return lo, runs.dst(last // runs.run_bytes) + last % runs.run_bytes + 1 - lo
+
+
 class _Writer:
     """Runs one rank's tasks on `num_threads` threads, each with its own file handles (and, for
     file sources, its own CHUNK_BYTES buffer); returns the output files it wrote to."""
@@ -351,6 +360,7 @@ class _Writer:
 
     def _copy(self, tasks: list[Task]) -> None:
         fds: dict[str, int] = {}
+        outs: dict[str, Writeback] = {}
         buf = memoryview(bytearray(CHUNK_BYTES)) if not self.memory else None
         try:
             for task in tasks:
@@ -358,26 +368,33 @@ class _Writer:
                 name, start = self.where[b.fqn]
                 if name not in fds:
                     fds[name] = os.open(os.path.join(self.output_dir, name), os.O_WRONLY)
+                    outs[name] = Writeback(fds[name])
                 runs = block_runs(b, self.specs[b.fqn].shape, start)
-                if b.src:
-                    if b.src not in fds:
-                        fds[b.src] = os.open(b.src, os.O_RDONLY)
-                    self._copy_from_file(task, runs, fds[b.src], fds[name], buf)
-                else:
-                    _scatter(fds[name], runs, self.memory[b.fqn][task.start:task.stop], task.start)
-                    self._report(task.stop - task.start)
+                if b.src and b.src not in fds:
+                    fds[b.src] = os.open(b.src, os.O_RDONLY)
+                self._copy_task(task, runs, fds.get(b.src, -1), fds[name], outs[name], buf)
         finally:
+            for out in outs.values():
+                out.close()
             for fd in fds.values():
                 os.close(fd)
 
-    def _copy_from_file(self, task: Task, runs: Runs, src: int, dst: int, buf: memoryview) -> None:
+    def _copy_task(self, task: Task, runs: Runs, src: int, dst: int, out: Writeback, buf: memoryview | None) -> None:
+        """Copy the task's bytes CHUNK_BYTES at a time (from its shard file through `buf`, or
+        from memory), starting the disk on each chunk as soon as it is written, so the fsync
+        that follows waits for the last chunks only."""
         pos = task.start
         while pos < task.stop:
-            view = buf[:min(len(buf), task.stop - pos)]
-            _pread_all(src, view, task.block.src_start + pos, task.block.src)
+            n = min(CHUNK_BYTES, task.stop - pos)
+            if task.block.src:
+                view = buf[:n]
+                _pread_all(src, view, task.block.src_start + pos, task.block.src)
+            else:
+                view = self.memory[task.block.fqn][pos:pos + n]
             _scatter(dst, runs, view, pos)
-            pos += len(view)
-            self._report(len(view))
+            out.start(*_span(runs, pos, n))
+            pos += n
+            self._report(n)
 
     def _report(self, nbytes: int) -> None:
         if self.progress is not None:
