@@ -24,7 +24,9 @@ from torchtitan_ckpt.errors import CheckpointError, CorruptCheckpointError
 from torchtitan_ckpt.example.model import FLAVORS, ModelArgs, Transformer, hf_adapter, hf_config
 from torchtitan_ckpt.hf import load_hf, save_hf, shards
 from torchtitan_ckpt.hf.adapter import reorder_rows, rope_row_order
+from torchtitan_ckpt.hf.consolidate import write_safetensors_one_pass
 from torchtitan_ckpt.hf.convert import convert
+from torchtitan_ckpt.hf.files import model_file_name
 from torchtitan_ckpt.states import ModelState
 from torchtitan_ckpt.example.train import build_model, shard_model
 
@@ -43,15 +45,17 @@ def _assert_same_files(a: str, b: str) -> None:
         assert_same(before[file], after[file])
 
 
-def _check_permutation_across_a_split_head(world_size: int) -> None:
-    """3 heads of 8 rows on 2 ranks: rank 0 holds rows 0-11, so head 1 is split between them
-    and the rows are gathered. With 4 heads, each rank holds 2 whole ones: its rows are permuted
-    where they lie, with no gather, and it keeps exactly its shard."""
+def _check_permutation_across_a_split_head(world_size: int, out: str) -> None:
+    """3 heads of 8 rows on 2 ranks: rank 0 holds rows 0-11, so head 1 is split between them;
+    each rank writes its own rows at their HF places, and the file is one process's. With 4
+    heads, each rank holds 2 whole ones: its rows are permuted where they lie, with no gather,
+    and it keeps exactly its shard."""
     mesh = init_device_mesh("cpu", (world_size,))
     w = torch.arange(24.0 * 2).reshape(24, 2)
-    sharded = distribute_tensor(w, mesh, [Shard(0)])
-    hf = reorder_rows(sharded, rope_row_order(8))
-    assert torch.equal(hf, reorder_rows(w, rope_row_order(8)))
+    hf = reorder_rows(distribute_tensor(w, mesh, [Shard(0)]), rope_row_order(8))
+    assert torch.equal(hf.full(), reorder_rows(w, rope_row_order(8)))
+    write_safetensors_one_pass({"w": hf}, out)
+    assert torch.equal(load_file(os.path.join(out, model_file_name(1, 1)))["w"], reorder_rows(w, rope_row_order(8)))
     w = torch.arange(32.0 * 2).reshape(32, 2)
     hf = reorder_rows(distribute_tensor(w, mesh, [Shard(0)]), rope_row_order(8))
     assert isinstance(hf, DTensor) and hf.placements == (Shard(0),)
@@ -59,7 +63,7 @@ def _check_permutation_across_a_split_head(world_size: int) -> None:
 
 
 def _import_and_export(rank: int, world_size: int, src: str, out: str, expected: torch.Tensor) -> None:
-    _check_permutation_across_a_split_head(world_size)
+    _check_permutation_across_a_split_head(world_size, os.path.join(out, "split_head"))
     config = load_job_config(DEBUG_CONFIG, [])
     model = build_model(config)  # other weights than the checkpoint's
     shard_model(model, world_size)

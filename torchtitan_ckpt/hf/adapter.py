@@ -88,6 +88,32 @@ class RowOf:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+@dataclass(frozen=True)
+class PermutedRows:
+    """A DTensor whose rows the export permutes within blocks of `len(row_order)` rows (our row
+    k of a block is the HF row `row_order[k]`) while some shard cuts a block: each rank writes
+    its own rows at their HF places, so no rank gathers the tensor. `full()` builds the HF
+    tensor (a collective) where a whole one is needed."""
+
+    tensor: Any
+    row_order: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def full(self) -> torch.Tensor:
+        return _permute_rows(self.tensor.full_tensor(), self.row_order)
+
+
 TIED_HEAD = "output.weight"
 EMBEDDING = "tok_embeddings.weight"
 
@@ -141,8 +167,9 @@ class StateDictAdapter:
 
     def to_hf(self, state_dict: dict[str, Any], complete: bool = True) -> dict[str, Any]:
         """Our names -> HF names. Values may be tensors or DTensors; one expert of a grouped
-        tensor is a `RowOf` it. `complete=False` takes part of the model (a pipeline stage's:
-        the caller checks that the ranks' parts make the whole, `check_model_names`)."""
+        tensor is a `RowOf` it, a q/k projection whose shards cut a head `PermutedRows`.
+        `complete=False` takes part of the model (a pipeline stage's: the caller checks that
+        the ranks' parts make the whole, `check_model_names`)."""
         self.check_model_names(state_dict, complete)
         out: dict[str, Any] = {}
         for name, value in state_dict.items():
@@ -282,10 +309,10 @@ def reorder_rows(w: Any, row_order: tuple[int, ...]) -> Any:
 
     A DTensor whose every shard holds whole blocks (a head is never cut) is permuted where it
     lies, shard by shard, and stays a DTensor; otherwise rows of one block live on several ranks,
-    so it is gathered to a full tensor first (one parameter at a time)."""
+    and the export writes each rank's rows at their places (`PermutedRows`)."""
     if isinstance(w, DTensor):
         if not whole_row_blocks(tuple(w.shape), tuple(w.device_mesh.shape), tuple(w.placements), len(row_order)):
-            return _permute_rows(w.full_tensor(), row_order)
+            return PermutedRows(w, row_order)
         return DTensor.from_local(_permute_rows(w.to_local(), row_order), w.device_mesh, w.placements,
                                   shape=w.shape, stride=w.stride())
     return _permute_rows(w, row_order)

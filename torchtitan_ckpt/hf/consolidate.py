@@ -53,7 +53,7 @@ from ..dcp.storage import dtensor_chunk
 from ..errors import ConsolidationError, CorruptCheckpointError, InvalidShardsError, RankFailed
 from ..group import CheckpointGroup
 from ..policy.split import byte_ranges
-from .adapter import LOCAL_PLACEMENTS, RowOf
+from .adapter import LOCAL_PLACEMENTS, PermutedRows, RowOf
 from .files import DTYPE_NAMES, DTYPE_SIZES, INDEX_FILE, MAX_HEADER_BYTES, model_file_name
 
 logger = logging.getLogger(__name__)
@@ -390,7 +390,7 @@ class _Writer:
                 view = buf[:n]
                 _pread_all(src, view, task.block.src_start + pos, task.block.src)
             else:
-                view = self.memory[task.block.fqn][pos:pos + n]
+                view = self.memory[(task.block.fqn, task.block.offsets)][pos:pos + n]
             _scatter(dst, runs, view, pos)
             out.start(*_span(runs, pos, n))
             pos += n
@@ -521,11 +521,12 @@ def consolidate_safetensors(input_dir: str, output_dir: str, fqn_to_index_mappin
 @dataclass(frozen=True)
 class OnePassPlan:
     """A one-pass export the ranks agreed on: every tensor of it, in the model's order, and the
-    blocks this rank writes with their values (views of the state dict's tensors)."""
+    blocks this rank writes with their values (views of the state dict's tensors), by tensor
+    name and offsets."""
 
     specs: dict[str, TensorSpec]
     blocks: list[Block]
-    values: dict[str, torch.Tensor]
+    values: dict[tuple[str, tuple[int, ...]], torch.Tensor]
 
 
 def plan_one_pass(state_dict: Mapping[str, Any], group: CheckpointGroup,
@@ -547,8 +548,12 @@ def plan_one_pass(state_dict: Mapping[str, Any], group: CheckpointGroup,
     every = _step(group, "planning the export", describe)
     specs = agreed_specs(every, order)
     first = writers(every)
-    mine = [found for found in held.values() if first[(found[0].fqn, found[0].offsets)] == group.rank]
-    return OnePassPlan(specs, [b for b, _, _ in mine if b.nbytes], {b.fqn: v for b, _, v in mine})
+    mine = []
+    for block, _, local in held.values():
+        if first[(block.fqn, block.offsets)] == group.rank:
+            t = state_dict[block.fqn]
+            mine += _rows_at_hf_places(block, local, t.row_order) if isinstance(t, PermutedRows) else [(block, local)]
+    return OnePassPlan(specs, [b for b, _ in mine if b.nbytes], {(b.fqn, b.offsets): v for b, v in mine})
 
 
 def agreed_specs(every: Sequence[Sequence[tuple[Block, tuple[int, ...]]]],
@@ -586,23 +591,24 @@ def write_safetensors_one_pass(state_dict: Mapping[str, Any], output_dir: str,
                                fqn_to_index_mapping: Mapping[str, int] | None = None, *,
                                process_group=None, num_threads: int = 4, progress: ProgressFn | None = None,
                                plan: OnePassPlan | None = None, prepare: PrepareFn | None = None) -> None:
-    """Write `state_dict` (tensors, DTensors and `RowOf` experts; on each rank the tensors it
-    holds) as final HF safetensors files and index in one pass, collectively: the ranks agree on
-    the layout and on who writes what (`plan_one_pass`, or `plan` when already agreed; a block
-    by the lowest rank holding it, an expert by the rank holding it), write their own blocks at
-    their final offsets, fsync, and rank 0 writes the index once every rank is done. No
-    intermediate shard files. `progress` as for `consolidate_safetensors`; `prepare` runs on
-    rank 0 first (`PrepareFn`)."""
+    """Write `state_dict` (tensors, DTensors, `RowOf` experts and `PermutedRows`; on each rank
+    the tensors it holds) as final HF safetensors files and index in one pass, collectively:
+    the ranks agree on the layout and on who writes what (`plan_one_pass`, or `plan` when
+    already agreed; a block by the lowest rank holding it, an expert by the rank holding it, a
+    permuted row at its HF place by the rank holding it), write their own blocks at their final
+    offsets, fsync, and rank 0 writes the index once every rank is done. No intermediate shard
+    files. `progress` as for `consolidate_safetensors`; `prepare` runs on rank 0 first
+    (`PrepareFn`)."""
     group = CheckpointGroup(process_group)
     plan = plan or plan_one_pass(state_dict, group)
     files = plan_output_files(plan.specs, fqn_to_index_mapping)
-    memory = {fqn: _bytes_of(t) for fqn, t in plan.values.items()}
+    memory = {key: _bytes_of(t) for key, t in plan.values.items()}
     tasks = [Task(b, 0, b.nbytes) for b in plan.blocks]
     _write_everything(group, output_dir, files, plan.specs, tasks, num_threads, memory, progress, prepare)
 
 
 def _dtype_name(fqn: str, t: Any) -> str:
-    if isinstance(t, RowOf):
+    if isinstance(t, (RowOf, PermutedRows)):
         t = t.tensor
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fqn!r} is a {type(t).__name__}; safetensors holds tensors only")
@@ -617,6 +623,8 @@ def _local_block(fqn: str, t: Any, dtype: str) -> tuple[Block, torch.Tensor] | N
     row = None
     if isinstance(t, RowOf):
         t, row = t.tensor, t.index
+    elif isinstance(t, PermutedRows):
+        t = t.tensor  # its rows in our order: `_rows_at_hf_places` places them
     if isinstance(t, DTensor):
         if t.device_mesh.get_coordinate() is None:
             return None
@@ -633,6 +641,19 @@ def _local_block(fqn: str, t: Any, dtype: str) -> tuple[Block, torch.Tensor] | N
     if tuple(local.shape) != tuple(shape):
         raise ValueError(f"{fqn!r}: local tensor of shape {list(local.shape)}, expected {list(shape)}")
     return Block(fqn, dtype, tuple(offsets), tuple(shape)), local
+
+
+def _rows_at_hf_places(block: Block, local: torch.Tensor,
+                       row_order: tuple[int, ...]) -> list[tuple[Block, torch.Tensor]]:
+    """A block of rows in our order as one block per row at its HF row: our row k of each
+    block of `len(row_order)` rows is HF row `row_order[k]` of that block."""
+    n = len(row_order)
+    rows = []
+    for i in range(block.shape[0]):
+        ours = block.offsets[0] + i
+        hf = ours - ours % n + row_order[ours % n]
+        rows.append((Block(block.fqn, block.dtype, (hf, *block.offsets[1:]), (1, *block.shape[1:])), local[i:i + 1]))
+    return rows
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

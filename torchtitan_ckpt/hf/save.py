@@ -33,7 +33,7 @@ from .consolidate import consolidate_safetensors, plan_one_pass, write_safetenso
 from ..errors import CheckpointError
 from ..errors import RankFailed
 from ..group import CheckpointGroup
-from .adapter import RowOf, StateDictAdapter, check_names
+from .adapter import PermutedRows, RowOf, StateDictAdapter, check_names
 from .files import CONFIG_FILE, INDEX_FILE, MODEL_FILES_GLOB, SAFETENSORS_DTYPES, SINGLE_FILE
 from .planner import parse_size, plan_files
 
@@ -78,7 +78,7 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
             failed.reraise(f"preparing {out_dir}")
         shards = os.path.join(out_dir, SHARDS)
         writer = HuggingFaceStorageWriter(shards, save_distributed=True, fqn_to_index_mapping=mapping)
-        dcp.save(_whole_experts(hf_sd), storage_writer=writer, process_group=group.pg)
+        dcp.save(_whole_tensors(hf_sd), storage_writer=writer, process_group=group.pg)
         consolidate_safetensors(shards, out_dir, mapping, process_group=group.pg, num_threads=num_threads,
                                 remove_shards=not keep_shards, all_ranks=mode == "all_ranks", progress=progress)
     if group.rank == 0:
@@ -105,14 +105,16 @@ def _cast_all(state_dict: dict[str, Any], dtype: torch.dtype | None) -> dict[str
     return {name: cast[id(value)] for name, value in state_dict.items()}
 
 
-def _whole_experts(hf_sd: dict[str, Any]) -> dict[str, Any]:
-    """`RowOf` experts as tensors, for the two-phase modes' DCP save: a sharded grouped weight
-    is gathered (once) on every rank, which `one_pass`, writing each expert from the rank that
-    holds it, avoids."""
+def _whole_tensors(hf_sd: dict[str, Any]) -> dict[str, Any]:
+    """`RowOf` experts and `PermutedRows` as tensors, for the two-phase modes' DCP save: a sharded
+    grouped weight is gathered (once) on every rank, as is a q/k projection whose shards cut a
+    head, which `one_pass`, writing each expert and each row from the rank that holds it, avoids."""
     full: dict[int, torch.Tensor] = {}
     out = {}
     for name, value in hf_sd.items():
-        if isinstance(value, RowOf):
+        if isinstance(value, PermutedRows):
+            value = value.full()
+        elif isinstance(value, RowOf):
             if id(value.tensor) not in full:
                 t = value.tensor
                 full[id(t)] = t.full_tensor() if isinstance(t, DTensor) else t
