@@ -156,7 +156,7 @@ def test_to_hf_names_unknown_and_missing_keys():
     assert "layers.0.attention.bias" in str(e.value) and "norm.weight" in str(e.value)
 
 
-def test_a_pipeline_stage_converts_its_part_and_the_ranks_check_the_whole():
+def test_a_pipeline_stage_converts_its_part_and_the_ranks_check_the_whole(tmp_path):
     sd, adapter = our_model().state_dict(), hf_adapter(ARGS)
     stage = {k: v for k, v in sd.items() if k.startswith("layers.1.") or k in ("norm.weight", "output.weight")}
     assert sorted(adapter.to_hf(stage, complete=False)) == sorted(
@@ -168,6 +168,10 @@ def test_a_pipeline_stage_converts_its_part_and_the_ranks_check_the_whole():
         adapter.to_hf({**stage, "layers.1.attention.bias": torch.zeros(1)}, complete=False)
     assert e.value.unknown == ["layers.1.attention.bias"] and e.value.missing == []
     assert adapter.hf_names[0] == "model.embed_tokens.weight" and adapter.hf_names[-1] == "lm_head.weight"
+    with pytest.raises(AdapterMismatchError) as e:  # no other rank holds the rest
+        save_hf(stage, str(tmp_path), adapter)
+    assert "model.embed_tokens.weight" in e.value.missing and e.value.unknown == []
+    assert not os.path.exists(tmp_path / "config.json")  # refused before anything is written
 
 
 def test_model_args_from_the_config_we_write():

@@ -17,7 +17,7 @@ from .base import StepFormat, StepIndex, Written
 
 class HfFormat(StepFormat):
     name = "hf"
-    on_training_thread = True  # gathering wq/wk rows uses the training mesh's groups
+    on_training_thread = True  # it reads the live model; the two-phase modes gather on the training mesh
 
     @staticmethod
     def holds(path: str) -> bool:

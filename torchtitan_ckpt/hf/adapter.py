@@ -159,7 +159,7 @@ class StateDictAdapter:
         """Every HF tensor name, in the model's order (the order an export's file split follows)."""
         return tuple(n for source in self.sources.values() for n in source.hf_names)
 
-    def check_model_names(self, names: Iterable[str], complete: bool = True) -> None:
+    def _check_model_names(self, names: Iterable[str], complete: bool = True) -> None:
         """Raise `AdapterMismatchError` unless `names` are the model's (the tied head may be
         there or not); with `complete=False`, unless they are some of them (a pipeline stage's)."""
         ours = set(names) - {TIED_HEAD} if self.tied else set(names)
@@ -169,8 +169,8 @@ class StateDictAdapter:
         """Our names -> HF names. Values may be tensors or DTensors; one expert of a grouped
         tensor is a `RowOf` it, a q/k projection whose shards cut a head `PermutedRows`.
         `complete=False` takes part of the model (a pipeline stage's: the caller checks that
-        the ranks' parts make the whole, `check_model_names`)."""
-        self.check_model_names(state_dict, complete)
+        the ranks' parts make the whole, against `hf_names`)."""
+        self._check_model_names(state_dict, complete)
         out: dict[str, Any] = {}
         for name, value in state_dict.items():
             if self.tied and name == TIED_HEAD:
@@ -187,7 +187,7 @@ class StateDictAdapter:
     def hf_sources(self, names: Iterable[str]) -> dict[str, HFSource]:
         """Our names -> where each comes from in an HF checkpoint; the inverse of `to_hf`."""
         given = set(names)
-        self.check_model_names(given)
+        self._check_model_names(given)
         out = {name: self.sources[name] for name in (given - {TIED_HEAD} if self.tied else given)}
         if self.tied and TIED_HEAD in given:
             out[TIED_HEAD] = self.sources[EMBEDDING]
@@ -240,9 +240,6 @@ class ForeignAdapter:
 
     hf_names = None
     """Unknown: an export's file split follows the ranks' state dicts, in rank order."""
-
-    def check_model_names(self, names: Iterable[str], complete: bool = True) -> None:
-        """Nothing to check against: the foreign adapter knows no list of names."""
 
     def to_hf(self, state_dict: dict[str, Any], complete: bool = True) -> dict[str, Any]:
         return self.adapter.to_hf(state_dict)

@@ -527,19 +527,25 @@ class OnePassPlan:
     specs: dict[str, TensorSpec]
     blocks: list[Block]
     values: dict[tuple[str, tuple[int, ...]], torch.Tensor]
+    state_dict: dict[str, Any]
+    """This rank's tensors the plan was made from."""
 
 
-def plan_one_pass(state_dict: Mapping[str, Any], group: CheckpointGroup,
+def plan_one_pass(state_dict: Mapping[str, Any] | Callable[[], Mapping[str, Any]], group: CheckpointGroup,
                   order: Sequence[str] | None = None) -> OnePassPlan:
     """Agree, collectively, on what each rank writes: every rank describes the blocks it holds
     (a pipeline stage's rank holds only its stage's tensors, each a block or all of it), the
     descriptions are gathered, and each block is written by the lowest rank holding it. The
     export's tensors follow `order` (HF names in the model's order, which the file split
-    follows), else the order the ranks list them in, rank by rank."""
+    follows), else the order the ranks list them in, rank by rank. `state_dict` may be a
+    function making it (a conversion): it then runs inside the planning step, so its failure
+    on one rank is every rank's, in the same collective."""
     held: dict[str, tuple[Block, tuple[int, ...], torch.Tensor]] = {}
+    made: dict[str, Any] = {}
 
     def describe() -> list[tuple[Block, tuple[int, ...]]]:
-        for fqn, t in state_dict.items():
+        made.update(state_dict() if callable(state_dict) else state_dict)
+        for fqn, t in made.items():
             found = _local_block(fqn, t, _dtype_name(fqn, t))
             if found is not None:
                 held[fqn] = (found[0], tuple(t.shape), found[1])
@@ -551,9 +557,9 @@ def plan_one_pass(state_dict: Mapping[str, Any], group: CheckpointGroup,
     mine = []
     for block, _, local in held.values():
         if first[(block.fqn, block.offsets)] == group.rank:
-            t = state_dict[block.fqn]
+            t = made[block.fqn]
             mine += _rows_at_hf_places(block, local, t.row_order) if isinstance(t, PermutedRows) else [(block, local)]
-    return OnePassPlan(specs, [b for b, _ in mine if b.nbytes], {(b.fqn, b.offsets): v for b, v in mine})
+    return OnePassPlan(specs, [b for b, _ in mine if b.nbytes], {(b.fqn, b.offsets): v for b, v in mine}, made)
 
 
 def agreed_specs(every: Sequence[Sequence[tuple[Block, tuple[int, ...]]]],

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.tensor import DTensor
 
 from ..io import durable
-from .consolidate import consolidate_safetensors, plan_one_pass, write_safetensors_one_pass
+from .consolidate import OnePassPlan, consolidate_safetensors, plan_one_pass, write_safetensors_one_pass
 from ..errors import CheckpointError
 from ..errors import RankFailed
 from ..group import CheckpointGroup
@@ -57,8 +57,8 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
         raise ValueError(f"unknown HF export mode {mode!r}; expected one of {', '.join(MODES)}")
     start = time.perf_counter()
     group = CheckpointGroup(process_group or (dist.group.WORLD if dist.is_initialized() else None))
-    hf_sd = _to_hf(group, adapter, _cast_all(model_state_dict, dtype))
-    plan = plan_one_pass(hf_sd, group, adapter.hf_names)
+    plan = _plan(group, adapter, _cast_all(model_state_dict, dtype))
+    hf_sd = plan.state_dict
     mapping = _file_split(adapter, plan.specs, max_shard_size)
     config_dtype = dtype or SAFETENSORS_DTYPES[next(iter(plan.specs.values())).dtype]
 
@@ -88,12 +88,14 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
                     max(mapping.values()), total, secs, total / max(secs, 1e-9))
 
 
-def _to_hf(group: CheckpointGroup, adapter: StateDictAdapter, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """This rank's tensors under HF names, once the names of every rank's (a pipeline stage's
-    rank holds part of the model) are checked to make up the whole model, on every rank alike."""
-    every = dict.fromkeys(name for names in group.all_gather(list(state_dict)) for name in names)
-    adapter.check_model_names(every)
-    return adapter.to_hf(state_dict, complete=False)
+def _plan(group: CheckpointGroup, adapter: StateDictAdapter, state_dict: dict[str, Any]) -> OnePassPlan:
+    """Every rank's tensors converted to HF names and planned in one collective step (a
+    pipeline stage's rank converts its part); then the ranks' tensors together must be the
+    whole model, checked alike on every rank."""
+    plan = plan_one_pass(lambda: adapter.to_hf(state_dict, complete=False), group, adapter.hf_names)
+    if adapter.hf_names is not None:
+        check_names("the ranks' state dicts -> HF", plan.specs, adapter.hf_names)
+    return plan
 
 
 def _cast_all(state_dict: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
