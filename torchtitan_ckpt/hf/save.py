@@ -1,15 +1,16 @@
 """Export a (possibly sharded) model state dict as a Hugging Face safetensors folder.
 
 Every rank takes part, each with the tensors it holds (with pipeline stages, part of the model:
-the names of all ranks must make up the whole). The adapter renames (and for `wq`/`wk` permutes)
-the tensors, floating tensors are cast to the export dtype, the ranks agree on one plan from the
-blocks each holds (`hf.consolidate.plan_one_pass`), and the file split comes from the adapter's
-assets or `plan_files` over the whole model. The bytes are then written by `hf.consolidate` in one of three modes
-(`checkpoint.consolidation`): `one_pass` (default) writes the final files directly, each rank its
-own bytes at their final offsets; `all_ranks` and `rank0` first save per-rank shard files through
-DCP's `HuggingFaceStorageWriter`, then consolidate them on every rank or on rank 0. Rank 0 clears
-the folder and writes `config.json` before any tensor file is created; the index is written last,
-once every byte (`config.json` included) is durable: a folder with an index is complete.
+the tensors of all ranks must make up the whole). The adapter renames (and for `wq`/`wk`
+permutes) the tensors, floating tensors are cast to the export dtype, the ranks agree on one plan
+from the blocks each holds (`hf.consolidate.plan_one_pass`), and the file split comes from the
+adapter's assets or `plan_files` over the whole model. The bytes are then written by
+`hf.consolidate` in one of three modes (`checkpoint.consolidation`): `one_pass` (default) writes
+the final files directly, each rank its own bytes at their final offsets; `all_ranks` and `rank0`
+first save per-rank shard files through DCP's `HuggingFaceStorageWriter`, then consolidate them
+on every rank or on rank 0. Rank 0 clears the folder and writes `config.json` before any tensor
+file is created; the index is written last, once every byte (`config.json` included) is durable:
+a folder with an index is complete.
 """
 
 from __future__ import annotations
