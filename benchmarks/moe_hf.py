@@ -2,7 +2,8 @@
 adjacent pairs so a noisy disk moves both sides of a ratio alike:
 
 - export: `save_hf` (one pass, each expert written by the rank holding it) against a plain DCP
-  save of the same state (target <= 1.15x);
+  save of the same state, both durable (every data file fsynced) and on the same process group
+  (target <= 1.15x);
 - cold import: `load_hf` against a raw read of exactly the byte ranges it read (target <= 1.3x),
   and the bytes each rank read against the bytes of the experts and shards it holds (<= 1.1x).
 
@@ -49,6 +50,13 @@ def _recorded_load(sd: dict, folder: str, adapter) -> list[tuple[str, int, int]]
     return reads
 
 
+def _durable_dcp_save(sd: dict, folder: str) -> None:
+    """A DCP save that returns once its data files are fsynced, as the HF export's are."""
+    writer = storage.make_storage_writer(folder)
+    dcp.save(sd, storage_writer=writer)
+    writer.durable()
+
+
 def _bench(rank: int, world: int, args: argparse.Namespace, results: dict) -> None:
     margs = model_args(args.experts, args.layers)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
@@ -62,7 +70,7 @@ def _bench(rank: int, world: int, args: argparse.Namespace, results: dict) -> No
     ratios = {"export": [], "import": []}
     for _ in range(args.rounds):
         clear(dcp_dir, rank)
-        t_dcp, _ = measure(lambda: dcp.save(sd, storage_writer=storage.make_storage_writer(dcp_dir)))
+        t_dcp, _ = measure(lambda: _durable_dcp_save(sd, dcp_dir))
         clear(hf_dir, rank)  # as for DCP: no earlier export to remove inside the timing
         t_hf, _ = measure(lambda: save_hf(sd, hf_dir, adapter))
         ratios["export"].append(t_hf / t_dcp)

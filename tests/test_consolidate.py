@@ -237,6 +237,26 @@ def test_one_pass_export_single_process(tmp_path):
         C.write_safetensors_one_pass({"step": 3}, str(tmp_path / "x"))
 
 
+def _held(fqn: str, offsets: tuple[int, ...], shape: tuple[int, ...], full: tuple[int, ...], dtype: str = "F32"):
+    return C.Block(fqn, dtype, offsets, shape), full
+
+
+def test_pipeline_ranks_agree_on_the_tensors_in_the_models_order_and_on_one_writer_per_block():
+    """Rank 0 holds stages 0 and 2 (layers 0 and 2), rank 1 stages 1 and 3; a norm is replicated
+    on ranks 1 and 2, the embedding sharded over ranks 0 and 2."""
+    every = [[_held("emb", (0, 0), (4, 8), (8, 8)), _held("l0", (0,), (8,), (8,)), _held("l2", (0,), (8,), (8,))],
+             [_held("l1", (0,), (8,), (8,)), _held("l3", (0,), (8,), (8,)), _held("norm", (0,), (8,), (8,))],
+             [_held("emb", (4, 0), (4, 8), (8, 8)), _held("norm", (0,), (8,), (8,))]]
+    assert list(C.agreed_specs(every)) == ["emb", "l0", "l2", "l1", "l3", "norm"]
+    specs = C.agreed_specs(every, ["emb", "l0", "l1", "l2", "l3", "norm"])
+    assert list(specs) == ["emb", "l0", "l1", "l2", "l3", "norm"] and specs["emb"].shape == (8, 8)
+    assert C.writers(every) == {("emb", (0, 0)): 0, ("l0", (0,)): 0, ("l2", (0,)): 0, ("l1", (0,)): 1,
+                                ("l3", (0,)): 1, ("norm", (0,)): 1, ("emb", (4, 0)): 2}
+    every[2][1] = _held("norm", (0,), (8,), (8,), "BF16")
+    with pytest.raises(ValueError, match=r"'norm' is BF16 \[8\] on rank 2 and F32 \[8\] on a lower rank"):
+        C.agreed_specs(every)
+
+
 def test_cli_consolidates_with_a_mapping_file(tmp_path, capsys):
     state = full_state()
     shards = dcp_shards(tmp_path, state, MAPPING)

@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from tests.helpers import assert_same, logits, perturbed, read_checkpoint
 from torchtitan_ckpt import cli
@@ -22,7 +24,7 @@ from torchtitan_ckpt.example.model import FLAVORS, Transformer, args_from_hf_con
 from torchtitan_ckpt.hf import HFModelConfig, LlamaAdapter, load_hf, parse_size, plan_files, save_hf
 from torchtitan_ckpt.hf import shards
 from torchtitan_ckpt.policy.split import in_order_runs, share
-from torchtitan_ckpt.hf.adapter import HFSource, reorder_rows, rope_row_order
+from torchtitan_ckpt.hf.adapter import HFSource, reorder_rows, rope_row_order, whole_row_blocks
 from torchtitan_ckpt.hf.safetensors_io import read_exact
 from torchtitan_ckpt.hf.shards import row_pieces
 
@@ -104,6 +106,18 @@ def test_permutation_moves_rope_pairs_to_halves_and_back():
     assert torch.equal(hf.view(2, 4)[:, list(order)].reshape(8, 1), w)  # HFSource.row_order reads it back
 
 
+@pytest.mark.parametrize("shape, mesh, placements, rows, whole", [
+    ((32, 2), (2,), (Shard(0),), 8, True),  # 2 heads of 8 rows per rank
+    ((24, 2), (2,), (Shard(0),), 8, False),  # 12 rows per rank: head 1 is cut
+    ((24, 4), (2,), (Shard(1),), 8, True),  # columns: every rank holds every row
+    ((32, 2), (2, 2), (_StridedShard(0, split_factor=2), Shard(0)), 8, True),  # FSDP over TP: 8 rows each
+    ((32, 2), (2, 2), (_StridedShard(0, split_factor=2), Shard(0)), 16, False),
+    ((32, 2), (2, 2), (Replicate(), Shard(0)), 16, True),  # HSDP's replicas hold the same rows
+])
+def test_ranks_agree_whether_every_shard_holds_whole_heads(shape, mesh, placements, rows, whole):
+    assert whole_row_blocks(shape, mesh, placements, rows) is whole
+
+
 @pytest.mark.parametrize("lo, hi, rows, block, piece_rows, expected", [
     (0, 24, 48, 16, 100, [(0, 32)]),  # rank 0 of 2 splits head 1: heads 0-1
     (24, 48, 48, 16, 100, [(16, 48)]),  # rank 1: heads 1-2
@@ -140,6 +154,24 @@ def test_to_hf_names_unknown_and_missing_keys():
         hf_adapter(ARGS).to_hf(sd)
     assert e.value.unknown == ["layers.0.attention.bias"] and e.value.missing == ["norm.weight"]
     assert "layers.0.attention.bias" in str(e.value) and "norm.weight" in str(e.value)
+
+
+def test_a_pipeline_stage_converts_its_part_and_the_ranks_check_the_whole(tmp_path):
+    sd, adapter = our_model().state_dict(), hf_adapter(ARGS)
+    stage = {k: v for k, v in sd.items() if k.startswith("layers.1.") or k in ("norm.weight", "output.weight")}
+    assert sorted(adapter.to_hf(stage, complete=False)) == sorted(
+        n for n in adapter.to_hf(sd) if n.startswith("model.layers.1.") or n in ("model.norm.weight", "lm_head.weight"))
+    with pytest.raises(AdapterMismatchError) as e:
+        adapter.to_hf(stage)
+    assert "tok_embeddings.weight" in e.value.missing and e.value.unknown == []
+    with pytest.raises(AdapterMismatchError) as e:
+        adapter.to_hf({**stage, "layers.1.attention.bias": torch.zeros(1)}, complete=False)
+    assert e.value.unknown == ["layers.1.attention.bias"] and e.value.missing == []
+    assert adapter.hf_names[0] == "model.embed_tokens.weight" and adapter.hf_names[-1] == "lm_head.weight"
+    with pytest.raises(AdapterMismatchError) as e:  # no other rank holds the rest
+        save_hf(stage, str(tmp_path), adapter)
+    assert "model.embed_tokens.weight" in e.value.missing and e.value.unknown == []
+    assert not os.path.exists(tmp_path / "config.json")  # refused before anything is written
 
 
 def test_model_args_from_the_config_we_write():

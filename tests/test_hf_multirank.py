@@ -13,9 +13,10 @@ import struct
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tests.helpers import DEBUG_CONFIG, assert_same, perturbed, spawn
 from torchtitan_ckpt.example.config import load_job_config
@@ -23,7 +24,9 @@ from torchtitan_ckpt.errors import CheckpointError, CorruptCheckpointError
 from torchtitan_ckpt.example.model import FLAVORS, ModelArgs, Transformer, hf_adapter, hf_config
 from torchtitan_ckpt.hf import load_hf, save_hf, shards
 from torchtitan_ckpt.hf.adapter import reorder_rows, rope_row_order
+from torchtitan_ckpt.hf.consolidate import write_safetensors_one_pass
 from torchtitan_ckpt.hf.convert import convert
+from torchtitan_ckpt.hf.files import model_file_name
 from torchtitan_ckpt.states import ModelState
 from torchtitan_ckpt.example.train import build_model, shard_model
 
@@ -42,17 +45,25 @@ def _assert_same_files(a: str, b: str) -> None:
         assert_same(before[file], after[file])
 
 
-def _check_permutation_across_a_split_head(world_size: int) -> None:
-    """3 heads of 8 rows on 2 ranks: rank 0 holds rows 0-11, so head 1 is split between them."""
+def _check_permutation_across_a_split_head(world_size: int, out: str) -> None:
+    """3 heads of 8 rows on 2 ranks: rank 0 holds rows 0-11, so head 1 is split between them;
+    each rank writes its own rows at their HF places, and the file is one process's. With 4
+    heads, each rank holds 2 whole ones: its rows are permuted where they lie, with no gather,
+    and it keeps exactly its shard."""
     mesh = init_device_mesh("cpu", (world_size,))
     w = torch.arange(24.0 * 2).reshape(24, 2)
-    sharded = distribute_tensor(w, mesh, [Shard(0)])
-    hf = reorder_rows(sharded, rope_row_order(8))
-    assert torch.equal(hf, reorder_rows(w, rope_row_order(8)))
+    hf = reorder_rows(distribute_tensor(w, mesh, [Shard(0)]), rope_row_order(8))
+    assert torch.equal(hf.full(), reorder_rows(w, rope_row_order(8)))
+    write_safetensors_one_pass({"w": hf}, out)
+    assert torch.equal(load_file(os.path.join(out, model_file_name(1, 1)))["w"], reorder_rows(w, rope_row_order(8)))
+    w = torch.arange(32.0 * 2).reshape(32, 2)
+    hf = reorder_rows(distribute_tensor(w, mesh, [Shard(0)]), rope_row_order(8))
+    assert isinstance(hf, DTensor) and hf.placements == (Shard(0),)
+    assert torch.equal(hf.to_local(), reorder_rows(w, rope_row_order(8)).chunk(world_size)[dist.get_rank()])
 
 
 def _import_and_export(rank: int, world_size: int, src: str, out: str, expected: torch.Tensor) -> None:
-    _check_permutation_across_a_split_head(world_size)
+    _check_permutation_across_a_split_head(world_size, os.path.join(out, "split_head"))
     config = load_job_config(DEBUG_CONFIG, [])
     model = build_model(config)  # other weights than the checkpoint's
     shard_model(model, world_size)

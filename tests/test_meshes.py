@@ -39,8 +39,6 @@ def _config(*argv: str):
      "parallelism.pipeline_parallel_microbatch_size", "local_batch_size (8)"),
     (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "8"],
      "parallelism.pipeline_parallel_microbatch_size", "makes 1 microbatches"),
-    (["--parallelism.pipeline_parallel_degree", "2", "--checkpoint.last_save_in_hf", "true"],
-     "checkpoint.last_save_in_hf", "a pipeline stage holds part of the model"),
     (["--parallelism.pipeline_parallel_schedule", "ZeroBubble"], "parallelism.pipeline_parallel_schedule", "GPipe"),
     (["--parallelism.tensor_parallel_degree", "0"], "parallelism.tensor_parallel_degree", ">= 1"),
     (["--training.device", "tpu"], "training.device", "auto, cpu, cuda"),

@@ -26,6 +26,7 @@ from torchtitan_ckpt import CheckpointManager, layout
 from torchtitan_ckpt.example.config import JobConfig, load_job_config
 from torchtitan_ckpt.example.data import build_dataloader
 from torchtitan_ckpt.example.model import FLAVORS, hf_adapter
+from torchtitan_ckpt.example.parallel import ParallelDims, pipeline_parts
 from torchtitan_ckpt.example.train import Run, TrainState, build_model, build_run, train_steps
 from torchtitan_ckpt.dcp.storage import dtensor_chunk
 from torchtitan_ckpt.hf import load_hf, save_hf
@@ -81,6 +82,12 @@ def _gathered(run: Run) -> dict[str, Any] | None:
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return {k: v for part in every for k, v in part.items()} if dist.get_rank() == 0 else None
+
+
+def _all_ranks(found: Any) -> list[Any]:
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, found)
+    return every
 
 
 def _differences(expected: dict[str, Any], got: dict[str, Any], what: str) -> list[str]:
@@ -210,8 +217,9 @@ def _bytes_to_read(sd: dict[str, Any], adapter: Any) -> int:
     q/k projection or norm (RoPE's row order moves rows within a head, so a shard that cuts a
     head reads the rest of it)."""
     total = 0
-    for name, source in adapter.hf_sources(sd).items():
-        value = sd[name]
+    sources = adapter.hf_sources(adapter.state_dict_shapes())  # sd may be a pipeline stage's part
+    for name, value in sd.items():
+        source = sources[name]
         local = value.to_local() if isinstance(value, DTensor) else value
         lo = dtensor_chunk(tuple(value.shape), value.device_mesh, tuple(value.placements))[0][0] \
             if isinstance(value, DTensor) else 0
@@ -219,6 +227,51 @@ def _bytes_to_read(sd: dict[str, Any], adapter: Any) -> int:
         rows = -(-(lo + local.shape[0]) // block) * block - lo // block * block
         total += local.nbytes // local.shape[0] * rows
     return total
+
+
+def _hf_through_the_manager(rank: int, world_size: int, folder: str, flavor: str, name: str,
+                            reference: str) -> list[str]:
+    """The example job's own HF path: the last step saved in HF format from the layout (the
+    files of a 1-rank export, byte for byte), then a new run's initial load from that step on
+    the layout (every tensor as saved)."""
+    config = _config(folder, flavor, name, "--checkpoint.last_save_in_hf", "true",
+                     "--checkpoint.last_save_model_only", "true", "--checkpoint.hf_max_shard_size", HF_SHARD)
+    run, adapter = build_run(config, world_size, rank, torch.device("cpu")), hf_adapter(FLAVORS[flavor])
+    _with_manager(config, run, rank, lambda manager, *_: manager.save(1, last_step=True), state_dict_adapter=adapter)
+    step = layout.step_dir(os.path.join(folder, "checkpoint"), 1)
+    wrong = [f"{name}: HF step: {f} differs from 1 rank's" for f in os.listdir(reference)
+             if not filecmp.cmp(os.path.join(reference, f), os.path.join(step, f), shallow=False)] if rank == 0 else []
+    config = _config(os.path.join(folder, "again"), flavor, name, "--training.seed", "7",
+                     "--checkpoint.initial_load_path", step, "--checkpoint.initial_load_in_hf", "true")
+    other = build_run(config, world_size, rank, torch.device("cpu"))
+    _with_manager(config, other, rank, lambda manager, *_: manager.load(), state_dict_adapter=adapter)
+    expected, got = _model_state(run), _model_state(other)
+    return wrong + (_differences(expected, got, f"{name}: HF initial load") if rank == 0 else [])
+
+
+def _pipeline_on_two_ranks(rank: int, folder: str, reference: str) -> list[str]:
+    """Pipeline stages alone, on a checkpoint group of ranks 0 and 1: each holds one stage of
+    plain tensors. Export (one pass, and through DCP's shard files with `all_ranks`), then
+    import the reference into other weights: what each rank holds, reading only its bytes."""
+    pair = dist.new_group([0, 1])
+    if rank > 1:
+        return []
+    config = _config(folder, DENSE, None)
+    dims, adapter = ParallelDims(pp=2), hf_adapter(FLAVORS[DENSE])
+    sd = ModelState([p for _, p in pipeline_parts(build_model(config), dims, rank)]).state_dict()
+    wrong = []
+    for mode in ("one_pass", "all_ranks"):
+        out = os.path.join(folder, mode)
+        save_hf(sd, out, adapter, max_shard_size=HF_SHARD, process_group=pair, mode=mode)
+        wrong += [f"pp2 on 2 ranks, {mode}: {f} differs from 1 rank's" for f in _differing_files(reference, out)]
+    seed7 = build_model(_config(folder, DENSE, None, "--training.seed", "7"))
+    other = ModelState([p for _, p in pipeline_parts(seed7, dims, rank)]).state_dict()
+    with RecordedReads() as recorded:
+        load_hf(other, reference, adapter, process_group=pair)
+    read = sum(n for _, _, n in recorded.reads)
+    wrong += [f"pp2 on 2 ranks: rank {rank} read {read} bytes for the {_bytes_to_read(other, adapter)} it holds"] \
+        if read != _bytes_to_read(other, adapter) else []
+    return wrong + _differences(sd, other, f"pp2 on 2 ranks: HF import on rank {rank}")
 
 
 def _differing_files(a: str, b: str) -> list[str]:
@@ -257,8 +310,9 @@ def _dedup(rank: int, world_size: int, folder: str, name: str, policy: str) -> d
 CASES = [(flavor, name) for flavor, names in SAVED_ON.items() for name in names]
 DEDUP_CASES = [(name, policy) for name in ("tp2_fsdp2", "tp4") for policy in ("balanced", "lowest_rank",
                                                                               "replica_slices")]
-HF_CASES = [(flavor, name) for flavor, name in CASES if name != "pp2_fsdp2"]
-"""The example job refuses the HF format with pipeline stages (`test_meshes`)."""
+HF_CASES = [*CASES, (DENSE, "pp2_tp2"), (MOE, "pp2_fsdp2")]
+"""Pipeline stages too: the dense pp2_fsdp2 puts layers 0 and 2 on one rank (Interleaved1F1B),
+pp2_tp2 has plain tensors on every tp rank of a stage, and the MoE one FSDP-sharded experts."""
 HF_SHARD = "40KB"
 """Several HF files per export."""
 
@@ -270,6 +324,10 @@ def _every_layout(rank: int, world_size: int, folder: str, references: dict[str,
              for flavor, name in CASES}
     found.update({f"hf-{flavor}-{name}": _hf(rank, world_size, os.path.join(folder, "hf_" + name), flavor, name,
                                              references[flavor]) for flavor, name in HF_CASES})
+    found["hf-manager-pp2_fsdp2"] = _hf_through_the_manager(rank, world_size, os.path.join(folder, "hf_manager"),
+                                                           DENSE, "pp2_fsdp2", references[DENSE])
+    found["hf-pp2-2ranks"] = [w for ws in _all_ranks(_pipeline_on_two_ranks(rank, os.path.join(folder, "hf_pp2"),
+                                                                           references[DENSE])) for w in ws]
     found.update({f"dedup-{name}-{policy}": _dedup(rank, world_size, os.path.join(folder, f"{name}_{policy}"),
                                                    name, policy) for name, policy in DEDUP_CASES})
     if rank == 0:
@@ -307,6 +365,14 @@ def test_save_on_one_layout_load_on_every_other(matrix, flavor, saved_on):
 @pytest.mark.parametrize("flavor,layout_name", HF_CASES)
 def test_hf_export_and_import_on_each_layout(matrix, flavor, layout_name):
     assert matrix[f"hf-{flavor}-{layout_name}"] == []
+
+
+def test_hf_export_and_import_with_pipeline_stages_on_two_ranks(matrix):
+    assert matrix["hf-pp2-2ranks"] == []
+
+
+def test_the_job_saves_and_loads_hf_steps_with_pipeline_stages(matrix):
+    assert matrix["hf-manager-pp2_fsdp2"] == []
 
 
 @pytest.mark.parametrize("flavor", [DENSE, MOE])

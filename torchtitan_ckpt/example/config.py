@@ -222,12 +222,6 @@ def _validate_pipeline(c: JobConfig) -> None:
         raise ConfigError("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree,
                           f"flavor {c.model.flavor} ties its embedding to its output, which would be on "
                           "two stages; use 1 for it")
-    for key in ("last_save_in_hf", "hf_export_interval", "initial_load_in_hf"):
-        if getattr(c.checkpoint, key):
-            raise ConfigError(f"checkpoint.{key}", getattr(c.checkpoint, key),
-                              "the Hugging Face format needs every tensor in each rank's state dict and a "
-                              "pipeline stage holds part of the model; set parallelism.pipeline_parallel_degree "
-                              "= 1, or save DCP steps and run `torchtitan-ckpt convert`")
     if c.training.local_batch_size % p.pipeline_parallel_microbatch_size:
         raise ConfigError("parallelism.pipeline_parallel_microbatch_size", p.pipeline_parallel_microbatch_size,
                           f"must divide training.local_batch_size ({c.training.local_batch_size})")

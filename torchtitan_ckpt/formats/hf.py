@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # storage.base imports layout, which imports the formats
 
 class HfFormat(StepFormat):
     name = "hf"
-    on_training_thread = True  # gathering wq/wk rows uses the training mesh's groups
+    on_training_thread = True  # it reads the live model; the two-phase modes gather on the training mesh
 
     @staticmethod
     def holds(path: str) -> bool:

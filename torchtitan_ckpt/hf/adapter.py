@@ -10,6 +10,8 @@ or one it expects and does not find, raises `AdapterMismatchError` listing both 
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import math
 import os
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..errors import AdapterMismatchError, CheckpointError, CorruptCheckpointError
@@ -85,6 +88,32 @@ class RowOf:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+@dataclass(frozen=True)
+class PermutedRows:
+    """A DTensor whose rows the export permutes within blocks of `len(row_order)` rows (our row
+    k of a block is the HF row `row_order[k]`) while some shard cuts a block: each rank writes
+    its own rows at their HF places, so no rank gathers the tensor. `full()` builds the HF
+    tensor (a collective) where a whole one is needed."""
+
+    tensor: Any
+    row_order: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def full(self) -> torch.Tensor:
+        return _permute_rows(self.tensor.full_tensor(), self.row_order)
+
+
 TIED_HEAD = "output.weight"
 EMBEDDING = "tok_embeddings.weight"
 
@@ -125,15 +154,27 @@ class StateDictAdapter:
         """Every tensor of the model's state dict and its shape (a tied head included)."""
         return {**self.shapes, TIED_HEAD: self.shapes[EMBEDDING]} if self.tied else dict(self.shapes)
 
-    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        """Every HF tensor name, in the model's order (the order an export's file split follows)."""
+        return tuple(n for source in self.sources.values() for n in source.hf_names)
+
+    def _check_model_names(self, names: Iterable[str], complete: bool = True) -> None:
+        """Raise `AdapterMismatchError` unless `names` are the model's (the tied head may be
+        there or not); with `complete=False`, unless they are some of them (a pipeline stage's)."""
+        ours = set(names) - {TIED_HEAD} if self.tied else set(names)
+        check_names("state dict -> HF", ours, self.sources if complete else ours & set(self.sources))
+
+    def to_hf(self, state_dict: dict[str, Any], complete: bool = True) -> dict[str, Any]:
         """Our names -> HF names. Values may be tensors or DTensors; one expert of a grouped
-        tensor is a `RowOf` it."""
-        ours = dict(state_dict)
-        if self.tied:
-            ours.pop(TIED_HEAD, None)  # the same tensor as the embedding
-        check_names("state dict -> HF", ours, self.sources)
+        tensor is a `RowOf` it, a q/k projection whose shards cut a head `PermutedRows`.
+        `complete=False` takes part of the model (a pipeline stage's: the caller checks that
+        the ranks' parts make the whole, against `hf_names`)."""
+        self._check_model_names(state_dict, complete)
         out: dict[str, Any] = {}
-        for name, value in ours.items():
+        for name, value in state_dict.items():
+            if self.tied and name == TIED_HEAD:
+                continue  # the same tensor as the embedding
             source = self.sources[name]
             if source.stack:
                 out.update((hf, RowOf(value, e)) for e, hf in enumerate(source.stack))
@@ -146,9 +187,8 @@ class StateDictAdapter:
     def hf_sources(self, names: Iterable[str]) -> dict[str, HFSource]:
         """Our names -> where each comes from in an HF checkpoint; the inverse of `to_hf`."""
         given = set(names)
-        ours = given - {TIED_HEAD} if self.tied else given  # tied: the embedding
-        check_names("state dict -> HF", ours, self.sources)
-        out = {name: self.sources[name] for name in ours}
+        self._check_model_names(given)
+        out = {name: self.sources[name] for name in (given - {TIED_HEAD} if self.tied else given)}
         if self.tied and TIED_HEAD in given:
             out[TIED_HEAD] = self.sources[EMBEDDING]
         return out
@@ -198,7 +238,10 @@ class ForeignAdapter:
         self.adapter = adapter
         self.hf_assets_path = getattr(adapter, "hf_assets_path", None)
 
-    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    hf_names = None
+    """Unknown: an export's file split follows the ranks' state dicts, in rank order."""
+
+    def to_hf(self, state_dict: dict[str, Any], complete: bool = True) -> dict[str, Any]:
         return self.adapter.to_hf(state_dict)
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -257,18 +300,43 @@ def read_index(path: str) -> dict[str, str]:
     return weight_map
 
 
-def reorder_rows(w: Any, row_order: tuple[int, ...]) -> torch.Tensor:
+def reorder_rows(w: Any, row_order: tuple[int, ...]) -> Any:
     """Our rows -> HF's: in each block of `len(row_order)` rows, our row k becomes HF row
     `row_order[k]` (the inverse of what `HFSource.row_order` reads).
 
-    Rows of one block (a head) may live on several ranks, so a DTensor is gathered to a full
-    tensor first (one parameter at a time); the result is a plain tensor."""
+    A DTensor whose every shard holds whole blocks (a head is never cut) is permuted where it
+    lies, shard by shard, and stays a DTensor; otherwise rows of one block live on several ranks,
+    and the export writes each rank's rows at their places (`PermutedRows`)."""
     if isinstance(w, DTensor):
-        w = w.full_tensor()
+        if not whole_row_blocks(tuple(w.shape), tuple(w.device_mesh.shape), tuple(w.placements), len(row_order)):
+            return PermutedRows(w, row_order)
+        return DTensor.from_local(_permute_rows(w.to_local(), row_order), w.device_mesh, w.placements,
+                                  shape=w.shape, stride=w.stride())
+    return _permute_rows(w, row_order)
+
+
+def _permute_rows(w: torch.Tensor, row_order: tuple[int, ...]) -> torch.Tensor:
     inverse = torch.empty(len(row_order), dtype=torch.long)
     inverse[torch.tensor(row_order)] = torch.arange(len(row_order))
     blocks = w.reshape(-1, len(row_order), *w.shape[1:])
     return blocks[:, inverse].reshape(w.shape)
+
+
+@functools.lru_cache(maxsize=256)
+def whole_row_blocks(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Any, ...],
+                     rows: int) -> bool:
+    """Whether every rank's shard of a DTensor of `shape` laid out as `placements` on a mesh of
+    `mesh_shape` starts and ends on a multiple of `rows` rows. The same answer on every rank
+    (each shard is looked at, not only this rank's), so ranks agree on whether to gather."""
+    on_rows = [i for i, p in enumerate(placements) if getattr(p, "dim", None) == 0]
+    for coords in itertools.product(*(range(mesh_shape[i]) for i in on_rows)):
+        coordinate = [0] * len(mesh_shape)
+        for i, c in zip(on_rows, coords):
+            coordinate[i] = c
+        sizes, offsets = _compute_local_shape_and_global_offset(shape, mesh_shape, coordinate, placements)
+        if sizes[0] % rows or offsets[0] % rows:
+            return False
+    return True
 
 
 def rope_row_order(head_dim: int) -> tuple[int, ...]:

@@ -39,26 +39,30 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor
 
 from ..io import durable, posio, safe_open
+from ..io.filewriter import Writeback
 from .. import faults
+from ..dcp.storage import dtensor_chunk
 from ..errors import ConsolidationError, CorruptCheckpointError, InvalidShardsError, RankFailed
 from ..group import CheckpointGroup
 from ..policy.split import byte_ranges
-from .adapter import LOCAL_PLACEMENTS, RowOf
+from .adapter import LOCAL_PLACEMENTS, PermutedRows, RowOf
 from .files import DTYPE_NAMES, DTYPE_SIZES, INDEX_FILE, MAX_HEADER_BYTES, model_file_name
 
 logger = logging.getLogger(__name__)
 
 ProgressFn = Callable[[int, int], None]
 """`progress(nbytes, total)`: `nbytes` more bytes written, of `total` this rank writes."""
+PrepareFn = Callable[[], list[str]]
+"""Run by rank 0 before the output files are created (to clear the folder, write `config.json`):
+returns the paths of the files it wrote, which rank 0 fsyncs before the index is written."""
 
 CHUNK_BYTES = 16 << 20
 HEADER_ALIGN = 8
@@ -313,6 +317,14 @@ def _scatter(fd: int, runs: Runs, data: memoryview, pos: int) -> None:
         i += n
 
 
+def _span(runs: Runs, pos: int, n: int) -> tuple[int, int]:
+    """(offset, length) of the stretch of the output file that bytes [pos, pos + n) of a block
+    land in (other blocks' bytes lie between its runs)."""
+    first, last = pos, pos + n - 1
+    lo = runs.dst(first // runs.run_bytes) + first % runs.run_bytes
+    return lo, runs.dst(last // runs.run_bytes) + last % runs.run_bytes + 1 - lo
+
+
 class _Writer:
     """Runs one rank's tasks on `num_threads` threads, each with its own file handles (and, for
     file sources, its own CHUNK_BYTES buffer); returns the output files it wrote to."""
@@ -348,6 +360,7 @@ class _Writer:
 
     def _copy(self, tasks: list[Task]) -> None:
         fds: dict[str, int] = {}
+        outs: dict[str, Writeback] = {}
         buf = memoryview(bytearray(CHUNK_BYTES)) if not self.memory else None
         try:
             for task in tasks:
@@ -355,36 +368,43 @@ class _Writer:
                 name, start = self.where[b.fqn]
                 if name not in fds:
                     fds[name] = os.open(os.path.join(self.output_dir, name), os.O_WRONLY)
+                    outs[name] = Writeback(fds[name])
                 runs = block_runs(b, self.specs[b.fqn].shape, start)
-                if b.src:
-                    if b.src not in fds:
-                        fds[b.src] = os.open(b.src, os.O_RDONLY)
-                    self._copy_from_file(task, runs, fds[b.src], fds[name], buf)
-                else:
-                    _scatter(fds[name], runs, self.memory[b.fqn][task.start:task.stop], task.start)
-                    self._report(task.stop - task.start)
+                if b.src and b.src not in fds:
+                    fds[b.src] = os.open(b.src, os.O_RDONLY)
+                self._copy_task(task, runs, fds.get(b.src, -1), fds[name], outs[name], buf)
         finally:
+            for out in outs.values():
+                out.close()
             for fd in fds.values():
                 os.close(fd)
 
-    def _copy_from_file(self, task: Task, runs: Runs, src: int, dst: int, buf: memoryview) -> None:
+    def _copy_task(self, task: Task, runs: Runs, src: int, dst: int, out: Writeback, buf: memoryview | None) -> None:
+        """Copy the task's bytes CHUNK_BYTES at a time (from its shard file through `buf`, or
+        from memory), starting the disk on each chunk as soon as it is written, so the fsync
+        that follows waits for the last chunks only."""
         pos = task.start
         while pos < task.stop:
-            view = buf[:min(len(buf), task.stop - pos)]
-            _pread_all(src, view, task.block.src_start + pos, task.block.src)
+            n = min(CHUNK_BYTES, task.stop - pos)
+            if task.block.src:
+                view = buf[:n]
+                _pread_all(src, view, task.block.src_start + pos, task.block.src)
+            else:
+                view = self.memory[(task.block.fqn, task.block.offsets)][pos:pos + n]
             _scatter(dst, runs, view, pos)
-            pos += len(view)
-            self._report(len(view))
+            out.start(*_span(runs, pos, n))
+            pos += n
+            self._report(n)
 
     def _report(self, nbytes: int) -> None:
         if self.progress is not None:
             self.progress(nbytes, self.total)
 
 
-def _create_files(output_dir: str, files: Sequence[OutputFile], header: bool = True) -> None:
-    """Create every output file at its final size, with its header (run by one rank, which also
-    fsyncs them: the writers fsync only the files they write tensor bytes into). Without
-    `header`: a rank's own copy of files another rank heads (a folder not shared)."""
+def _create_files(output_dir: str, files: Sequence[OutputFile], sync: Collection[str], header: bool = True) -> None:
+    """Create every output file at its final size, with its header (run by one rank, which
+    fsyncs those named in `sync` now and the others with the tensor bytes it writes into them).
+    Without `header`: a rank's own copy of files another rank heads (a folder not shared)."""
     os.makedirs(output_dir, exist_ok=True)
     stale = os.path.join(output_dir, INDEX_FILE)
     if os.path.exists(stale):
@@ -395,16 +415,16 @@ def _create_files(output_dir: str, files: Sequence[OutputFile], header: bool = T
             os.ftruncate(fd, f.size)
             if header:
                 posio.write_all(fd, memoryview(f.header), 0)
-            os.fsync(fd)
+            if f.name in sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
 
 
 def _write_index(output_dir: str, files: Sequence[OutputFile], specs: Mapping[str, TensorSpec]) -> None:
-    """Write the index atomically, after fsyncing the folder so the files it names are durable."""
+    """Write the index atomically (the folder, which names the files it lists, is durable)."""
     weight_map = dict(sorted((fqn, f.name) for f in files for fqn in f.starts))
     index = {"metadata": {"total_size": sum(s.nbytes for s in specs.values())}, "weight_map": weight_map}
-    durable.fsync_path(output_dir)
     durable.write_json(os.path.join(output_dir, INDEX_FILE), index, indent=2)
 
 
@@ -427,19 +447,33 @@ def _step(group: CheckpointGroup, what: str, fn: Callable[[], Any]) -> list[Any]
 def _write_everything(group: CheckpointGroup, output_dir: str, files: list[OutputFile],
                       specs: Mapping[str, TensorSpec], tasks: Sequence[Task], num_threads: int,
                       memory: Mapping[str, memoryview] | None = None, progress: ProgressFn | None = None,
-                      shared: bool = True) -> float:
-    """Create (rank 0; every rank its own copy without `shared`), fill (every rank), fsync,
-    then index (rank 0). Returns the seconds taken."""
+                      prepare: PrepareFn | None = None, shared: bool = True) -> float:
+    """Create (rank 0, after `prepare`; without `shared` every rank its own copy), fill (every
+    rank), fsync, then index (rank 0). Each file is fsynced once by each rank writing into it,
+    after its last write; rank 0 also fsyncs what `prepare` wrote and the folder while the
+    others still write. Copies in a folder not shared are uploaded, not kept: never fsynced.
+    Returns the seconds taken."""
     t0 = time.perf_counter()
-    creates = group.rank == 0 or not shared
-    _step(group, "creating the output files",
-          lambda: _create_files(output_dir, files, header=group.rank == 0) if creates else None)
+    file_of = {fqn: f.name for f in files for fqn in f.starts}
+    own = sorted({file_of[t.block.fqn] for t in tasks}) if shared else []
+    small: list[str] = []
+
+    def create() -> None:
+        if group.rank == 0:
+            small.extend(prepare() if prepare is not None else [])
+        if group.rank == 0 or not shared:
+            _create_files(output_dir, files, sync={f.name for f in files} - set(own) if shared else (),
+                          header=group.rank == 0)
 
     def fill() -> None:
-        for name in sorted(_Writer(output_dir, files, specs, memory, progress).run(tasks, num_threads)):
-            durable.fsync_path(os.path.join(output_dir, name))
+        _Writer(output_dir, files, specs, memory, progress).run(tasks, num_threads)
+        for path in [os.path.join(output_dir, name) for name in own] + small:
+            durable.fsync_path(path)
+        if group.rank == 0 and shared:
+            durable.fsync_path(output_dir)  # the files' names, before an index names them
         faults.hit_in("consolidate", output_dir)  # this rank's bytes are in, the index is not
 
+    _step(group, "creating the output files", create)
     _step(group, "writing tensor data", fill)
     _step(group, "writing the index", lambda: _write_index(output_dir, files, specs) if group.rank == 0 else None)
     seconds = time.perf_counter() - t0
@@ -490,42 +524,106 @@ def consolidate_safetensors(input_dir: str, output_dir: str, fqn_to_index_mappin
                     total / 1e9 / max(seconds, 1e-9))
 
 
+@dataclass(frozen=True)
+class OnePassPlan:
+    """A one-pass export the ranks agreed on: every tensor of it, in the model's order, and the
+    blocks this rank writes with their values (views of the state dict's tensors), by tensor
+    name and offsets."""
+
+    specs: dict[str, TensorSpec]
+    blocks: list[Block]
+    values: dict[tuple[str, tuple[int, ...]], torch.Tensor]
+    state_dict: dict[str, Any]
+    """This rank's tensors the plan was made from."""
+
+
+def plan_one_pass(state_dict: Mapping[str, Any] | Callable[[], Mapping[str, Any]], group: CheckpointGroup,
+                  order: Sequence[str] | None = None) -> OnePassPlan:
+    """Agree, collectively, on what each rank writes: every rank describes the blocks it holds
+    (a pipeline stage's rank holds only its stage's tensors, each a block or all of it), the
+    descriptions are gathered, and each block is written by the lowest rank holding it. The
+    export's tensors follow `order` (HF names in the model's order, which the file split
+    follows), else the order the ranks list them in, rank by rank. `state_dict` may be a
+    function making it (a conversion): it then runs inside the planning step, so its failure
+    on one rank is every rank's, in the same collective."""
+    held: dict[str, tuple[Block, tuple[int, ...], torch.Tensor]] = {}
+    made: dict[str, Any] = {}
+
+    def describe() -> list[tuple[Block, tuple[int, ...]]]:
+        made.update(state_dict() if callable(state_dict) else state_dict)
+        for fqn, t in made.items():
+            found = _local_block(fqn, t, _dtype_name(fqn, t))
+            if found is not None:
+                held[fqn] = (found[0], tuple(t.shape), found[1])
+        return [(block, shape) for block, shape, _ in held.values()]
+
+    every = _step(group, "planning the export", describe)
+    specs = agreed_specs(every, order)
+    first = writers(every)
+    mine = []
+    for block, _, local in held.values():
+        if first[(block.fqn, block.offsets)] == group.rank:
+            t = made[block.fqn]
+            mine += _rows_at_hf_places(block, local, t.row_order) if isinstance(t, PermutedRows) else [(block, local)]
+    return OnePassPlan(specs, [b for b, _ in mine if b.nbytes], {(b.fqn, b.offsets): v for b, v in mine}, made)
+
+
+def agreed_specs(every: Sequence[Sequence[tuple[Block, tuple[int, ...]]]],
+                 order: Sequence[str] | None = None) -> dict[str, TensorSpec]:
+    """The full tensors the ranks' blocks (`(block, full shape)` per rank) belong to, in `order`
+    (names it lacks last), else in the ranks' order. Raises `ValueError` naming the tensor when
+    two ranks disagree on its dtype or shape."""
+    specs: dict[str, TensorSpec] = {}
+    for rank, blocks in enumerate(every):
+        for block, shape in blocks:
+            spec = TensorSpec(block.fqn, block.dtype, shape)
+            if specs.setdefault(block.fqn, spec) != spec:
+                other = specs[block.fqn]
+                raise ValueError(f"tensor {block.fqn!r} is {spec.dtype} {list(shape)} on rank {rank} and "
+                                 f"{other.dtype} {list(other.shape)} on a lower rank; every rank must hold "
+                                 "the same model")
+    if order is not None:
+        position = {name: i for i, name in enumerate(order)}
+        specs = dict(sorted(specs.items(), key=lambda item: position.get(item[0], len(position))))
+    return specs
+
+
+def writers(every: Sequence[Sequence[tuple[Block, Any]]]) -> dict[tuple[str, tuple[int, ...]], int]:
+    """Each block's writer, by its tensor and offsets: the lowest rank holding it, so a block
+    on several ranks (a replicated tensor: on every rank of a pipeline stage, on every
+    tensor-parallel rank) is written once."""
+    first: dict[tuple[str, tuple[int, ...]], int] = {}
+    for rank, blocks in enumerate(every):
+        for block, _ in blocks:
+            first.setdefault((block.fqn, block.offsets), rank)
+    return first
+
+
 def write_safetensors_one_pass(state_dict: Mapping[str, Any], output_dir: str,
                                fqn_to_index_mapping: Mapping[str, int] | None = None, *,
                                process_group=None, num_threads: int = 4, progress: ProgressFn | None = None,
+                               plan: OnePassPlan | None = None, prepare: PrepareFn | None = None,
                                shared: bool = True) -> None:
-    """Write `state_dict` (tensors, DTensors and `RowOf` experts) as final HF safetensors files
-    and index in one pass, collectively: every rank computes the same layout, writes its own
-    blocks at their final offsets (a replicated tensor or block by one rank only: rank 0 for plain
-    tensors, the rank at coordinate 0 of every replicated mesh dim for DTensors; an expert by the
-    rank holding it), fsyncs, and rank 0 writes the index once every rank is done. No
-    intermediate shard files. `progress` as for `consolidate_safetensors`. Without `shared`,
-    each rank writes into its own copy of every file (zeros where other ranks' bytes go)."""
+    """Write `state_dict` (tensors, DTensors, `RowOf` experts and `PermutedRows`; on each rank
+    the tensors it holds) as final HF safetensors files and index in one pass, collectively:
+    the ranks agree on the layout and on who writes what (`plan_one_pass`, or `plan` when
+    already agreed; a block by the lowest rank holding it, an expert by the rank holding it, a
+    permuted row at its HF place by the rank holding it), write their own blocks at their final
+    offsets, fsync, and rank 0 writes the index once every rank is done. No intermediate shard
+    files. `progress` as for `consolidate_safetensors`; `prepare` runs on rank 0 first
+    (`PrepareFn`). Without `shared`, each rank writes into its own copy of every file (zeros
+    where other ranks' bytes go), to be combined by an object store's upload."""
     group = CheckpointGroup(process_group)
-    specs = {fqn: TensorSpec(fqn, _dtype_name(fqn, t), tuple(t.shape)) for fqn, t in state_dict.items()}
-    files = plan_output_files(specs, fqn_to_index_mapping)
-    blocks, memory = [], {}
-    for fqn, t in state_dict.items():
-        found = _local_block(fqn, t, specs[fqn].dtype, group.rank)
-        if found is not None and found[0].nbytes:
-            blocks.append(found[0])
-            memory[fqn] = found[1]
-    tasks = [Task(b, 0, b.nbytes) for b in _lowest_holders(group, blocks)]
-    _write_everything(group, output_dir, files, specs, tasks, num_threads, memory, progress, shared)
-
-
-def _lowest_holders(group: CheckpointGroup, blocks: list[Block]) -> list[Block]:
-    """This rank's blocks that no lower rank also holds: a DTensor replicated beyond its mesh
-    (FSDP's shard of a norm on every tensor-parallel rank) is written once."""
-    first: dict[tuple[str, tuple[int, ...]], int] = {}
-    for rank, keys in enumerate(group.all_gather([(b.fqn, b.offsets) for b in blocks])):
-        for key in keys:
-            first.setdefault(key, rank)
-    return [b for b in blocks if first[(b.fqn, b.offsets)] == group.rank]
+    plan = plan or plan_one_pass(state_dict, group)
+    files = plan_output_files(plan.specs, fqn_to_index_mapping)
+    memory = {key: _bytes_of(t) for key, t in plan.values.items()}
+    tasks = [Task(b, 0, b.nbytes) for b in plan.blocks]
+    _write_everything(group, output_dir, files, plan.specs, tasks, num_threads, memory, progress, prepare,
+                      shared)
 
 
 def _dtype_name(fqn: str, t: Any) -> str:
-    if isinstance(t, RowOf):
+    if isinstance(t, (RowOf, PermutedRows)):
         t = t.tensor
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fqn!r} is a {type(t).__name__}; safetensors holds tensors only")
@@ -534,35 +632,49 @@ def _dtype_name(fqn: str, t: Any) -> str:
     return DTYPE_NAMES[t.dtype]
 
 
-def _local_block(fqn: str, t: Any, dtype: str, rank: int) -> tuple[Block, memoryview] | None:
-    """This rank's block of `t` and its bytes, or None when another rank writes it. Of a `RowOf`
-    (one expert of a grouped weight), the rank that holds that row writes it."""
+def _local_block(fqn: str, t: Any, dtype: str) -> tuple[Block, torch.Tensor] | None:
+    """This rank's block of `t` and its values (a view), or None when this rank holds none of
+    it. Of a `RowOf` (one expert of a grouped weight), only the rank holding that row has it."""
     row = None
     if isinstance(t, RowOf):
         t, row = t.tensor, t.index
+    elif isinstance(t, PermutedRows):
+        t = t.tensor  # its rows in our order: `_rows_at_hf_places` places them
     if isinstance(t, DTensor):
-        coord = t.device_mesh.get_coordinate()
-        if coord is None:
+        if t.device_mesh.get_coordinate() is None:
             return None
         if not all(isinstance(p, LOCAL_PLACEMENTS) for p in t.placements):
             raise ValueError(f"{fqn!r} has placements {t.placements}; reduce Partial tensors before exporting")
-        if any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord)):
-            return None
-        shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        offsets, shape = dtensor_chunk(tuple(t.shape), t.device_mesh, tuple(t.placements))
         local = t.to_local()
-    elif rank != 0:
-        return None
     else:
         shape, offsets, local = tuple(t.shape), (0,) * t.dim(), t
     if row is not None:
         if not offsets[0] <= row < offsets[0] + shape[0]:
             return None
         local, shape, offsets = local[row - offsets[0]], shape[1:], offsets[1:]
-    local = local.detach().cpu().contiguous()
     if tuple(local.shape) != tuple(shape):
         raise ValueError(f"{fqn!r}: local tensor of shape {list(local.shape)}, expected {list(shape)}")
-    data = memoryview(local.reshape(-1).view(torch.uint8).numpy())
-    return Block(fqn, dtype, tuple(offsets), tuple(shape)), data
+    return Block(fqn, dtype, tuple(offsets), tuple(shape)), local
+
+
+def _rows_at_hf_places(block: Block, local: torch.Tensor,
+                       row_order: tuple[int, ...]) -> list[tuple[Block, torch.Tensor]]:
+    """A block of rows in our order as one block per row at its HF row: our row k of each
+    block of `len(row_order)` rows is HF row `row_order[k]` of that block."""
+    n = len(row_order)
+    rows = []
+    for i in range(block.shape[0]):
+        ours = block.offsets[0] + i
+        hf = ours - ours % n + row_order[ours % n]
+        rows.append((Block(block.fqn, block.dtype, (hf, *block.offsets[1:]), (1, *block.shape[1:])), local[i:i + 1]))
+    return rows
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A block's bytes in CPU memory (a copy only of a GPU or non-contiguous tensor)."""
+    local = t.detach().cpu().contiguous()
+    return memoryview(local.reshape(-1).view(torch.uint8).numpy())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import safetensors.torch
@@ -78,9 +78,11 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
         raise ValueError(f"load_hf: num_threads = {num_threads}; expected 1 or more")
     start = time.perf_counter()
     group = CheckpointGroup(process_group or (dist.group.WORLD if dist.is_initialized() else None))
+    # with pipeline stages a rank holds part of the model: the folder must fit all ranks' names
+    every = dict.fromkeys(name for names in group.all_gather(list(state_dict)) for name in names)
     planned: list[tuple[Callable[[], int], int]] = []
     try:  # every rank raises if one failed: its own error, or one naming the failing rank
-        group.run(lambda: (planned.append(_checked(state_dict, hf_dir, adapter, num_threads)), check()))
+        group.run(lambda: (planned.append(_checked(state_dict, hf_dir, adapter, num_threads, every)), check()))
     except RankFailed as failed:
         failed.reraise(f"reading {hf_dir}")
     fill, total = planned[0]
@@ -95,14 +97,16 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
     return state_dict
 
 
-def _checked(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
-             num_threads: int) -> tuple[Callable[[], int], int]:
-    """Check `hf_dir` against `state_dict` and plan this rank's reads, writing nothing. Returns
-    the function that reads them (returning the bytes read) and the bytes in the folder."""
-    sources = adapter.hf_sources(state_dict)
-    if sources is None:  # an adapter of whole tensors only (`ForeignAdapter`)
-        return _read_through(state_dict, hf_dir, adapter)
-    layout = check_hf_dir(state_dict, hf_dir, sources)
+def _checked(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter, num_threads: int,
+             every: dict[str, None]) -> tuple[Callable[[], int], int]:
+    """Check `hf_dir` against `state_dict` (this rank's part of the model whose names, on all
+    ranks, are `every`) and plan this rank's reads, writing nothing. Returns the function that
+    reads them (returning the bytes read) and the bytes in the folder."""
+    all_sources = adapter.hf_sources(every)
+    if all_sources is None:  # an adapter of whole tensors only (`ForeignAdapter`)
+        return _read_through(state_dict, hf_dir, adapter, every)
+    sources = {name: all_sources[name] for name in state_dict}
+    layout = check_hf_dir(state_dict, hf_dir, sources, {n for s in all_sources.values() for n in s.hf_names})
     with torch.no_grad():
         reads, seen = [], set()
         for name, source in sources.items():
@@ -117,26 +121,30 @@ def _checked(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
     return fill, sum(e.nbytes for e in layout.values())
 
 
-def check_hf_dir(state_dict: dict[str, Any], hf_dir: str, sources: dict[str, HFSource]
-                 ) -> dict[str, TensorEntry]:
+def check_hf_dir(state_dict: dict[str, Any], hf_dir: str, sources: dict[str, HFSource],
+                 hf_names: Iterable[str] | None = None) -> dict[str, TensorEntry]:
     """The layout of `hf_dir`, once the names, shapes and dtypes of the adapter's `sources` of
-    `state_dict` (values need only a shape and a dtype: meta tensors do) are checked to fit."""
+    `state_dict` (values need only a shape and a dtype: meta tensors do) are checked to fit.
+    The folder holds `hf_names` (the whole model's, of which `state_dict` may be a pipeline
+    stage's part; default: the names of `sources`)."""
     layout = read_hf_layout(hf_dir)
-    check_names(hf_dir, layout, {n for s in sources.values() for n in s.hf_names})
+    check_names(hf_dir, layout, {n for s in sources.values() for n in s.hf_names} if hf_names is None else hf_names)
     _check_fit(hf_dir, state_dict, sources, layout)
     return layout
 
 
-def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any) -> tuple[Callable[[], int], int]:
+def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
+                  every: Iterable[str]) -> tuple[Callable[[], int], int]:
     """For an adapter that converts whole tensors only (`ForeignAdapter`): every rank reads
     every tensor whole and converts them with `from_hf`; the function returned copies its own
-    part of each into `state_dict`. Returns it and the bytes in the folder (all read)."""
+    part of each into `state_dict`. `every` names the tensors of all ranks, which the folder
+    must hold. Returns that function and the bytes in the folder (all read)."""
     layout = read_hf_layout(hf_dir)
     hf: dict[str, torch.Tensor] = {}
     for path in sorted({entry.path for entry in layout.values()}):
         hf.update(safetensors.torch.load_file(path))
     ours = adapter.from_hf(hf)
-    check_names(hf_dir, ours, state_dict)
+    check_names(hf_dir, ours, every)
     wrong = [f"{k}: {tuple(ours[k].shape)} in the checkpoint, {tuple(v.shape)} expected"
              for k, v in state_dict.items() if tuple(ours[k].shape) != tuple(v.shape)]
     if wrong:

@@ -1,18 +1,22 @@
 """Export a (possibly sharded) model state dict as a Hugging Face safetensors folder.
 
-Every rank takes part. The adapter renames (and for `wq`/`wk` permutes) the tensors, floating
-tensors are cast to the export dtype, and the file split comes from the adapter's assets or
-`plan_files`. The bytes are then written by `hf.consolidate` in one of three modes
-(`checkpoint.consolidation`): `one_pass` (default) writes the final files directly, each rank its
-own bytes at their final offsets; `all_ranks` and `rank0` first save per-rank shard files through
-DCP's `HuggingFaceStorageWriter`, then consolidate them on every rank or on rank 0. Rank 0 writes
-`config.json` first; the index is written last, once every byte is durable: a folder with an
-index is complete.
+Every rank takes part, each with the tensors it holds (with pipeline stages, part of the model:
+the tensors of all ranks must make up the whole). The adapter renames (and for `wq`/`wk`
+permutes) the tensors, floating tensors are cast to the export dtype, the ranks agree on one plan
+from the blocks each holds (`hf.consolidate.plan_one_pass`), and the file split comes from the
+adapter's assets or `plan_files` over the whole model. The bytes are then written by
+`hf.consolidate` in one of three modes (`checkpoint.consolidation`): `one_pass` (default) writes
+the final files directly, each rank its own bytes at their final offsets; `all_ranks` and `rank0`
+first save per-rank shard files through DCP's `HuggingFaceStorageWriter`, then consolidate them
+on every rank or on rank 0. Rank 0 clears the folder and writes `config.json` before any tensor
+file is created; the index is written last, once every byte (`config.json` included) is durable:
+a folder with an index is complete.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import time
@@ -20,17 +24,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.tensor import DTensor
 
 from ..io import durable
-from .consolidate import consolidate_safetensors, write_safetensors_one_pass
+from .consolidate import OnePassPlan, consolidate_safetensors, plan_one_pass, write_safetensors_one_pass
 from ..errors import CheckpointError
 from ..errors import RankFailed
 from ..group import CheckpointGroup
-from .adapter import RowOf, StateDictAdapter, check_names
-from .files import CONFIG_FILE, INDEX_FILE, MODEL_FILES_GLOB, SINGLE_FILE
+from .adapter import PermutedRows, RowOf, StateDictAdapter, check_names
+from .files import CONFIG_FILE, INDEX_FILE, MODEL_FILES_GLOB, SAFETENSORS_DTYPES, SINGLE_FILE
 from .planner import parse_size, plan_files
 
 logger = logging.getLogger(__name__)
@@ -48,42 +53,55 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
     """Write `model_state_dict` (our names) to `out_dir` in HF format; call on every rank.
     Floating tensors are cast to `dtype` when given. The split follows the adapter's assets'
     index, else `plan_files(..., max_shard_size)`. `mode` is one of `MODES`. `progress(nbytes,
-    total)` hears of the final files' bytes this rank writes. Without `shared` (each rank has
-    its own `out_dir`, to be combined by an object store's upload), `mode` must be `one_pass`:
-    each rank's copy of a file holds its own bytes only, zeros elsewhere."""
+    total)` hears of the final files' bytes this rank writes. The ranks of `process_group`
+    (default: every rank, as for `load_hf`) take part. Without `shared` (each rank has its own
+    `out_dir`, to be combined by an object store's upload), `mode` must be `one_pass`: each
+    rank's copy of a file holds its own bytes only, zeros elsewhere."""
     if mode not in MODES:
         raise ValueError(f"unknown HF export mode {mode!r}; expected one of {', '.join(MODES)}")
     if not shared and mode != "one_pass":
         raise ValueError(f"HF export mode {mode!r} needs a folder every rank shares; use one_pass")
     start = time.perf_counter()
-    group = CheckpointGroup(process_group)
-    hf_sd = adapter.to_hf(_cast_all(model_state_dict, dtype))
-    nbytes = {name: v.nbytes if isinstance(v, RowOf) else v.numel() * v.element_size() for name, v in hf_sd.items()}
-    mapping = adapter.fqn_to_index_mapping
-    if mapping is None:
-        mapping = plan_files(nbytes, parse_size(max_shard_size))
-    else:
-        check_names(f"file split of {adapter.hf_assets_path}/{INDEX_FILE}", mapping, hf_sd)
-    config_dtype = dtype or next(iter(hf_sd.values())).dtype
-    try:
-        group.run(lambda: _clear_and_write_config(out_dir, adapter.export_config(config_dtype)),
-                  coordinator_only=True)
-    except RankFailed as failed:
-        raise CheckpointError(f"preparing {out_dir} failed on {failed}") from failed.error
-    if mode == "one_pass":
+    group = CheckpointGroup(process_group or (dist.group.WORLD if dist.is_initialized() else None))
+    plan = _plan(group, adapter, _cast_all(model_state_dict, dtype))
+    hf_sd = plan.state_dict
+    mapping = _file_split(adapter, plan.specs, max_shard_size)
+    config_dtype = dtype or SAFETENSORS_DTYPES[next(iter(plan.specs.values())).dtype]
+
+    def prepare(sync: bool) -> list[str]:  # on rank 0
+        try:
+            return [_clear_and_write_config(out_dir, adapter.export_config(config_dtype), sync)]
+        except OSError as e:
+            raise CheckpointError(f"preparing {out_dir} failed on rank 0: {type(e).__name__}: {e}") from e
+
+    if mode == "one_pass":  # rank 0 fsyncs config.json with its tensor data
         write_safetensors_one_pass(hf_sd, out_dir, mapping, process_group=group.pg, num_threads=num_threads,
-                                   progress=progress, shared=shared)
+                                   progress=progress, plan=plan, prepare=lambda: prepare(False), shared=shared)
     else:
+        try:
+            group.run(lambda: prepare(True), coordinator_only=True)
+        except RankFailed as failed:
+            failed.reraise(f"preparing {out_dir}")
         shards = os.path.join(out_dir, SHARDS)
         writer = HuggingFaceStorageWriter(shards, save_distributed=True, fqn_to_index_mapping=mapping)
-        dcp.save(_whole_experts(hf_sd), storage_writer=writer, process_group=group.pg)
+        dcp.save(_whole_tensors(hf_sd), storage_writer=writer, process_group=group.pg)
         consolidate_safetensors(shards, out_dir, mapping, process_group=group.pg, num_threads=num_threads,
                                 remove_shards=not keep_shards, all_ranks=mode == "all_ranks", progress=progress)
     if group.rank == 0:
         secs = time.perf_counter() - start
-        total = sum(nbytes.values()) / 1e9
+        total = sum(spec.nbytes for spec in plan.specs.values()) / 1e9
         logger.info("exported %s (%s): %d file(s), %.3f GB in %.2f s, %.2f GB/s", out_dir, mode,
                     max(mapping.values()), total, secs, total / max(secs, 1e-9))
+
+
+def _plan(group: CheckpointGroup, adapter: StateDictAdapter, state_dict: dict[str, Any]) -> OnePassPlan:
+    """Every rank's tensors converted to HF names and planned in one collective step (a
+    pipeline stage's rank converts its part); then the ranks' tensors together must be the
+    whole model, checked alike on every rank."""
+    plan = plan_one_pass(lambda: adapter.to_hf(state_dict, complete=False), group, adapter.hf_names)
+    if adapter.hf_names is not None:
+        check_names("the ranks' state dicts -> HF", plan.specs, adapter.hf_names)
+    return plan
 
 
 def _cast_all(state_dict: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
@@ -95,14 +113,16 @@ def _cast_all(state_dict: dict[str, Any], dtype: torch.dtype | None) -> dict[str
     return {name: cast[id(value)] for name, value in state_dict.items()}
 
 
-def _whole_experts(hf_sd: dict[str, Any]) -> dict[str, Any]:
-    """`RowOf` experts as tensors, for the two-phase modes' DCP save: a sharded grouped weight
-    is gathered (once) on every rank, which `one_pass`, writing each expert from the rank that
-    holds it, avoids."""
+def _whole_tensors(hf_sd: dict[str, Any]) -> dict[str, Any]:
+    """`RowOf` experts and `PermutedRows` as tensors, for the two-phase modes' DCP save: a sharded
+    grouped weight is gathered (once) on every rank, as is a q/k projection whose shards cut a
+    head, which `one_pass`, writing each expert and each row from the rank that holds it, avoids."""
     full: dict[int, torch.Tensor] = {}
     out = {}
     for name, value in hf_sd.items():
-        if isinstance(value, RowOf):
+        if isinstance(value, PermutedRows):
+            value = value.full()
+        elif isinstance(value, RowOf):
             if id(value.tensor) not in full:
                 t = value.tensor
                 full[id(t)] = t.full_tensor() if isinstance(t, DTensor) else t
@@ -111,9 +131,20 @@ def _whole_experts(hf_sd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _clear_and_write_config(out_dir: str, config: dict[str, Any]) -> None:
+def _file_split(adapter: Any, specs: dict[str, Any], max_shard_size: str | int) -> dict[str, int]:
+    """HF name -> file index: the adapter's assets' split (checked to name every tensor), else
+    `plan_files` over the tensors' sizes in the model's order."""
+    mapping = adapter.fqn_to_index_mapping
+    if mapping is None:
+        return plan_files({name: spec.nbytes for name, spec in specs.items()}, parse_size(max_shard_size))
+    check_names(f"file split of {adapter.hf_assets_path}/{INDEX_FILE}", mapping, specs)
+    return mapping
+
+
+def _clear_and_write_config(out_dir: str, config: dict[str, Any], sync: bool) -> str:
     """Make `out_dir` exist and hold no earlier export (the index goes first, so the folder
-    stops being complete, then the tensor files), then write `config.json`."""
+    stops being complete, then the tensor files), then write `config.json` (durably with
+    `sync`; else the caller fsyncs it); returns its path."""
     os.makedirs(out_dir, exist_ok=True)
     index = os.path.join(out_dir, INDEX_FILE)
     if os.path.exists(index):
@@ -121,4 +152,10 @@ def _clear_and_write_config(out_dir: str, config: dict[str, Any]) -> None:
     for old in glob.glob(os.path.join(out_dir, MODEL_FILES_GLOB)) + \
             glob.glob(os.path.join(out_dir, SINGLE_FILE)):
         os.remove(old)
-    durable.write_json(os.path.join(out_dir, CONFIG_FILE), config, indent=2)
+    path = os.path.join(out_dir, CONFIG_FILE)
+    if sync:
+        durable.write_json(path, config, indent=2)
+    else:
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2)
+    return path

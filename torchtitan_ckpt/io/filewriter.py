@@ -166,7 +166,7 @@ class _BackgroundCrc:
         return self._crc
 
 
-class _Writeback:
+class Writeback:
     """Starts the disk on a file's written ranges (`sync_file_range`) from a helper thread, in
     order. Called by the writer itself, a start blocks while the disk's queue is full, and the
     writer with it, so the writer could not run ahead of the disk; from a helper, the writer
@@ -202,7 +202,7 @@ class _Output:
     """The file being written: counts, feeds the checksum, gathers buffers to hand to the kernel
     together (`os.writev`: few system calls, so few waits for the GIL in a thread writing beside
     DCP's planning) and asks the kernel to start writing each batch back to the disk
-    (`sync_file_range`, from a helper: `_Writeback`), so the disk works while the rest of the save
+    (`sync_file_range`, from a helper: `Writeback`), so the disk works while the rest of the save
     is prepared; the final fsync then waits for the last batches only."""
 
     def __init__(self, f: io.FileIO, step: int | None, sync: bool = True):
@@ -212,7 +212,7 @@ class _Output:
         self.pos = 0
         self._written = 0
         self.crc = _BackgroundCrc()
-        self.writeback = _Writeback(self._fd, enabled=sync)  # a file never fsynced is left to the page cache
+        self.writeback = Writeback(self._fd, enabled=sync)  # a file never fsynced is left to the page cache
         self._step = step
 
     def write(self, data, temporary: bool = False) -> None:
@@ -324,7 +324,7 @@ def write_file(job: FileJob, step: int | None = None, sync: bool = True) -> Writ
     return _write(job.path, [(e.key, _lookup(e)) for e in job.entries], step, sync)
 
 
-def _sync_and_close(f: io.FileIO, writeback: _Writeback, sync: bool, done: Future) -> None:
+def _sync_and_close(f: io.FileIO, writeback: Writeback, sync: bool, done: Future) -> None:
     try:
         try:
             writeback.close()
