@@ -365,11 +365,11 @@ class CheckpointManager:
         state undefined: `PartialLoadError` on every rank, and `save()` refuses until a load
         succeeds."""
         state = self._state_for_load(target)
-        self._half_loaded = None
         try:
             self._group.run(lambda: target.format.read(target.path, target.index, state, target.store,
                                                        lambda: self._check_loaded(state, target.path)))
             self._group.run(lambda: self._apply(state, target.path))
+            self._half_loaded = None  # only a load that succeeded clears it: a refused one changed nothing
         except RankFailed as failed:
             if PartialLoadError.__name__ not in failed.kinds:
                 failed.reraise(f"loading {target.path}")

@@ -454,15 +454,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def flat_items(state: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(DCP key, value) of every leaf under nested dicts (DCP joins the keys with dots)."""
-    for key, value in state.items():
-        if isinstance(value, dict):
-            yield from flat_items(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
-
-
 def _local_chunk(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offsets, sizes) of this rank's part of `t` in the whole tensor, as DCP plans it."""
     if not isinstance(t, DTensor):

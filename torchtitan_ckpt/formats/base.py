@@ -98,4 +98,3 @@ class StepFormat(ABC):
     on_training_thread: bool = False
     """Whether saves must run on the training thread (their collectives use the training mesh)
     rather than in the background."""
-

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's keys, as its planner makes them
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
@@ -89,7 +90,7 @@ def _check_kinds(path: str, index: StepIndex, state: dict[str, Any]) -> None:
     """Every tensor of `state` is a tensor in the step, and every other value is not: DCP would
     put a saved value in a tensor's place, or fail reading a tensor into a value."""
     missing, swapped = [], []
-    for key, value in storage.flat_items(state):
+    for key, value in flatten_state_dict(state)[0].items():
         is_tensor = isinstance(value, torch.Tensor)
         if is_tensor and key in index.values or not is_tensor and key in index.tensors:
             swapped.append(key)

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, RankFailed
 from ..hf import load_hf, save_hf
 from ..hf.files import INDEX_FILE, MODEL_FILES_GLOB, SINGLE_FILE
 from ..io.dtypes import EXPORT_DTYPES
@@ -53,5 +53,12 @@ class HfFormat(StepFormat):
 
     def read(self, path: str, index: StepIndex, state: dict[str, Any], store: Store,
              check: Callable[[], None]) -> None:
-        load_hf(state, store.fetch(path), self._adapter(path), process_group=self.ctx.group.pg,
+        """The step is fetched from `store` in a round of its own: a rank whose download failed
+        fails every rank there, before `load_hf`'s collectives."""
+        group = self.ctx.group
+        try:
+            local = group.run(lambda: store.fetch(path))[group.rank]
+        except RankFailed as failed:
+            failed.reraise(f"fetching {path}")
+        load_hf(state, local, self._adapter(path), process_group=group.pg,
                 num_threads=self.ctx.config.load_threads, check=check)

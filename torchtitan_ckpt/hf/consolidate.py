@@ -327,10 +327,14 @@ def _span(runs: Runs, pos: int, n: int) -> tuple[int, int]:
 
 class _Writer:
     """Runs one rank's tasks on `num_threads` threads, each with its own file handles (and, for
-    file sources, its own CHUNK_BYTES buffer); returns the output files it wrote to."""
+    file sources, its own CHUNK_BYTES buffer). `memory` holds each in-memory block's bytes by
+    (fqn, offsets); `writeback` hands written bytes to the disk as they come (off for copies
+    that are uploaded, never kept)."""
 
     def __init__(self, output_dir: str, files: Sequence[OutputFile], specs: Mapping[str, TensorSpec],
-                 memory: Mapping[str, memoryview] | None = None, progress: ProgressFn | None = None):
+                 memory: Mapping[tuple, memoryview] | None = None, progress: ProgressFn | None = None,
+                 writeback: bool = True):
+        self.writeback = writeback
         self.output_dir = output_dir
         self.progress = progress
         self.total = 0
@@ -338,7 +342,7 @@ class _Writer:
         self.specs = specs
         self.memory = memory or {}
 
-    def run(self, tasks: Sequence[Task], num_threads: int) -> set[str]:
+    def run(self, tasks: Sequence[Task], num_threads: int) -> None:
         self.total = sum(t.stop - t.start for t in tasks)
         shares = byte_ranges([t.stop - t.start for t in tasks], max(1, num_threads))
         shares = [[Task(tasks[i].block, tasks[i].start + a, tasks[i].start + z) for i, a, z in s] for s in shares]
@@ -350,7 +354,6 @@ class _Writer:
             t.join()
         if errors:
             raise errors[0]
-        return {self.where[t.block.fqn][0] for t in tasks}
 
     def _guarded(self, tasks: list[Task], errors: list[BaseException]) -> None:
         try:
@@ -368,7 +371,7 @@ class _Writer:
                 name, start = self.where[b.fqn]
                 if name not in fds:
                     fds[name] = os.open(os.path.join(self.output_dir, name), os.O_WRONLY)
-                    outs[name] = Writeback(fds[name])
+                    outs[name] = Writeback(fds[name], enabled=self.writeback)
                 runs = block_runs(b, self.specs[b.fqn].shape, start)
                 if b.src and b.src not in fds:
                     fds[b.src] = os.open(b.src, os.O_RDONLY)
@@ -446,7 +449,7 @@ def _step(group: CheckpointGroup, what: str, fn: Callable[[], Any]) -> list[Any]
 
 def _write_everything(group: CheckpointGroup, output_dir: str, files: list[OutputFile],
                       specs: Mapping[str, TensorSpec], tasks: Sequence[Task], num_threads: int,
-                      memory: Mapping[str, memoryview] | None = None, progress: ProgressFn | None = None,
+                      memory: Mapping[tuple, memoryview] | None = None, progress: ProgressFn | None = None,
                       prepare: PrepareFn | None = None, shared: bool = True) -> float:
     """Create (rank 0, after `prepare`; without `shared` every rank its own copy), fill (every
     rank), fsync, then index (rank 0). Each file is fsynced once by each rank writing into it,
@@ -466,8 +469,8 @@ def _write_everything(group: CheckpointGroup, output_dir: str, files: list[Outpu
                           header=group.rank == 0)
 
     def fill() -> None:
-        _Writer(output_dir, files, specs, memory, progress).run(tasks, num_threads)
-        for path in [os.path.join(output_dir, name) for name in own] + small:
+        _Writer(output_dir, files, specs, memory, progress, writeback=shared).run(tasks, num_threads)
+        for path in [os.path.join(output_dir, name) for name in own] + (small if shared else []):
             durable.fsync_path(path)
         if group.rank == 0 and shared:
             durable.fsync_path(output_dir)  # the files' names, before an index names them

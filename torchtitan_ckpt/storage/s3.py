@@ -201,8 +201,8 @@ class S3Store(Store):
         and checked against its writer's), then free the staging folder. `joint` files go
         first (`_upload_joint_files`), and `last` ones once every rank's others are in the store."""
         start, key, step = time.perf_counter(), self._key(path), layout.parse_step(os.path.basename(path))
-        own = [rel for rel in commit.manifest(path) if rel not in joint]
         uploaded: dict[str, tuple[int, str]] = {}
+        own: list[str] = []
 
         def upload(names: list[str]) -> None:
             for rel in names:
@@ -210,11 +210,14 @@ class S3Store(Store):
                 faults.hit("upload", step)
 
         if joint or last:  # each phase complete on every rank (or failed on every rank) before the next
-            group.run(lambda: self._upload_joint_files(path, key, joint, group, uploaded))
+            def first() -> None:  # the joint files' collectives first: every rank reaches them
+                self._upload_joint_files(path, key, joint, group, uploaded)
+                own.extend(rel for rel in commit.manifest(path) if rel not in joint)
+            group.run(first)
             group.run(lambda: upload([rel for rel in own if rel not in last]))
             upload([rel for rel in own if rel in last])
         else:
-            upload(own)
+            upload([rel for rel in commit.manifest(path)])
         shutil.rmtree(path)
         _log_rate("rank %d uploaded %d files to %s" % (self.rank, len(uploaded), self.where(key)),
                   sum(s for s, _ in uploaded.values()), start)
@@ -229,38 +232,51 @@ class S3Store(Store):
 
     def _upload_joint_files(self, path: str, key: str, joint: Sequence[str], group: CheckpointGroup,
                             uploaded: dict[str, tuple[int, str]]) -> None:
-        """File i of `joint` is assembled onto rank i % world_size, which uploads it; every
-        rank takes part in every file's reduces, even after a failure of its own (raised at the
-        end), so that no rank is left waiting in one."""
+        """File i of `joint` is assembled onto rank i % world_size, which uploads it. The ranks
+        first agree on the files and their sizes; then every rank takes part in every file's
+        reduces, even after a failure of its own (raised at the end), so that no rank is left
+        waiting in one."""
         step, failure = layout.parse_step(os.path.basename(path)), None
-        for i, rel in enumerate(joint):
-            parts = self._joint_parts(os.path.join(path, rel), group, i % group.world_size)
+        sizes = [_size_or_none(os.path.join(path, rel)) for rel in joint]
+        every = group.all_gather((list(joint), sizes))
+        if any(other != every[0] for other in every) or None in sizes:
+            raise StorageError(f"{path}: the ranks' staged copies of the HF files differ or are missing "
+                               f"({[list(zip(j, s)) for j, s in every]}); the staging folder is failing?")
+        for i, (rel, size) in enumerate(zip(joint, sizes)):
+            parts = self._joint_parts(os.path.join(path, rel), size, group, i % group.world_size)
             if i % group.world_size != group.rank or failure is not None:
-                collections.deque(parts, maxlen=0)
+                failure = _drain(parts) or failure
                 continue
             try:
-                uploaded[rel] = self._upload_stream(parts, os.path.getsize(os.path.join(path, rel)), f"{key}/{rel}")
+                uploaded[rel] = self._upload_stream(parts, size, f"{key}/{rel}")
             except Exception as e:
                 failure = e
-                collections.deque(parts, maxlen=0)
+                _drain(parts)
             faults.hit("upload", step)
         if failure is not None:
             raise failure
 
-    def _joint_parts(self, local: str, group: CheckpointGroup, owner: int) -> Iterator[bytearray]:
+    def _joint_parts(self, local: str, size: int, group: CheckpointGroup, owner: int) -> Iterator[bytearray]:
         """`local`'s parts, each a bitwise or of every rank's copy (each byte is written by one
         rank, zeros in the others' copies) reduced onto `owner`: one part in memory per rank.
-        On the other ranks, what they yield is not the file's."""
-        size = os.path.getsize(local)
+        On the other ranks, what they yield is not the file's. A rank that cannot read its copy
+        sends zeros for the rest and raises after the last part."""
+        failure: Exception | None = None
         with open(local, "rb") as f:
             for offset in range(0, size, self.part_size):
                 part = bytearray(min(self.part_size, size - offset))
-                if f.readinto(part) != len(part):
-                    raise StorageError(f"{local} shrank while being uploaded (at byte {offset})")
+                if failure is None:
+                    try:
+                        if f.readinto(part) != len(part):
+                            raise StorageError(f"{local} shrank while being uploaded (at byte {offset})")
+                    except (OSError, StorageError) as e:
+                        failure, part = e, bytearray(len(part))
                 if group.pg is not None:
                     dist.reduce(torch.frombuffer(part, dtype=torch.uint8), dist.get_global_rank(group.pg, owner),
                                 op=dist.ReduceOp.BOR, group=group.pg)
                 yield part
+        if failure is not None:
+            raise failure
 
     def commit(self, path: str, info: commit.CommitInfo, checksums: dict[str, tuple[int, str]]) -> commit.CommitInfo:
         key = self._key(path)
@@ -429,3 +445,19 @@ def _status(names: set[str]) -> str:
 def _log_rate(what: str, nbytes: int, start: float) -> None:
     secs = time.perf_counter() - start
     logger.info("%s: %.3f GB in %.2f s, %.2f GB/s", what, nbytes / 1e9, secs, nbytes / 1e9 / max(secs, 1e-9))
+
+
+def _size_or_none(local: str) -> int | None:
+    try:
+        return os.path.getsize(local)
+    except OSError:
+        return None
+
+
+def _drain(parts: Iterator[bytearray]) -> Exception | None:
+    """Run the rest of `parts` (taking part in its reduces); the failure it ended with, if any."""
+    try:
+        collections.deque(parts, maxlen=0)
+    except Exception as e:
+        return e
+    return None
