@@ -397,6 +397,11 @@ def test_a_file_cut_while_it_is_read_leaves_the_job_refusing_to_save(tmp_path):
         job.manager.load()
     with pytest.raises(CheckpointError, match="save\\(4\\) refused: the job's state is not one step's"):
         job.manager.save(4, last_step=True)
+    with pytest.raises(CheckpointError, match="cut short") as refused, within(60):
+        job.manager.load()  # refused by its checks this time: nothing written, the job still half-loaded
+    assert not isinstance(refused.value, PartialLoadError)
+    with pytest.raises(CheckpointError, match="save\\(4\\) refused: the job's state is not one step's"):
+        job.manager.save(4, last_step=True)
     shutil.rmtree(step)
     shutil.copytree(tmp_path / "intact", step)
     with within(60):
