@@ -24,6 +24,7 @@ import os
 import pickle
 import threading
 from collections.abc import Callable, Sequence
+import concurrent.futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -279,6 +280,7 @@ class ItemReader:
         self._headers: dict[bytes, SavedTensor] = {}
         self._cursors: list[_Cursor] = []
         self._checked: list[_Run] = []
+        self._pool: ThreadPoolExecutor | None = None
 
     def check(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
         """The first pass: open every file of `items`, check every item, hand every non-tensor
@@ -290,6 +292,9 @@ class ItemReader:
         self._each(lambda run: self._fill_run(run, planner), self._checked)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         for cursor in self._cursors:
             cursor.close()
         self._cursors.clear()
@@ -298,13 +303,17 @@ class ItemReader:
         """`fn` of each job, on up to `threads` threads; the first failure stops the others."""
         if self.threads == 1 or len(jobs) <= 1:
             return [fn(job) for job in jobs]
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-load") as pool:
-            futures = [pool.submit(fn, job) for job in jobs]
-            try:
-                return [f.result() for f in futures]
-            except BaseException:
-                self._failed.set()
-                raise
+        if self._pool is None:  # one pool for both passes
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-load")
+        futures = [self._pool.submit(fn, job) for job in jobs]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            self._failed.set()
+            for f in futures:
+                f.cancel()
+            concurrent.futures.wait(futures)
+            raise
 
     def _runs(self, items: Sequence[ReadItem]) -> list[tuple[str, list[ReadItem]]]:
         """Each file's items in offset order, cut into runs of about total / threads bytes."""
