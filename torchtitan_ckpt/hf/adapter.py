@@ -67,17 +67,11 @@ parallelism's `Shard`, FSDP's `_StridedShard` over a tensor-parallel `Shard` on 
 writes its block in place; `Partial` values would need a reduction first."""
 
 
-@dataclass(frozen=True)
-class RowOf:
-    """Index `index` along dim 0 of `tensor` (a tensor or a DTensor): one expert of a grouped
-    weight, exported as an HF tensor of its own by the rank that holds it (no rank gathers)."""
+class _ExportView:
+    """What the export reads of a view of `self.tensor` that is not a tensor itself: its dtype is
+    the tensor's, its bytes follow from the `shape` the subclass gives."""
 
     tensor: Any
-    index: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape[1:])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -89,7 +83,20 @@ class RowOf:
 
 
 @dataclass(frozen=True)
-class PermutedRows:
+class RowOf(_ExportView):
+    """Index `index` along dim 0 of `tensor` (a tensor or a DTensor): one expert of a grouped
+    weight, exported as an HF tensor of its own by the rank that holds it (no rank gathers)."""
+
+    tensor: Any
+    index: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape[1:])
+
+
+@dataclass(frozen=True)
+class PermutedRows(_ExportView):
     """A DTensor whose rows the export permutes within blocks of `len(row_order)` rows (our row
     k of a block is the HF row `row_order[k]`) while some shard cuts a block: each rank writes
     its own rows at their HF places, so no rank gathers the tensor. `full()` builds the HF
@@ -101,14 +108,6 @@ class PermutedRows:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.tensor.shape)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tensor.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
     def full(self) -> torch.Tensor:
         return _permute_rows(self.tensor.full_tensor(), self.row_order)
