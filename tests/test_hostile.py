@@ -233,6 +233,16 @@ def _differs_from(pristine: str, job, snapshot: tuple) -> None:
     assert [n for n, _ in job.model.named_parameters() if torch.equal(saved[n], snapshot[0][n])] == []
 
 
+def _refused_unchanged(job, pristine: str, error: type, problem: str) -> None:
+    """`job`'s load raises `error` matching `problem` and leaves the job as it was, though the
+    step differs from it."""
+    before = _snapshot(job)
+    with pytest.raises(error, match=problem), within(60):
+        job.manager.load()
+    _unchanged(job, before)
+    _differs_from(pristine, job, before)
+
+
 def _craft(dump: str, edit) -> None:
     """Overwrite step 2 with the state saved there, edited by `edit`, committed as a save would."""
     job = _load(dump)
@@ -277,12 +287,7 @@ def _value_as_moment(state):
 def test_a_state_that_cannot_be_applied_is_refused_before_anything_changes(ckpt, pristine, edit, problem):
     dump, _, _ = ckpt
     _craft(dump, edit)
-    job = make_job(dump, steps=2, interval=2)
-    before = _snapshot(job)
-    with pytest.raises(CheckpointError, match=problem), within(60):
-        job.manager.load()
-    _unchanged(job, before)
-    _differs_from(pristine, job, before)
+    _refused_unchanged(make_job(dump, steps=2, interval=2), pristine, CheckpointError, problem)
 
 
 # ---------------------------------------------------------------- 5. nothing is written before all is checked
@@ -325,12 +330,7 @@ def test_a_damaged_item_is_refused_before_any_tensor_is_written(ckpt, pristine, 
     before it were checked and before any of them is read into the job's tensors."""
     dump, step, _ = ckpt
     problem = damage(step)
-    job = make_job(dump, steps=2, interval=2)
-    before = _snapshot(job)
-    with pytest.raises(CorruptCheckpointError, match=problem), within(60):
-        job.manager.load()
-    _unchanged(job, before)
-    _differs_from(pristine, job, before)
+    _refused_unchanged(make_job(dump, steps=2, interval=2), pristine, CorruptCheckpointError, problem)
 
 
 def _flip_a_byte(step: str) -> str:
@@ -348,11 +348,7 @@ def test_a_flipped_byte_with_verify_on_load_changes_nothing(ckpt, pristine):
     dump, step, _ = ckpt
     file = _flip_a_byte(step)
     job = make_job(dump, steps=2, interval=2, verify_on_load=True, verify_fallback=False)
-    before = _snapshot(job)
-    with pytest.raises(CorruptCheckpointError, match=f"{file}: CRC-32"), within(60):
-        job.manager.load()
-    _unchanged(job, before)
-    _differs_from(pristine, job, before)
+    _refused_unchanged(job, pristine, CorruptCheckpointError, f"{file}: CRC-32")
 
 
 class _Saboteur(CheckedState):
