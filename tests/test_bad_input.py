@@ -4,6 +4,7 @@ end in our own error with a message, never an unrelated traceback or a hang."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import os
@@ -190,7 +191,10 @@ def test_index_names_that_escape_the_folder_are_refused(tmp_path, file):
         read_index(str(index))
 
 
-ODD_VALUES = st.sampled_from([None, -1, 0, 2**70, 1.5, "x", "../x", "/etc/passwd", [], [1, 2], {}, [[3]], ("a",)])
+# A fresh copy per draw: the tests edit inside what they insert, and a shared `{}` would carry
+# one example's edits (even a reference to itself) into the next.
+ODD_VALUES = st.sampled_from([None, -1, 0, 2**70, 1.5, "x", "../x", "/etc/passwd", [], [1, 2], {}, [[3]],
+                              ("a",)]).map(copy.deepcopy)
 METADATA_FIELDS = ["state_dict_metadata", "storage_data", "storage_meta", "w.size", "w.chunks", "w.properties",
                    "w.properties.dtype", "w.chunk.offsets", "w.chunk.sizes", "w.storage.relative_path",
                    "w.storage.offset", "w.storage.length", "n.storage.length", "n.storage.relative_path", "key"]
@@ -287,7 +291,7 @@ def test_safetensors_headers_with_fields_of_the_wrong_type_or_range(tmp_path, ed
                   "b": {"dtype": "BF16", "shape": [4], "data_offsets": [24, 32]}, "__metadata__": {"format": "pt"}}
         for field, value in edits:
             owner, _, name = field.rpartition(".")
-            with contextlib.suppress(TypeError, AttributeError):  # an earlier edit replaced the owner
+            with contextlib.suppress(TypeError, AttributeError, KeyError):  # an earlier edit replaced the owner
                 (header[owner] if owner else header)[name] = value
         text = json.dumps(header).encode()
         path = tmp_path / "model.safetensors"
@@ -320,7 +324,7 @@ def test_hf_index_with_odd_fields_or_bytes_is_read_or_refused(tmp_path, edits, f
                  "weight_map": {"a": "model.safetensors", "b": "model.safetensors", "c": "model.safetensors"}}
         for field, value in edits:
             owner, _, name = field.rpartition(".")
-            with contextlib.suppress(TypeError, AttributeError):
+            with contextlib.suppress(TypeError, AttributeError, KeyError):  # an earlier edit replaced the owner
                 if field == "top":
                     index = value
                 elif owner:
