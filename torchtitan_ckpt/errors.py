@@ -103,7 +103,8 @@ class RankFailed(Exception):
         super().__init__(f"rank {rank}: {message}")
         self.rank = rank
         self.kinds = kinds
-        """Class names of the failure and its bases, e.g. to tell corrupt input from I/O errors."""
+        """Class names of every failing rank's failure and their bases, e.g. to tell corrupt input
+        from I/O errors; the same on every rank."""
         self.error = error
         """This rank's own failure; None when only other ranks failed."""
 

@@ -49,7 +49,8 @@ class CheckpointGroup:
     def run(self, fn: Callable[[], Any], coordinator_only: bool = False) -> list[Any]:
         """Run `fn` on every rank (or on rank 0 only), then share results and failures: returns
         every rank's result in rank order, or raises `RankFailed` on every rank if any rank
-        failed (describing this rank's own failure first, else the lowest failing rank's)."""
+        failed (describing this rank's own failure first, else the lowest failing rank's; its
+        `kinds` are those of every rank's failure, so every rank decides alike)."""
         result, error = None, None
         if not coordinator_only or self.is_coordinator:
             try:
@@ -61,7 +62,8 @@ class CheckpointGroup:
         gathered = self.all_gather((result, mine))
         failed = [(r, f) for r, (_, f) in enumerate(gathered) if f is not None]
         if failed:
-            rank, (message, kinds) = next(((r, f) for r, f in failed if r == self.rank), failed[0])
+            rank, (message, _) = next(((r, f) for r, f in failed if r == self.rank), failed[0])
+            kinds = tuple(dict.fromkeys(kind for _, (_, ks) in failed for kind in ks))
             raise RankFailed(rank, message, kinds, error) from error
         return [r for r, _ in gathered]
 

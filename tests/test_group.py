@@ -1,0 +1,37 @@
+"""`CheckpointGroup.run` on real ranks: every rank hears of every failure, and decides alike."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchtitan_ckpt.errors import RankFailed
+from torchtitan_ckpt.group import CheckpointGroup
+
+from .helpers import spawn
+
+
+def _failing(rank: int, world_size: int) -> None:
+    group = CheckpointGroup()
+
+    def fn() -> int:
+        if rank == 1:
+            raise KeyError("w")
+        return rank
+
+    with pytest.raises(RankFailed) as one:  # rank 1 alone fails: rank 0 names it
+        group.run(fn)
+    assert one.value.rank == 1 and "KeyError" in one.value.kinds
+    assert (one.value.error is None) == (rank == 0)
+
+    def both() -> None:
+        raise (ValueError if rank == 0 else KeyError)("x")
+
+    with pytest.raises(RankFailed) as two:  # each rank describes its own failure, kinds of all
+        group.run(both)
+    assert two.value.rank == rank
+    assert {"ValueError", "KeyError", "LookupError"} <= set(two.value.kinds)
+    assert group.run(lambda: rank * 10) == [0, 10]
+
+
+def test_every_rank_gets_the_kinds_of_every_failure():
+    spawn(2, _failing)
