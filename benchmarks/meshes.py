@@ -7,7 +7,8 @@ with two stages per rank, EP 2 x FSDP 2 on the MoE flavor, of about the dense fl
 example job's model parts and AdamW state (after one step) are saved with
 `CheckpointManager.save` (sync, committed, fsynced) and loaded back with `CheckpointManager.load`
 after the step folder's page cache was dropped. Each time runs from a barrier to the barrier
-after it (the slowest rank counts); each repeat times ours, then its floor, and the table gives
+after it (the slowest rank counts); the job's first save (planned from scratch) and first load
+are timed apart, as in `benchmarks.paired`; each repeat times ours, then its floor, and the table gives
 the median time of each and the median of the repeats' ratios (steadier than a ratio of
 medians while the disk's speed drifts).
 
@@ -113,6 +114,11 @@ def _bench_layout(rank: int, folder: str, flavor: str, name: str, repeats: int) 
     times: dict[str, list[float]] = {"save": [], "load": [], "raw_write": [], "raw_read": []}
     with CheckpointManager(config.checkpoint, run.parts, optimizers=run.optimizers,
                            base_folder=folder) as manager:
+        # a job's first save plans from scratch and its first load sets up its readers; timed
+        # apart, as a job pays them once, not per step
+        first_save = measure(lambda: manager.save(1, last_step=True))[0]
+        drop_cache(step)
+        first_load = measure(lambda: manager.load(1))[0]
         for _ in range(repeats):
             clear(step, rank)
             times["save"].append(measure(lambda: manager.save(1, last_step=True))[0])
@@ -129,7 +135,8 @@ def _bench_layout(rank: int, folder: str, flavor: str, name: str, repeats: int) 
     dist.all_reduce(gb)
     ratios = {"save_x": [s / w for s, w in zip(times["save"], times["raw_write"])],
               "load_x": [lo / r for lo, r in zip(times["load"], times["raw_read"])]}
-    return {**{k: statistics.median(v) for k, v in {**times, **ratios}.items()}, "gb_held": gb.item() / 1e9}
+    return {**{k: statistics.median(v) for k, v in {**times, **ratios}.items()}, "gb_held": gb.item() / 1e9,
+            "first_save": first_save, "first_load": first_load}
 
 
 def _bench(rank: int, world: int, args, results: dict) -> None:
@@ -143,12 +150,13 @@ def _bench(rank: int, world: int, args, results: dict) -> None:
 def print_table(results: dict) -> None:
     print(f"\nsave and cold load per layout, {RANKS} gloo ranks, median; (x) = median of each repeat's ratio "
           "to the raw floor of the same bytes, measured just after it\n")
-    print("| layout | flavor | GB held (all ranks) | durable save | raw write + fsync | cold load | raw cold read |")
-    print("|---|---|---|---|---|---|---|")
+    print("| layout | flavor | GB held (all ranks) | durable save | raw write + fsync | cold load | raw cold read "
+          "| first save / first cold load |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['flavor']} | {r['gb_held']:.3f} | {r['save']:.3f} s ({r['save_x']:.2f}x)"
               f" | {r['raw_write']:.3f} s | {r['load']:.3f} s ({r['load_x']:.2f}x) | "
-              f"{r['raw_read']:.3f} s |")
+              f"{r['raw_read']:.3f} s | {r['first_save']:.3f} s / {r['first_load']:.3f} s |")
 
 
 def main() -> None:
