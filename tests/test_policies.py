@@ -74,6 +74,16 @@ def test_scan_sees_marker_and_ignores_other_entries(tmp_path):
     assert layout.scan(str(tmp_path / "missing")) == []
 
 
+def test_folder_bytes_counts_what_sparse_files_hold(tmp_path):
+    """A step fetched by byte ranges is mostly holes: the load's log counts what it holds."""
+    (tmp_path / "whole").write_bytes(b"x" * 10_000)
+    with open(tmp_path / "sparse", "wb") as f:
+        f.seek(64 << 20)
+        f.write(b"y" * 4096)
+    assert layout.folder_bytes(str(tmp_path)) == 10_000 + (64 << 20) + 4096
+    assert 10_000 + 4096 <= layout.folder_bytes(str(tmp_path), held=True) < 1 << 20
+
+
 def test_marker_records_a_manifest(tmp_path):
     (tmp_path / "a.distcp").write_bytes(b"x" * 10)
     (tmp_path / "sub").mkdir()

@@ -93,6 +93,11 @@ def committed_steps(folder: str) -> list[int]:
     return [s.step for s in scan(folder) if s.committed]
 
 
-def folder_bytes(path: str) -> int:
-    """Total size of the files under `path` (a symlink counts as itself, dangling or not)."""
-    return sum(os.lstat(os.path.join(r, n)).st_size for r, _, names in os.walk(path) for n in names)
+def folder_bytes(path: str, held: bool = False) -> int:
+    """Total size of the files under `path` (a symlink counts as itself, dangling or not); with
+    `held`, a sparse file counts only the bytes it holds (a step fetched by byte ranges from
+    object storage is mostly holes)."""
+    def size(st: os.stat_result) -> int:
+        return min(st.st_size, st.st_blocks * 512) if held else st.st_size
+
+    return sum(size(os.lstat(os.path.join(r, n))) for r, _, names in os.walk(path) for n in names)

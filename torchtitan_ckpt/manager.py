@@ -352,7 +352,7 @@ class CheckpointManager:
         self._read(target)
         if self._group.is_coordinator:
             secs = time.perf_counter() - start
-            gb = layout.folder_bytes(target.path) / 1e9
+            gb = layout.folder_bytes(target.path, held=True) / 1e9
             logger.info("loaded %s%s: %.3f GB in %.2f s, %.2f GB/s", self._store.describe(target.path),
                         " (model only)" if target.model_only else "", gb, secs, gb / max(secs, 1e-9))
         return True
