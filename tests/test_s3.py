@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import subprocess
+import tracemalloc
 import uuid
 import zlib
 from urllib.parse import quote
@@ -342,6 +343,31 @@ def test_a_joint_file_is_assembled_across_ranks_in_several_parts(bucket, tmp_pat
     spawn(2, _publish_joint, f"s3://{bucket}/run", str(tmp_path))
     body = boto3.client("s3").get_object(Bucket=bucket, Key="run/step-1/joint.bin")["Body"].read()
     assert body == bytes(torch.arange(11 << 20, dtype=torch.int64).remainder(251).to(torch.uint8).numpy())
+
+
+def _upload_measured(rank, world_size, url, staging):
+    """A 32 MiB file uploaded in 5 MiB parts, 2 at a time, with the Python allocations traced
+    (in a process of its own: the server's are not counted)."""
+    store = S3Store(url, "checkpoint.folder", rank, _config(url, staging))
+    path = os.path.join(store.root, "step-1")
+    store.prepare_rank(path)
+    data = torch.arange(32 << 20, dtype=torch.int64).remainder(253).to(torch.uint8).numpy()
+    data.tofile(os.path.join(path, "big.bin"))
+    tracemalloc.start()
+    try:
+        uploaded = store.publish(path, {}, CheckpointGroup())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert uploaded == {"big.bin": (32 << 20, f"{zlib.crc32(data):08x}")}
+    print(f"peak {peak / 2**20:.2f} MiB")
+    assert peak <= 2 * (5 << 20) + (1 << 20), peak  # part size x parallel parts + the documented slack
+
+
+def test_an_upload_holds_at_most_part_size_times_parallel_parts(bucket, tmp_path):
+    spawn(1, _upload_measured, f"s3://{bucket}/run", str(tmp_path))
+    body = boto3.client("s3").get_object(Bucket=bucket, Key="run/step-1/big.bin")["Body"].read()
+    assert body == bytes(torch.arange(32 << 20, dtype=torch.int64).remainder(253).to(torch.uint8).numpy())
 
 
 def _own_disk(rank, world_size, tmp):

@@ -33,7 +33,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
@@ -54,6 +54,9 @@ from .base import Store
 logger = logging.getLogger(__name__)
 
 _MARKERS = (commit.MARKER, commit.IN_PROGRESS)
+
+Fill = Callable[[memoryview, int], None]
+"""`fill(buffer, offset)`: puts the bytes of a file being uploaded at `offset` into `buffer`."""
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -243,38 +246,19 @@ class S3Store(Store):
             raise StorageError(f"{path}: the ranks' staged copies of the HF files differ or are missing "
                                f"({[list(zip(j, s)) for j, s in every]}); the staging folder is failing?")
         for i, (rel, size) in enumerate(zip(joint, sizes)):
-            parts = self._joint_parts(os.path.join(path, rel), size, group, i % group.world_size)
-            if i % group.world_size != group.rank or failure is not None:
-                failure = _drain(parts) or failure
-                continue
+            owner = i % group.world_size
+            assembled = _JointFile(os.path.join(path, rel), size, group, owner)
+            if owner == group.rank and failure is None:
+                try:
+                    uploaded[rel] = self._upload_stream(size, f"{key}/{rel}", assembled.fill)
+                except Exception as e:
+                    failure = e
             try:
-                uploaded[rel] = self._upload_stream(parts, size, f"{key}/{rel}")
+                assembled.finish(self.part_size)
             except Exception as e:
-                failure = e
-                _drain(parts)
-            faults.hit("upload", step)
-        if failure is not None:
-            raise failure
-
-    def _joint_parts(self, local: str, size: int, group: CheckpointGroup, owner: int) -> Iterator[bytearray]:
-        """`local`'s parts, each a bitwise or of every rank's copy (each byte is written by one
-        rank, zeros in the others' copies) reduced onto `owner`: one part in memory per rank.
-        On the other ranks, what they yield is not the file's. A rank that cannot read its copy
-        sends zeros for the rest and raises after the last part."""
-        failure: Exception | None = None
-        with open(local, "rb") as f:
-            for offset in range(0, size, self.part_size):
-                part = bytearray(min(self.part_size, size - offset))
-                if failure is None:
-                    try:
-                        if f.readinto(part) != len(part):
-                            raise StorageError(f"{local} shrank while being uploaded (at byte {offset})")
-                    except (OSError, StorageError) as e:
-                        failure, part = e, bytearray(len(part))
-                if group.pg is not None:
-                    dist.reduce(torch.frombuffer(part, dtype=torch.uint8), dist.get_global_rank(group.pg, owner),
-                                op=dist.ReduceOp.BOR, group=group.pg)
-                yield part
+                failure = failure or e
+            if owner == group.rank:
+                faults.hit("upload", step)
         if failure is not None:
             raise failure
 
@@ -345,37 +329,51 @@ class S3Store(Store):
 
     def _upload(self, local: str, key: str) -> tuple[int, str]:
         """Upload one file; its (size, CRC-32) from the bytes sent."""
-        with open(local, "rb") as f:
-            return self._upload_stream(iter(lambda: f.read(self.part_size), b""), os.path.getsize(local), key)
+        fd = os.open(local, os.O_RDONLY)
+        try:
+            return self._upload_stream(os.fstat(fd).st_size, key, lambda view, offset: _read_part(fd, view, offset, local))
+        finally:
+            os.close(fd)
 
-    def _upload_stream(self, parts: Iterator[bytes | bytearray], size: int, key: str) -> tuple[int, str]:
-        """Upload `size` bytes coming as `parts` of `part_size` (one put when they fit in one
-        part); (size, CRC-32) of the bytes sent. At most `parallel` parts are held at once."""
+    def _upload_stream(self, size: int, key: str, fill: Fill) -> tuple[int, str]:
+        """Upload `size` bytes, each part of `part_size` read by `fill` (one put when they fit in
+        one part); (size, CRC-32) of the bytes sent."""
         if size <= self.part_size:
-            data = next(parts, b"")
+            data = bytearray(size)
+            if size:
+                fill(memoryview(data), 0)
             self._put(key, data)
-            return len(data), f"{crc32(data):08x}"
+            return size, f"{crc32(data):08x}"
         upload = self._call("starting an upload of", key, self.client.create_multipart_upload, Key=key)
         try:
-            sent, crc, done = self._send_parts(parts, key, upload["UploadId"])
+            crc, done = self._send_parts(size, key, upload["UploadId"], fill)
             self._call("finishing the upload of", key, self.client.complete_multipart_upload, Key=key,
                        UploadId=upload["UploadId"], MultipartUpload={"Parts": done})
         except BaseException:
             self._abort(key, upload["UploadId"])
             raise
-        return sent, f"{crc:08x}"
+        return size, f"{crc:08x}"
 
-    def _send_parts(self, parts: Iterator[bytes | bytearray], key: str, upload_id: str) -> tuple[int, int, list[dict]]:
-        sent, crc, done, pending = 0, 0, [], collections.deque()
-        for number, data in enumerate(parts, 1):
-            sent, crc = sent + len(data), crc32(data, crc)
-            pending.append(self._pool.submit(self._send_part, key, upload_id, number, data))
-            if len(pending) >= self.parallel:  # wait before the next part is read: `parallel` held at most
-                done.append(pending.popleft().result())
-        done.extend(p.result() for p in pending)
-        return sent, crc, done
+    def _send_parts(self, size: int, key: str, upload_id: str, fill: Fill) -> tuple[int, list[dict]]:
+        """The parts, `parallel` in flight at most, each read into a buffer that the part
+        `parallel` places after it reuses once it is sent: the bytes a rank holds, with no
+        allocation or copy per part (a bytearray goes to the socket as it is)."""
+        crc, done, pending, free = 0, [], collections.deque(), []
+        for number, offset in enumerate(range(0, size, self.part_size), 1):
+            if len(pending) >= self.parallel:  # wait before the next part is read
+                sent, buf = pending.popleft()
+                done.append(sent.result())
+                free.append(buf)
+            n = min(self.part_size, size - offset)
+            buf = free.pop() if free else bytearray(n)
+            del buf[n:]  # the last part, shorter: shrunk in place
+            fill(memoryview(buf), offset)
+            crc = crc32(buf, crc)
+            pending.append((self._pool.submit(self._send_part, key, upload_id, number, buf), buf))
+        done.extend(sent.result() for sent, _ in pending)
+        return crc, done
 
-    def _send_part(self, key: str, upload_id: str, number: int, data: bytes) -> dict:
+    def _send_part(self, key: str, upload_id: str, number: int, data: bytearray) -> dict:
         reply = self._call(f"uploading part {number} of", key, self.client.upload_part, Key=key,
                            UploadId=upload_id, PartNumber=number, Body=data, ChecksumCRC32=_crc_header(data))
         return {"PartNumber": number, "ETag": reply["ETag"]}
@@ -454,10 +452,51 @@ def _size_or_none(local: str) -> int | None:
         return None
 
 
-def _drain(parts: Iterator[bytearray]) -> Exception | None:
-    """Run the rest of `parts` (taking part in its reduces); the failure it ended with, if any."""
-    try:
-        collections.deque(parts, maxlen=0)
-    except Exception as e:
-        return e
-    return None
+def _read_part(fd: int, view: memoryview, offset: int, local: str) -> None:
+    """Fill `view` with the bytes of the file `local` (open as `fd`) at `offset`."""
+    n = posio.read_into(fd, [view], offset)
+    if n != len(view):
+        raise StorageError(f"{local} shrank while being uploaded (at byte {offset + n})")
+
+
+class _JointFile:
+    """A file every rank wrote part of (its own bytes at their offsets, zeros elsewhere in its
+    staged copy), assembled part by part onto rank `owner` by a bitwise-or reduce of every
+    rank's copy of each part (`fill`; on the other ranks, the buffer then holds something else).
+    Every rank reduces every part, in order: `finish` reduces those not reduced yet. A rank that
+    cannot read its copy sends zeros for the rest, and `finish` raises its error."""
+
+    def __init__(self, local: str, size: int, group: CheckpointGroup, owner: int):
+        self.local, self.size, self.group, self.done = local, size, group, 0
+        self.dst = dist.get_global_rank(group.pg, owner) if group.pg is not None else None
+        self.failure: Exception | None = None
+        self.fd = -1
+        try:
+            self.fd = os.open(local, os.O_RDONLY)
+        except OSError as e:
+            self.failure = e
+
+    def fill(self, view: memoryview, offset: int) -> None:
+        if self.failure is None:
+            try:
+                _read_part(self.fd, view, offset, self.local)
+            except (OSError, StorageError) as e:
+                self.failure = e
+        part = torch.frombuffer(view, dtype=torch.uint8)
+        if self.failure is not None:
+            part.zero_()
+        if self.dst is not None:
+            dist.reduce(part, self.dst, op=dist.ReduceOp.BOR, group=self.group.pg)
+        self.done = offset + len(view)
+
+    def finish(self, part_size: int) -> None:
+        """Reduce the parts not reduced here yet (through one buffer), then raise this rank's failure."""
+        try:
+            buf = memoryview(bytearray(min(part_size, self.size - self.done)))
+            for offset in range(self.done, self.size, part_size):
+                self.fill(buf[:min(part_size, self.size - offset)], offset)
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
+        if self.failure is not None:
+            raise self.failure
