@@ -12,9 +12,10 @@ An object store has no rename and no fsync, so a step commits by the order of it
    file's size and CRC-32, then deletes the in-progress marker.
 
 A Hugging Face export's safetensors files are written jointly (each rank its own bytes at their
-final offsets): each rank's staged copy holds its bytes and zeros elsewhere, and file i is
-assembled part by part onto rank i % world_size (a bitwise-or reduce over the checkpoint group)
-and uploaded from there; the index goes up once every rank's other files are in the store.
+final offsets): each rank's staged copy holds its bytes and holes elsewhere, and file i is
+assembled part by part onto rank i % world_size, to which every other rank sends only the
+stretches that hold data in its copy, and uploaded from there; the index goes up once every
+rank's other files are in the store.
 
 Discovery lists the markers; a step without `COMMITTED.json` is never loaded; retention deletes
 the marker first. Endpoint, region and credentials come from boto3's standard chain
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import errno
 import json
 import logging
 import os
@@ -236,18 +238,19 @@ class S3Store(Store):
     def _upload_joint_files(self, path: str, key: str, joint: Sequence[str], group: CheckpointGroup,
                             uploaded: dict[str, tuple[int, str]]) -> None:
         """File i of `joint` is assembled onto rank i % world_size, which uploads it. The ranks
-        first agree on the files and their sizes; then every rank takes part in every file's
-        reduces, even after a failure of its own (raised at the end), so that no rank is left
-        waiting in one."""
-        step, failure = layout.parse_step(os.path.basename(path)), None
-        sizes = [_size_or_none(os.path.join(path, rel)) for rel in joint]
-        every = group.all_gather((list(joint), sizes))
-        if any(other != every[0] for other in every) or None in sizes:
+        first agree on the files and their sizes, and learn which stretches of each file every
+        rank holds; then every rank takes part in every file's transfers, even after a failure
+        of its own (raised at the end), so that no rank is left waiting in one."""
+        step, failure, sent = layout.parse_step(os.path.basename(path)), None, 0
+        locals_ = [os.path.join(path, rel) for rel in joint]
+        sizes = [_size_or_none(local) for local in locals_]
+        every = group.all_gather((list(joint), sizes, [_extents(lc, s or 0) for lc, s in zip(locals_, sizes)]))
+        if any(other[:2] != every[0][:2] for other in every) or None in sizes:
             raise StorageError(f"{path}: the ranks' staged copies of the HF files differ or are missing "
-                               f"({[list(zip(j, s)) for j, s in every]}); the staging folder is failing?")
+                               f"({[list(zip(j, s)) for j, s, _ in every]}); the staging folder is failing?")
         for i, (rel, size) in enumerate(zip(joint, sizes)):
             owner = i % group.world_size
-            assembled = _JointFile(os.path.join(path, rel), size, group, owner)
+            assembled = _JointFile(locals_[i], size, group, owner, [held[i] for _, _, held in every])
             if owner == group.rank and failure is None:
                 try:
                     uploaded[rel] = self._upload_stream(size, f"{key}/{rel}", assembled.fill)
@@ -257,8 +260,11 @@ class S3Store(Store):
                 assembled.finish(self.part_size)
             except Exception as e:
                 failure = failure or e
+            sent += assembled.sent
             if owner == group.rank:
                 faults.hit("upload", step)
+        logger.info("rank %d sent %d bytes of %d joint files to the ranks assembling them",
+                    group.rank, sent, len(joint))
         if failure is not None:
             raise failure
 
@@ -331,7 +337,8 @@ class S3Store(Store):
         """Upload one file; its (size, CRC-32) from the bytes sent."""
         fd = os.open(local, os.O_RDONLY)
         try:
-            return self._upload_stream(os.fstat(fd).st_size, key, lambda view, offset: _read_part(fd, view, offset, local))
+            return self._upload_stream(os.fstat(fd).st_size, key,
+                                       lambda view, offset: _read_part(fd, view, offset, local))
         finally:
             os.close(fd)
 
@@ -459,17 +466,47 @@ def _read_part(fd: int, view: memoryview, offset: int, local: str) -> None:
         raise StorageError(f"{local} shrank while being uploaded (at byte {offset + n})")
 
 
-class _JointFile:
-    """A file every rank wrote part of (its own bytes at their offsets, zeros elsewhere in its
-    staged copy), assembled part by part onto rank `owner` by a bitwise-or reduce of every
-    rank's copy of each part (`fill`; on the other ranks, the buffer then holds something else).
-    Every rank reduces every part, in order: `finish` reduces those not reduced yet. A rank that
-    cannot read its copy sends zeros for the rest, and `finish` raises its error."""
+def _extents(local: str, size: int) -> list[tuple[int, int]]:
+    """The (start, end) stretches of `local` that hold data, as the file system tells
+    (`SEEK_DATA` / `SEEK_HOLE`, whole blocks): a rank's staged copy of a joint file is created
+    at its size and holds holes where other ranks' bytes go. All of it where the file system
+    cannot tell, or the file cannot be opened (its reader then fails and sends zeros)."""
+    spans: list[tuple[int, int]] = []
+    try:
+        fd = os.open(local, os.O_RDONLY)
+    except OSError:
+        return [(0, size)] if size else []
+    try:
+        while not spans or spans[-1][1] < size:
+            start = os.lseek(fd, spans[-1][1] if spans else 0, os.SEEK_DATA)
+            spans.append((start, min(os.lseek(fd, start, os.SEEK_HOLE), size)))
+    except OSError as e:
+        if e.errno != errno.ENXIO:  # ENXIO: no data past the last stretch
+            return [(0, size)] if size else []
+    finally:
+        os.close(fd)
+    return [(a, z) for a, z in spans if a < z]
 
-    def __init__(self, local: str, size: int, group: CheckpointGroup, owner: int):
-        self.local, self.size, self.group, self.done = local, size, group, 0
-        self.dst = dist.get_global_rank(group.pg, owner) if group.pg is not None else None
+
+def _clip(spans: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    return [(max(a, start), min(z, end)) for a, z in spans if a < end and z > start]
+
+
+class _JointFile:
+    """A file every rank wrote part of (its own bytes at their offsets, holes or zeros elsewhere
+    in its staged copy), assembled part by part onto rank `owner` (`fill`): the owner reads the
+    part from its own copy, and every other rank sends it only the stretches of the part that
+    hold data in its copy (`extents`: every rank's), which the owner ors in (stretches are
+    whole blocks, so two ranks' may overlap, with zeros in each where the other's bytes are).
+    Every rank takes part in every part, in order: `finish` does those not done yet. A rank
+    that cannot read its copy sends zeros for the rest, and `finish` raises its error."""
+
+    def __init__(self, local: str, size: int, group: CheckpointGroup, owner: int,
+                 extents: list[list[tuple[int, int]]]):
+        self.local, self.size, self.group, self.owner, self.extents = local, size, group, owner, extents
+        self.done = self.sent = 0
         self.failure: Exception | None = None
+        self._scratch: bytearray | None = None  # the owner's, for the stretches it receives
         self.fd = -1
         try:
             self.fd = os.open(local, os.O_RDONLY)
@@ -477,20 +514,51 @@ class _JointFile:
             self.failure = e
 
     def fill(self, view: memoryview, offset: int) -> None:
+        """On the owner, `view` gets the file's bytes at `offset`; on another rank, `view` is
+        where its stretches of that part are gathered to be sent."""
+        end = offset + len(view)
+        if self.group.rank == self.owner:
+            self._read(view, offset)
+            for rank, held in enumerate(self.extents):
+                if rank != self.owner:
+                    self._receive(view, offset, rank, _clip(held, offset, end))
+        else:
+            spans, n = _clip(self.extents[self.group.rank], offset, end), 0
+            for a, z in spans:
+                self._read(view[n:n + z - a], a)
+                n += z - a
+            if n:
+                dist.send(torch.frombuffer(view[:n], dtype=torch.uint8), self._global(self.owner), group=self.group.pg)
+                self.sent += n
+        self.done = end
+
+    def _read(self, view: memoryview, offset: int) -> None:
         if self.failure is None:
             try:
                 _read_part(self.fd, view, offset, self.local)
             except (OSError, StorageError) as e:
                 self.failure = e
-        part = torch.frombuffer(view, dtype=torch.uint8)
         if self.failure is not None:
-            part.zero_()
-        if self.dst is not None:
-            dist.reduce(part, self.dst, op=dist.ReduceOp.BOR, group=self.group.pg)
-        self.done = offset + len(view)
+            torch.frombuffer(view, dtype=torch.uint8).zero_()
+
+    def _receive(self, view: memoryview, offset: int, rank: int, spans: list[tuple[int, int]]) -> None:
+        n = sum(z - a for a, z in spans)
+        if not n:
+            return
+        if self._scratch is None or len(self._scratch) < n:
+            self._scratch = bytearray(len(view))
+        got = torch.frombuffer(self._scratch, dtype=torch.uint8)[:n]
+        dist.recv(got, self._global(rank), group=self.group.pg)
+        part, pos = torch.frombuffer(view, dtype=torch.uint8), 0
+        for a, z in spans:
+            part[a - offset:z - offset].bitwise_or_(got[pos:pos + z - a])
+            pos += z - a
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group.pg, rank)
 
     def finish(self, part_size: int) -> None:
-        """Reduce the parts not reduced here yet (through one buffer), then raise this rank's failure."""
+        """Do the parts not done here yet (through one buffer), then raise this rank's failure."""
         try:
             buf = memoryview(bytearray(min(part_size, self.size - self.done)))
             for offset in range(self.done, self.size, part_size):
