@@ -7,8 +7,11 @@ from __future__ import annotations
 import ctypes
 import itertools
 import json
+import logging
 import os
+import re
 import subprocess
+import tracemalloc
 import uuid
 import zlib
 from urllib.parse import quote
@@ -324,24 +327,66 @@ def test_a_kill_during_a_hugging_face_upload_leaves_no_index_and_no_marker(bucke
     assert names.isdisjoint({"model.safetensors.index.json", "COMMITTED.json"}) and "IN_PROGRESS.json" in names
 
 
-def _publish_joint(rank, world_size, url, staging):
-    """A 11 MiB file, each rank writing every other MiB of it (zeros elsewhere in its copy)."""
+def _publish_joint(rank, world_size, url, staging, sparse):
+    """A 11 MiB file, each rank writing every other MiB of it shifted by 100 bytes (so that the
+    ranks' stretches share blocks), into a copy with holes (`sparse`, as the HF export leaves)
+    or zeros elsewhere. Rank 0 assembles it: the bytes rank 1 sends it are checked."""
+    sent = []
+    logger = logging.getLogger("torchtitan_ckpt.storage.s3")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler := logging.Handler())
+    handler.emit = lambda record: sent.extend(re.findall(r"^rank \d+ sent (\d+) bytes", record.getMessage()))
     store = S3Store(url, "checkpoint.folder", rank, _config(url, staging))
     path = os.path.join(store.root, "step-1")
     store.prepare_rank(path)
-    data = torch.arange(11 << 20, dtype=torch.int64).remainder(251).to(torch.uint8)
-    mine = torch.zeros_like(data)
+    data = torch.arange(11 << 20, dtype=torch.int64).remainder(251).to(torch.uint8).numpy()
+    fd = os.open(os.path.join(path, "joint.bin"), os.O_WRONLY | os.O_CREAT, 0o644)
+    os.ftruncate(fd, 11 << 20)
+    if not sparse:
+        os.pwrite(fd, bytes(11 << 20), 0)
     for mib in range(rank, 11, world_size):
-        mine[mib << 20:(mib + 1) << 20] = data[mib << 20:(mib + 1) << 20]
-    mine.numpy().tofile(os.path.join(path, "joint.bin"))
+        start, end = (mib << 20) + 100 if mib else 0, min(11 << 20, ((mib + 1) << 20) + 100)
+        os.pwrite(fd, data[start:end].tobytes(), start)
+    os.close(fd)
     uploaded = store.publish(path, {}, CheckpointGroup(), joint=["joint.bin"])
-    assert uploaded == ({"joint.bin": (11 << 20, f"{zlib.crc32(data.numpy()):08x}")} if rank == 0 else {})
+    assert uploaded == ({"joint.bin": (11 << 20, f"{zlib.crc32(data):08x}")} if rank == 0 else {})
+    if rank == 0:
+        assert sent == ["0"]
+    elif sparse:  # its own 5 MiB, in whole blocks
+        assert (5 << 20) <= int(sent[0]) <= (5 << 20) + 5 * 65536, sent
+    else:  # a copy with no holes: all of it
+        assert sent == [str(11 << 20)]
 
 
-def test_a_joint_file_is_assembled_across_ranks_in_several_parts(bucket, tmp_path):
-    spawn(2, _publish_joint, f"s3://{bucket}/run", str(tmp_path))
+@pytest.mark.parametrize("sparse", [True, False])
+def test_a_joint_file_is_assembled_across_ranks_in_several_parts(bucket, tmp_path, sparse):
+    spawn(2, _publish_joint, f"s3://{bucket}/run", str(tmp_path), sparse)
     body = boto3.client("s3").get_object(Bucket=bucket, Key="run/step-1/joint.bin")["Body"].read()
     assert body == bytes(torch.arange(11 << 20, dtype=torch.int64).remainder(251).to(torch.uint8).numpy())
+
+
+def _upload_measured(rank, world_size, url, staging):
+    """A 32 MiB file uploaded in 5 MiB parts, 2 at a time, with the Python allocations traced
+    (in a process of its own: the server's are not counted)."""
+    store = S3Store(url, "checkpoint.folder", rank, _config(url, staging))
+    path = os.path.join(store.root, "step-1")
+    store.prepare_rank(path)
+    data = torch.arange(32 << 20, dtype=torch.int64).remainder(253).to(torch.uint8).numpy()
+    data.tofile(os.path.join(path, "big.bin"))
+    tracemalloc.start()
+    try:
+        uploaded = store.publish(path, {}, CheckpointGroup())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert uploaded == {"big.bin": (32 << 20, f"{zlib.crc32(data):08x}")}
+    assert peak <= 2 * (5 << 20) + (1 << 20), peak  # part size x parallel parts + the documented slack
+
+
+def test_an_upload_holds_at_most_part_size_times_parallel_parts(bucket, tmp_path):
+    spawn(1, _upload_measured, f"s3://{bucket}/run", str(tmp_path))
+    body = boto3.client("s3").get_object(Bucket=bucket, Key="run/step-1/big.bin")["Body"].read()
+    assert body == bytes(torch.arange(32 << 20, dtype=torch.int64).remainder(253).to(torch.uint8).numpy())
 
 
 def _own_disk(rank, world_size, tmp):

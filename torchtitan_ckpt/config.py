@@ -181,7 +181,9 @@ class Checkpoint:
 
     upload_part_size: str = "64MB"
     """Object storage: the size of each part of a multipart upload and of each ranged download.
-    A rank holds at most `upload_part_size` x `upload_parallel_parts` bytes in flight."""
+    A rank's upload holds `upload_part_size` x `upload_parallel_parts` bytes of part buffers,
+    reused from part to part, and under 1 MiB besides (the rank assembling a Hugging Face file:
+    one part more)."""
 
     upload_parallel_parts: int = 8
     """Object storage: parts each rank uploads (or downloads) at once."""

@@ -12,9 +12,10 @@ An object store has no rename and no fsync, so a step commits by the order of it
    file's size and CRC-32, then deletes the in-progress marker.
 
 A Hugging Face export's safetensors files are written jointly (each rank its own bytes at their
-final offsets): each rank's staged copy holds its bytes and zeros elsewhere, and file i is
-assembled part by part onto rank i % world_size (a bitwise-or reduce over the checkpoint group)
-and uploaded from there; the index goes up once every rank's other files are in the store.
+final offsets): each rank's staged copy holds its bytes and holes elsewhere, and file i is
+assembled part by part onto rank i % world_size, to which every other rank sends only the
+stretches that hold data in its copy, and uploaded from there; the index goes up once every
+rank's other files are in the store.
 
 Discovery lists the markers; a step without `COMMITTED.json` is never loaded; retention deletes
 the marker first. Endpoint, region and credentials come from boto3's standard chain
@@ -27,13 +28,14 @@ from __future__ import annotations
 
 import base64
 import collections
+import errno
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
@@ -54,6 +56,9 @@ from .base import Store
 logger = logging.getLogger(__name__)
 
 _MARKERS = (commit.MARKER, commit.IN_PROGRESS)
+
+Fill = Callable[[memoryview, int], None]
+"""`fill(buffer, offset)`: puts the bytes of a file being uploaded at `offset` into `buffer`."""
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -233,48 +238,33 @@ class S3Store(Store):
     def _upload_joint_files(self, path: str, key: str, joint: Sequence[str], group: CheckpointGroup,
                             uploaded: dict[str, tuple[int, str]]) -> None:
         """File i of `joint` is assembled onto rank i % world_size, which uploads it. The ranks
-        first agree on the files and their sizes; then every rank takes part in every file's
-        reduces, even after a failure of its own (raised at the end), so that no rank is left
-        waiting in one."""
-        step, failure = layout.parse_step(os.path.basename(path)), None
-        sizes = [_size_or_none(os.path.join(path, rel)) for rel in joint]
-        every = group.all_gather((list(joint), sizes))
-        if any(other != every[0] for other in every) or None in sizes:
+        first agree on the files and their sizes, and learn which stretches of each file every
+        rank holds; then every rank takes part in every file's transfers, even after a failure
+        of its own (raised at the end), so that no rank is left waiting in one."""
+        step, failure, sent = layout.parse_step(os.path.basename(path)), None, 0
+        locals_ = [os.path.join(path, rel) for rel in joint]
+        sizes = [_size_or_none(local) for local in locals_]
+        every = group.all_gather((list(joint), sizes, [_extents(lc, s or 0) for lc, s in zip(locals_, sizes)]))
+        if any(other[:2] != every[0][:2] for other in every) or None in sizes:
             raise StorageError(f"{path}: the ranks' staged copies of the HF files differ or are missing "
-                               f"({[list(zip(j, s)) for j, s in every]}); the staging folder is failing?")
+                               f"({[list(zip(j, s)) for j, s, _ in every]}); the staging folder is failing?")
         for i, (rel, size) in enumerate(zip(joint, sizes)):
-            parts = self._joint_parts(os.path.join(path, rel), size, group, i % group.world_size)
-            if i % group.world_size != group.rank or failure is not None:
-                failure = _drain(parts) or failure
-                continue
+            owner = i % group.world_size
+            assembled = _JointFile(locals_[i], size, group, owner, [held[i] for _, _, held in every])
+            if owner == group.rank and failure is None:
+                try:
+                    uploaded[rel] = self._upload_stream(size, f"{key}/{rel}", assembled.fill)
+                except Exception as e:
+                    failure = e
             try:
-                uploaded[rel] = self._upload_stream(parts, size, f"{key}/{rel}")
+                assembled.finish(self.part_size)
             except Exception as e:
-                failure = e
-                _drain(parts)
-            faults.hit("upload", step)
-        if failure is not None:
-            raise failure
-
-    def _joint_parts(self, local: str, size: int, group: CheckpointGroup, owner: int) -> Iterator[bytearray]:
-        """`local`'s parts, each a bitwise or of every rank's copy (each byte is written by one
-        rank, zeros in the others' copies) reduced onto `owner`: one part in memory per rank.
-        On the other ranks, what they yield is not the file's. A rank that cannot read its copy
-        sends zeros for the rest and raises after the last part."""
-        failure: Exception | None = None
-        with open(local, "rb") as f:
-            for offset in range(0, size, self.part_size):
-                part = bytearray(min(self.part_size, size - offset))
-                if failure is None:
-                    try:
-                        if f.readinto(part) != len(part):
-                            raise StorageError(f"{local} shrank while being uploaded (at byte {offset})")
-                    except (OSError, StorageError) as e:
-                        failure, part = e, bytearray(len(part))
-                if group.pg is not None:
-                    dist.reduce(torch.frombuffer(part, dtype=torch.uint8), dist.get_global_rank(group.pg, owner),
-                                op=dist.ReduceOp.BOR, group=group.pg)
-                yield part
+                failure = failure or e
+            sent += assembled.sent
+            if owner == group.rank:
+                faults.hit("upload", step)
+        logger.info("rank %d sent %d bytes of %d joint files to the ranks assembling them",
+                    group.rank, sent, len(joint))
         if failure is not None:
             raise failure
 
@@ -345,37 +335,52 @@ class S3Store(Store):
 
     def _upload(self, local: str, key: str) -> tuple[int, str]:
         """Upload one file; its (size, CRC-32) from the bytes sent."""
-        with open(local, "rb") as f:
-            return self._upload_stream(iter(lambda: f.read(self.part_size), b""), os.path.getsize(local), key)
+        fd = os.open(local, os.O_RDONLY)
+        try:
+            return self._upload_stream(os.fstat(fd).st_size, key,
+                                       lambda view, offset: _read_part(fd, view, offset, local))
+        finally:
+            os.close(fd)
 
-    def _upload_stream(self, parts: Iterator[bytes | bytearray], size: int, key: str) -> tuple[int, str]:
-        """Upload `size` bytes coming as `parts` of `part_size` (one put when they fit in one
-        part); (size, CRC-32) of the bytes sent. At most `parallel` parts are held at once."""
+    def _upload_stream(self, size: int, key: str, fill: Fill) -> tuple[int, str]:
+        """Upload `size` bytes, each part of `part_size` read by `fill` (one put when they fit in
+        one part); (size, CRC-32) of the bytes sent."""
         if size <= self.part_size:
-            data = next(parts, b"")
+            data = bytearray(size)
+            if size:
+                fill(memoryview(data), 0)
             self._put(key, data)
-            return len(data), f"{crc32(data):08x}"
+            return size, f"{crc32(data):08x}"
         upload = self._call("starting an upload of", key, self.client.create_multipart_upload, Key=key)
         try:
-            sent, crc, done = self._send_parts(parts, key, upload["UploadId"])
+            crc, done = self._send_parts(size, key, upload["UploadId"], fill)
             self._call("finishing the upload of", key, self.client.complete_multipart_upload, Key=key,
                        UploadId=upload["UploadId"], MultipartUpload={"Parts": done})
         except BaseException:
             self._abort(key, upload["UploadId"])
             raise
-        return sent, f"{crc:08x}"
+        return size, f"{crc:08x}"
 
-    def _send_parts(self, parts: Iterator[bytes | bytearray], key: str, upload_id: str) -> tuple[int, int, list[dict]]:
-        sent, crc, done, pending = 0, 0, [], collections.deque()
-        for number, data in enumerate(parts, 1):
-            sent, crc = sent + len(data), crc32(data, crc)
-            pending.append(self._pool.submit(self._send_part, key, upload_id, number, data))
-            if len(pending) >= self.parallel:  # wait before the next part is read: `parallel` held at most
-                done.append(pending.popleft().result())
-        done.extend(p.result() for p in pending)
-        return sent, crc, done
+    def _send_parts(self, size: int, key: str, upload_id: str, fill: Fill) -> tuple[int, list[dict]]:
+        """The parts, `parallel` in flight at most, each read into a buffer that the part
+        `parallel` places after it reuses once it is sent: the bytes a rank holds, with no
+        allocation or copy per part (a bytearray goes to the socket as it is)."""
+        crc, done, pending, free = 0, [], collections.deque(), []
+        for number, offset in enumerate(range(0, size, self.part_size), 1):
+            if len(pending) >= self.parallel:  # wait before the next part is read
+                sent, buf = pending.popleft()
+                done.append(sent.result())
+                free.append(buf)
+            n = min(self.part_size, size - offset)
+            buf = free.pop() if free else bytearray(n)
+            del buf[n:]  # the last part, shorter: shrunk in place
+            fill(memoryview(buf), offset)
+            crc = crc32(buf, crc)
+            pending.append((self._pool.submit(self._send_part, key, upload_id, number, buf), buf))
+        done.extend(sent.result() for sent, _ in pending)
+        return crc, done
 
-    def _send_part(self, key: str, upload_id: str, number: int, data: bytes) -> dict:
+    def _send_part(self, key: str, upload_id: str, number: int, data: bytearray) -> dict:
         reply = self._call(f"uploading part {number} of", key, self.client.upload_part, Key=key,
                            UploadId=upload_id, PartNumber=number, Body=data, ChecksumCRC32=_crc_header(data))
         return {"PartNumber": number, "ETag": reply["ETag"]}
@@ -454,10 +459,112 @@ def _size_or_none(local: str) -> int | None:
         return None
 
 
-def _drain(parts: Iterator[bytearray]) -> Exception | None:
-    """Run the rest of `parts` (taking part in its reduces); the failure it ended with, if any."""
+def _read_part(fd: int, view: memoryview, offset: int, local: str) -> None:
+    """Fill `view` with the bytes of the file `local` (open as `fd`) at `offset`."""
+    n = posio.read_into(fd, [view], offset)
+    if n != len(view):
+        raise StorageError(f"{local} shrank while being uploaded (at byte {offset + n})")
+
+
+def _extents(local: str, size: int) -> list[tuple[int, int]]:
+    """The (start, end) stretches of `local` that hold data, as the file system tells
+    (`SEEK_DATA` / `SEEK_HOLE`, whole blocks): a rank's staged copy of a joint file is created
+    at its size and holds holes where other ranks' bytes go. All of it where the file system
+    cannot tell, or the file cannot be opened (its reader then fails and sends zeros)."""
+    spans: list[tuple[int, int]] = []
     try:
-        collections.deque(parts, maxlen=0)
-    except Exception as e:
-        return e
-    return None
+        fd = os.open(local, os.O_RDONLY)
+    except OSError:
+        return [(0, size)] if size else []
+    try:
+        while not spans or spans[-1][1] < size:
+            start = os.lseek(fd, spans[-1][1] if spans else 0, os.SEEK_DATA)
+            spans.append((start, min(os.lseek(fd, start, os.SEEK_HOLE), size)))
+    except OSError as e:
+        if e.errno != errno.ENXIO:  # ENXIO: no data past the last stretch
+            return [(0, size)] if size else []
+    finally:
+        os.close(fd)
+    return [(a, z) for a, z in spans if a < z]
+
+
+def _clip(spans: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    return [(max(a, start), min(z, end)) for a, z in spans if a < end and z > start]
+
+
+class _JointFile:
+    """A file every rank wrote part of (its own bytes at their offsets, holes or zeros elsewhere
+    in its staged copy), assembled part by part onto rank `owner` (`fill`): the owner reads the
+    part from its own copy, and every other rank sends it only the stretches of the part that
+    hold data in its copy (`extents`: every rank's), which the owner ors in (stretches are
+    whole blocks, so two ranks' may overlap, with zeros in each where the other's bytes are).
+    Every rank takes part in every part, in order: `finish` does those not done yet. A rank
+    that cannot read its copy sends zeros for the rest, and `finish` raises its error."""
+
+    def __init__(self, local: str, size: int, group: CheckpointGroup, owner: int,
+                 extents: list[list[tuple[int, int]]]):
+        self.local, self.size, self.group, self.owner, self.extents = local, size, group, owner, extents
+        self.done = self.sent = 0
+        self.failure: Exception | None = None
+        self._scratch: bytearray | None = None  # the owner's, for the stretches it receives
+        self.fd = -1
+        try:
+            self.fd = os.open(local, os.O_RDONLY)
+        except OSError as e:
+            self.failure = e
+
+    def fill(self, view: memoryview, offset: int) -> None:
+        """On the owner, `view` gets the file's bytes at `offset`; on another rank, `view` is
+        where its stretches of that part are gathered to be sent."""
+        end = offset + len(view)
+        if self.group.rank == self.owner:
+            self._read(view, offset)
+            for rank, held in enumerate(self.extents):
+                if rank != self.owner:
+                    self._receive(view, offset, rank, _clip(held, offset, end))
+        else:
+            spans, n = _clip(self.extents[self.group.rank], offset, end), 0
+            for a, z in spans:
+                self._read(view[n:n + z - a], a)
+                n += z - a
+            if n:
+                dist.send(torch.frombuffer(view[:n], dtype=torch.uint8), self._global(self.owner), group=self.group.pg)
+                self.sent += n
+        self.done = end
+
+    def _read(self, view: memoryview, offset: int) -> None:
+        if self.failure is None:
+            try:
+                _read_part(self.fd, view, offset, self.local)
+            except (OSError, StorageError) as e:
+                self.failure = e
+        if self.failure is not None:
+            torch.frombuffer(view, dtype=torch.uint8).zero_()
+
+    def _receive(self, view: memoryview, offset: int, rank: int, spans: list[tuple[int, int]]) -> None:
+        n = sum(z - a for a, z in spans)
+        if not n:
+            return
+        if self._scratch is None or len(self._scratch) < n:
+            self._scratch = bytearray(len(view))
+        got = torch.frombuffer(self._scratch, dtype=torch.uint8)[:n]
+        dist.recv(got, self._global(rank), group=self.group.pg)
+        part, pos = torch.frombuffer(view, dtype=torch.uint8), 0
+        for a, z in spans:
+            part[a - offset:z - offset].bitwise_or_(got[pos:pos + z - a])
+            pos += z - a
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group.pg, rank)
+
+    def finish(self, part_size: int) -> None:
+        """Do the parts not done here yet (through one buffer), then raise this rank's failure."""
+        try:
+            buf = memoryview(bytearray(min(part_size, self.size - self.done)))
+            for offset in range(self.done, self.size, part_size):
+                self.fill(buf[:min(part_size, self.size - offset)], offset)
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
+        if self.failure is not None:
+            raise self.failure
