@@ -282,9 +282,11 @@ class Copies:
                 self._mark(i + 1)
 
     def finish(self) -> None:
+        """Every copy is made and final."""
         self._mark(len(self._pairs))
 
     def fail(self, error: BaseException) -> None:
+        """Staging failed: whoever waits for a copy, now or later, gets `error`."""
         with self._cond:
             self._error = error
             self._cond.notify_all()
