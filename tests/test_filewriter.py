@@ -140,3 +140,26 @@ def test_a_files_helper_threads_end_with_it_also_when_writing_fails(tmp_path, mo
     with pytest.raises((RuntimeError, NotImplementedError)):
         filewriter.write_file(bad)
     assert not _helper_threads()
+
+
+def test_an_entry_is_read_only_once_it_is_ready_and_its_place_is_known_before(tmp_path):
+    """A tensor still being staged: `start_files` knows where it lands at once, and writes (and
+    checksums) its bytes only after its `ready()`, here the copy that fills it."""
+    first, second = torch.zeros(1000), torch.zeros(10, 30)
+    filled = threading.Event()
+    values = {"first": torch.full((1000,), 7.0), "second": torch.arange(300.0).reshape(10, 30)}
+
+    def fill() -> None:
+        filled.wait()
+        first.fill_(7.0)
+        second.copy_(values["second"])
+
+    path = str(tmp_path / "f.distcp")
+    job = filewriter.FileJob(path, [filewriter.Entry("first", first, fill), filewriter.Entry("second", second)])
+    started = filewriter.start_files([job])
+    assert started.places[0] is not None and [key for key, _, _ in started.places[0]] == ["first", "second"]
+    assert not started.done.done()  # waiting for `fill`
+    filled.set()
+    (written,) = started.done.result()
+    assert written.places == started.places[0]
+    _check_file(path, written, values)

@@ -5,6 +5,7 @@ checkpoint; `verify_staging` catches what the optimizer's hook cannot see."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 import weakref
 
@@ -15,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_ckpt import CheckpointManager, ConfigError, StagingMismatchError, layout
 from torchtitan_ckpt.config import Checkpoint
-from torchtitan_ckpt.staging import SaveJob, make_strategy
+from torchtitan_ckpt.staging import SaveJob, Stager, make_strategy
 
 from .helpers import assert_same, read_checkpoint, spawn
 
@@ -153,8 +154,9 @@ def test_a_saves_staged_copy_is_let_go_by_that_save_not_by_the_next_save_call(mo
     written the copy, so the next `save()` does not."""
     saves, written = make_strategy(mode), []
 
-    def write(state, sink):
-        written.append(weakref.ref(state["w"]))
+    def write(staged, sink):
+        staged.done()
+        written.append(weakref.ref(staged.state["w"]))
 
     saves.submit({"w": torch.ones(4)}, SaveJob(1, "", lambda: None, write, lambda _: None))
     while saves.in_flight():
@@ -190,3 +192,38 @@ def test_cuda_staging_on_a_side_stream_holds_the_values_at_save_time(tmp_path, m
             opt.zero_grad()
     saved = _saved(tmp_path, 3)
     assert_same({k: saved[k] for k in before}, before)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_a_staged_tensor_is_ready_to_write_once_its_copy_is_made(reuse):
+    """Writing overlaps staging: a writer waits on the copy of the tensor it writes (here a view
+    of one), not on the whole state's, and reads the values of `save()` time."""
+    stager = Stager(reuse=reuse)
+    state = {"a": torch.arange(8.0), "c": torch.arange(12.0).reshape(3, 4), "n": 5}
+    copies = stager.layout(state)
+    read: list[torch.Tensor] = []
+
+    def write_c_rows() -> None:
+        rows = copies.staged["c"][1:]
+        copies.ready(rows)
+        read.append(rows.clone())
+
+    writer = threading.Thread(target=write_c_rows)
+    writer.start()
+    writer.join(0.2)
+    assert writer.is_alive() and not read  # nothing is copied yet
+    copies.run(each=True)
+    writer.join()
+    copies.done()
+    assert torch.equal(read[0], state["c"][1:])
+    assert_same(copies.staged, state)
+    stager.release()
+
+
+def test_a_staging_failure_reaches_a_writer_waiting_on_it():
+    copies = Stager(reuse=False).layout({"a": torch.ones(4)})
+    copies.fail(MemoryError("staging the step-4 state: out of memory"))
+    with pytest.raises(MemoryError, match="out of memory"):
+        copies.ready(copies.staged["a"])
+    with pytest.raises(MemoryError, match="out of memory"):
+        copies.done()

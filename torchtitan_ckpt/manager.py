@@ -37,7 +37,7 @@ from .hf.adapter import as_adapter
 from .io.dtypes import EXPORT_DTYPES
 from .io.filewriter import Sink
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
-from .staging import SaveJob, make_strategy
+from .staging import SaveJob, Staged, make_strategy
 from .states import CheckedState, DataLoaderState, LRSchedulerState, ModelState, OptimizerState, saved_dp_degree
 from .storage.base import Store
 
@@ -236,8 +236,8 @@ class CheckpointManager:
         job = self._save_job(step, kind, folder, fmt)
         if fmt.on_training_thread:
             self._saves.wait()
-            state = self._state_for_save(kind)
-            job.run(lambda: state)
+            staged = Staged(self._state_for_save(kind))
+            job.run(lambda: staged)
         else:
             self._saves.submit(self._state_for_save(kind), job, self._deferred)
 
@@ -277,10 +277,10 @@ class CheckpointManager:
         def prepare() -> None:
             self._agree(step, path, lambda: self._store.prepare(path, step), coordinator_only=True)
 
-        def write(state: dict[str, Any], sink: Sink) -> Written:
+        def write(staged: Staged, sink: Sink) -> Written:
             try:
                 self._store.prepare_rank(path)
-                return fmt.write(path, step, kind, state, sink)
+                return fmt.write(path, step, kind, staged, sink)
             except CheckpointSaveError:
                 raise
             except Exception as e:

@@ -16,14 +16,22 @@ first calls `wait_for_staging()` (the manager's optimizer step pre-hook). On a G
 on a side CUDA stream that waits for the work queued before `save()`, with `non_blocking` copies
 into pinned buffers, and staging is done once that stream has finished them.
 
+Writing overlaps staging: the save gets the staged state (`Staged`) as soon as its copies are
+laid out, and writes each tensor as soon as its copy is made (`Copies.ready`; on a GPU, once the
+side stream has finished them all), so the disk starts on the first tensors while the last are
+still being copied (DCP's early writes, `dcp.storage.DataFileWriter.write_early`; with `async`
+only: the writer process of `async_with_pinned_mem` is handed the files once all is staged).
+
 At most one save is in flight: `submit()` first waits for the previous one. A failure of the
 background save is kept and raised by the next `submit()`, `wait()` or `close()`.
 """
 
 from __future__ import annotations
 
+import bisect
 import copy
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
@@ -49,6 +57,28 @@ def _nothing_deferred(path: tuple) -> bool:
     return False
 
 
+def _at_once(t: torch.Tensor) -> None:
+    """Every tensor's bytes are final already."""
+
+
+def _nothing() -> None:
+    """Nothing to wait for."""
+
+
+@dataclass(frozen=True)
+class Staged:
+    """The state a save writes, and when its tensors' bytes may be read: a background save
+    hands it over while staging is still copying the tensors in, so the writes start on the
+    first tensors copied instead of after the last."""
+
+    state: dict[str, Any]
+    ready: Callable[[torch.Tensor], None] = _at_once
+    """Blocks until the bytes of a tensor of `state` (or of a view of one) are final; raises
+    staging's failure."""
+    done: Callable[[], None] = _nothing
+    """Blocks until every tensor's bytes are final; raises staging's failure."""
+
+
 @dataclass(frozen=True)
 class SaveJob:
     """One save, as phases that every rank runs in this order. Each raises `CheckpointSaveError`
@@ -58,14 +88,14 @@ class SaveJob:
     path: str
     prepare: Callable[[], None]
     """Create the step folder (replacing a partial leftover)."""
-    write: Callable[[dict[str, Any], Sink], Any]
+    write: Callable[[Staged, Sink], Any]
     """Write the state with `dcp.save` (planning and collectives in this process; the data
     files' bytes through the sink); returns what `commit` needs (the files this rank wrote
     with their checksums, the dedup summary)."""
     commit: Callable[[Any], None]
     """Make the step visible (the commit marker), log it, apply retention."""
 
-    def run(self, state: Callable[[], dict[str, Any]], sink: Sink = write_files) -> None:
+    def run(self, state: Callable[[], Staged], sink: Sink = write_files) -> None:
         """Every phase, in order. `state()` is asked for once the step folder is prepared, so a
         background save prepares it while the state is still being staged."""
         self.prepare()
@@ -76,7 +106,7 @@ class SynchronousSaves:
     """`async_mode = "disabled"`: the training loop waits until the step is committed."""
 
     def submit(self, state: dict[str, Any], job: SaveJob, deferred: Deferred = _nothing_deferred) -> None:
-        job.run(lambda: state)
+        job.run(lambda: Staged(state))
 
     def in_flight(self) -> bool:
         return False
@@ -108,15 +138,15 @@ _IMMUTABLE = frozenset({int, float, bool, str, bytes, type(None)})
 """Leaf types `freeze` keeps as they are: an optimizer's settings are thousands of them."""
 
 
-def _copy_tensor(t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
-    """A CPU copy of `t` (written into `into`, `t`'s shape, when given), keeping a DTensor's
-    placement. A copy into pinned memory does not block the host (`_CopyStream` waits for it)."""
-    local = _local(t).detach()
-    copied = local.to("cpu", copy=True) if into is None else into.copy_(local, non_blocking=local.is_cuda)
+def _destination(t: torch.Tensor, into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(where `t`'s local tensor is copied: `into`, `t`'s shape, or fresh CPU memory of its
+    strides; the staged value: that copy, as a DTensor of `t`'s placement if `t` is one)."""
+    local = _local(t)
+    copied = torch.empty_like(local, device="cpu") if into is None else into
     if isinstance(t, DTensor):
-        return DTensor.from_local(copied, t.device_mesh, t.placements, run_check=False,
-                                  shape=t.shape, stride=t.stride())
-    return copied
+        return copied, DTensor.from_local(copied, t.device_mesh, t.placements, run_check=False,
+                                          shape=t.shape, stride=t.stride())
+    return copied, copied
 
 
 _ALIGN = 64
@@ -160,29 +190,34 @@ class Stager:
     def _arenas(self) -> dict[int, torch.Tensor]:
         return {p.arena.data_ptr(): p.arena for p in self._places.values()}
 
-    def stage(self, state: Any) -> Any:
+    def layout(self, state: Any) -> Copies:
+        """Where each tensor of `state` is staged (allocating what is new), and the staged
+        state; nothing is copied until `Copies.run`."""
         if self.reuse:
             new = {path: t for path, t in _tensors(state, ())
                    if path not in self._places or self._places[path].kind != _kind(t)}
             if new:
                 self._allocate(new)
-        return self._stage(state, ())
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged = self._layout(state, (), pairs)
+        pairs.sort(key=lambda pair: pair[1].nbytes, reverse=True)  # the order the files take them (`balanced_groups`)
+        return Copies(staged, pairs, non_blocking=self.reuse)
 
-    def _stage(self, state: Any, path: tuple) -> Any:
+    def _layout(self, state: Any, path: tuple, pairs: list) -> Any:
         if isinstance(state, torch.Tensor):
-            return self._stage_tensor(state, path)
+            into = None
+            if self.reuse:
+                local, place = _local(state), self._places[path]
+                view = place.arena[place.offset:place.offset + local.nbytes].view(local.dtype)
+                into = view.as_strided(local.shape, place.strides)
+            copied, staged = _destination(state, into)
+            pairs.append((_local(state).detach(), copied))
+            return staged
         if isinstance(state, dict):
-            return {k: self._stage(v, (*path, k)) for k, v in state.items()}
+            return {k: self._layout(v, (*path, k), pairs) for k, v in state.items()}
         if isinstance(state, (list, tuple)):
-            return type(state)(self._stage(v, (*path, i)) for i, v in enumerate(state))
+            return type(state)(self._layout(v, (*path, i), pairs) for i, v in enumerate(state))
         return copy.deepcopy(state)
-
-    def _stage_tensor(self, t: torch.Tensor, path: tuple) -> torch.Tensor:
-        if not self.reuse:
-            return _copy_tensor(t)
-        local, place = _local(t), self._places[path]
-        into = place.arena[place.offset:place.offset + local.nbytes].view(local.dtype)
-        return _copy_tensor(t, into.as_strided(local.shape, place.strides))
 
     def _allocate(self, tensors: dict[tuple, torch.Tensor]) -> None:
         """One new arena with an aligned place for each of `tensors`; arenas left with no place
@@ -221,8 +256,67 @@ class Stager:
         self._places.clear()
 
 
+class Copies:
+    """One staging's copies, made in order by `run`. `ready(t)` blocks until the copy that `t` is
+    (or is a view of) is made, so a writer may start on the first tensors while later ones are
+    still being copied; the copies go at memory speed, the writes at the disk's."""
+
+    def __init__(self, staged: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool):
+        self.staged = staged
+        """The state with each tensor replaced by its copy (made by `run`)."""
+        self._pairs = pairs  # (source, destination) local tensors, in the order copied
+        self._non_blocking = non_blocking  # into pinned arenas: a GPU copy does not block the host
+        spans = sorted((dst.data_ptr(), i) for i, (_, dst) in enumerate(pairs) if dst.numel())
+        self._starts = [start for start, _ in spans]
+        self._order = [i for _, i in spans]
+        self._made = 0
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+
+    def run(self, each: bool) -> None:
+        """Make every copy; with `each` (CPU copies, final once `copy_` returns), mark each one
+        made as it is; else `finish()` marks them all (GPU copies, once their stream is done)."""
+        for i, (source, destination) in enumerate(self._pairs):
+            destination.copy_(source, non_blocking=self._non_blocking and source.is_cuda)
+            if each:
+                self._mark(i + 1)
+
+    def finish(self) -> None:
+        """Every copy is made and final."""
+        self._mark(len(self._pairs))
+
+    def fail(self, error: BaseException) -> None:
+        """Staging failed: whoever waits for a copy, now or later, gets `error`."""
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def _mark(self, made: int) -> None:
+        with self._cond:
+            self._made = made
+            self._cond.notify_all()
+
+    def ready(self, t: torch.Tensor) -> None:
+        """Block until the copy holding `t`'s bytes is made (raising staging's failure)."""
+        if not t.numel():
+            return
+        found = bisect.bisect_right(self._starts, t.data_ptr()) - 1
+        self._wait(self._order[found] + 1 if found >= 0 else len(self._pairs))
+
+    def done(self) -> None:
+        """Block until every copy is made (raising staging's failure)."""
+        self._wait(len(self._pairs))
+
+    def _wait(self, made: int) -> None:
+        with self._cond:
+            while self._made < made and self._error is None:
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+
+
 def _tensors(state: Any, path: tuple):
-    """(path, tensor) for every tensor of a nested state, in the order `Stager._stage` visits them."""
+    """(path, tensor) for every tensor of a nested state, in the order `Stager.layout` visits them."""
     if isinstance(state, torch.Tensor):
         yield path, state
     elif isinstance(state, dict):
@@ -309,16 +403,30 @@ class BackgroundSaves:
         sink = self._sink()
         frozen = freeze(state, deferred)
         marks = self._copies.mark(frozen)
-        staged: list[dict[str, Any]] = []
-        staging = self._staging = self._pool.submit(self._stage, frozen, marks, job.step, staged)
+        laid_out: Future = Future()
+        copies: list[Copies] = []
+        staging = self._staging = self._pool.submit(self._stage, frozen, marks, job.step, laid_out, copies)
         if self._verify:
             staging.result()
-            self._check = [(path, t, _at(staged[0], path)) for path, t in _tensors(frozen, ()) if deferred(path)]
-        self._pending = self._pool.submit(job.run, lambda: _take(staging, staged), sink)
+            self._check = [(path, t, _at(copies[0].staged, path)) for path, t in _tensors(frozen, ()) if deferred(path)]
+        self._pending = self._pool.submit(job.run, lambda: _take(laid_out, copies), sink)
 
-    def _stage(self, frozen: dict[str, Any], marks: dict, step: int, into: list[dict[str, Any]]) -> None:
-        into.append(self._copies.run(marks, lambda: self.stager.stage(frozen)))
-        faults.hit("staging", step)
+    def _stage(self, frozen: dict[str, Any], marks: dict, step: int, laid_out: Future, into: list[Copies]) -> None:
+        """Lay the copies out (`laid_out` says when, or how it failed), then make them."""
+        try:
+            copies = self.stager.layout(frozen)
+        except BaseException as e:
+            laid_out.set_exception(e)
+            raise
+        into.append(copies)
+        laid_out.set_result(None)
+        try:
+            self._copies.run(marks, lambda: copies.run(each=not marks))
+            faults.hit("staging", step)
+        except BaseException as e:
+            copies.fail(e)
+            raise
+        copies.finish()
 
     def wait_for_staging(self) -> None:
         """Block until the last submitted state is staged (a staging failure is raised by
@@ -366,12 +474,14 @@ class BackgroundSaves:
                 self.writer.close()
 
 
-def _take(staging: Future, staged: list[dict[str, Any]]) -> dict[str, Any]:
-    """The staged state once staging is done (raising its failure), taken out of `staged` so
-    that the save alone holds it: a fresh copy (`async`) is freed on the save's thread once
-    written, not by the next `save()` (unmapping a whole state's copy takes tens of ms)."""
-    staging.result()
-    return staged.pop()
+def _take(laid_out: Future, copies: list[Copies]) -> Staged:
+    """The staged state once laid out (raising a failure to), its copies still being made,
+    taken out of `copies` so that the save alone holds it: a fresh copy (`async`) is freed on
+    the save's thread once written, not by the next `save()` (unmapping a whole state's copy
+    takes tens of ms)."""
+    laid_out.result()
+    taken = copies.pop()
+    return Staged(taken.staged, taken.ready, taken.done)
 
 
 def _at(state: Any, path: tuple) -> Any:

@@ -318,6 +318,10 @@ class ChecksummingFileSystem(FileSystem):
                 self._checksums[self._rel(new_path)] = entry
 
 
+def _staged() -> None:
+    """A state that is not being staged: its bytes are final."""
+
+
 class DataFileWriter(FileSystemWriter):
     """DCP's file-system writer (same layout and format: `plain dcp.load` reads the result)
     whose data files are written by `filewriter`, through `sink`: in this process, or in the
@@ -332,9 +336,10 @@ class DataFileWriter(FileSystemWriter):
     the rest, in up to `files_per_rank` more files."""
 
     def __init__(self, path: str, sink: filewriter.Sink, step: int | None, files_per_rank: int = 1,
-                 sync: bool = True):
+                 sync: bool = True, staged: Callable[[], None] = _staged):
         super().__init__(path, sync_files=sync, single_file_per_rank=True, thread_count=files_per_rank)
         self.fs = ChecksummingFileSystem(path)
+        self._staged = staged
         self._sink = sink
         self._step = step
         self._early: filewriter.StartedFiles | None = None
@@ -343,12 +348,14 @@ class DataFileWriter(FileSystemWriter):
         self.early_bytes = 0
         """Tensor bytes `write_early` started on."""
 
-    def write_early(self, state: dict[str, Any], rank: int, world_size: int, cache: PlanCache | None = None) -> None:
+    def write_early(self, state: dict[str, Any], rank: int, world_size: int, cache: PlanCache | None = None,
+                    ready: Callable[[torch.Tensor], None] | None = None) -> None:
         """Start writing, on helper threads in this process (not through the sink), the tensor
         writes of the last save's plan in `cache` (`PlanCache.tensor_writes`), or without one the
         tensors of `state` no other rank holds: with one rank, every tensor; else those of
         DTensors sharded on every dimension of a mesh of all the ranks. Entries are keyed by
-        (DCP key, chunk offsets, chunk sizes), so `write_data` finds them in the plan."""
+        (DCP key, chunk offsets, chunk sizes), so `write_data` finds them in the plan. Each
+        tensor is written once `ready(tensor)` returns (`Staged.ready`)."""
         try:
             pieces = _early_pieces(state, world_size, cache.tensor_writes(state) if cache is not None else None)
             if not pieces:
@@ -357,7 +364,8 @@ class DataFileWriter(FileSystemWriter):
             for i, bucket in enumerate(balanced_groups(pieces, self.thread_count, lambda kt: kt[1].nbytes)):
                 self._early_names.append(f"__{rank}_{i}.distcp")
                 jobs.append(filewriter.FileJob(os.path.join(self.path, self._early_names[-1]),
-                                               [filewriter.Entry(key, t) for key, t in bucket]))
+                                               [filewriter.Entry(key, t, ready and functools.partial(ready, t))
+                                                for key, t in bucket]))
             self._early = filewriter.start_files(jobs, self._step, self.sync_files)
             self.early_bytes = sum(t.nbytes for _, t in pieces)
         except Exception as e:  # raised in write_data, inside DCP's protocol, so every rank hears of it
@@ -374,6 +382,7 @@ class DataFileWriter(FileSystemWriter):
             concurrent.futures.wait([self._early.done])
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._staged()  # raised here, in DCP's protocol, a staging failure reaches every rank
         results, rest = self._written_early(plan.items)
         buckets = balanced_groups(rest, self.thread_count, _item_bytes) if rest or self._early is None else []
         jobs, names = [], []
@@ -499,8 +508,17 @@ class TorchFileWriter(FileSystemWriter):
     nothing is written early and no checksum is computed while writing (the commit reads each
     file once for its CRC-32)."""
 
-    def write_early(self, state: dict[str, Any], rank: int, world_size: int, cache: PlanCache | None = None) -> None:
+    def __init__(self, path: str, staged: Callable[[], None] = _staged, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self._staged = staged
+
+    def write_early(self, state: dict[str, Any], rank: int, world_size: int, cache: PlanCache | None = None,
+                    ready: Callable[[torch.Tensor], None] | None = None) -> None:
         """Nothing is written before DCP plans."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._staged()
+        return super().write_data(plan, planner)
 
     def wait_early(self) -> None:
         """Nothing was written early."""
@@ -511,15 +529,16 @@ class TorchFileWriter(FileSystemWriter):
 
 
 def make_storage_writer(path: str, sink: filewriter.Sink = filewriter.write_files, step: int | None = None,
-                        files_per_rank: int = 1, fast: bool = True,
-                        sync: bool = True) -> DataFileWriter | TorchFileWriter:
+                        files_per_rank: int = 1, fast: bool = True, sync: bool = True,
+                        staged: Callable[[], None] = _staged) -> DataFileWriter | TorchFileWriter:
     """Writer of a DCP step folder, by the fast engine or (`fast=False`) PyTorch's. `dcp.save`
     returns once the data files are written (their fsync, with `sync`, may still run);
     `writer.durable()` waits for it and returns each file's size and CRC-32, recorded as it was
-    written. `step` arms the `write` fail point."""
+    written. `step` arms the `write` fail point; `write_data` first waits for `staged()` (the
+    state's staging, `Staged.done`)."""
     if not fast:
-        return TorchFileWriter(path, sync_files=sync, single_file_per_rank=True, thread_count=files_per_rank)
-    return DataFileWriter(path, sink, step, files_per_rank, sync)
+        return TorchFileWriter(path, staged, sync_files=sync, single_file_per_rank=True, thread_count=files_per_rank)
+    return DataFileWriter(path, sink, step, files_per_rank, sync, staged)
 
 
 def make_storage_reader(path: str, metadata: Metadata | None = None, threads: int = 1, fast: bool = True,

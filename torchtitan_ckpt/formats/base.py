@@ -13,6 +13,7 @@ from ..io.filewriter import Sink
 from ..policy.schedule import SaveKind
 
 if TYPE_CHECKING:  # storage.base imports layout, which imports the formats
+    from ..staging import Staged
     from ..storage.base import Store
 
 
@@ -74,9 +75,11 @@ class StepFormat(ABC):
         """Whether the folder `path` holds a step in this format (its index file exists)."""
 
     @abstractmethod
-    def write(self, path: str, step: int, kind: SaveKind, state: dict[str, Any], sink: Sink) -> Written:
-        """Write `state` (model tensors at the top level, other states nested under their
-        names) into the existing folder `path`; the data files' bytes go through `sink`."""
+    def write(self, path: str, step: int, kind: SaveKind, staged: Staged, sink: Sink) -> Written:
+        """Write `staged.state` (model tensors at the top level, other states nested under their
+        names) into the existing folder `path`; the data files' bytes go through `sink`. A
+        tensor's bytes may be read once `staged.ready(tensor)` returns (a background save's
+        staging may still be copying it in), every tensor's once `staged.done()` does."""
 
     @abstractmethod
     def index(self, path: str, store: Store) -> StepIndex:

@@ -29,6 +29,7 @@ from ..policy.schedule import SaveKind
 from .base import StepFormat, StepIndex, Written
 
 if TYPE_CHECKING:  # storage.base imports layout, which imports the formats
+    from ..staging import Staged
     from ..storage.base import Store
 
 
@@ -43,15 +44,19 @@ class DcpFormat(StepFormat):
     def holds(path: str) -> bool:
         return os.path.isfile(os.path.join(path, storage.METADATA_FILE))
 
-    def write(self, path: str, step: int, kind: SaveKind, state: dict[str, Any], sink: Sink) -> Written:
-        ck, group = self.ctx.config, self.ctx.group
+    def write(self, path: str, step: int, kind: SaveKind, staged: Staged, sink: Sink) -> Written:
+        """The tensors DCP's last plan (or any plan) gives this rank are written early, each as
+        soon as it is staged, on helper threads (`sink` in this process only: a writer process
+        forgets the buffers a call does not name); the rest once the whole state is staged."""
+        ck, group, state = self.ctx.config, self.ctx.group, staged.state
         cache = self._plan_caches.setdefault(kind, PlanCache())
         planner = storage.make_save_planner(ck.dedup_policy, ck.dedup_min_slice_bytes, cache)
         writer = storage.make_storage_writer(path, sink, step, ck.save_threads, fast=ck.io_engine == "fast",
-                                             sync=not self.ctx.staged)  # a staged copy is uploaded, not kept
+                                             sync=not self.ctx.staged,  # a staged copy is uploaded, not kept
+                                             staged=staged.done)
         try:
-            if sink is write_files:  # in this process only: a writer process forgets the buffers a call does not name
-                writer.write_early(state, group.rank, group.world_size, cache)
+            if sink is write_files:
+                writer.write_early(state, group.rank, group.world_size, cache, staged.ready)
             dcp.save(state, storage_writer=writer, planner=planner, process_group=group.pg)
         except (Exception, CheckpointException) as e:
             writer.wait_early()

@@ -17,6 +17,7 @@ from ..policy.schedule import SaveKind
 from .base import StepFormat, StepIndex, Written
 
 if TYPE_CHECKING:  # storage.base imports layout, which imports the formats
+    from ..staging import Staged
     from ..storage.base import Store
 
 
@@ -34,12 +35,13 @@ class HfFormat(StepFormat):
                                   "CheckpointManager to read or write it")
         return self.ctx.adapter
 
-    def write(self, path: str, step: int, kind: SaveKind, state: dict[str, Any], sink: Sink) -> Written:
+    def write(self, path: str, step: int, kind: SaveKind, staged: Staged, sink: Sink) -> Written:
         """Write the model (floating tensors cast to `export_dtype`); the commit reads each file
         once for its CRC-32. The safetensors files are written jointly by every rank, and the
         index is published last."""
         ck = self.ctx.config
-        save_hf(state, path, self._adapter(path), dtype=EXPORT_DTYPES[ck.export_dtype],
+        staged.done()
+        save_hf(staged.state, path, self._adapter(path), dtype=EXPORT_DTYPES[ck.export_dtype],
                 max_shard_size=ck.hf_max_shard_size, process_group=self.ctx.group.pg, mode=ck.consolidation,
                 num_threads=ck.consolidation_threads, keep_shards=ck.keep_hf_shards, shared=not self.ctx.staged)
         joint = sorted(os.path.basename(f) for f in glob.glob(os.path.join(path, MODEL_FILES_GLOB)))

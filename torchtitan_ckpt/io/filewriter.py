@@ -56,6 +56,9 @@ class Entry:
     key: object
     """Opaque to this module (DCP's `MetadataIndex`); handed back with the item's place."""
     data: bytes | torch.Tensor
+    ready: Callable[[], None] | None = None
+    """Called before the item's bytes are read: blocks until they are final (a tensor that a
+    background save's staging is still copying in)."""
 
 
 @dataclass
@@ -283,14 +286,19 @@ def _lookup(entry: Entry) -> _Buffers | Callable[[], _Buffers]:
     return (lambda: _framed(data, exact_storage(data))) if t is None else _framed(data, t)
 
 
-def _write(path: str, entries: list[tuple[object, _Buffers | Callable[[], _Buffers]]], step: int | None,
-           sync: bool) -> WrittenFile:
+_LookedUp = tuple[object, "_Buffers | Callable[[], _Buffers]", "Callable[[], None] | None"]
+"""An entry as `_write` takes it: key, buffers (`_lookup`'s), what to wait for before reading them."""
+
+
+def _write(path: str, entries: list[_LookedUp], step: int | None, sync: bool) -> WrittenFile:
     f = open(path, "wb", buffering=0)
     out = _Output(f, step if faults.armed() else None, sync)
     places = []
     try:
         try:
-            for key, buffers in entries:
+            for key, buffers, ready in entries:
+                if ready is not None:
+                    ready()
                 start = out.pos
                 for data, temporary in buffers() if callable(buffers) else buffers:
                     out.write(data, temporary)
@@ -321,7 +329,7 @@ def write_file(job: FileJob, step: int | None = None, sync: bool = True) -> Writ
     """Write `job`'s entries into a new file at `job.path` and return as soon as every byte is
     handed to the kernel; the fsync (when `sync`) and the CRC-32 continue in the background
     until `durable()` is called on the result. `step` arms the `write` fail point."""
-    return _write(job.path, [(e.key, _lookup(e)) for e in job.entries], step, sync)
+    return _write(job.path, [(e.key, _lookup(e), e.ready) for e in job.entries], step, sync)
 
 
 def _sync_and_close(f: io.FileIO, writeback: Writeback, sync: bool, done: Future) -> None:
@@ -361,9 +369,9 @@ class StartedFiles:
     when an entry must be copied first, so its framing is not known yet)."""
 
 
-def _places(entries: list[tuple[object, _Buffers | Callable[[], _Buffers]]]) -> list[tuple[object, int, int]] | None:
+def _places(entries: list[_LookedUp]) -> list[tuple[object, int, int]] | None:
     out, pos = [], 0
-    for key, buffers in entries:
+    for key, buffers, _ in entries:
         if callable(buffers):
             return None
         length = sum(memoryview(data).nbytes for data, _ in buffers)
@@ -378,7 +386,7 @@ def start_files(jobs: list[FileJob], step: int | None = None, sync: bool = True)
     the dozen torch calls that takes (each releasing the GIL) would wait for a busy caller to let
     go of the GIL again. Tensors that need a copy (on another device, views) are copied
     by the helper, one at a time."""
-    looked_up = [(job.path, [(e.key, _lookup(e)) for e in job.entries]) for job in jobs]
+    looked_up = [(job.path, [(e.key, _lookup(e), e.ready) for e in job.entries]) for job in jobs]
     done: Future = Future()
 
     def run() -> None:
