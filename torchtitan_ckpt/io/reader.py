@@ -41,10 +41,17 @@ logger = logging.getLogger(__name__)
 
 _WINDOW = 4096
 """Bytes read at once at each end of an item: its zip directory and header records fit in them."""
-_AHEAD = 64
-"""Items whose ends the first pass asks the kernel for ahead of the one it checks."""
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0) if hasattr(os, "posix_fadvise") else 0
+"""`preadv` flag: read only what the page cache holds (Linux); 0 where it or `posix_fadvise` is
+missing, and then the page cache is left to the kernel."""
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 _PIECE_BYTES = 4 << 20
 """Largest temporary buffer of one indirect tensor copy, per thread."""
+_GAP = 64 << 10
+"""Most bytes between two tensors' bytes that the fill reads through (into a scratch buffer)
+rather than start a new read."""
+_SPAN = 64 << 20
+"""Bytes of tensors one vectored read of the fill moves at most (failures are seen between reads)."""
 
 # ---------------------------------------------------------------- one file, read forward
 
@@ -57,25 +64,62 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 class _Cursor:
     """A `.distcp` file opened for one run of items, read forward. Small reads come from the
     last two windows read (each `2 * _WINDOW` bytes from where it was asked), so one read gives
-    an item's zip directory, at its end, and the next item's header records, at its start; the
-    file's own descriptor keeps the kernel's read-ahead seeing one sequential stream."""
+    an item's zip directory, at its end, and the next item's header records, at its start."""
 
     def __init__(self, root: str, rel: str):
         self.path = os.path.join(root, rel)
         self.fd = safe_open.open_fd(root, rel, "a data file named in .metadata")
         self.size = os.fstat(self.fd).st_size
         self._windows: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=2)
+        self.cold: bool | None = None
+        """Whether the page cache lacked the first window read (None before one is)."""
+        self.span = (self.size, 0)
+        """The bytes of the file the windows read from the disk cover."""
 
     def close(self) -> None:
         os.close(self.fd)
 
+    def read(self, at: int, n: int) -> bytes:
+        """Up to `n` bytes from `at` (fewer at the end of the file)."""
+        for start, data in self._windows:
+            if start <= at and at + n <= start + len(data):
+                return data[at - start : at - start + n]
+        if n > 2 * _WINDOW:  # a whole item of some size: read once, not kept
+            return posio.read_bytes(self.fd, at, n)
+        cached = self._cached(at, 2 * _WINDOW) if self.cold is None else None
+        if self.cold is None:  # the run's first window tells whether the page cache holds the run
+            self.cold = cached is None and bool(_NOWAIT)
+        data = cached if cached is not None else posio.read_bytes(self.fd, at, 2 * _WINDOW)
+        if cached is None:
+            self.span = (min(self.span[0], at), max(self.span[1], at + len(data)))
+        self._windows.append((at, data))
+        return data[:n]
+
+    def _cached(self, at: int, n: int) -> bytes | None:
+        """The `n` bytes at `at` (fewer at the end of the file) if the page cache holds them
+        all, else None."""
+        if not _NOWAIT:
+            return None
+        buf = bytearray(n)
+        try:
+            got = os.preadv(self.fd, [buf], at, _NOWAIT)
+        except OSError:  # EAGAIN: some of it is not cached
+            return None
+        return bytes(buf[:got]) if got == n or at + got >= self.size else None
+
+    def forget_read(self) -> None:
+        """On a cold cache, drop from it what the first pass read (a few KB at each end of every
+        item): left there, those islands split the kernel's read-ahead of the tensor bytes
+        between them into two to three times as many disk requests, and the second pass takes
+        about 1.5 times as long (`docs/performance.md`). On a warm cache nothing is dropped."""
+        if self.cold and self.span[1] > self.span[0]:
+            start = self.span[0] - self.span[0] % _PAGE
+            os.posix_fadvise(self.fd, start, self.span[1] - start, os.POSIX_FADV_DONTNEED)
+
     def prefetch(self, places: Sequence) -> None:
-        """Ask the kernel to start reading, in the background, the few KB at each end of the
-        items at `places` (DCP's `_StorageInfo`s, in offset order) that the first pass reads:
-        on a cold cache it then waits on many small reads at once rather than on one after the
-        other. An item's end and the next one's start are one range; ranges that touch, one call."""
-        if not hasattr(os, "posix_fadvise"):  # macOS
-            return
+        """On a cold cache, ask the kernel to start reading the few KB at each end of the items
+        at `places` (in offset order) that the first pass reads, so it waits on many small
+        reads at once rather than one after the other."""
         ranges: list[list[int]] = []
         for p in places:
             end = p.offset + p.length
@@ -87,17 +131,8 @@ class _Cursor:
                     ranges.append([start, stop])
         for start, stop in ranges:
             os.posix_fadvise(self.fd, start, stop - start, os.POSIX_FADV_WILLNEED)
-
-    def read(self, at: int, n: int) -> bytes:
-        """Up to `n` bytes from `at` (fewer at the end of the file)."""
-        for start, data in self._windows:
-            if start <= at and at + n <= start + len(data):
-                return data[at - start : at - start + n]
-        if n > 2 * _WINDOW:  # a whole item of some size: read once, not kept
-            return posio.read_bytes(self.fd, at, n)
-        data = posio.read_bytes(self.fd, at, 2 * _WINDOW)
-        self._windows.append((at, data))
-        return data[:n]
+        if ranges:
+            self.span = (min(self.span[0], ranges[0][0]), max(self.span[1], ranges[-1][1]))
 
     def readinto(self, at: int, buf: memoryview) -> int:
         return posio.read_into(self.fd, [buf], at)
@@ -334,14 +369,13 @@ class ItemReader:
             cursor = _Cursor(self.root, rel)
             with self._lock:
                 self._cursors.append(cursor)
-            places = [self.storage_data[req.storage_index] for req in run]
-            cursor.prefetch(places[:_AHEAD])
             planned = []
+            places = [self.storage_data[req.storage_index] for req in run]
             for k, req in enumerate(run):
                 if self._failed.is_set():
                     break
-                if k % _AHEAD == 0:  # one batch ahead of the checks
-                    cursor.prefetch(places[k + _AHEAD : k + 2 * _AHEAD])
+                if k % 64 == 1 and cursor.cold:  # the first item told whether the run is cached
+                    cursor.prefetch(places[k : k + 64])
                 info = places[k]
                 item = _Item(cursor, info.offset, info.length, req.storage_index.fqn)
                 if info.offset + info.length > cursor.size:  # before any buffer of that length
@@ -351,23 +385,29 @@ class ItemReader:
                     self._read_value(item, req, planner)
                 else:
                     planned.append(self._check_tensor(item, req, planner))
+            cursor.forget_read()
             return _Run(cursor, planned)
         except BaseException:
             self._failed.set()
             raise
 
     def _fill_run(self, run: _Run, planner: LoadPlanner) -> None:
-        """The second pass over a run: its tensors' bytes, into their destinations."""
+        """The second pass over a run: its tensors' bytes, into their destinations. Tensors read
+        straight into their destinations go in spans: one vectored read from the first one's
+        bytes to the last one's, the few KB of archive framing between them into a scratch
+        buffer, so the kernel sees one forward stream (a read per tensor makes it issue two to
+        three times as many, smaller, disk requests; `docs/performance.md`)."""
         try:
-            for p in run.planned:
+            for span in _spans(run.planned):
                 if self._failed.is_set():
                     return
-                if p.located is None:
-                    p.dest.copy_(self._load_with_torch(p.item, p.req, p.dest))
+                if len(span) == 1 and not _direct(span[0]):
+                    self._read_tensor(span[0])
                 else:
-                    self._read_tensor(p)
+                    _read_span(span)
                 with self._lock:
-                    planner.commit_tensor(p.req, p.dest)
+                    for p in span:
+                        planner.commit_tensor(p.req, p.dest)
         except BaseException:
             self._failed.set()
             raise
@@ -404,15 +444,13 @@ class ItemReader:
             return _Planned(item, req, dest)
         return _Planned(item, req, dest, located, region)
 
-    @staticmethod
-    def _read_tensor(p: _Planned) -> None:
-        saved, dest = p.located.saved, p.dest
-        if (p.region.contiguous and dest.is_contiguous() and dest.dtype == saved.dtype
-                and dest.device.type == "cpu"):
-            if dest.numel():
-                p.item.readinto(p.located.start + p.region.offset * saved.dtype.itemsize, _bytes_of(dest))
+    def _read_tensor(self, p: _Planned) -> None:
+        """A tensor that is not read straight into its destination: through `torch.load`, or
+        through bounded temporaries."""
+        if p.located is None:
+            p.dest.copy_(self._load_with_torch(p.item, p.req, p.dest))
         else:
-            _copy_pieces(p.item, p.located.start, p.region.view(saved), dest)
+            _copy_pieces(p.item, p.located.start, p.region.view(p.located.saved), p.dest)
 
     @staticmethod
     def _load_with_torch(item: _Item, req: ReadItem, dest: torch.Tensor) -> torch.Tensor:
@@ -433,6 +471,54 @@ class ItemReader:
         if dest.size() != tensor.size():
             raise item.fail(f"holds {tuple(tensor.size())} where the destination is {tuple(dest.size())}")
         return tensor
+
+
+def _direct(p: _Planned) -> bool:
+    """Whether the tensor's bytes are read straight into its destination: its region is one
+    contiguous stretch of the record, of the destination's dtype, and the destination a
+    contiguous CPU tensor."""
+    return (p.located is not None and p.region.contiguous and p.dest.is_contiguous()
+            and p.dest.dtype == p.located.saved.dtype and p.dest.device.type == "cpu")
+
+
+def _start(p: _Planned) -> int:
+    """Where in the file a direct tensor's bytes begin."""
+    return p.item.offset + p.located.start + p.region.offset * p.located.saved.dtype.itemsize
+
+
+def _spans(planned: list[_Planned]) -> list[list[_Planned]]:
+    """`planned` (in file order) cut into spans of direct tensors at most `_GAP` bytes apart and
+    `_SPAN` bytes in all; any other tensor is a span of its own."""
+    spans: list[list[_Planned]] = []
+    end = size = 0
+    for p in planned:
+        if not _direct(p):
+            spans.append([p])
+            end = -1
+            continue
+        start = _start(p)
+        if not spans or end < 0 or not 0 <= start - end <= _GAP or size + p.dest.nbytes > _SPAN:
+            spans.append([])
+            size = 0
+        spans[-1].append(p)
+        end, size = start + p.dest.nbytes, size + p.dest.nbytes
+    return spans
+
+
+def _read_span(span: list[_Planned]) -> None:
+    """One vectored read of a span of direct tensors: each into its destination, what lies
+    between them into a scratch buffer."""
+    first = _start(span[0])
+    gaps = bytearray(sum(_start(b) - _start(a) - a.dest.nbytes for a, b in zip(span, span[1:])))
+    bufs, pos, used = [], first, 0
+    for p in span:
+        gap = _start(p) - pos
+        bufs += [memoryview(gaps)[used:used + gap], _bytes_of(p.dest)]
+        pos, used = _start(p) + p.dest.nbytes, used + gap
+    got = posio.read_into(span[0].item.cursor.fd, bufs, first)
+    if got != pos - first:
+        short = next(p for p in span if _start(p) + p.dest.nbytes > first + got)
+        raise short.item.fail(f"is cut short: the file ends at byte {first + got}")
 
 
 def _copy_pieces(item: _Item, start: int, region: torch.Tensor, dest: torch.Tensor) -> None:
