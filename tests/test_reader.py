@@ -308,3 +308,23 @@ def _damaged_rank_fails_every_rank(rank: int, world_size: int, folder: str) -> N
 @pytest.mark.multirank
 def test_an_fsdp_checkpoint_resumes_as_dcp_loads_it_and_a_damaged_shard_fails_every_rank(tmp_path):
     spawn(2, _fsdp_round_trip, str(tmp_path))
+
+
+def test_the_fill_reads_nearby_tensors_in_one_read_and_skips_what_it_does_not_load(tmp_path, monkeypatch):
+    """Tensors a few KB of framing apart are read by one vectored read per run; a tensor not
+    loaded that lies between them (more than `_GAP` bytes) starts a new read; the values are
+    DCP's own either way."""
+    from torchtitan_ckpt.io import posio, reader
+
+    g = torch.Generator().manual_seed(1)
+    saved = {f"w{i}": torch.randn(32, 256, generator=g) for i in range(8)}  # 32 KiB each, in key order
+    path = str(tmp_path / "step")
+    dcp.save(saved, storage_writer=storage.make_storage_writer(path))
+    reads: list[int] = []
+    real = posio.read_into
+    monkeypatch.setattr(reader.posio, "read_into", lambda fd, bufs, at: reads.append(len(bufs)) or real(fd, bufs, at))
+    skipped = {"w3", "w4"}  # 64 KiB and their framing between w2 and w5: more than the gap read through
+    wanted = {k: torch.zeros_like(v) for k, v in saved.items() if k not in skipped}
+    dcp.load(wanted, storage_reader=storage.make_storage_reader(path), planner=storage.make_load_planner())
+    assert all(torch.equal(wanted[k], saved[k]) for k in wanted)
+    assert reads == [6, 6]  # w0-w2 and w5-w7, each tensor after the framing before it
