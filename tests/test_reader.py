@@ -328,3 +328,9 @@ def test_the_fill_reads_nearby_tensors_in_one_read_and_skips_what_it_does_not_lo
     dcp.load(wanted, storage_reader=storage.make_storage_reader(path), planner=storage.make_load_planner())
     assert all(torch.equal(wanted[k], saved[k]) for k in wanted)
     assert reads == [6, 6]  # w0-w2 and w5-w7, each tensor after the framing before it
+
+    reads.clear()  # framing between tensors is bounded per read: a crafted one cannot make it large
+    monkeypatch.setattr(reader, "_SCRATCH", 1)
+    wanted = {k: torch.zeros_like(v) for k, v in saved.items() if k not in skipped}
+    dcp.load(wanted, storage_reader=storage.make_storage_reader(path), planner=storage.make_load_planner())
+    assert all(torch.equal(wanted[k], saved[k]) for k in wanted) and reads == [2] * 6

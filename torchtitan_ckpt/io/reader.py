@@ -51,7 +51,10 @@ _GAP = 64 << 10
 """Most bytes between two tensors' bytes that the fill reads through (into a scratch buffer)
 rather than start a new read."""
 _SPAN = 64 << 20
-"""Bytes of tensors one vectored read of the fill moves at most (failures are seen between reads)."""
+"""Bytes one vectored read of the fill moves at most (failures are seen between reads)."""
+_SCRATCH = 4 << 20
+"""Most bytes between tensors one vectored read moves into its scratch buffer (a checkpoint's
+framing is a few KB per item; this bounds what a crafted one can make the reader allocate)."""
 
 # ---------------------------------------------------------------- one file, read forward
 
@@ -487,21 +490,23 @@ def _start(p: _Planned) -> int:
 
 
 def _spans(planned: list[_Planned]) -> list[list[_Planned]]:
-    """`planned` (in file order) cut into spans of direct tensors at most `_GAP` bytes apart and
-    `_SPAN` bytes in all; any other tensor is a span of its own."""
+    """`planned` (in file order) cut into spans of direct tensors at most `_GAP` bytes apart,
+    `_SPAN` bytes in all and `_SCRATCH` bytes between them; any other tensor is a span of its own."""
     spans: list[list[_Planned]] = []
-    end = size = 0
+    end = size = between = 0
     for p in planned:
         if not _direct(p):
             spans.append([p])
             end = -1
             continue
-        start = _start(p)
-        if not spans or end < 0 or not 0 <= start - end <= _GAP or size + p.dest.nbytes > _SPAN:
+        start, n = _start(p), p.dest.nbytes
+        gap = start - end
+        if (not spans or end < 0 or not 0 <= gap <= _GAP or size + gap + n > _SPAN
+                or between + gap > _SCRATCH):
             spans.append([])
-            size = 0
+            size = between = gap = 0
         spans[-1].append(p)
-        end, size = start + p.dest.nbytes, size + p.dest.nbytes
+        end, size, between = start + n, size + gap + n, between + gap
     return spans
 
 
