@@ -619,7 +619,8 @@ def write_safetensors_one_pass(state_dict: Mapping[str, Any], output_dir: str,
     group = CheckpointGroup(process_group)
     plan = plan or plan_one_pass(state_dict, group)
     files = plan_output_files(plan.specs, fqn_to_index_mapping)
-    memory = {key: _bytes_of(t) for key, t in plan.values.items()}
+    # a block's bytes in CPU memory: a copy only of a GPU or non-contiguous tensor
+    memory = {key: posio.tensor_bytes(t.detach().cpu().contiguous()) for key, t in plan.values.items()}
     tasks = [Task(b, 0, b.nbytes) for b in plan.blocks]
     _write_everything(group, output_dir, files, plan.specs, tasks, num_threads, memory, progress, prepare,
                       shared)
@@ -672,12 +673,6 @@ def _rows_at_hf_places(block: Block, local: torch.Tensor,
         hf = ours - ours % n + row_order[ours % n]
         rows.append((Block(block.fqn, block.dtype, (hf, *block.offsets[1:]), (1, *block.shape[1:])), local[i:i + 1]))
     return rows
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """A block's bytes in CPU memory (a copy only of a GPU or non-contiguous tensor)."""
-    local = t.detach().cpu().contiguous()
-    return memoryview(local.reshape(-1).view(torch.uint8).numpy())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -65,9 +65,9 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
     group = CheckpointGroup(process_group or (dist.group.WORLD if dist.is_initialized() else None))
     plan = _plan(group, adapter, _cast_all(model_state_dict, dtype))
     hf_sd = plan.state_dict
-    mapping = _file_split(adapter, plan.specs, max_shard_size)
     if not plan.specs:
         raise CheckpointError(f"exporting to {out_dir}: the model has no tensors")
+    mapping = _file_split(adapter, plan.specs, max_shard_size)
     config_dtype = dtype or SAFETENSORS_DTYPES[next(iter(plan.specs.values())).dtype]
 
     def prepare(sync: bool) -> list[str]:  # on rank 0

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import CheckpointError
 from ..dcp.storage import dtensor_chunk
 from ..io import safe_open
+from ..io.posio import tensor_bytes
 from ..policy.split import in_order_runs, share
 from .adapter import LOCAL_PLACEMENTS, HFSource
 from .safetensors_io import TensorEntry, read_exact
@@ -203,13 +204,13 @@ class _Scratch:
 
 def _read(read: Read, fd: int, scratch: _Scratch) -> None:
     if read.direct:
-        read_exact(fd, [_bytes(read.dest)], read.offset, read.path)
+        read_exact(fd, [tensor_bytes(read.dest)], read.offset, read.path)
     elif read.whole_rows:
         read_exact(fd, _row_places(read), read.offset, read.path)
     else:
         with scratch.lock:
             buf = scratch.buf[:read.nbytes].view(read.dtype).view(read.shape)
-            read_exact(fd, [_bytes(buf)], read.offset, read.path)
+            read_exact(fd, [tensor_bytes(buf)], read.offset, read.path)
             read.dest.copy_(buf[(read.rows, *read.inner)])
 
 
@@ -217,7 +218,7 @@ def _row_places(read: Read) -> list[memoryview]:
     """Where each row that `read` reads goes, in file order: its row of `dest`, or, for a row
     outside this rank's shard (the rest of a head the shard cuts), one spare row."""
     row = math.prod(read.shape[1:]) * read.dtype.itemsize
-    dest = _bytes(read.dest)
+    dest = tensor_bytes(read.dest)
     places: list[memoryview | None] = [None] * read.shape[0]
     ours = range(read.shape[0])[read.rows] if isinstance(read.rows, slice) else read.rows.tolist()
     for k, j in enumerate(ours):
@@ -226,8 +227,3 @@ def _row_places(read: Read) -> list[memoryview]:
         spare = memoryview(bytearray(row))
         places = [spare if p is None else p for p in places]
     return places
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    """The memory of the contiguous CPU tensor `t`, as bytes."""
-    return memoryview(t.view(-1).view(torch.uint8).numpy())

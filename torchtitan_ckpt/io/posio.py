@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX"), 1024))
 """Buffers per `preadv` / `writev` call (1 where the system does not say)."""
 _MAX_IO = 1 << 30
 """Bytes per `pwrite` call: Linux moves at most about 2 GiB per call."""
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The memory of the contiguous CPU tensor `t` as a writable byte view (a buffer these
+    functions read into or write from without a copy)."""
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
 
 
 def read_into(fd: int, bufs: list[memoryview], offset: int) -> int:

@@ -59,11 +59,6 @@ framing is a few KB per item; this bounds what a crafted one can make the reader
 # ---------------------------------------------------------------- one file, read forward
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """A writable view of a contiguous CPU tensor's memory."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
 class _Cursor:
     """A `.distcp` file opened for one run of items, read forward. Small reads come from the
     last two windows read (each `2 * _WINDOW` bytes from where it was asked), so one read gives
@@ -518,7 +513,7 @@ def _read_span(span: list[_Planned]) -> None:
     bufs, pos, used = [], first, 0
     for p in span:
         gap = _start(p) - pos
-        bufs += [memoryview(gaps)[used:used + gap], _bytes_of(p.dest)]
+        bufs += [memoryview(gaps)[used:used + gap], posio.tensor_bytes(p.dest)]
         pos, used = _start(p) + p.dest.nbytes, used + gap
     got = posio.read_into(span[0].item.cursor.fd, bufs, first)
     if got != pos - first:
@@ -539,7 +534,7 @@ def _copy_pieces(item: _Item, start: int, region: torch.Tensor, dest: torch.Tens
     span = 1 + sum((n - 1) * s for n, s in zip(region.size(), region.stride()))
     if span * itemsize <= _PIECE_BYTES or region.numel() == 1:
         tmp = torch.empty(span, dtype=region.dtype)
-        item.readinto(start + region.storage_offset() * itemsize, _bytes_of(tmp))
+        item.readinto(start + region.storage_offset() * itemsize, posio.tensor_bytes(tmp))
         dest.copy_(tmp.as_strided(region.size(), region.stride(), 0))
         return
     dim = max((d for d in range(region.dim()) if region.size(d) > 1), key=region.stride)
