@@ -448,3 +448,19 @@ def test_convert_reports_a_config_that_is_not_the_checkpoints(tmp_path, capsys):
     assert "step-5 records no HF config (hf_config.json); pass --hf-assets" in capsys.readouterr().err
     assert _convert("--to", "hf", str(tmp_path / "nothing"), str(tmp_path / "hf"), "--hf-assets", small) == 2
     assert "nothing is not a DCP checkpoint folder (no .metadata)" in capsys.readouterr().err
+
+
+def test_export_of_a_model_without_tensors_names_the_folder(tmp_path):
+    """An adapter of whole tensors (TorchTitan's) that maps nothing: our error, before any file."""
+    from torchtitan_ckpt.hf.adapter import ForeignAdapter
+
+    class NoTensors:
+        def to_hf(self, state_dict):
+            return {}
+
+        def from_hf(self, hf_state_dict):
+            return {}
+
+    with pytest.raises(CheckpointError, match=r"exporting to .*out: the model has no tensors"):
+        save_hf({}, str(tmp_path / "out"), ForeignAdapter(NoTensors()))
+    assert not (tmp_path / "out").exists()
