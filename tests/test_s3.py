@@ -4,6 +4,7 @@ phase, injected 5xx / throttling / resets, start-up checks; and a folder ranks d
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import itertools
 import json
@@ -383,10 +384,16 @@ def _upload_measured(rank, world_size, url, staging):
     assert peak <= 2 * (5 << 20) + (1 << 20), peak  # part size x parallel parts + the documented slack
 
 
-def test_an_upload_holds_at_most_part_size_times_parallel_parts(bucket, tmp_path):
+def test_an_upload_holds_at_most_part_size_times_parallel_parts_and_each_part_is_checked(bucket, tmp_path):
     spawn(1, _upload_measured, f"s3://{bucket}/run", str(tmp_path))
-    body = boto3.client("s3").get_object(Bucket=bucket, Key="run/step-1/big.bin")["Body"].read()
+    client = boto3.client("s3")
+    body = client.get_object(Bucket=bucket, Key="run/step-1/big.bin")["Body"].read()
     assert body == bytes(torch.arange(32 << 20, dtype=torch.int64).remainder(253).to(torch.uint8).numpy())
+    # every part went up with its CRC-32, which the server checked and combined (S3's composite checksum)
+    parts = [zlib.crc32(body[i:i + (5 << 20)]).to_bytes(4, "big") for i in range(0, len(body), 5 << 20)]
+    composite = base64.b64encode(zlib.crc32(b"".join(parts)).to_bytes(4, "big")).decode()
+    head = client.head_object(Bucket=bucket, Key="run/step-1/big.bin", ChecksumMode="ENABLED")
+    assert head["ChecksumCRC32"].partition("-")[0] == composite  # AWS adds "-{parts}", moto does not
 
 
 def _own_disk(rank, world_size, tmp):

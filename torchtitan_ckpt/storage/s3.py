@@ -7,7 +7,9 @@ An object store has no rename and no fsync, so a step commits by the order of it
 2. each rank writes its files into its own local staging folder with the usual engine, then
    uploads them (multipart, `upload_parallel_parts` parts of `upload_part_size` in flight at
    most: the bytes held per rank), computing each file's CRC-32 from the bytes it uploads and
-   checking it against the writer's;
+   checking it against the writer's; each part carries its own CRC-32, which the server checks
+   (an upload declares CRC-32, so the server keeps a composite of the parts' checksums rather
+   than computing a whole-object one when the upload completes);
 3. once every rank's uploads are complete, rank 0 puts `step-N/COMMITTED.json` with every
    file's size and CRC-32, then deletes the in-progress marker.
 
@@ -351,7 +353,8 @@ class S3Store(Store):
                 fill(memoryview(data), 0)
             self._put(key, data)
             return size, f"{crc32(data):08x}"
-        upload = self._call("starting an upload of", key, self.client.create_multipart_upload, Key=key)
+        upload = self._call("starting an upload of", key, self.client.create_multipart_upload, Key=key,
+                            ChecksumAlgorithm="CRC32")
         try:
             crc, done = self._send_parts(size, key, upload["UploadId"], fill)
             self._call("finishing the upload of", key, self.client.complete_multipart_upload, Key=key,
@@ -381,9 +384,10 @@ class S3Store(Store):
         return crc, done
 
     def _send_part(self, key: str, upload_id: str, number: int, data: bytearray) -> dict:
+        checksum = _crc_header(data)
         reply = self._call(f"uploading part {number} of", key, self.client.upload_part, Key=key,
-                           UploadId=upload_id, PartNumber=number, Body=data, ChecksumCRC32=_crc_header(data))
-        return {"PartNumber": number, "ETag": reply["ETag"]}
+                           UploadId=upload_id, PartNumber=number, Body=data, ChecksumCRC32=checksum)
+        return {"PartNumber": number, "ETag": reply["ETag"], "ChecksumCRC32": checksum}
 
     def _abort(self, key: str, upload_id: str) -> None:
         try:
