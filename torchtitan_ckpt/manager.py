@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import commit, layout, storage
+from . import commit, gc_pause, layout, storage
 from .deleter import BackgroundDeleter
 from .policy.retention import steps_to_delete
 from .config import BUILTIN_STATES, Checkpoint
@@ -207,10 +207,12 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ saving
 
+    @gc_pause.paused()
     def save(self, curr_step: int, last_step: bool = False) -> bool:
         """Save `curr_step` if the schedule says so; returns True when a save was made (or, with
         `async_mode`, staged and handed to the background writer). The last step's save is
-        always waited for. Raises the failure of an earlier background save, if any."""
+        always waited for. Raises the failure of an earlier background save, if any. The
+        garbage collector is paused during the call (`gc_pause`)."""
         step = curr_step
         if self._closed:
             raise CheckpointError("save() called after close()")
@@ -338,9 +340,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ loading
 
+    @gc_pause.paused()
     def load(self, step: int = -1) -> bool:
         """Restore `step` (when >= 0, else `load_step`), or else the newest loadable step, else
-        `initial_load_path`, else nothing. Returns True when a checkpoint was loaded."""
+        `initial_load_path`, else nothing. Returns True when a checkpoint was loaded. The
+        garbage collector is paused during the call (`gc_pause`)."""
         if not self.config.enable:
             return False
         self._saves.wait()

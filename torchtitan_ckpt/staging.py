@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import faults
+from . import faults, gc_pause
 from .errors import StagingMismatchError
 from .io.filewriter import Sink, write_files
 from .io.writer_process import WriterProcess
@@ -97,9 +97,11 @@ class SaveJob:
 
     def run(self, state: Callable[[], Staged], sink: Sink = write_files) -> None:
         """Every phase, in order. `state()` is asked for once the step folder is prepared, so a
-        background save prepares it while the state is still being staged."""
-        self.prepare()
-        self.commit(self.write(state(), sink))
+        background save prepares it while the state is still being staged. The garbage
+        collector is paused throughout (`gc_pause`)."""
+        with gc_pause.paused():
+            self.prepare()
+            self.commit(self.write(state(), sink))
 
 
 class SynchronousSaves:

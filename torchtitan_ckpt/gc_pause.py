@@ -1,0 +1,42 @@
+"""Python's cyclic garbage collector paused while a save or a load builds DCP's objects.
+
+A load unpickles `.metadata` and plans, a save plans and pickles `.metadata`: tens to hundreds
+of thousands of small objects. Each few hundred allocations count towards a collection, and
+every so often one is a full collection, which walks every object of the process; a training
+process holds hundreds of thousands (its modules, DTensor specs, plan caches), so those
+collections can cost several times the work that triggered them (`docs/performance.md`).
+Reference counting still frees everything that is not in a cycle, and the collector runs as
+before once the last save or load in progress leaves.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_lock = threading.Lock()
+_holders = 0
+_resume = False
+"""Whether the collector was enabled when the first holder paused it (a program that disabled
+it itself keeps it disabled)."""
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """No cyclic collection while any thread is inside (a background save and a load may
+    overlap); the collector's own state is back once the last one leaves."""
+    global _holders, _resume
+    with _lock:
+        if _holders == 0:
+            _resume = gc.isenabled()
+            gc.disable()
+        _holders += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _holders -= 1
+            if _holders == 0 and _resume:
+                gc.enable()
