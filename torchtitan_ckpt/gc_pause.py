@@ -6,7 +6,8 @@ every so often one is a full collection, which walks every object of the process
 process holds hundreds of thousands (its modules, DTensor specs, plan caches), so those
 collections can cost several times the work that triggered them (`docs/performance.md`).
 Reference counting still frees everything that is not in a cycle, and the collector runs as
-before once the last save or load in progress leaves.
+before once the last save or load in progress leaves. The pause is the process's: while a
+background save runs, the training thread's cyclic garbage waits for the save's end too.
 """
 
 from __future__ import annotations
