@@ -334,3 +334,29 @@ def test_the_fill_reads_nearby_tensors_in_one_read_and_skips_what_it_does_not_lo
     wanted = {k: torch.zeros_like(v) for k, v in saved.items() if k not in skipped}
     dcp.load(wanted, storage_reader=storage.make_storage_reader(path), planner=storage.make_load_planner())
     assert all(torch.equal(wanted[k], saved[k]) for k in wanted) and reads == [2] * 6
+
+
+@pytest.mark.skipif(not getattr(os, "RWF_NOWAIT", 0), reason="no preadv(RWF_NOWAIT) to tell a cold page cache")
+def test_every_run_of_a_file_out_of_the_page_cache_is_read_as_cold(tmp_path, monkeypatch):
+    """A file cut into runs read on several threads: each run is judged cold or cached before
+    any run reads (a run's reads spill a few KB into the next run's start, which then looked
+    cached and kept the first pass's islands in the page cache, splitting the fill's reads)."""
+    from torchtitan_ckpt.io import reader
+
+    g = torch.Generator().manual_seed(2)
+    saved = {f"w{i:02d}": torch.randn(16, 256, generator=g) for i in range(48)}  # 16 KiB each
+    path = str(tmp_path / "step")
+    dcp.save(saved, storage_writer=storage.make_storage_writer(path))
+    judged: list[bool] = []
+    real = reader._Cursor.forget_read
+    monkeypatch.setattr(reader._Cursor, "forget_read", lambda self: judged.append(self.cold) or real(self))
+    for _ in range(3):
+        for name in os.listdir(path):
+            fd = os.open(os.path.join(path, name), os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        wanted = {k: torch.zeros_like(v) for k, v in saved.items()}
+        dcp.load(wanted, storage_reader=storage.make_storage_reader(path, threads=6), planner=storage.make_load_planner())
+        assert all(torch.equal(wanted[k], saved[k]) for k in saved)
+    assert len(judged) == 18 and all(judged), judged

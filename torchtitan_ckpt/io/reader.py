@@ -64,13 +64,15 @@ class _Cursor:
     last two windows read (each `2 * _WINDOW` bytes from where it was asked), so one read gives
     an item's zip directory, at its end, and the next item's header records, at its start."""
 
-    def __init__(self, root: str, rel: str):
+    def __init__(self, root: str, rel: str, first: int):
         self.path = os.path.join(root, rel)
         self.fd = safe_open.open_fd(root, rel, "a data file named in .metadata")
         self.size = os.fstat(self.fd).st_size
         self._windows: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=2)
-        self.cold: bool | None = None
-        """Whether the page cache lacked the first window read (None before one is)."""
+        self.cold = bool(_NOWAIT) and self._cached(first, 2 * _WINDOW) is None
+        """Whether the page cache lacked the run's first window when the cursor was opened
+        (every run's cursor is opened before any run is read, so that one run's reads past its
+        end do not make the next one look cached)."""
         self.span = (self.size, 0)
         """The bytes of the file the windows read from the disk cover."""
 
@@ -84,12 +86,8 @@ class _Cursor:
                 return data[at - start : at - start + n]
         if n > 2 * _WINDOW:  # a whole item of some size: read once, not kept
             return posio.read_bytes(self.fd, at, n)
-        cached = self._cached(at, 2 * _WINDOW) if self.cold is None else None
-        if self.cold is None:  # the run's first window tells whether the page cache holds the run
-            self.cold = cached is None and bool(_NOWAIT)
-        data = cached if cached is not None else posio.read_bytes(self.fd, at, 2 * _WINDOW)
-        if cached is None:
-            self.span = (min(self.span[0], at), max(self.span[1], at + len(data)))
+        data = posio.read_bytes(self.fd, at, 2 * _WINDOW)
+        self.span = (min(self.span[0], at), max(self.span[1], at + len(data)))
         self._windows.append((at, data))
         return data[:n]
 
@@ -317,8 +315,10 @@ class ItemReader:
 
     def check(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
         """The first pass: open every file of `items`, check every item, hand every non-tensor
-        value to the planner; no tensor is written."""
-        self._checked = self._each(lambda run: self._check_run(*run, planner), self._runs(items))
+        value to the planner; no tensor is written. Every run's cursor is opened first, before
+        any run is read."""
+        runs = [(self._open(rel, run), run) for rel, run in self._runs(items)]
+        self._checked = self._each(lambda run: self._check_run(*run, planner), runs)
 
     def fill(self, planner: LoadPlanner) -> None:
         """The second pass: read the checked tensors into their destinations."""
@@ -361,18 +361,20 @@ class ItemReader:
                    for rel, reqs in by_file.items()}
         return [(rel, run) for rel, reqs in ordered.items() for run in in_order_runs(reqs, length, target)]
 
-    def _check_run(self, rel: str, run: list[ReadItem], planner: LoadPlanner) -> _Run:
+    def _open(self, rel: str, run: list[ReadItem]) -> _Cursor:
+        cursor = _Cursor(self.root, rel, self.storage_data[run[0].storage_index].offset)
+        self._cursors.append(cursor)
+        return cursor
+
+    def _check_run(self, cursor: _Cursor, run: list[ReadItem], planner: LoadPlanner) -> _Run:
         """The first pass over a run: nothing is written to a destination."""
         try:
-            cursor = _Cursor(self.root, rel)
-            with self._lock:
-                self._cursors.append(cursor)
             planned = []
             places = [self.storage_data[req.storage_index] for req in run]
             for k, req in enumerate(run):
                 if self._failed.is_set():
                     break
-                if k % 64 == 1 and cursor.cold:  # the first item told whether the run is cached
+                if k % 64 == 0 and cursor.cold:
                     cursor.prefetch(places[k : k + 64])
                 info = places[k]
                 item = _Item(cursor, info.offset, info.length, req.storage_index.fqn)
