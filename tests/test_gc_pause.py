@@ -4,6 +4,7 @@ back as it was afterwards (`gc_pause`)."""
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import torch
@@ -72,3 +73,20 @@ def test_the_collector_resumes_when_the_last_holder_leaves_and_stays_off_if_it_w
         assert not gc.isenabled()  # the program's choice stands
     finally:
         gc.enable()
+
+
+def test_a_process_forked_during_a_pause_starts_with_the_collector_on():
+    """A worker forked while a background save holds the pause would otherwise never collect."""
+    with gc_pause.paused():
+        assert not gc.isenabled()
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status, never return into pytest
+            ok = gc.isenabled()
+            with gc_pause.paused():  # the fresh lock and count work
+                ok = ok and not gc.isenabled()
+            ok = ok and gc.isenabled()
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert not gc.isenabled()  # the parent's pause is untouched
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert gc.isenabled()

@@ -13,6 +13,7 @@ background save runs, the training thread's cyclic garbage waits for the save's 
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,17 +28,36 @@ it itself keeps it disabled)."""
 @contextmanager
 def paused() -> Iterator[None]:
     """No cyclic collection while any thread is inside (a background save and a load may
-    overlap); the collector's own state is back once the last one leaves."""
+    overlap); the collector's own state is back once the last one leaves. A `gc.enable()` or
+    `gc.disable()` made by the program while a pause is held is overridden when it ends."""
     global _holders, _resume
-    with _lock:
-        if _holders == 0:
-            _resume = gc.isenabled()
-            gc.disable()
-        _holders += 1
+    entered = False
     try:
+        with _lock:
+            if _holders == 0:
+                _resume = gc.isenabled()
+                gc.disable()
+            _holders += 1
+            entered = True
         yield
     finally:
-        with _lock:
-            _holders -= 1
-            if _holders == 0 and _resume:
-                gc.enable()
+        if entered:
+            with _lock:
+                _holders -= 1
+                if _holders == 0 and _resume:
+                    gc.enable()
+
+
+def _after_fork_in_child() -> None:
+    """A process forked during a pause (a data loader's worker forked while a background save
+    runs) holds none of its holders, which stay in the parent: it starts unpaused, with a fresh
+    lock (the parent's may have been held by another thread at the fork)."""
+    global _lock, _holders
+    _lock = threading.Lock()
+    if _holders and _resume:
+        gc.enable()
+    _holders = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
