@@ -67,12 +67,16 @@ class _Cursor:
     def __init__(self, root: str, rel: str, first: int):
         self.path = os.path.join(root, rel)
         self.fd = safe_open.open_fd(root, rel, "a data file named in .metadata")
-        self.size = os.fstat(self.fd).st_size
-        self._windows: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=2)
-        self.cold = bool(_NOWAIT) and self._cached(first, 2 * _WINDOW) is None
-        """Whether the page cache lacked the run's first window when the cursor was opened
-        (every run's cursor is opened before any run is read, so that one run's reads past its
-        end do not make the next one look cached)."""
+        try:
+            self.size = os.fstat(self.fd).st_size
+            self._windows: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=2)
+            self.cold = self._probe(first)
+            """Whether the page cache lacked the run's first window when the cursor was opened
+            (every run's cursor is opened before any run is read, so that one run's reads past
+            its end do not make the next one look cached)."""
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.span = (self.size, 0)
         """The bytes of the file the windows read from the disk cover."""
 
@@ -91,17 +95,23 @@ class _Cursor:
         self._windows.append((at, data))
         return data[:n]
 
-    def _cached(self, at: int, n: int) -> bytes | None:
-        """The `n` bytes at `at` (fewer at the end of the file) if the page cache holds them
-        all, else None."""
+    def _probe(self, at: int) -> bool:
+        """Whether the page cache lacks some of the window at `at`; where it holds all of it,
+        the window is kept for the first read. False where the file system cannot tell
+        (`RWF_NOWAIT` unsupported): the page cache is then left to the kernel."""
         if not _NOWAIT:
-            return None
-        buf = bytearray(n)
+            return False
+        buf = bytearray(2 * _WINDOW)
         try:
             got = os.preadv(self.fd, [buf], at, _NOWAIT)
-        except OSError:  # EAGAIN: some of it is not cached
-            return None
-        return bytes(buf[:got]) if got == n or at + got >= self.size else None
+        except BlockingIOError:  # some of it is not cached
+            return True
+        except OSError:  # EOPNOTSUPP
+            return False
+        if got < len(buf) and at + got < self.size:
+            return True
+        self._windows.append((at, bytes(buf[:got])))
+        return False
 
     def forget_read(self) -> None:
         """On a cold cache, drop from it what the first pass read (a few KB at each end of every
