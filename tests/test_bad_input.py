@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchtitan_ckpt import CheckpointError, ConfigError, commit
+from torchtitan_ckpt import CheckpointError, ConfigError, cli, commit
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.dcp import storage
 from torchtitan_ckpt.config import sections
@@ -242,6 +242,7 @@ def test_dcp_metadata_with_fields_of_the_wrong_type_or_range(tmp_path, edits):
             assert isinstance(cause, CheckpointError) and str(folder) in str(cause), repr(cause)
         else:
             assert torch.equal(state.get("w", torch.ones(3)), torch.ones(3)) and state.get("n", 1) == 1
+        assert cli.main(["inspect", str(folder)]) in (0, 2)  # a report, or our error: never a raw one
 
 
 @FAST
@@ -249,9 +250,12 @@ def test_dcp_metadata_with_fields_of_the_wrong_type_or_range(tmp_path, edits):
                                            "version", "files.entry", "files.name"]), ODD_VALUES),
                 min_size=1, max_size=3))
 def test_commit_markers_with_fields_of_the_wrong_type_or_range(tmp_path, edits):
-    """`verify` of a real step whose marker has odd field values: our error, or a check of its files."""
+    """`verify` and `list` of a real step whose marker has odd field values: our error, or a check
+    of its files."""
     with within(BOUND):
-        (tmp_path / "data").write_bytes(b"123")
+        step = tmp_path / "ck" / "step-1"
+        step.mkdir(parents=True, exist_ok=True)
+        (step / "data").write_bytes(b"123")
         raw = {"step": 1, "states": ["model"], "format": "dcp", "world_size": 1, "created": 0.0, "version": 2,
                "files": {"data": {"size": 3, "crc32": "884863d2"}}}
         for field, value in edits:
@@ -261,13 +265,14 @@ def test_commit_markers_with_fields_of_the_wrong_type_or_range(tmp_path, edits):
                 raw["files"] = {str(value): {"size": 3, "crc32": "884863d2"}}
             else:
                 raw[field] = value
-        (tmp_path / commit.MARKER).write_text(json.dumps(raw))
+        (step / commit.MARKER).write_text(json.dumps(raw))
         try:
-            problems = commit.verify(str(tmp_path))
+            problems = commit.verify(str(step))
         except CheckpointError as e:
             assert commit.MARKER in str(e)
         else:
-            assert all(str(tmp_path) in p for p in problems)
+            assert all(str(step) in p for p in problems)
+        assert cli.main(["list", str(tmp_path / "ck")]) in (0, 2)
 
 
 # ---------------------------------------------------------------- Hugging Face headers and index
