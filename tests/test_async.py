@@ -247,7 +247,7 @@ def test_the_writer_process_dies_with_its_rank(tmp_path):
               "from torchtitan_ckpt.io.writer_process import WriterProcess\n"
               "if __name__ == '__main__':\n"
               "    w = WriterProcess()\n"
-              "    w.write([])\n"  # a round trip: the writer is up and tied to this process
+              "    w([])\n"  # a round trip: the writer is up and tied to this process
               "    print(w._proc.pid, flush=True)\n"
               "    time.sleep(120)\n")
     path = tmp_path / "rank.py"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+import time
 import zlib
 
 import pytest
@@ -70,9 +71,9 @@ def test_the_writer_process_writes_the_same_items(tmp_path):
             for i, part in enumerate((list(shared.items())[:5], list(shared.items())[5:]))]
     writer = WriterProcess()
     try:
-        results = writer.write(jobs, None, True)
+        results = writer(jobs, None, True)
         shared["plain"].mul_(2)  # the same buffer again, new contents: sent by reference only
-        again = writer.write(jobs[:1], None, True)
+        again = writer(jobs[:1], None, True)
     finally:
         writer.close()
     _check_file(jobs[1].path, results[1], shared)
@@ -84,7 +85,7 @@ def test_plain_dcp_reads_what_the_manager_writes(tmp_path, use_process):
     state = {k: v for k, v in _values().items() if isinstance(v, torch.Tensor)}
     state["nested"] = {"lr": 0.5, "name": "x"}
     writer_process = WriterProcess() if use_process else None
-    sink = writer_process.write if writer_process else filewriter.write_files
+    sink = writer_process or filewriter.write_files
     try:
         w = storage.make_storage_writer(str(tmp_path), sink, files_per_rank=2)
         dcp.save(state, storage_writer=w, planner=storage.make_save_planner(), no_dist=True)
@@ -103,12 +104,46 @@ def test_plain_dcp_reads_what_the_manager_writes(tmp_path, use_process):
         assert torch.equal(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v, k
 
 
+def test_the_writer_process_starts_each_entry_once_its_staging_count_is_reached(tmp_path):
+    """`start` returns at once; the writer waits for an entry's copy (a shared count), writes
+    what it was handed in order, and a failed staging (count -1) fails only that write."""
+    count = torch.zeros(1, dtype=torch.int64).share_memory_()
+    data = torch.arange(1024, dtype=torch.float32).share_memory_()
+    early = filewriter.FileJob(str(tmp_path / "early.distcp"),
+                               [filewriter.Entry("a", data[:512], filewriter.CountWait(count, 1)),
+                                filewriter.Entry("b", data[512:], filewriter.CountWait(count, 2))])
+    rest = filewriter.FileJob(str(tmp_path / "rest.distcp"), [filewriter.Entry("v", b"xyz")])
+    writer = WriterProcess()
+    try:
+        started = writer.start([early], None, True)
+        count.fill_(1)
+        time.sleep(0.3)
+        assert not started.done.done()  # "b" waits for the second copy
+        assert started.places == [None]
+        count.fill_(2)
+        later = writer([rest], None, True)  # handed after: answered after
+        assert started.done.done()
+        _check_file(early.path, started.done.result()[0], {"a": data[:512], "b": data[512:]})
+        _check_file(rest.path, later[0], {"v": b"xyz"})
+
+        count.fill_(0)
+        failed = writer.start([early], None, True)
+        count.fill_(-1)
+        with pytest.raises(RuntimeError, match="staging failed"):
+            failed.done.result(timeout=30)
+        assert writer.alive
+        with pytest.raises(TypeError, match="CountWait"):
+            writer.start([filewriter.FileJob(early.path, [filewriter.Entry("a", b"x", lambda: None)])])
+    finally:
+        writer.close()
+
+
 def test_a_failing_write_in_the_writer_process_is_raised_here(tmp_path):
     job = filewriter.FileJob(str(tmp_path / "missing-dir" / "f.distcp"), [filewriter.Entry("a", b"x")])
     writer = WriterProcess()
     try:
         with pytest.raises(FileNotFoundError, match="missing-dir"):
-            writer.write([job], None, True)
+            writer([job], None, True)
         assert writer.alive  # one failed save does not end the writer
     finally:
         writer.close()

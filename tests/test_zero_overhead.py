@@ -227,3 +227,43 @@ def test_a_staging_failure_reaches_a_writer_waiting_on_it():
         copies.ready(copies.staged["a"])
     with pytest.raises(MemoryError, match="out of memory"):
         copies.done()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_first_tensors_copied_are_written_while_the_rest_is_still_being_staged(tmp_path, monkeypatch, mode):
+    """Writing overlaps staging in both modes (in `async_with_pinned_mem`, in the writer
+    process): staging is held after its first copy, the largest tensor (past the writer's
+    64 MiB batch, so its bytes go to the kernel at once), until that tensor's bytes are in the
+    step folder, which they reach only if the write did not wait for the rest."""
+    from torchtitan_ckpt import staging
+
+    model = torch.nn.Sequential(torch.nn.Linear(4097, 4096, bias=False), torch.nn.Linear(16, 4))
+    folder = str(tmp_path / "ck")
+    armed, seen = [], []
+    real_mark = staging.Copies._mark
+
+    def held_mark(self, made: int) -> None:
+        real_mark(self, made)
+        if made == 1 and armed and not seen:
+            first = self._pairs[0][1].nbytes
+            step = os.path.join(folder, "step-2")
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                names = [n for n in os.listdir(step) if n.endswith(".distcp")] if os.path.isdir(step) else []
+                if sum(os.path.getsize(os.path.join(step, n)) for n in names) >= first:
+                    seen.append(True)
+                    return
+                time.sleep(0.01)
+            seen.append(False)
+
+    monkeypatch.setattr(staging.Copies, "_mark", held_mark)
+    config = Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0, folder=folder)
+    with CheckpointManager(config, [model]) as manager:
+        manager.save(1)  # the writer process is up once this save is done
+        manager.wait()
+        armed.append(True)
+        manager.save(2)
+        manager.wait()
+    assert seen == [True]
+    saved = read_checkpoint(os.path.join(folder, "step-2"))
+    assert_same({k: saved[k] for k in model.state_dict()}, model.state_dict())

@@ -19,8 +19,9 @@ into pinned buffers, and staging is done once that stream has finished them.
 Writing overlaps staging: the save gets the staged state (`Staged`) as soon as its copies are
 laid out, and writes each tensor as soon as its copy is made (`Copies.ready`; on a GPU, once the
 side stream has finished them all), so the disk starts on the first tensors while the last are
-still being copied (DCP's early writes, `dcp.storage.DataFileWriter.write_early`; with `async`
-only: the writer process of `async_with_pinned_mem` is handed the files once all is staged).
+still being copied (DCP's early writes, `dcp.storage.DataFileWriter.write_early`). The writer
+process of `async_with_pinned_mem` is handed those files at once too, and waits for each
+tensor's copy on a shared-memory count of the copies made (`Staged.wait_across`).
 
 At most one save is in flight: `submit()` first waits for the previous one. A failure of the
 background save is kept and raised by the next `submit()`, `wait()` or `close()`.
@@ -43,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from . import faults, gc_pause
 from .errors import StagingMismatchError
-from .io.filewriter import Sink, write_files
+from .io.filewriter import CountWait, Sink, write_files
 from .io.writer_process import WriterProcess
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class Staged:
     staging's failure."""
     done: Callable[[], None] = _nothing
     """Blocks until every tensor's bytes are final; raises staging's failure."""
+    wait_across: Callable[[torch.Tensor], CountWait] | None = None
+    """For a writer process (which cannot call `ready`): a picklable wait for a tensor's bytes,
+    over a shared-memory count of the copies made; None where staging keeps no such count."""
 
 
 @dataclass(frozen=True)
@@ -192,9 +196,9 @@ class Stager:
     def _arenas(self) -> dict[int, torch.Tensor]:
         return {p.arena.data_ptr(): p.arena for p in self._places.values()}
 
-    def layout(self, state: Any) -> Copies:
+    def layout(self, state: Any, count: torch.Tensor | None = None) -> Copies:
         """Where each tensor of `state` is staged (allocating what is new), and the staged
-        state; nothing is copied until `Copies.run`."""
+        state; nothing is copied until `Copies.run`. `count`: see `Copies`."""
         if self.reuse:
             new = {path: t for path, t in _tensors(state, ())
                    if path not in self._places or self._places[path].kind != _kind(t)}
@@ -203,7 +207,7 @@ class Stager:
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         staged = self._layout(state, (), pairs)
         pairs.sort(key=lambda pair: pair[1].nbytes, reverse=True)  # the order the files take them (`balanced_groups`)
-        return Copies(staged, pairs, non_blocking=self.reuse)
+        return Copies(staged, pairs, non_blocking=self.reuse, count=count)
 
     def _layout(self, state: Any, path: tuple, pairs: list) -> Any:
         if isinstance(state, torch.Tensor):
@@ -263,7 +267,8 @@ class Copies:
     (or is a view of) is made, so a writer may start on the first tensors while later ones are
     still being copied; the copies go at memory speed, the writes at the disk's."""
 
-    def __init__(self, staged: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool):
+    def __init__(self, staged: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool,
+                 count: torch.Tensor | None = None):
         self.staged = staged
         """The state with each tensor replaced by its copy (made by `run`)."""
         self._pairs = pairs  # (source, destination) local tensors, in the order copied
@@ -274,6 +279,11 @@ class Copies:
         self._made = 0
         self._error: BaseException | None = None
         self._cond = threading.Condition()
+        self._count = count
+        """A shared-memory copy of the count of copies made (-1 once staging failed), for a
+        writer process; reset here, as one save's staging starts."""
+        if count is not None:
+            count.fill_(0)
 
     def run(self, each: bool) -> None:
         """Make every copy; with `each` (CPU copies, final once `copy_` returns), mark each one
@@ -291,19 +301,31 @@ class Copies:
         """Staging failed: whoever waits for a copy, now or later, gets `error`."""
         with self._cond:
             self._error = error
+            if self._count is not None:
+                self._count.fill_(-1)
             self._cond.notify_all()
 
     def _mark(self, made: int) -> None:
         with self._cond:
             self._made = made
+            if self._count is not None:  # after the copies' bytes: a reader of the count sees them
+                self._count.fill_(made)
             self._cond.notify_all()
+
+    def _needed(self, t: torch.Tensor) -> int:
+        """How many copies must be made before `t`'s bytes are final."""
+        if not t.numel():
+            return 0
+        found = bisect.bisect_right(self._starts, t.data_ptr()) - 1
+        return self._order[found] + 1 if found >= 0 else len(self._pairs)
 
     def ready(self, t: torch.Tensor) -> None:
         """Block until the copy holding `t`'s bytes is made (raising staging's failure)."""
-        if not t.numel():
-            return
-        found = bisect.bisect_right(self._starts, t.data_ptr()) - 1
-        self._wait(self._order[found] + 1 if found >= 0 else len(self._pairs))
+        self._wait(self._needed(t))
+
+    def wait_across(self, t: torch.Tensor) -> CountWait:
+        """`ready(t)` as a writer process can wait for it (needs the shared count)."""
+        return CountWait(self._count, self._needed(t))
 
     def done(self) -> None:
         """Block until every copy is made (raising staging's failure)."""
@@ -399,6 +421,9 @@ class BackgroundSaves:
         self._check: list[tuple[tuple, torch.Tensor, torch.Tensor]] = []
         """(path, live tensor, its staged copy) for each deferred tensor, with `verify`."""
         self.writer = WriterProcess() if reuse_buffer else None
+        self._count = torch.zeros(1, dtype=torch.int64).share_memory_() if reuse_buffer else None
+        """The copies made of the save being staged, in shared memory, so that the writer
+        process starts on each tensor as soon as its copy is made (`Copies`)."""
 
     def submit(self, state: dict[str, Any], job: SaveJob, deferred: Deferred = _nothing_deferred) -> None:
         self.wait()
@@ -416,7 +441,7 @@ class BackgroundSaves:
     def _stage(self, frozen: dict[str, Any], marks: dict, step: int, laid_out: Future, into: list[Copies]) -> None:
         """Lay the copies out (`laid_out` says when, or how it failed), then make them."""
         try:
-            copies = self.stager.layout(frozen)
+            copies = self.stager.layout(frozen, self._count)
         except BaseException as e:
             laid_out.set_exception(e)
             raise
@@ -453,7 +478,7 @@ class BackgroundSaves:
                            self.writer.exitcode)
             self.writer.close()
             self.writer = WriterProcess()
-        return self.writer.write
+        return self.writer
 
     def in_flight(self) -> bool:
         """True while a background save is still being staged, written or committed."""
@@ -483,7 +508,7 @@ def _take(laid_out: Future, copies: list[Copies]) -> Staged:
     takes tens of ms)."""
     laid_out.result()
     taken = copies.pop()
-    return Staged(taken.staged, taken.ready, taken.done)
+    return Staged(taken.staged, taken.ready, taken.done, taken.wait_across if taken._count is not None else None)
 
 
 def _at(state: Any, path: tuple) -> Any:

@@ -349,13 +349,22 @@ class DataFileWriter(FileSystemWriter):
         """Tensor bytes `write_early` started on."""
 
     def write_early(self, state: dict[str, Any], rank: int, world_size: int, cache: PlanCache | None = None,
-                    ready: Callable[[torch.Tensor], None] | None = None) -> None:
-        """Start writing, on helper threads in this process (not through the sink), the tensor
-        writes of the last save's plan in `cache` (`PlanCache.tensor_writes`), or without one the
-        tensors of `state` no other rank holds: with one rank, every tensor; else those of
-        DTensors sharded on every dimension of a mesh of all the ranks. Entries are keyed by
-        (DCP key, chunk offsets, chunk sizes), so `write_data` finds them in the plan. Each
-        tensor is written once `ready(tensor)` returns (`Staged.ready`)."""
+                    ready: Callable[[torch.Tensor], None] | None = None,
+                    wait_across: Callable[[torch.Tensor], filewriter.CountWait] | None = None) -> None:
+        """Start writing the tensor writes of the last save's plan in `cache`
+        (`PlanCache.tensor_writes`), or without one the tensors of `state` no other rank holds:
+        with one rank, every tensor; else those of DTensors sharded on every dimension of a mesh
+        of all the ranks. Entries are keyed by (DCP key, chunk offsets, chunk sizes), so
+        `write_data` finds them in the plan. With the sink of this process they are written on
+        helper threads, each tensor once `ready(tensor)` returns (`Staged.ready`); with a writer
+        process (a sink with `start`), there, each once `wait_across(tensor)` is satisfied
+        (`Staged.wait_across`; without one, nothing is written early)."""
+        if self._sink is filewriter.write_files:
+            start, wait = filewriter.start_files, ready and (lambda t: functools.partial(ready, t))
+        else:
+            start, wait = getattr(self._sink, "start", None), wait_across
+            if start is None or wait is None:
+                return
         try:
             pieces = _early_pieces(state, world_size, cache.tensor_writes(state) if cache is not None else None)
             if not pieces:
@@ -364,9 +373,8 @@ class DataFileWriter(FileSystemWriter):
             for i, bucket in enumerate(balanced_groups(pieces, self.thread_count, lambda kt: kt[1].nbytes)):
                 self._early_names.append(f"__{rank}_{i}.distcp")
                 jobs.append(filewriter.FileJob(os.path.join(self.path, self._early_names[-1]),
-                                               [filewriter.Entry(key, t, ready and functools.partial(ready, t))
-                                                for key, t in bucket]))
-            self._early = filewriter.start_files(jobs, self._step, self.sync_files)
+                                               [filewriter.Entry(key, t, wait and wait(t)) for key, t in bucket]))
+            self._early = start(jobs, self._step, self.sync_files)
             self.early_bytes = sum(t.nbytes for _, t in pieces)
         except Exception as e:  # raised in write_data, inside DCP's protocol, so every rank hears of it
             self._early_error = e
@@ -513,7 +521,8 @@ class TorchFileWriter(FileSystemWriter):
         self._staged = staged
 
     def write_early(self, state: dict[str, Any], rank: int, world_size: int, cache: PlanCache | None = None,
-                    ready: Callable[[torch.Tensor], None] | None = None) -> None:
+                    ready: Callable[[torch.Tensor], None] | None = None,
+                    wait_across: Callable[[torch.Tensor], filewriter.CountWait] | None = None) -> None:
         """Nothing is written before DCP plans."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:

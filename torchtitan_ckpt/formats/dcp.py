@@ -24,7 +24,7 @@ from ..errors import CheckpointError, CorruptCheckpointError, RankFailed
 from ..group import CheckpointGroup
 from ..dcp import storage
 from ..dcp.planner import PlanCache
-from ..io.filewriter import Sink, write_files
+from ..io.filewriter import Sink
 from ..policy.schedule import SaveKind
 from .base import StepFormat, StepIndex, Written
 
@@ -46,8 +46,8 @@ class DcpFormat(StepFormat):
 
     def write(self, path: str, step: int, kind: SaveKind, staged: Staged, sink: Sink) -> Written:
         """The tensors DCP's last plan (or any plan) gives this rank are written early, each as
-        soon as it is staged, on helper threads (`sink` in this process only: a writer process
-        forgets the buffers a call does not name); the rest once the whole state is staged."""
+        soon as it is staged (on helper threads, or in the writer process); the rest once the
+        whole state is staged."""
         ck, group, state = self.ctx.config, self.ctx.group, staged.state
         cache = self._plan_caches.setdefault(kind, PlanCache())
         planner = storage.make_save_planner(ck.dedup_policy, ck.dedup_min_slice_bytes, cache)
@@ -55,8 +55,7 @@ class DcpFormat(StepFormat):
                                              sync=not self.ctx.staged,  # a staged copy is uploaded, not kept
                                              staged=staged.done)
         try:
-            if sink is write_files:
-                writer.write_early(state, group.rank, group.world_size, cache, staged.ready)
+            writer.write_early(state, group.rank, group.world_size, cache, staged.ready, staged.wait_across)
             dcp.save(state, storage_writer=writer, planner=planner, process_group=group.pg)
         except (Exception, CheckpointException) as e:
             writer.wait_early()

@@ -33,6 +33,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -59,6 +60,28 @@ class Entry:
     ready: Callable[[], None] | None = None
     """Called before the item's bytes are read: blocks until they are final (a tensor that a
     background save's staging is still copying in)."""
+
+
+_POLL_S = 0.0005
+"""How often a `CountWait` looks at the count."""
+
+
+@dataclass(frozen=True)
+class CountWait:
+    """An `Entry.ready` that crosses into the writer process: it waits until `count[0]`, a
+    shared-memory count of the staging copies made so far, reaches `at_least` (it polls: the
+    copies run at memory speed, so the waits are short). A negative count means staging failed;
+    the training process raises that failure itself."""
+
+    count: torch.Tensor
+    at_least: int
+
+    def __call__(self) -> None:
+        made = self.count.numpy()
+        while made[0] < self.at_least:
+            if made[0] < 0:
+                raise RuntimeError("staging failed; the save's own error names the cause")
+            time.sleep(_POLL_S)
 
 
 @dataclass

@@ -6,7 +6,10 @@ DCP's planning and commit (collectives on the manager's gloo group, a few small 
 the byte-moving part of a save, `filewriter.write_files`, runs here: the writer has no process
 group and no DTensors, just files to write from shared memory. Each shared storage (the arena) is
 handed over once (a shared-memory handle) and named by an id afterwards, so a save sends only a list
-of (buffer id, view) references and small values through a pipe.
+of (buffer id, view) references and small values through a pipe. A save hands over the files it
+can write before DCP has planned while the state is still being staged (`start`); the writer
+waits for each tensor's copy on a shared-memory count (`filewriter.CountWait`) and writes what it
+is handed in order, and a thread of the training process receives the replies.
 
 The writer dies with its rank: it asks the kernel for SIGKILL when the thread that started it
 exits (Linux), and exits when the pipe closes. A fail point it reaches kills its rank as well,
@@ -15,6 +18,7 @@ so crash tests see what a killed rank would leave.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import logging
@@ -22,8 +26,10 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import types
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from itertools import count
 from typing import Any
@@ -33,7 +39,7 @@ import torch.multiprocessing as mp
 
 from .. import faults
 from ..errors import WriterProcessError
-from .filewriter import Entry, FileJob, WrittenFile, write_files
+from .filewriter import CountWait, Entry, FileJob, StartedFiles, WrittenFile, write_files
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +47,12 @@ _STOP = None
 
 
 class WriterProcess:
-    """The training side of one rank's writer process; `write` is a `filewriter.Sink`.
+    """The training side of one rank's writer process; calling it is a `filewriter.Sink`, and
+    `start` hands it files to write while the caller goes on.
 
-    Start it from the training loop's thread (it is tied to that thread's life); `write` may
-    be called from any one thread at a time (the background save thread)."""
+    Start it from the training loop's thread (it is tied to that thread's life); it may be
+    called from any one thread at a time (the background save thread). The process writes what
+    it is handed in order; a thread of this process receives its replies, in the same order."""
 
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
@@ -58,37 +66,79 @@ class WriterProcess:
         self._registered: dict[tuple[int, int], tuple[int, torch.UntypedStorage]] = {}
         """(data_ptr, nbytes) of a shared storage -> (id, the storage, kept alive so its address
         cannot be reused by another buffer while the writer maps it)."""
+        self._used: set[tuple[int, int]] = set()
+        """The shared storages named since the last call: the others are dropped by the next."""
+        self._waiting: collections.deque[Future] = collections.deque()
+        self._lock = threading.Lock()
+        self._gone: BaseException | None = None
+        self._replies = threading.Thread(target=self._receive, name="ckpt-writer-replies", daemon=True)
+        self._replies.start()
 
-    def write(self, jobs: list[FileJob], step: int | None = None, sync: bool = True) -> list[WrittenFile]:
-        """Write `jobs` in the writer process; returns once they are durable there."""
+    def __call__(self, jobs: list[FileJob], step: int | None = None, sync: bool = True) -> list[WrittenFile]:
+        """Write `jobs` in the writer process; returns once they are durable there. The shared
+        storages that neither these jobs nor a `start` since the last call name are dropped
+        (the writer unmaps them)."""
+        started = self._send(jobs, step, sync, drop=True)
+        return started.done.result()
+
+    def start(self, jobs: list[FileJob], step: int | None = None, sync: bool = True) -> StartedFiles:
+        """Start writing `jobs` in the writer process, after what it was handed before; an
+        entry's `ready` must be a `CountWait` or None (it runs in that process)."""
+        return self._send(jobs, step, sync, drop=False)
+
+    def _send(self, jobs: list[FileJob], step: int | None, sync: bool, drop: bool) -> StartedFiles:
         register: dict[int, torch.Tensor] = {}
-        used: set[tuple[int, int]] = set()
         files = []
         for job in jobs:
-            entries = [(e.key, self._ref(e.data, register, used)) for e in job.entries]
-            files.append((job.path, entries))
-        dropped = [k for k in self._registered if k not in used]
-        drop_ids = [self._registered.pop(k)[0] for k in dropped]
-        try:
-            self._conn.send({"step": step, "sync": sync, "register": register, "drop": drop_ids, "files": files})
-            status, value = self._conn.recv()
-        except BaseException as e:
-            self._registered.clear()
-            if isinstance(e, (EOFError, OSError)):  # its pipe closes a moment before it is reaped
-                self._proc.join(timeout=1.0)
-            died = isinstance(e, (EOFError, OSError)) and not self._proc.is_alive()
-            if self._proc.is_alive():  # its replies may be out of step now: the next save starts a new one
-                self._proc.kill()
-                self._proc.join()
-            if died:
-                raise WriterProcessError(f"the checkpoint writer process exited (exit code "
-                                         f"{self.exitcode}): {type(e).__name__}: {e}") from None
-            raise
-        if status == "error":
-            raise value
-        return [WrittenFile(size, places, lambda crc=crc: crc) for size, crc, places in value]
+            for e in job.entries:
+                if e.ready is not None and not isinstance(e.ready, CountWait):
+                    raise TypeError(f"an entry for the writer process waits on {e.ready!r}, not a CountWait")
+            files.append((job.path, [(e.key, self._ref(e.data, register), e.ready) for e in job.entries]))
+        drop_ids = []
+        if drop:
+            drop_ids = [self._registered.pop(k)[0] for k in list(self._registered) if k not in self._used]
+            self._used = set()
+        done: Future = Future()
+        with self._lock:
+            if self._gone is not None:
+                raise self._gone
+            self._waiting.append(done)
+            try:
+                self._conn.send({"step": step, "sync": sync, "register": register, "drop": drop_ids, "files": files})
+            except BaseException as e:
+                self._waiting.pop()
+                self._registered.clear()
+                if self._proc.is_alive():  # what it has read of a message is unknown: the next save starts a new one
+                    self._proc.kill()
+                raise self._lost(e) if isinstance(e, OSError) else e
+        return StartedFiles(done, [None] * len(jobs))
 
-    def _ref(self, data: Any, register: dict[int, torch.Tensor], used: set) -> Any:
+    def _receive(self) -> None:
+        """Each reply, to the oldest call still waiting; once the pipe closes, every call
+        waiting, and every later one, fails."""
+        while True:
+            try:
+                status, value = self._conn.recv()
+            except (EOFError, OSError) as e:
+                with self._lock:
+                    self._gone = self._lost(e)
+                    waiting, self._waiting = list(self._waiting), collections.deque()
+                for done in waiting:
+                    done.set_exception(self._gone)
+                return
+            with self._lock:
+                done = self._waiting.popleft()
+            if status == "error":
+                done.set_exception(value)
+            else:
+                done.set_result([WrittenFile(size, places, lambda crc=crc: crc) for size, crc, places in value])
+
+    def _lost(self, e: BaseException) -> WriterProcessError:
+        self._proc.join(timeout=1.0)  # its pipe closes a moment before it is reaped
+        return WriterProcessError(f"the checkpoint writer process exited (exit code {self._proc.exitcode}): "
+                                  f"{type(e).__name__}: {e}")
+
+    def _ref(self, data: Any, register: dict[int, torch.Tensor]) -> Any:
         """What the writer needs to find `data`: bytes as they are, a tensor in a shared
         storage as (id, dtype, offset, size, stride), any other tensor by value."""
         if not isinstance(data, torch.Tensor) or data.device.type != "cpu":
@@ -101,7 +151,7 @@ class WriterProcess:
             buffer_id = next(self._ids)
             self._registered[key] = (buffer_id, storage)
             register[buffer_id] = torch.empty(0, dtype=torch.uint8).set_(storage)
-        used.add(key)
+        self._used.add(key)
         return ("buffer", self._registered[key][0], data.dtype, data.storage_offset(),
                 tuple(data.shape), tuple(data.stride()))
 
@@ -116,10 +166,11 @@ class WriterProcess:
         return self._proc.exitcode
 
     def close(self) -> None:
-        """Stop the writer (after the write in progress, if any) and wait for it to exit."""
+        """Stop the writer (after the writes in progress, if any) and wait for it to exit."""
         if self._proc.is_alive():
             try:
-                self._conn.send(_STOP)
+                with self._lock:
+                    self._conn.send(_STOP)
             except OSError:
                 pass
             self._proc.join(timeout=30)
@@ -127,6 +178,7 @@ class WriterProcess:
             logger.warning("the checkpoint writer process did not stop; killing it")
             self._proc.kill()
             self._proc.join()
+        self._replies.join()
         self._conn.close()
         self._registered.clear()
 
@@ -169,7 +221,7 @@ def _serve(conn, parent: int) -> None:
             for buffer_id in msg["drop"]:
                 buffers.pop(buffer_id, None)
             buffers.update(msg["register"])
-            jobs = [FileJob(path, [Entry(key, _resolve(ref, buffers)) for key, ref in entries])
+            jobs = [FileJob(path, [Entry(key, _resolve(ref, buffers), ready) for key, ref, ready in entries])
                     for path, entries in msg["files"]]
             reply = ("ok", [(w.size, w.durable(), w.places) for w in write_files(jobs, msg["step"], msg["sync"])])
         except Exception as e:  # handed to the training process, which raises it
