@@ -370,7 +370,7 @@ def _sync_and_close(f: io.FileIO, writeback: Writeback, sync: bool, done: Future
 
 
 Sink = Callable[[list[FileJob], "int | None", bool], list[WrittenFile]]
-"""Writes a rank's files: `write_files` here, or `WriterProcess.write` in another process."""
+"""Writes a rank's files: `write_files` here, or a `WriterProcess` (called) in another process."""
 
 
 def write_files(jobs: list[FileJob], step: int | None = None, sync: bool = True) -> list[WrittenFile]:
