@@ -15,6 +15,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from torchtitan_ckpt.io import filewriter
 from torchtitan_ckpt.dcp import storage
+from torchtitan_ckpt.errors import WriterProcessError
 from torchtitan_ckpt.io.writer_process import WriterProcess
 
 
@@ -119,10 +120,11 @@ def test_the_writer_process_starts_each_entry_once_its_staging_count_is_reached(
         count.fill_(1)
         time.sleep(0.3)
         assert not started.done.done()  # "b" waits for the second copy
-        assert started.places == [None]
+        assert [key for key, _, _ in started.places[0]] == ["a", "b"]  # known before it is written
         count.fill_(2)
         later = writer([rest], None, True)  # handed after: answered after
         assert started.done.done()
+        assert started.places[0] == started.done.result()[0].places  # where the writer put them
         _check_file(early.path, started.done.result()[0], {"a": data[:512], "b": data[512:]})
         _check_file(rest.path, later[0], {"v": b"xyz"})
 
@@ -134,6 +136,13 @@ def test_the_writer_process_starts_each_entry_once_its_staging_count_is_reached(
         assert writer.alive
         with pytest.raises(TypeError, match="CountWait"):
             writer.start([filewriter.FileJob(early.path, [filewriter.Entry("a", b"x", lambda: None)])])
+
+        count.fill_(0)
+        stuck = writer.start([early], None, True)  # waits on a count that never comes
+        writer._proc.kill()
+        with pytest.raises(WriterProcessError, match="writer process exited"):
+            stuck.done.result(timeout=30)
+        assert not writer.alive
     finally:
         writer.close()
 

@@ -267,3 +267,35 @@ def test_the_first_tensors_copied_are_written_while_the_rest_is_still_being_stag
     assert seen == [True]
     saved = read_checkpoint(os.path.join(folder, "step-2"))
     assert_same({k: saved[k] for k in model.state_dict()}, model.state_dict())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_save_that_fails_before_its_staging_ends_is_waited_for_until_staging_stops(mode, monkeypatch):
+    """The next save reuses the arenas (pinned) and the shared count of copies: a failed save's
+    staging still copying beside the next one's would mix old bytes into the new checkpoint."""
+    from torchtitan_ckpt import staging
+
+    release, copied = threading.Event(), threading.Event()
+    real_run = staging.Copies.run
+
+    def held_run(self, each: bool) -> None:
+        release.wait(10)
+        real_run(self, each)
+        copied.set()
+
+    monkeypatch.setattr(staging.Copies, "run", held_run)
+
+    def refuse() -> None:
+        raise OSError("no space left while preparing the step folder")
+
+    strategy = make_strategy(mode)
+    try:
+        job = SaveJob(step=1, path="unused", prepare=refuse, write=lambda staged, sink: None, commit=lambda w: None)
+        strategy.submit({"w": torch.ones(1 << 16)}, job)
+        threading.Timer(0.5, release.set).start()
+        with pytest.raises(OSError, match="no space left"):
+            strategy.wait()
+        assert copied.is_set()  # wait() returned only once the staging had stopped
+    finally:
+        release.set()
+        strategy.close()

@@ -4,8 +4,9 @@ Set `TORCHTITAN_CKPT_FAILPOINT=PHASE@STEP` (every rank) or `PHASE@STEP:RANK` (on
 starting a job. The process kills itself, without any cleanup, the first time it reaches PHASE
 while saving (or, for `purge`, deleting) step STEP:
 
-- `staging`: an async save has copied the state; no data file is written yet (the step folder,
-  prepared while the state was copied, may exist);
+- `staging`: an async save has copied the state; the step folder, prepared while the state was
+  copied, may exist, and the files written early (each tensor once its copy was made) may be
+  partly written;
 - `prepare`: the step folder exists and is empty;
 - `write`: a data file is half written;
 - `written`: `dcp.save` has returned: DCP's `.metadata` is written, the data files may still be

@@ -485,11 +485,17 @@ class BackgroundSaves:
         return self._pending is not None and not self._pending.done()
 
     def wait(self) -> None:
-        """Block until the save in flight is committed; raise its failure if it had one."""
+        """Block until the save in flight is committed, and its staging has stopped (a save
+        that failed early may leave it copying into the arenas the next save reuses); raise
+        the save's failure if it had one."""
         pending, self._pending = self._pending, None
-        self._staging, self._check = None, []
-        if pending is not None:
-            pending.result()
+        staging, self._staging, self._check = self._staging, None, []
+        try:
+            if pending is not None:
+                pending.result()
+        finally:
+            if staging is not None:
+                wait_for([staging])
 
     def close(self) -> None:
         try:

@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 
 from .. import faults
 from ..errors import WriterProcessError
-from .filewriter import CountWait, Entry, FileJob, StartedFiles, WrittenFile, write_files
+from .filewriter import CountWait, Entry, FileJob, StartedFiles, WrittenFile, planned_places, write_files
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,9 @@ class WriterProcess:
 
     def start(self, jobs: list[FileJob], step: int | None = None, sync: bool = True) -> StartedFiles:
         """Start writing `jobs` in the writer process, after what it was handed before; an
-        entry's `ready` must be a `CountWait` or None (it runs in that process)."""
+        entry's `ready` must be a `CountWait` or None (it runs in that process). Where each
+        entry will land is worked out here as well (`planned_places`), so the caller need not
+        wait for the writes to know it."""
         return self._send(jobs, step, sync, drop=False)
 
     def _send(self, jobs: list[FileJob], step: int | None, sync: bool, drop: bool) -> StartedFiles:
@@ -111,27 +113,31 @@ class WriterProcess:
                 if self._proc.is_alive():  # what it has read of a message is unknown: the next save starts a new one
                     self._proc.kill()
                 raise self._lost(e) if isinstance(e, OSError) else e
-        return StartedFiles(done, [None] * len(jobs))
+        return StartedFiles(done, [planned_places(job) for job in jobs])
 
     def _receive(self) -> None:
-        """Each reply, to the oldest call still waiting; once the pipe closes, every call
-        waiting, and every later one, fails."""
-        while True:
-            try:
+        """Each reply, to the oldest call still waiting. Once the pipe closes, or anything else
+        goes wrong here (a reply that cannot be read, one nobody waits for), every call waiting,
+        and every later one, fails, and a writer still running is stopped (its replies could
+        not be matched to their calls any more; the next save starts a new one)."""
+        try:
+            while True:
                 status, value = self._conn.recv()
-            except (EOFError, OSError) as e:
                 with self._lock:
-                    self._gone = self._lost(e)
-                    waiting, self._waiting = list(self._waiting), collections.deque()
-                for done in waiting:
-                    done.set_exception(self._gone)
-                return
+                    done = self._waiting.popleft()
+                if status == "error":
+                    done.set_exception(value)
+                else:
+                    done.set_result([WrittenFile(size, places, lambda crc=crc: crc) for size, crc, places in value])
+        except BaseException as e:
+            if self._proc.is_alive() and not isinstance(e, EOFError):
+                self._proc.kill()
             with self._lock:
-                done = self._waiting.popleft()
-            if status == "error":
-                done.set_exception(value)
-            else:
-                done.set_result([WrittenFile(size, places, lambda crc=crc: crc) for size, crc, places in value])
+                self._gone = self._lost(e)
+                waiting, self._waiting = list(self._waiting), collections.deque()
+            for done in waiting:
+                if not done.done():
+                    done.set_exception(self._gone)
 
     def _lost(self, e: BaseException) -> WriterProcessError:
         self._proc.join(timeout=1.0)  # its pipe closes a moment before it is reaped
