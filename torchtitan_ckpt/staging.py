@@ -323,6 +323,11 @@ class Copies:
         """Block until the copy holding `t`'s bytes is made (raising staging's failure)."""
         self._wait(self._needed(t))
 
+    @property
+    def counted(self) -> bool:
+        """Whether the copies made are counted in shared memory (`wait_across` works)."""
+        return self._count is not None
+
     def wait_across(self, t: torch.Tensor) -> CountWait:
         """`ready(t)` as a writer process can wait for it (needs the shared count)."""
         return CountWait(self._count, self._needed(t))
@@ -514,7 +519,7 @@ def _take(laid_out: Future, copies: list[Copies]) -> Staged:
     takes tens of ms)."""
     laid_out.result()
     taken = copies.pop()
-    return Staged(taken.staged, taken.ready, taken.done, taken.wait_across if taken._count is not None else None)
+    return Staged(taken.staged, taken.ready, taken.done, taken.wait_across if taken.counted else None)
 
 
 def _at(state: Any, path: tuple) -> Any:

@@ -78,17 +78,17 @@ class WriterProcess:
         """Write `jobs` in the writer process; returns once they are durable there. The shared
         storages that neither these jobs nor a `start` since the last call name are dropped
         (the writer unmaps them)."""
-        started = self._send(jobs, step, sync, drop=True)
-        return started.done.result()
+        return self._send(jobs, step, sync, drop=True).result()
 
     def start(self, jobs: list[FileJob], step: int | None = None, sync: bool = True) -> StartedFiles:
         """Start writing `jobs` in the writer process, after what it was handed before; an
         entry's `ready` must be a `CountWait` or None (it runs in that process). Where each
         entry will land is worked out here as well (`planned_places`), so the caller need not
         wait for the writes to know it."""
-        return self._send(jobs, step, sync, drop=False)
+        return StartedFiles(self._send(jobs, step, sync, drop=False), [planned_places(job) for job in jobs])
 
-    def _send(self, jobs: list[FileJob], step: int | None, sync: bool, drop: bool) -> StartedFiles:
+    def _send(self, jobs: list[FileJob], step: int | None, sync: bool, drop: bool) -> Future:
+        """Hand `jobs` over; the future of their `WrittenFile`s, set when the writer replies."""
         register: dict[int, torch.Tensor] = {}
         files = []
         for job in jobs:
@@ -113,7 +113,7 @@ class WriterProcess:
                 if self._proc.is_alive():  # what it has read of a message is unknown: the next save starts a new one
                     self._proc.kill()
                 raise self._lost(e) if isinstance(e, OSError) else e
-        return StartedFiles(done, [planned_places(job) for job in jobs])
+        return done
 
     def _receive(self) -> None:
         """Each reply, to the oldest call still waiting. Once the pipe closes, or anything else
