@@ -3,8 +3,8 @@
 For each state size (a Llama-like model with AdamW state, FSDP over 2 gloo ranks on the CPU) and
 each of `--repeats` rounds, every rank times (between barriers, so the slowest rank counts):
 
-- raw floor: writing its share of the state's bytes with plain Python + fsync, and reading them
-  back cold; the same for the model weights alone (the floor of the Hugging Face rows);
+- raw floor: writing its share of the state's bytes with plain Python + fsync (around the page
+  cache where the file system allows: `raw_write`), and reading them back cold; the same for the model weights alone (the floor of the Hugging Face rows);
 - a durable save: `CheckpointManager.save` (sync) against `dcp.save` with PyTorch's defaults and
   against `torch_checkpointing`'s synchronous save (the `bench` extra, configured and made durable
   as `benchmarks/peers.py` says; its rows are left out when it is not installed);
@@ -23,6 +23,7 @@ writable here).
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import statistics
@@ -53,6 +54,7 @@ SIZES_GB = (0.4, 0.8, 1.6, 3.2)
 # a Llama-like shape whose size grows by about 0.135 GB (with AdamW state) per layer
 _BASE = ModelArgs(dim=1024, n_layers=1, n_heads=16, n_kv_heads=4, vocab_size=4096, multiple_of=256)
 _CHUNK = 8 << 20
+_ALIGN = 4096
 
 # (row key, what it is, floor it is divided by)
 ROWS = [
@@ -167,12 +169,40 @@ def local_tensors(model, opt, weights_only: bool = False) -> list[torch.Tensor]:
 
 
 def raw_write(tensors: list[torch.Tensor], path: str) -> None:
-    """Write the tensors' bytes as they lie in memory, fsync: what any save must at least do."""
+    """Write the tensors' bytes as they lie in memory, fsync: what any save must at least do.
+    Around the page cache (`O_DIRECT`: plain Python copies each 8 MiB into one page-aligned
+    block and writes it) where the file system allows, as the buffered path costs the kernel
+    more CPU than the disk takes time on these machines (`docs/performance.md`); else through it."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb", buffering=0) as f:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(path, flags | os.O_DIRECT)
+    except OSError:  # refused by this file system
+        with open(path, "wb", buffering=0) as f:
+            for t in tensors:
+                f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
+            os.fsync(f.fileno())
+        return
+    block = mmap.mmap(-1, _CHUNK)
+    view, fill, at = memoryview(block), 0, 0
+    try:
         for t in tensors:
-            f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
-        os.fsync(f.fileno())
+            src = memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+            while len(src):
+                n = min(len(src), _CHUNK - fill)
+                view[fill : fill + n], src, fill = src[:n], src[n:], fill + n
+                if fill == _CHUNK:
+                    at, fill = at + os.pwrite(fd, view, at), 0
+        if fill:
+            padded = -(-fill // _ALIGN) * _ALIGN
+            view[fill:padded] = bytes(padded - fill)
+            os.pwrite(fd, view[:padded], at)
+            os.ftruncate(fd, at + fill)
+        os.fsync(fd)
+    finally:
+        view.release()
+        block.close()
+        os.close(fd)
 
 
 def raw_read(path: str) -> None:

@@ -102,6 +102,13 @@ class Checkpoint:
     """Data files each rank writes in parallel, one thread each (tensors spread over them by
     size). 1 suits a disk that one stream saturates; raise it for fast parallel storage."""
 
+    direct_io: bool = True
+    """Write DCP data files around the page cache (`O_DIRECT`, through aligned buffers of this
+    package) where the file system accepts it, sparing the kernel's per-page copy and writeback,
+    CPU that training shares (`docs/performance.md`, "Direct writes"). Turn it off to keep a step
+    just written in the page cache (a load right after the save), or on a network file system
+    whose direct writes go out one request at a time."""
+
     keep_latest_k: int = 10
     """Keep this many newest complete steps and delete older ones in the background; 0 keeps all.
     Only steps this package wrote are counted or deleted; another program's never are."""

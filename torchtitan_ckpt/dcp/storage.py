@@ -336,12 +336,13 @@ class DataFileWriter(FileSystemWriter):
     the rest, in up to `files_per_rank` more files."""
 
     def __init__(self, path: str, sink: filewriter.Sink, step: int | None, files_per_rank: int = 1,
-                 sync: bool = True, staged: Callable[[], None] = _staged):
+                 sync: bool = True, staged: Callable[[], None] = _staged, direct: bool = False):
         super().__init__(path, sync_files=sync, single_file_per_rank=True, thread_count=files_per_rank)
         self.fs = ChecksummingFileSystem(path)
         self._staged = staged
         self._sink = sink
         self._step = step
+        self._direct = direct
         self._early: filewriter.StartedFiles | None = None
         self._early_error: Exception | None = None
         self._early_names: list[str] = []
@@ -373,7 +374,8 @@ class DataFileWriter(FileSystemWriter):
             for i, bucket in enumerate(balanced_groups(pieces, self.thread_count, lambda kt: kt[1].nbytes)):
                 self._early_names.append(f"__{rank}_{i}.distcp")
                 jobs.append(filewriter.FileJob(os.path.join(self.path, self._early_names[-1]),
-                                               [filewriter.Entry(key, t, wait and wait(t)) for key, t in bucket]))
+                                               [filewriter.Entry(key, t, wait and wait(t)) for key, t in bucket],
+                                               self._direct))
             self._early = start(jobs, self._step, self.sync_files)
             self.early_bytes = sum(t.nbytes for _, t in pieces)
         except Exception as e:  # raised in write_data, inside DCP's protocol, so every rank hears of it
@@ -397,7 +399,7 @@ class DataFileWriter(FileSystemWriter):
         for i, bucket in enumerate(buckets):
             names.append(f"{plan.storage_data.prefix}{len(self._early_names) + i}.distcp")
             entries = [filewriter.Entry(item.index, _resolve(planner, item)) for item in bucket]
-            jobs.append(filewriter.FileJob(os.path.join(self.path, names[-1]), entries))
+            jobs.append(filewriter.FileJob(os.path.join(self.path, names[-1]), entries, self._direct))
         for name, written in zip(names, self._sink(jobs, self._step, self.sync_files), strict=True):
             self.fs.add(os.path.join(self.path, name), written)
             results += [WriteResult(index=key, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
@@ -539,15 +541,16 @@ class TorchFileWriter(FileSystemWriter):
 
 def make_storage_writer(path: str, sink: filewriter.Sink = filewriter.write_files, step: int | None = None,
                         files_per_rank: int = 1, fast: bool = True, sync: bool = True,
-                        staged: Callable[[], None] = _staged) -> DataFileWriter | TorchFileWriter:
+                        direct: bool = False, staged: Callable[[], None] = _staged) -> DataFileWriter | TorchFileWriter:
     """Writer of a DCP step folder, by the fast engine or (`fast=False`) PyTorch's. `dcp.save`
     returns once the data files are written (their fsync, with `sync`, may still run);
     `writer.durable()` waits for it and returns each file's size and CRC-32, recorded as it was
     written. `step` arms the `write` fail point; `write_data` first waits for `staged()` (the
-    state's staging, `Staged.done`)."""
+    state's staging, `Staged.done`); `direct` writes the files around the page cache
+    (`checkpoint.direct_io`; the fast engine only)."""
     if not fast:
         return TorchFileWriter(path, staged, sync_files=sync, single_file_per_rank=True, thread_count=files_per_rank)
-    return DataFileWriter(path, sink, step, files_per_rank, sync, staged)
+    return DataFileWriter(path, sink, step, files_per_rank, sync, staged, direct)
 
 
 def make_storage_reader(path: str, metadata: Metadata | None = None, threads: int = 1, fast: bool = True,

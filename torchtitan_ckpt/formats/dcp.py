@@ -53,7 +53,7 @@ class DcpFormat(StepFormat):
         planner = storage.make_save_planner(ck.dedup_policy, ck.dedup_min_slice_bytes, cache)
         writer = storage.make_storage_writer(path, sink, step, ck.save_threads, fast=ck.io_engine == "fast",
                                              sync=not self.ctx.staged,  # a staged copy is uploaded, not kept
-                                             staged=staged.done)
+                                             direct=ck.direct_io, staged=staged.done)
         try:
             writer.write_early(state, group.rank, group.world_size, cache, staged.ready, staged.wait_across)
             dcp.save(state, storage_writer=writer, planner=planner, process_group=group.pg)

@@ -43,6 +43,7 @@ import torch
 from .. import faults
 from .checksum import crc32
 from . import torch_archive
+from .direct import DirectOutput, open_direct
 from .posio import IOV_MAX
 
 BATCH_BYTES = 64 << 20
@@ -95,6 +96,9 @@ class FileJob:
     path: str
     """Where to write; the file must not be open elsewhere."""
     entries: list[Entry]
+    direct: bool = False
+    """Write a file that is fsynced around the page cache (`direct.DirectOutput`) where the
+    file system allows it."""
 
 
 def _libc_sync_file_range():
@@ -231,20 +235,21 @@ class Writeback:
 
 
 class _Output:
-    """The file being written: counts, feeds the checksum, gathers buffers to hand to the kernel
-    together (`os.writev`: few system calls, so few waits for the GIL in a thread writing beside
-    DCP's planning) and asks the kernel to start writing each batch back to the disk
-    (`sync_file_range`, from a helper: `Writeback`), so the disk works while the rest of the save
-    is prepared; the final fsync then waits for the last batches only."""
+    """The file being written through the page cache: counts, feeds the checksum, gathers
+    buffers to hand to the kernel together (`os.writev`: few system calls, so few waits for the
+    GIL in a thread writing beside DCP's planning) and asks the kernel to start writing each
+    batch back to the disk (`sync_file_range`, from a helper: `Writeback`), so the disk works
+    while the rest of the save is prepared; the final fsync then waits for the last batches
+    only. Its methods are those of `direct.DirectOutput`, the other way to write a file."""
 
-    def __init__(self, f: io.FileIO, step: int | None, sync: bool = True):
-        self._fd = f.fileno()
+    def __init__(self, fd: int, step: int | None, sync: bool = True):
+        self._fd = fd
         self._batch: list[memoryview] = []
         self._batch_bytes = 0
         self.pos = 0
         self._written = 0
-        self.crc = _BackgroundCrc()
-        self.writeback = Writeback(self._fd, enabled=sync)  # a file never fsynced is left to the page cache
+        self._checksum = _BackgroundCrc()
+        self._writeback = Writeback(self._fd, enabled=sync)  # a file never fsynced is left to the page cache
         self._step = step
 
     def write(self, data, temporary: bool = False) -> None:
@@ -256,7 +261,7 @@ class _Output:
         self._batch.append(view)
         self._batch_bytes += len(view)
         self.pos += len(view)
-        self.crc.feed(view, temporary)
+        self._checksum.feed(view, temporary)
         if len(self._batch) >= IOV_MAX or self._batch_bytes >= BATCH_BYTES:
             self.flush()
 
@@ -270,8 +275,27 @@ class _Output:
             buffers = buffers[1:]
         self._writev(buffers)
         if self.pos > self._written:
-            self.writeback.start(self._written, self.pos - self._written)
+            self._writeback.start(self._written, self.pos - self._written)
         self._written = self.pos
+
+    def finish(self) -> None:
+        """Everything is written: hand the rest to the kernel."""
+        self.flush()
+        self._checksum.close()
+
+    def settle(self) -> None:
+        """Before the fsync: wait for the writeback starts queued."""
+        self._writeback.close()
+
+    def abort(self) -> None:
+        """Stop the helpers after a failed write."""
+        self._checksum.close()
+        self._writeback.close()
+        self._checksum.join()
+
+    def crc(self) -> int:
+        """The CRC-32 of every byte written, once `finish()` was called."""
+        return self._checksum.value()
 
     def _writev(self, buffers: list[memoryview]) -> None:
         first = 0
@@ -319,36 +343,37 @@ _LookedUp = tuple[object, "_Buffers | Callable[[], _Buffers]", "Callable[[], Non
 """An entry as `_write` takes it: key, buffers (`_lookup`'s), what to wait for before reading them."""
 
 
-def _write(path: str, entries: list[_LookedUp], step: int | None, sync: bool) -> WrittenFile:
-    f = open(path, "wb", buffering=0)
-    out = _Output(f, step if faults.armed() else None, sync)
+def _write(path: str, entries: list[_LookedUp], direct: bool, step: int | None, sync: bool) -> WrittenFile:
+    step = step if faults.armed() else None
+    fd = open_direct(path) if direct and sync else None
+    if fd is None:
+        f = open(path, "wb", buffering=0)
+        out: _Output | DirectOutput = _Output(f.fileno(), step, sync)
+    else:
+        f = io.FileIO(fd, "w")
+        out = DirectOutput(fd, step)
     places = []
     try:
-        try:
-            for key, buffers, ready in entries:
-                if ready is not None:
-                    ready()
-                start = out.pos
-                for data, temporary in buffers() if callable(buffers) else buffers:
-                    out.write(data, temporary)
-                places.append((key, start, out.pos - start))
-            out.flush()
-        finally:
-            out.crc.close()
+        for key, buffers, ready in entries:
+            if ready is not None:
+                ready()
+            start = out.pos
+            for data, temporary in buffers() if callable(buffers) else buffers:
+                out.write(data, temporary)
+            places.append((key, start, out.pos - start))
+        out.finish()
     except BaseException:  # no helper thread outlives a failed file
-        out.writeback.close()
-        out.crc.join()
+        out.abort()
         f.close()
         raise
     synced: Future = Future()
-    threading.Thread(target=_sync_and_close, args=(f, out.writeback, sync, synced), name="ckpt-fsync",
-                     daemon=True).start()
+    threading.Thread(target=_sync_and_close, args=(f, out, sync, synced), name="ckpt-fsync", daemon=True).start()
 
     def wait() -> str:
         try:
             synced.result()
         finally:
-            crc = out.crc.value()
+            crc = out.crc()
         return f"{crc:08x}"
 
     return WrittenFile(out.pos, places, wait)
@@ -356,15 +381,15 @@ def _write(path: str, entries: list[_LookedUp], step: int | None, sync: bool) ->
 
 def write_file(job: FileJob, step: int | None = None, sync: bool = True) -> WrittenFile:
     """Write `job`'s entries into a new file at `job.path` and return as soon as every byte is
-    handed to the kernel; the fsync (when `sync`) and the CRC-32 continue in the background
+    handed over (to the kernel, or copied into the blocks of a direct write); the fsync (when `sync`) and the CRC-32 continue in the background
     until `durable()` is called on the result. `step` arms the `write` fail point."""
-    return _write(job.path, [(e.key, _lookup(e), e.ready) for e in job.entries], step, sync)
+    return _write(job.path, [(e.key, _lookup(e), e.ready) for e in job.entries], job.direct, step, sync)
 
 
-def _sync_and_close(f: io.FileIO, writeback: Writeback, sync: bool, done: Future) -> None:
+def _sync_and_close(f: io.FileIO, out: "_Output | DirectOutput", sync: bool, done: Future) -> None:
     try:
         try:
-            writeback.close()
+            out.settle()
             if sync:
                 os.fsync(f.fileno())
         finally:
@@ -421,7 +446,7 @@ def start_files(jobs: list[FileJob], step: int | None = None, sync: bool = True)
     the dozen torch calls that takes (each releasing the GIL) would wait for a busy caller to let
     go of the GIL again. Tensors that need a copy (on another device, views) are copied
     by the helper, one at a time."""
-    looked_up = [(job.path, [(e.key, _lookup(e), e.ready) for e in job.entries]) for job in jobs]
+    looked_up = [(job.path, [(e.key, _lookup(e), e.ready) for e in job.entries], job.direct) for job in jobs]
     done: Future = Future()
 
     def run() -> None:
@@ -435,7 +460,7 @@ def start_files(jobs: list[FileJob], step: int | None = None, sync: bool = True)
             done.set_exception(e)
 
     threading.Thread(target=run, name="ckpt-early", daemon=True).start()
-    return StartedFiles(done, [_places(entries) for _, entries in looked_up])
+    return StartedFiles(done, [_places(entries) for _, entries, _ in looked_up])
 
 
 def exact_storage(t: torch.Tensor, copy: bool = True) -> torch.Tensor | None:

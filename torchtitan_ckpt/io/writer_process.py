@@ -95,7 +95,7 @@ class WriterProcess:
             for e in job.entries:
                 if e.ready is not None and not isinstance(e.ready, CountWait):
                     raise TypeError(f"an entry for the writer process waits on {e.ready!r}, not a CountWait")
-            files.append((job.path, [(e.key, self._ref(e.data, register), e.ready) for e in job.entries]))
+            files.append((job.path, [(e.key, self._ref(e.data, register), e.ready) for e in job.entries], job.direct))
         drop_ids = []
         if drop:
             drop_ids = [self._registered.pop(k)[0] for k in list(self._registered) if k not in self._used]
@@ -227,8 +227,8 @@ def _serve(conn, parent: int) -> None:
             for buffer_id in msg["drop"]:
                 buffers.pop(buffer_id, None)
             buffers.update(msg["register"])
-            jobs = [FileJob(path, [Entry(key, _resolve(ref, buffers), ready) for key, ref, ready in entries])
-                    for path, entries in msg["files"]]
+            jobs = [FileJob(path, [Entry(key, _resolve(ref, buffers), ready) for key, ref, ready in entries], direct)
+                    for path, entries, direct in msg["files"]]
             reply = ("ok", [(w.size, w.durable(), w.places) for w in write_files(jobs, msg["step"], msg["sync"])])
         except Exception as e:  # handed to the training process, which raises it
             reply = ("error", _picklable(e))

@@ -1,0 +1,216 @@
+"""Writing a file around the page cache (`O_DIRECT`), through aligned buffers of our own.
+
+A buffered write costs the kernel a page allocation and a copy for every 4 KiB, and the
+writeback after it more CPU still; on a machine whose cores also train (or that runs several
+ranks per core) that CPU is most of a save's time. With `O_DIRECT` the disk reads the bytes
+straight from the process's memory. It needs offsets, lengths and memory aligned to the
+device's block (`ALIGN` covers 512-byte and 4 KiB devices), which a file of back-to-back
+archives does not have, so the bytes are first copied into page-aligned blocks (`BLOCK_BYTES`,
+a few per file): one copy at memory speed instead of the kernel's, checksummed while the block
+is still in the processor's cache. A helper thread writes the full blocks while the next fills.
+The last block is padded to `ALIGN` and the file cut back to its size.
+
+A file system that refuses `O_DIRECT` (tmpfs, some FUSE ones) is written through the page cache,
+by the caller's buffered path (`open_direct` returns None); one that accepts the flag but refuses
+a write (a larger alignment) gets the rest of the file through the page cache from the same
+descriptor (`fcntl` clears the flag).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import queue
+import threading
+
+import numpy as np
+
+from .. import faults
+from .checksum import crc32
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 4096
+"""Alignment of every direct write's offset, length and memory."""
+BLOCK_BYTES = 8 << 20
+"""Bytes copied into one block before it is written."""
+BLOCKS_PER_FILE = 3
+"""Blocks a file uses at once: one filling, the rest being written."""
+_PIECE_BYTES = 1 << 20
+"""Bytes copied, then checksummed, at a time (while they are still in the processor's cache)."""
+_IDLE_BLOCKS = 8
+"""Blocks kept for the next files (their pages stay mapped: a fresh block's first touch costs)."""
+
+_pool: list[mmap.mmap] = []
+_pool_lock = threading.Lock()
+
+
+def _take_block() -> mmap.mmap:
+    with _pool_lock:
+        if _pool:
+            return _pool.pop()
+    return mmap.mmap(-1, BLOCK_BYTES)  # anonymous maps are page-aligned
+
+
+def _give_block(block: mmap.mmap) -> None:
+    with _pool_lock:
+        if len(_pool) < _IDLE_BLOCKS:
+            _pool.append(block)
+            return
+    block.close()
+
+
+def _address(buffer) -> int:
+    """The address of a byte buffer (read-only ones too)."""
+    return np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+
+
+def open_direct(path: str) -> int | None:
+    """A new file at `path`, opened for direct writes; None where the file system refuses them."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | flag, 0o644)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return None
+
+
+class DirectOutput:
+    """The file being written with `O_DIRECT` (`fd` from `open_direct`): `write()` copies into
+    the current block and checksums; full blocks go to a helper thread. `finish()` queues the
+    last block and returns; `settle()` waits until every block is written and cuts the padding
+    off (before the fsync); `abort()` stops the helper after a failure. `step` arms the `write`
+    fail point (the first block is written, then the process is killed)."""
+
+    def __init__(self, fd: int, step: int | None):
+        self._fd = fd
+        self._step = step
+        self.pos = 0
+        """Bytes written so far (the file's size once settled)."""
+        self._crc = 0
+        self._blocks: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        self._taken: list[mmap.mmap] = []
+        for _ in range(BLOCKS_PER_FILE):
+            self._taken.append(_take_block())
+            self._blocks.put(self._taken[-1])
+        self._block: mmap.mmap | None = None
+        self._address = 0
+        self._fill = 0
+        self._at = 0
+        """File offset of the current block."""
+        self._todo: queue.SimpleQueue[tuple[mmap.mmap, int, int] | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ckpt-direct", daemon=True)
+        self._thread.start()
+
+    def write(self, data, temporary: bool = False) -> None:
+        """Copy `data` in (it may change once this returns; `temporary` is for the buffered path)."""
+        view = memoryview(data).cast("B")
+        n = len(view)
+        if not n:
+            return
+        source, done = _address(view), 0
+        while done < n:
+            if self._block is None:
+                self._next_block()
+            take = min(n - done, BLOCK_BYTES - self._fill, _PIECE_BYTES)
+            ctypes.memmove(self._address + self._fill, source + done, take)  # releases the GIL
+            self._crc = crc32(memoryview(self._block)[self._fill : self._fill + take], self._crc)
+            self._fill += take
+            done += take
+            if self._fill == BLOCK_BYTES:
+                self._submit()
+        self.pos += n
+
+    def crc(self) -> int:
+        """The CRC-32 of every byte written."""
+        return self._crc
+
+    def finish(self) -> None:
+        """Queue the last block, padded to `ALIGN` (its padding is cut off by `settle()`)."""
+        if self._block is not None and self._fill:
+            padded = -(-self._fill // ALIGN) * ALIGN
+            self._block[self._fill : padded] = bytes(padded - self._fill)
+            self._fill = padded
+            self._submit()
+        self._todo.put(None)
+
+    def settle(self) -> None:
+        """Wait until every block is written and cut the file back to `pos`; raises the writes' error."""
+        self._thread.join()
+        self._release()
+        if self._error is not None:
+            raise self._error
+        if os.fstat(self._fd).st_size != self.pos:
+            os.ftruncate(self._fd, self.pos)
+
+    def abort(self) -> None:
+        """Stop after a failed write (nothing more is queued)."""
+        self._todo.put(None)
+        self._thread.join()
+        self._release()
+
+    def _release(self) -> None:
+        for block in self._taken:
+            _give_block(block)
+        self._taken.clear()
+
+    def _next_block(self) -> None:
+        block = self._blocks.get()
+        if self._error is not None:
+            raise self._error
+        self._block, self._address, self._fill = block, _address(block), 0
+
+    def _submit(self) -> None:
+        block, at, length = self._block, self._at, self._fill
+        self._block, self._at = None, at + length
+        if self._step is not None:  # the `write` fail point: a data file is partly written
+            _pwrite(self._fd, memoryview(block)[:length], at)
+            faults.hit("write", self._step)
+            self._step = None
+        self._todo.put((block, at, length))
+
+    def _run(self) -> None:
+        while (job := self._todo.get()) is not None:
+            block, at, length = job
+            if self._error is None:
+                try:
+                    _pwrite(self._fd, memoryview(block)[:length], at)
+                except BaseException as e:  # raised by the writer's next block, or by settle()
+                    self._error = e
+            self._blocks.put(block)
+
+
+def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of `data` at `offset`; where a direct write is refused (an alignment larger
+    than `ALIGN`) or comes back short (the rest would no longer be aligned), the file's later
+    writes go through the page cache."""
+    while len(data):
+        try:
+            n = os.pwrite(fd, data, offset)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not _clear_direct(fd):
+                raise
+            continue
+        if not n:
+            raise OSError(f"pwrite wrote nothing of {len(data)} bytes")
+        data, offset = data[n:], offset + n
+        if len(data) and n % ALIGN:
+            _clear_direct(fd)
+
+
+def _clear_direct(fd: int) -> bool:
+    """Turn `O_DIRECT` off for `fd`; False if it was off already."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if not flags & os.O_DIRECT:
+        return False
+    logger.info("direct writes refused on fd %d; the rest of the file goes through the page cache", fd)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+    return True
