@@ -110,7 +110,6 @@ def _bench_layout(rank: int, folder: str, flavor: str, name: str, repeats: int) 
     step = layout.step_dir(os.path.join(folder, "checkpoint"), 1)
     raw = os.path.join(folder, "raw", f"rank{rank}")
     held = _held(run)
-    floor_ranges = _write_load_floor(held, os.path.join(folder, "raw_load"), rank)
     times: dict[str, list[float]] = {"save": [], "load": [], "raw_write": [], "raw_read": []}
     with CheckpointManager(config.checkpoint, run.parts, optimizers=run.optimizers,
                            base_folder=folder) as manager:
@@ -129,7 +128,9 @@ def _bench_layout(rank: int, folder: str, flavor: str, name: str, repeats: int) 
             block.clear()  # its memory back before the load
             drop_cache(step)
             times["load"].append(measure(lambda: manager.load(1))[0])
-            drop_cache(os.path.join(folder, "raw_load"))
+            # written anew each time, as the step is: on a virtual disk the host may still
+            # cache a file read before, and one written with O_DIRECT it does not
+            floor_ranges = _write_load_floor(held, os.path.join(folder, "raw_load"), rank)
             times["raw_read"].append(measure(lambda: read_ranges(floor_ranges))[0])
     gb = torch.tensor(float(sum(t.nbytes for _, t in held)))
     dist.all_reduce(gb)

@@ -5,10 +5,14 @@ fallbacks where a direct write is refused."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import glob
 import mmap
 import os
+import resource
+import signal
+import threading
 
 import pytest
 import torch
@@ -51,9 +55,8 @@ def _accepts_direct(folder) -> bool:
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """Blocks of 8 KiB copied 4 KiB at a time: items span blocks and pieces."""
+    """Blocks of 8 KiB: items span blocks."""
     monkeypatch.setattr(direct, "BLOCK_BYTES", 8192)
-    monkeypatch.setattr(direct, "_PIECE_BYTES", 4096)
     monkeypatch.setattr(direct, "_pool", [])
 
 
@@ -136,3 +139,28 @@ def test_the_manager_writes_direct_files_unless_told_not_to(tmp_path, mode, dire
     assert (resident <= len(files)) if direct_io else (resident >= 1024), resident
     saved = read_checkpoint(layout.step_dir(str(tmp_path / "checkpoint"), 1))
     assert_same({k: saved[k] for k in model.state_dict()}, model.state_dict())
+
+
+def test_a_failed_direct_write_raises_its_own_error_and_leaves_the_pool_usable(tmp_path, monkeypatch):
+    """A write the kernel fails (here past `RLIMIT_FSIZE`: EFBIG) is the error raised, with every
+    block handed back and closable (none still viewed by the error), and the next file is written
+    from the same pool."""
+    if not _accepts_direct(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    full = direct._IDLE_BLOCKS + direct.BLOCKS_PER_FILE  # still full once the file took its blocks
+    monkeypatch.setattr(direct, "_pool", [mmap.mmap(-1, direct.BLOCK_BYTES) for _ in range(full)])
+    values = {"t": torch.randn(8 << 20)}  # 32 MiB
+    job = filewriter.FileJob(str(tmp_path / "f.distcp"), [filewriter.Entry("t", values["t"])], direct=True)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (12 << 20, hard))
+    try:
+        with pytest.raises(OSError) as raised:
+            filewriter.write_file(job).durable()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert raised.value.errno == errno.EFBIG
+    assert not [t for t in threading.enumerate() if t.name == "ckpt-direct"]
+    again = filewriter.FileJob(str(tmp_path / "g.distcp"), [filewriter.Entry("t", values["t"])], direct=True)
+    _check_file(again.path, filewriter.write_file(again), values)

@@ -159,6 +159,26 @@ def test_a_failing_write_in_the_writer_process_is_raised_here(tmp_path):
     assert not os.path.exists(job.path)
 
 
+def test_files_that_cannot_be_pickled_fail_that_call_only(tmp_path):
+    """A key that cannot be pickled is refused before anything reaches the writer: that call
+    fails, the writer stays up, and a shared buffer first named by the failed call is handed
+    over again by the next (the writer never got it)."""
+    shared = torch.arange(1000.0).share_memory_()
+    bad = filewriter.FileJob(str(tmp_path / "bad.distcp"),
+                             [filewriter.Entry("t", shared), filewriter.Entry(threading.Lock(), b"x")])
+    good = filewriter.FileJob(str(tmp_path / "good.distcp"), [filewriter.Entry("t", shared)])
+    writer = WriterProcess()
+    try:
+        with pytest.raises(WriterProcessError, match="cannot be handed to the writer process"):
+            writer([bad], None, True)
+        assert writer.alive
+        (result,) = writer([good], None, True)
+    finally:
+        writer.close()
+    assert not os.path.exists(bad.path)
+    _check_file(good.path, result, {"t": shared})
+
+
 def test_copies_made_for_writing_are_checksummed_early_and_the_crc_stays_right(tmp_path, monkeypatch):
     monkeypatch.setattr(filewriter._BackgroundCrc, "TEMPORARY_BYTES", 1)  # each copy waits for its checksum
     base = torch.randn(40, 8192, generator=torch.Generator().manual_seed(1))

@@ -92,7 +92,8 @@ class ConsolidationError(CheckpointError):
 
 
 class WriterProcessError(RuntimeError):
-    """The writer process is gone (killed, crashed) or answered nonsense."""
+    """The writer process is gone (killed, crashed), answered nonsense, or could not be handed
+    a save's files (they cannot be pickled)."""
 
 
 class RankFailed(Exception):

@@ -6,8 +6,8 @@ ranks per core) that CPU is most of a save's time. With `O_DIRECT` the disk read
 straight from the process's memory. It needs offsets, lengths and memory aligned to the
 device's block (`ALIGN` covers 512-byte and 4 KiB devices), which a file of back-to-back
 archives does not have, so the bytes are first copied into page-aligned blocks (`BLOCK_BYTES`,
-a few per file): one copy at memory speed instead of the kernel's, checksummed while the block
-is still in the processor's cache. A helper thread writes the full blocks while the next fills.
+a few per file): one copy at memory speed instead of the kernel's. A helper thread checksums and
+writes each full block while the next fills.
 The last block is padded to `ALIGN` and the file cut back to its size.
 
 A file system that refuses `O_DIRECT` (tmpfs, some FUSE ones) is written through the page cache,
@@ -40,8 +40,6 @@ BLOCK_BYTES = 8 << 20
 """Bytes copied into one block before it is written."""
 BLOCKS_PER_FILE = 3
 """Blocks a file uses at once: one filling, the rest being written."""
-_PIECE_BYTES = 1 << 20
-"""Bytes copied, then checksummed, at a time (while they are still in the processor's cache)."""
 _IDLE_BLOCKS = 8
 """Blocks kept for the next files (their pages stay mapped: a fresh block's first touch costs)."""
 
@@ -49,11 +47,21 @@ _pool: list[mmap.mmap] = []
 _pool_lock = threading.Lock()
 
 
+def _forget_pool() -> None:
+    """In a forked child: its copies of the idle blocks are not its to hand out, and the lock
+    may have been held by a thread that does not exist there."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = [], threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _take_block() -> mmap.mmap:
     with _pool_lock:
         if _pool:
             return _pool.pop()
-    return mmap.mmap(-1, BLOCK_BYTES)  # anonymous maps are page-aligned
+    return mmap.mmap(-1, BLOCK_BYTES, flags=mmap.MAP_PRIVATE)  # anonymous maps are page-aligned
 
 
 def _give_block(block: mmap.mmap) -> None:
@@ -61,7 +69,10 @@ def _give_block(block: mmap.mmap) -> None:
         if len(_pool) < _IDLE_BLOCKS:
             _pool.append(block)
             return
-    block.close()
+    try:
+        block.close()
+    except BufferError:  # a view of it is still alive somewhere: unmapped when that goes
+        pass
 
 
 def _address(buffer) -> int:
@@ -77,17 +88,18 @@ def open_direct(path: str) -> int | None:
     try:
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | flag, 0o644)
     except OSError as e:
-        if e.errno != errno.EINVAL:
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
             raise
         return None
 
 
 class DirectOutput:
     """The file being written with `O_DIRECT` (`fd` from `open_direct`): `write()` copies into
-    the current block and checksums; full blocks go to a helper thread. `finish()` queues the
-    last block and returns; `settle()` waits until every block is written and cuts the padding
-    off (before the fsync); `abort()` stops the helper after a failure. `step` arms the `write`
-    fail point (the first block is written, then the process is killed)."""
+    the current block; full blocks go to a helper thread, which checksums and writes them.
+    `finish()` queues the last block and returns; `settle()` waits until every block is written
+    and cuts the padding off (before the fsync); `abort()` stops the helper after a failure.
+    `step` arms the `write` fail point (half of the first block is written, then the process is
+    killed)."""
 
     def __init__(self, fd: int, step: int | None):
         self._fd = fd
@@ -105,7 +117,7 @@ class DirectOutput:
         self._fill = 0
         self._at = 0
         """File offset of the current block."""
-        self._todo: queue.SimpleQueue[tuple[mmap.mmap, int, int] | None] = queue.SimpleQueue()
+        self._todo: queue.SimpleQueue[tuple[mmap.mmap, int, int, int] | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ckpt-direct", daemon=True)
         self._thread.start()
@@ -120,9 +132,8 @@ class DirectOutput:
         while done < n:
             if self._block is None:
                 self._next_block()
-            take = min(n - done, BLOCK_BYTES - self._fill, _PIECE_BYTES)
+            take = min(n - done, BLOCK_BYTES - self._fill)
             ctypes.memmove(self._address + self._fill, source + done, take)  # releases the GIL
-            self._crc = crc32(memoryview(self._block)[self._fill : self._fill + take], self._crc)
             self._fill += take
             done += take
             if self._fill == BLOCK_BYTES:
@@ -130,7 +141,7 @@ class DirectOutput:
         self.pos += n
 
     def crc(self) -> int:
-        """The CRC-32 of every byte written."""
+        """The CRC-32 of every byte written, once `settle()` or `abort()` has returned."""
         return self._crc
 
     def finish(self) -> None:
@@ -138,8 +149,7 @@ class DirectOutput:
         if self._block is not None and self._fill:
             padded = -(-self._fill // ALIGN) * ALIGN
             self._block[self._fill : padded] = bytes(padded - self._fill)
-            self._fill = padded
-            self._submit()
+            self._submit(padded)
         self._todo.put(None)
 
     def settle(self) -> None:
@@ -168,23 +178,27 @@ class DirectOutput:
             raise self._error
         self._block, self._address, self._fill = block, _address(block), 0
 
-    def _submit(self) -> None:
-        block, at, length = self._block, self._at, self._fill
-        self._block, self._at = None, at + length
+    def _submit(self, length: int | None = None) -> None:
+        """Queue the current block: its `_fill` bytes of data, written as `length` (padded)."""
+        block, at, data = self._block, self._at, self._fill
+        self._block, self._at = None, at + data
         if self._step is not None:  # the `write` fail point: a data file is partly written
-            _pwrite(self._fd, memoryview(block)[:length], at)
+            prefix = data // 2 // ALIGN * ALIGN
+            _pwrite(self._fd, memoryview(block)[:prefix], at)
             faults.hit("write", self._step)
             self._step = None
-        self._todo.put((block, at, length))
+        self._todo.put((block, at, data, length or data))
 
     def _run(self) -> None:
+        """Checksums, then writes, each block in order (blocks after a failure are only handed back)."""
         while (job := self._todo.get()) is not None:
-            block, at, length = job
+            block, at, data, length = job
             if self._error is None:
                 try:
+                    self._crc = crc32(memoryview(block)[:data], self._crc)  # releases the GIL
                     _pwrite(self._fd, memoryview(block)[:length], at)
                 except BaseException as e:  # raised by the writer's next block, or by settle()
-                    self._error = e
+                    self._error = e.with_traceback(None)  # its frames hold views of the block
             self._blocks.put(block)
 
 

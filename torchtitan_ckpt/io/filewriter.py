@@ -346,12 +346,12 @@ _LookedUp = tuple[object, "_Buffers | Callable[[], _Buffers]", "Callable[[], Non
 def _write(path: str, entries: list[_LookedUp], direct: bool, step: int | None, sync: bool) -> WrittenFile:
     step = step if faults.armed() else None
     fd = open_direct(path) if direct and sync else None
-    if fd is None:
-        f = open(path, "wb", buffering=0)
-        out: _Output | DirectOutput = _Output(f.fileno(), step, sync)
-    else:
-        f = io.FileIO(fd, "w")
-        out = DirectOutput(fd, step)
+    f = open(path, "wb", buffering=0) if fd is None else io.FileIO(fd, "w")
+    try:
+        out: _Output | DirectOutput = _Output(f.fileno(), step, sync) if fd is None else DirectOutput(fd, step)
+    except BaseException:
+        f.close()
+        raise
     places = []
     try:
         for key, buffers, ready in entries:
@@ -363,8 +363,10 @@ def _write(path: str, entries: list[_LookedUp], direct: bool, step: int | None, 
             places.append((key, start, out.pos - start))
         out.finish()
     except BaseException:  # no helper thread outlives a failed file
-        out.abort()
-        f.close()
+        try:
+            out.abort()
+        finally:
+            f.close()
         raise
     synced: Future = Future()
     threading.Thread(target=_sync_and_close, args=(f, out, sync, synced), name="ckpt-fsync", daemon=True).start()

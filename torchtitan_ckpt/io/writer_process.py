@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from itertools import count
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -96,9 +97,18 @@ class WriterProcess:
                 if e.ready is not None and not isinstance(e.ready, CountWait):
                     raise TypeError(f"an entry for the writer process waits on {e.ready!r}, not a CountWait")
             files.append((job.path, [(e.key, self._ref(e.data, register), e.ready) for e in job.entries], job.direct))
-        drop_ids = []
+        dropped = [k for k in self._registered if k not in self._used] if drop else []
+        try:  # pickled first: a message that cannot be is refused before a byte reaches the writer
+            message = ForkingPickler.dumps({"step": step, "sync": sync, "register": register, "files": files,
+                                            "drop": [self._registered[k][0] for k in dropped]})
+        except Exception as e:
+            for key in [k for k, (buffer_id, _) in self._registered.items() if buffer_id in register]:
+                del self._registered[key]  # never sent: the writer does not know them
+            raise WriterProcessError(f"the files to write cannot be handed to the writer process: "
+                                     f"{type(e).__name__}: {e}") from e
+        for key in dropped:
+            del self._registered[key]
         if drop:
-            drop_ids = [self._registered.pop(k)[0] for k in list(self._registered) if k not in self._used]
             self._used = set()
         done: Future = Future()
         with self._lock:
@@ -106,7 +116,7 @@ class WriterProcess:
                 raise self._gone
             self._waiting.append(done)
             try:
-                self._conn.send({"step": step, "sync": sync, "register": register, "drop": drop_ids, "files": files})
+                self._conn.send_bytes(message)
             except BaseException as e:
                 self._waiting.pop()
                 self._registered.clear()
