@@ -7,6 +7,7 @@ a real pseudo-terminal."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import pty
@@ -257,6 +258,10 @@ def test_interrupted_convert_leaves_nothing_that_looks_complete(small_step, tmp_
     out = str(tmp_path / "step-7")
     partial = out + cli.PARTIAL_SUFFIX
     r, w = os.pipe()
+    # One page of pipe: between the test reading "reading" and filling the pipe, the command can
+    # write no more than that (the writing's progress lines are several pages; with the default
+    # 64 KiB it once finished the whole convert in that window).
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
     # No warnings: the first line after "reading" is then the one that starts the writing, once
     # the HF files exist, and it waits for the full pipe.
     proc = subprocess.Popen([*CMD, "convert", "--to", "hf", small_step, out, "--threads", "1",
