@@ -7,7 +7,6 @@ a real pseudo-terminal."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import pty
@@ -251,6 +250,13 @@ def _fill(pipe_w: int) -> None:
         os.close(filler)
 
 
+def _sigint_default() -> None:
+    """In the command's process before it starts: SIGINT as a terminal delivers it, whatever the
+    test inherited (a shell ignores SIGINT in the commands it starts in the background, and the
+    command, as any Python program, then keeps ignoring it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_interrupted_convert_leaves_nothing_that_looks_complete(small_step, tmp_path):
     """SIGINT while the HF files are half written (the command is held there by a full stderr
     pipe, so the moment is certain): exit 130, no output folder, no .partial one, nothing `list`
@@ -258,15 +264,11 @@ def test_interrupted_convert_leaves_nothing_that_looks_complete(small_step, tmp_
     out = str(tmp_path / "step-7")
     partial = out + cli.PARTIAL_SUFFIX
     r, w = os.pipe()
-    # One page of pipe: between the test reading "reading" and filling the pipe, the command can
-    # write no more than that (the writing's progress lines are several pages; with the default
-    # 64 KiB it once finished the whole convert in that window).
-    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
     # No warnings: the first line after "reading" is then the one that starts the writing, once
     # the HF files exist, and it waits for the full pipe.
     proc = subprocess.Popen([*CMD, "convert", "--to", "hf", small_step, out, "--threads", "1",
                              "--progress-every", "0"], stdout=subprocess.PIPE, stderr=w,
-                            env={**ENV, "PYTHONWARNINGS": "ignore"}, cwd=ROOT)
+                            env={**ENV, "PYTHONWARNINGS": "ignore"}, cwd=ROOT, preexec_fn=_sigint_default)
     try:
         _read_until(r, b"convert: reading")
         _fill(w)

@@ -16,7 +16,10 @@ What differs is how the bytes reach the disk:
   on the disk, instead of following them;
 - buffers (headers and tensors' bytes alike) are handed to the kernel many at a time, with
   `os.writev`, and the disk is started on each 64 MiB as soon as it is written (by a helper
-  thread, so the writer never waits for the disk's queue).
+  thread, so the writer never waits for the disk's queue);
+- or, for a file that is fsynced and asks for it (`FileJob.direct`), around the page cache
+  altogether (`direct.DirectOutput`: copied into aligned blocks that a helper thread checksums
+  and writes with `O_DIRECT`), where the file system allows.
 
 This module has no DCP planner or process group in it: a `FileJob` carries resolved data, so
 the same function runs in the training process or in the writer process of
