@@ -7,13 +7,13 @@ straight from the process's memory. It needs offsets, lengths and memory aligned
 device's block (`ALIGN` covers 512-byte and 4 KiB devices), which a file of back-to-back
 archives does not have, so the bytes are first copied into page-aligned blocks (`BLOCK_BYTES`,
 a few per file): one copy at memory speed instead of the kernel's. A helper thread checksums and
-writes each full block while the next fills.
-The last block is padded to `ALIGN` and the file cut back to its size.
+writes each full block while the next fills. The last block is padded to `ALIGN` and the file
+cut back to its size.
 
-A file system that refuses `O_DIRECT` (tmpfs, some FUSE ones) is written through the page cache,
-by the caller's buffered path (`open_direct` returns None); one that accepts the flag but refuses
-a write (a larger alignment) gets the rest of the file through the page cache from the same
-descriptor (`fcntl` clears the flag).
+A file system that refuses `O_DIRECT` (tmpfs before Linux 6.6, some FUSE ones) is written
+through the page cache, by the caller's buffered path (`open_direct` returns None); one that
+accepts the flag but refuses a write (a larger alignment) gets the rest of the file through the
+page cache from the same descriptor (`fcntl` clears the flag).
 """
 
 from __future__ import annotations
