@@ -30,6 +30,7 @@ import threading
 import numpy as np
 
 from .. import faults
+from . import posio
 from .checksum import crc32
 
 logger = logging.getLogger(__name__)
@@ -203,21 +204,15 @@ class DirectOutput:
 
 
 def _pwrite(fd: int, data: memoryview, offset: int) -> None:
-    """Write all of `data` at `offset`; where a direct write is refused (an alignment larger
-    than `ALIGN`) or comes back short (the rest would no longer be aligned), the file's later
-    writes go through the page cache."""
-    while len(data):
-        try:
-            n = os.pwrite(fd, data, offset)
-        except OSError as e:
-            if e.errno != errno.EINVAL or not _clear_direct(fd):
-                raise
-            continue
-        if not n:
-            raise OSError(f"pwrite wrote nothing of {len(data)} bytes")
-        data, offset = data[n:], offset + n
-        if len(data) and n % ALIGN:
-            _clear_direct(fd)
+    """`posio.write_all`; where a direct write is refused (an alignment larger than `ALIGN`, or
+    the unaligned rest after a short write), the same bytes again, and the file's later writes,
+    through the page cache."""
+    try:
+        posio.write_all(fd, data, offset)
+    except OSError as e:
+        if e.errno != errno.EINVAL or not _clear_direct(fd):
+            raise
+        posio.write_all(fd, data, offset)
 
 
 def _clear_direct(fd: int) -> bool:

@@ -386,8 +386,9 @@ def _write(path: str, entries: list[_LookedUp], direct: bool, step: int | None, 
 
 def write_file(job: FileJob, step: int | None = None, sync: bool = True) -> WrittenFile:
     """Write `job`'s entries into a new file at `job.path` and return as soon as every byte is
-    handed over (to the kernel, or copied into the blocks of a direct write); the fsync (when `sync`) and the CRC-32 continue in the background
-    until `durable()` is called on the result. `step` arms the `write` fail point."""
+    handed over (to the kernel, or copied into the blocks of a direct write); the fsync (when
+    `sync`) and the CRC-32 continue in the background until `durable()` is called on the result.
+    `step` arms the `write` fail point."""
     return _write(job.path, [(e.key, _lookup(e), e.ready) for e in job.entries], job.direct, step, sync)
 
 
