@@ -8,9 +8,12 @@ example job's model parts and AdamW state (after one step) are saved with
 `CheckpointManager.save` (sync, committed, fsynced) and loaded back with `CheckpointManager.load`
 after the step folder's page cache was dropped. Each time runs from a barrier to the barrier
 after it (the slowest rank counts); the job's first save (planned from scratch) and first load
-are timed apart, as in `benchmarks.paired`; each repeat times ours, then its floor, and the table gives
-the median time of each and the median of the repeats' ratios (steadier than a ratio of
-medians while the disk's speed drifts).
+are timed apart, as in `benchmarks.paired`; each repeat times ours and its floor, in an order
+that turns every repeat, and the table gives the median time of each and the median of the
+repeats' ratios (steadier than a ratio of medians while the disk's speed drifts). Before each
+cold read, ours and the floor's, every file it reads is read once and dropped from the page
+cache (`suite.read_then_drop`): both then read what the virtual disk's host holds in the same
+state, rather than one fresh and one cached there.
 
 The floor is the same bytes with plain Python, in new files as our save writes them:
 - save: each rank writes as many bytes as its data files of our step hold (in one `write`, from
@@ -36,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from benchmarks.common import run_ranks
-from benchmarks.suite import clear, drop_cache, measure, raw_write, read_ranges
+from benchmarks.suite import clear, drop_cache, measure, raw_write, read_ranges, read_then_drop
 from torchtitan_ckpt import CheckpointManager, layout
 from torchtitan_ckpt.dcp.storage import dtensor_chunk
 from torchtitan_ckpt.example.config import load_job_config
@@ -100,9 +103,15 @@ def _write_load_floor(held: list[tuple[tuple, torch.Tensor]], folder: str, rank:
         ends[r] += n
     raw_write([t for key, t in sorted(held, key=lambda kt: kt[0]) if owner[key][0] == rank],
               os.path.join(folder, f"rank{rank}"))
+    return [places[key] for key, _ in mine]
+
+
+def _cold(folder: str, files: list[str], rank: int) -> None:
+    """`files` (this rank's share of those in `folder`) read once and dropped from the page
+    cache, then `folder` dropped on every rank, before a timed cold read."""
+    read_then_drop(files)
     dist.barrier()
     drop_cache(folder)
-    return [places[key] for key, _ in mine]
 
 
 def _bench_layout(rank: int, folder: str, flavor: str, name: str, repeats: int) -> dict[str, float]:
@@ -118,20 +127,31 @@ def _bench_layout(rank: int, folder: str, flavor: str, name: str, repeats: int) 
         first_save = measure(lambda: manager.save(1, last_step=True))[0]
         drop_cache(step)
         first_load = measure(lambda: manager.load(1))[0]
-        for _ in range(repeats):
+        written = sum(os.path.getsize(f) for f in glob.glob(os.path.join(step, f"__{rank}_*.distcp")))
+        floor_folder = os.path.join(folder, "raw_load")
+        floor_ranges = _write_load_floor(held, floor_folder, rank)
+
+        def save() -> float:
             clear(step, rank)
-            times["save"].append(measure(lambda: manager.save(1, last_step=True))[0])
-            written = sum(os.path.getsize(f) for f in glob.glob(os.path.join(step, f"__{rank}_*.distcp")))
+            return measure(lambda: manager.save(1, last_step=True))[0]
+
+        def write() -> float:
             block = [torch.ones(written, dtype=torch.uint8)]
             clear(os.path.dirname(raw), rank)  # a new file, as our save's
-            times["raw_write"].append(measure(functools.partial(raw_write, block, raw))[0])
-            block.clear()  # its memory back before the load
-            drop_cache(step)
-            times["load"].append(measure(lambda: manager.load(1))[0])
-            # written anew each time, as the step is: on a virtual disk the host may still
-            # cache a file read before, and one written with O_DIRECT it does not
-            floor_ranges = _write_load_floor(held, os.path.join(folder, "raw_load"), rank)
-            times["raw_read"].append(measure(lambda: read_ranges(floor_ranges))[0])
+            return measure(functools.partial(raw_write, block, raw))[0]
+
+        def load() -> float:
+            _cold(step, sorted(filter(os.path.isfile, glob.glob(os.path.join(step, "*"))))[rank::RANKS], rank)
+            return measure(lambda: manager.load(1))[0]
+
+        def read() -> float:
+            _cold(floor_folder, [os.path.join(floor_folder, f"rank{rank}")], rank)
+            return measure(lambda: read_ranges(floor_ranges))[0]
+
+        for i in range(repeats):
+            for pair in ((("save", save), ("raw_write", write)), (("load", load), ("raw_read", read))):
+                for key, fn in pair if i % 2 == 0 else reversed(pair):
+                    times[key].append(fn())
     gb = torch.tensor(float(sum(t.nbytes for _, t in held)))
     dist.all_reduce(gb)
     ratios = {"save_x": [s / w for s, w in zip(times["save"], times["raw_write"])],

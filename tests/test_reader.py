@@ -418,3 +418,61 @@ def test_every_run_of_a_file_out_of_the_page_cache_is_read_as_cold(tmp_path, mon
     # on a busy machine a stray 1 (cause not found: the file was out of the cache, by mincore,
     # just before each load). The order above is what the change guarantees.
     assert len(judged) == 18 and judged.count(False) <= 1, (judged.count(False), judged)
+
+
+def _resident(path: str, start: int, stop: int) -> bool:
+    """Whether every page of bytes [start, stop) of `path` is in the page cache (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, end = start - start % page, -(-stop // page) * page
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), end - first, access=mmap.ACCESS_COPY, offset=first)
+        at = ctypes.c_char.from_buffer(mapped)
+        try:
+            held = (ctypes.c_ubyte * ((end - first) // page))()
+            if libc.mincore(ctypes.c_void_p(ctypes.addressof(at)), ctypes.c_size_t(end - first), held) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+            return all(b & 1 for b in held)
+        finally:
+            del at
+            mapped.close()
+
+
+@pytest.mark.skipif(not getattr(os, "RWF_NOWAIT", 0), reason="no preadv(RWF_NOWAIT) to tell a cold page cache")
+def test_a_cold_run_reads_its_first_tensor_bytes_ahead_before_the_fill(tmp_path, monkeypatch):
+    """On a cold cache the check pass asks the kernel for the first `_AHEAD` bytes of each run's
+    tensors, so the disk works while the ranks agree; by the time the fill starts they are in
+    the page cache, and what lies past them is not (the first pass dropped what it read)."""
+    from torchtitan_ckpt.io import reader
+
+    g = torch.Generator().manual_seed(3)
+    saved = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(6)}  # 1 MiB each
+    path = str(tmp_path / "step")
+    dcp.save(saved, storage_writer=storage.make_storage_writer(path))
+    if not _drops_and_tells(str(tmp_path / "probe")):
+        pytest.skip("this file system keeps a file's pages after POSIX_FADV_DONTNEED, or cannot tell")
+    monkeypatch.setattr(reader, "_AHEAD", 1 << 20)
+    seen: list[tuple[bool, bool]] = []
+    real_fill = reader.ItemReader.fill
+
+    def fill(self, planner):
+        (run,) = self._checked
+        first, last = run.planned[0], run.planned[-1]
+        head = (reader._start(first), reader._start(first) + (1 << 20))
+        middle = reader._start(last) + (256 << 10), reader._start(last) + (768 << 10)
+        for _ in range(300):  # the kernel reads it in the background
+            if _resident(first.item.cursor.path, *head):
+                break
+            time.sleep(0.01)
+        seen.append((_resident(first.item.cursor.path, *head), _resident(last.item.cursor.path, *middle)))
+        return real_fill(self, planner)
+
+    monkeypatch.setattr(reader.ItemReader, "fill", fill)
+    (data,) = [name for name in os.listdir(path) if name.endswith(".distcp")]
+    os.fsync(fd := os.open(os.path.join(path, data), os.O_RDONLY))
+    os.close(fd)
+    _evict(os.path.join(path, data))
+    wanted = {k: torch.zeros_like(v) for k, v in saved.items()}
+    dcp.load(wanted, storage_reader=storage.make_storage_reader(path, threads=1), planner=storage.make_load_planner())
+    assert all(torch.equal(wanted[k], saved[k]) for k in saved)
+    assert seen == [(True, False)]

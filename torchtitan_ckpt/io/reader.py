@@ -55,6 +55,10 @@ _SPAN = 64 << 20
 _SCRATCH = 4 << 20
 """Most bytes between tensors one vectored read moves into its scratch buffer (a checkpoint's
 framing is a few KB per item; this bounds what a crafted one can make the reader allocate)."""
+_AHEAD = 64 << 20
+"""Bytes of a run's tensors, from its first, that the kernel is asked to start reading once the
+run's first pass is done on a cold cache, so that the disk works while the ranks agree that
+every item checked out (a round that waits for the slowest rank's planning and checks)."""
 
 # ---------------------------------------------------------------- one file, read forward
 
@@ -121,6 +125,12 @@ class _Cursor:
         if self.cold and self.span[1] > self.span[0]:
             start = self.span[0] - self.span[0] % _PAGE
             os.posix_fadvise(self.fd, start, self.span[1] - start, os.POSIX_FADV_DONTNEED)
+
+    def read_ahead(self, start: int, stop: int) -> None:
+        """On a cold cache, ask the kernel to start reading bytes [start, stop) (after
+        `forget_read`, which would drop them)."""
+        if self.cold and stop > start:
+            os.posix_fadvise(self.fd, start, stop - start, os.POSIX_FADV_WILLNEED)
 
     def prefetch(self, places: Sequence) -> None:
         """On a cold cache, ask the kernel to start reading the few KB at each end of the items
@@ -396,6 +406,10 @@ class ItemReader:
                 else:
                     planned.append(self._check_tensor(item, req, planner))
             cursor.forget_read()
+            direct = [p for p in planned if _direct(p)]
+            if direct:
+                first, last = _start(direct[0]), _start(direct[-1]) + direct[-1].dest.nbytes
+                cursor.read_ahead(first, min(last, first + _AHEAD))
             return _Run(cursor, planned)
         except BaseException:
             self._failed.set()
