@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.tensor import DTensor
 
 from torchtitan_ckpt import CheckpointManager, layout
@@ -28,6 +30,7 @@ from torchtitan_ckpt.example.data import build_dataloader
 from torchtitan_ckpt.example.model import FLAVORS, hf_adapter
 from torchtitan_ckpt.example.parallel import ParallelDims, pipeline_parts
 from torchtitan_ckpt.example.train import Run, TrainState, build_model, build_run, train_steps
+from torchtitan_ckpt.dcp import load_plan, storage
 from torchtitan_ckpt.dcp.storage import dtensor_chunk
 from torchtitan_ckpt.hf import load_hf, save_hf
 from torchtitan_ckpt.hf.load import read_hf_layout
@@ -152,9 +155,35 @@ def _load_on(config: JobConfig, world_size: int, rank: int, group: Any = None) -
     return _gathered(run)
 
 
+_OUR_PLAN = storage.SafeLoadPlanner.create_local_plan
+
+
+def _plans_checked_against_dcp(differing: list[str]) -> None:
+    """Every local load plan of this process is made by `dcp.load_plan` and compared, item for
+    item with its index hints, with the plan DCP's own planner makes for the same state; a line
+    per load that is not, or whose plan differs, goes to `differing`."""
+
+    def checked(self) -> LoadPlan:
+        if not load_plan.matches(self.state_dict, self.metadata, self.original_state_dict):
+            differing.append(f"rank {dist.get_rank()}: a load not planned by dcp.load_plan")
+        plan = _OUR_PLAN(self)
+        theirs = DefaultLoadPlanner.create_local_plan(self)
+
+        def hinted(p):
+            return [(i, i.dest_index.index, i.storage_index.index) for i in p.items]
+        if hinted(plan) != hinted(theirs):
+            differing.append(f"rank {dist.get_rank()}: a load plan of {len(plan.items)} items differs from DCP's "
+                             f"({len(theirs.items)} items)")
+        return plan
+
+    storage.SafeLoadPlanner.create_local_plan = checked
+
+
 def _matrix(rank: int, world_size: int, folder: str, flavor: str, saved_on: str) -> list[str]:
     """Train, resume, and load on every other layout of `flavor` and on 1 rank; what differs
-    (rank 0)."""
+    (rank 0), and any load plan that differs from DCP's own (any rank)."""
+    plans: list[str] = []
+    _plans_checked_against_dcp(plans)
     saved, wrong = _train_and_resume(rank, world_size, folder, flavor, saved_on)
     path = layout.step_dir(os.path.join(folder, "checkpoint"), 2)
     if rank == 0:
@@ -168,7 +197,7 @@ def _matrix(rank: int, world_size: int, folder: str, flavor: str, saved_on: str)
     if rank == 0:
         config = _config(folder, flavor, None, "--training.seed", "7", "--checkpoint.load_step", "2")
         wrong += _differences(saved, _load_on(config, 1, 0, alone), f"saved on {saved_on}, loaded on 1 rank")
-    return wrong
+    return wrong + [line for found in _all_ranks(plans) for line in found]
 
 
 def _model_state(run: Run) -> dict[str, Any] | None:

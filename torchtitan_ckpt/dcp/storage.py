@@ -49,6 +49,7 @@ from torch.futures import Future
 from ..io import filewriter, reader, safe_open, torch_archive
 from ..io.checksum import crc32
 from ..policy.split import balanced_groups
+from . import load_plan
 from .planner import DedupSavePlanner, PlanCache
 from .validate import check_metadata
 from ..errors import CorruptCheckpointError, PartialLoadError
@@ -197,6 +198,15 @@ class _ReadOnlyRegularFiles(FileSystem):
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, but non-tensor values are unpickled with `weights_only=True`."""
+
+    def create_local_plan(self) -> LoadPlan:
+        """DCP's local plan, each distinct chunk layout worked out once (`load_plan`) when the
+        checkpoint holds every value of the state; else DCP's own planning, with its rules for
+        missing keys and older checkpoints."""
+        original = self.original_state_dict if self.flatten_state_dict else None
+        if self.metadata is not None and load_plan.matches(self.state_dict, self.metadata, original):
+            return load_plan.local_load_plan(self.state_dict, self.metadata)
+        return super().create_local_plan()
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
