@@ -383,6 +383,16 @@ def _drops_and_tells(path: str) -> bool:
         os.close(fd)
 
 
+def _saved_where_cold_shows(saved: dict[str, torch.Tensor], tmp_path) -> str:
+    """`saved` as a DCP step in `tmp_path`; the test is skipped on a file system that keeps a
+    file's pages after `POSIX_FADV_DONTNEED` or cannot tell."""
+    path = str(tmp_path / "step")
+    dcp.save(saved, storage_writer=storage.make_storage_writer(path))
+    if not _drops_and_tells(str(tmp_path / "probe")):
+        pytest.skip("this file system keeps a file's pages after POSIX_FADV_DONTNEED, or cannot tell")
+    return path
+
+
 @pytest.mark.skipif(not getattr(os, "RWF_NOWAIT", 0), reason="no preadv(RWF_NOWAIT) to tell a cold page cache")
 def test_every_run_of_a_file_out_of_the_page_cache_is_read_as_cold(tmp_path, monkeypatch):
     """A file cut into runs read on several threads: each run is judged cold or cached before
@@ -392,10 +402,7 @@ def test_every_run_of_a_file_out_of_the_page_cache_is_read_as_cold(tmp_path, mon
 
     g = torch.Generator().manual_seed(2)
     saved = {f"w{i:02d}": torch.randn(16, 256, generator=g) for i in range(48)}  # 16 KiB each
-    path = str(tmp_path / "step")
-    dcp.save(saved, storage_writer=storage.make_storage_writer(path))
-    if not _drops_and_tells(str(tmp_path / "probe")):
-        pytest.skip("this file system keeps a file's pages after POSIX_FADV_DONTNEED, or cannot tell")
+    path = _saved_where_cold_shows(saved, tmp_path)
     judged: list[bool] = []
     events: list[str] = []  # every probe comes before the load's first read of the file
     real, real_init, real_read = reader._Cursor.forget_read, reader._Cursor.__init__, reader.posio.read_bytes
@@ -447,10 +454,7 @@ def test_a_cold_run_reads_its_first_tensor_bytes_ahead_before_the_fill(tmp_path,
 
     g = torch.Generator().manual_seed(3)
     saved = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(6)}  # 1 MiB each
-    path = str(tmp_path / "step")
-    dcp.save(saved, storage_writer=storage.make_storage_writer(path))
-    if not _drops_and_tells(str(tmp_path / "probe")):
-        pytest.skip("this file system keeps a file's pages after POSIX_FADV_DONTNEED, or cannot tell")
+    path = _saved_where_cold_shows(saved, tmp_path)
     monkeypatch.setattr(reader, "_AHEAD", 1 << 20)
     seen: list[tuple[bool, bool]] = []
     real_fill = reader.ItemReader.fill
