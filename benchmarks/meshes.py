@@ -1,6 +1,6 @@
 """Durable save and cold resume on every mesh the example job builds, as ratios to the raw floor.
 
-    python -m benchmarks.meshes [--flavor bench] [--moe-flavor bench_moe] [--only PP,EP] [--repeats 3] [--dir /tmp/bench]
+    python -m benchmarks.meshes [--flavor bench] [--moe-flavor bench_moe] [--only PP,EP] [--repeats 4] [--dir /tmp/bench]
 
 On 4 gloo ranks on the CPU, for each layout (FSDP 4, HSDP 2x2, TP 2 x FSDP 2, TP 4, PP 2 x FSDP 2
 with two stages per rank, EP 2 x FSDP 2 on the MoE flavor, of about the dense flavor's size) the
@@ -15,13 +15,13 @@ cold read, ours and the floor's, every file it reads is read once and dropped fr
 cache (`suite.read_then_drop`): both then read what the virtual disk's host holds in the same
 state, rather than one fresh and one cached there.
 
-The floor is the same bytes with plain Python, in new files as our save writes them:
-- save: each rank writes as many bytes as its data files of our step hold (in one `write`, from
-  memory already touched), then fsyncs;
+The floor is the same bytes with plain Python:
+- save: each rank writes as many bytes as its data files of our step hold, into a new file as
+  our save does (`suite.raw_write`, from memory already touched), then fsyncs;
 - load: each rank reads cold every value it holds (replicas included: a rank loads all it holds)
   with plain `preadv`s. Each distinct piece of the state is in one file (its lowest holder's), so
   replicas read the same bytes of the same file, as they do from our step, where the dedup
-  policy wrote one copy.
+  policy wrote one copy. These files are written once, before the repeats.
 A layout whose ratio grows shows a regression in that layout's path.
 """
 
@@ -170,7 +170,7 @@ def _bench(rank: int, world: int, args, results: dict) -> None:
 
 def print_table(results: dict) -> None:
     print(f"\nsave and cold load per layout, {RANKS} gloo ranks, median; (x) = median of each repeat's ratio "
-          "to the raw floor of the same bytes, measured just after it\n")
+          "to the raw floor of the same bytes, measured beside it\n")
     print("| layout | flavor | GB held (all ranks) | durable save | raw write + fsync | cold load | raw cold read "
           "| first save / first cold load |")
     print("|---|---|---|---|---|---|---|---|")
@@ -185,7 +185,7 @@ def main() -> None:
     parser.add_argument("--flavor", default="bench", help="dense flavor (KV heads divisible by 4, layers by 4)")
     parser.add_argument("--moe-flavor", default="bench_moe", help="MoE flavor (experts divisible by 2)")
     parser.add_argument("--only", default="", help="layouts whose name holds one of these comma-separated words")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=4, help="an even count: each side goes first as often")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

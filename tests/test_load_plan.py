@@ -1,6 +1,6 @@
 """`dcp.load_plan` makes the local load plan DCP's own planner makes, item for item, on
-checkpoints saved in chunks of many shapes (the overlaps of resharding), for plain tensors and
-values; a state that does not hold exactly the checkpoint's values is left to DCP."""
+checkpoints saved in chunks of many shapes (the overlaps of resharding), for plain tensors,
+values and DTensors; a state it does not plan as DCP would is left to DCP's planner."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorProperties, TensorStorageMetadata)
 
 from torchtitan_ckpt.dcp import load_plan
+
+from .helpers import spawn
 
 
 def _grid(size: tuple[int, ...], parts: tuple[int, ...]) -> list[ChunkStorageMetadata]:
@@ -70,3 +72,34 @@ def test_a_state_unlike_the_checkpoint_is_left_to_dcp():
     assert load_plan.matches(flat, both, nested)
     older = Metadata(state_dict_metadata={**saved, "opt.lr": BytesStorageMetadata(), "opt": BytesStorageMetadata()})
     assert not load_plan.matches(flat, older, nested)
+    # so flattened, this state has the key "a.b" twice, which DCP's planner refuses
+    twice = {"a": {"b": {"x": 1}, "t": torch.zeros(1)}, "a.b": {"y": 2}}
+    keys = {"a.b.x": 1, "a.t": twice["a"]["t"], "a.b.y": 2}
+    more = Metadata(state_dict_metadata={"a.b.x": BytesStorageMetadata(), "a.b.y": BytesStorageMetadata(),
+                                         "a.t": TensorStorageMetadata(TensorProperties(dtype=torch.float32),
+                                                                      torch.Size([1]), _grid((1,), (1,))),
+                                         "other_rank": BytesStorageMetadata()})
+    assert load_plan.matches(keys, Metadata(state_dict_metadata={k: v for k, v in more.state_dict_metadata.items()
+                                                                 if k != "other_rank"}), twice)
+    assert not load_plan.matches(keys, more, twice)
+
+
+def _dtensors(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    size = torch.Size([6, 4])
+    saved = {f"w{i}": TensorStorageMetadata(TensorProperties(dtype=torch.float32), size, _grid((6, 4), (3, 1)))
+             for i in range(3)}
+    metadata = Metadata(state_dict_metadata=saved)
+    state = {k: distribute_tensor(torch.zeros(size), mesh, [Shard(d)]) for k, d in zip(saved, (0, 1, 0))}
+    assert load_plan.matches(state, metadata, state)
+    assert _hinted(load_plan.local_load_plan(state, metadata)) == \
+        _hinted(create_default_local_load_plan(state, metadata, True))
+    partial = {**state, "w0": DTensor.from_local(torch.zeros(size), mesh, [Partial()])}
+    assert not load_plan.matches(partial, metadata, partial)  # DCP's planner refuses it, with its message
+
+
+def test_dtensor_shards_are_planned_as_dcp_does_on_two_ranks():
+    spawn(2, _dtensors)

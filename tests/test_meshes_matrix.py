@@ -164,6 +164,7 @@ def _plans_checked_against_dcp(differing: list[str]) -> None:
     per load that is not, or whose plan differs, goes to `differing`."""
 
     def checked(self) -> LoadPlan:
+        checked.calls += 1
         if not load_plan.matches(self.state_dict, self.metadata, self.original_state_dict):
             differing.append(f"rank {dist.get_rank()}: a load not planned by dcp.load_plan")
         plan = _OUR_PLAN(self)
@@ -176,6 +177,7 @@ def _plans_checked_against_dcp(differing: list[str]) -> None:
                              f"({len(theirs.items)} items)")
         return plan
 
+    checked.calls = 0
     storage.SafeLoadPlanner.create_local_plan = checked
 
 
@@ -197,6 +199,8 @@ def _matrix(rank: int, world_size: int, folder: str, flavor: str, saved_on: str)
     if rank == 0:
         config = _config(folder, flavor, None, "--training.seed", "7", "--checkpoint.load_step", "2")
         wrong += _differences(saved, _load_on(config, 1, 0, alone), f"saved on {saved_on}, loaded on 1 rank")
+    if storage.SafeLoadPlanner.create_local_plan.calls == 0:
+        plans.append(f"rank {rank}: no load plan was compared with DCP's")
     return wrong + [line for found in _all_ranks(plans) for line in found]
 
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint._traverse import traverse_state_dict_v_2_3  # 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 _Chunks = tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
 
@@ -38,11 +38,12 @@ def _named(item: ReadItem, fqn: str) -> ReadItem:
 
 
 def _read_as_older(original: dict[str, Any], missing: set[str]) -> bool:
-    """Whether DCP's planner would read the checkpoint as one saved before torch 2.4: some of
-    the keys it has and the state lacks are keys of the state flattened as 2.3 did."""
-    older: set[str] = set()
-    traverse_state_dict_v_2_3(original, lambda path, _value: older.add(".".join(map(str, path))))
-    return bool(older & missing)
+    """Whether DCP's planner would read the checkpoint as one saved before torch 2.4 (some of
+    the keys it has and the state lacks are keys of the state flattened as 2.3 did), or refuse
+    the state so flattened (a key twice)."""
+    older: list[str] = []
+    traverse_state_dict_v_2_3(original, lambda path, _value: older.append(".".join(map(str, path))))
+    return bool(missing.intersection(older)) or len(set(older)) < len(older)  # DCP refuses a repeated key
 
 
 def matches(state_dict: dict[str, Any], metadata: Metadata, original: dict[str, Any] | None) -> bool:
@@ -60,8 +61,9 @@ def matches(state_dict: dict[str, Any], metadata: Metadata, original: dict[str, 
                 return False
         elif type(obj) not in (torch.Tensor, torch.nn.Parameter, DTensor) or md.size != obj.size():
             return False
-        elif type(obj) is DTensor and type(obj.to_local()) not in (torch.Tensor, torch.nn.Parameter):
-            return False  # a local tensor of its own kind makes its own chunks
+        elif type(obj) is DTensor and (type(obj.to_local()) not in (torch.Tensor, torch.nn.Parameter)
+                                       or any(isinstance(p, Partial) for p in obj.placements)):
+            return False  # a local tensor of its own kind makes its own chunks; DCP refuses a Partial
     missing = saved.keys() - state_dict.keys()
     return not (missing and original is not None and _read_as_older(original, missing))
 
@@ -82,9 +84,14 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata) -> LoadPlan:
             if obj.device_mesh.get_coordinate() is None:  # this rank holds none of it
                 continue
             where = (obj.shape, obj.device_mesh, obj.placements)
-            if where not in chunks:
-                chunks[where] = obj.__create_chunk_list__()
-            local = chunks[where]
+            try:
+                local = chunks.get(where)
+            except TypeError:  # a placement of the user's own that does not hash
+                where = local = None
+            if local is None:
+                local = obj.__create_chunk_list__()
+                if where is not None:
+                    chunks[where] = local
         else:
             local = [ChunkStorageMetadata(offsets=torch.Size([0] * obj.dim()), sizes=obj.size())]
         layout = (_key(md.chunks), _key(local))
