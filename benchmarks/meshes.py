@@ -12,8 +12,8 @@ are timed apart, as in `benchmarks.paired`; each repeat times ours and its floor
 that turns every repeat, and the table gives the median time of each and the median of the
 repeats' ratios (steadier than a ratio of medians while the disk's speed drifts). Before each
 cold read, ours and the floor's, every file it reads is read once and dropped from the page
-cache (`suite.read_then_drop`): both then read what the virtual disk's host holds in the same
-state, rather than one fresh and one cached there.
+cache (`suite.read_once`, then `suite.drop_cache`): both then read what the virtual disk's host
+holds in the same state, rather than one fresh and one cached there.
 
 The floor is the same bytes with plain Python:
 - save: each rank writes as many bytes as its data files of our step hold, into a new file as
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from benchmarks.common import run_ranks
-from benchmarks.suite import clear, drop_cache, measure, raw_write, read_ranges, read_then_drop
+from benchmarks.suite import clear, drop_cache, measure, raw_write, read_once, read_ranges
 from torchtitan_ckpt import CheckpointManager, layout
 from torchtitan_ckpt.dcp.storage import dtensor_chunk
 from torchtitan_ckpt.example.config import load_job_config
@@ -107,9 +107,9 @@ def _write_load_floor(held: list[tuple[tuple, torch.Tensor]], folder: str, rank:
 
 
 def _cold(folder: str, files: list[str], rank: int) -> None:
-    """`files` (this rank's share of those in `folder`) read once and dropped from the page
-    cache, then `folder` dropped on every rank, before a timed cold read."""
-    read_then_drop(files)
+    """`files` (this rank's share of those in `folder`) read once, then every file of `folder`
+    dropped from the page cache on every rank, before a timed cold read."""
+    read_once(files)
     dist.barrier()
     drop_cache(folder)
 

@@ -109,16 +109,16 @@ def drop_cache(folder: str) -> None:
                 os.close(fd)
 
 
-def read_then_drop(paths: list[str]) -> None:
-    """Read each file once, then drop it from this machine's page cache. On a virtual disk the
-    host may cache what was read before and not what was written with `O_DIRECT`, so a first
-    read can run at a quarter of a later one's speed (`docs/performance.md`, "Direct writes");
-    after this, every cold read of the file finds the host's cache in the same state."""
+def read_once(paths: list[str]) -> None:
+    """Read each file once, through this machine's page cache (the caller drops it after). On a
+    virtual disk the host may cache what was read before and not what was written with
+    `O_DIRECT`, so a first read can run at a quarter of a later one's speed
+    (`docs/performance.md`, "Direct writes"); after this, every cold read of the file finds the
+    host's cache in the same state."""
     for path in paths:
         with open(path, "rb", buffering=0) as f:
             while f.read(_CHUNK):
                 pass
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def measure(fn: Callable[[], Any]) -> tuple[float, int]:
