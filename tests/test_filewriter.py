@@ -159,6 +159,26 @@ def test_a_failing_write_in_the_writer_process_is_raised_here(tmp_path):
     assert not os.path.exists(job.path)
 
 
+def test_closing_while_other_threads_ask_for_the_exit_code_stops_the_writer_cleanly(caplog):
+    """The replies thread asks for the exit code (to name it in an error) as `close()` waits for
+    the writer; threads that reap one child at once made `close()` take a writer that had just
+    exited for one that did not stop, log it and kill its process id. Four writers, each closed
+    while eight threads ask for its exit code: every one stops with code 0 and nothing is logged."""
+    writers = [WriterProcess() for _ in range(4)]
+    codes: list[int | None] = []
+    for writer in writers:
+        askers = [threading.Thread(target=lambda w=writer: codes.append(w.exitcode)) for _ in range(8)]
+        with caplog.at_level("WARNING", logger="torchtitan_ckpt.io.writer_process"):
+            for t in askers:
+                t.start()
+            writer.close()
+        for t in askers:
+            t.join()
+        assert writer.exitcode == 0
+    assert not [r.getMessage() for r in caplog.records], "a writer that stopped was reported as not stopping"
+    assert len(codes) == 32
+
+
 def test_files_that_cannot_be_pickled_fail_that_call_only(tmp_path):
     """A key that cannot be pickled is refused before anything reaches the writer: that call
     fails, the writer stays up, and a shared buffer first named by the failed call is handed

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from itertools import count
+from multiprocessing import connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -71,6 +72,10 @@ class WriterProcess:
         """The shared storages named since the last call: the others are dropped by the next."""
         self._waiting: collections.deque[Future] = collections.deque()
         self._lock = threading.Lock()
+        self._reap = threading.Lock()
+        """Held by whoever asks whether the writer runs, waits for it or kills it: two threads
+        reaping one child at once make `multiprocessing` report it running after it exited (the
+        loser's `waitpid` fails), and a kill then aims at a process id the kernel may reuse."""
         self._gone: BaseException | None = None
         self._replies = threading.Thread(target=self._receive, name="ckpt-writer-replies", daemon=True)
         self._replies.start()
@@ -120,8 +125,7 @@ class WriterProcess:
             except BaseException as e:
                 self._waiting.pop()
                 self._registered.clear()
-                if self._proc.is_alive():  # what it has read of a message is unknown: the next save starts a new one
-                    self._proc.kill()
+                self._kill()  # what it has read of a message is unknown: the next save starts a new one
                 raise self._lost(e) if isinstance(e, OSError) else e
         return done
 
@@ -140,8 +144,8 @@ class WriterProcess:
                 else:
                     done.set_result([WrittenFile(size, places, lambda crc=crc: crc) for size, crc, places in value])
         except BaseException as e:
-            if self._proc.is_alive() and not isinstance(e, EOFError):
-                self._proc.kill()
+            if not isinstance(e, EOFError):
+                self._kill()
             with self._lock:
                 self._gone = self._lost(e)
                 waiting, self._waiting = list(self._waiting), collections.deque()
@@ -150,8 +154,7 @@ class WriterProcess:
                     done.set_exception(self._gone)
 
     def _lost(self, e: BaseException) -> WriterProcessError:
-        self._proc.join(timeout=1.0)  # its pipe closes a moment before it is reaped
-        return WriterProcessError(f"the checkpoint writer process exited (exit code {self._proc.exitcode}): "
+        return WriterProcessError(f"the checkpoint writer process exited (exit code {self.exitcode}): "
                                   f"{type(e).__name__}: {e}")
 
     def _ref(self, data: Any, register: dict[int, torch.Tensor]) -> Any:
@@ -173,27 +176,43 @@ class WriterProcess:
 
     @property
     def alive(self) -> bool:
-        return self._proc.is_alive()
+        with self._reap:
+            return self._proc.is_alive()
 
     @property
     def exitcode(self) -> int | None:
-        """The writer's exit code (None while it runs; a dying writer gets 1 s to finish)."""
-        self._proc.join(timeout=1.0)
+        """The writer's exit code (None while it runs; a dying writer, whose pipe closes a moment
+        before it can be reaped, gets 1 s to finish)."""
+        self._join(1.0)
         return self._proc.exitcode
+
+    def _join(self, timeout: float | None) -> bool:
+        """Wait up to `timeout` s for the writer to exit (several threads may wait at once; one
+        reaps it); whether it still runs."""
+        exited = bool(connection.wait([self._proc.sentinel], timeout))
+        with self._reap:
+            if exited:
+                self._proc.join()  # its pipe closed: it is gone, or a moment from being reapable
+            return self._proc.is_alive()
+
+    def _kill(self) -> None:
+        """Kill the writer if it runs (not yet reaped, so its process id is still its own)."""
+        with self._reap:
+            if self._proc.is_alive():
+                self._proc.kill()
 
     def close(self) -> None:
         """Stop the writer (after the writes in progress, if any) and wait for it to exit."""
-        if self._proc.is_alive():
+        if self.alive:
             try:
                 with self._lock:
                     self._conn.send(_STOP)
             except OSError:
                 pass
-            self._proc.join(timeout=30)
-        if self._proc.is_alive():
+        if self._join(30):
             logger.warning("the checkpoint writer process did not stop; killing it")
-            self._proc.kill()
-            self._proc.join()
+            self._kill()
+            self._join(None)
         self._replies.join()
         self._conn.close()
         self._registered.clear()
