@@ -65,7 +65,7 @@ def test_pinned_mode_reuses_its_buffer(tmp_path):
 
 def _stage(stager, state):
     copies = stager.layout(state)
-    copies.run(each=True)
+    copies.run()
     return copies.staged
 
 
@@ -272,6 +272,53 @@ def test_the_writer_process_dies_with_its_rank(tmp_path):
     finally:
         if os.path.exists(f"/proc/{writer_pid}"):
             os.kill(writer_pid, signal.SIGKILL)
+
+
+class _Held:
+    """A user state of one tensor, which the test replaces with one staging cannot copy."""
+
+    def __init__(self):
+        self.t = torch.ones(4)
+
+    def state_dict(self):
+        return {"t": self.t}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+def _staging_fails_on_rank_1(rank: int, world_size: int, folder: str) -> None:
+    """Staging fails on rank 1 only: laying the copies out (pinned: a sparse tensor has no
+    strides to give its place), or copying (`verify_staging`, where `save()` waits for staging:
+    a tensor with no data). Both ranks get the save's error, naming the cause, from the save's
+    write, and the next save finds the ranks in step; before, rank 1 left the save before DCP's
+    collectives and rank 0 waited in them until the timeout."""
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    cases = [("async_with_pinned_mem", False, lambda: torch.ones(4).to_sparse(), "sparse"),
+             ("async", True, lambda: torch.empty(4, device="meta"), "meta")]
+    for mode, verify, bad, cause in cases:
+        state, sub = _Held(), os.path.join(folder, mode)
+        config = Checkpoint(enable=True, interval=1, async_mode=mode, verify_staging=verify, keep_latest_k=0,
+                            collective_timeout_s=60)
+        with CheckpointManager(config, [torch.nn.Linear(4, 4)], states={"extra": state}, base_folder=sub) as manager:
+            manager.save(1)
+            if rank == 1:
+                state.t = bad()
+            manager.save(2)
+            with pytest.raises(CheckpointSaveError, match=f"saving step 2 to .*step-2 failed.*{cause}"):
+                manager.wait()
+            state.t = torch.ones(4)
+            manager.save(3)
+        assert layout.committed_steps(os.path.join(sub, "checkpoint")) == [1, 3], mode
+
+
+@pytest.mark.multirank
+def test_a_staging_failure_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    from .helpers import spawn
+
+    spawn(2, _staging_fails_on_rank_1, str(tmp_path))
 
 
 def _writer_of_rank_1_dies_mid_save(rank: int, world_size: int, folder: str) -> None:

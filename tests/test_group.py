@@ -35,3 +35,18 @@ def _failing(rank: int, world_size: int) -> None:
 
 def test_every_rank_gets_the_kinds_of_every_failure():
     spawn(2, _failing)
+
+
+def test_a_group_without_a_cpu_backend_is_refused_at_start(tmp_path):
+    """Checkpoint collectives exchange CPU objects (from background threads too): a group whose
+    backend serves only GPU tensors (TorchTitan's NCCL world, here a real gloo group made for
+    CUDA tensors only) is refused when the manager's group is made, naming what to pass."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"serves only \['cuda'\] tensors.*new_group\(backend='gloo'\)"):
+            CheckpointGroup(dist.new_group(backend="cuda:gloo"))
+        assert CheckpointGroup(dist.new_group(backend="gloo")).world_size == 1
+    finally:
+        dist.destroy_process_group()

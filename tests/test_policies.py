@@ -122,3 +122,34 @@ def test_in_order_runs_keep_the_order_and_cut_at_the_target():
 
     assert in_order_runs([2, 2, 2, 2, 2], lambda x: x, 4) == [[2, 2], [2, 2], [2]]
     assert in_order_runs([2, 2, 2, 2, 2], lambda x: x, 4, max_runs=2) == [[2, 2], [2, 2, 2]]
+
+
+def test_the_deleter_outlives_a_failed_deletion_and_drain_waits_for_the_queue(tmp_path):
+    """Retention's deletions run on one thread: a deletion that fails with any error is logged
+    and the next ones still run (before, an error other than `OSError` ended the thread and
+    every later deletion silently never happened); `drain()`, which `load()` calls before it
+    looks for steps, returns once every deletion submitted is done."""
+    import shutil
+    import threading
+
+    from torchtitan_ckpt.deleter import BackgroundDeleter
+
+    folders = []
+    for step in (1, 2):
+        os.makedirs(tmp_path / f"step-{step}")
+        folders.append(StepFolder(step, str(tmp_path / f"step-{step}"), layout.COMPLETE))
+    gate, removed = threading.Event(), []
+
+    def remove(folder: StepFolder) -> None:
+        gate.wait(10)
+        if folder.step == 1:
+            raise ValueError("the store refused to delete step 1")
+        shutil.rmtree(folder.path)
+        removed.append(folder.step)
+
+    deleter = BackgroundDeleter(remove)
+    deleter.submit(folders)
+    threading.Timer(0.3, gate.set).start()
+    deleter.drain()
+    assert removed == [2] and not os.path.exists(folders[1].path) and os.path.exists(folders[0].path)
+    deleter.close()

@@ -212,12 +212,43 @@ def test_a_staged_tensor_is_ready_to_write_once_its_copy_is_made(reuse):
     writer.start()
     writer.join(0.2)
     assert writer.is_alive() and not read  # nothing is copied yet
-    copies.run(each=True)
+    copies.run()
     writer.join()
     copies.done()
     assert torch.equal(read[0], state["c"][1:])
     assert_same(copies.staged, state)
     stager.release()
+
+
+def test_a_dtensor_on_a_gpu_mesh_is_staged_into_host_memory_and_written_from_there(tmp_path):
+    """A staged DTensor keeps its host copy as its local tensor whatever its mesh's device:
+    `DTensor.from_local` would move the copy to a CUDA mesh's GPU while nothing was copied in yet,
+    and the write would take that stale GPU tensor. Here a real DTensor on a mesh of device type
+    "cuda" (built without a GPU: no collective runs), its shard kept on the CPU so it can be
+    copied on this machine; before, laying it out failed on the move ("not compiled with CUDA")."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)
+        shard = torch.arange(12.0).reshape(3, 4)
+        live = DTensor(shard, DTensorSpec(mesh, (Shard(0),), TensorMeta(shard.shape, shard.stride(), shard.dtype)),
+                       requires_grad=False)
+        for reuse in (False, True):
+            stager = Stager(reuse=reuse)
+            copies = stager.layout({"w": live})
+            copies.run()
+            copies.done()
+            staged = copies.staged["w"]
+            assert isinstance(staged, DTensor) and staged.device_mesh is mesh and staged.placements == (Shard(0),)
+            assert staged.to_local().device.type == "cpu" and staged.to_local().data_ptr() != shard.data_ptr()
+            assert torch.equal(staged.to_local(), shard) and staged.shape == live.shape
+            stager.release()
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_staging_failure_reaches_a_writer_waiting_on_it():
@@ -280,9 +311,9 @@ def test_a_save_that_fails_before_its_staging_ends_is_waited_for_until_staging_s
     release, copied = threading.Event(), threading.Event()
     real_run = staging.Copies.run
 
-    def held_run(self, each: bool) -> None:
+    def held_run(self) -> None:
         release.wait(10)
-        real_run(self, each)
+        real_run(self)
         copied.set()
 
     monkeypatch.setattr(staging.Copies, "run", held_run)

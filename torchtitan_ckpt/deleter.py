@@ -26,6 +26,11 @@ class BackgroundDeleter:
         for folder in folders:
             self._queue.put(folder)
 
+    def drain(self) -> None:
+        """Wait until every deletion submitted so far is done (a load must not pick a step
+        that is about to go)."""
+        self._queue.join()
+
     def close(self) -> None:
         """Finish pending deletions and stop the thread."""
         self._queue.put(None)
@@ -36,5 +41,7 @@ class BackgroundDeleter:
             try:
                 self._remove(folder)
                 logger.info("deleted old checkpoint step %d (%s)", folder.step, folder.path)
-            except OSError as e:
-                logger.warning("could not delete %s: %s", folder.path, e)
+            except Exception as e:  # any failure: the thread keeps serving the next deletions
+                logger.warning("could not delete %s: %s: %s", folder.path, type(e).__name__, e)
+            finally:
+                self._queue.task_done()

@@ -19,12 +19,19 @@ class CheckpointGroup:
 
     With `torch.distributed` initialised and no group given, a dedicated gloo group over every
     rank is created (collectively), so checkpoint traffic never queues behind training's
-    collectives, with `timeout_s` on every collective. Without `torch.distributed` it is a group
-    of one and every collective is local.
+    collectives, with `timeout_s` on every collective. A group given must serve CPU tensors
+    (gloo; an NCCL-only group is refused). Without `torch.distributed` it is a group of one and
+    every collective is local.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, timeout_s: float = 600.0):
         if dist.is_available() and dist.is_initialized():
+            devices = _device_types(process_group) if process_group is not None else ["cpu"]
+            if "cpu" not in devices:  # an NCCL-only group: its collectives would take tensors on a GPU
+                raise ValueError(
+                    f"the checkpoint's process_group serves only {devices} tensors; checkpoint collectives "
+                    "exchange CPU objects, from background threads too: pass a group with a CPU backend "
+                    "(dist.new_group(backend='gloo')), or none (one is made)")
             self.pg: dist.ProcessGroup | None = process_group or dist.new_group(
                 backend="gloo", timeout=timedelta(seconds=timeout_s))
             self.rank = dist.get_rank(self.pg)
@@ -74,6 +81,19 @@ class CheckpointGroup:
         box = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
         return box[0]
+
+
+def world_if_cpu() -> dist.ProcessGroup | None:
+    """The default group where it carries CPU tensors (gloo, or TorchTitan's "cpu:gloo,cuda:nccl"),
+    so a one-off collective call need not make a group; else None, for which `CheckpointGroup`
+    makes a gloo group over every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.group.WORLD if "cpu" in _device_types(dist.group.WORLD) else None
+
+
+def _device_types(group: dist.ProcessGroup) -> list[str]:
+    return [d.type for d in group._device_types]
 
 
 @contextlib.contextmanager

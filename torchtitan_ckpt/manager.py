@@ -348,6 +348,8 @@ class CheckpointManager:
         if not self.config.enable:
             return False
         self._saves.wait()
+        # rank 0 deletes what retention chose: every rank scans once those deletions are done
+        self._group.run(lambda: self._deleter.drain(), coordinator_only=True)
         start = time.perf_counter()
         target = self._find_load_target(step if step >= 0 else self.config.load_step)
         if target is None:

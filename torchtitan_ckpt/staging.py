@@ -17,11 +17,12 @@ on a side CUDA stream that waits for the work queued before `save()`, with `non_
 into pinned buffers, and staging is done once that stream has finished them.
 
 Writing overlaps staging: the save gets the staged state (`Staged`) as soon as its copies are
-laid out, and writes each tensor as soon as its copy is made (`Copies.ready`; on a GPU, once the
-side stream has finished them all), so the disk starts on the first tensors while the last are
-still being copied (DCP's early writes, `dcp.storage.DataFileWriter.write_early`). The writer
-process of `async_with_pinned_mem` is handed those files at once too, and waits for each
-tensor's copy on a shared-memory count of the copies made (`Staged.wait_across`).
+laid out, and writes each tensor as soon as its copy is made (`Copies.ready`; on a GPU, once an
+event recorded after its copy on the side stream has completed), so the disk starts on the
+first tensors while the last are still being copied (DCP's early writes,
+`dcp.storage.DataFileWriter.write_early`). The writer process of `async_with_pinned_mem` is
+handed those files at once too, and waits for each tensor's copy on a shared-memory count of
+the copies made (`Staged.wait_across`).
 
 At most one save is in flight: `submit()` first waits for the previous one. A failure of the
 background save is kept and raised by the next `submit()`, `wait()` or `close()`.
@@ -30,6 +31,7 @@ background save is kept and raised by the next `submit()`, `wait()` or `close()`
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import logging
 import threading
@@ -150,8 +152,9 @@ def _destination(t: torch.Tensor, into: torch.Tensor | None = None) -> tuple[tor
     local = _local(t)
     copied = torch.empty_like(local, device="cpu") if into is None else into
     if isinstance(t, DTensor):
-        return copied, DTensor.from_local(copied, t.device_mesh, t.placements, run_check=False,
-                                          shape=t.shape, stride=t.stride())
+        # not `DTensor.from_local`: it moves a local tensor to the mesh's device type (a CUDA
+        # mesh's copy would go back to the GPU, before anything is copied into it)
+        return copied, DTensor(copied, t._spec, requires_grad=False)
     return copied, copied
 
 
@@ -186,7 +189,8 @@ class Stager:
         self._places: dict[tuple, _Place] = {}
         """Path in the state -> its place; kept for paths a later state lacks (the next full
         save after a model-only one reuses them)."""
-        self._pinned: dict[int, torch.Tensor] = {}  # address registered with CUDA -> its arena
+        self._pinned: dict[int, tuple[torch.Tensor, torch.device]] = {}
+        """Address registered with CUDA -> (its arena, the device whose tensors it receives)."""
 
     @property
     def nbytes(self) -> int:
@@ -233,8 +237,9 @@ class Stager:
             offsets[path] = size
             size += -(-_local(t).nbytes // _ALIGN) * _ALIGN
         arena = torch.empty(size, dtype=torch.uint8).share_memory_()
-        if any(_local(t).is_cuda for t in tensors.values()):
-            self._pin(arena)
+        device = next((_local(t).device for t in tensors.values() if _local(t).is_cuda), None)
+        if device is not None:
+            self._pin(arena, device)
         for path, t in tensors.items():
             kind = _kind(t)
             self._places[path] = _Place(arena, offsets[path], kind[-1], kind)
@@ -242,18 +247,22 @@ class Stager:
         for address in [a for a in self._pinned if a not in live]:
             self._unpin(address)
 
-    def _pin(self, arena: torch.Tensor) -> None:
+    def _pin(self, arena: torch.Tensor, device: torch.device) -> None:
+        """Register `arena` with CUDA, on `device`: a raw CUDA call on a thread that never chose a
+        device would open a context on GPU 0 (memory there for every rank of the node)."""
         if not arena.numel():
             return
-        error = int(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 1))  # 1: portable
+        with torch.cuda.device(device):
+            error = int(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 1))  # 1: portable
         if error:  # raised here: a CUDA error left pending would surface in unrelated code later
             raise RuntimeError(f"pinning a {arena.numel()}-byte staging buffer failed (cudaError {error}); "
                                'checkpoint.async_mode = "async" stages without pinning')
-        self._pinned[arena.data_ptr()] = arena
+        self._pinned[arena.data_ptr()] = (arena, device)
 
     def _unpin(self, address: int) -> None:
-        torch.cuda.cudart().cudaHostUnregister(address)
-        del self._pinned[address]
+        _, device = self._pinned.pop(address)
+        with torch.cuda.device(device):
+            torch.cuda.cudart().cudaHostUnregister(address)
 
     def release(self) -> None:
         """Drop every arena (unpinning the pinned ones)."""
@@ -271,7 +280,8 @@ class Copies:
                  count: torch.Tensor | None = None):
         self.staged = staged
         """The state with each tensor replaced by its copy (made by `run`)."""
-        self._pairs = pairs  # (source, destination) local tensors, in the order copied
+        self._pairs = pairs  # (source, destination) local tensors, in the order copied; dropped once done
+        self._total = len(pairs)
         self._non_blocking = non_blocking  # into pinned arenas: a GPU copy does not block the host
         spans = sorted((dst.data_ptr(), i) for i, (_, dst) in enumerate(pairs) if dst.numel())
         self._starts = [start for start, _ in spans]
@@ -285,20 +295,31 @@ class Copies:
         if count is not None:
             count.fill_(0)
 
-    def run(self, each: bool) -> None:
-        """Make every copy; with `each` (CPU copies, final once `copy_` returns), mark each one
-        made as it is; else `finish()` marks them all (GPU copies, once their stream is done)."""
+    def run(self) -> None:
+        """Make every copy, in order, and mark each one made once its bytes are final: a CPU
+        source's when `copy_` returns; a GPU source's (queued on the current stream, the side
+        stream of `_CopyStream`) when an event recorded after it has completed. So the writes
+        start on the first tensors while later ones are still being copied, from a GPU too."""
+        queued: list[tuple[int, torch.cuda.Event | None]] = []  # copies not yet marked, in order
         for i, (source, destination) in enumerate(self._pairs):
             destination.copy_(source, non_blocking=self._non_blocking and source.is_cuda)
-            if each:
-                self._mark(i + 1)
+            queued.append((i, torch.cuda.current_stream(source.device).record_event() if source.is_cuda else None))
+            while queued and (queued[0][1] is None or queued[0][1].query()):
+                self._mark(queued.pop(0)[0] + 1)
+        for i, event in queued:
+            if event is not None:
+                event.synchronize()
+            self._mark(i + 1)
 
     def finish(self) -> None:
-        """Every copy is made and final."""
-        self._mark(len(self._pairs))
+        """Every copy is made and final; the sources are let go (on a GPU, clones or casts made
+        for this save would otherwise stay in its memory until the save is committed)."""
+        self._pairs = []
+        self._mark(self._total)
 
     def fail(self, error: BaseException) -> None:
         """Staging failed: whoever waits for a copy, now or later, gets `error`."""
+        self._pairs = []
         with self._cond:
             self._error = error
             if self._count is not None:
@@ -317,7 +338,7 @@ class Copies:
         if not t.numel():
             return 0
         found = bisect.bisect_right(self._starts, t.data_ptr()) - 1
-        return self._order[found] + 1 if found >= 0 else len(self._pairs)
+        return self._order[found] + 1 if found >= 0 else self._total
 
     def ready(self, t: torch.Tensor) -> None:
         """Block until the copy holding `t`'s bytes is made (raising staging's failure)."""
@@ -334,7 +355,7 @@ class Copies:
 
     def done(self) -> None:
         """Block until every copy is made (raising staging's failure)."""
-        self._wait(len(self._pairs))
+        self._wait(self._total)
 
     def _wait(self, made: int) -> None:
         with self._cond:
@@ -391,11 +412,14 @@ class _CopyStream:
         streams = [self._stream(device) for device in marks]
         for stream, event in zip(streams, marks.values()):
             stream.wait_event(event)
-        with torch.cuda.stream(streams[0]):  # a rank's state is on one device, or a few
-            staged = copy_all()
-        for stream in streams:
-            stream.synchronize()
-        return staged
+        try:
+            with contextlib.ExitStack() as current:  # each device's copies on its own side stream
+                for stream in streams:
+                    current.enter_context(torch.cuda.stream(stream))
+                return copy_all()
+        finally:  # after a failure too: the sources must outlive the copies already queued
+            for stream in streams:
+                stream.synchronize()
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
@@ -439,9 +463,11 @@ class BackgroundSaves:
         copies: list[Copies] = []
         staging = self._staging = self._pool.submit(self._stage, frozen, marks, job.step, laid_out, copies)
         if self._verify:
-            staging.result()
-            self._check = [(path, t, _at(copies[0].staged, path)) for path, t in _tensors(frozen, ()) if deferred(path)]
-        self._pending = self._pool.submit(job.run, lambda: _take(laid_out, copies), sink)
+            wait_for([staging])  # a failure is the save's, raised on every rank by its write
+            if staging.exception() is None:
+                self._check = [(path, t, _at(copies[0].staged, path)) for path, t in _tensors(frozen, ())
+                               if deferred(path)]
+        self._pending = self._pool.submit(job.run, lambda: _take(laid_out, copies, frozen), sink)
 
     def _stage(self, frozen: dict[str, Any], marks: dict, step: int, laid_out: Future, into: list[Copies]) -> None:
         """Lay the copies out (`laid_out` says when, or how it failed), then make them."""
@@ -453,7 +479,7 @@ class BackgroundSaves:
         into.append(copies)
         laid_out.set_result(None)
         try:
-            self._copies.run(marks, lambda: copies.run(each=not marks))
+            self._copies.run(marks, copies.run)
             faults.hit("staging", step)
         except BaseException as e:
             copies.fail(e)
@@ -486,21 +512,19 @@ class BackgroundSaves:
         return self.writer
 
     def in_flight(self) -> bool:
-        """True while a background save is still being staged, written or committed."""
-        return self._pending is not None and not self._pending.done()
+        """True while a background save is still being staged, written or committed (staging
+        can end after the save: its thread marks the last copies made, then lets go of them)."""
+        return any(f is not None and not f.done() for f in (self._pending, self._staging))
 
     def wait(self) -> None:
         """Block until the save in flight is committed, and its staging has stopped (a save
         that failed early may leave it copying into the arenas the next save reuses); raise
         the save's failure if it had one."""
-        pending, self._pending = self._pending, None
-        staging, self._staging, self._check = self._staging, None, []
-        try:
-            if pending is not None:
-                pending.result()
-        finally:
-            if staging is not None:
-                wait_for([staging])
+        pending, staging = self._pending, self._staging
+        wait_for([f for f in (pending, staging) if f is not None])  # interrupted: both still tracked
+        self._pending, self._staging, self._check = None, None, []
+        if pending is not None:
+            pending.result()
 
     def close(self) -> None:
         try:
@@ -512,12 +536,21 @@ class BackgroundSaves:
                 self.writer.close()
 
 
-def _take(laid_out: Future, copies: list[Copies]) -> Staged:
-    """The staged state once laid out (raising a failure to), its copies still being made,
-    taken out of `copies` so that the save alone holds it: a fresh copy (`async`) is freed on
-    the save's thread once written, not by the next `save()` (unmapping a whole state's copy
-    takes tens of ms)."""
-    laid_out.result()
+def _take(laid_out: Future, copies: list[Copies], frozen: dict[str, Any]) -> Staged:
+    """The staged state once laid out, its copies still being made, taken out of `copies` so
+    that the save alone holds it: a fresh copy (`async`) is freed on the save's thread once
+    written, not by the next `save()` (unmapping a whole state's copy takes tens of ms). If it
+    could not be laid out (no room in /dev/shm on this rank, a pinning refused), the state
+    as frozen, whose every wait raises that failure: the save's write raises it inside DCP's
+    protocol, where every rank hears of it, rather than this rank leaving the others waiting."""
+    try:
+        laid_out.result()
+    except Exception as e:
+        error = e  # `e` itself is unbound when the block ends
+
+        def failed(*_: Any) -> None:
+            raise error
+        return Staged(frozen, failed, failed)
     taken = copies.pop()
     return Staged(taken.staged, taken.ready, taken.done, taken.wait_across if taken.counted else None)
 

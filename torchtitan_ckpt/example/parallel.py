@@ -98,12 +98,12 @@ class Meshes:
 
 def select_device(name: str) -> tuple[torch.device, str]:
     """The device the model trains on and the process group backend for it: `auto` is CUDA (each
-    rank on GPU `LOCAL_RANK`, NCCL for its tensors, gloo beside it for CPU objects) where a GPU
+    rank on GPU `LOCAL_RANK` of those it sees, NCCL for its tensors, gloo beside it for CPU objects) where a GPU
     is present, else the CPU with gloo."""
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("training.device", name, "no CUDA device is visible to this process")
-        index = int(os.environ.get("LOCAL_RANK", "0"))
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()  # some launchers show one GPU per process
         torch.cuda.set_device(index)
         # use_deterministic_algorithms needs cuBLAS's fixed workspace on CUDA
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.tensor import DTensor
@@ -33,7 +32,7 @@ from ..io import durable
 from .consolidate import OnePassPlan, consolidate_safetensors, plan_one_pass, write_safetensors_one_pass
 from ..errors import CheckpointError
 from ..errors import RankFailed
-from ..group import CheckpointGroup
+from ..group import CheckpointGroup, world_if_cpu
 from .adapter import PermutedRows, RowOf, StateDictAdapter, check_names
 from .files import CONFIG_FILE, INDEX_FILE, MODEL_FILES_GLOB, SAFETENSORS_DTYPES, SINGLE_FILE
 from .planner import parse_size, plan_files
@@ -62,7 +61,7 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
     if not shared and mode != "one_pass":
         raise ValueError(f"HF export mode {mode!r} needs a folder every rank shares; use one_pass")
     start = time.perf_counter()
-    group = CheckpointGroup(process_group or (dist.group.WORLD if dist.is_initialized() else None))
+    group = CheckpointGroup(process_group or world_if_cpu())
     plan = _plan(group, adapter, _cast_all(model_state_dict, dtype))
     hf_sd = plan.state_dict
     if not plan.specs:

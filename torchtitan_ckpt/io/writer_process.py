@@ -91,7 +91,8 @@ class WriterProcess:
         entry's `ready` must be a `CountWait` or None (it runs in that process). Where each
         entry will land is worked out here as well (`planned_places`), so the caller need not
         wait for the writes to know it."""
-        return StartedFiles(self._send(jobs, step, sync, drop=False), [planned_places(job) for job in jobs])
+        places = [planned_places(job) for job in jobs]  # first: a failure here leaves nothing writing
+        return StartedFiles(self._send(jobs, step, sync, drop=False), places)
 
     def _send(self, jobs: list[FileJob], step: int | None, sync: bool, drop: bool) -> Future:
         """Hand `jobs` over; the future of their `WrittenFile`s, set when the writer replies."""
@@ -184,7 +185,8 @@ class WriterProcess:
         """The writer's exit code (None while it runs; a dying writer, whose pipe closes a moment
         before it can be reaped, gets 1 s to finish)."""
         self._join(1.0)
-        return self._proc.exitcode
+        with self._reap:  # reading it reaps an exited writer too
+            return self._proc.exitcode
 
     def _join(self, timeout: float | None) -> bool:
         """Wait up to `timeout` s for the writer to exit (several threads may wait at once; one
