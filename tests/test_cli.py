@@ -287,3 +287,32 @@ def test_interrupted_convert_leaves_nothing_that_looks_complete(small_step, tmp_
     assert proc.stdout.read() == b""
     assert not os.path.exists(out) and not os.path.exists(partial)
     assert layout.scan(str(tmp_path)) == []
+
+
+def test_convert_never_removes_a_partial_folder_it_did_not_make(small_step, tmp_path):
+    """`OUT.partial` is where convert writes before renaming to OUT: a folder of that name the
+    command did not make (a user's) is refused and kept; one an interrupted run left (marked)
+    is replaced."""
+    out = str(tmp_path / "hf")
+    theirs = tmp_path / "hf.partial"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    done = subprocess.run([*CMD, "convert", "--to", "hf", small_step, out, "--threads", "1", "--progress-every", "0"],
+                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    assert done.returncode != 0 and "hf.partial exists and was not left by an interrupted run" in done.stderr
+    assert (theirs / "notes.txt").read_text() == "mine" and not os.path.exists(out)
+
+    shutil.rmtree(theirs)
+    theirs.mkdir()
+    commit.mark_in_progress(str(theirs))  # what an interrupted run leaves
+    (theirs / "model-00001-of-00002.safetensors").write_bytes(b"half")
+    done = subprocess.run([*CMD, "convert", "--to", "hf", small_step, out, "--threads", "1", "--progress-every", "0"],
+                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert not os.path.exists(theirs) and commit.IN_PROGRESS not in os.listdir(out)
+    assert "model-00001-of-00002.safetensors" not in os.listdir(out)
+    back = str(tmp_path / "dcp")  # a DCP output's commit marker lists exactly the files it has
+    done = subprocess.run([*CMD, "convert", "--to", "dcp", out, back, "--threads", "1", "--progress-every", "0"],
+                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert commit.verify(back) == [] and commit.IN_PROGRESS not in os.listdir(back)

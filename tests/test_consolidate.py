@@ -156,6 +156,22 @@ def test_shards_kept_by_default_and_no_mapping_gives_one_file(tmp_path):
     assert os.listdir(shards)
 
 
+def test_an_output_file_that_is_a_link_is_replaced_not_written_through(tmp_path):
+    """An output folder downloaded with links into a hub cache (`model-*.safetensors` -> a blob
+    other folders share): the export replaces the link with its own file and leaves the blob."""
+    state = full_state()
+    shards = dcp_shards(tmp_path, state, None)
+    out = tmp_path / "hf"
+    out.mkdir()
+    blob = tmp_path / "cache-blob"
+    blob.write_bytes(b"weights another folder links to")
+    os.symlink(blob, out / "model-00001-of-00001.safetensors")
+    C.consolidate_safetensors(shards, str(out))
+    assert blob.read_bytes() == b"weights another folder links to"
+    assert not os.path.islink(out / "model-00001-of-00001.safetensors")
+    assert_identical(read_output(str(out)), state)
+
+
 def test_inner_dim_uneven_shards_stream_through_a_small_buffer(tmp_path, monkeypatch):
     monkeypatch.setattr(C, "CHUNK_BYTES", 24)  # forces chunks that end inside runs
     g = torch.Generator().manual_seed(1)

@@ -102,3 +102,18 @@ def test_two_phase_exports_equal_the_one_pass_export(tmp_path, mode):
     assert names_a == names_b
     for f in names_a:
         assert_same(a[f], b[f])
+
+
+def test_an_export_into_a_folder_named_with_glob_characters_touches_only_its_own_files(tmp_path):
+    """`run[1]` as a glob pattern is `run1`: clearing the export folder deleted the files of
+    another run's committed step, and the manifest of the new step missed its own model files."""
+    decoy = tmp_path / "run1" / "checkpoint" / "step-2" / "model-00001-of-00001.safetensors"
+    decoy.parent.mkdir(parents=True)
+    decoy.write_bytes(b"another run's weights")
+    job = make_job(str(tmp_path / "run[1]"), steps=2, interval=10, last_save_in_hf=True)
+    job.run_to(2, steps=2)
+    job.manager.close()
+    assert decoy.read_bytes() == b"another run's weights"
+    step2 = layout.step_dir(str(tmp_path / "run[1]" / "checkpoint"), 2)
+    assert "model-00001-of-00001.safetensors" in commit.read_marker(step2).files
+    assert commit.verify(step2) == []

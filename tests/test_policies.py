@@ -10,7 +10,7 @@ import pytest
 from torchtitan_ckpt import commit, layout
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.layout import StepFolder
-from torchtitan_ckpt.policy.retention import steps_to_delete
+from torchtitan_ckpt.policy.retention import newer_steps, steps_to_delete
 from torchtitan_ckpt.policy.schedule import SaveKind, save_kind
 
 
@@ -41,24 +41,37 @@ def _folders(committed: list[int], partial: list[int] = (), foreign: list[int] =
 
 
 def test_retention_counts_complete_steps_only():
-    doomed = steps_to_delete(_folders([1, 2, 3, 4, 5], partial=[6]), keep_latest_k=2)
+    doomed = steps_to_delete(_folders([1, 2, 3, 4, 5], partial=[6]), keep_latest_k=2, committed_now=5)
     assert [f.step for f in doomed] == [1, 2, 3]  # the partial 6 is newer: maybe still being written
-    doomed = steps_to_delete(_folders([4, 8], partial=[2, 6]), keep_latest_k=1)
+    doomed = steps_to_delete(_folders([4, 8], partial=[2, 6]), keep_latest_k=1, committed_now=8)
     assert [f.step for f in doomed] == [2, 4, 6]
-    assert steps_to_delete(_folders([1, 2, 3]), keep_latest_k=0) == []
+    assert steps_to_delete(_folders([1, 2, 3]), keep_latest_k=0, committed_now=3) == []
 
 
 def test_retention_never_chooses_a_folder_it_did_not_write():
-    doomed = steps_to_delete(_folders([5, 9], partial=[3], foreign=[1, 2, 7, 10], unknown=[4, 8]), keep_latest_k=1)
+    doomed = steps_to_delete(_folders([5, 9], partial=[3], foreign=[1, 2, 7, 10], unknown=[4, 8]), keep_latest_k=1,
+                             committed_now=9)
     assert [f.step for f in doomed] == [3, 5]
-    assert steps_to_delete(_folders([], foreign=[1, 2]), keep_latest_k=1) == []
-    assert steps_to_delete(_folders([], partial=[1, 2]), keep_latest_k=1) == []
-    assert [f.step for f in steps_to_delete(_folders([7]), keep_latest_k=1)] == []
+    assert steps_to_delete(_folders([], foreign=[1, 2]), keep_latest_k=1, committed_now=3) == []
+    assert steps_to_delete(_folders([7]), keep_latest_k=1, committed_now=7) == []
+
+
+def test_retention_after_going_back_keeps_the_step_just_saved_and_leaves_the_newer_ones():
+    """The job loaded step 200 of a run that had reached 300 and saves 210: with
+    `keep_latest_k = 1`, counting 300 deleted 210 as soon as it committed (and 200 with it), so
+    a crash left only the steps of the abandoned run. Now 200 goes, 210 stays, and 300 (with its
+    partial 250) is left alone and named."""
+    folders = _folders([100, 200, 210, 300], partial=[150, 250])
+    assert [f.step for f in steps_to_delete(folders, keep_latest_k=1, committed_now=210)] == [100, 150, 200]
+    assert [f.step for f in newer_steps(folders, 210)] == [300]
+    assert [f.step for f in steps_to_delete(folders, keep_latest_k=2, committed_now=210)] == [100, 150]
 
 
 def test_step_names():
     assert layout.parse_step("step-12") == 12
-    for name in ("step-", "step-x", "step-1.tmp", "foo", "step--1"):
+    assert layout.parse_step("step-0") == 0
+    # one spelling per step: `step-007` or `step-\u0667` (an Arabic-Indic 7) is not step 7's folder
+    for name in ("step-", "step-x", "step-1.tmp", "foo", "step--1", "step-007", "step-\u0667", "step-7\n"):
         assert layout.parse_step(name) is None
     assert layout.step_dir("ck", 3) == os.path.join("ck", "step-3")
 
@@ -153,3 +166,51 @@ def test_the_deleter_outlives_a_failed_deletion_and_drain_waits_for_the_queue(tm
     deleter.drain()
     assert removed == [2] and not os.path.exists(folders[1].path) and os.path.exists(folders[0].path)
     deleter.close()
+
+
+def _committed_step(path: str) -> None:
+    """A committed step folder of ours: DCP's `.metadata`, data files, one in a subfolder."""
+    os.makedirs(os.path.join(path, "sub"))
+    for rel in (".metadata", "__0_0.distcp", "__1_0.distcp", os.path.join("sub", "extra.bin")):
+        with open(os.path.join(path, rel), "wb") as f:
+            f.write(rel.encode() * 10)
+    commit.write_marker(path, commit.CommitInfo(step=3, states=["model"], world_size=2))
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_step_being_deleted_reads_as_partial_whenever_the_deletion_stops(tmp_path):
+    """Deleting a step folder of ours, stopped after any number of files (as a kill would), leaves
+    a folder that reads as partial (ours, cleaned later): the in-progress marker goes last. A
+    deletion in directory order could remove it before `.metadata`, and the rest then read as
+    another program's loadable checkpoint."""
+    for stop_after in range(4):  # the four files besides the marker
+        path = str(tmp_path / f"step-{stop_after}")
+        _committed_step(path)
+        count = []
+
+        def removed(nbytes: int) -> None:
+            count.append(nbytes)
+            if len(count) > stop_after:
+                raise _Stop
+
+        with pytest.raises(_Stop):
+            commit.remove_step(path, removed)
+        assert layout.status_of(path) == layout.PARTIAL, stop_after
+    path = str(tmp_path / "step-9")
+    _committed_step(path)
+    commit.remove_step(path)
+    assert not os.path.lexists(path)
+
+
+def test_a_commit_refuses_a_step_missing_a_file_its_writers_wrote(tmp_path):
+    path = str(tmp_path / "step-3")
+    os.makedirs(path)
+    with open(os.path.join(path, "__0_0.distcp"), "wb") as f:
+        f.write(b"x" * 10)
+    written = {"__0_0.distcp": (10, "%08x" % zlib.crc32(b"x" * 10)), "__1_0.distcp": (10, "00000000")}
+    with pytest.raises(OSError, match=r"\['__1_0.distcp'\] \(1 files\) were written but are not in the step folder"):
+        commit.write_marker(path, commit.CommitInfo(step=3, states=["model"], world_size=2), written)
+    assert not commit.is_committed(path)

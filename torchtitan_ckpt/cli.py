@@ -39,7 +39,7 @@ from .hf.consolidate import consolidate_safetensors, load_mapping
 from .hf.files import INDEX_FILE
 from .config import MAX_THREADS, Checkpoint
 from .group import CheckpointGroup, launched_group
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, RankFailed
 from .hf.convert import convert
 from .hf.registry import ADAPTERS
 from .io.dtypes import EXPORT_DTYPES
@@ -187,11 +187,11 @@ def cmd_inspect(args: argparse.Namespace, progress: Progress) -> int:
 def _verify_files(path: str, info: commit.CommitInfo, threads: int, progress: Progress) -> list[dict[str, Any]]:
     """One record per manifest file, checked `threads` at a time, reporting bytes as files finish."""
     def check(rel: str) -> dict[str, Any]:
-        problems = commit.verify(path, [rel], threads=1)
+        problem = commit.check_file(path, rel, info.files[rel])  # the manifest read once, not per file
         size = info.files[rel]["size"]
         progress("verifying", size, info.total_bytes)
-        return {"file": rel, "bytes": size, "crc32": info.files[rel]["crc32"], "ok": not problems,
-                "problem": problems[0] if problems else None}
+        return {"file": rel, "bytes": size, "crc32": info.files[rel]["crc32"], "ok": problem is None,
+                "problem": problem}
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         return list(pool.map(check, sorted(info.files)))
@@ -225,16 +225,6 @@ def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
 # clean
 
 
-def _remove_tree(path: str, progress: Progress, total: int) -> None:
-    for root, _, names in os.walk(path):
-        for name in names:
-            full = os.path.join(root, name)
-            size = os.path.getsize(full)
-            os.remove(full)
-            progress("removing", size, total)
-    shutil.rmtree(path)
-
-
 def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
     """Run it while no job writes to the folder: a save in flight looks partial too. Only folders
     this package started writing are removed; another program's are listed and kept, and so is
@@ -248,7 +238,7 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
     total = sum(layout.folder_bytes(s.path) for s in partial)
     with progress:
         for s in partial:
-            _remove_tree(s.path, progress, total)
+            commit.remove_step(s.path, lambda size: progress("removing", size, total))
             print(f"removed {s.path} (partial)")
     print(f"{len(partial)} partial step folder(s) removed, {fmt_bytes(total)}")
     return EXIT_OK
@@ -268,8 +258,10 @@ def _staged(dst: str) -> Iterator[str]:
         return
     tmp = dst.rstrip(os.sep) + PARTIAL_SUFFIX
     rank0 = this_rank_draws()
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        CheckpointGroup().run(lambda: _new_partial(tmp), coordinator_only=True)
+    except RankFailed as failed:
+        failed.reraise(f"preparing {tmp}")
     try:
         yield tmp
     except BaseException:
@@ -277,9 +269,25 @@ def _staged(dst: str) -> Iterator[str]:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if rank0:
+        if commit.is_in_progress(tmp):  # a DCP output's commit removed it already
+            os.remove(os.path.join(tmp, commit.IN_PROGRESS))
         if os.path.isdir(dst):
             os.rmdir(dst)
         os.rename(tmp, dst)
+
+
+def _new_partial(tmp: str) -> None:
+    """Make `tmp` afresh, marked in progress as a step folder being written is (so a later run
+    knows it for ours, and a DCP output's commit leaves the mark out of its manifest): one an
+    interrupted run left is removed first; anything else by that name (a user's folder, a link)
+    is left alone and refused."""
+    if os.path.lexists(tmp):
+        if os.path.islink(tmp) or not commit.is_in_progress(tmp):
+            raise CheckpointError(f"{tmp} exists and was not left by an interrupted run of this command; "
+                                  "it is never removed: move it away or name another output")
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    commit.mark_in_progress(tmp)
 
 
 def cmd_convert(args: argparse.Namespace, progress: Progress) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -118,6 +119,30 @@ def uncommit(path: str) -> None:
         durable.fsync_path(path)
 
 
+def remove_step(path: str, removed: Callable[[int], None] | None = None) -> None:
+    """Delete a step folder of ours: `uncommit` it, then remove every file but the in-progress
+    marker, then the marker, then the folders. A crash at any point leaves a folder that reads
+    as partial (ours, removed by the next cleaning), never data files with no marker, which
+    would read as another program's checkpoint (and, with DCP's `.metadata` left, as loadable).
+    Links inside are removed, never followed. `removed(nbytes)` hears of each file removed."""
+    uncommit(path)
+    marker = os.path.join(path, IN_PROGRESS)
+    for root, folders, names in os.walk(path, topdown=False):
+        for name in names:
+            full = os.path.join(root, name)
+            if full != marker:
+                size = os.lstat(full).st_size
+                os.remove(full)
+                if removed is not None:
+                    removed(size)
+        for name in folders:
+            full = os.path.join(root, name)
+            (os.remove if os.path.islink(full) else os.rmdir)(full)
+    if os.path.lexists(marker):
+        os.remove(marker)
+    os.rmdir(path)
+
+
 def write_marker(path: str, info: CommitInfo,
                  checksums: dict[str, tuple[int, str]] | None = None) -> CommitInfo:
     """Fsync every file of the step, then atomically write the marker. `checksums` holds
@@ -125,7 +150,11 @@ def write_marker(path: str, info: CommitInfo,
     by a writer that does not checksum) is read once to compute its CRC. A file whose size on
     disk differs from what its writer wrote fails the commit. Returns the completed info."""
     info.files = {}
-    for rel, size in manifest(path).items():
+    on_disk = manifest(path)
+    if lost := sorted(set(checksums or {}) - set(on_disk)):
+        raise OSError(f"{path}: {lost[:3]} ({len(lost)} files) were written but are not in the step "
+                      "folder; the step is not committed")
+    for rel, size in on_disk.items():
         written = (checksums or {}).get(rel)
         if written is not None and written[0] != size:
             raise OSError(f"{os.path.join(path, rel)} has {size} bytes on disk, its writer wrote {written[0]}")
@@ -140,7 +169,8 @@ def write_marker(path: str, info: CommitInfo,
     return info
 
 
-def _check_file(path: str, rel: str, entry: dict) -> str | None:
+def check_file(path: str, rel: str, entry: dict) -> str | None:
+    """The problem with one file of a step against its manifest `entry`, or None."""
     full = os.path.join(path, rel)
     if not os.path.lexists(full):
         return f"{full}: missing"
@@ -166,7 +196,7 @@ def verify(path: str, files: list[str] | None = None, threads: int = 4) -> list[
     info = read_marker(path)
     names = sorted(info.files) if files is None else files
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        found = pool.map(lambda rel: _check_file(path, rel, info.files[rel]), names)
+        found = pool.map(lambda rel: check_file(path, rel, info.files[rel]), names)
         return [problem for problem in found if problem is not None]
 
 

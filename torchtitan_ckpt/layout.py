@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from . import commit
 from .formats import FORMATS
 
-_STEP_RE = re.compile(r"^step-(\d+)$")
+_STEP_RE = re.compile(r"step-(0|[1-9][0-9]*)", re.ASCII)
+"""One spelling per step: no leading zeros, ASCII digits, nothing after (so `step-007`, a
+non-ASCII digit or a trailing newline never name the folder of step 7)."""
 
 
 def step_dir(folder: str, step: int) -> str:
@@ -32,7 +34,7 @@ def step_dir(folder: str, step: int) -> str:
 
 def parse_step(name: str) -> int | None:
     """`step-12` -> 12; anything else -> None."""
-    m = _STEP_RE.match(name)
+    m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 

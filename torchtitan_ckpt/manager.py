@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from . import commit, gc_pause, layout, storage
 from .deleter import BackgroundDeleter
-from .policy.retention import steps_to_delete
+from .policy.retention import newer_steps, steps_to_delete
 from .config import BUILTIN_STATES, Checkpoint
 from .errors import (
     CheckpointError,
@@ -292,7 +292,13 @@ class CheckpointManager:
             info = self._commit(step, path, kind, fmt, written)
             if self._group.is_coordinator:
                 self._log_saved(info, where, kind, time.perf_counter() - start, written.summary)
-                self._deleter.submit(steps_to_delete(self._store.scan(folder), self.config.keep_latest_k))
+                folders = self._store.scan(folder)
+                self._deleter.submit(steps_to_delete(folders, self.config.keep_latest_k, step))
+                if newer := newer_steps(folders, step):
+                    logger.warning("%s: steps %s are newer than step %d just saved (the job went back to an "
+                                   "older step) and are kept; a load without a step would pick step %d over "
+                                   "it: remove them if that run is abandoned", folder, [f.step for f in newer],
+                                   step, newer[-1].step)
 
         return SaveJob(step=step, path=path, prepare=_save_errors(step, where, prepare),
                        write=_save_errors(step, where, write), commit=_save_errors(step, where, commit_step))

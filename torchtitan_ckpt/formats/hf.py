@@ -44,7 +44,7 @@ class HfFormat(StepFormat):
         save_hf(staged.state, path, self._adapter(path), dtype=EXPORT_DTYPES[ck.export_dtype],
                 max_shard_size=ck.hf_max_shard_size, process_group=self.ctx.group.pg, mode=ck.consolidation,
                 num_threads=ck.consolidation_threads, keep_shards=ck.keep_hf_shards, shared=not self.ctx.staged)
-        joint = sorted(os.path.basename(f) for f in glob.glob(os.path.join(path, MODEL_FILES_GLOB)))
+        joint = sorted(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(path), MODEL_FILES_GLOB)))
         return Written(joint=tuple(joint), last=(INDEX_FILE,))
 
     def index(self, path: str, store: Store) -> StepIndex:

@@ -413,7 +413,10 @@ def _create_files(output_dir: str, files: Sequence[OutputFile], sync: Collection
     if os.path.exists(stale):
         os.remove(stale)
     for f in files:
-        fd = os.open(os.path.join(output_dir, f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        path = os.path.join(output_dir, f.name)
+        if os.path.lexists(path):  # replaced, never written through: a link (into a hub cache) stays intact
+            os.remove(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
             os.ftruncate(fd, f.size)
             if header:

@@ -150,8 +150,8 @@ def _clear_and_write_config(out_dir: str, config: dict[str, Any], sync: bool) ->
     index = os.path.join(out_dir, INDEX_FILE)
     if os.path.exists(index):
         os.remove(index)
-    for old in glob.glob(os.path.join(out_dir, MODEL_FILES_GLOB)) + \
-            glob.glob(os.path.join(out_dir, SINGLE_FILE)):
+    for old in glob.glob(os.path.join(glob.escape(out_dir), MODEL_FILES_GLOB)) + \
+            glob.glob(os.path.join(glob.escape(out_dir), SINGLE_FILE)):
         os.remove(old)
     path = os.path.join(out_dir, CONFIG_FILE)
     if sync:

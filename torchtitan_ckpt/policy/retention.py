@@ -5,16 +5,21 @@ from __future__ import annotations
 from ..layout import PARTIAL, StepFolder
 
 
-def steps_to_delete(folders: list[StepFolder], keep_latest_k: int) -> list[StepFolder]:
-    """Folders to remove once a new step has committed: complete steps beyond the newest
-    `keep_latest_k` (0 keeps all), and partial folders older than the newest complete step
-    (left by a crash; nothing will ever complete them). The newest complete step is never chosen,
-    nor is any folder this package did not write (foreign or unknown), nor a step folder that is
-    a symlink (another run's, linked in)."""
-    committed = sorted((f for f in folders if f.committed), key=lambda f: f.step)
-    if not committed:
-        return []
-    newest = committed[-1].step
+def steps_to_delete(folders: list[StepFolder], keep_latest_k: int, committed_now: int) -> list[StepFolder]:
+    """Folders to remove once step `committed_now` has committed: complete steps beyond the
+    newest `keep_latest_k` (0 keeps all) up to `committed_now`, and partial folders older than
+    it (left by a crash; nothing will ever complete them). Steps above it are left alone: they
+    are from before the job went back to an older step (`load(step)`, `load_step`), and
+    counting them would delete the steps this job saves next, as soon as each commits. Never
+    chosen either: `committed_now`, any folder this package did not write (foreign or unknown),
+    a step folder that is a symlink (another run's, linked in)."""
+    mine = [f for f in folders if f.step <= committed_now]
+    committed = sorted((f for f in mine if f.committed), key=lambda f: f.step)
     doomed = committed[:-keep_latest_k] if keep_latest_k > 0 else []
-    doomed += [f for f in folders if f.status == PARTIAL and f.step < newest]
-    return sorted((f for f in doomed if not f.linked), key=lambda f: f.step)
+    doomed += [f for f in mine if f.status == PARTIAL and f.step < committed_now]
+    return sorted((f for f in doomed if not f.linked and f.step != committed_now), key=lambda f: f.step)
+
+
+def newer_steps(folders: list[StepFolder], committed_now: int) -> list[StepFolder]:
+    """Complete steps above `committed_now`: `load()` without a step would pick them over it."""
+    return [f for f in folders if f.committed and f.step > committed_now]

@@ -4,7 +4,6 @@ commit is `commit.write_marker`'s fsync-and-rename."""
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 
 from .. import commit, faults, layout
@@ -57,8 +56,7 @@ class LocalStore(Store):
             if not layout.StepFolder(step, path, layout.status_of(path)).ours:
                 raise CheckpointError(f"{path} exists and was not written by torchtitan_ckpt; it is "
                                       "never replaced: move it away or save into another folder")
-            commit.uncommit(path)  # refuses a symlink: another run's folder is never replaced
-            shutil.rmtree(path)
+            commit.remove_step(path)  # refuses a symlink: another run's folder is never replaced
         os.makedirs(path)
         commit.mark_in_progress(path)  # ours from now on, even if this save crashes
         faults.hit("prepare", step)
@@ -69,4 +67,4 @@ class LocalStore(Store):
     def remove(self, folder: layout.StepFolder) -> None:
         commit.uncommit(folder.path)  # a half-deleted folder must read as partial
         faults.hit("purge", folder.step)
-        shutil.rmtree(folder.path)
+        commit.remove_step(folder.path)
