@@ -28,13 +28,16 @@ def start_moto() -> tuple[ThreadedMotoServer, str]:
 
 class FaultProxy:
     """Forwards every request to `upstream`; `plan(n, method, path)` (n counts requests from 1)
-    returns None to forward it, "slowdown" / "internal" to answer S3's 503 / 500 error instead,
-    or "reset" to close the connection without an answer. `injected` counts what was done,
-    `served` the body bytes of successful GETs by path."""
+    returns None to forward it, "whole" to forward it without its `Range` header (a server that
+    ignores ranges), "slowdown" / "internal" to answer S3's 503 / 500 error instead, or "reset"
+    to close the connection without an answer. `edit(path, body)`, when given, returns the body
+    to answer for a successful GET in place of the server's (a server answering nonsense).
+    `injected` counts what was done, `served` the body bytes of successful GETs by path."""
 
-    def __init__(self, upstream: str, plan):
+    def __init__(self, upstream: str, plan, edit=None):
         self.upstream = upstream.split("://", 1)[1]
         self.plan = plan
+        self.edit = edit
         self.injected: Counter[str] = Counter()
         self.served: Counter[str] = Counter()
         self.seen: list = []
@@ -66,24 +69,33 @@ class FaultProxy:
             def log_message(self, *args):  # quiet
                 pass
 
+            def handle(self):
+                try:
+                    super().handle()
+                except ConnectionError:  # the client hung up before the end of an answer: it had read enough
+                    pass
+
             def _any(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 fault = proxy._decide(self.command, self.path)
                 if fault == "reset":
                     self.close_connection = True
                     return
-                if fault:
+                if fault and fault != "whole":
                     status, code, message = _ERRORS[fault]
                     self._answer(status, [("Content-Type", "application/xml")],
                                  f"<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode())
                     return
                 conn = http.client.HTTPConnection(proxy.upstream, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                dropped = ("host", "range") if fault == "whole" else ("host",)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
                 conn.request(self.command, self.path, body=body, headers={**headers, "Host": proxy.upstream})
                 reply = conn.getresponse()
                 data = reply.read()
                 conn.close()
                 if self.command == "GET" and reply.status < 300:
+                    if proxy.edit is not None:
+                        data = proxy.edit(self.path, data)
                     with proxy._lock:
                         proxy.served[self.path.split("?")[0]] += len(data)
                 self._answer(reply.status, reply.getheaders(), data)

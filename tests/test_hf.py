@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import struct
 from dataclasses import replace
 
 import pytest
@@ -21,11 +22,12 @@ from tests.helpers import assert_same, logits, perturbed, read_checkpoint
 from torchtitan_ckpt import cli
 from torchtitan_ckpt.errors import AdapterMismatchError, CheckpointError, CorruptCheckpointError
 from torchtitan_ckpt.example.model import FLAVORS, Transformer, args_from_hf_config, hf_adapter, hf_config
-from torchtitan_ckpt.hf import HFModelConfig, LlamaAdapter, load_hf, parse_size, plan_files, save_hf
+from torchtitan_ckpt.hf import HFModelConfig, LlamaAdapter, load_hf, parse_size, plan_files, read_hf_config, save_hf
 from torchtitan_ckpt.hf import shards
 from torchtitan_ckpt.policy.split import in_order_runs, share
 from torchtitan_ckpt.hf.adapter import HFSource, reorder_rows, rope_row_order, whole_row_blocks
-from torchtitan_ckpt.hf.safetensors_io import read_exact
+from torchtitan_ckpt.hf.model_config import MAX_CONFIG_BYTES
+from torchtitan_ckpt.hf.safetensors_io import read_exact, read_header
 from torchtitan_ckpt.hf.shards import row_pieces
 
 transformers = pytest.importorskip("transformers")
@@ -265,6 +267,32 @@ def test_import_gives_the_transformers_logits_and_exports_bit_identical(hf_check
         assert json.load(b) == {**json.load(a), "dtype": "bfloat16"}
 
 
+def test_import_from_the_hub_cache_reads_through_its_links_into_blobs_only(hf_checkpoint, tmp_path):
+    """A model downloaded to the Hugging Face hub's cache: `<repo>/snapshots/<revision>/` holds
+    links to `<repo>/blobs/<hash>`. It loads as its folder would (the links stay inside the
+    repository's blobs); a link anywhere else, another repository's blobs included, is refused."""
+    src, expected = hf_checkpoint
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for name in os.listdir(src):
+        shutil.copyfile(os.path.join(src, name), blobs / f"blob-{name}")
+        (snapshot / name).symlink_to(os.path.join("..", "..", "blobs", f"blob-{name}"))
+    model = our_model(seed=1)
+    load_hf(model.state_dict(), str(snapshot), hf_adapter(ARGS))
+    assert (logits_of(model) - expected).abs().max() < 1e-5
+
+    other = tmp_path / "hub" / "models--org--other" / "blobs"
+    other.mkdir(parents=True)
+    first = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))[0]
+    shutil.copyfile(os.path.join(src, first), other / "stolen")
+    (snapshot / first).unlink()
+    (snapshot / first).symlink_to(other / "stolen")
+    with pytest.raises(CorruptCheckpointError, match="is a link to .*stolen, outside the checkpoint folder"):
+        load_hf(our_model(seed=1).state_dict(), str(snapshot), hf_adapter(ARGS))
+
+
 @pytest.mark.parametrize("num_threads", [1, 3, 64])
 def test_import_on_any_number_of_threads_gives_the_same_state(hf_checkpoint, num_threads):
     """More threads than pieces, or a run ending inside a tensor, change nothing."""
@@ -408,6 +436,23 @@ def test_read_exact_fills_more_buffers_than_one_preadv_takes_in_file_order(tmp_p
     assert b"".join(bytes(b) for b in bufs) == data
 
 
+@pytest.mark.parametrize("shape, offsets", [
+    ("[Infinity]", "[0, 16]"), ("[-Infinity]", "[0, 16]"), ("[NaN]", "[0, 16]"), ("[4.0]", "[0, 16]"),
+    ("[true, 4]", "[0, 16]"), ("[-4]", "[0, 16]"), ('"4"', "[0, 16]"), ("{}", "[0, 16]"),
+    ("[4]", "[0, Infinity]"), ("[4]", "[NaN, 16]"), ("[4]", "[0, 1e999]"), ("[4]", "[0.0, 16]"),
+    ("[4]", "[false, 16]"), ("[4]", "[0, 16, 16]"), ("[4]", "[0]"), ("[4]", '"0-16"'),
+])
+def test_a_header_with_a_shape_or_offset_that_is_not_an_integer_is_refused_naming_the_tensor(tmp_path, shape, offsets):
+    """Python's `json` reads Infinity, NaN and 1e999 as floats: each refused as our error, as are
+    floats and booleans that `int()` would take."""
+    header = f'{{"w": {{"dtype": "F32", "shape": {shape}, "data_offsets": {offsets}}}}}'.encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    with pytest.raises(CorruptCheckpointError, match=rf"{re.escape(str(path))} is not a readable safetensors "
+                                                     r"file: .*[\'\"]w: (shape|data_offsets) .* is not a"):
+        read_header(str(path))
+
+
 # ---------------------------------------------------------------------------- convert
 
 def _convert(*argv: str) -> int:
@@ -464,3 +509,29 @@ def test_export_of_a_model_without_tensors_names_the_folder(tmp_path):
     with pytest.raises(CheckpointError, match=r"exporting to .*out: the model has no tensors"):
         save_hf({}, str(tmp_path / "out"), ForeignAdapter(NoTensors()))
     assert not (tmp_path / "out").exists()
+
+
+def _config_file(folder, text: str) -> str:
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(text)
+    return str(folder / "config.json")
+
+
+def test_a_model_config_is_read_from_a_regular_file_of_its_folder(tmp_path):
+    """A FIFO is refused, not waited on; a link out of the folder is not followed; a file over
+    MAX_CONFIG_BYTES is not read whole: each our error naming the file."""
+    good = json.dumps(hf_config(ARGS))
+    assert read_hf_config(_config_file(tmp_path / "ok", good)).hidden_size == ARGS.dim
+    (tmp_path / "link").mkdir()
+    (tmp_path / "link" / "config.json").symlink_to(tmp_path / "ok" / "config.json")
+    with pytest.raises(CorruptCheckpointError, match=r"link/config.json: the model config is a link to .*ok/"
+                                                     r"config.json, outside the checkpoint folder"):
+        read_hf_config(str(tmp_path / "link" / "config.json"))
+    big = _config_file(tmp_path / "big", good + " " * MAX_CONFIG_BYTES)
+    with pytest.raises(CorruptCheckpointError, match=rf"cannot read the model config {re.escape(big)}: it is "
+                                                     rf"larger than {MAX_CONFIG_BYTES} bytes"):
+        read_hf_config(big)
+    os.mkfifo(tmp_path / "config.json")
+    with pytest.raises(CorruptCheckpointError, match=rf"{re.escape(str(tmp_path))}/config.json: the model config "
+                                                     r"is not a regular file"):
+        read_hf_config(str(tmp_path / "config.json"))

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing import ProcessExitedException
 
-from torchtitan_ckpt import CheckpointManager, cli, commit, faults
+from torchtitan_ckpt import CheckpointManager, cli, commit, faults, layout
 from torchtitan_ckpt.config import Checkpoint
-from torchtitan_ckpt.errors import CheckpointSaveError, ConfigError
+from torchtitan_ckpt.errors import CheckpointSaveError, ConfigError, CorruptCheckpointError, StorageError
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.model import hf_adapter
 from torchtitan_ckpt.example.train import build_model, shard_model
@@ -172,6 +172,7 @@ def test_a_kill_while_deleting_an_old_step_leaves_it_partial(bucket, tmp_path):
     names = _objects(bucket)
     assert "run/step-2/COMMITTED.json" in names and "run/step-1/COMMITTED.json" not in names
     assert "run/step-1/.metadata" in names  # its marker went first
+    assert "run/step-1/IN_PROGRESS.json" in names  # after it was marked in progress: partial, not unknown
 
 
 def _flaky():
@@ -540,3 +541,115 @@ def test_the_cli_converts_from_object_storage(bucket, tmp_path):
     name = "model-00001-of-00001.safetensors"
     assert_same(load_file(str(tmp_path / "back" / name)), load_file(str(tmp_path / "hf" / name)))
 
+
+# ---------------------------------------------------------------------------- one store, a hostile server
+
+def _store(bucket: str, staging, **over) -> tuple[S3Store, str]:
+    """Rank 0's store of `s3://bucket/run` (in this process), and its local folder of step 1."""
+    url = f"s3://{bucket}/run"
+    store = S3Store(url, "checkpoint.folder", 0, _config(url, str(staging), **over))
+    return store, os.path.join(store.root, "step-1")
+
+
+@pytest.fixture
+def proxied(moto_url, monkeypatch):
+    """`proxied(plan, edit)`: a `FaultProxy` in front of the server, which the stores made
+    after it reach."""
+    proxies = []
+
+    def make(plan, edit=None) -> FaultProxy:
+        proxies.append(FaultProxy(moto_url, plan, edit))
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxies[-1].url)
+        return proxies[-1]
+
+    yield make
+    for proxy in proxies:
+        proxy.close()
+
+
+@pytest.mark.parametrize("wanted, message", [
+    ({"data": [(2**62, 2**62)]}, r"data: the step's metadata reads 4611686018427387904 bytes at 4611686018427387904, "
+                                 r"outside its 100 bytes"),
+    ({"data": [(1 << 30, 10)]}, r"data: .* reads 10 bytes at 1073741824, outside its 100 bytes"),
+    ({"data": [(0, 10), (60, 41)]}, r"data: .* reads 41 bytes at 60, outside its 100 bytes"),
+    ({"data": [(-1, 10)]}, r"data: .* reads 10 bytes at -1, outside"),
+    ({"data": [(0, 1.5)]}, r"data: .* reads 1.5 bytes at 0, outside"),
+    ({"data": [(0, 10)], "other": [(0, 1)]}, r"other: the step's metadata reads this object, which the store does "
+                                             r"not hold"),
+], ids=["huge", "past", "across", "negative", "float", "missing"])
+def test_a_range_outside_its_object_is_refused_before_anything_is_downloaded(bucket, tmp_path, wanted, message):
+    """Ranges come from the step's `.metadata`: a crafted one (2**62 bytes at 2**62) must not
+    make the store cut 2**40 pieces or ask the server for bytes that are not there."""
+    boto3.client("s3").put_object(Bucket=bucket, Key="run/step-1/data", Body=bytes(100))
+    store, path = _store(bucket, tmp_path)
+    with pytest.raises(CorruptCheckpointError, match=rf"^s3://{bucket}/run/step-1/{message}"):
+        store.fetch_ranges(path, wanted)
+    assert not os.path.exists(os.path.join(path, "data"))
+
+
+def test_a_server_that_ignores_the_range_is_read_no_further_than_it(bucket, tmp_path, proxied):
+    boto3.client("s3").put_object(Bucket=bucket, Key="run/step-1/data", Body=bytes(1 << 20))
+    proxied(lambda n, method, path: "whole" if method == "GET" and path.endswith("/step-1/data") else None)
+    store, path = _store(bucket, tmp_path)
+    bodies = []
+    store.client.meta.events.register("after-call.s3.GetObject", lambda parsed, **_: bodies.append(parsed["Body"]))
+    with pytest.raises(StorageError, match=rf"s3://{bucket}/run/step-1/data: asked for 10 bytes at 100, got more"):
+        store.fetch_ranges(path, {"data": [(100, 10)]})
+    assert [body.tell() for body in bodies] == [11]  # not the whole MiB the server sent
+
+
+def _listing_with(pattern: str, replacement: str):
+    """An `edit` rewriting the server's listings."""
+    return lambda path, body: re.sub(pattern.encode(), replacement.encode(), body) if "list-type=2" in path else body
+
+
+@pytest.mark.parametrize("pattern, replacement, message", [
+    ("<Size>100</Size>", "<Size>-1</Size>", r"gives s3://{bucket}/run/step-1/data a size of -1 bytes"),
+    ("<Size>100</Size>", f"<Size>{2**62}</Size>", r"gives s3://{bucket}/run/step-1/data a size of 4611686018427387904"),
+    ("<IsTruncated>false</IsTruncated>", "<IsTruncated>true</IsTruncated><NextContinuationToken>{token}"
+                                         "</NextContinuationToken>", "gives a token it gave before"),
+    ("<IsTruncated>false</IsTruncated>", "<IsTruncated>true</IsTruncated>", r"gives no token \(None\)"),
+    ("<Key>run/step-1/data</Key>", "<Key>elsewhere/data</Key>", r"the object 'elsewhere/data', which is not under it"),
+], ids=["negative-size", "huge-size", "token-again", "no-token", "outside"])
+def test_a_listing_that_is_nonsense_is_refused_naming_the_folder(bucket, tmp_path, proxied, pattern, replacement,
+                                                                 message):
+    """A listing that would never end, a size no object has (which would size the local file and
+    cut the download), an object outside the folder: a `StorageError`, before any download. The
+    token given again is one the server gave (it refuses others) for a listing in 2 pages."""
+    client = boto3.client("s3")
+    client.put_object(Bucket=bucket, Key="run/step-1/data", Body=bytes(100))
+    client.put_object(Bucket=bucket, Key="run/step-1/more", Body=bytes(7))
+    token = client.list_objects_v2(Bucket=bucket, Prefix="run/step-1/", MaxKeys=1)["NextContinuationToken"]
+    listings = itertools.count()  # a listing that never ends is cut short, then fails the test
+    proxy = proxied(lambda n, method, path: "internal" if "list-type=2" in path and next(listings) >= 5 else None,
+                    _listing_with(pattern, replacement.format(token=token)))
+    store, path = _store(bucket, tmp_path, storage_retries=0)
+    with pytest.raises(StorageError, match=rf"^listing s3://{bucket}/run/step-1/: .*" + message.format(bucket=bucket)):
+        store.fetch(path)
+    assert not proxy.injected and not os.path.exists(os.path.join(path, "data"))
+
+
+@pytest.mark.parametrize("failing, left, status", [
+    (1, {"IN_PROGRESS.json", "COMMITTED.json", ".metadata", "__0_0.distcp"}, layout.COMPLETE),
+    (2, {"IN_PROGRESS.json", ".metadata", "__0_0.distcp"}, layout.PARTIAL),
+    (3, {"IN_PROGRESS.json"}, layout.PARTIAL),
+    (None, set(), None),
+])
+def test_a_deletion_stopped_at_any_request_leaves_the_step_ours(bucket, tmp_path, proxied, failing, left, status):
+    """A step being deleted is marked in progress first and loses that mark last, in a request
+    of its own: stopped after any request, it reads as complete or partial (deleted by the
+    next retention), never as another program's folder, which is never deleted."""
+    for name in ("COMMITTED.json", ".metadata", "__0_0.distcp"):
+        boto3.client("s3").put_object(Bucket=bucket, Key=f"run/step-1/{name}", Body=b"{}")
+    deletes = itertools.count(1)
+    proxied(lambda n, method, path: "internal" if method == "POST" and path.endswith("?delete")
+            and next(deletes) == failing else None)
+    store, path = _store(bucket, tmp_path, storage_retries=0)
+    step = layout.StepFolder(1, path, layout.COMPLETE)
+    if failing:
+        with pytest.raises(StorageError, match=rf"deleting s3://{bucket}/run/step-1/.* failed: .*InternalError"):
+            store.remove(step)
+    else:
+        store.remove(step)
+    assert {k.split("/", 2)[2] for k in _objects(bucket)} == left
+    assert [s.status for s in store.scan(store.root)] == ([status] if status else [])

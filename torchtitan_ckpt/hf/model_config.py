@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, CorruptCheckpointError
+from ..io import safe_open
 
 # ceilings far above any published model, low enough that no shape computed from them overflows
 MAX_HIDDEN = 1 << 16
@@ -26,6 +27,8 @@ MAX_FFN = 1 << 20
 MAX_VOCAB = 1 << 24
 MAX_EXPERTS = 1 << 12
 MAX_POSITIONS = 1 << 24
+MAX_CONFIG_BYTES = 16 << 20
+"""Far above any model's `config.json` (a few KiB): a larger file is refused, not read whole."""
 
 
 @dataclass(frozen=True)
@@ -84,10 +87,15 @@ class HFModelConfig:
 
 
 def read_hf_config(path: str) -> HFModelConfig:
-    """Read and check the `config.json` at `path`."""
+    """Read and check the `config.json` at `path`: a regular file (a FIFO or a device there is
+    refused, never waited on) inside its folder (a link out of it is not followed) of at most
+    `MAX_CONFIG_BYTES`."""
     try:
-        with open(path) as f:
-            raw = json.load(f)
+        with safe_open.open_path(path, "the model config") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ValueError(f"it is larger than {MAX_CONFIG_BYTES} bytes, far more than any model's config")
+        raw = json.loads(data)
     except (OSError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"cannot read the model config {path}: {e}") from e
     return HFModelConfig.parse(raw, path)

@@ -61,12 +61,22 @@ def read_header(path: str) -> dict[str, TensorEntry]:
 
 
 def _entry(name: str, fields: dict, path: str, data_start: int) -> TensorEntry:
+    """The entry of tensor `name`, its dtype, shape and `data_offsets` checked (not yet against
+    the data section: `_check_offsets`)."""
     if fields["dtype"] not in SAFETENSORS_DTYPES:
         raise ValueError(f"{name}: dtype {fields['dtype']!r} is not one of {sorted(SAFETENSORS_DTYPES)}")
-    shape = tuple(int(d) for d in fields["shape"])
-    if any(d < 0 for d in shape):
-        raise ValueError(f"{name}: negative dimension in shape {list(shape)}")
-    return TensorEntry(SAFETENSORS_DTYPES[fields["dtype"]], shape, path, data_start + int(fields["data_offsets"][0]))
+    shape, offsets = fields["shape"], fields["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise ValueError(f"{name}: shape {shape!r} is not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(x) for x in offsets):
+        raise ValueError(f"{name}: data_offsets {offsets!r} is not a pair of non-negative integers")
+    return TensorEntry(SAFETENSORS_DTYPES[fields["dtype"]], tuple(shape), path, data_start + offsets[0])
+
+
+def _is_count(value: object) -> bool:
+    """A non-negative JSON integer: not a bool, nor a float (`json` reads 4.0, 1e999, Infinity
+    and NaN as floats)."""
+    return type(value) is int and value >= 0
 
 
 def read_exact(fd: int, bufs: list[memoryview], offset: int, path: str) -> None:
@@ -86,7 +96,7 @@ def _check_offsets(header: dict, entries: dict[str, TensorEntry], data_bytes: in
     no other tensor's."""
     spans = []
     for name, entry in entries.items():
-        start, end = (int(x) for x in header[name]["data_offsets"])
+        start, end = header[name]["data_offsets"]  # a pair of integers: `_entry`
         if not 0 <= start <= end <= data_bytes or end - start != entry.nbytes:
             raise ValueError(f"{name}: data_offsets [{start}, {end}] do not fit {entry.nbytes} bytes "
                              f"in a data section of {data_bytes}")

@@ -1,8 +1,8 @@
 """The one rule for every file name read from a checkpoint (`.metadata`, `COMMITTED.json`, an HF
 index, a shard header): it names a regular file inside the checkpoint's folder.
 
-A name must be relative, without `..` or NUL, and resolve (symlinks followed) inside the folder,
-so a crafted entry cannot read `/etc/passwd`, another checkpoint's tensors or `/dev/zero`. It is
+A name must be relative, without `..` or NUL, and resolve (symlinks followed) inside the folder
+(or, in the Hugging Face hub's cache, inside the repository's `blobs`), so a crafted entry cannot read `/etc/passwd`, another checkpoint's tensors or `/dev/zero`. It is
 opened with `O_NONBLOCK` and checked to be a regular file before anything is read, so a FIFO or a
 device in its place is refused instead of blocking the load forever. Anything else is a
 `CorruptCheckpointError` naming the entry.
@@ -28,12 +28,17 @@ def inside(root: str, name: object, what: str) -> str:
 
 
 def _resolved_inside(root: str, name: object, what: str) -> str:
-    """`inside`, and the path with its symlinks followed is inside `root` too."""
+    """`inside`, and the path with its symlinks followed is inside `root` too, or, for a folder
+    of the Hugging Face hub's cache (`<repo>/snapshots/<revision>`, whose files are links to
+    `<repo>/blobs/<hash>`), inside that repository's `blobs` folder."""
     path = inside(root, name, what)
-    real_root = os.path.realpath(root)
-    if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:
-        raise CorruptCheckpointError(f"{path}: {what} is a link to {os.path.realpath(path)}, outside the "
-                                     "checkpoint folder; refusing to read it")
+    real_root, real = os.path.realpath(root), os.path.realpath(path)
+    allowed = [real_root]
+    if os.path.basename(os.path.dirname(real_root)) == "snapshots":
+        allowed.append(os.path.join(os.path.dirname(os.path.dirname(real_root)), "blobs"))
+    if not any(os.path.commonpath([folder, real]) == folder for folder in allowed):
+        raise CorruptCheckpointError(f"{path}: {what} is a link to {real}, outside the checkpoint folder; "
+                                     "refusing to read it")
     return path
 
 

@@ -19,9 +19,13 @@ assembled part by part onto rank i % world_size, to which every other rank sends
 stretches that hold data in its copy, and uploaded from there; the index goes up once every
 rank's other files are in the store.
 
-Discovery lists the markers; a step without `COMMITTED.json` is never loaded; retention deletes
-the marker first. Endpoint, region and credentials come from boto3's standard chain
-(`AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`, `AWS_PROFILE`, ...) and are never logged.
+Discovery lists the markers; a step without `COMMITTED.json` is never loaded; retention marks a
+step in progress, then deletes its commit marker, its data, and the in-progress marker last.
+What a listing or a download answers is checked before it is used (sizes, continuation tokens,
+the length of each ranged read), as are the byte ranges a step's metadata asks for.
+
+Endpoint, region and credentials come from boto3's standard chain (`AWS_ENDPOINT_URL`,
+`AWS_REGION`, `AWS_ACCESS_KEY_ID`, `AWS_PROFILE`, ...) and are never logged.
 Throttling, 5xx and reset connections are retried by botocore's `standard` mode with
 exponential backoff, `storage_retries` times, then fail the save on every rank.
 """
@@ -38,7 +42,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict
 from typing import Any
 from urllib.parse import quote
@@ -48,7 +52,8 @@ import torch.distributed as dist
 
 from .. import commit, faults, layout
 from ..config import Checkpoint
-from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, RankFailed, StorageError
+from ..errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RankFailed,
+                      StorageError)
 from ..group import CheckpointGroup
 from ..hf.planner import parse_size
 from ..io import posio, safe_open
@@ -58,6 +63,10 @@ from .base import Store
 logger = logging.getLogger(__name__)
 
 _MARKERS = (commit.MARKER, commit.IN_PROGRESS)
+
+MAX_OBJECT_BYTES = 1 << 46
+"""64 TiB: above the largest object S3 stores (50 TB). A listing that gives a size beyond it (or
+a negative one) is refused before the size reaches a download."""
 
 Fill = Callable[[memoryview, int], None]
 """`fill(buffer, offset)`: puts the bytes of a file being uploaded at `offset` into `buffer`."""
@@ -125,15 +134,31 @@ class S3Store(Store):
             raise StorageError(f"{what} {self.where(key)} failed: {type(e).__name__}: {e}") from e
 
     def _list(self, key: str) -> dict[str, int]:
-        """Object name (relative to `key/`) -> size, for every object under `key/`."""
-        found: dict[str, int] = {}
-        token: dict[str, str] = {}
+        """Object name (relative to `key/`) -> size, for every object under `key/`. An answer
+        naming an object outside `key/` or a size outside [0, MAX_OBJECT_BYTES], or one that
+        pages on without a continuation token or with one given before (a listing that would
+        never end), is a `StorageError`."""
+        prefix, found, token, seen = key + "/", {}, {}, set()
         while True:
-            page = self._call("listing", key + "/", self.client.list_objects_v2, Prefix=key + "/", **token)
-            found.update({o["Key"][len(key) + 1:]: o["Size"] for o in page.get("Contents", [])})
+            page = self._call("listing", prefix, self.client.list_objects_v2, Prefix=prefix, **token)
+            for o in page.get("Contents", []):
+                name, size = o.get("Key"), o.get("Size")
+                if not isinstance(name, str) or not name.startswith(prefix):
+                    raise StorageError(f"listing {self.where(prefix)}: the server answered the object {name!r}, "
+                                       "which is not under it")
+                if type(size) is not int or not 0 <= size <= MAX_OBJECT_BYTES:
+                    raise StorageError(f"listing {self.where(prefix)}: the server gives {self.where(name)} a size "
+                                       f"of {size!r} bytes, not one in [0, {MAX_OBJECT_BYTES}]")
+                found[name[len(prefix):]] = size
             if not page.get("IsTruncated"):
                 return found
-            token = {"ContinuationToken": page["NextContinuationToken"]}
+            following = page.get("NextContinuationToken")
+            if not isinstance(following, str) or following in seen:
+                token_is = "a token it gave before" if following in seen else f"no token ({following!r})"
+                raise StorageError(f"listing {self.where(prefix)}: the server says more objects follow, and gives "
+                                   f"{token_is} to continue from: the listing would never end")
+            seen.add(following)
+            token = {"ContinuationToken": following}
 
     def _put(self, key: str, body: bytes | bytearray) -> None:
         self._call("writing", key, self.client.put_object, Key=key, Body=body, ChecksumCRC32=_crc_header(body))
@@ -145,12 +170,15 @@ class S3Store(Store):
             if errors:
                 raise StorageError(f"deleting {self.where(errors[0]['Key'])} failed: {errors[0].get('Message')}")
 
+    def _mark_in_progress(self, key: str) -> None:
+        self._put(f"{key}/{commit.IN_PROGRESS}", json.dumps({"started": time.time()}).encode())
+
     def _remove_step(self, key: str, names: list[str]) -> None:
-        """Delete the objects `names` under `key/`: the commit marker first, so a step half
-        deleted reads as partial."""
+        """Delete the objects `names` under `key/`, a step the caller has marked in progress,
+        but that mark: the commit marker first, so a step half deleted reads as partial."""
         if commit.MARKER in names:
             self._delete([f"{key}/{commit.MARKER}"])
-        self._delete([f"{key}/{n}" for n in names if n != commit.MARKER])
+        self._delete([f"{key}/{n}" for n in names if n not in _MARKERS])
 
     # ------------------------------------------------------------------ the store
 
@@ -191,8 +219,8 @@ class S3Store(Store):
         if names and not set(_MARKERS) & set(names):
             raise CheckpointError(f"{self.where(key)} exists and was not written by torchtitan_ckpt; it is "
                                   "never replaced: move it away or save under another prefix")
-        self._put(f"{key}/{commit.IN_PROGRESS}", json.dumps({"started": time.time()}).encode())
-        self._remove_step(key, [n for n in names if n != commit.IN_PROGRESS])
+        self._mark_in_progress(key)
+        self._remove_step(key, names)
         faults.hit("prepare", step)
 
     def prepare_rank(self, path: str) -> None:
@@ -307,13 +335,37 @@ class S3Store(Store):
         if self._whole:
             return
         start, key, total = time.perf_counter(), self._key(path), 0
-        for rel, wanted in sorted(ranges.items()):
-            spans, local = _merged(wanted), safe_open.inside(path, rel, f"an object under {self.where(key)}")
+        spans = self._checked_spans(path, key, ranges)
+        for rel, merged in spans.items():
+            local = os.path.join(path, rel)
             os.makedirs(os.path.dirname(local), exist_ok=True)
-            self._download(f"{key}/{rel}", local, spans)
-            total += sum(n for _, n in spans)
+            self._download(f"{key}/{rel}", local, merged)
+            total += sum(n for _, n in merged)
         _log_rate("rank %d downloaded its ranges of %d objects of %s" % (self.rank, len(ranges), self.where(key)),
                   total, start)
+
+    def _checked_spans(self, path: str, key: str, ranges: Mapping[str, Sequence[tuple[int, int]]]
+                       ) -> dict[str, list[tuple[int, int]]]:
+        """`ranges` merged, each file's, once every range is checked (before anything is
+        downloaded): they come from the step's metadata, so a name outside the step, an object
+        the store does not hold, or a range that is not whole numbers inside the object (as the
+        store lists it) is a `CorruptCheckpointError` naming the object."""
+        sizes = self._list(key)
+        spans = {}
+        for rel, wanted in sorted(ranges.items()):
+            safe_open.inside(path, rel, f"an object under {self.where(key)}")
+            where = self.where(f"{key}/{rel}")
+            if rel not in sizes:
+                raise CorruptCheckpointError(f"{where}: the step's metadata reads this object, which the store "
+                                             "does not hold")
+            for offset, length in wanted:
+                if type(offset) is not int or type(length) is not int or min(offset, length) < 0 \
+                        or offset + length > sizes[rel]:
+                    raise CorruptCheckpointError(
+                        f"{where}: the step's metadata reads {length!r} bytes at {offset!r}, outside its "
+                        f"{sizes[rel]} bytes: the checkpoint is damaged or was crafted")
+            spans[rel] = _merged(wanted)
+        return spans
 
     def _hold(self, path: str) -> None:
         """The local folder keeps one fetched step: another one fetched before is removed."""
@@ -326,12 +378,17 @@ class S3Store(Store):
         return sum(self._list(self._key(path)).values())
 
     def remove(self, folder: layout.StepFolder) -> None:
+        """Marked in progress, then the commit marker, the data, and the in-progress marker last
+        in a request of its own: a step whose deletion stops anywhere reads as ours and partial
+        (deleted by the next retention), never as another program's."""
         key = self._key(folder.path)
         names = list(self._list(key))
+        self._mark_in_progress(key)
         if commit.MARKER in names:
             self._delete([f"{key}/{commit.MARKER}"])
             faults.hit("purge", folder.step)
         self._remove_step(key, [n for n in names if n != commit.MARKER])
+        self._delete([f"{key}/{commit.IN_PROGRESS}"])
 
     # ------------------------------------------------------------------ bytes
 
@@ -396,17 +453,23 @@ class S3Store(Store):
             logger.warning("%s", e)
 
     def _download(self, key: str, local: str, spans: list[tuple[int, int]], size: int | None = None) -> None:
-        """Ranged GETs of `spans` ((offset, length), cut into `part_size` pieces, `parallel` at
-        once), each written at its offset into `local`, made `size` bytes long when given."""
+        """Ranged GETs of `spans` ((offset, length), checked by the caller to lie inside the
+        object), cut into `part_size` pieces as they go, `parallel` in flight at most, each
+        written at its offset into `local`, made `size` bytes long when given. Every piece
+        started has ended, even on a failure, before `local` is closed."""
         fd = os.open(local, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if size is not None else 0), 0o644)
+        pending: collections.deque[Future] = collections.deque()
         try:
             if size is not None:
                 os.ftruncate(fd, size)
-            pieces = [(o, min(self.part_size, start + n - o)) for start, n in spans
-                      for o in range(start, start + n, self.part_size)]
-            for _ in self._pool.map(lambda r: self._get_range(key, fd, *r), pieces):
-                pass
+            for offset, length in _pieces(spans, self.part_size):
+                if len(pending) >= self.parallel:
+                    pending.popleft().result()
+                pending.append(self._pool.submit(self._get_range, key, fd, offset, length))
+            while pending:
+                pending.popleft().result()
         finally:
+            wait(pending)
             os.close(fd)
 
     def _get_range(self, key: str, fd: int, offset: int, length: int) -> None:
@@ -415,15 +478,18 @@ class S3Store(Store):
         for attempt in range(self.retries + 1):
             reply = self._call("downloading", key, self.client.get_object, Key=key,
                                Range=f"bytes={offset}-{offset + length - 1}")
-            try:
-                data = reply["Body"].read()
+            try:  # one byte more than asked at most: a server that ignores the range sends all of it
+                data = reply["Body"].read(length + 1)
             except (IncompleteReadError, ResponseStreamingError) as e:  # the body's stream broke
                 if attempt == self.retries:
                     raise StorageError(f"downloading {self.where(key)} failed after {attempt} retries: {e}") from e
                 time.sleep(min(2 ** attempt * 0.1, 5))
                 continue
+            finally:
+                reply["Body"].close()  # the rest of a longer body is dropped with its connection
             if len(data) != length:
-                raise StorageError(f"{self.where(key)}: asked for {length} bytes at {offset}, got {len(data)}")
+                got = len(data) if len(data) < length else "more"
+                raise StorageError(f"{self.where(key)}: asked for {length} bytes at {offset}, got {got}")
             posio.write_all(fd, memoryview(data), offset)
             return
 
@@ -443,6 +509,14 @@ def _merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             spans.append([offset, offset + length])
     return [(a, z - a) for a, z in spans]
+
+
+def _pieces(spans: list[tuple[int, int]], part_size: int):
+    """The (offset, length) pieces of at most `part_size` bytes that `spans` are cut into, one
+    at a time (a span's pieces are never all held at once)."""
+    for start, n in spans:
+        for offset in range(start, start + n, part_size):
+            yield offset, min(part_size, start + n - offset)
 
 
 def _status(names: set[str]) -> str:
