@@ -4,10 +4,13 @@ deleted, and no state of the job changed when the checkpoint's content is refuse
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import math
 import os
 import pickle
+import re
 import shutil
 import struct
 import subprocess
@@ -779,3 +782,421 @@ def test_a_safetensors_file_that_is_a_fifo_or_a_link_out_is_refused(tmp_path, ki
         os.symlink(tmp_path / "outside.safetensors", path)
     with pytest.raises(CorruptCheckpointError, match=f"{path}.*(not a regular file|outside the checkpoint)"), within(10):
         read_header(str(path))
+
+
+# ---------------------------------------------------------------- 13. input that costs without bound
+
+
+def _in_child(fn, seconds: int = 30) -> tuple[bool, str] | None:
+    """What `fn()` raises in a forked child, as (whether it is a `CorruptCheckpointError`,
+    "Type: message"), or None when it returns. The test fails when the child runs past
+    `seconds`: hashing or printing in C is out of `within`'s reach, so a regression must not
+    run in the test's own process. The child may map 1 GiB more than it inherits."""
+    import multiprocessing
+    import resource
+
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def run():
+        with open("/proc/self/status") as f:
+            mapped = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (mapped + (1 << 30), resource.RLIM_INFINITY))
+        try:
+            fn()
+            send.send(None)
+        except BaseException as e:
+            send.send((isinstance(e, CorruptCheckpointError), f"{type(e).__name__}: {str(e)[:2000]}"))
+
+    child = ctx.Process(target=run)
+    child.start()
+    try:
+        if not receive.poll(seconds):
+            pytest.fail(f"still running after {seconds} s")
+        return receive.recv()
+    finally:
+        child.kill()
+        child.join()
+
+
+def _refused_in_child(fn, match: str) -> None:
+    outcome = _in_child(fn)
+    assert outcome is not None, "accepted"
+    ours, message = outcome
+    assert ours and re.search(match, message), message
+
+
+def _shared_tuples(levels: int) -> bytes:
+    """A pickle of {t: 1} where t = (t, t), `levels` times over, through the memo: a few bytes a
+    level, and 2**levels steps to hash t."""
+    out = bytearray(b"\x80\x02Nr" + struct.pack("<I", 0))  # None, memo 0
+    for i in range(levels):  # (t_i, t_i), memo i + 1
+        out += (b"j" + struct.pack("<I", i)) * 2 + b"\x86r" + struct.pack("<I", i + 1)
+    return bytes(out + b"}j" + struct.pack("<I", levels) + b"K\x01s.")  # {t: 1}
+
+
+def _deep_tuple(levels: int) -> bytes:
+    """A pickle of {((((None,),),)...): 1}, the tuple `levels` deep (hashing it recurses in C)."""
+    return b"\x80\x04}N" + b"\x85" * levels + b"K\x01s."
+
+
+BOMBS = [(_shared_tuples(500), "unfold to more than"), (_deep_tuple(100_000), "nest more than 100 deep")]
+
+
+@pytest.mark.parametrize("bomb, problem", BOMBS)
+def test_a_metadata_pickle_that_costs_without_bound_is_refused_naming_the_file(tmp_path, bomb, problem):
+    path = tmp_path / storage.METADATA_FILE
+    path.write_bytes(bomb)
+    _refused_in_child(lambda: storage.read_metadata(str(path)), rf"{path}: its pickle builds objects that {problem}")
+
+
+def test_a_real_metadata_passes_the_pickle_check(tmp_path):
+    """DCP's own writer and ours, a model's and an optimizer's tensors and plain values."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from torchtitan_ckpt.example.model import FLAVORS, Transformer
+
+    model = Transformer(FLAVORS["debugmodel"])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "extra": {"step": 3, "name": "x"}}
+    for name, writer in [("ours", storage.make_storage_writer), ("dcp", dcp.FileSystemWriter)]:
+        dcp.save(state, storage_writer=writer(str(tmp_path / name)), no_dist=True)
+        with within(10):
+            assert isinstance(storage.read_metadata(str(tmp_path / name / storage.METADATA_FILE)), Metadata)
+
+
+def _small_step(path: str, tensors: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(tensors, storage_writer=storage.make_storage_writer(path), no_dist=True)
+
+
+def _load_small(path: str, state: dict) -> None:
+    """Load `state` from the step `path` as the manager does: `.metadata` read and checked first."""
+    try:
+        metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
+        storage.load_on_this_rank(state, storage.make_storage_reader(path, metadata), storage.make_load_planner())
+    except BaseException as e:  # DCP wraps a reader's failure in its CheckpointException
+        raise storage.root_cause(e) from None
+
+
+def _item_of(path: str, fqn: str) -> tuple[str, int, int]:
+    md = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
+    info = next(s for i, s in md.storage_data.items() if i.fqn == fqn)
+    return os.path.join(path, info.relative_path), info.offset, info.length
+
+
+def _raw_edit(path: str, edit) -> None:
+    """Edit a small step's `.metadata` (our own test file: plain pickle)."""
+    file = os.path.join(path, storage.METADATA_FILE)
+    with open(file, "rb") as f:
+        md = pickle.load(f)
+    edit(md)
+    with open(file, "wb") as f:
+        pickle.dump(md, f)
+
+
+def _archive(records: list[tuple[str, bytes]]) -> bytes:
+    """A zip of stored records, as `torch.save` frames an item."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for name, data in records:
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("bomb, problem", [(_shared_tuples(250), "unfold to more than"),
+                                           (_deep_tuple(3000), "nest more than 100 deep")])
+def test_a_tensor_header_pickle_that_costs_without_bound_is_refused_naming_the_file(tmp_path, bomb, problem):
+    """The item's archive is replaced by one whose header pickle (`data.pkl`) is the bomb (small
+    enough to be read with the item's first bytes)."""
+    path = str(tmp_path / "step")
+    _small_step(path, {"a": torch.ones(4), "w": torch.ones(4)})
+    file, _, _ = _item_of(path, "w")
+    crafted = _archive([("archive/data.pkl", bomb), ("archive/byteorder", b"little"), ("archive/data/0", b"\0" * 16)])
+    at = os.path.getsize(file)
+    with open(file, "ab") as f:
+        f.write(crafted)
+
+    def move(md):
+        index = next(i for i in md.storage_data if i.fqn == "w")
+        md.storage_data[index] = replace(md.storage_data[index], offset=at, length=len(crafted))
+
+    _raw_edit(path, move)
+    state = {"a": torch.zeros(4), "w": torch.zeros(4)}
+    _refused_in_child(lambda: _load_small(path, state),
+                      rf"{file}: item 'w' .*has a header pickle that builds objects that {problem}")
+
+
+@pytest.mark.parametrize("bomb, problem", BOMBS)
+@pytest.mark.parametrize("where", ["plain pickle", "archive", "archive torch.load reads"])
+def test_value_pickles_that_cost_without_bound_are_refused(bomb, problem, where):
+    """A dataloader's state (a plain pickle), a non-tensor value's archive, and one whose
+    `data.pkl` is not its first record, which goes to `torch.load`."""
+    from torchtitan_ckpt.io import torch_archive
+
+    records = [("archive/data.pkl", bomb), ("archive/byteorder", b"little")]
+    read = {"plain pickle": lambda: torch_archive.load_plain_pickle(bomb),
+            "archive": lambda: torch_archive.load_plain(_archive(records)),
+            "archive torch.load reads": lambda: torch_archive.load_plain(_archive(records[::-1]))}[where]
+    _refused_in_child(read, rf"its pickle builds objects that {problem}")
+
+
+def test_a_value_item_that_is_a_pickle_stream_is_not_handed_to_torch_load(tmp_path):
+    """`torch.load` reads bytes that do not start as a zip as its legacy format: pickles."""
+    path = str(tmp_path / "step")
+    _small_step(path, {"n": 1, "w": torch.ones(4)})
+    file, _, _ = _item_of(path, "n")
+    at = os.path.getsize(file)
+    with open(file, "ab") as f:
+        f.write(BOMBS[0][0])
+
+    def move(md):
+        index = next(i for i in md.storage_data if i.fqn == "n")
+        md.storage_data[index] = replace(md.storage_data[index], offset=at, length=len(BOMBS[0][0]))
+
+    _raw_edit(path, move)
+    state = {"n": None, "w": torch.zeros(4)}
+    _refused_in_child(lambda: _load_small(path, state),
+                      rf"{file}: item 'n' .*is not a readable torch.save archive \(no zip record at its start\)")
+
+
+def test_a_metadata_file_larger_than_any_is_refused_unread(tmp_path):
+    path = tmp_path / storage.METADATA_FILE
+    path.write_bytes(b"")
+    os.truncate(path, storage.MAX_METADATA_BYTES + 1)  # sparse: nothing on the disk
+    with pytest.raises(CorruptCheckpointError, match=rf"{path} is {storage.MAX_METADATA_BYTES + 1} bytes, more than"):
+        storage.read_metadata(str(path))
+
+
+def test_a_dataloader_state_that_costs_without_bound_is_refused_naming_it(ckpt, pristine):
+    dump, _, _ = ckpt
+    _craft(dump, lambda state: state["dataloader"].__setitem__("dp_rank_0", _shared_tuples(24)))
+    _refused_unchanged(make_job(dump, steps=2, interval=2), pristine, CorruptCheckpointError,
+                       "dataloader.dp_rank_0 .*its pickle builds objects that unfold to more than")
+
+
+def _shared_lists(levels: int) -> list:
+    """A list whose repr is 2**levels long: each level holds the one below twice."""
+    x: list = [0]
+    for _ in range(levels):
+        x = [x, x]
+    return x
+
+
+def _real_small_metadata(tmp_path):
+    path = str(tmp_path / "small")
+    _small_step(path, {"w": torch.ones(3), "n": 1})
+    return path, storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
+
+
+@pytest.mark.parametrize("field, problem", [
+    ("size", "'w' has size \\[\\[\\[\\["),
+    ("properties.dtype", "'w' has properties TensorProperties\\(dtype="),
+    ("chunks", "'w' has chunks \\("),
+    ("chunks.0.offsets", "'w' has a chunk ChunkStorageMetadata\\(offsets="),
+    ("storage.offset", "storage entry 'w' has offset \\[\\["),
+])
+def test_messages_about_crafted_values_stay_short(tmp_path, field, problem):
+    """A value of the wrong type is shown by a bounded repr (its own is 2**40 long)."""
+    from torchtitan_ckpt.dcp import validate
+
+    path, md = _real_small_metadata(tmp_path)
+    shared = _shared_lists(40)
+    w = md.state_dict_metadata["w"]
+    owner = {"size": w, "properties.dtype": w.properties, "chunks": w, "chunks.0.offsets": w.chunks[0],
+             "storage.offset": next(s for i, s in md.storage_data.items() if i.fqn == "w")}[field]
+    setattr(owner, field.rpartition(".")[2], (shared,) if field == "chunks" else shared)
+    outcome = _in_child(lambda: validate.check_metadata(md, path, "crafted/.metadata"))
+    assert outcome is not None and outcome[0] and re.search(problem, outcome[1]), outcome
+    assert len(outcome[1]) < 1000
+
+
+def test_a_storage_reference_of_a_crafted_value_stays_short():
+    import io
+
+    from torchtitan_ckpt.io import torch_archive
+
+    with pytest.raises(torch_archive.Unrecognised, match=r"storage reference \[\[\[") as refused, within(5):
+        torch_archive.HeaderUnpickler(io.BytesIO(b"")).persistent_load(_shared_lists(40))
+    assert len(str(refused.value)) < 1000
+
+
+def _chunks_metadata(size: list[int], chunks: list[tuple[list[int], list[int]]]):
+    """Metadata of one float tensor 'w' of `size` in `chunks` (offsets, sizes), each with a
+    storage entry."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    boxes = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks]
+    entry = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size), boxes)
+    return Metadata({"w": entry}, storage_data={MetadataIndex("w", b.offsets): _StorageInfo("__0_0.distcp", 0, 1)
+                                                 for b in boxes})
+
+
+def test_the_overlap_check_of_many_chunks_takes_about_their_number(tmp_path):
+    """A [1, N] tensor in N [1, 1] chunks: the sweep along dimension 0 compared every pair."""
+    from torchtitan_ckpt.dcp import validate
+
+    n = 20_000
+    md = _chunks_metadata([1, n], [([0, i], [1, 1]) for i in range(n)])
+    with within(10):
+        validate.check_metadata(md, str(tmp_path), "many/.metadata")
+    md = _chunks_metadata([1, n], [([0, i], [1, 1]) for i in range(n - 2)] + [([0, n - 3], [1, 2])])
+    with pytest.raises(CorruptCheckpointError, match=rf"'w' has chunks at \[0, {n - 3}\] and \[0, {n - 3}\] "
+                                                     "that overlap"), within(10):
+        validate.check_metadata(md, str(tmp_path), "many/.metadata")
+
+
+@pytest.mark.parametrize("size, chunks, overlap", [
+    ([6, 4], [([r, c], [2, 2]) for r in (0, 2, 4) for c in (0, 2)], False),  # a grid
+    ([6, 4], [([0, 0], [1, 2]), ([1, 0], [5, 2]), ([0, 2], [4, 2]), ([4, 2], [2, 2])], False),  # rows sliced
+    ([3, 3], [([0, 0], [2, 1]), ([0, 1], [1, 2]), ([1, 2], [2, 1]), ([2, 0], [1, 2]), ([1, 1], [1, 1])], False),
+    ([2, 2, 2], [([i, j, 0], [1, 1, 2]) for i in (0, 1) for j in (0, 1)], False),
+    ([4, 4], [([0, 0], [2, 4]), ([1, 0], [1, 4]), ([3, 0], [1, 4])], True),  # 16 elements held, row 1 twice
+    ([3, 3], [([0, 0], [2, 1]), ([0, 1], [1, 2]), ([1, 2], [2, 1]), ([2, 0], [1, 2]), ([0, 0], [1, 1])], True),
+])
+def test_the_overlap_check_accepts_tilings_and_refuses_overlaps(tmp_path, size, chunks, overlap):
+    """A grid, rows sliced within its blocks, a pinwheel (no straight cut splits it), 3-D."""
+    from torchtitan_ckpt.dcp import validate
+
+    md = _chunks_metadata(size, chunks)
+    with contextlib.nullcontext() if not overlap else pytest.raises(CorruptCheckpointError, match="overlap"):
+        validate.check_metadata(md, str(tmp_path), "tiles/.metadata")
+
+
+def test_chunks_too_irregular_to_check_are_refused(tmp_path, monkeypatch):
+    from torchtitan_ckpt.dcp import validate
+
+    monkeypatch.setattr(validate, "MAX_CELLS", 4)
+    md = _chunks_metadata([3, 3], [([r, c], [1, 1]) for r in range(3) for c in range(3)])
+    problem = "'w' has 9 chunks whose edges cut it into 9 pieces, more than the 4 "
+    with pytest.raises(CorruptCheckpointError, match=problem):
+        validate.check_metadata(md, str(tmp_path), "grid/.metadata")
+
+
+def test_a_transformed_storage_entry_is_refused_before_any_tensor_is_written(tmp_path):
+    """It was read by DCP after every other tensor was written, and decompressed without bound."""
+    path = str(tmp_path / "step")
+    _small_step(path, {"a": torch.ones(4), "b": torch.ones(4)})
+
+    def compress(md):
+        index = next(i for i in md.storage_data if i.fqn == "a")
+        md.storage_data[index] = replace(md.storage_data[index], transform_descriptors=["zstd"])
+
+    _raw_edit(path, compress)
+    state = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    with pytest.raises(CorruptCheckpointError, match=rf"{path}/.metadata: storage entry 'a' is stored through the "
+                                                     r"transforms \['zstd'\]"), within(30):
+        _load_small(path, state)
+    assert not state["a"].any() and not state["b"].any()
+
+
+@pytest.mark.parametrize("field, value", [
+    ("size", [3]), ("size", (3,)), ("chunks.0.offsets", [0]), ("chunks.0.sizes", (3,)),
+])
+def test_sizes_and_offsets_must_be_torch_sizes(tmp_path, field, value):
+    """A list passed the check and failed later in `.numel()` or in DCP with a bare error."""
+    from torchtitan_ckpt.dcp import validate
+
+    path, md = _real_small_metadata(tmp_path)
+    w = md.state_dict_metadata["w"]
+    setattr(w if field == "size" else w.chunks[0], field.rpartition(".")[2], value)
+    with pytest.raises(CorruptCheckpointError, match="crafted/.metadata: entry 'w' has .*torch.Size"):
+        validate.check_metadata(md, path, "crafted/.metadata")
+
+
+def test_a_metadata_global_of_torch_is_checked_before_torch_is_asked_for_it(tmp_path, monkeypatch):
+    """`getattr(torch, name)` runs torch's module `__getattr__`, which imports submodules."""
+    asked = []
+    monkeypatch.setattr(torch, "__getattr__", lambda name: asked.append(name) or None, raising=False)
+    path = tmp_path / storage.METADATA_FILE
+    path.write_bytes(b"\x80\x02ctorch\nnot_a_dtype_but_a_lazy_module\n.")
+    with pytest.raises(CorruptCheckpointError, match=rf"{path} references torch.not_a_dtype_but_a_lazy_module"):
+        storage.read_metadata(str(path))
+    assert asked == []
+
+
+def _read_sizes(monkeypatch) -> list[int]:
+    """The sizes of the reader's `posio.read_bytes` calls, from now on."""
+    from torchtitan_ckpt.io import posio
+
+    sizes: list[int] = []
+    real = posio.read_bytes
+    monkeypatch.setattr(posio, "read_bytes", lambda fd, at, n: sizes.append(n) or real(fd, at, n))
+    return sizes
+
+
+def _central_entry(item: bytes, name: bytes) -> int:
+    """Where the zip directory entry of record `name` starts in `item`."""
+    at = item.rindex(name) - 46
+    assert item[at : at + 4] == b"PK\x01\x02"
+    return at
+
+
+@pytest.mark.parametrize("claim", ["directory", "byteorder"])
+def test_a_zip_directory_or_byteorder_record_claiming_the_item_is_not_read(tmp_path, monkeypatch, claim):
+    """A 256 KiB tensor's archive whose zip directory, or byteorder record, claims most of it:
+    they were read whole (then the whole item again, by torch.load)."""
+    path = str(tmp_path / "step")
+    _small_step(path, {"w": torch.ones(1 << 16)})
+    file, offset, length = _item_of(path, "w")
+    with open(file, "rb") as f:
+        f.seek(offset)
+        item = f.read(length)
+    if claim == "directory":  # the end record: directory size and offset
+        _patch(file, offset + length - 10, struct.pack("<II", length - 22, 0))
+        problem = f"has a zip directory of {length - 22} bytes"
+    else:  # the record's sizes in its directory entry
+        _patch(file, offset + _central_entry(item, b"archive/byteorder") + 20, struct.pack("<II", 200_000, 200_000))
+        problem = "has a byteorder record of 200000 bytes"
+    sizes = _read_sizes(monkeypatch)
+    with pytest.raises(CorruptCheckpointError, match=rf"{file}: item 'w' .*{problem}"), within(30):
+        _load_small(path, {"w": torch.zeros(1 << 16)})
+    assert max(sizes) <= 8192
+
+
+@pytest.mark.parametrize("case", ["shorter than its chunk", "past the file's end", "over another entry"])
+def test_convert_to_hf_checks_the_data_files_before_allocating(tmp_path, monkeypatch, case):
+    """`.metadata` and the HF config agree on the model; the data file holds 4 KB."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    from torchtitan_ckpt.example.model import FLAVORS, hf_config
+    from torchtitan_ckpt.hf import convert
+    from torchtitan_ckpt.hf.model_config import read_hf_config
+    from torchtitan_ckpt.hf.registry import adapter_for_config
+
+    step = tmp_path / "step"
+    step.mkdir()
+    config = step / convert.RECORDED_CONFIG
+    config.write_text(json.dumps(hf_config(FLAVORS["debugmodel"])))
+    shapes = adapter_for_config(read_hf_config(str(config)), None, None, str(config)).state_dict_shapes()
+    (step / "__0_0.distcp").write_bytes(b"\0" * 4096)
+    entries, places, at = {}, {}, 0
+    for key, shape in shapes.items():
+        chunk = ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))
+        entries[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape), [chunk])
+        nbytes = 4 * math.prod(shape) + 1024
+        length = {"shorter than its chunk": 8}.get(case, nbytes)
+        start = 0 if case == "over another entry" else at
+        places[MetadataIndex(key, chunk.offsets)] = _StorageInfo("__0_0.distcp", start, length)
+        at += length
+    if case == "over another entry":
+        os.truncate(step / "__0_0.distcp", max(i.length for i in places.values()))  # sparse
+    with open(step / storage.METADATA_FILE, "wb") as f:
+        pickle.dump(Metadata(entries, storage_data=places), f)
+    monkeypatch.setattr(convert, "empty_state_dict", lambda *_: pytest.fail("tensors allocated before the check"))
+    problem = {"shorter than its chunk": r"the chunk of '.*' at \[0.*\] holds \d+ bytes, but its storage entry only 8",
+               "past the file's end": r"the storage entry of '.*' claims bytes \d+-\d+ of its 4096",
+               "over another entry": r"the storage entry of '.*' claims bytes of '.*' too"}[case]
+    with pytest.raises(CorruptCheckpointError, match=rf"{step}/__0_0.distcp: {problem}"), within(30):
+        convert.convert("hf", str(step), str(tmp_path / "out"))

@@ -4,7 +4,8 @@ This is the one place that picks DCP's plug-ins for a save or a load, so later f
 policy, Hugging Face format) replace a factory here instead of adding branches to the manager.
 Loading runs no code from the checkpoint: `.metadata` is read with an allow-list unpickler,
 tensors are read by `reader` (which parses their headers itself) and non-tensor values are plain
-data or go through `torch.load(weights_only=True)` (DCP itself uses `weights_only=False`).
+data or go through `torch.load(weights_only=True)` (DCP itself uses `weights_only=False`). Every
+pickle is checked by `untrusted.check_pickle` before it is unpickled.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.futures import Future
 
 from ..io import filewriter, reader, safe_open, torch_archive
+from ..io.untrusted import UnsafePickleError, brief, check_pickle
 from ..io.checksum import crc32
 from ..policy.split import balanced_groups
 from . import load_plan
@@ -57,6 +59,9 @@ from ..errors import CorruptCheckpointError, PartialLoadError
 logger = logging.getLogger(__name__)
 
 METADATA_FILE = ".metadata"
+MAX_METADATA_BYTES = 1 << 30
+"""Largest `.metadata` read (it is read whole, then checked): a model of a million chunks has
+one of about 150 MB."""
 
 # (module, name) pairs a DCP `.metadata` pickle may reference; anything else is refused.
 _ALLOWED_GLOBALS = {
@@ -82,8 +87,10 @@ _ALLOWED_GLOBALS = {
     ("builtins", "frozenset"),
     ("pathlib", "PosixPath"),
 }
-# dtypes, layouts and memory formats pickle as attributes of the torch module
-_ALLOWED_TORCH_ATTRS = (torch.dtype, torch.layout, torch.memory_format)
+# dtypes, layouts and memory formats pickle as attributes of the torch module; listed from its
+# namespace, as `getattr(torch, name)` of another name may import a submodule
+_ALLOWED_TORCH_ATTRS = {name: value for name, value in vars(torch).items()
+                        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format))}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -94,24 +101,32 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), _ALLOWED_TORCH_ATTRS):
-            return getattr(torch, name)
+        if module == "torch" and name in _ALLOWED_TORCH_ATTRS:
+            return _ALLOWED_TORCH_ATTRS[name]
         raise CorruptCheckpointError(
-            f"{self._path} references {module}.{name}, which a DCP metadata file never holds; "
+            f"{self._path} references {module[:100]}.{name[:100]}, which a DCP metadata file never holds; "
             "refusing to load it (it could run code)"
         )
 
 
 def read_metadata(path: str) -> Metadata:
-    """Read a DCP `.metadata` file without running code from it, every field checked
-    (`validate.check_metadata`) against the folder it is in."""
+    """Read a DCP `.metadata` file without running code from it, its pickle checked first
+    (`check_pickle`) and every field after (`validate.check_metadata`) against the folder it is
+    in."""
     with safe_open.open_path(path, "the DCP metadata file") as f:
-        try:
-            metadata = _MetadataUnpickler(f, path).load()
-        except CorruptCheckpointError:
-            raise
-        except Exception as e:  # RecursionError and MemoryError included: a crafted pickle
-            raise CorruptCheckpointError(f"{path} is not a readable DCP metadata file: {type(e).__name__}: {e}") from e
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_METADATA_BYTES:
+            raise CorruptCheckpointError(f"{path} is {size} bytes, more than the {MAX_METADATA_BYTES} of any DCP "
+                                         "metadata file this reads; the file is damaged or crafted")
+        data = f.read()
+    check_pickle(data, path)
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data), path).load()
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:  # a crafted pickle
+        raise CorruptCheckpointError(f"{path} is not a readable DCP metadata file: {type(e).__name__}: "
+                                     f"{brief(str(e))}") from e
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")
     check_metadata(metadata, os.path.dirname(path) or ".", path)
@@ -156,25 +171,21 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Items DCP stored through a transform (compression) are not checked before: PyTorch's
-        engine reads them last."""
+        """No item is stored through a transform (compression): `check_metadata` refused those."""
         if self.before_read is not None:
             ranges: dict[str, list[tuple[int, int]]] = {}
             for info in (self.storage_data[req.storage_index] for req in plan.items):
                 ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
             self.before_read(ranges)
-        plain = [r for r in plan.items if not self.storage_data[r.storage_index].transform_descriptors]
         items = reader.ItemReader(str(self.path), self.storage_data, self.threads)
         try:
-            self._agree(lambda: items.check(plain, planner))
+            self._agree(lambda: items.check(plan.items, planner))
             try:
                 if self.fast:
                     items.fill(planner)
                 else:  # the values are read: PyTorch's engine reads the tensors
-                    rest = [r for r in plain if r.type != LoadItemType.BYTE_IO]
+                    rest = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
                     super().read_data(dataclasses.replace(plan, items=rest), planner).wait()
-                if transformed := [r for r in plan.items if self.storage_data[r.storage_index].transform_descriptors]:
-                    super().read_data(dataclasses.replace(plan, items=transformed), planner).wait()
             except Exception as e:
                 raise PartialLoadError(str(self.path), e) from e
         finally:
@@ -185,7 +196,7 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class _ReadOnlyRegularFiles(FileSystem):
-    """DCP's file system for the reads DCP's own reader still does (transformed items): every
+    """DCP's file system for the reads DCP's own reader still does (with `fast=False`): every
     file is opened as `safe_open` opens one (a FIFO or a device is refused, never waited on)."""
 
     @contextmanager
@@ -211,6 +222,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
             obj = torch_archive.load_plain(value.getvalue())
+        except UnsafePickleError as e:
+            raise CorruptCheckpointError(f"checkpoint value '{read_item.dest_index.fqn}' has a pickle that "
+                                         f"{e.problem}; refused") from None
         except pickle.UnpicklingError as e:
             raise CorruptCheckpointError(
                 f"checkpoint value '{read_item.dest_index.fqn}' is not plain data and loading it "

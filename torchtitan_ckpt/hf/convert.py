@@ -15,6 +15,7 @@ and holds about 1/N of the model; the HF export then gathers one tensor at a tim
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -24,12 +25,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.tensor as dtensor
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.device_mesh import init_device_mesh
 
 from .. import commit
 from ..dcp import storage
-from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError
-from ..io import durable
+from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..io import durable, safe_open
 from ..io.dtypes import EXPORT_DTYPES
 from .adapter import StateDictAdapter
 from .files import CONFIG_FILE
@@ -105,18 +107,48 @@ def to_hf(step_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pa
 
 def _dcp_tensors(path: str, adapter: StateDictAdapter) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
     """The shapes and dtypes of the adapter's tensors in the DCP folder `path`, checked against
-    the config's shapes before anything is allocated (a tied head may be absent)."""
+    the config's shapes and their data files (`_check_stored`) before anything is allocated (a
+    tied head may be absent)."""
     md_path = os.path.join(path, storage.METADATA_FILE)
     if not os.path.isfile(md_path):
         raise CheckpointNotFoundError(f"{path} is not a DCP checkpoint folder (no {storage.METADATA_FILE})")
-    saved = storage.read_metadata(md_path).state_dict_metadata
+    metadata = storage.read_metadata(md_path)
+    saved = metadata.state_dict_metadata
     shapes = {k: v for k, v in adapter.state_dict_shapes().items() if k in saved or k in adapter.shapes}
     found = {f"{k} {list(saved[k].size)}" for k in shapes if k in saved and hasattr(saved[k], "size")}
     expected = {f"{k} {list(v)}" for k, v in shapes.items()}
     if found != expected:
         raise AdapterMismatchError(f"{path}: tensors in the checkpoint (unknown) vs the HF config's (missing)",
                                    list(found - expected), list(expected - found))
+    _check_stored(path, metadata, list(shapes))
     return shapes, {k: saved[k].properties.dtype for k in shapes}
+
+
+def _check_stored(path: str, metadata: Metadata, keys: list[str]) -> None:
+    """Raise `CorruptCheckpointError` naming the data file and the tensor unless every chunk of
+    the tensors `keys` has a storage entry of at least the chunk's bytes that lies in its data
+    file, apart from the other entries there: the tensors allocated for them then take no more
+    memory than the folder's files hold, whatever sizes `.metadata` claims."""
+    places: dict[str, list[tuple[int, int, str]]] = {}
+    for key in keys:
+        md = metadata.state_dict_metadata[key]
+        for chunk in md.chunks:
+            info = metadata.storage_data[MetadataIndex(key, chunk.offsets)]
+            nbytes = math.prod(chunk.sizes) * md.properties.dtype.itemsize
+            if info.length < nbytes:
+                raise CorruptCheckpointError(
+                    f"{os.path.join(path, info.relative_path)}: the chunk of '{key}' at {list(chunk.offsets)} holds "
+                    f"{nbytes} bytes, but its storage entry only {info.length}; the checkpoint is damaged or crafted")
+            places.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length, key))
+    for name, spans in places.items():
+        size = safe_open.file_size(path, name, "a data file named in .metadata")
+        end, last = 0, None
+        for start, stop, key in sorted(spans):
+            if start < end or stop > size:
+                where = f"bytes {start}-{stop} of its {size}" if stop > size else f"bytes of '{last}' too"
+                raise CorruptCheckpointError(f"{os.path.join(path, name)}: the storage entry of '{key}' claims "
+                                             f"{where}; the checkpoint is damaged or crafted")
+            end, last = stop, key
 
 
 def empty_state_dict(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]) -> dict[str, Any]:

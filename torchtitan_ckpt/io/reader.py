@@ -35,12 +35,17 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from ..errors import CorruptCheckpointError
 from ..policy.split import in_order_runs, share
 from . import posio, safe_open
-from .torch_archive import HeaderUnpickler, SavedTensor, Unrecognised, header_pickle, local_record, unpickle, zip_record, zip_records
+from .torch_archive import (HeaderUnpickler, Malformed, SavedTensor, Unrecognised, header_pickle, local_record,
+                            torch_load, unpickle, zip_record, zip_records)
+from .untrusted import UnsafePickleError, brief
 
 logger = logging.getLogger(__name__)
 
 _WINDOW = 4096
 """Bytes read at once at each end of an item: its zip directory and header records fit in them."""
+_MAX_DIRECTORY = 16 << 10
+"""Largest zip directory of a tensor's archive read (`torch.save` writes about 500 bytes): a
+larger one is refused before it is read."""
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0) if hasattr(os, "posix_fadvise") else 0
 """`preadv` flag: read only what the page cache holds (Linux); 0 where it or `posix_fadvise` is
 missing, and then the page cache is left to the kernel."""
@@ -221,12 +226,14 @@ class _Item:
         """Check what `locate` found against the zip directory at the item's end."""
         tail = max(located.start + located.nbytes, self.length - _WINDOW)
         self.read(tail, self.length - tail)  # one read for the directory and the next item's start
-        records = zip_records(self.read, self.length)
+        records = zip_records(self.read, self.length, _MAX_DIRECTORY)
         order = zip_record(self.read, self.length, records, located.folder + b"byteorder")
+        if order is not None and order[1] not in (len(b"little"), len(b"big")):
+            raise Malformed(f"has a byteorder record of {order[1]} bytes, not 'little' or 'big'")
         if order is None or self.read(*order) != b"little":
             raise Unrecognised("not a little-endian torch.save archive")
         if located.record not in records:
-            raise self.fail(f"lacks the storage record {located.record.decode()!r} its header names")
+            raise self.fail(f"lacks the storage record {brief(located.record)} its header names")
         header, size = records[located.record]
         if size != located.nbytes:
             raise self.fail(f"has a storage record of {size} bytes; its header says {located.saved.storage_numel} "
@@ -453,15 +460,20 @@ class ItemReader:
             located = item.locate(self._headers)
             saved = located.saved
             if not _fits(saved):
-                raise item.fail(f"has a header whose view (size {list(saved.size)}, stride {list(saved.stride)}, "
-                                f"offset {saved.storage_offset}) runs past its {saved.storage_numel} stored elements")
+                raise item.fail(f"has a header whose view (size {brief(list(saved.size))}, stride "
+                                f"{brief(list(saved.stride))}, offset {saved.storage_offset}) runs past its "
+                                f"{saved.storage_numel} stored elements")
             region = _region(saved, req)
             if region is None:
                 raise item.fail(f"does not hold the region {list(req.storage_offsets)} + {list(req.lengths)} "
-                                f"the checkpoint's metadata says (it holds {list(saved.size)})")
+                                f"the checkpoint's metadata says (it holds {brief(list(saved.size))})")
             if dest.size() != region.size:
                 raise item.fail(f"holds {list(region.size)} where the destination is {list(dest.size())}")
             item.confirm(located)
+        except Malformed as e:
+            raise item.fail(str(e)) from None
+        except UnsafePickleError as e:
+            raise item.fail(f"has a header pickle that {e.problem}") from None
         except Unrecognised as e:  # not the archive it looked like: read it the slow way
             logger.debug("%s: item '%s' read with torch.load (%s)", item.cursor.path, item.what, e)
             self._load_with_torch(item, req, dest)
@@ -480,7 +492,11 @@ class ItemReader:
     def _load_with_torch(item: _Item, req: ReadItem, dest: torch.Tensor) -> torch.Tensor:
         """The region `req` reads of the item, loaded with `torch.load(weights_only=True)`."""
         try:
-            tensor = torch.load(io.BytesIO(item.read(0, item.length)), map_location="cpu", weights_only=True)
+            tensor = torch_load(item.read(0, item.length))
+        except Malformed as e:
+            raise item.fail(str(e)) from None
+        except UnsafePickleError as e:
+            raise item.fail(f"has a pickle that {e.problem}") from None
         except pickle.UnpicklingError as e:
             raise item.fail(f"is not a plain tensor and loading it could run code; refused ({e})") from None
         except Exception as e:

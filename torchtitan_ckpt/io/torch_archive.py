@@ -16,6 +16,8 @@ one of them is met by `checkpoint.io_engine = "torch"`, which uses none of them)
   not plain data.
 An archive of another shape (float8, uint16, a compressed record) is `Unrecognised` and goes
 through `torch.load(weights_only=True)`, as DCP does; a framing that differs raises at once.
+Every pickle, ours to unpickle or torch's, is first checked by `untrusted.check_pickle`, and a
+framing no `torch.save` writes is `Malformed`: neither goes to `torch.load`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from typing import Any
 import torch
 from torch import _weights_only_unpickler
 from torch.utils.serialization import config as serialization_config
+
+from .untrusted import brief, check_pickle
 
 _EOCD = struct.Struct("<4sHHHHIIH")
 _ZIP64_LOCATOR = struct.Struct("<4sIQI")
@@ -52,12 +56,19 @@ class Unrecognised(Exception):
     """The archive is not of the one shape read here; `torch.load` reads it instead."""
 
 
+class Malformed(Exception):
+    """The archive's framing is one `torch.save` never writes (a zip directory larger than the
+    caller allows, a record of an impossible size): the item is refused, not handed to
+    `torch.load`. The message says what is wrong, for the caller to name the file."""
+
+
 # ---------------------------------------------------------------- the zip archive of one item
 
 
-def zip_records(read: Callable[[int, int], bytes], length: int) -> dict[bytes, tuple[int, int]]:
+def zip_records(read: Callable[[int, int], bytes], length: int, max_directory: int) -> dict[bytes, tuple[int, int]]:
     """Name -> (offset of its local header within the item, size) of every record of a zip
-    whose records are all stored uncompressed."""
+    whose records are all stored uncompressed. A zip directory of over `max_directory` bytes is
+    `Malformed`, refused before it is read."""
     if length < _EOCD.size:
         raise Unrecognised("shorter than a zip directory")
     sig, _, _, _, count, cd_size, cd_offset, comment = _EOCD.unpack(read(length - _EOCD.size, _EOCD.size))
@@ -65,6 +76,8 @@ def zip_records(read: Callable[[int, int], bytes], length: int) -> dict[bytes, t
         raise Unrecognised("no zip directory at its end")
     if _FULL32 in (cd_size, cd_offset) or count == 0xFFFF:
         count, cd_size, cd_offset = _zip64_directory(read, length)
+    if cd_size > max_directory:
+        raise Malformed(f"has a zip directory of {cd_size} bytes, where at most {max_directory} are expected")
     if cd_offset + cd_size > length:
         raise Unrecognised("zip directory outside the item")
     directory = read(cd_offset, cd_size)
@@ -77,11 +90,11 @@ def zip_records(read: Callable[[int, int], bytes], length: int) -> dict[bytes, t
         pos += _CENTRAL.size
         name = directory[pos : pos + nlen]
         if sig != b"PK\x01\x02" or method != 0:
-            raise Unrecognised(f"record {name!r} is not stored uncompressed")
+            raise Unrecognised(f"record {brief(name)} is not stored uncompressed")
         if _FULL32 in (usize, csize, lho):
             usize, csize, lho = _zip64_fields(directory[pos + nlen : pos + nlen + xlen], usize, csize, lho)
         if usize != csize:
-            raise Unrecognised(f"record {name!r} is compressed")
+            raise Unrecognised(f"record {brief(name)} is compressed")
         out[name] = (lho, usize)
         pos += nlen + xlen + clen
     return out
@@ -124,11 +137,11 @@ def zip_record(read: Callable[[int, int], bytes], length: int, records: dict[byt
         return None
     lho, size = records[name]
     if lho + _LOCAL.size > length:
-        raise Unrecognised(f"record {name!r} outside the item")
+        raise Unrecognised(f"record {brief(name)} outside the item")
     fields = _LOCAL.unpack(read(lho, _LOCAL.size))
     start = lho + _LOCAL.size + fields[9] + fields[10]
     if fields[0] != b"PK\x03\x04" or start + size > length:
-        raise Unrecognised(f"record {name!r} outside the item")
+        raise Unrecognised(f"record {brief(name)} outside the item")
     return start, size
 
 
@@ -197,12 +210,12 @@ class HeaderUnpickler(pickle.Unpickler):
             return collections.OrderedDict
         if module == "torch" and name in _STORAGE_DTYPES:
             return _STORAGE_DTYPES[name]
-        raise Unrecognised(f"{module}.{name}")
+        raise Unrecognised(f"{module[:100]}.{name[:100]}")
 
     def persistent_load(self, pid: Any) -> _StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
                 and isinstance(pid[1], torch.dtype) and isinstance(pid[2], str) and isinstance(pid[4], int)):
-            raise Unrecognised(f"storage reference {pid!r}")
+            raise Unrecognised(f"storage reference {brief(pid)}")
         return _StorageRef(pid[1], pid[2], pid[4])
 
 
@@ -210,13 +223,16 @@ class _PlainUnpickler(pickle.Unpickler):
     """Numbers, strings, bools, None and containers of them; anything else is not read here."""
 
     def find_class(self, module: str, name: str) -> Any:
-        raise Unrecognised(f"{module}.{name}")
+        raise Unrecognised(f"{module[:100]}.{name[:100]}")
 
     def persistent_load(self, pid: Any) -> Any:
         raise Unrecognised("a tensor")
 
 
 def unpickle(unpickler: type[pickle.Unpickler], data: bytes) -> Any:
+    """`data` unpickled by `unpickler`, once `check_pickle` passed it (else `UnsafePickleError`);
+    any error of the unpickler's is `Unrecognised`."""
+    check_pickle(data, "the value")
     try:
         return unpickler(io.BytesIO(data)).load()
     except Unrecognised:
@@ -227,18 +243,40 @@ def unpickle(unpickler: type[pickle.Unpickler], data: bytes) -> Any:
 
 def load_plain(data: bytes) -> Any:
     """A non-tensor value that DCP saved with `torch.save`: plain data is unpickled here (no
-    globals allowed, so no code runs); anything else by `torch.load(weights_only=True)`."""
+    globals allowed, so no code runs); anything else by `torch_load`."""
     try:
         _, pkl, _ = header_pickle(data)
         return unpickle(_PlainUnpickler, pkl)
     except Unrecognised:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return torch_load(data)
+
+
+def torch_load(data: bytes) -> Any:
+    """`torch.load(data, weights_only=True)` of a `torch.save` archive whose every pickle
+    record (`*data.pkl`, case aside, as torch's zip reader finds names) `check_pickle` passed:
+    torch's allow-list unpickler hashes what it builds as any unpickler does. An archive that
+    is not a zip of stored records (torch.save writes no other) is `Malformed`: torch would
+    read it as its legacy format, a stream of pickles."""
+    if not data.startswith(b"PK\x03\x04"):  # how torch.load tells a zip from its legacy format
+        raise Malformed("is not a readable torch.save archive (no zip record at its start)")
+    try:
+        records = zip_records(lambda at, n: data[at : at + n], len(data), len(data))
+        pickles = [zip_record(lambda at, n: data[at : at + n], len(data), records, name)
+                   for name in records if name.lower().endswith(b"data.pkl")]
+    except Unrecognised as e:
+        raise Malformed(f"is not a readable torch.save archive ({e})") from None
+    if not pickles:
+        raise Malformed("is a zip without a data.pkl record")
+    for start, size in pickles:
+        check_pickle(data[start : start + size], "the archive")
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def load_plain_pickle(data: bytes) -> Any:
     """A plain pickle (`pickle.dumps`, not a `torch.save` archive), read without running code:
     plain data here, else with the globals `torch.load(weights_only=True)` allows (its
-    unpickler, which is private to torch). Anything else raises `pickle.UnpicklingError`."""
+    unpickler, which is private to torch). Anything else raises `pickle.UnpicklingError`
+    (`UnsafePickleError`, one, where `check_pickle` refuses it)."""
     try:
         return unpickle(_PlainUnpickler, data)
     except Unrecognised:
