@@ -470,6 +470,24 @@ def test_a_load_refused_on_one_of_two_ranks_changes_nothing_on_either(tmp_path, 
     spawn(2, _refused_on_two_ranks, dump, case)
 
 
+def _metadata_bomb_on_two_ranks(rank: int, world_size: int, dump: str) -> None:
+    job = make_job(dump, steps=2, interval=2, extra_states={"saboteur": _Saboteur()})
+    with pytest.raises(CheckpointError, match=r"step-2/\.metadata.*unfold to more than"), within(60):
+        job.manager.load()
+    job.manager.close()
+
+
+@pytest.mark.multirank
+def test_a_metadata_pickle_bomb_is_refused_on_every_rank_from_rank_0s_scan(tmp_path):
+    """Rank 0 scans the `.metadata` every rank read (the others compare digests): its refusal
+    reaches both ranks, within the time limit, naming the file."""
+    dump = str(tmp_path / "dump")
+    step = _saved_with_saboteur(dump)
+    with open(os.path.join(step, ".metadata"), "wb") as f:
+        f.write(_shared_tuples(500))
+    spawn(2, _metadata_bomb_on_two_ranks, dump)
+
+
 # ---------------------------------------------------------------- 6. the commit marker
 
 

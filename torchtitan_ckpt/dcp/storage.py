@@ -109,17 +109,17 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def read_metadata(path: str) -> Metadata:
+def read_metadata(path: str, check: Callable[[bytes, str], None] = check_pickle) -> Metadata:
     """Read a DCP `.metadata` file without running code from it, its pickle checked first
-    (`check_pickle`) and every field after (`validate.check_metadata`) against the folder it is
-    in."""
+    (`check(data, path)`: `check_pickle`, or a caller's way of having it done) and every field
+    after (`validate.check_metadata`) against the folder it is in."""
     with safe_open.open_path(path, "the DCP metadata file") as f:
         size = os.fstat(f.fileno()).st_size
         if size > MAX_METADATA_BYTES:
             raise CorruptCheckpointError(f"{path} is {size} bytes, more than the {MAX_METADATA_BYTES} of any DCP "
                                          "metadata file this reads; the file is damaged or crafted")
         data = f.read()
-    check_pickle(data, path)
+    check(data, path)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data), path).load()
     except CorruptCheckpointError:
