@@ -50,3 +50,19 @@ def test_a_group_without_a_cpu_backend_is_refused_at_start(tmp_path):
         assert CheckpointGroup(dist.new_group(backend="gloo")).world_size == 1
     finally:
         dist.destroy_process_group()
+
+
+def test_one_off_calls_on_a_gpu_only_default_group_share_one_gloo_group(tmp_path):
+    """`load_hf` and `save_hf` without a group, under a default group that carries only GPU
+    tensors: one gloo group is made for them the first time and kept (not one per call)."""
+    import torch.distributed as dist
+
+    from torchtitan_ckpt.group import cpu_world
+
+    dist.init_process_group("cuda:gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        first = cpu_world()
+        assert first is not dist.group.WORLD and first is cpu_world()
+        assert CheckpointGroup(first).all_gather("x") == ["x"]
+    finally:
+        dist.destroy_process_group()

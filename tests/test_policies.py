@@ -166,6 +166,10 @@ def test_the_deleter_outlives_a_failed_deletion_and_drain_waits_for_the_queue(tm
     deleter.drain()
     assert removed == [2] and not os.path.exists(folders[1].path) and os.path.exists(folders[0].path)
     deleter.close()
+    after = threading.Thread(target=deleter.drain, daemon=True)  # a load() after close() waits for nothing
+    after.start()
+    after.join(5)
+    assert not after.is_alive()
 
 
 def _committed_step(path: str) -> None:

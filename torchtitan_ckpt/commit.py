@@ -151,6 +151,10 @@ def write_marker(path: str, info: CommitInfo,
     disk differs from what its writer wrote fails the commit. Returns the completed info."""
     info.files = {}
     on_disk = manifest(path)
+    for rel in set(checksums or {}) - set(on_disk):  # a listing cached by a network file system may lag
+        if os.path.isfile(os.path.join(path, rel)):
+            on_disk[rel] = os.path.getsize(os.path.join(path, rel))
+    on_disk = dict(sorted(on_disk.items()))
     if lost := sorted(set(checksums or {}) - set(on_disk)):
         raise OSError(f"{path}: {lost[:3]} ({len(lost)} files) were written but are not in the step "
                       "folder; the step is not committed")

@@ -45,3 +45,4 @@ class BackgroundDeleter:
                 logger.warning("could not delete %s: %s: %s", folder.path, type(e).__name__, e)
             finally:
                 self._queue.task_done()
+        self._queue.task_done()  # the stop: a `drain()` after `close()` returns at once

@@ -83,13 +83,23 @@ class CheckpointGroup:
         return box[0]
 
 
-def world_if_cpu() -> dist.ProcessGroup | None:
-    """The default group where it carries CPU tensors (gloo, or TorchTitan's "cpu:gloo,cuda:nccl"),
-    so a one-off collective call need not make a group; else None, for which `CheckpointGroup`
-    makes a gloo group over every rank."""
+_cpu_worlds: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
+"""Default group (one that carries no CPU tensors) -> the gloo group over its ranks made for it."""
+
+
+def cpu_world() -> dist.ProcessGroup | None:
+    """A group of every rank that carries CPU tensors: the default group where it does (gloo, or
+    TorchTitan's "cpu:gloo,cuda:nccl"), else a gloo group made (collectively) the first time and
+    kept, so that one-off calls (`load_hf`, `save_hf`) do not each make one; None without
+    `torch.distributed`."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return dist.group.WORLD if "cpu" in _device_types(dist.group.WORLD) else None
+    world = dist.group.WORLD
+    if "cpu" in _device_types(world):
+        return world
+    if world not in _cpu_worlds:
+        _cpu_worlds[world] = dist.new_group(backend="gloo")
+    return _cpu_worlds[world]
 
 
 def _device_types(group: dist.ProcessGroup) -> list[str]:

@@ -86,6 +86,8 @@ class DcpFormat(StepFormat):
         try:
             scanned = self.ctx.group.run(lambda: (check_pickle(data, what), digest)[1], coordinator_only=True)[0]
         except RankFailed as failed:
+            if failed.error is None and CorruptCheckpointError.__name__ in failed.kinds:  # the same kind on every rank
+                raise CorruptCheckpointError(f"reading {what} failed on {failed}") from None
             failed.reraise(f"reading {what}")
         if scanned != digest:
             check_pickle(data, what)

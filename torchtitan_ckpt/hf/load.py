@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from ..dcp.storage import dtensor_chunk
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..errors import PartialLoadError, RankFailed
-from ..group import CheckpointGroup, world_if_cpu
+from ..group import CheckpointGroup, cpu_world
 from .adapter import HFSource, StateDictAdapter, check_names, read_index
 from .files import INDEX_FILE, SINGLE_FILE
 from .safetensors_io import TensorEntry, read_header
@@ -76,7 +76,7 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
     if num_threads < 1:
         raise ValueError(f"load_hf: num_threads = {num_threads}; expected 1 or more")
     start = time.perf_counter()
-    group = CheckpointGroup(process_group or world_if_cpu())
+    group = CheckpointGroup(process_group or cpu_world())
     # with pipeline stages a rank holds part of the model: the folder must fit all ranks' names
     every = dict.fromkeys(name for names in group.all_gather(list(state_dict)) for name in names)
     planned: list[tuple[Callable[[], int], int]] = []

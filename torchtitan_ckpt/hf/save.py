@@ -32,7 +32,7 @@ from ..io import durable
 from .consolidate import OnePassPlan, consolidate_safetensors, plan_one_pass, write_safetensors_one_pass
 from ..errors import CheckpointError
 from ..errors import RankFailed
-from ..group import CheckpointGroup, world_if_cpu
+from ..group import CheckpointGroup, cpu_world
 from .adapter import PermutedRows, RowOf, StateDictAdapter, check_names
 from .files import CONFIG_FILE, INDEX_FILE, MODEL_FILES_GLOB, SAFETENSORS_DTYPES, SINGLE_FILE
 from .planner import parse_size, plan_files
@@ -61,7 +61,7 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
     if not shared and mode != "one_pass":
         raise ValueError(f"HF export mode {mode!r} needs a folder every rank shares; use one_pass")
     start = time.perf_counter()
-    group = CheckpointGroup(process_group or world_if_cpu())
+    group = CheckpointGroup(process_group or cpu_world())
     plan = _plan(group, adapter, _cast_all(model_state_dict, dtype))
     hf_sd = plan.state_dict
     if not plan.specs:

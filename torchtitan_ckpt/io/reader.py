@@ -207,7 +207,12 @@ class _Item:
         folder, pkl, pos = header_pickle(head)
         saved = headers.get(pkl)
         if saved is None:
-            saved = unpickle(HeaderUnpickler, pkl)
+            try:
+                saved = unpickle(HeaderUnpickler, pkl)
+            except UnsafePickleError as e:  # cut short at a record signature inside it: torch_load's
+                if e.malformed:             # path reads (and checks) the record whole
+                    raise Unrecognised("header pickle cut short") from None
+                raise
             if not isinstance(saved, SavedTensor):
                 raise Unrecognised("not a tensor")
             headers[pkl] = saved

@@ -34,7 +34,7 @@ import torch
 from torch import _weights_only_unpickler
 from torch.utils.serialization import config as serialization_config
 
-from .untrusted import brief, check_pickle
+from .untrusted import UnsafePickleError, brief, check_pickle
 
 _EOCD = struct.Struct("<4sHHHHIIH")
 _ZIP64_LOCATOR = struct.Struct("<4sIQI")
@@ -74,7 +74,9 @@ def zip_records(read: Callable[[int, int], bytes], length: int, max_directory: i
     sig, _, _, _, count, cd_size, cd_offset, comment = _EOCD.unpack(read(length - _EOCD.size, _EOCD.size))
     if sig != b"PK\x05\x06" or comment:
         raise Unrecognised("no zip directory at its end")
-    if _FULL32 in (cd_size, cd_offset) or count == 0xFFFF:
+    locator = length - _EOCD.size - _ZIP64_LOCATOR.size
+    if _FULL32 in (cd_size, cd_offset) or count == 0xFFFF or \
+            (locator >= 0 and read(locator, 4) == b"PK\x06\x07"):  # torch's zip reader takes zip64's then
         count, cd_size, cd_offset = _zip64_directory(read, length)
     if cd_size > max_directory:
         raise Malformed(f"has a zip directory of {cd_size} bytes, where at most {max_directory} are expected")
@@ -82,6 +84,7 @@ def zip_records(read: Callable[[int, int], bytes], length: int, max_directory: i
         raise Unrecognised("zip directory outside the item")
     directory = read(cd_offset, cd_size)
     out: dict[bytes, tuple[int, int]] = {}
+    folded: set[bytes] = set()
     pos = 0
     for _ in range(count):
         if pos + _CENTRAL.size > len(directory):
@@ -95,6 +98,9 @@ def zip_records(read: Callable[[int, int], bytes], length: int, max_directory: i
             usize, csize, lho = _zip64_fields(directory[pos + nlen : pos + nlen + xlen], usize, csize, lho)
         if usize != csize:
             raise Unrecognised(f"record {brief(name)} is compressed")
+        if name.lower() in folded:  # torch's zip reader might find either: the one checked, or the other
+            raise Malformed(f"has two records named {brief(name)}")
+        folded.add(name.lower())
         out[name] = (lho, usize)
         pos += nlen + xlen + clen
     return out
@@ -247,6 +253,10 @@ def load_plain(data: bytes) -> Any:
     try:
         _, pkl, _ = header_pickle(data)
         return unpickle(_PlainUnpickler, pkl)
+    except UnsafePickleError as e:  # cut short: the value's own bytes hold a record's signature
+        if not e.malformed:
+            raise
+        return torch_load(data)
     except Unrecognised:
         return torch_load(data)
 

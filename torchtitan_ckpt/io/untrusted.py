@@ -81,10 +81,12 @@ class UnsafePickleError(CorruptCheckpointError, pickle.UnpicklingError):
     """A pickle refused by `check_pickle`: malformed, or building objects whose use would take
     time out of proportion to its size. An `UnpicklingError` too, so that callers that refuse
     what torch's allow-list unpickler refuses refuse these alike. `problem` says what is wrong,
-    for a caller that names the file its own way."""
+    for a caller that names the file its own way; `malformed`, whether it is not a whole pickle
+    (as a slice cut at a wrong end is not)."""
 
-    def __init__(self, what: str, problem: str):
+    def __init__(self, what: str, problem: str, malformed: bool = False):
         self.problem = problem
+        self.malformed = malformed
         super().__init__(f"{what}: its pickle {problem}; refusing to unpickle it (the file is damaged or crafted)")
 
 
@@ -96,7 +98,7 @@ def check_pickle(data: bytes, what: str) -> None:
     try:
         problem = _unfolding_problem(data, max(MIN_UNFOLDED, UNFOLDED_PER_BYTE * len(data)))
     except (ValueError, IndexError, KeyError) as e:  # genops' errors, and a stack or memo it lacks
-        raise UnsafePickleError(what, f"is not well formed ({type(e).__name__}: {brief(str(e))})") from None
+        raise UnsafePickleError(what, f"is not well formed ({type(e).__name__}: {brief(str(e))})", True) from None
     if problem:
         raise UnsafePickleError(what, problem)
 
