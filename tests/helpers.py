@@ -87,6 +87,19 @@ def _rank_main(rank: int, world_size: int, init_file: str, fn, args) -> None:
     os._exit(0)
 
 
+class TensorState:
+    """A user state of one tensor (`value`), loaded in place."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"value": self.value}
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.value.copy_(sd["value"])
+
+
 def spawn(world_size: int, fn, *args) -> None:
     """Run `fn(rank, world_size, *args)` on `world_size` real processes joined by gloo.
     An exception on any rank fails the caller with that rank's traceback."""

@@ -9,7 +9,7 @@ import torch
 
 from torchtitan_ckpt import CheckpointSaveError, layout
 
-from .helpers import assert_same, read_checkpoint
+from .helpers import TensorState, assert_same, read_checkpoint
 from .jobs import make_job
 
 MODES = ["async", "async_with_pinned_mem"]
@@ -274,19 +274,6 @@ def test_the_writer_process_dies_with_its_rank(tmp_path):
             os.kill(writer_pid, signal.SIGKILL)
 
 
-class _Held:
-    """A user state of one tensor, which the test replaces with one staging cannot copy."""
-
-    def __init__(self):
-        self.t = torch.ones(4)
-
-    def state_dict(self):
-        return {"t": self.t}
-
-    def load_state_dict(self, sd):
-        pass
-
-
 def _staging_fails_on_rank_1(rank: int, world_size: int, folder: str) -> None:
     """Staging fails on rank 1 only: laying the copies out (pinned: a sparse tensor has no
     strides to give its place), or copying (`verify_staging`, where `save()` waits for staging:
@@ -299,17 +286,17 @@ def _staging_fails_on_rank_1(rank: int, world_size: int, folder: str) -> None:
     cases = [("async_with_pinned_mem", False, lambda: torch.ones(4).to_sparse(), "sparse"),
              ("async", True, lambda: torch.empty(4, device="meta"), "meta")]
     for mode, verify, bad, cause in cases:
-        state, sub = _Held(), os.path.join(folder, mode)
+        state, sub = TensorState(torch.ones(4)), os.path.join(folder, mode)
         config = Checkpoint(enable=True, interval=1, async_mode=mode, verify_staging=verify, keep_latest_k=0,
                             collective_timeout_s=60)
         with CheckpointManager(config, [torch.nn.Linear(4, 4)], states={"extra": state}, base_folder=sub) as manager:
             manager.save(1)
             if rank == 1:
-                state.t = bad()
+                state.value = bad()  # a tensor staging cannot copy
             manager.save(2)
             with pytest.raises(CheckpointSaveError, match=f"saving step 2 to .*step-2 failed.*{cause}"):
                 manager.wait()
-            state.t = torch.ones(4)
+            state.value = torch.ones(4)
             manager.save(3)
         assert layout.committed_steps(os.path.join(sub, "checkpoint")) == [1, 3], mode
 

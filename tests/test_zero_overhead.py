@@ -18,22 +18,9 @@ from torchtitan_ckpt import CheckpointManager, ConfigError, StagingMismatchError
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.staging import SaveJob, Stager, make_strategy
 
-from .helpers import assert_same, read_checkpoint, spawn
+from .helpers import TensorState, assert_same, read_checkpoint, spawn
 
 MODES = ["async", "async_with_pinned_mem"]
-
-
-class _Counter:
-    """A user state whose tensor the training loop changes in place."""
-
-    def __init__(self):
-        self.value = torch.zeros(3)
-
-    def state_dict(self):
-        return {"value": self.value}
-
-    def load_state_dict(self, sd):
-        self.value.copy_(sd["value"])
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -62,7 +49,7 @@ def _next_step_right_after_save(rank: int, world_size: int, folder: str) -> None
         model = build_model(load_job_config(None, []))
         shard_model(model, world_size)
         opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
-        counter = _Counter()
+        counter = TensorState(torch.zeros(3))  # the training loop changes it in place
         config = Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0)
         expected = {}
         with CheckpointManager(config, [model], optimizers=opt, states={"counter": counter},

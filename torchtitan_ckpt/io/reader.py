@@ -36,7 +36,7 @@ from ..errors import CorruptCheckpointError
 from ..policy.split import in_order_runs, share
 from . import posio, safe_open
 from .torch_archive import (HeaderUnpickler, Malformed, SavedTensor, Unrecognised, header_pickle, local_record,
-                            torch_load, unpickle, zip_record, zip_records)
+                            torch_load, unpickle_header, zip_record, zip_records)
 from .untrusted import UnsafePickleError, brief
 
 logger = logging.getLogger(__name__)
@@ -207,12 +207,7 @@ class _Item:
         folder, pkl, pos = header_pickle(head)
         saved = headers.get(pkl)
         if saved is None:
-            try:
-                saved = unpickle(HeaderUnpickler, pkl)
-            except UnsafePickleError as e:  # cut short at a record signature inside it: torch_load's
-                if e.malformed:             # path reads (and checks) the record whole
-                    raise Unrecognised("header pickle cut short") from None
-                raise
+            saved = unpickle_header(HeaderUnpickler, pkl)
             if not isinstance(saved, SavedTensor):
                 raise Unrecognised("not a tensor")
             headers[pkl] = saved

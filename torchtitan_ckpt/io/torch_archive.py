@@ -247,16 +247,25 @@ def unpickle(unpickler: type[pickle.Unpickler], data: bytes) -> Any:
         raise Unrecognised(str(e)) from None
 
 
+def unpickle_header(unpickler: type[pickle.Unpickler], pkl: bytes) -> Any:
+    """`unpickle` of the record `header_pickle` cut out. One the scan finds malformed was cut at
+    a record signature inside its own bytes (a zip held in a value, an int written as those
+    bytes), not at the next record: the archive is `Unrecognised`, and `torch_load` reads it
+    whole, every pickle record checked."""
+    try:
+        return unpickle(unpickler, pkl)
+    except UnsafePickleError as e:
+        if e.malformed:
+            raise Unrecognised("header pickle cut short") from None
+        raise
+
+
 def load_plain(data: bytes) -> Any:
     """A non-tensor value that DCP saved with `torch.save`: plain data is unpickled here (no
     globals allowed, so no code runs); anything else by `torch_load`."""
     try:
         _, pkl, _ = header_pickle(data)
-        return unpickle(_PlainUnpickler, pkl)
-    except UnsafePickleError as e:  # cut short: the value's own bytes hold a record's signature
-        if not e.malformed:
-            raise
-        return torch_load(data)
+        return unpickle_header(_PlainUnpickler, pkl)
     except Unrecognised:
         return torch_load(data)
 
