@@ -511,6 +511,46 @@ def test_export_of_a_model_without_tensors_names_the_folder(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+class _Renamed:
+    """An adapter of whole tensors, as TorchTitan's are: our names with an `hf.` prefix."""
+
+    def __init__(self, hf_assets_path: str):
+        self.hf_assets_path = hf_assets_path
+
+    def to_hf(self, state_dict):
+        return {"hf." + k: v for k, v in state_dict.items()}
+
+    def from_hf(self, hf_state_dict):
+        return {k.removeprefix("hf."): v for k, v in hf_state_dict.items()}
+
+
+def test_an_adapter_of_whole_tensors_reads_by_position_and_a_file_cut_short_is_an_error(tmp_path, monkeypatch):
+    """The folder is read through our own reader, not safetensors' loader: a file cut short
+    after its header was checked raises our error naming it and the bytes missing."""
+    from torchtitan_ckpt.hf import load as hf_load
+    from torchtitan_ckpt.hf.adapter import ForeignAdapter
+
+    saved = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.arange(5, dtype=torch.int64),
+             "c": torch.tensor(7.0, dtype=torch.bfloat16)}
+    adapter = ForeignAdapter(_Renamed(os.path.dirname(_config_file(tmp_path / "assets", "{}"))))
+    save_hf(saved, str(tmp_path / "hf"), adapter)
+    back = {k: torch.zeros_like(v) for k, v in saved.items()}
+    load_hf(back, str(tmp_path / "hf"), adapter)
+    assert_same(back, saved)
+
+    checked = hf_load.read_hf_layout
+    def then_cut(hf_dir):
+        layout = checked(hf_dir)
+        path = layout["hf.a"].path
+        os.truncate(path, os.path.getsize(path) - 8)
+        return layout
+    monkeypatch.setattr(hf_load, "read_hf_layout", then_cut)
+    with pytest.raises(CorruptCheckpointError, match=r"hf/model-00001-of-00001.safetensors ends at byte 298, inside "
+                                                     r"the 48 bytes from byte 256 that its header describes: the "
+                                                     r"file is truncated"):
+        load_hf({k: torch.zeros_like(v) for k, v in saved.items()}, str(tmp_path / "hf"), adapter)
+
+
 def _config_file(folder, text: str) -> str:
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(text)

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import safetensors.torch
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -26,7 +25,9 @@ from ..errors import PartialLoadError, RankFailed
 from ..group import CheckpointGroup, cpu_world
 from .adapter import HFSource, StateDictAdapter, check_names, read_index
 from .files import INDEX_FILE, SINGLE_FILE
-from .safetensors_io import TensorEntry, read_header
+from ..io import safe_open
+from ..io.posio import tensor_bytes
+from .safetensors_io import TensorEntry, read_exact, read_header
 from .shards import plan_reads, read_all
 
 logger = logging.getLogger(__name__)
@@ -139,10 +140,7 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
     part of each into `state_dict`. `every` names the tensors of all ranks, which the folder
     must hold. Returns that function and the bytes in the folder (all read)."""
     layout = read_hf_layout(hf_dir)
-    hf: dict[str, torch.Tensor] = {}
-    for path in sorted({entry.path for entry in layout.values()}):
-        hf.update(safetensors.torch.load_file(path))
-    ours = adapter.from_hf(hf)
+    ours = adapter.from_hf(_read_whole(layout))
     check_names(hf_dir, ours, every)
     wrong = [f"{k}: {tuple(ours[k].shape)} in the checkpoint, {tuple(v.shape)} expected"
              for k, v in state_dict.items() if tuple(ours[k].shape) != tuple(v.shape)]
@@ -159,6 +157,23 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
                 local.copy_(ours[name][tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
         return nbytes
     return fill, nbytes
+
+
+def _read_whole(layout: dict[str, TensorEntry]) -> dict[str, torch.Tensor]:
+    """Every tensor of `layout`, whole, read by position from its file opened as `safe_open`
+    opens one. Not through `safetensors`' own loader, which opens the file again by its name
+    and maps it: a file cut short after `read_hf_layout` checked it would be its error, not one
+    naming the truncation, or, once mapped, a SIGBUS that ends the process."""
+    by_file: dict[str, list[tuple[str, TensorEntry]]] = {}
+    for name, entry in layout.items():
+        by_file.setdefault(entry.path, []).append((name, entry))
+    out: dict[str, torch.Tensor] = {}
+    for path, entries in sorted(by_file.items()):
+        with safe_open.open_path(path, "a safetensors file") as f:
+            for name, entry in sorted(entries, key=lambda ne: ne[1].offset):
+                out[name] = torch.empty(entry.shape, dtype=entry.dtype)
+                read_exact(f.fileno(), [tensor_bytes(out[name])], entry.offset, path)
+    return out
 
 
 def _memory(t: torch.Tensor) -> tuple:
