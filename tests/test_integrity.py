@@ -75,6 +75,21 @@ def test_verify_on_load_falls_back_to_the_newest_intact_step(tmp_path, caplog):
         make_job(str(tmp_path), steps=6).manager.load()
 
 
+def test_a_damaged_commit_marker_is_a_problem_verify_fallback_passes_over(tmp_path, caplog):
+    folder = _saved(tmp_path, steps=6, last_save_model_only=False)
+    marker = os.path.join(layout.step_dir(folder, 6), commit.MARKER)
+    os.truncate(marker, os.path.getsize(marker) // 2)
+    job = make_job(str(tmp_path), steps=6, verify_on_load=True)
+    assert job.manager.load()
+    assert job.train_state.step == 4
+    assert f"step 6 is corrupt, trying the previous complete step: {marker} is not a valid commit marker" in caplog.text
+    job.manager.close()
+    strict = make_job(str(tmp_path), steps=6, verify_on_load=True, verify_fallback=False)
+    with pytest.raises(CorruptCheckpointError, match=r"step 6 failed verification: .*step-6/COMMITTED.json is not a "
+                                                     r"valid commit marker"):
+        strict.manager.load()
+
+
 def test_clean_removes_partial_folders(tmp_path, capsys):
     folder = _saved(tmp_path)
     shutil.copytree(layout.step_dir(folder, 2), layout.step_dir(folder, 9))

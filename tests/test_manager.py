@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan_ckpt import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, commit, layout
+from torchtitan_ckpt import (Checkpoint, CheckpointError, CheckpointManager, CheckpointNotFoundError, ConfigError,
+                             CorruptCheckpointError, commit, layout)
 from torchtitan_ckpt.dcp.storage import METADATA_FILE
 
 from .helpers import assert_same, data_file_use, read_checkpoint
@@ -163,6 +164,119 @@ def test_initial_load_path_full_state(tmp_path):
     assert job.manager.load()
     assert job.train_state.step == 2 and job.sched.last_epoch == 2
     job.manager.close()
+
+
+def test_initial_load_path_is_checked_when_it_is_used(tmp_path):
+    """A restart that resumes from a step of its own never reads initial_load_path: that it is
+    gone since (deleted by the run that wrote it) does not matter. Used, a missing one is our
+    error naming it."""
+    source = make_job(str(tmp_path / "a"), steps=4, interval=2)
+    source.run_to(2, steps=4)
+    source.manager.close()
+    step2 = layout.step_dir(_folder(tmp_path / "a"), 2)
+    job = make_job(str(tmp_path / "b"), steps=4, interval=2, initial_load_path=step2)
+    assert job.manager.load()
+    job.run_to(2, steps=4)
+    job.manager.close()
+    shutil.rmtree(tmp_path / "a")
+    again = make_job(str(tmp_path / "b"), steps=4, interval=2, initial_load_path=step2)
+    assert again.manager.load() and again.train_state.step == 2
+    again.manager.close()
+
+    fresh = make_job(str(tmp_path / "c"), initial_load_path=step2)
+    with pytest.raises(CheckpointNotFoundError, match=rf"^checkpoint.initial_load_path = {step2} does not exist, "
+                                                      r"and .*c/checkpoint has no loadable step to resume from"):
+        fresh.manager.load()
+    (tmp_path / "empty").mkdir()
+    empty = make_job(str(tmp_path / "d"), initial_load_path=str(tmp_path / "empty"))
+    with pytest.raises(CheckpointNotFoundError, match=r"empty holds no finished checkpoint of a known format"):
+        empty.manager.load()
+
+
+def _optimizer_moments(opt: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
+    params = (p for group in opt.param_groups for p in group["params"])
+    return {i: opt.state[p]["exp_avg"].clone() for i, p in enumerate(params)}
+
+
+def test_a_finished_runs_model_only_step_is_not_where_a_run_resumes(tmp_path, caplog):
+    """Steps 2 and 4 hold the whole state, the last step 6 the model only: a job launched again
+    (or extended) resumes from step 4, not from step 6's model with its optimizer, schedule and
+    data starting over (and its saves replacing the first run's)."""
+    job = make_job(str(tmp_path), steps=6, interval=2, keep_latest_k=0)
+    job.run_to(4, steps=6)
+    at4 = (_optimizer_moments(job.opt), {k: v.clone() for k, v in job.model.state_dict().items()})
+    job.run_to(6, steps=6)
+    job.manager.close()
+    assert commit.read_marker(layout.step_dir(_folder(tmp_path), 6)).states == ["model"]
+
+    extended = make_job(str(tmp_path), steps=10, interval=2, init_seed=5)
+    with caplog.at_level("WARNING", logger="torchtitan_ckpt.manager"):
+        assert extended.manager.load()
+    assert extended.train_state.step == 4 and extended.sched.last_epoch == 4
+    assert_same(_optimizer_moments(extended.opt), at4[0])
+    assert_same(extended.model.state_dict(), at4[1])
+    assert "step(s) 6 hold only the model (a finished run's last save): resuming from step 4" in caplog.text
+    extended.manager.close()
+
+    asked = make_job(str(tmp_path), steps=6, load_step=6, init_seed=5)  # load_step: what it names
+    assert asked.manager.load() and asked.train_state.step == 0
+    assert_same(asked.model.state_dict(), job.model.state_dict())
+    asked.manager.close()
+
+    for step in (2, 4):
+        shutil.rmtree(layout.step_dir(_folder(tmp_path), step))
+    alone = make_job(str(tmp_path), steps=6, init_seed=5)
+    with pytest.raises(CheckpointError, match=r"its newest step 6 holds only the model \(a finished run's last save\) "
+                                              r"and no step holds this job's optimizer, lr_scheduler, dataloader, "
+                                              r"train_state state: .* checkpoint.initial_load_path = '.*step-6'"):
+        alone.manager.load()
+    excluded = make_job(str(tmp_path), steps=6, init_seed=5,
+                        exclude_from_loading=["optimizer", "lr_scheduler", "dataloader", "train_state"])
+    assert excluded.manager.load()  # a job that restores nothing but the model takes it
+    assert_same(excluded.model.state_dict(), job.model.state_dict())
+    excluded.manager.close()
+
+
+def test_saving_over_a_complete_step_says_so(tmp_path, caplog):
+    job = make_job(str(tmp_path), steps=8, interval=2, keep_latest_k=0)
+    job.run_to(4, steps=8)
+    job.manager.close()
+    back = make_job(str(tmp_path), steps=8, interval=2, keep_latest_k=0, load_step=2)
+    assert back.manager.load()
+    with caplog.at_level("WARNING", logger="torchtitan_ckpt.storage.local"):
+        back.run_to(4, steps=8)
+    back.manager.close()
+    assert f"replacing {layout.step_dir(_folder(tmp_path), 4)}, a complete step saved before" in caplog.text
+
+
+def test_the_manager_checks_the_config_and_the_job_it_is_given(tmp_path):
+    """A section built in Python is validated as a loaded one is; a dataloader without state, and
+    Hugging Face settings the adapter cannot serve, are refused at construction, not at the
+    first save or load."""
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=r"^checkpoint.interval = 0: expected >= 1"):
+        CheckpointManager(Checkpoint(enable=True, interval=0), model, base_folder=str(tmp_path))
+    with pytest.raises(TypeError, match=r"dataloader is a DataLoader, which has no state_dict\(\)/load_state_dict\(\)"):
+        CheckpointManager(Checkpoint(enable=True), model, dataloader=torch.utils.data.DataLoader([1, 2]),
+                          base_folder=str(tmp_path))
+
+    class Whole:  # an adapter of whole tensors (TorchTitan's surface), without an assets folder
+        hf_assets_path = None
+
+        def to_hf(self, state_dict):
+            return state_dict
+
+        def from_hf(self, hf_state_dict):
+            return hf_state_dict
+
+    with pytest.raises(ConfigError, match=r"^checkpoint.initial_load_path = None: checkpoint.initial_load_in_hf "
+                                          r"needs the Hugging Face folder to start from"):
+        CheckpointManager(Checkpoint(enable=True, initial_load_in_hf=True), model, base_folder=str(tmp_path),
+                          state_dict_adapter=Whole())
+    with pytest.raises(ConfigError, match=r"^checkpoint.last_save_in_hf = True: Whole has no hf_assets_path "
+                                          r"holding a config.json"):
+        CheckpointManager(Checkpoint(enable=True, last_save_in_hf=True), model, base_folder=str(tmp_path),
+                          state_dict_adapter=Whole())
 
 
 def test_seed_checkpoint_is_model_only_step_zero(tmp_path):

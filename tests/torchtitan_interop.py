@@ -199,8 +199,10 @@ def titan_manager(stack: Stack, folder: str, **config: Any):
 
 
 def our_manager(stack: Stack, folder: str, **config: Any) -> CheckpointManager:
-    config = Checkpoint(**{"enable": True, "folder": folder, "interval": 1, "keep_latest_k": 0,
-                           "last_save_model_only": False, **config})
+    """Ours, its config built from TorchTitan's own section as a TorchTitan job would."""
+    config = Checkpoint.from_torchtitan(stack.titan_config, **{
+        "enable": True, "folder": folder, "interval": 1, "keep_latest_k": 0, "last_save_model_only": False,
+        "load_step": -1, "initial_load_path": None, **config})
     return CheckpointManager(config, sd_adapter=stack.adapter, **stack.parts())
 
 

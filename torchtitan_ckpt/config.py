@@ -199,6 +199,31 @@ class Checkpoint:
     """Object storage: how many times a request that failed transiently (throttling, 5xx, a
     reset connection) is retried, with exponential backoff, before the save or load fails."""
 
+    @classmethod
+    def from_torchtitan(cls, section: Any, **overrides: Any) -> Checkpoint:
+        """Ours, from TorchTitan's `[checkpoint]` section (0.2's `job_config.checkpoint`, 0.3's
+        checkpointer `Config`): every field the two share is copied, the rest of ours keep their
+        defaults, `overrides` set any of ours; validated. TorchTitan settings with no equivalent
+        here are refused when they would change what is saved or loaded
+        (`initial_load_in_hf_quantized`), and otherwise left out with a log line
+        (`enable_ft_dataloader_checkpoints`: TorchFT's, which this package does not run)."""
+        theirs = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)} \
+            if dataclasses.is_dataclass(section) else dict(vars(section))
+        ours = {f.name for f in dataclasses.fields(cls)}
+        if theirs.get("initial_load_in_hf_quantized"):
+            raise ConfigError("checkpoint.initial_load_in_hf_quantized", True,
+                              "quantized Hugging Face checkpoints are not read by torchtitan_ckpt; load a "
+                              "dequantized copy (initial_load_in_hf = true)")
+        dropped = sorted(set(theirs) - ours - {"initial_load_in_hf_quantized"})
+        if dropped:
+            logger.info("TorchTitan checkpoint settings with no equivalent here, left out: %s", ", ".join(dropped))
+        unknown = sorted(set(overrides) - ours)
+        if unknown:
+            raise ConfigError("checkpoint." + unknown[0], overrides[unknown[0]], "unknown key" + _suggest(unknown[0], ours))
+        config = cls(**{**{k: v for k, v in theirs.items() if k in ours}, **overrides})
+        config.validate()
+        return config
+
     def validate(self, prefix: str = "checkpoint.") -> None:
         """Check ranges and contradictions; raise the first `ConfigError` found, its key
         `prefix + name` (the section's place in the caller's config tree)."""
@@ -242,8 +267,8 @@ def _check_paths(ck: Checkpoint, p: str) -> None:
         value = getattr(ck, name)
         if value is not None and scheme_of(value) is not None:
             _check_url(p, name, value, ck)
-    if ck.initial_load_path is not None and not ck.initial_load_in_hf and scheme_of(ck.initial_load_path) is None:
-        _check_initial_load_path(p + "initial_load_path", ck.initial_load_path)
+    if ck.initial_load_path == "":
+        raise ConfigError(p + "initial_load_path", "", "expected a path to a checkpoint folder, or none")
 
 
 def _check_url(p: str, name: str, url: str, ck: Checkpoint) -> None:
@@ -288,17 +313,6 @@ def _check_exclusions(key: str, names: list[str]) -> None:
             raise ConfigError(key, names, f"'{name}' is not a state name")
     if len(set(names)) != len(names):
         raise ConfigError(key, names, "names a state twice")
-
-
-def _check_initial_load_path(key: str, path: str) -> None:
-    if not path:
-        raise ConfigError(key, path, "expected a path to a checkpoint folder")
-    if not os.path.isdir(path):
-        raise ConfigError(key, path, "expected an existing checkpoint folder")
-    from .dcp.storage import METADATA_FILE  # noqa: PLC0415 - keeps config import-light
-
-    if not os.path.isfile(os.path.join(path, METADATA_FILE)):
-        raise ConfigError(key, path, f"expected a DCP checkpoint folder (it has no {METADATA_FILE} file)")
 
 
 # ----------------------------------------------------------------------------- any dataclass tree

@@ -99,6 +99,7 @@ class CheckpointManager:
         if state_dict_adapter is not None and sd_adapter is not None:
             raise TypeError("pass the state-dict adapter once: state_dict_adapter= or sd_adapter=, not both")
         state_dict_adapter = state_dict_adapter if state_dict_adapter is not None else sd_adapter
+        config.validate()  # a section built in Python never went through `load_config`
         self.config = config
         self._adapter = as_adapter(state_dict_adapter)
         self.folder = config.folder if storage.scheme_of(config.folder) else os.path.join(base_folder, config.folder)
@@ -142,6 +143,15 @@ class CheckpointManager:
                 raise ConfigError(f"checkpoint.{key}", getattr(config, key),
                                   "the Hugging Face format needs a state-dict adapter: pass "
                                   "state_dict_adapter= to CheckpointManager")
+        if config.initial_load_in_hf and not config.initial_load_path and not self._adapter.hf_assets_path:
+            raise ConfigError("checkpoint.initial_load_path", None,
+                              "checkpoint.initial_load_in_hf needs the Hugging Face folder to start from: set "
+                              "initial_load_path, or give the adapter an hf_assets_path")
+        if export := next((k for k in ("last_save_in_hf", "hf_export_interval") if getattr(config, k)), None):
+            try:  # a config.json to write beside the files: known now, not at the export
+                self._adapter.export_config(EXPORT_DTYPES[config.export_dtype])
+            except CheckpointError as e:
+                raise ConfigError(f"checkpoint.{export}", getattr(config, export), str(e)) from None
         if config.create_seed_checkpoint and self._group.world_size != 1:
             raise ConfigError("checkpoint.create_seed_checkpoint", True,
                               f"a seed checkpoint is written by a single process; this job has "
@@ -163,6 +173,10 @@ class CheckpointManager:
         if scheds := _members(lr_schedulers):
             found["lr_scheduler"] = LRSchedulerState(scheds)
         if dataloader is not None:
+            if not isinstance(dataloader, Stateful):
+                raise TypeError(f"dataloader is a {type(dataloader).__name__}, which has no state_dict()/"
+                                "load_state_dict(): pass a stateful one (torchdata's StatefulDataLoader, or "
+                                "TorchTitan's), or none")
             found["dataloader"] = DataLoaderState(dataloader, rank, world_size)
         for name, state in extra.items():
             if name in BUILTIN_STATES or not name.isidentifier():
@@ -435,23 +449,62 @@ class CheckpointManager:
         return None
 
     def _newest_target(self, loadable: list[layout.StepFolder]) -> _LoadTarget:
-        """The newest loadable step; with `verify_fallback`, an older one if it is corrupt."""
+        """The newest loadable step; with `verify_fallback`, an older one if it is corrupt. A
+        model-only step after step 0 is a finished run's last save: it is passed over for an
+        older full step (`_resume_point`)."""
+        model_only: list[_LoadTarget] = []
         for newest in reversed(loadable):
             if newest.status == layout.FOREIGN:
-                return self._foreign_target(newest.path, newest.step, self._store)
-            problems = self._verify(newest.path)
-            if problems and self.config.verify_fallback:
-                if self._group.is_coordinator:
-                    logger.error("step %d is corrupt, trying the previous complete step: %s",
-                                 newest.step, "; ".join(problems))
-                continue
-            if problems:
-                raise CorruptCheckpointError(f"step {newest.step} failed verification: {'; '.join(problems)}")
-            return self._committed_target(newest.path, newest.step)
+                target = self._foreign_target(newest.path, newest.step, self._store)
+            else:
+                problems = self._verify(newest.path)
+                if problems and self.config.verify_fallback:
+                    if self._group.is_coordinator:
+                        logger.error("step %d is corrupt, trying the previous complete step: %s",
+                                     newest.step, "; ".join(problems))
+                    continue
+                if problems:
+                    raise CorruptCheckpointError(f"step {newest.step} failed verification: {'; '.join(problems)}")
+                target = self._committed_target(newest.path, newest.step)
+            if not (target.model_only and target.step and self._loaded_states()):
+                return self._resume_point(target, model_only)
+            model_only.append(target)
+        if model_only:
+            return self._resume_point(None, model_only)
         raise CorruptCheckpointError(f"every complete step in {self.folder} failed verification")
+
+    def _resume_point(self, full: _LoadTarget | None, model_only: list[_LoadTarget]) -> _LoadTarget:
+        """`full`, the newest step holding the job's whole state, when newer steps hold only the
+        model (`model_only`, newest first: a finished run's last save, which a run that goes on
+        must not restart from: its optimizer, schedule and data would start over, and its saves
+        would replace the earlier run's). Without a full step, such a step is refused."""
+        if full is not None and not model_only:
+            return full
+        newer = ", ".join(str(t.step) for t in model_only)
+        if full is not None:
+            if self._group.is_coordinator:
+                logger.warning("step(s) %s hold only the model (a finished run's last save): resuming from step %s, "
+                               "the newest step holding the optimizer and the other states. To start a new run from "
+                               "step %s's model, set checkpoint.initial_load_path to it and use another folder",
+                               newer, full.step, model_only[0].step)
+            return full
+        raise CheckpointError(
+            f"{self.folder}: its newest step {model_only[0].step} holds only the model (a finished run's last save) "
+            f"and no step holds this job's {', '.join(self._loaded_states())} state: resuming would restart training over "
+            f"it. To train on from its model, set checkpoint.initial_load_path = {model_only[0].path!r} and use "
+            f"another checkpoint.folder; or load it anyway with checkpoint.load_step = {model_only[0].step}")
+
+    def _loaded_states(self) -> list[str]:
+        """The states besides the model that a load restores."""
+        return [name for name in self._states if name not in self.config.exclude_from_loading]
 
     def _initial_target(self, path: str) -> _LoadTarget:
         status = layout.status_of(path)
+        if status == layout.UNKNOWN:
+            found = "holds no finished checkpoint of a known format" if os.path.isdir(path) else "does not exist"
+            raise CheckpointNotFoundError(
+                f"checkpoint.initial_load_path = {path} {found}, and {self.folder} has no loadable step to "
+                f"resume from; formats: {', '.join(FORMATS)}")
         if status == layout.PARTIAL:
             raise CheckpointNotFoundError(f"checkpoint.initial_load_path = {path}: its save did not finish "
                                           f"(no {commit.MARKER}); it is never loaded")
@@ -495,10 +548,15 @@ class CheckpointManager:
         gets every problem found. Without it: nothing to report."""
         if not self.config.verify_on_load:
             return []
-        names = sorted(commit.read_marker(self._store.fetch(path, [commit.MARKER])).files)
-        mine = names[self._group.rank :: self._group.world_size]
-        self._store.fetch(path, mine)
-        return [p for found in self._group.all_gather(commit.verify(path, mine)) for p in found]
+        try:
+            names = sorted(commit.read_marker(self._store.fetch(path, [commit.MARKER])).files)
+        except CorruptCheckpointError as e:  # a problem like any other: `verify_fallback` applies
+            found = [str(e)]
+        else:
+            mine = names[self._group.rank :: self._group.world_size]
+            self._store.fetch(path, mine)
+            found = commit.verify(path, mine)
+        return list(dict.fromkeys(p for problems in self._group.all_gather(found) for p in problems))
 
     def _target(self, path: str, step: int | None, model_only: bool, store: Store,
                 fmt_name: str = "dcp") -> _LoadTarget:

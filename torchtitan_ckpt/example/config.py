@@ -249,13 +249,15 @@ def _validate_experts(c: JobConfig) -> None:
 
 
 def _validate_hf_source(c: JobConfig) -> None:
-    """With `initial_load_in_hf`, the HF folder (initial_load_path, else model.hf_assets_path)
-    must hold safetensors weights."""
-    ck = c.checkpoint
-    key, path = ("checkpoint.initial_load_path", ck.initial_load_path) if ck.initial_load_path else (
-        "model.hf_assets_path", c.model.hf_assets_path)
+    """With `initial_load_in_hf`, the HF folder to load: initial_load_path (checked when it is
+    used, as a restart that resumes from a step of its own never reads it), else
+    model.hf_assets_path, which must hold safetensors weights."""
+    ck, path = c.checkpoint, c.model.hf_assets_path
+    if ck.initial_load_path:
+        return
     if not path:
         raise ConfigError("checkpoint.initial_load_in_hf", True,
                           "needs checkpoint.initial_load_path or model.hf_assets_path: the HF folder to load")
     if not any(os.path.isfile(os.path.join(path, f)) for f in (INDEX_FILE, SINGLE_FILE)):
-        raise ConfigError(key, path, f"expected a Hugging Face folder with {SINGLE_FILE} or {INDEX_FILE}")
+        raise ConfigError("model.hf_assets_path", path,
+                          f"expected a Hugging Face folder with {SINGLE_FILE} or {INDEX_FILE}")

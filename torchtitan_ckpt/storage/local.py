@@ -3,6 +3,7 @@ commit is `commit.write_marker`'s fsync-and-rename."""
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 
@@ -10,6 +11,8 @@ from .. import commit, faults, layout
 from ..errors import CheckpointError, ConfigError, RankFailed
 from ..group import CheckpointGroup
 from .base import Store
+
+logger = logging.getLogger(__name__)
 
 _PROBE = ".probe-{token}-rank{rank}"
 
@@ -53,9 +56,13 @@ class LocalStore(Store):
 
     def prepare(self, path: str, step: int) -> None:
         if os.path.lexists(path):  # a partial leftover, or a step saved again: it is replaced
-            if not layout.StepFolder(step, path, layout.status_of(path)).ours:
+            status = layout.status_of(path)
+            if not layout.StepFolder(step, path, status).ours:
                 raise CheckpointError(f"{path} exists and was not written by torchtitan_ckpt; it is "
                                       "never replaced: move it away or save into another folder")
+            if status == layout.COMPLETE:
+                logger.warning("replacing %s, a complete step saved before (a run that went back to an older "
+                               "step saves over the steps after it)", path)
             commit.remove_step(path)  # refuses a symlink: another run's folder is never replaced
         os.makedirs(path)
         commit.mark_in_progress(path)  # ours from now on, even if this save crashes

@@ -219,6 +219,9 @@ class S3Store(Store):
         if names and not set(_MARKERS) & set(names):
             raise CheckpointError(f"{self.where(key)} exists and was not written by torchtitan_ckpt; it is "
                                   "never replaced: move it away or save under another prefix")
+        if _status(set(names)) == layout.COMPLETE:
+            logger.warning("replacing %s, a complete step saved before (a run that went back to an older step "
+                           "saves over the steps after it)", self.where(key))
         self._mark_in_progress(key)
         self._remove_step(key, names)
         faults.hit("prepare", step)
