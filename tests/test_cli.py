@@ -20,10 +20,11 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from tqdm import tqdm
 
-from torchtitan_ckpt import cli, commit, layout
-from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_config
+from torchtitan_ckpt import Checkpoint, CheckpointManager, cli, commit, layout
+from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_adapter, hf_config
 from torchtitan_ckpt.hf.convert import RECORDED_CONFIG
 
 from .helpers import ROOT
@@ -74,11 +75,11 @@ def _run_json(capsys, *argv: str) -> tuple[int, dict]:
 def test_list_json(folder, capsys):
     code, doc = _run_json(capsys, "list", folder)
     assert code == 0
-    assert doc["folder"] == folder and doc["latest_complete"] == 4
-    assert [(s["step"], s["status"], s["format"], s["states"], s["world_size"]) for s in doc["steps"]] == [
-        (2, "complete", "dcp", ["model", "optimizer", "train_state"], 1),
-        (3, "partial", None, None, None),
-        (4, "complete", "dcp", ["model"], 1)]
+    assert doc["folder"] == folder and (doc["latest_complete"], doc["latest_loadable"]) == (4, 4)
+    assert [(s["step"], s["status"], s["format"], s["states"], s["world_size"], s["problem"]) for s in doc["steps"]] == [
+        (2, "complete", "dcp", ["model", "optimizer", "train_state"], 1, None),
+        (3, "partial", None, None, None, None),
+        (4, "complete", "dcp", ["model"], 1, None)]
     for s in doc["steps"]:
         assert s["path"] == layout.step_dir(folder, s["step"]) and s["bytes"] == _du(s["path"])
 
@@ -87,12 +88,51 @@ def test_list_json_exit_codes(tmp_path, capsys):
     os.makedirs(layout.step_dir(str(tmp_path), 7))
     commit.mark_in_progress(layout.step_dir(str(tmp_path), 7))  # a save of ours that crashed
     assert _run_json(capsys, "list", str(tmp_path)) == (1, {"folder": str(tmp_path), "latest_complete": None,
+                                                            "latest_loadable": None,
                                                             "steps": [{"step": 7, "path": layout.step_dir(str(tmp_path), 7),
                                                                        "status": "partial", "bytes": _du(layout.step_dir(str(tmp_path), 7)), "format": None,
-                                                                       "states": None, "world_size": None}]})
+                                                                       "states": None, "world_size": None, "problem": None}]})
     assert cli.main(["list", str(tmp_path / "nope"), "--json"]) == 2
     out = capsys.readouterr()
     assert out.out == "" and "nope is not a folder" in out.err
+
+
+def test_list_reports_a_corrupt_marker_and_goes_on(folder, tmp_path, capsys):
+    """A truncated COMMITTED.json is one `corrupt` step, its reason in `problem`; the other
+    steps are listed, and it counts neither as complete nor as loadable."""
+    work = shutil.copytree(folder, str(tmp_path / "c"))
+    marker = os.path.join(layout.step_dir(work, 4), commit.MARKER)
+    with open(marker, "w") as f:
+        f.write('{"step": 4')
+    code, doc = _run_json(capsys, "list", work)
+    assert (code, doc["latest_complete"], doc["latest_loadable"]) == (0, 2, 2)
+    assert [(s["step"], s["status"], s["format"], s["states"]) for s in doc["steps"]] == [
+        (2, "complete", "dcp", ["model", "optimizer", "train_state"]), (3, "partial", None, None),
+        (4, "corrupt", None, None)]
+    assert doc["steps"][2]["problem"] == (f"{marker} is not a valid commit marker: JSONDecodeError: Expecting ',' "
+                                          "delimiter: line 1 column 11 (char 10)")
+    assert cli.main(["list", work]) == 0
+    row = capsys.readouterr().out.splitlines()[3]
+    assert row.split()[:2] == ["4", "corrupt"]
+    assert row.endswith("COMMITTED.json unreadable (list --json: problem): not loadable, a load() of it fails")
+
+    shutil.rmtree(layout.step_dir(work, 2))  # no loadable step left: exit status 1
+    code, doc = _run_json(capsys, "list", work)
+    assert (code, doc["latest_complete"], doc["latest_loadable"]) == (1, None, None)
+
+
+def test_list_counts_foreign_steps_as_loadable(folder, tmp_path, capsys):
+    """`latest_loadable` is the newest step `load()` starts from, a foreign one included;
+    `latest_complete` the newest of ours. A folder of foreign steps alone exits 0."""
+    dcp.save(_state(), checkpoint_id=layout.step_dir(str(tmp_path / "theirs"), 5))  # TorchTitan's way: no marker
+    code, doc = _run_json(capsys, "list", str(tmp_path / "theirs"))
+    assert (code, doc["latest_complete"], doc["latest_loadable"]) == (0, None, 5)
+    assert [(s["step"], s["status"], s["format"], s["problem"]) for s in doc["steps"]] == [(5, "foreign", "dcp", None)]
+
+    work = shutil.copytree(folder, str(tmp_path / "mixed"))
+    shutil.copytree(layout.step_dir(str(tmp_path / "theirs"), 5), layout.step_dir(work, 5))
+    code, doc = _run_json(capsys, "list", work)
+    assert (code, doc["latest_complete"], doc["latest_loadable"]) == (0, 4, 5)
 
 
 def test_inspect_json(folder, capsys):
@@ -110,6 +150,61 @@ def test_inspect_json(folder, capsys):
     assert doc["objects"] == [{"key": "train_state.step", "state": "train_state"}]  # DCP flattens dicts
     code, doc = _run_json(capsys, "inspect", layout.step_dir(folder, 3))
     assert (code, doc["status"], doc["step"]) == (0, "partial", None)
+
+
+def test_inspect_a_step_without_our_marker(tmp_path, capsys):
+    """TorchTitan's layout, no commit marker: the model's keys are at the top level; only the
+    known state names (the manager's and TorchTitan's train_state) are states."""
+    torch.manual_seed(0)
+    state = {"tok_embeddings.weight": torch.randn(16, 4), "layers.0.attention.wq.weight": torch.randn(4, 4),
+             "norm.weight": torch.ones(4), "output.weight": torch.randn(16, 4),
+             "optimizer.state.norm.weight.exp_avg": torch.zeros(4), "lr_scheduler": {"last_epoch": 3},
+             "train_state": {"step": 3}}
+    step = layout.step_dir(str(tmp_path), 3)
+    dcp.save(state, checkpoint_id=step)
+    code, doc = _run_json(capsys, "inspect", step)
+    assert (code, doc["status"], doc["step"], doc["format"], doc["world_size"]) == (0, "foreign", None, "dcp", None)
+    assert doc["states"] == ["model", "optimizer", "lr_scheduler", "train_state"]
+    assert [(t["key"], t["state"], t["shape"]) for t in doc["tensors"]] == [
+        ("layers.0.attention.wq.weight", "model", [4, 4]), ("norm.weight", "model", [4]),
+        ("optimizer.state.norm.weight.exp_avg", "optimizer", [4]), ("output.weight", "model", [16, 4]),
+        ("tok_embeddings.weight", "model", [16, 4])]
+    assert doc["objects"] == [{"key": "lr_scheduler.last_epoch", "state": "lr_scheduler"},
+                              {"key": "train_state.step", "state": "train_state"}]
+    assert cli.main(["inspect", step]) == 0
+    sections = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert sections == ["[model]", "[optimizer]", "[lr_scheduler]", "[train_state]"]
+
+
+def test_inspect_hf_steps(tmp_path, capsys):
+    """An HF step of ours (`last_save_in_hf`) and the same folder without our marker (a foreign
+    HF export): the tensors are the safetensors files' own, all of the model."""
+    args = FLAVORS["debugmodel"]
+    torch.manual_seed(0)
+    model = Transformer(args)
+    config = Checkpoint(enable=True, folder=str(tmp_path / "ckpt"), last_save_in_hf=True, export_dtype="bfloat16")
+    with CheckpointManager(config, [model], state_dict_adapter=hf_adapter(args)) as manager:
+        manager.save(1, last_step=True)
+    ours = layout.step_dir(config.folder, 1)
+    files = sorted(n for n in os.listdir(ours) if n.endswith(".safetensors"))
+    expected = []
+    for name in files:
+        with safe_open(os.path.join(ours, name), "pt") as f:
+            expected += [(k, "model", "bfloat16", list(f.get_slice(k).get_shape())) for k in f.keys()]
+    code, doc = _run_json(capsys, "inspect", ours)
+    assert (code, doc["status"], doc["step"], doc["format"], doc["world_size"], doc["states"], doc["objects"]) == (
+        0, "complete", 1, "hf", 1, ["model"], [])
+    assert [(t["key"], t["state"], t["dtype"], t["shape"]) for t in doc["tensors"]] == sorted(expected)
+    assert doc["tensor_bytes"] == sum(t["bytes"] for t in doc["tensors"]) == \
+        sum(v.numel() * 2 for v in model.state_dict().values())
+
+    foreign = shutil.copytree(ours, str(tmp_path / "export" / "step-1"))
+    os.remove(os.path.join(foreign, commit.MARKER))
+    code, theirs = _run_json(capsys, "inspect", foreign)
+    assert (code, theirs["status"], theirs["step"], theirs["format"], theirs["states"]) == (0, "foreign", None, "hf", ["model"])
+    assert theirs["tensors"] == doc["tensors"]
+    assert cli.main(["inspect", foreign]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"{foreign}: foreign, no commit marker (hf)"
 
 
 def test_verify_json(folder, tmp_path, capsys):

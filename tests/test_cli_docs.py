@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+
+import torch
+import torch.distributed.checkpoint as dcp
 
 from torchtitan_ckpt import cli, commit, docgen, layout
 
@@ -43,7 +48,40 @@ def test_cli_errors_name_the_path(tmp_path, capsys):
     assert cli.main(["list", str(tmp_path / "nope")]) == 2
     assert "nope is not a folder" in capsys.readouterr().err
     assert cli.main(["inspect", str(tmp_path)]) == 2
-    assert "no .metadata" in capsys.readouterr().err
+    assert capsys.readouterr().err.endswith(
+        f"error: {tmp_path} holds no checkpoint: no .metadata (DCP), no model.safetensors.index.json or "
+        "model.safetensors (Hugging Face); name a step folder\n")
+
+
+def test_inspect_refuses_a_format_it_does_not_know(tmp_path, capsys):
+    """A commit marker naming another format is an error naming it, not a guess at DCP."""
+    step = layout.step_dir(str(tmp_path), 1)
+    dcp.save({"w": torch.zeros(2)}, checkpoint_id=step)
+    commit.write_marker(step, commit.CommitInfo(step=1, states=["model"], format="zarr"))
+    assert cli.main(["inspect", step]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"error: {step}: its COMMITTED.json names the format 'zarr'; inspect reads dcp, hf\n")
+
+
+def _cli_md_section(title: str) -> str:
+    with open(os.path.join(ROOT, "docs", "cli.md")) as f:
+        return f.read().split(f"### `{title}`", 1)[1].split("\n### ", 1)[0]
+
+
+def test_cli_md_documents_what_list_prints(tmp_path, capsys):
+    """docs/cli.md's `list --json` example has the keys the command prints, and its status table
+    names every status `list` gives a step."""
+    section = _cli_md_section("list --json DIR")
+    example = json.loads(section.split("```json\n", 1)[1].split("```", 1)[0])
+    step = layout.step_dir(str(tmp_path), 1)
+    dcp.save({"w": torch.zeros(2)}, checkpoint_id=step)
+    commit.write_marker(step, commit.CommitInfo(step=1, states=["model"]))
+    assert cli.main(["list", str(tmp_path), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert list(example) == list(printed)
+    assert {tuple(s) for s in example["steps"]} == {tuple(printed["steps"][0])}
+    assert re.findall(r"^\| `(\w+)` \|", section, re.M) == [
+        layout.COMPLETE, layout.PARTIAL, cli.CORRUPT, layout.FOREIGN, layout.UNKNOWN]
 
 
 def test_config_reference_is_fresh():

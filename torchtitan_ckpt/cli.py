@@ -26,7 +26,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,10 +36,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from . import commit, layout
 from .dcp import storage
 from .hf.consolidate import consolidate_safetensors, load_mapping
-from .hf.files import INDEX_FILE
-from .config import MAX_THREADS, Checkpoint
+from .hf.files import INDEX_FILE, SINGLE_FILE
+from .hf.load import read_hf_layout
+from .config import BUILTIN_STATES, MAX_THREADS, Checkpoint
 from .group import CheckpointGroup, launched_group
-from .errors import CheckpointError, CheckpointNotFoundError, RankFailed
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RankFailed
 from .hf.convert import convert
 from .hf.registry import ADAPTERS
 from .io.dtypes import EXPORT_DTYPES
@@ -51,7 +52,7 @@ from .storage.base import Store
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
 EXIT_CODES = """exit status:
   0    success
-  1    verify: a file is missing or differs from the manifest; list: no complete step
+  1    verify: a file is missing or differs from the manifest; list: no loadable step
   2    usage error, or input that is not what the command needs (named on stderr)
   130  interrupted (Ctrl-C); an unfinished convert/consolidate output is removed
   141  stdout was closed early (e.g. `| head`); the command stops quietly
@@ -88,74 +89,125 @@ def _opened(where: str, argument: str) -> Iterator[tuple[Store, str]]:
 # list
 
 
+CORRUPT = "corrupt"
+"""`list`'s status of a step whose `COMMITTED.json` is there but unreadable (truncated, not JSON,
+fields of the wrong shape): never counted as complete or loadable."""
+
+
 def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any]:
-    info = commit.read_marker(store.fetch(s.path, [commit.MARKER])) if s.committed else None
-    fmt = info.format if info else layout.foreign_format(s.path) if s.status == layout.FOREIGN else None
-    return {"step": s.step, "path": store.describe(s.path), "status": s.status, "bytes": store.size(s.path),
+    """One step of `list --json`. A marker that cannot be read makes that step `corrupt`, its
+    reason in `problem` (naming the step as the user does), rather than ending the listing of
+    every other step."""
+    info, status, problem, where = None, s.status, None, store.describe(s.path)
+    if s.committed:
+        try:
+            info = commit.read_marker(store.fetch(s.path, [commit.MARKER]))
+        except CorruptCheckpointError as e:
+            status, problem = CORRUPT, str(e).replace(s.path, where)
+    fmt = info.format if info else layout.foreign_format(s.path) if status == layout.FOREIGN else None
+    return {"step": s.step, "path": where, "status": status, "bytes": store.size(s.path),
             "format": fmt, "states": info.states if info else None,
-            "world_size": info.world_size if info else None}
+            "world_size": info.world_size if info else None, "problem": problem}
 
 
 def _contents(s: dict[str, Any]) -> str:
     return {layout.COMPLETE: f"{s['format']}: {', '.join(s['states'] or ())}",
             layout.PARTIAL: f"no {commit.MARKER}: a save of ours that did not finish; never loaded",
             layout.FOREIGN: f"{s['format']}: not written here; loadable, unverified, never deleted",
+            CORRUPT: f"{commit.MARKER} unreadable (list --json: problem): not loadable, a load() of it fails",
             }.get(s["status"], "not written here, not a finished checkpoint: never loaded, never deleted")
 
 
+def _newest(steps: list[dict[str, Any]], *statuses: str) -> int | None:
+    return max((s["step"] for s in steps if s["status"] in statuses), default=None)
+
+
 def cmd_list(args: argparse.Namespace, progress: Progress) -> int:
+    """Exit status 1 when no step is loadable (`latest_loadable` is null): a folder of foreign
+    steps alone is one `load()` resumes from."""
     if scheme_of(args.folder) is None:
         _require_folder(args.folder)
     with _opened(args.folder, "folder") as (store, folder):
         steps = [_step_record(s, store) for s in store.scan(folder)]
-    complete = [s["step"] for s in steps if s["status"] == "complete"]
+    loadable = _newest(steps, layout.COMPLETE, layout.FOREIGN)
     if args.json:
-        _print_json({"folder": args.folder, "latest_complete": max(complete, default=None), "steps": steps})
+        _print_json({"folder": args.folder, "latest_complete": _newest(steps, layout.COMPLETE),
+                     "latest_loadable": loadable, "steps": steps})
     elif not steps:
         print(f"{args.folder}: no step folders")
     else:
         print(f"{'step':>8}  {'status':<10}  {'size':>10}  contents")
         for s in steps:
             print(f"{s['step']:>8}  {s['status']:<10}  {fmt_bytes(s['bytes']):>10}  {_contents(s)}")
-    loadable = [s for s in steps if s["status"] in (layout.COMPLETE, layout.FOREIGN)]
-    return EXIT_OK if loadable else EXIT_FAILED
+    return EXIT_OK if loadable is not None else EXIT_FAILED
 
 
 # ---------------------------------------------------------------------------------------------
 # inspect
 
 
-def _state_of(key: str, states: list[str]) -> str:
+KNOWN_STATES = (*BUILTIN_STATES, "train_state")
+"""The states a step without our commit marker is read as holding: the manager's own, and the
+`train_state` TorchTitan's trainer registers. A key's first segment names its state only if it
+is one of these; the rest is the model's (its keys are at the top level: `layers`, `norm`, ...)."""
+
+
+def _state_of(key: str, states: Collection[str]) -> str:
     head = key.split(".", 1)[0]
     return head if head in states else "model"
 
 
-def _describe(path: str, where: str) -> dict[str, Any]:
-    """The `inspect --json` document of a DCP step folder `path` (`where` as the user named it)."""
+def _dcp_entries(path: str, where: str, states: Collection[str]) -> tuple[list[dict], list[dict]]:
+    """The tensors and the other values of a DCP step, from its `.metadata`."""
     md_path = os.path.join(path, storage.METADATA_FILE)
     if not os.path.isfile(md_path):
         raise CheckpointNotFoundError(f"{where} is not a DCP checkpoint folder (no {storage.METADATA_FILE})")
-    info = commit.read_marker(path) if commit.is_committed(path) else None
-    metadata = storage.read_metadata(md_path)
-    states = info.states if info else sorted({k.split(".", 1)[0] for k in metadata.state_dict_metadata})
     tensors, objects = [], []
-    for key, md in sorted(metadata.state_dict_metadata.items()):
+    for key, md in sorted(storage.read_metadata(md_path).state_dict_metadata.items()):
         if isinstance(md, TensorStorageMetadata):
             tensors.append({"key": key, "state": _state_of(key, states),
                             "dtype": str(md.properties.dtype).removeprefix("torch."), "shape": list(md.size),
                             "bytes": md.size.numel() * md.properties.dtype.itemsize})
         else:
             objects.append({"key": key, "state": _state_of(key, states)})
+    return tensors, objects
+
+
+def _hf_entries(path: str, where: str, states: Collection[str]) -> tuple[list[dict], list[dict]]:
+    """The tensors of a Hugging Face step (the model alone, under HF's names), from its index
+    and the safetensors files' headers; no tensor data is read."""
+    tensors = [{"key": name, "state": "model", "dtype": str(e.dtype).removeprefix("torch."),
+                "shape": list(e.shape), "bytes": e.nbytes} for name, e in sorted(read_hf_layout(path).items())]
+    return tensors, []
+
+
+_ENTRIES = {"dcp": _dcp_entries, "hf": _hf_entries}
+"""Format name (as the commit marker or `layout.foreign_format` gives it) -> how inspect reads it."""
+
+
+def _describe(path: str, where: str) -> dict[str, Any]:
+    """The `inspect --json` document of the step folder `path` (`where` as the user named it).
+    Its states are the commit marker's; without a marker, the `KNOWN_STATES` its keys show."""
+    info = commit.read_marker(path) if commit.is_committed(path) else None
+    fmt = info.format if info else layout.foreign_format(path)
+    if fmt is None:
+        raise CheckpointNotFoundError(f"{where} holds no checkpoint: no {storage.METADATA_FILE} (DCP), no "
+                                      f"{INDEX_FILE} or {SINGLE_FILE} (Hugging Face); name a step folder")
+    if fmt not in _ENTRIES:
+        raise CorruptCheckpointError(f"{where}: its {commit.MARKER} names the format {fmt!r}; inspect reads "
+                                     f"{', '.join(_ENTRIES)}")
+    tensors, objects = _ENTRIES[fmt](path, where, info.states if info else KNOWN_STATES)
+    found = {e["state"] for e in tensors + objects}
     return {"path": where, "status": layout.status_of(path), "step": info.step if info else None,
-            "format": info.format if info else None, "world_size": info.world_size if info else None,
-            "states": states, "tensor_bytes": sum(t["bytes"] for t in tensors), "tensors": tensors,
-            "objects": objects}
+            "format": fmt, "world_size": info.world_size if info else None,
+            "states": info.states if info else [name for name in KNOWN_STATES if name in found],
+            "tensor_bytes": sum(t["bytes"] for t in tensors), "tensors": tensors, "objects": objects}
 
 
 def _print_inspect(doc: dict[str, Any]) -> None:
     status = (f"complete, step {doc['step']}, saved by {doc['world_size']} rank(s)"
               if doc["status"] == layout.COMPLETE else f"{doc['status']}, no commit marker")
-    print(f"{doc['path']}: {status}")
+    print(f"{doc['path']}: {status} ({doc['format']})")
     for state in dict.fromkeys([*doc["states"], "model"]):
         tensors = [t for t in doc["tensors"] if t["state"] == state]
         objects = [o for o in doc["objects"] if o["state"] == state]
@@ -170,9 +222,17 @@ def _print_inspect(doc: dict[str, Any]) -> None:
         print(f"  {'total tensor bytes':<60} {'':<9} {'':<16} {fmt_bytes(total):>10}")
 
 
+def _fetch_described(store: Store, path: str) -> str:
+    """Make what `inspect` reads of the step at `path` readable there: its markers and DCP's
+    `.metadata`; without a `.metadata` (a Hugging Face step), the whole step, since the names
+    and sizes of its tensors are in the headers of its data files."""
+    store.fetch(path, [commit.MARKER, commit.IN_PROGRESS, storage.METADATA_FILE])
+    return path if os.path.isfile(os.path.join(path, storage.METADATA_FILE)) else store.fetch(path)
+
+
 def cmd_inspect(args: argparse.Namespace, progress: Progress) -> int:
     with _opened(args.step_dir, "step_dir") as (store, path):
-        doc = _describe(store.fetch(path, [commit.MARKER, commit.IN_PROGRESS, storage.METADATA_FILE]), args.step_dir)
+        doc = _describe(_fetch_described(store, path), args.step_dir)
     if args.json:
         _print_json(doc)
     else:
