@@ -253,6 +253,14 @@ def test_one_pass_export_single_process(tmp_path):
         C.write_safetensors_one_pass({"step": 3}, str(tmp_path / "x"))
 
 
+def test_one_pass_writes_a_non_contiguous_tensor_in_its_logical_order(tmp_path):
+    """A non-contiguous tensor is written in its logical order, and a block whose bytes two of
+    the 4 threads share (359 bytes in all) is whole in the file."""
+    state = {**full_state(), "t": torch.arange(24.0).reshape(4, 6).t()}
+    C.write_safetensors_one_pass(state, str(tmp_path / "hf"), {**MAPPING, "t": 1}, num_threads=4)
+    assert_identical(read_output(str(tmp_path / "hf")), {k: v.contiguous() for k, v in state.items()})
+
+
 def _held(fqn: str, offsets: tuple[int, ...], shape: tuple[int, ...], full: tuple[int, ...], dtype: str = "F32"):
     return C.Block(fqn, dtype, offsets, shape), full
 

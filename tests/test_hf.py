@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import logging
 import os
 import re
 import shutil
@@ -230,6 +231,38 @@ def test_export_replaces_an_earlier_export(tmp_path):
                                             "model.safetensors.index.json"]
 
 
+@pytest.mark.parametrize("mode", ["one_pass", "rank0"])
+def test_an_export_replaces_a_config_json_link_instead_of_writing_through_it(tmp_path, mode):
+    """A folder of the hub cache links its config.json to a blob that other revisions share;
+    any link may lead out of the folder."""
+    blob = tmp_path / "blob.json"
+    blob.write_text('{"precious": true}')
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").symlink_to(blob)
+    save_hf(our_model().state_dict(), str(tmp_path / "out"), hf_adapter(ARGS), mode=mode)
+    assert blob.read_text() == '{"precious": true}'
+    assert not (tmp_path / "out" / "config.json").is_symlink()
+    with open(tmp_path / "out" / "config.json") as f:
+        assert json.load(f) == hf_adapter(ARGS).export_config(torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["all_ranks", "rank0"])
+def test_a_two_phase_export_clears_the_shards_an_earlier_one_kept(tmp_path, mode):
+    """Shards kept (`keep_shards`) under another file split are not consolidated with the new
+    ones; a file of the user's in the shards' folder stays."""
+    model = our_model()
+    save_hf(model.state_dict(), str(tmp_path), hf_adapter(ARGS), mode=mode, keep_shards=True, max_shard_size="100KB")
+    assert len(os.listdir(tmp_path / "sharded")) == 4
+    (tmp_path / "sharded" / "notes.txt").write_text("mine")
+    save_hf(model.state_dict(), str(tmp_path), hf_adapter(ARGS), mode=mode, max_shard_size="5GB")
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model-00001-of-00001.safetensors",
+                                            "model.safetensors.index.json", "sharded"]
+    assert os.listdir(tmp_path / "sharded") == ["notes.txt"]
+    back = our_model(seed=1)
+    load_hf(back.state_dict(), str(tmp_path), hf_adapter(ARGS))
+    assert_same(back.state_dict(), model.state_dict())
+
+
 def test_export_failure_names_the_folder(tmp_path):
     (tmp_path / "taken").write_text("a file, not a folder")
     with pytest.raises(CheckpointError, match=r"preparing .*taken failed on rank 0: FileExistsError"):
@@ -348,12 +381,58 @@ def test_wrong_pairing_fails_before_reading_data(hf_checkpoint, no_data_reads, a
     assert (e.value.unknown, e.value.missing) == (unknown, missing)
 
 
-def test_a_file_outside_the_index_is_refused(tmp_path):
-    save_hf(our_model().state_dict(), str(tmp_path), hf_adapter(ARGS))
-    (tmp_path / "consolidated.safetensors").write_bytes(b"an older copy")
-    with pytest.raises(CheckpointError, match=r"\['consolidated.safetensors'\] besides the "
-                                              r"checkpoint that model.safetensors.index.json describes"):
-        load_hf(our_model(seed=1).state_dict(), str(tmp_path), hf_adapter(ARGS))
+def test_another_formats_file_is_ignored_and_a_model_file_outside_the_index_refused(tmp_path, caplog):
+    """A Mistral repo ships `consolidated.safetensors` (Mistral's own format) beside the HF
+    files: `transformers` ignores it, and so do an import and an export into the folder. A model
+    file the index does not list is an older copy of the checkpoint: refused."""
+    mistral = {"tok_embeddings.weight": torch.arange(6.0).reshape(2, 3)}
+    save_file(mistral, str(tmp_path / "consolidated.safetensors"))
+    save_file(mistral, str(tmp_path / "model-00002-of-00002.safetensors"))  # an earlier export's
+    model = our_model()
+    save_hf(model.state_dict(), str(tmp_path), hf_adapter(ARGS))
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "consolidated.safetensors",
+                                            "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert_same(load_file(str(tmp_path / "consolidated.safetensors")), mistral)
+    back = our_model(seed=1)
+    with caplog.at_level(logging.INFO, logger="torchtitan_ckpt.hf.load"):
+        load_hf(back.state_dict(), str(tmp_path), hf_adapter(ARGS))
+    assert_same(back.state_dict(), model.state_dict())
+    assert [m for m in caplog.messages if "ignoring" in m] == [f"{tmp_path}: ignoring ['consolidated.safetensors'], which model.safetensors.index.json "
+                               "does not list (not the model files of a Hugging Face export)"]
+    for stale in ("model.safetensors", "model-00002-of-00002.safetensors"):
+        shutil.copyfile(tmp_path / "model-00001-of-00001.safetensors", tmp_path / stale)
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"{tmp_path} holds ['{stale}'] besides the checkpoint that model.safetensors.index.json "
+                "describes; move them away")):
+            load_hf(our_model(seed=1).state_dict(), str(tmp_path), hf_adapter(ARGS))
+        os.remove(tmp_path / stale)
+
+
+def test_llama2_rope_buffers_are_ignored_on_import_and_in_the_assets_file_split(hf_checkpoint, tmp_path, caplog):
+    """Llama-2-era folders hold `model.layers.N.self_attn.rotary_emb.inv_freq`, buffers that
+    `transformers` recomputes from the config and ignores on load."""
+    src, expected = hf_checkpoint
+    folder = tmp_path / "llama2"
+    shutil.copytree(src, folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    first = index["weight_map"]["model.layers.0.self_attn.q_proj.weight"]
+    buffers = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": 1 / 10000 ** (torch.arange(0, 16, 2) / 16)
+               for i in range(ARGS.n_layers)}
+    save_file({**load_file(str(folder / first)), **buffers}, str(folder / first), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(buffers, first))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = our_model(seed=1)
+    with caplog.at_level(logging.INFO, logger="torchtitan_ckpt.hf.load"):
+        load_hf(model.state_dict(), str(folder), hf_adapter(ARGS))
+    assert (logits_of(model) - expected).abs().max() < 1e-5
+    assert [m for m in caplog.messages if "ignoring" in m] == [f"{folder}: ignoring 2 tensor(s) like model.layers.0.self_attn.rotary_emb.inv_freq, "
+                               "buffers that transformers recomputes from the config"]
+    # an export with these assets follows their file split, without the buffers
+    save_hf(model.state_dict(), str(tmp_path / "out"), hf_adapter(ARGS, hf_assets_path=str(folder)))
+    before, after = tensors_by_file(src), tensors_by_file(str(tmp_path / "out"))
+    assert sorted(before) == sorted(after)
+    for file in before:
+        assert_same(before[file], after[file])
 
 
 def test_wrong_shapes_fail_naming_them(hf_checkpoint, no_data_reads):
@@ -575,3 +654,18 @@ def test_a_model_config_is_read_from_a_regular_file_of_its_folder(tmp_path):
     with pytest.raises(CorruptCheckpointError, match=rf"{re.escape(str(tmp_path))}/config.json: the model config "
                                                      r"is not a regular file"):
         read_hf_config(str(tmp_path / "config.json"))
+
+
+def test_save_and_load_take_a_torchtitan_adapter_as_it_is(tmp_path):
+    """An adapter with TorchTitan's surface (`to_hf(sd)`, `from_hf(sd)`, `hf_assets_path`),
+    not wrapped by the caller: the export copies its assets' config.json."""
+    assets = os.path.dirname(_config_file(tmp_path / "assets", '{"model_type": "tiny"}'))
+    saved = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.arange(4, dtype=torch.int64)}
+    save_hf(saved, str(tmp_path / "hf"), _Renamed(assets), dtype=torch.bfloat16)
+    assert_same(load_file(str(tmp_path / "hf" / "model-00001-of-00001.safetensors")),
+                {"hf.a": saved["a"].bfloat16(), "hf.b": saved["b"]})
+    with open(tmp_path / "hf" / "config.json") as f:
+        assert json.load(f) == {"model_type": "tiny", "torch_dtype": "bfloat16"}
+    back = {k: torch.zeros_like(v) for k, v in saved.items()}
+    load_hf(back, str(tmp_path / "hf"), _Renamed(assets))
+    assert_same(back, saved)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tests.helpers import assert_same, logits, perturbed, read_checkpoint
-from torchtitan_ckpt.errors import AdapterMismatchError, ConfigError
-from torchtitan_ckpt.example.model import Transformer, args_from_hf_config, hf_adapter
+from torchtitan_ckpt.errors import AdapterMismatchError, CheckpointError, ConfigError
+from torchtitan_ckpt.example.model import ROPE_LAYOUT, Transformer, args_from_hf_config, hf_adapter
 from torchtitan_ckpt.hf import (HFModelConfig, LlamaAdapter, Qwen3Adapter, Qwen3MoeAdapter, adapter_for_config,
                                 adapter_for_hf_dir, load_hf, save_hf)
 from torchtitan_ckpt.hf.convert import convert
@@ -74,11 +74,45 @@ def test_the_adapter_comes_from_model_type():
     assert type(adapter_for_config({**FAMILIES["llama31"][1], "model_type": "mistral"})) is LlamaAdapter
 
 
+def test_the_rope_layout_is_the_familys_as_torchtitan_models_it_unless_given():
+    """q and k rows (and Qwen3's q/k norms) are permuted for a model that rotates interleaved
+    pairs (TorchTitan's Llama 3, the example model), not for one that rotates halves as HF
+    does (TorchTitan's Qwen3): each family's default is TorchTitan's model's."""
+    permuted = {name: bool(adapter_for_config(config).sources["layers.0.attention.wq.weight"].row_order)
+                for name, (_, config) in FAMILIES.items()}
+    assert permuted == {"llama31": True, "qwen3": False, "qwen3_moe": False}
+    qwen3 = adapter_for_config(FAMILIES["qwen3"][1], rope_layout=ROPE_LAYOUT)
+    assert {name: bool(qwen3.sources[f"layers.0.attention.{name}.weight"].row_order)
+            for name in ("wq", "wk", "wv", "q_norm", "k_norm")} == {
+        "wq": True, "wk": True, "wv": False, "q_norm": True, "k_norm": True}
+    assert hf_adapter(args_from_hf_config(FAMILIES["qwen3"][1])).rope_layout == ROPE_LAYOUT == "interleaved"
+    with pytest.raises(ValueError, match=r"rope_layout = 'complex'; expected one of interleaved, halves"):
+        adapter_for_config(FAMILIES["qwen3"][1], rope_layout="complex")
+
+
+def test_a_tied_config_refuses_to_drop_a_head_that_is_not_the_embedding(tmp_path):
+    """A model that does not tie its head (started from a tied checkpoint, then trained) exported
+    with a config that ties them would lose its head: refused, naming the setting. A head equal
+    to the embedding (a tied model, a cast copy of it) exports as the embedding alone."""
+    args = args_from_hf_config(FAMILIES["qwen3"][1])
+    model = Transformer(args)
+    adapter = hf_adapter(args)
+    state = model.state_dict()
+    assert adapter.tied and "output.weight" not in adapter.to_hf(state)  # the example ties it: one tensor
+    untied = {**state, "output.weight": state["output.weight"] + 1}
+    with pytest.raises(CheckpointError, match=r"^output.weight is not tok_embeddings.weight: the Hugging Face config "
+                                              r"ties them \(tie_word_embeddings = true\)"):
+        adapter.to_hf(untied)
+    with pytest.raises(CheckpointError, match=r"output.weight is not tok_embeddings.weight"):
+        save_hf(untied, str(tmp_path / "out"), adapter)
+    assert not glob.glob(str(tmp_path / "out" / "*.safetensors"))
+
+
 def test_the_example_model_loaded_through_the_adapter_gives_the_transformers_logits(hf_folder):
     family, src, expected = hf_folder
     args = args_from_hf_config(read_config(src))
     model = Transformer(args)
-    load_hf(model.state_dict(), src, adapter_for_hf_dir(src))
+    load_hf(model.state_dict(), src, adapter_for_hf_dir(src, rope_layout=ROPE_LAYOUT))
     assert (logits_of(model) - expected).abs().max() < 1e-5
     if family == "llama31":  # the llama3 RoPE scaling is what makes them equal
         unscaled = Transformer(replace(args, rope_scaling=None))
@@ -123,7 +157,8 @@ def test_native_to_hf_to_native_is_exact_and_transformers_reads_it(hf_folder, tm
     # what transformers' save_pretrained writes (its experts fused in memory) imports too
     hf.save_pretrained(str(tmp_path / "resaved"), max_shard_size="50KB")
     again = Transformer(args)
-    load_hf(again.state_dict(), str(tmp_path / "resaved"), adapter_for_hf_dir(str(tmp_path / "resaved")))
+    resaved = adapter_for_hf_dir(str(tmp_path / "resaved"), rope_layout=ROPE_LAYOUT)
+    load_hf(again.state_dict(), str(tmp_path / "resaved"), resaved)
     assert_same(again.state_dict(), ours.state_dict())
 
 
@@ -133,6 +168,20 @@ def test_an_unsupported_model_type_names_the_supported_ones():
     with pytest.raises(ConfigError, match=r"model_type = 'gpt2': no adapter for it; supported: llama, mistral, "
                                           r"qwen3, qwen3_moe"):
         adapter_for_config({**FAMILIES["qwen3"][1], "model_type": "gpt2"})
+
+
+def test_a_family_without_an_adapter_is_refused_for_its_model_type_not_for_a_key():
+    """Mixtral counts `num_local_experts` and gives no `moe_intermediate_size` (its experts are
+    `intermediate_size` wide), which Qwen3-MoE must give."""
+    mixtral = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    with pytest.raises(ConfigError, match=r"^config.json: model_type = 'mixtral': no adapter for it; supported: "
+                                          r"llama, mistral, qwen3, qwen3_moe$"):
+        adapter_for_config(mixtral.to_dict())
+    qwen3_moe = {k: v for k, v in FAMILIES["qwen3_moe"][1].items() if k != "moe_intermediate_size"}
+    with pytest.raises(ConfigError, match=r"^config.json: moe_intermediate_size = None: required; the config "
+                                          r"does not give it$"):
+        adapter_for_config(qwen3_moe)
 
 
 @pytest.mark.parametrize("change, key", [

@@ -15,7 +15,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from tests.helpers import RecordedReads, spawn
 from tests.test_hf_families import FAMILIES, logits_of, make_hf_model, read_config
-from torchtitan_ckpt.example.model import Transformer, args_from_hf_config
+from torchtitan_ckpt.example.model import ROPE_LAYOUT, Transformer, args_from_hf_config
 from torchtitan_ckpt.example.train import shard_model
 from torchtitan_ckpt.hf import adapter_for_hf_dir, load_hf, save_hf
 from torchtitan_ckpt.hf.adapter import RowOf
@@ -40,7 +40,7 @@ def _dense(rank: int, world_size: int, src: str, expected: torch.Tensor) -> None
     shard_model(model, world_size)
     state = ModelState([model])
     sd = state.state_dict()
-    load_hf(sd, src, adapter_for_hf_dir(src))
+    load_hf(sd, src, adapter_for_hf_dir(src, rope_layout=ROPE_LAYOUT))
     state.load_state_dict(sd)
     assert (logits_of(model) - expected).abs().max() < 1e-5
 
@@ -56,7 +56,7 @@ def _moe_with_ep(rank: int, world_size: int, src: str, out: str, expected: torch
     torch.manual_seed(5)
     # experts Shard(0) on `ep`: this rank holds its experts; the rest FSDP-like rows
     sd = {k: distribute_tensor(v.detach().clone(), mesh, [Shard(0)]) for k, v in Transformer(args).state_dict().items()}
-    adapter = adapter_for_hf_dir(src)
+    adapter = adapter_for_hf_dir(src, rope_layout=ROPE_LAYOUT)
     with RecordedReads() as recorded:
         load_hf(sd, src, adapter)
     own = _experts_of(rank, world_size, args.moe.num_experts)

@@ -9,6 +9,9 @@ import os
 import re
 import shutil
 import struct
+import time
+from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tests.helpers import DEBUG_CONFIG, assert_same, perturbed, spawn
 from torchtitan_ckpt.example.config import load_job_config
-from torchtitan_ckpt.errors import CheckpointError, CorruptCheckpointError
+from torchtitan_ckpt.errors import CheckpointError, ConsolidationError, CorruptCheckpointError
 from torchtitan_ckpt.example.model import FLAVORS, ModelArgs, Transformer, hf_adapter, hf_config
 from torchtitan_ckpt.hf import load_hf, save_hf, shards
 from torchtitan_ckpt.hf.adapter import reorder_rows, rope_row_order
@@ -306,3 +309,52 @@ def test_a_read_error_on_one_rank_is_raised_on_every_rank(tmp_path):
     with open(os.path.join(damaged, first), "r+b") as f:
         f.truncate(os.path.getsize(f.name) - 8)  # the header promises bytes the file lacks
     spawn(2, _one_rank_fails_to_read, src, damaged)
+
+
+class _CopyFails(torch.Tensor):
+    """A tensor whose copy by the method `failing` runs out of memory, as a cast or a copy to
+    host memory of a large tensor can on one rank."""
+
+    failing: Any = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is cls.failing:
+            raise MemoryError(f"injected: Tensor.{func.__name__} found no memory")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _CastFails(_CopyFails):
+    failing = torch.Tensor.to
+
+
+class _HostCopyFails(_CopyFails):
+    failing = torch.Tensor.cpu
+
+
+def _one_rank_fails_to_copy(rank: int, world_size: int, out: str) -> None:
+    """Pipeline stages: rank 1 holds layer 1, the norm and the head, and its norm's copy fails
+    when cast (before planning) or when copied to host memory (before writing)."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))  # not 30 min if a rank hangs
+    torch.manual_seed(0)
+    sd = Transformer(MID_HEAD).state_dict()
+    last = {k for k in sd if k.startswith("layers.1.") or k in ("norm.weight", "output.weight")}
+    stage = {k: v for k, v in sd.items() if (k in last) == (rank == 1)}
+    for failing, dtype, step in [(_CastFails, torch.bfloat16, "planning the export"),
+                                 (_HostCopyFails, None, "writing tensor data")]:
+        if rank == 1:
+            stage["norm.weight"] = sd["norm.weight"].as_subclass(failing)
+        message = f"injected: Tensor.{failing.failing.__name__} found no memory"
+        start = time.perf_counter()
+        with pytest.raises(MemoryError if rank == 1 else ConsolidationError,
+                           match=re.escape(message if rank == 1 else f"{step} failed on rank 1: MemoryError: {message}")):
+            save_hf(stage, out, hf_adapter(MID_HEAD), dtype=dtype, process_group=group)
+        assert time.perf_counter() - start < 10
+        assert not os.path.exists(os.path.join(out, "model.safetensors.index.json"))
+        dist.barrier(group)
+
+
+def test_a_copy_failing_on_one_rank_fails_the_export_on_every_rank_at_once(tmp_path):
+    """A rank whose cast or host copy fails raises in the step every rank shares, so the others
+    raise too instead of waiting in the next collective until the group's timeout."""
+    spawn(2, _one_rank_fails_to_copy, str(tmp_path / "hf"))

@@ -46,3 +46,15 @@ def test_torchtitan_and_ours_resume_each_others_steps(version, tmp_path):
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     assert [line[3:] for line in proc.stdout.splitlines() if line.startswith("OK ")] == CHECKS
+
+
+def test_torchtitans_qwen3_model_goes_through_our_qwen3_adapter(tmp_path):
+    """TorchTitan's Qwen3 rotates halves of a head as transformers does: the adapter's default
+    for the family leaves q and k as they are (tests/torchtitan_qwen3.py)."""
+    env = {**os.environ, "PYTHONPATH": torchtitan_path("0.2.2"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "torchtitan_qwen3.py"), str(tmp_path)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert [line[3:] for line in proc.stdout.splitlines() if line.startswith("OK ")] == [
+        "TorchTitan's Qwen3 imports the transformers checkpoint through our adapter",
+        "transformers loads TorchTitan's Qwen3 exported through our adapter"]

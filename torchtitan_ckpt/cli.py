@@ -42,6 +42,7 @@ from .config import BUILTIN_STATES, MAX_THREADS, Checkpoint
 from .group import CheckpointGroup, launched_group
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RankFailed
 from .hf.convert import convert
+from .hf.adapter import ROPE_LAYOUTS
 from .hf.registry import ADAPTERS
 from .io.dtypes import EXPORT_DTYPES
 from .hf.save import MODES
@@ -356,7 +357,7 @@ def cmd_convert(args: argparse.Namespace, progress: Progress) -> int:
     with launched_group(), _opened(args.src, "src") as (store, src), _staged(args.dst) as out, progress:
         convert(args.to, store.fetch(src), out, args.adapter, hf_assets_path=args.hf_assets,
                 dtype=args.dtype, max_shard_size=args.max_shard_size, consolidation=args.consolidation,
-                threads=args.threads, progress=progress)
+                threads=args.threads, progress=progress, rope_layout=args.rope_layout)
     if this_rank_draws():
         print(f"converted {args.src} -> {args.dst} ({args.to})")
     return EXIT_OK
@@ -431,6 +432,9 @@ def _add_convert(sub: Any) -> None:
     p.add_argument("src", help="a DCP step folder (--to hf) or an HF folder (--to dcp)")
     p.add_argument("dst", help="the folder to write (new or empty)")
     p.add_argument("--adapter", choices=sorted(ADAPTERS), help="the model family; default: config.json's model_type")
+    p.add_argument("--rope-layout", choices=ROPE_LAYOUTS,
+                   help="the channels the DCP model's RoPE rotates together: interleaved pairs (TorchTitan's "
+                        "Llama 3) or halves (HF's, TorchTitan's Qwen3); default: TorchTitan's for the family")
     p.add_argument("--hf-assets", help="HF folder whose config.json (and file split) gives the model; default: the HF source (--to dcp) or the config the DCP step recorded (--to hf)")
     p.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="cast floating tensors of an HF export")
     p.add_argument("--max-shard-size", default="5GB", help="largest HF file when there is no assets index")

@@ -153,9 +153,14 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, 
     return config
 
 
+ROPE_LAYOUT = "interleaved"
+"""This model's RoPE rotates channel pairs (2i, 2i+1) of a head, for every family (`hf.adapter.ROPE_LAYOUTS`)."""
+
+
 def hf_adapter(args: ModelArgs, hf_assets_path: str | None = None) -> StateDictAdapter:
     """The HF adapter of a model with `args`, built from its `config.json` (`hf_config`)."""
-    return adapter_for_config(hf_config(args), hf_assets_path, where=f"the {args.model_type} model's config")
+    return adapter_for_config(hf_config(args), hf_assets_path, where=f"the {args.model_type} model's config",
+                              rope_layout=ROPE_LAYOUT)
 
 
 def args_from_hf_config(raw: Any, where: str = "config.json") -> ModelArgs:

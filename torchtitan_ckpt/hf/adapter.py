@@ -116,6 +116,12 @@ class PermutedRows(_ExportView):
 TIED_HEAD = "output.weight"
 EMBEDDING = "tok_embeddings.weight"
 
+ROPE_LAYOUTS = ("interleaved", "halves")
+"""Which channels of a head the model's RoPE rotates together: `interleaved`, pairs (2i, 2i+1)
+(TorchTitan's Llama 3, Meta's reference code: complex numbers), or `halves`, channel i with
+i + head_dim/2 (`transformers`' `rotate_half`, TorchTitan's Qwen3). HF checkpoints hold q/k in
+`halves` order; a model of the other layout needs their rows permuted (`rope_row_order`)."""
+
 
 class StateDictAdapter:
     """Converts a model's state dict (TorchTitan's names) to Hugging Face names and layout, and
@@ -123,11 +129,18 @@ class StateDictAdapter:
 
     `hf_assets_path` is the HF folder the adapter was built from (its `config.json` and
     `model.safetensors.index.json`), or None; exports copy that config and that file split.
+    `rope_layout` is the model's (`ROPE_LAYOUTS`); None takes the family's `ROPE_LAYOUT`, that
+    of TorchTitan's model of the family.
     """
 
-    def __init__(self, config: HFModelConfig, hf_assets_path: str | None = None):
+    ROPE_LAYOUT = "interleaved"
+
+    def __init__(self, config: HFModelConfig, hf_assets_path: str | None = None, rope_layout: str | None = None):
+        if rope_layout not in (None, *ROPE_LAYOUTS):
+            raise ValueError(f"rope_layout = {rope_layout!r}; expected one of {', '.join(ROPE_LAYOUTS)}")
         self.config = config
         self.hf_assets_path = hf_assets_path
+        self.rope_layout = rope_layout or self.ROPE_LAYOUT
         self.sources: dict[str, HFSource] = {}  # ours -> HF, every tensor but a tied head
         self.shapes: dict[str, tuple[int, ...]] = {}  # ours -> shape, from the config
         self._build()
@@ -139,6 +152,11 @@ class StateDictAdapter:
     def add(self, ours: str, hf: str, shape: tuple[int, ...], row_order: tuple[int, ...] = ()) -> None:
         self.sources[ours] = HFSource(hf, row_order)
         self.shapes[ours] = shape
+
+    def rope_rows(self) -> tuple[int, ...]:
+        """The `row_order` of a head of a tensor RoPE rotates (q and k, and what scales their
+        channels): none when the model's layout is HF's."""
+        return rope_row_order(self.config.head_dim) if self.rope_layout == "interleaved" else ()
 
     def add_stack(self, ours: str, hf: str, count: int, shape: tuple[int, ...]) -> None:
         """Our grouped tensor `ours` of `count` x `shape` <- HF tensors `hf` with `{}` = 0 .. count-1."""
@@ -173,6 +191,7 @@ class StateDictAdapter:
         out: dict[str, Any] = {}
         for name, value in state_dict.items():
             if self.tied and name == TIED_HEAD:
+                _check_tied(value, state_dict.get(EMBEDDING))
                 continue  # the same tensor as the embedding
             source = self.sources[name]
             if source.stack:
@@ -203,6 +222,23 @@ class StateDictAdapter:
         """The assets' `config.json` when there is one, else the adapter's, its dtype set to
         `dtype` (the one of the exported tensors)."""
         return _with_dtype(_assets_config(self.hf_assets_path) or dict(self.config.raw), dtype)
+
+
+def _check_tied(head: Any, embedding: Any) -> None:
+    """Raise unless the model's head holds its embedding's values (on this rank's block): an HF
+    config that ties them makes an export write the embedding alone, and a head trained apart
+    from it (a model that does not tie them, started from a tied checkpoint) would be lost."""
+    def local(t: Any) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    if embedding is not None and (getattr(head, "placements", None) == getattr(embedding, "placements", None)
+                                  and torch.equal(local(head), local(embedding))):
+        return
+    raise CheckpointError(
+        f"{TIED_HEAD} is not {EMBEDDING}: the Hugging Face config ties them (tie_word_embeddings = true), so "
+        "an export would keep the embedding alone and drop the model's own head. Export with a config.json "
+        "saying tie_word_embeddings = false (the adapter's hf_assets_path), or tie the model's head to its "
+        "embedding")
 
 
 def _assets_config(hf_assets_path: str | None) -> dict[str, Any] | None:

@@ -21,8 +21,8 @@ rows of contiguous runs, written one run at a time.
 Memory bound: consolidation copies through one fixed buffer per thread, so a rank holds at most
 `num_threads * CHUNK_BYTES` (4 x 16 MiB by default) of tensor data, plus the parsed headers (a few
 hundred bytes per tensor block); it never holds a whole file or tensor, whatever the model size.
-The one-pass export writes from the tensors already in memory (a CPU copy of a GPU tensor,
-one tensor at a time, is the only extra memory).
+The one-pass export writes from the tensors already in memory (a CPU copy of a GPU or
+non-contiguous block is the only extra memory).
 
 Durability and completeness: every rank fsyncs what it wrote; the index is written last, by rank 0,
 atomically (temporary file, fsync, rename), and only after every rank reported success. Every step
@@ -404,6 +404,19 @@ class _Writer:
             self.progress(nbytes, self.total)
 
 
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a block's values in CPU memory: a copy only of a GPU or non-contiguous tensor."""
+    return posio.tensor_bytes(t.detach().cpu().contiguous())
+
+
+def create_replacing(path: str) -> int:
+    """Create `path` for writing (returns its descriptor), replacing whatever is there and never
+    writing through a link: a link into a hub cache, or out of the folder, stays intact."""
+    if os.path.lexists(path):
+        os.remove(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+
+
 def _create_files(output_dir: str, files: Sequence[OutputFile], sync: Collection[str], header: bool = True) -> None:
     """Create every output file at its final size, with its header (run by one rank, which
     fsyncs those named in `sync` now and the others with the tensor bytes it writes into them).
@@ -413,10 +426,7 @@ def _create_files(output_dir: str, files: Sequence[OutputFile], sync: Collection
     if os.path.exists(stale):
         os.remove(stale)
     for f in files:
-        path = os.path.join(output_dir, f.name)
-        if os.path.lexists(path):  # replaced, never written through: a link (into a hub cache) stays intact
-            os.remove(path)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        fd = create_replacing(os.path.join(output_dir, f.name))
         try:
             os.ftruncate(fd, f.size)
             if header:
@@ -452,7 +462,7 @@ def _step(group: CheckpointGroup, what: str, fn: Callable[[], Any]) -> list[Any]
 
 def _write_everything(group: CheckpointGroup, output_dir: str, files: list[OutputFile],
                       specs: Mapping[str, TensorSpec], tasks: Sequence[Task], num_threads: int,
-                      memory: Mapping[tuple, memoryview] | None = None, progress: ProgressFn | None = None,
+                      values: Mapping[tuple, torch.Tensor] | None = None, progress: ProgressFn | None = None,
                       prepare: PrepareFn | None = None, shared: bool = True) -> float:
     """Create (rank 0, after `prepare`; without `shared` every rank its own copy), fill (every
     rank), fsync, then index (rank 0). Each file is fsynced once by each rank writing into it,
@@ -472,6 +482,9 @@ def _write_everything(group: CheckpointGroup, output_dir: str, files: list[Outpu
                           header=group.rank == 0)
 
     def fill() -> None:
+        # on this thread, inside the step: a copy that fails fails every rank, and the writer
+        # threads run no torch op (one cut short by Ctrl-C would abort the process at exit)
+        memory = {key: _host_bytes(t) for key, t in (values or {}).items()}
         _Writer(output_dir, files, specs, memory, progress, writeback=shared).run(tasks, num_threads)
         for path in [os.path.join(output_dir, name) for name in own] + (small if shared else []):
             durable.fsync_path(path)
@@ -622,10 +635,8 @@ def write_safetensors_one_pass(state_dict: Mapping[str, Any], output_dir: str,
     group = CheckpointGroup(process_group)
     plan = plan or plan_one_pass(state_dict, group)
     files = plan_output_files(plan.specs, fqn_to_index_mapping)
-    # a block's bytes in CPU memory: a copy only of a GPU or non-contiguous tensor
-    memory = {key: posio.tensor_bytes(t.detach().cpu().contiguous()) for key, t in plan.values.items()}
     tasks = [Task(b, 0, b.nbytes) for b in plan.blocks]
-    _write_everything(group, output_dir, files, plan.specs, tasks, num_threads, memory, progress, prepare,
+    _write_everything(group, output_dir, files, plan.specs, tasks, num_threads, plan.values, progress, prepare,
                       shared)
 
 

@@ -50,28 +50,30 @@ RECORDED_CONFIG = "hf_config.json"
 
 def convert(to: str, src: str, dst: str, adapter_name: str | None = None, *, hf_assets_path: str | None = None,
             dtype: str | None = None, max_shard_size: str = "5GB", consolidation: str = "one_pass",
-            threads: int = 4, progress: Progress | None = None) -> None:
+            threads: int = 4, progress: Progress | None = None, rope_layout: str | None = None) -> None:
     """Convert the model in `src` to format `to` ("hf" or "dcp") in `dst`; call on every rank.
-    The adapter is `adapter_name` (one of `ADAPTERS`), else the config's `model_type`.
+    The adapter is `adapter_name` (one of `ADAPTERS`), else the config's `model_type`, for a
+    model whose RoPE is `rope_layout` (`adapter.ROPE_LAYOUTS`; None: the family's default).
     `progress` hears of the bytes read (once the read is done) and written (as the HF files are
     written, or once the DCP save is done)."""
     if to not in ("hf", "dcp"):
         raise ValueError(f"--to {to!r}: expected 'hf' or 'dcp'")
     report = progress or (lambda phase, nbytes, total: None)
     if to == "dcp":
-        to_dcp(src, dst, adapter_name, hf_assets_path, report)
+        to_dcp(src, dst, adapter_name, hf_assets_path, report, rope_layout)
     else:
-        to_hf(src, dst, adapter_name, hf_assets_path, report, dtype=EXPORT_DTYPES[dtype] if dtype else None,
-              max_shard_size=max_shard_size, consolidation=consolidation, threads=threads)
+        to_hf(src, dst, adapter_name, hf_assets_path, report, rope_layout,
+              dtype=EXPORT_DTYPES[dtype] if dtype else None, max_shard_size=max_shard_size,
+              consolidation=consolidation, threads=threads)
 
 
 def to_dcp(hf_dir: str, dst: str, adapter_name: str | None = None, hf_assets_path: str | None = None,
-           report: Progress = lambda phase, nbytes, total: None) -> None:
+           report: Progress = lambda phase, nbytes, total: None, rope_layout: str | None = None) -> None:
     """Write the HF folder `hf_dir` as a model-only DCP step folder `dst`, with its tensors
     renamed and permuted by the adapter of its `config.json` (or `hf_assets_path`'s)."""
     config_path = os.path.join(hf_assets_path or hf_dir, CONFIG_FILE)
     config = read_hf_config(config_path)
-    adapter = adapter_for_config(config, hf_assets_path or hf_dir, adapter_name, config_path)
+    adapter = adapter_for_config(config, hf_assets_path or hf_dir, adapter_name, config_path, rope_layout)
     shapes = adapter.state_dict_shapes()
     meta = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}
     sources = adapter.hf_sources(meta)
@@ -86,7 +88,8 @@ def to_dcp(hf_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pat
 
 
 def to_hf(step_dir: str, dst: str, adapter_name: str | None = None, hf_assets_path: str | None = None,
-          report: Progress = lambda phase, nbytes, total: None, **export: Any) -> None:
+          report: Progress = lambda phase, nbytes, total: None, rope_layout: str | None = None,
+          **export: Any) -> None:
     """Export the model of the DCP step folder `step_dir` to the HF folder `dst`; the config is
     `hf_assets_path`'s `config.json`, else the one `to_dcp` recorded. `export`: `save_hf`'s
     dtype, max_shard_size, consolidation (its mode) and threads."""
@@ -95,7 +98,8 @@ def to_hf(step_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pa
     if not os.path.isfile(config_path):
         raise CheckpointNotFoundError(f"{step_dir} records no HF config ({RECORDED_CONFIG}); pass --hf-assets "
                                       "with the HF folder whose config.json describes the model")
-    adapter = adapter_for_config(read_hf_config(config_path), hf_assets_path, adapter_name, config_path)
+    adapter = adapter_for_config(read_hf_config(config_path), hf_assets_path, adapter_name, config_path,
+                                 rope_layout)
     state = empty_state_dict(*_dcp_tensors(step_dir, adapter))
     _read_dcp(state, step_dir)
     nbytes = _local_bytes(state)

@@ -1,6 +1,6 @@
-"""The files of a Hugging Face model folder: their names, and the safetensors format's dtype
-names and header limit. Every module that names an HF file or reads a safetensors header takes
-these from here."""
+"""The files of a Hugging Face model folder: their names, the tensors in them that no model
+loads, and the safetensors format's dtype names and header limit. Every module that names an HF
+file or reads a safetensors header takes these from here."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ CONFIG_FILE = "config.json"
 MODEL_FILES_GLOB = "model-*-of-*.safetensors"
 """Every numbered model file of a split export (`glob` pattern)."""
 _NUMBERED = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
+_MODEL_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
+_DCP_SHARD_FILE = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors")
+_UNUSED_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 MAX_HEADER_BYTES = 100_000_000
 """The largest safetensors header the `safetensors` library itself reads."""
@@ -43,3 +46,22 @@ def file_number(name: str) -> int | None:
     """`...-00002-of-00005.safetensors` -> 2; a name without a number -> None."""
     m = _NUMBERED.search(name)
     return int(m.group(1)) if m else None
+
+
+def is_model_file(name: str) -> bool:
+    """Whether `name` is a model file of an HF export (`model.safetensors` or
+    `model-0000X-of-0000N.safetensors`), as opposed to another format's file beside them
+    (Mistral's `consolidated.safetensors`)."""
+    return _MODEL_FILE.fullmatch(name) is not None
+
+
+def is_dcp_shard_file(name: str) -> bool:
+    """Whether `name` is a per-rank shard file of DCP's `HuggingFaceStorageWriter`
+    (`shard-0000R-model-0000X-of-0000N.safetensors`)."""
+    return _DCP_SHARD_FILE.fullmatch(name) is not None
+
+
+def is_unused_tensor(name: str) -> bool:
+    """Whether the HF tensor `name` is one that `transformers` ignores on load: the RoPE
+    `inv_freq` buffers of Llama-2-era checkpoints, which it recomputes from the config."""
+    return _UNUSED_TENSOR.fullmatch(name) is not None

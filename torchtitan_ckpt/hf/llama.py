@@ -1,10 +1,12 @@
 """Llama-layout adapters, from an HF config alone: TorchTitan's names <-> `transformers`'
 LlamaForCausalLM (also Mistral's layout), Qwen3ForCausalLM and Qwen3MoeForCausalLM.
 
-Besides renaming, the rows of `wq` and `wk` are permuted within each head: TorchTitan's RoPE
-rotates interleaved channel pairs (0,1), (2,3), ... of a head, HF's rotates channel i with channel
-i + head_dim/2. Qwen3's per-head `q_norm`/`k_norm` weights scale those same channels, so their
-entries move the same way. With tied embeddings HF stores no `lm_head.weight`; our
+Besides renaming, for a model whose RoPE rotates interleaved channel pairs (0,1), (2,3), ... of a
+head (`rope_layout` "interleaved": TorchTitan's Llama 3, the default of `LlamaAdapter`) the rows of
+`wq` and `wk` are permuted within each head, as HF's rotates channel i with channel
+i + head_dim/2; Qwen3's per-head `q_norm`/`k_norm` weights scale those same channels, so their
+entries move the same way. TorchTitan's Qwen3 rotates halves as HF does: the Qwen3 adapters'
+default layout is "halves", with no permutation. With tied embeddings HF stores no `lm_head.weight`; our
 `output.weight` is the embedding. Qwen3-MoE experts are one grouped 3-D weight per projection on
 our side (`moe.experts.w1` [experts, width, hidden], as TorchTitan stores them) and one 2-D tensor
 per expert on the Hub's (`mlp.experts.E.gate_proj.weight`).
@@ -12,7 +14,7 @@ per expert on the Hub's (`mlp.experts.E.gate_proj.weight`).
 
 from __future__ import annotations
 
-from .adapter import StateDictAdapter, rope_row_order
+from .adapter import StateDictAdapter
 
 
 class LlamaAdapter(StateDictAdapter):
@@ -34,7 +36,7 @@ class LlamaAdapter(StateDictAdapter):
             self.add("output.weight", "lm_head.weight", (c.vocab_size, c.hidden_size))
 
     def _attention(self, ours: str, hf: str) -> None:
-        c, rope = self.config, rope_row_order(self.config.head_dim)
+        c, rope = self.config, self.rope_rows()
         q_rows, kv_rows = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         self.add(ours + "attention.wq.weight", hf + "self_attn.q_proj.weight", (q_rows, c.hidden_size), rope)
         self.add(ours + "attention.wk.weight", hf + "self_attn.k_proj.weight", (kv_rows, c.hidden_size), rope)
@@ -51,9 +53,11 @@ class LlamaAdapter(StateDictAdapter):
 class Qwen3Adapter(LlamaAdapter):
     """Qwen3 dense: Llama's layout plus an RMSNorm over each head of q and of k."""
 
+    ROPE_LAYOUT = "halves"
+
     def _attention(self, ours: str, hf: str) -> None:
         super()._attention(ours, hf)
-        rope = rope_row_order(self.config.head_dim)
+        rope = self.rope_rows()
         self.add(ours + "attention.q_norm.weight", hf + "self_attn.q_norm.weight", (self.config.head_dim,), rope)
         self.add(ours + "attention.k_norm.weight", hf + "self_attn.k_norm.weight", (self.config.head_dim,), rope)
 

@@ -23,8 +23,8 @@ from ..dcp.storage import dtensor_chunk
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..errors import PartialLoadError, RankFailed
 from ..group import CheckpointGroup, cpu_world
-from .adapter import HFSource, StateDictAdapter, check_names, read_index
-from .files import INDEX_FILE, SINGLE_FILE
+from .adapter import HFSource, StateDictAdapter, as_adapter, check_names, read_index
+from .files import INDEX_FILE, SINGLE_FILE, is_model_file, is_unused_tensor
 from ..io import safe_open
 from ..io.posio import tensor_bytes
 from .safetensors_io import TensorEntry, read_exact, read_header
@@ -35,34 +35,54 @@ logger = logging.getLogger(__name__)
 
 def read_hf_layout(hf_dir: str) -> dict[str, TensorEntry]:
     """Name -> dtype, shape and position of every tensor of an HF folder (index + headers, no
-    data). Safetensors files the index does not list are an error: the folder is then not what
-    its index says (an older copy left behind?)."""
-    index = os.path.join(hf_dir, INDEX_FILE)
-    if os.path.isfile(index):
-        weight_map = read_index(index)
-    elif os.path.isfile(os.path.join(hf_dir, SINGLE_FILE)):
-        index = os.path.join(hf_dir, SINGLE_FILE)
-        weight_map = dict.fromkeys(read_header(index), SINGLE_FILE)
-    else:
-        raise CheckpointNotFoundError(f"{hf_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}")
-    stray = sorted({f for f in os.listdir(hf_dir) if f.endswith(".safetensors")} - set(weight_map.values()))
-    if stray:
-        raise CheckpointError(f"{hf_dir} holds {stray} besides the checkpoint that "
-                              f"{os.path.basename(index)} describes; move them away")
+    data), but for those `transformers` ignores too (`is_unused_tensor`: Llama-2's RoPE
+    buffers), left out with a log line. A model file the index does not list is an error (an
+    older copy left behind?); other safetensors files are another format's (Mistral's
+    `consolidated.safetensors`), ignored with a log line, as `transformers` ignores them."""
+    index, weight_map = _weight_map(hf_dir)
+    _check_unlisted(hf_dir, index, set(weight_map.values()))
+    unused = {name for name in weight_map if is_unused_tensor(name)}
+    if unused:
+        logger.info("%s: ignoring %d tensor(s) like %s, buffers that transformers recomputes from the config",
+                    hf_dir, len(unused), min(unused))
     entries: dict[str, TensorEntry] = {}
     for file in sorted(set(weight_map.values())):
         path = os.path.join(hf_dir, file)
         if not os.path.isfile(path):
             raise CheckpointNotFoundError(f"{index} lists {file}, which does not exist")
         header = read_header(path)
-        for name in (n for n, f in weight_map.items() if f == file):
+        for name in (n for n, f in weight_map.items() if f == file and n not in unused):
             if name not in header:
                 raise CorruptCheckpointError(f"{index} puts {name} in {file}, whose header lacks it")
             entries[name] = header[name]
     return entries
 
 
-def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
+def _weight_map(hf_dir: str) -> tuple[str, dict[str, str]]:
+    """The file describing `hf_dir` (its index, else its one model file) and its tensor ->
+    file map."""
+    index = os.path.join(hf_dir, INDEX_FILE)
+    if os.path.isfile(index):
+        return index, read_index(index)
+    if os.path.isfile(os.path.join(hf_dir, SINGLE_FILE)):
+        index = os.path.join(hf_dir, SINGLE_FILE)
+        return index, dict.fromkeys(read_header(index), SINGLE_FILE)
+    raise CheckpointNotFoundError(f"{hf_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+
+
+def _check_unlisted(hf_dir: str, index: str, listed: set[str]) -> None:
+    """Refuse model files of `hf_dir` that `index` does not list; log other safetensors files."""
+    unlisted = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors") and f not in listed)
+    stale = [f for f in unlisted if is_model_file(f)]
+    if stale:
+        raise CheckpointError(f"{hf_dir} holds {stale} besides the checkpoint that "
+                              f"{os.path.basename(index)} describes; move them away")
+    if unlisted:
+        logger.info("%s: ignoring %s, which %s does not list (not the model files of a Hugging Face export)",
+                    hf_dir, unlisted, os.path.basename(index))
+
+
+def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter | Any,
             process_group: Any | None = None, num_threads: int = 4,
             check: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Fill `state_dict` (our names; tensors or DTensors, read in place) from the HF folder
@@ -73,9 +93,11 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
     `PartialLoadError`. Up to `num_threads` threads read on each rank, each its own stretch of
     the files front to back (`checkpoint.load_threads` in the manager): a few sequential
     streams keep a disk busier than one (one reads when most bytes need a buffer, e.g. a
-    checkpoint in another dtype, since the threads would take turns at it)."""
+    checkpoint in another dtype, since the threads would take turns at it). `adapter` is ours
+    or any with TorchTitan's surface (`to_hf`, `from_hf`), which reads whole tensors."""
     if num_threads < 1:
         raise ValueError(f"load_hf: num_threads = {num_threads}; expected 1 or more")
+    adapter = as_adapter(adapter)
     start = time.perf_counter()
     group = CheckpointGroup(process_group or cpu_world())
     # with pipeline stages a rank holds part of the model: the folder must fit all ranks' names

@@ -29,6 +29,10 @@ MAX_EXPERTS = 1 << 12
 MAX_POSITIONS = 1 << 24
 MAX_CONFIG_BYTES = 16 << 20
 """Far above any model's `config.json` (a few KiB): a larger file is refused, not read whole."""
+EXPERT_WIDTH_TYPES = frozenset({"qwen3_moe"})
+"""The model types whose configs must give their experts' width as `moe_intermediate_size`.
+Other families name it otherwise (Mixtral's experts are `intermediate_size` wide): for them it
+is read when given, so a family no adapter maps is refused for its `model_type`, not for a key."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class HFModelConfig:
         if not isinstance(raw, dict):
             raise ConfigError(where, type(raw).__name__, "a config.json must hold a JSON object")
         get = _Reader(raw, where)
+        model_type = get.str("model_type")
         hidden, heads = get.int("hidden_size", MAX_HIDDEN), get.int("num_attention_heads", MAX_HEADS)
         kv = get.int("num_key_value_heads", heads, default=heads)
         if heads % kv:
@@ -71,17 +76,11 @@ class HFModelConfig:
         if head_dim % 2:
             raise ConfigError(f"{where}: head_dim", head_dim, "must be even (RoPE rotates pairs of channels)")
         layers = get.int("num_hidden_layers", MAX_LAYERS)
-        experts = get.int("num_experts", MAX_EXPERTS, default=get.int("num_local_experts", MAX_EXPERTS, 0, low=0), low=0)
-        moe = {}
-        if experts:
-            moe = dict(num_experts=experts, moe_intermediate_size=get.int("moe_intermediate_size", MAX_FFN),
-                       num_experts_per_tok=get.int("num_experts_per_tok", experts),
-                       decoder_sparse_step=get.int("decoder_sparse_step", layers, default=1),
-                       mlp_only_layers=get.layers("mlp_only_layers", layers))
+        moe = _expert_fields(get, model_type, layers)
         return cls(
-            model_type=get.str("model_type"), hidden_size=hidden, num_hidden_layers=layers,
+            model_type=model_type, hidden_size=hidden, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-            intermediate_size=get.int("intermediate_size", MAX_FFN, default=0 if experts else _MISSING),
+            intermediate_size=get.int("intermediate_size", MAX_FFN, default=0 if moe else _MISSING),
             vocab_size=get.int("vocab_size", MAX_VOCAB),
             tie_word_embeddings=get.bool("tie_word_embeddings", False), raw=raw, **moe)
 
@@ -142,6 +141,21 @@ class _Reader:
                 isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers for v in value):
             raise ConfigError(f"{self.where}: {key}", value, f"expected a list of layer numbers in [0, {layers})")
         return tuple(value)
+
+
+def _expert_fields(get: _Reader, model_type: str, layers: int) -> dict[str, Any]:
+    """The expert fields of a mixture-of-experts config (none of a dense one), as
+    `HFModelConfig` keeps them; `moe_intermediate_size` is required of `EXPERT_WIDTH_TYPES` only."""
+    experts = get.int("num_experts", MAX_EXPERTS, default=get.int("num_local_experts", MAX_EXPERTS, 0, low=0), low=0)
+    if not experts:
+        return {}
+    required = model_type in EXPERT_WIDTH_TYPES
+    return dict(num_experts=experts,
+                moe_intermediate_size=get.int("moe_intermediate_size", MAX_FFN, default=_MISSING if required else 0,
+                                              low=1 if required else 0),
+                num_experts_per_tok=get.int("num_experts_per_tok", experts),
+                decoder_sparse_step=get.int("decoder_sparse_step", layers, default=1),
+                mlp_only_layers=get.layers("mlp_only_layers", layers))
 
 
 def positive_float(raw: dict[str, Any], key: str, default: float, where: str = "config.json") -> float:

@@ -20,20 +20,22 @@ ADAPTERS: dict[str, type[StateDictAdapter]] = {
 
 
 def adapter_for_config(config: HFModelConfig | dict[str, Any], hf_assets_path: str | None = None,
-                       adapter: str | None = None, where: str = "config.json") -> StateDictAdapter:
+                       adapter: str | None = None, where: str = "config.json",
+                       rope_layout: str | None = None) -> StateDictAdapter:
     """The adapter of `config` (an `HFModelConfig` or a parsed `config.json`), chosen by its
-    `model_type` unless `adapter` names one of `ADAPTERS`."""
+    `model_type` unless `adapter` names one of `ADAPTERS`, for a model of `rope_layout`
+    (`adapter.ROPE_LAYOUTS`; None: the family's, as TorchTitan's model of it has)."""
     if not isinstance(config, HFModelConfig):
         config = HFModelConfig.parse(config, where)
     name = adapter or config.model_type
     if name not in ADAPTERS:
         key = "adapter" if adapter else f"{where}: model_type"
         raise ConfigError(key, name, f"no adapter for it; supported: {', '.join(sorted(ADAPTERS))}")
-    return ADAPTERS[name](config, hf_assets_path)
+    return ADAPTERS[name](config, hf_assets_path, rope_layout)
 
 
-def adapter_for_hf_dir(hf_dir: str, adapter: str | None = None) -> StateDictAdapter:
+def adapter_for_hf_dir(hf_dir: str, adapter: str | None = None, rope_layout: str | None = None) -> StateDictAdapter:
     """The adapter of the HF folder `hf_dir`, from its `config.json`; exports copy its config
     and file split."""
     path = os.path.join(hf_dir, CONFIG_FILE)
-    return adapter_for_config(read_hf_config(path), hf_dir, adapter, path)
+    return adapter_for_config(read_hf_config(path), hf_dir, adapter, path, rope_layout)

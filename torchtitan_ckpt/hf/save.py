@@ -15,7 +15,6 @@ a folder with an index is complete.
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -29,12 +28,13 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.tensor import DTensor
 
 from ..io import durable
-from .consolidate import OnePassPlan, consolidate_safetensors, plan_one_pass, write_safetensors_one_pass
+from .consolidate import OnePassPlan, consolidate_safetensors, create_replacing, plan_one_pass
+from .consolidate import write_safetensors_one_pass
 from ..errors import CheckpointError
 from ..errors import RankFailed
 from ..group import CheckpointGroup, cpu_world
-from .adapter import PermutedRows, RowOf, StateDictAdapter, check_names
-from .files import CONFIG_FILE, INDEX_FILE, MODEL_FILES_GLOB, SAFETENSORS_DTYPES, SINGLE_FILE
+from .adapter import PermutedRows, RowOf, StateDictAdapter, as_adapter, check_names
+from .files import CONFIG_FILE, INDEX_FILE, SAFETENSORS_DTYPES, is_dcp_shard_file, is_model_file, is_unused_tensor
 from .planner import parse_size, plan_files
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ SHARDS = "sharded"
 """Subfolder of the per-rank shard files in the two-phase modes (removed once consolidated)."""
 
 
-def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAdapter, *,
+def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAdapter | Any, *,
             dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
             process_group: Any | None = None, mode: str = "one_pass", num_threads: int = 4,
             keep_shards: bool = False, progress: Callable[[int, int], None] | None = None,
@@ -55,14 +55,17 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
     total)` hears of the final files' bytes this rank writes. The ranks of `process_group`
     (default: every rank, as for `load_hf`) take part. Without `shared` (each rank has its own
     `out_dir`, to be combined by an object store's upload), `mode` must be `one_pass`: each
-    rank's copy of a file holds its own bytes only, zeros elsewhere."""
+    rank's copy of a file holds its own bytes only, zeros elsewhere. `adapter` is ours or any
+    with TorchTitan's surface (`to_hf`, `from_hf`; the export then copies the `config.json` of
+    its `hf_assets_path`)."""
     if mode not in MODES:
         raise ValueError(f"unknown HF export mode {mode!r}; expected one of {', '.join(MODES)}")
     if not shared and mode != "one_pass":
         raise ValueError(f"HF export mode {mode!r} needs a folder every rank shares; use one_pass")
     start = time.perf_counter()
+    adapter = as_adapter(adapter)
     group = CheckpointGroup(process_group or cpu_world())
-    plan = _plan(group, adapter, _cast_all(model_state_dict, dtype))
+    plan = _plan(group, adapter, model_state_dict, dtype)
     hf_sd = plan.state_dict
     if not plan.specs:
         raise CheckpointError(f"exporting to {out_dir}: the model has no tensors")
@@ -95,11 +98,14 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
                     max(mapping.values()), total, secs, total / max(secs, 1e-9))
 
 
-def _plan(group: CheckpointGroup, adapter: StateDictAdapter, state_dict: dict[str, Any]) -> OnePassPlan:
-    """Every rank's tensors converted to HF names and planned in one collective step (a
-    pipeline stage's rank converts its part); then the ranks' tensors together must be the
-    whole model, checked alike on every rank."""
-    plan = plan_one_pass(lambda: adapter.to_hf(state_dict, complete=False), group, adapter.hf_names)
+def _plan(group: CheckpointGroup, adapter: StateDictAdapter, state_dict: dict[str, Any],
+          dtype: torch.dtype | None) -> OnePassPlan:
+    """Every rank's tensors cast to `dtype`, converted to HF names and planned in one collective
+    step (a pipeline stage's rank converts its part), so that a failure on one rank (a cast that
+    finds no memory) fails every rank there; then the ranks' tensors together must be the whole
+    model, checked alike on every rank."""
+    plan = plan_one_pass(lambda: adapter.to_hf(_cast_all(state_dict, dtype), complete=False), group,
+                         adapter.hf_names)
     if adapter.hf_names is not None:
         check_names("the ranks' state dicts -> HF", plan.specs, adapter.hf_names)
     return plan
@@ -133,30 +139,49 @@ def _whole_tensors(hf_sd: dict[str, Any]) -> dict[str, Any]:
 
 
 def _file_split(adapter: Any, specs: dict[str, Any], max_shard_size: str | int) -> dict[str, int]:
-    """HF name -> file index: the adapter's assets' split (checked to name every tensor), else
-    `plan_files` over the tensors' sizes in the model's order."""
+    """HF name -> file index: the adapter's assets' split (checked to name every tensor but
+    those no model loads, which an import leaves out), else `plan_files` over the tensors'
+    sizes in the model's order."""
     mapping = adapter.fqn_to_index_mapping
     if mapping is None:
         return plan_files({name: spec.nbytes for name, spec in specs.items()}, parse_size(max_shard_size))
+    mapping = {name: i for name, i in mapping.items() if not is_unused_tensor(name)}
     check_names(f"file split of {adapter.hf_assets_path}/{INDEX_FILE}", mapping, specs)
     return mapping
 
 
 def _clear_and_write_config(out_dir: str, config: dict[str, Any], sync: bool) -> str:
-    """Make `out_dir` exist and hold no earlier export (the index goes first, so the folder
-    stops being complete, then the tensor files), then write `config.json` (durably with
-    `sync`; else the caller fsyncs it); returns its path."""
+    """Make `out_dir` exist and hold no earlier export (`_clear`), then write `config.json`
+    (durably with `sync`; else the caller fsyncs it); returns its path. A link there is
+    replaced, never written through: a hub cache's `config.json` links to a blob of the cache,
+    and any link may lead out of the folder. Not atomically: the folder has no index until the
+    export is done."""
     os.makedirs(out_dir, exist_ok=True)
-    index = os.path.join(out_dir, INDEX_FILE)
-    if os.path.exists(index):
-        os.remove(index)
-    for old in glob.glob(os.path.join(glob.escape(out_dir), MODEL_FILES_GLOB)) + \
-            glob.glob(os.path.join(glob.escape(out_dir), SINGLE_FILE)):
-        os.remove(old)
+    _clear(out_dir)
     path = os.path.join(out_dir, CONFIG_FILE)
+    with os.fdopen(create_replacing(path), "w") as f:
+        json.dump(config, f, indent=2)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
     if sync:
-        durable.write_json(path, config, indent=2)
-    else:
-        with open(path, "w") as f:
-            json.dump(config, f, indent=2)
+        durable.fsync_path(out_dir)
     return path
+
+
+def _clear(out_dir: str) -> None:
+    """Remove an earlier export's files from `out_dir`: the index first (the folder stops being
+    complete), then the model files, then the shard files a two-phase export kept in `SHARDS`
+    (which the next two-phase export would consolidate with its own). Files of other names,
+    another format's (Mistral's `consolidated.safetensors`) or the user's, stay."""
+    index = os.path.join(out_dir, INDEX_FILE)
+    if os.path.lexists(index):
+        os.remove(index)
+    for name in filter(is_model_file, os.listdir(out_dir)):
+        os.remove(os.path.join(out_dir, name))
+    shards = os.path.join(out_dir, SHARDS)
+    if os.path.isdir(shards):
+        for name in filter(is_dcp_shard_file, os.listdir(shards)):
+            os.remove(os.path.join(shards, name))
+        if not os.listdir(shards):
+            os.rmdir(shards)
