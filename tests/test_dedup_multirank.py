@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torchtitan_ckpt import CheckpointManager
 from torchtitan_ckpt.example.config import load_job_config
@@ -36,7 +37,7 @@ from torchtitan_ckpt.dcp.planner import DedupSavePlanner, PlanCache
 from torchtitan_ckpt.states import ModelState, OptimizerState
 from torchtitan_ckpt.example.train import build_model, shard_model
 
-from .helpers import DEBUG_CONFIG, assert_same, read_checkpoint, spawn
+from .helpers import DEBUG_CONFIG, assert_same, data_file_use, read_checkpoint, spawn
 
 pytestmark = pytest.mark.multirank
 
@@ -329,3 +330,35 @@ def _saves_with_a_plan_cache(rank: int, world_size: int, root: str) -> None:
 
 def test_an_unchanged_plan_is_reused_and_every_save_loads_back_exactly(tmp_path):
     spawn(2, _saves_with_a_plan_cache, str(tmp_path))
+
+
+class _Rows:
+    """A 2 x 3 tensor sharded by rows over 4 ranks: ranks 2 and 3 hold empty shards."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def state_dict(self):
+        return {"g": distribute_tensor(torch.arange(6.0).reshape(2, 3), self.mesh, [Shard(0)])}
+
+    def load_state_dict(self, state_dict):
+        pass
+
+
+def _empty_shards(rank: int, world_size: int, root: str) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    config = Checkpoint(enable=True, folder=root, interval=1, last_save_model_only=False)
+    with CheckpointManager(config, torch.nn.Linear(2, 2), states={"x": _Rows(mesh)}) as manager:
+        manager.save(1)  # the first save: pieces only this rank holds are written before DCP plans
+    dist.barrier()
+    step = os.path.join(root, "step-1")
+    assert all(used == size for used, size in data_file_use(step).values()), data_file_use(step)
+    state = {"x": {"g": torch.zeros(2, 3)}}
+    dcp.load(state, checkpoint_id=step, no_dist=True)
+    assert torch.equal(state["x"]["g"], torch.arange(6.0).reshape(2, 3))
+
+
+def test_empty_shards_are_not_written_before_the_plan(tmp_path):
+    """Two ranks' empty shards of one tensor are one chunk to DCP: neither writes it early, so no
+    data file holds bytes the plan does not use."""
+    spawn(4, _empty_shards, str(tmp_path))

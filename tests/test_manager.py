@@ -387,3 +387,31 @@ def test_optimizer_is_saved_in_torchtitans_layout_and_loads_from_it(tmp_path):
             assert got_g == want_g
             for got, want in zip(got_s, want_s):
                 assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _partly_trained(seed: int) -> tuple[torch.nn.ModuleDict, torch.optim.AdamW]:
+    torch.manual_seed(seed)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "unused": torch.nn.Linear(4, 4)})
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
+
+
+def test_parameters_without_optimizer_state_resume_without_it(tmp_path):
+    """A parameter that never had a gradient has no AdamW state when saved: a new job resumes
+    the optimizer as it was (its state for the others, none for that one), where it refused the
+    step as another model's."""
+    model, opt = _partly_trained(0)
+    model["used"](torch.ones(2, 4)).sum().backward()
+    opt.step()
+    config = Checkpoint(enable=True, folder=str(tmp_path), interval=1, last_save_model_only=False)
+    with CheckpointManager(config, model, optimizers=opt) as manager:
+        manager.save(1)
+    assert len(opt.state) == 2
+
+    fresh_model, fresh_opt = _partly_trained(1)
+    with CheckpointManager(config, fresh_model, optimizers=fresh_opt) as manager:
+        assert manager.load()
+    assert_same(fresh_model.state_dict(), model.state_dict())
+    got, want = fresh_opt.state_dict()["state"], opt.state_dict()["state"]
+    assert sorted(got) == sorted(want) == [0, 1]  # the `used` layer's weight and bias
+    for index in want:
+        assert_same(got[index], want[index])

@@ -111,15 +111,18 @@ class OptimizerState(CheckedState):
         return {"state": state, "param_groups": groups}
 
     def state_dict_to_load(self, saved_keys: Collection[str]) -> dict[str, Any]:
-        """What to load from a checkpoint holding `saved_keys` (relative to this state): every
-        state tensor, and the settings the checkpoint has (a setting a newer PyTorch added
-        keeps its present value). An optimizer that has no state yet is left without one (its
+        """What to load from a checkpoint holding `saved_keys` (relative to this state): the
+        state tensors of every parameter the checkpoint has state for, and the settings it has
+        (a setting a newer PyTorch added keeps its present value). An optimizer that has no state yet is left without one (its
         state is made here to be read into and is given to it when the load is applied), so a
         load refused before then leaves it as it was."""
         fresh = [opt for opt in self.optimizers if not opt.state]
         sd = self.state_dict()
         for opt in fresh:
             opt.state.clear()
+        # a parameter that had no state when saved (no gradient yet) has none after the load
+        sd["state"] = {fqn: values for fqn, values in sd["state"].items()
+                       if any(f"state.{fqn}.{k}" in saved_keys for k in values)}
         sd["param_groups"] = {fqn: {k: v for k, v in settings.items() if f"param_groups.{fqn}.{k}" in saved_keys}
                               for fqn, settings in sd["param_groups"].items()}
         bare = [fqn for fqn, settings in sd["param_groups"].items() if not settings]

@@ -481,7 +481,7 @@ def _early_pieces(state: dict[str, Any], world_size: int,
     flat = flatten_state_dict(state)[0]
     if planned is None:
         return [((key, *_local_chunk(value)), _local(value)) for key, value in flat.items()
-                if isinstance(value, torch.Tensor) and value.numel() and _only_here(value, world_size)]
+                if isinstance(value, torch.Tensor) and _local(value).numel() and _only_here(value, world_size)]
     pieces = []
     for item in planned:
         chunk, value = item.tensor_data.chunk, flat[item.index.fqn]
@@ -516,7 +516,8 @@ def dtensor_chunk(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]
 def _only_here(t: torch.Tensor, world_size: int) -> bool:
     """Whether no other rank holds these values, so any save plan has this rank write them: a
     DTensor sharded on every dimension of a mesh of all the ranks (on a smaller mesh, FSDP's
-    beside tensor parallelism, the ranks outside it may hold the same shard)."""
+    beside tensor parallelism, the ranks outside it may hold the same shard), whose shard here
+    is not empty (empty shards of one tensor on several ranks are one chunk to DCP)."""
     if world_size == 1:
         return True
     return (isinstance(t, DTensor) and t.device_mesh.size() == world_size

@@ -246,6 +246,12 @@ def _validate_experts(c: JobConfig) -> None:
         raise ConfigError("parallelism.expert_parallel_degree", ep, "experts sharded over tensor parallel ranks "
                           "too (TorchTitan's ETP) are not built by the example job; set "
                           "parallelism.tensor_parallel_degree = 1")
+    if p.pipeline_parallel_degree > 1:
+        # the stages' shape inference runs a backward pass in which the two ep ranks of a stage
+        # issue their expert collectives out of step with the pipeline's sends: a deadlock
+        raise ConfigError("parallelism.expert_parallel_degree", ep, "expert parallelism inside pipeline stages is "
+                          "not built by the example job (it would hang in the first step); set "
+                          "parallelism.pipeline_parallel_degree = 1, or expert_parallel_degree = 1")
 
 
 def _validate_hf_source(c: JobConfig) -> None:
