@@ -128,7 +128,8 @@ class Checkpoint:
     """Also save at step 1, to catch save problems early."""
 
     create_seed_checkpoint: bool = False
-    """Write a model-only `step-0` from a single process and exit; any number of ranks can load it."""
+    """`save(0)` writes a model-only `step-0`, from a single process (the trainer exits after it);
+    any number of ranks can load it."""
 
     load_only: bool = False
     """Load checkpoints but never save any."""
@@ -183,8 +184,8 @@ class Checkpoint:
     staging_folder: str = ""
     """With an object-storage `folder` or `initial_load_path`: the local folder where each rank
     writes its files of a save before uploading them, and downloads a step to load it
-    (`{staging_folder}/{url}/rank-N`). Needs room for a rank's share of a step (two with async
-    saves). Empty: the system's temporary folder."""
+    (`{staging_folder}/{url, percent-encoded}/rank-N`). Needs room for a rank's share of a step (two with async
+    saves). Empty: `torchtitan_ckpt` in the system's temporary folder."""
 
     upload_part_size: str = "64MB"
     """Object storage: the size of each part of a multipart upload and of each ranged download.

@@ -1,7 +1,8 @@
 """CheckpointManager: decides when to save and what to load, and orchestrates the pieces.
 
-Formats live in `storage`, the commit protocol in `commit`, step naming in `layout`, retention in
-`retention`, the save schedule in `schedule`, and how saves overlap training in `staging`.
+Formats live in `formats`, storage backends in `storage`, the commit protocol in `commit`, step
+naming in `layout`, retention in `policy.retention`, the save schedule in `policy.schedule`, and
+how saves overlap training in `staging`.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ class LRScheduler:
 @dataclass
 class Parallelism:
     data_parallel_shard_degree: int = -1
-    """FSDP shard degree; -1 means every rank not used by the replicate degree."""
+    """FSDP shard degree; -1 takes the ranks the pipeline, replicate and tensor-parallel degrees leave."""
 
     data_parallel_replicate_degree: int = 1
     """HSDP replicate degree: the job's ranks form a (replicate x shard) mesh and each replica

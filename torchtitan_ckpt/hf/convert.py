@@ -9,7 +9,8 @@ No model is built: the adapter, picked by `config.json`'s `model_type`, gives th
 of every tensor, and the DCP side is those names -> tensors. `--to dcp` records the HF config in
 the step folder (`hf_config.json`), so `--to hf` of that folder needs no `--hf-assets`. With
 several ranks every tensor is split by rows across them (a 1-D gloo mesh), so each rank reads
-and holds about 1/N of the model; the HF export then gathers one tensor at a time.
+and holds about 1/N of the model; the HF export then writes each rank's rows in place (one pass;
+the two-phase modes gather whole tensors).
 """
 
 from __future__ import annotations
