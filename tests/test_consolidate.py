@@ -236,6 +236,27 @@ def test_corrupt_shards_raise_naming_the_file(tmp_path, damage, match):
     assert not os.path.exists(os.path.join(tmp_path, "out", C.INDEX_FILE))
 
 
+def test_only_files_named_as_dcp_shards_are_consolidated(tmp_path, caplog):
+    """Another `.safetensors` file among the shards (a stray copy, a user's) is left out, with a
+    log line naming it, as a two-phase export's clearing leaves it: consolidated, its tensors
+    would join the output. A folder holding no shard named so names what it holds."""
+    state = full_state()
+    shards = dcp_shards(tmp_path, state, None)
+    save_file({"stray": torch.ones(2)}, os.path.join(shards, "stray.safetensors"),
+              metadata={"DCP_SHARDING_INFO": json.dumps({"stray": {"saved_offsets": [0]}})})
+    with caplog.at_level("INFO", logger=C.__name__):
+        C.consolidate_safetensors(shards, str(tmp_path / "hf"))
+    assert_identical(read_output(str(tmp_path / "hf")), state)
+    assert (f"{shards}: ignoring ['stray.safetensors'], not named as DCP's shard files are "
+            "(shard-0000R-model-0000X-of-0000N.safetensors)") in caplog.messages
+    only = tmp_path / "only"
+    only.mkdir()
+    os.rename(os.path.join(shards, "stray.safetensors"), only / "stray.safetensors")
+    with pytest.raises(C.InvalidShardsError, match=rf"^{only}: no shard files \(shard-0000R-model-0000X-of-0000N"
+                                                   r"\.safetensors\); \['stray.safetensors'\] are not named so$"):
+        C.consolidate_safetensors(str(only), str(tmp_path / "out"))
+
+
 def test_missing_input_folder_is_a_clear_error(tmp_path):
     with pytest.raises(C.InvalidShardsError, match="no such folder"):
         C.consolidate_safetensors(str(tmp_path / "nope"), str(tmp_path / "out"))

@@ -177,6 +177,21 @@ def test_a_pipeline_stage_converts_its_part_and_the_ranks_check_the_whole(tmp_pa
     assert not os.path.exists(tmp_path / "config.json")  # refused before anything is written
 
 
+def test_a_pipeline_stage_with_a_tied_head_and_no_embedding_is_refused_saying_so():
+    """The last stage of a tied model holds `output.weight` but not the embedding it is tied to:
+    the refusal says that, not that the two differ."""
+    args = replace(ARGS, tie_embeddings=True)
+    sd = our_model(tie=True).state_dict()
+    last = {k: v for k, v in sd.items() if k.startswith("layers.1.") or k in ("norm.weight", "output.weight")}
+    message = ("this part of the model (a pipeline stage) holds output.weight without tok_embeddings.weight, so "
+               "the two cannot be tied: the Hugging Face config ties them (tie_word_embeddings = true), and an "
+               "export would keep the embedding alone and drop the model's own head. Export with a config.json "
+               "saying tie_word_embeddings = false (the adapter's hf_assets_path), or tie the model's head to its "
+               "embedding")
+    with pytest.raises(CheckpointError, match=f"^{re.escape(message)}$"):
+        hf_adapter(args).to_hf(last, complete=False)
+
+
 def test_model_args_from_the_config_we_write():
     for args in [*FLAVORS.values(), replace(ARGS, tie_embeddings=True, rope_theta=5e5)]:
         back = args_from_hf_config(hf_config(args, torch.bfloat16))
@@ -249,15 +264,18 @@ def test_an_export_replaces_a_config_json_link_instead_of_writing_through_it(tmp
 @pytest.mark.parametrize("mode", ["all_ranks", "rank0"])
 def test_a_two_phase_export_clears_the_shards_an_earlier_one_kept(tmp_path, mode):
     """Shards kept (`keep_shards`) under another file split are not consolidated with the new
-    ones; a file of the user's in the shards' folder stays."""
+    ones; files of the user's in the shards' folder stay, and a `.safetensors` one, which is not
+    a shard of DCP's, is not consolidated either."""
     model = our_model()
     save_hf(model.state_dict(), str(tmp_path), hf_adapter(ARGS), mode=mode, keep_shards=True, max_shard_size="100KB")
     assert len(os.listdir(tmp_path / "sharded")) == 4
     (tmp_path / "sharded" / "notes.txt").write_text("mine")
+    save_file({"extra": torch.ones(2)}, str(tmp_path / "sharded" / "mine.safetensors"),
+              metadata={"DCP_SHARDING_INFO": json.dumps({"extra": {"saved_offsets": [0]}})})
     save_hf(model.state_dict(), str(tmp_path), hf_adapter(ARGS), mode=mode, max_shard_size="5GB")
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model-00001-of-00001.safetensors",
                                             "model.safetensors.index.json", "sharded"]
-    assert os.listdir(tmp_path / "sharded") == ["notes.txt"]
+    assert sorted(os.listdir(tmp_path / "sharded")) == ["mine.safetensors", "notes.txt"]
     back = our_model(seed=1)
     load_hf(back.state_dict(), str(tmp_path), hf_adapter(ARGS))
     assert_same(back.state_dict(), model.state_dict())

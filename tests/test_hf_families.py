@@ -8,19 +8,24 @@ import filecmp
 import glob
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 
 from tests.helpers import assert_same, logits, perturbed, read_checkpoint
-from torchtitan_ckpt.errors import AdapterMismatchError, CheckpointError, ConfigError
+from torchtitan_ckpt.errors import AdapterMismatchError, CheckpointError, ConfigError, CorruptCheckpointError
 from torchtitan_ckpt.example.model import ROPE_LAYOUT, Transformer, args_from_hf_config, hf_adapter
 from torchtitan_ckpt.hf import (HFModelConfig, LlamaAdapter, Qwen3Adapter, Qwen3MoeAdapter, adapter_for_config,
                                 adapter_for_hf_dir, load_hf, save_hf)
-from torchtitan_ckpt.hf.convert import convert
+from torchtitan_ckpt.hf.adapter import rope_row_order
+from torchtitan_ckpt.hf.convert import RECORDED_CONFIG, RECORDED_LAYOUT, convert
 
 transformers = pytest.importorskip("transformers")
 
@@ -134,6 +139,76 @@ def test_hf_to_dcp_to_hf_gives_the_same_files_byte_for_byte(hf_folder, tmp_path)
         assert json.load(a)["weight_map"] == json.load(b)["weight_map"]
 
 
+@pytest.fixture(scope="module")
+def qwen3_step(tmp_path_factory):
+    """(a transformers Qwen3 in one file, a DCP step `convert --to dcp --rope-layout interleaved`
+    made of it): q/k rows permuted, as the example model's Qwen3 needs them."""
+    folder = tmp_path_factory.mktemp("qwen3_step")
+    make_hf_model("qwen3").save_pretrained(str(folder / "hf"))
+    convert("dcp", str(folder / "hf"), str(folder / "dcp"), rope_layout="interleaved")
+    return str(folder / "hf"), str(folder / "dcp")
+
+
+def assert_same_file(src: str, export: str) -> None:
+    """The one safetensors file of `src` (transformers' `model.safetensors`) and that of the
+    export (`model-00001-of-00001.safetensors`) are the same, byte for byte."""
+    [a], [b] = glob.glob(os.path.join(src, "*.safetensors")), glob.glob(os.path.join(export, "*.safetensors"))
+    assert filecmp.cmp(a, b, shallow=False)
+
+
+def test_a_converted_step_records_its_rope_layout_and_exports_in_it(qwen3_step, tmp_path):
+    """`--to dcp --rope-layout interleaved` of a Qwen3 (whose default is halves) records the
+    layout; `--to hf` with none given takes it, and gives back the source's files."""
+    src, step = qwen3_step
+    [file] = glob.glob(os.path.join(src, "*.safetensors"))
+    hf_q = load_file(file)["model.layers.0.self_attn.q_proj.weight"]  # 4 heads of 24 rows
+    interleaved = hf_q.reshape(4, 24, -1)[:, list(rope_row_order(24))].reshape(hf_q.shape)
+    assert torch.equal(read_checkpoint(step)["layers.0.attention.wq.weight"], interleaved)
+    convert("hf", step, str(tmp_path / "hf"))
+    assert_same_file(src, str(tmp_path / "hf"))
+    with open(os.path.join(step, RECORDED_LAYOUT)) as f:
+        assert json.load(f) == {"rope_layout": "interleaved"}
+    with open(os.path.join(step, RECORDED_CONFIG)) as f:
+        assert json.load(f) == read_config(src)  # ours stay out of the HF config's copy
+
+
+def test_a_step_of_an_older_convert_exports_as_interleaved(qwen3_step, tmp_path):
+    """A step with `hf_config.json` and no recorded layout was written by a `convert` that
+    permuted every family."""
+    src, step = qwen3_step
+    older = shutil.copytree(step, tmp_path / "older")
+    (older / RECORDED_LAYOUT).unlink(missing_ok=True)
+    convert("hf", str(older), str(tmp_path / "hf"))
+    assert_same_file(src, str(tmp_path / "hf"))
+
+
+def test_a_qwen3_step_the_job_saved_needs_its_rope_layout(qwen3_step, tmp_path):
+    """A step the training job saved records no config and no layout: a Qwen3 one exported
+    with `--hf-assets` alone is refused (TorchTitan's Qwen3 and the example's differ), and
+    exports with the layout given."""
+    src, step = qwen3_step
+    saved = str(tmp_path / "step-10")
+    dcp.save(read_checkpoint(step), checkpoint_id=saved)
+    message = (f"{saved} does not record the RoPE layout of its model (a step the training job saved), and qwen3 "
+               "models differ in it: pass --rope-layout halves (TorchTitan's Qwen3) or interleaved (this "
+               "package's example model)")
+    with pytest.raises(CheckpointError, match=f"^{re.escape(message)}$"):
+        convert("hf", saved, str(tmp_path / "refused"), hf_assets_path=src)
+    assert not os.path.exists(tmp_path / "refused")
+    convert("hf", saved, str(tmp_path / "hf"), hf_assets_path=src, rope_layout="interleaved")
+    assert_same_file(src, str(tmp_path / "hf"))
+
+
+def test_a_recorded_rope_layout_that_is_not_one_is_refused_naming_the_file(qwen3_step, tmp_path):
+    src, step = qwen3_step
+    bad = shutil.copytree(step, tmp_path / "bad")
+    (bad / RECORDED_LAYOUT).write_text('{"rope_layout": "complex"}')
+    with pytest.raises(CorruptCheckpointError, match=rf"^{re.escape(str(bad / RECORDED_LAYOUT))}: rope_layout = "
+                                                     r"'complex', expected one of interleaved, halves; pass "
+                                                     r"--rope-layout with the model's$"):
+        convert("hf", str(bad), str(tmp_path / "hf"))
+
+
 def test_native_to_hf_to_native_is_exact_and_transformers_reads_it(hf_folder, tmp_path):
     family, src, _ = hf_folder
     args = args_from_hf_config(read_config(src))
@@ -179,9 +254,23 @@ def test_a_family_without_an_adapter_is_refused_for_its_model_type_not_for_a_key
                                           r"llama, mistral, qwen3, qwen3_moe$"):
         adapter_for_config(mixtral.to_dict())
     qwen3_moe = {k: v for k, v in FAMILIES["qwen3_moe"][1].items() if k != "moe_intermediate_size"}
-    with pytest.raises(ConfigError, match=r"^config.json: moe_intermediate_size = None: required; the config "
-                                          r"does not give it$"):
+    with pytest.raises(ConfigError, match=r"^config.json: moe_intermediate_size = None: required by the qwen3_moe "
+                                          r"adapter: its experts' width, a positive integer$"):
         adapter_for_config(qwen3_moe)
+
+
+def test_the_qwen3_moe_adapter_requires_its_expert_width_of_any_config(tmp_path):
+    """The Qwen3-MoE adapter asked for by name of a Mixtral config (experts, no
+    `moe_intermediate_size`) refuses it, naming the file, rather than build experts of width 0."""
+    mixtral = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    (tmp_path / "config.json").write_text(json.dumps(mixtral.to_dict()))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(tmp_path))}/config.json: moe_intermediate_size = None: "
+                                          r"required by the qwen3_moe adapter: its experts' width, a positive "
+                                          r"integer$"):
+        adapter_for_hf_dir(str(tmp_path), adapter="qwen3_moe")
+    with pytest.raises(ConfigError, match=r"^config.json: moe_intermediate_size = 0: required by the qwen3_moe"):
+        adapter_for_config({**FAMILIES["qwen3_moe"][1], "moe_intermediate_size": 0})
 
 
 @pytest.mark.parametrize("change, key", [

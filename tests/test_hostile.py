@@ -173,7 +173,8 @@ def test_retention_never_deletes_or_uncommits_through_a_linked_step(tmp_path):
     job = make_job(str(tmp_path / "dump"), steps=6, interval=2, keep_latest_k=1)
     job.run_to(6, steps=6)
     job.manager.close()
-    assert sorted(os.listdir(tmp_path / "dump" / "checkpoint")) == ["step-1", "step-6"]
+    # step 4 stays too: step 6 holds only the model, and 4 is where a run goes on
+    assert sorted(os.listdir(tmp_path / "dump" / "checkpoint")) == ["step-1", "step-4", "step-6"]
     assert (tmp_path / "other" / "step-1" / commit.MARKER).read_bytes() == marker
     assert cli.main(["clean", str(tmp_path / "dump" / "checkpoint")]) == 0
     assert os.path.islink(tmp_path / "dump" / "checkpoint" / "step-1")
@@ -506,23 +507,33 @@ def test_a_crafted_marker_is_refused_by_verify_list_and_load(ckpt, capsys, field
     raw = json.loads(open(path).read())
     raw[field] = value
     open(path, "w").write(json.dumps(raw))
-    for command in (["verify", step], ["list", os.path.dirname(step)]):
-        with within(30):
-            assert cli.main(command) == 2
-        out = capsys.readouterr()
-        assert commit.MARKER in out.err
-        assert f"{zlib.crc32(SENTINEL):08x}" not in out.out + out.err  # the outside file was not read
+    with within(30):
+        assert cli.main(["verify", step]) == 2
+    out = capsys.readouterr()
+    assert commit.MARKER in out.err
+    assert f"{zlib.crc32(SENTINEL):08x}" not in out.out + out.err  # the outside file was not read
+    _listed_corrupt(step, capsys, problem)
     _refused(dump, f"{commit.MARKER}.*{problem}")
     _untouched(sentinel)
+
+
+def _listed_corrupt(step: str, capsys, problem: str) -> None:
+    """`list` goes on past the step, listed as corrupt with the marker's problem (exit 1:
+    nothing loadable)."""
+    with within(30):
+        assert cli.main(["list", "--json", os.path.dirname(step)]) == 1
+    listed = json.loads(capsys.readouterr().out)["steps"]
+    assert [s["status"] for s in listed] == ["corrupt"]
+    assert re.search(f"{commit.MARKER}.*{problem}", listed[0]["problem"]), listed[0]["problem"]
 
 
 def test_a_deeply_nested_marker_is_refused(ckpt, capsys):
     dump, step, _ = ckpt
     open(os.path.join(step, commit.MARKER), "w").write("[" * 100_000 + "]" * 100_000)
-    for command in (["verify", step], ["list", os.path.dirname(step)]):
-        with within(30):
-            assert cli.main(command) == 2
-        assert f"{commit.MARKER} is not a valid commit marker: RecursionError" in capsys.readouterr().err
+    with within(30):
+        assert cli.main(["verify", step]) == 2
+    assert f"{commit.MARKER} is not a valid commit marker: RecursionError" in capsys.readouterr().err
+    _listed_corrupt(step, capsys, "RecursionError")
     _refused(dump, f"{commit.MARKER}.*RecursionError")
 
 
@@ -665,20 +676,20 @@ def _shard(path, header: dict, sharding, data: bytes = b"\0" * 16) -> None:
 def test_malformed_shards_are_refused_and_kept(tmp_path, entry, sharding):
     shards = tmp_path / "in"
     shards.mkdir()
-    _shard(shards / "shard-0.safetensors", {"w": entry}, sharding)
-    with pytest.raises(C.InvalidShardsError, match="shard-0.safetensors"), within(30):
+    _shard(shards / "shard-00000-model-00001-of-00001.safetensors", {"w": entry}, sharding)
+    with pytest.raises(C.InvalidShardsError, match="shard-00000-model-00001-of-00001.safetensors"), within(30):
         C.consolidate_safetensors(str(shards), str(tmp_path / "out"))
-    assert os.listdir(shards) == ["shard-0.safetensors"]
+    assert os.listdir(shards) == ["shard-00000-model-00001-of-00001.safetensors"]
     assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
 
 
 def test_consolidate_keeps_its_input_unless_asked(tmp_path):
     shards = tmp_path / "in"
     shards.mkdir()
-    _shard(shards / "shard-0.safetensors", {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+    _shard(shards / "shard-00000-model-00001-of-00001.safetensors", {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
            {"w": {"saved_offsets": [0]}})
     C.consolidate_safetensors(str(shards), str(tmp_path / "out"))
-    assert os.listdir(shards) == ["shard-0.safetensors"]
+    assert os.listdir(shards) == ["shard-00000-model-00001-of-00001.safetensors"]
     C.consolidate_safetensors(str(shards), str(tmp_path / "out2"), remove_shards=True)
     assert not shards.exists()
 
@@ -686,19 +697,19 @@ def test_consolidate_keeps_its_input_unless_asked(tmp_path):
 def test_the_consolidate_command_keeps_its_input_unless_asked_and_refuses_bad_shards(tmp_path, capsys):
     shards = tmp_path / "in"
     shards.mkdir()
-    _shard(shards / "shard-0.safetensors", {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+    _shard(shards / "shard-00000-model-00001-of-00001.safetensors", {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
            {"w": {"saved_offsets": [0]}})
     assert cli.main(["consolidate", str(shards), str(tmp_path / "out")]) == 0
-    assert os.listdir(shards) == ["shard-0.safetensors"]
+    assert os.listdir(shards) == ["shard-00000-model-00001-of-00001.safetensors"]
     assert cli.main(["consolidate", "--remove-shards", str(shards), str(tmp_path / "out2")]) == 0
     assert not shards.exists()
     shards.mkdir()
-    _shard(shards / "shard-0.safetensors", {"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 0]}},
+    _shard(shards / "shard-00000-model-00001-of-00001.safetensors", {"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 0]}},
            {"w": {"saved_offsets": [0]}})
     with within(30):
         assert cli.main(["consolidate", str(shards), str(tmp_path / "out3")]) == 2
-    assert "shard-0.safetensors" in capsys.readouterr().err
-    assert os.listdir(shards) == ["shard-0.safetensors"]
+    assert "shard-00000-model-00001-of-00001.safetensors" in capsys.readouterr().err
+    assert os.listdir(shards) == ["shard-00000-model-00001-of-00001.safetensors"]
     assert not any(name.startswith("out3") for name in os.listdir(tmp_path))  # no output, not even a partial one
 
 

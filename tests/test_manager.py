@@ -223,18 +223,48 @@ def test_a_finished_runs_model_only_step_is_not_where_a_run_resumes(tmp_path, ca
     assert_same(asked.model.state_dict(), job.model.state_dict())
     asked.manager.close()
 
-    for step in (2, 4):
-        shutil.rmtree(layout.step_dir(_folder(tmp_path), step))
+    evaluation = make_job(str(tmp_path), steps=6, init_seed=5, load_only=True)  # saves nothing: the last model
+    assert evaluation.manager.load() and evaluation.train_state.step == 0
+    assert_same(evaluation.model.state_dict(), job.model.state_dict())
+    evaluation.manager.close()
+
+    step4 = layout.step_dir(_folder(tmp_path), 4)
+    os.truncate(os.path.join(step4, "__0_0.distcp"), 100)
+    checked = make_job(str(tmp_path), steps=6, init_seed=5, verify_on_load=True)
+    assert checked.manager.load() and checked.train_state.step == 2  # step 4 fails its check: step 2
+    checked.manager.close()
+    shutil.rmtree(layout.step_dir(_folder(tmp_path), 2))
+    corrupt = make_job(str(tmp_path), steps=6, init_seed=5, verify_on_load=True)
+    with pytest.raises(CheckpointError, match=r"but the steps holding it \(4\) failed verification: resuming"):
+        corrupt.manager.load()
+    corrupt.manager.close()
+
+    shutil.rmtree(step4)
     alone = make_job(str(tmp_path), steps=6, init_seed=5)
-    with pytest.raises(CheckpointError, match=r"its newest step 6 holds only the model \(a finished run's last save\) "
-                                              r"and no step holds this job's optimizer, lr_scheduler, dataloader, "
-                                              r"train_state state: .* checkpoint.initial_load_path = '.*step-6'"):
+    with pytest.raises(CheckpointError, match=r"checkpoint: its newest step 6 holds only the model \(a finished run's "
+                                              r"last save\) and this job restores its optimizer, lr_scheduler, "
+                                              r"dataloader, train_state state too, but no step holds it: resuming "
+                                              r"would restart training over it. .* checkpoint.initial_load_path = "
+                                              r"'.*step-6'"):
         alone.manager.load()
+    alone.manager.close()
     excluded = make_job(str(tmp_path), steps=6, init_seed=5,
                         exclude_from_loading=["optimizer", "lr_scheduler", "dataloader", "train_state"])
     assert excluded.manager.load()  # a job that restores nothing but the model takes it
     assert_same(excluded.model.state_dict(), job.model.state_dict())
     excluded.manager.close()
+
+
+def test_retention_keeps_the_step_a_run_resumes_from_when_the_last_holds_only_the_model(tmp_path):
+    job = make_job(str(tmp_path), steps=6, interval=2, keep_latest_k=1)
+    job.run_to(6, steps=6)
+    job.manager.close()
+    assert layout.committed_steps(_folder(tmp_path)) == [4, 6]  # 6 is model-only: 4 is where a run goes on
+    again = make_job(str(tmp_path), steps=8, interval=2, keep_latest_k=1)
+    assert again.manager.load() and again.train_state.step == 4
+    again.run_to(8, steps=8)
+    again.manager.close()
+    assert layout.committed_steps(_folder(tmp_path)) == [6, 8]  # 8 the model alone again, 6 where a run goes on
 
 
 def test_saving_over_a_complete_step_says_so(tmp_path, caplog):
@@ -243,7 +273,7 @@ def test_saving_over_a_complete_step_says_so(tmp_path, caplog):
     job.manager.close()
     back = make_job(str(tmp_path), steps=8, interval=2, keep_latest_k=0, load_step=2)
     assert back.manager.load()
-    with caplog.at_level("WARNING", logger="torchtitan_ckpt.storage.local"):
+    with caplog.at_level("WARNING", logger="torchtitan_ckpt.storage.base"):
         back.run_to(4, steps=8)
     back.manager.close()
     assert f"replacing {layout.step_dir(_folder(tmp_path), 4)}, a complete step saved before" in caplog.text
@@ -415,3 +445,11 @@ def test_parameters_without_optimizer_state_resume_without_it(tmp_path):
     assert sorted(got) == sorted(want) == [0, 1]  # the `used` layer's weight and bias
     for index in want:
         assert_same(got[index], want[index])
+
+    other_model, _ = _partly_trained(2)  # another optimizer: its state's names are not the step's
+    sgd = torch.optim.SGD(other_model.parameters(), lr=0.5, momentum=0.9)
+    with CheckpointManager(config, other_model, optimizers=sgd) as manager:
+        with pytest.raises(CheckpointError, match=r"lacks 2 tensors this job has, e.g. \['optimizer.state.used.weight"
+                                                  r".momentum_buffer', 'optimizer.state.used.bias.momentum_buffer'\]"):
+            manager.load()
+    assert not sgd.state and sgd.param_groups[0]["lr"] == 0.5

@@ -46,6 +46,8 @@ def test_retention_counts_complete_steps_only():
     doomed = steps_to_delete(_folders([4, 8], partial=[2, 6]), keep_latest_k=1, committed_now=8)
     assert [f.step for f in doomed] == [2, 4, 6]
     assert steps_to_delete(_folders([1, 2, 3]), keep_latest_k=0, committed_now=3) == []
+    kept = steps_to_delete(_folders([2, 4, 6]), keep_latest_k=1, committed_now=6, keep={4})  # 6 holds the model only
+    assert [f.step for f in kept] == [2]
 
 
 def test_retention_never_chooses_a_folder_it_did_not_write():

@@ -434,7 +434,8 @@ def _add_convert(sub: Any) -> None:
     p.add_argument("--adapter", choices=sorted(ADAPTERS), help="the model family; default: config.json's model_type")
     p.add_argument("--rope-layout", choices=ROPE_LAYOUTS,
                    help="the channels the DCP model's RoPE rotates together: interleaved pairs (TorchTitan's "
-                        "Llama 3) or halves (HF's, TorchTitan's Qwen3); default: TorchTitan's for the family")
+                        "Llama 3) or halves (HF's, TorchTitan's Qwen3); default: --to dcp TorchTitan's for the "
+                        "family, --to hf the one the step records (a Qwen3 step that records none needs it)")
     p.add_argument("--hf-assets", help="HF folder whose config.json (and file split) gives the model; default: the HF source (--to dcp) or the config the DCP step recorded (--to hf)")
     p.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="cast floating tensors of an HF export")
     p.add_argument("--max-shard-size", default="5GB", help="largest HF file when there is no assets index")

@@ -149,10 +149,11 @@ class CheckpointManager:
                               "checkpoint.initial_load_in_hf needs the Hugging Face folder to start from: set "
                               "initial_load_path, or give the adapter an hf_assets_path")
         if export := next((k for k in ("last_save_in_hf", "hf_export_interval") if getattr(config, k)), None):
-            try:  # a config.json to write beside the files: known now, not at the export
-                self._adapter.export_config(EXPORT_DTYPES[config.export_dtype])
-            except CheckpointError as e:
-                raise ConfigError(f"checkpoint.{export}", getattr(config, export), str(e)) from None
+            try:  # a config.json to write beside the files (rank 0's to write): known now, not at the export
+                self._group.run(lambda: self._adapter.export_config(EXPORT_DTYPES[config.export_dtype]),
+                                coordinator_only=True)
+            except RankFailed as failed:
+                raise ConfigError(f"checkpoint.{export}", getattr(config, export), str(failed.error or failed)) from None
         if config.create_seed_checkpoint and self._group.world_size != 1:
             raise ConfigError("checkpoint.create_seed_checkpoint", True,
                               f"a seed checkpoint is written by a single process; this job has "
@@ -308,7 +309,8 @@ class CheckpointManager:
             if self._group.is_coordinator:
                 self._log_saved(info, where, kind, time.perf_counter() - start, written.summary)
                 folders = self._store.scan(folder)
-                self._deleter.submit(steps_to_delete(folders, self.config.keep_latest_k, step))
+                keep = self._resume_point_before(folders, step) if info.model_only else set()
+                self._deleter.submit(steps_to_delete(folders, self.config.keep_latest_k, step, keep))
                 if newer := newer_steps(folders, step):
                     logger.warning("%s: steps %s are newer than step %d just saved (the job went back to an "
                                    "older step) and are kept; a load without a step would pick step %d over "
@@ -317,6 +319,20 @@ class CheckpointManager:
 
         return SaveJob(step=step, path=path, prepare=_save_errors(step, where, prepare),
                        write=_save_errors(step, where, write), commit=_save_errors(step, where, commit_step))
+
+    def _resume_point_before(self, folders: list[layout.StepFolder], step: int) -> set[int]:
+        """The newest step before `step` holding more than the model, which retention keeps once
+        `step` (a finished run's last save) holds only the model: the step a run that goes on
+        resumes from (`_newest_target`). Empty when there is none, or it cannot be told."""
+        for folder in reversed([f for f in folders if f.committed and 0 < f.step < step]):
+            try:
+                if not commit.read_marker(self._store.fetch(folder.path, [commit.MARKER])).model_only:
+                    return {folder.step}
+            except Exception as e:  # rank 0 alone, after the commit: retention just keeps less
+                logger.warning("retention: cannot read the marker of %s (%s); keeping no step for a resume",
+                               self._store.describe(folder.path), e)
+                return set()
+        return set()
 
     def _commit(self, step: int, path: str, kind: SaveKind, fmt: StepFormat, written: Written) -> commit.CommitInfo:
         """Wait until every rank's files are durable in the store, then write the marker on rank 0."""
@@ -451,49 +467,75 @@ class CheckpointManager:
 
     def _newest_target(self, loadable: list[layout.StepFolder]) -> _LoadTarget:
         """The newest loadable step; with `verify_fallback`, an older one if it is corrupt. A
-        model-only step after step 0 is a finished run's last save: it is passed over for an
-        older full step (`_resume_point`)."""
-        model_only: list[_LoadTarget] = []
+        model-only step after step 0 is a finished run's last save: a job that would go on
+        training from it passes it over for an older full step (`_resume_point`), before
+        verifying it."""
+        passed: list[layout.StepFolder] = []  # model-only steps passed over, newest first
+        corrupt: list[int] = []
         for newest in reversed(loadable):
+            if self._only_the_model(newest):
+                passed.append(newest)
+                continue
             if newest.status == layout.FOREIGN:
                 target = self._foreign_target(newest.path, newest.step, self._store)
-            else:
-                problems = self._verify(newest.path)
-                if problems and self.config.verify_fallback:
-                    if self._group.is_coordinator:
-                        logger.error("step %d is corrupt, trying the previous complete step: %s",
-                                     newest.step, "; ".join(problems))
+                if target.model_only and target.step and self._resumes():
+                    passed.append(newest)
                     continue
-                if problems:
-                    raise CorruptCheckpointError(f"step {newest.step} failed verification: {'; '.join(problems)}")
-                target = self._committed_target(newest.path, newest.step)
-            if not (target.model_only and target.step and self._loaded_states()):
-                return self._resume_point(target, model_only)
-            model_only.append(target)
-        if model_only:
-            return self._resume_point(None, model_only)
-        raise CorruptCheckpointError(f"every complete step in {self.folder} failed verification")
+                return self._resume_point(target, passed, corrupt)
+            problems = self._verify(newest.path)
+            if problems and self.config.verify_fallback:
+                if self._group.is_coordinator:
+                    logger.error("step %d is corrupt, trying the previous complete step: %s",
+                                 newest.step, "; ".join(problems))
+                corrupt.append(newest.step)
+                continue
+            if problems:
+                raise CorruptCheckpointError(f"step {newest.step} failed verification: {'; '.join(problems)}")
+            return self._resume_point(self._committed_target(newest.path, newest.step), passed, corrupt)
+        if passed:
+            return self._resume_point(None, passed, corrupt)
+        raise CorruptCheckpointError(f"every complete step in {self._store.describe(self.folder)} failed verification")
 
-    def _resume_point(self, full: _LoadTarget | None, model_only: list[_LoadTarget]) -> _LoadTarget:
+    def _resumes(self) -> bool:
+        """Whether this job goes on training from what it loads: it saves, and it restores
+        states besides the model."""
+        return not self.config.load_only and bool(self._loaded_states())
+
+    def _only_the_model(self, folder: layout.StepFolder) -> bool:
+        """Whether `folder` is a step of ours after step 0 that holds only the model, for a job
+        that `_resumes` (a damaged marker is not: verifying or loading the step reports it)."""
+        if folder.status != layout.COMPLETE or not folder.step or not self._resumes():
+            return False
+        try:
+            return commit.read_marker(self._store.fetch(folder.path, [commit.MARKER])).model_only
+        except CorruptCheckpointError:
+            return False
+
+    def _resume_point(self, full: _LoadTarget | None, passed: list[layout.StepFolder],
+                      corrupt: list[int]) -> _LoadTarget:
         """`full`, the newest step holding the job's whole state, when newer steps hold only the
-        model (`model_only`, newest first: a finished run's last save, which a run that goes on
-        must not restart from: its optimizer, schedule and data would start over, and its saves
-        would replace the earlier run's). Without a full step, such a step is refused."""
-        if full is not None and not model_only:
+        model (`passed`, newest first: a finished run's last save, which a run that goes on must
+        not restart from: its optimizer, schedule and data would start over, and its saves would
+        replace the earlier run's). Without a full step, such a step is refused."""
+        if full is not None and not passed:
             return full
-        newer = ", ".join(str(t.step) for t in model_only)
+        newer = ", ".join(str(f.step) for f in passed)
         if full is not None:
             if self._group.is_coordinator:
                 logger.warning("step(s) %s hold only the model (a finished run's last save): resuming from step %s, "
                                "the newest step holding the optimizer and the other states. To start a new run from "
                                "step %s's model, set checkpoint.initial_load_path to it and use another folder",
-                               newer, full.step, model_only[0].step)
+                               newer, full.step, passed[0].step)
             return full
+        last = self._store.describe(passed[0].path)
+        held = (f"the steps holding it ({', '.join(map(str, corrupt))}) failed verification" if corrupt else
+                "no step holds it")
         raise CheckpointError(
-            f"{self.folder}: its newest step {model_only[0].step} holds only the model (a finished run's last save) "
-            f"and no step holds this job's {', '.join(self._loaded_states())} state: resuming would restart training over "
-            f"it. To train on from its model, set checkpoint.initial_load_path = {model_only[0].path!r} and use "
-            f"another checkpoint.folder; or load it anyway with checkpoint.load_step = {model_only[0].step}")
+            f"{self._store.describe(self.folder)}: its newest step {passed[0].step} holds only the model (a finished "
+            f"run's last save) and this job restores its {', '.join(self._loaded_states())} state too, but {held}: "
+            f"resuming would restart training over it. To train on from its model, set checkpoint.initial_load_path "
+            f"= {last!r} and use another checkpoint.folder; or load it anyway with checkpoint.load_step = "
+            f"{passed[0].step}")
 
     def _loaded_states(self) -> list[str]:
         """The states besides the model that a load restores."""
@@ -504,10 +546,11 @@ class CheckpointManager:
         if status == layout.UNKNOWN:
             found = "holds no finished checkpoint of a known format" if os.path.isdir(path) else "does not exist"
             raise CheckpointNotFoundError(
-                f"checkpoint.initial_load_path = {path} {found}, and {self.folder} has no loadable step to "
-                f"resume from; formats: {', '.join(FORMATS)}")
+                f"checkpoint.initial_load_path = {self.config.initial_load_path} {found}, and "
+                f"{self._store.describe(self.folder)} has no loadable step to resume from; formats: "
+                f"{', '.join(FORMATS)}")
         if status == layout.PARTIAL:
-            raise CheckpointNotFoundError(f"checkpoint.initial_load_path = {path}: its save did not finish "
+            raise CheckpointNotFoundError(f"checkpoint.initial_load_path = {self.config.initial_load_path}: its save did not finish "
                                           f"(no {commit.MARKER}); it is never loaded")
         if status != layout.COMPLETE:
             return self._foreign_target(path, None, self._initial, self.config.initial_load_model_only)
@@ -549,15 +592,20 @@ class CheckpointManager:
         gets every problem found. Without it: nothing to report."""
         if not self.config.verify_on_load:
             return []
-        try:
-            names = sorted(commit.read_marker(self._store.fetch(path, [commit.MARKER])).files)
-        except CorruptCheckpointError as e:  # a problem like any other: `verify_fallback` applies
-            found = [str(e)]
-        else:
-            mine = names[self._group.rank :: self._group.world_size]
-            self._store.fetch(path, mine)
-            found = commit.verify(path, mine)
-        return list(dict.fromkeys(p for problems in self._group.all_gather(found) for p in problems))
+        def mine() -> list[str]:
+            try:
+                names = sorted(commit.read_marker(self._store.fetch(path, [commit.MARKER])).files)
+            except CorruptCheckpointError as e:  # a problem like any other: `verify_fallback` applies
+                return [str(e)]
+            share = names[self._group.rank :: self._group.world_size]
+            self._store.fetch(path, share)
+            return commit.verify(path, share)
+
+        try:  # a rank that cannot check its share (the store failing) fails every rank
+            found = self._group.run(mine)
+        except RankFailed as failed:
+            failed.reraise(f"verifying {self._store.describe(path)}")
+        return list(dict.fromkeys(p for problems in found for p in problems))
 
     def _target(self, path: str, step: int | None, model_only: bool, store: Store,
                 fmt_name: str = "dcp") -> _LoadTarget:

@@ -516,8 +516,8 @@ def dtensor_chunk(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]
 def _only_here(t: torch.Tensor, world_size: int) -> bool:
     """Whether no other rank holds these values, so any save plan has this rank write them: a
     DTensor sharded on every dimension of a mesh of all the ranks (on a smaller mesh, FSDP's
-    beside tensor parallelism, the ranks outside it may hold the same shard), whose shard here
-    is not empty (empty shards of one tensor on several ranks are one chunk to DCP)."""
+    beside tensor parallelism, the ranks outside it may hold the same shard). The caller also
+    leaves out an empty shard: empty shards of one tensor on several ranks are one chunk to DCP."""
     if world_size == 1:
         return True
     return (isinstance(t, DTensor) and t.device_mesh.size() == world_size

@@ -3,14 +3,13 @@ loads as they are. Holds the model only, renamed by the job's state-dict adapter
 
 from __future__ import annotations
 
-import glob
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, RankFailed
 from ..hf import load_hf, save_hf
-from ..hf.files import INDEX_FILE, MODEL_FILES_GLOB, SINGLE_FILE
+from ..hf.files import INDEX_FILE, SINGLE_FILE, is_model_file
 from ..io.dtypes import EXPORT_DTYPES
 from ..io.filewriter import Sink
 from ..policy.schedule import SaveKind
@@ -44,7 +43,7 @@ class HfFormat(StepFormat):
         save_hf(staged.state, path, self._adapter(path), dtype=EXPORT_DTYPES[ck.export_dtype],
                 max_shard_size=ck.hf_max_shard_size, process_group=self.ctx.group.pg, mode=ck.consolidation,
                 num_threads=ck.consolidation_threads, keep_shards=ck.keep_hf_shards, shared=not self.ctx.staged)
-        joint = sorted(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(path), MODEL_FILES_GLOB)))
+        joint = sorted(filter(is_model_file, os.listdir(path)))
         return Written(joint=tuple(joint), last=(INDEX_FILE,))
 
     def index(self, path: str, store: Store) -> StepIndex:

@@ -231,14 +231,18 @@ def _check_tied(head: Any, embedding: Any) -> None:
     def local(t: Any) -> torch.Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
 
-    if embedding is not None and (getattr(head, "placements", None) == getattr(embedding, "placements", None)
-                                  and torch.equal(local(head), local(embedding))):
+    if embedding is None:
+        problem = (f"this part of the model (a pipeline stage) holds {TIED_HEAD} without {EMBEDDING}, so the "
+                   "two cannot be tied")
+    elif (getattr(head, "placements", None) == getattr(embedding, "placements", None)
+          and torch.equal(local(head), local(embedding))):
         return
+    else:
+        problem = f"{TIED_HEAD} is not {EMBEDDING}"
     raise CheckpointError(
-        f"{TIED_HEAD} is not {EMBEDDING}: the Hugging Face config ties them (tie_word_embeddings = true), so "
-        "an export would keep the embedding alone and drop the model's own head. Export with a config.json "
-        "saying tie_word_embeddings = false (the adapter's hf_assets_path), or tie the model's head to its "
-        "embedding")
+        f"{problem}: the Hugging Face config ties them (tie_word_embeddings = true), and an export would keep "
+        "the embedding alone and drop the model's own head. Export with a config.json saying "
+        "tie_word_embeddings = false (the adapter's hf_assets_path), or tie the model's head to its embedding")
 
 
 def _assets_config(hf_assets_path: str | None) -> dict[str, Any] | None:

@@ -21,8 +21,8 @@ rows of contiguous runs, written one run at a time.
 Memory bound: consolidation copies through one fixed buffer per thread, so a rank holds at most
 `num_threads * CHUNK_BYTES` (4 x 16 MiB by default) of tensor data, plus the parsed headers (a few
 hundred bytes per tensor block); it never holds a whole file or tensor, whatever the model size.
-The one-pass export writes from the tensors already in memory (a CPU copy of a GPU or
-non-contiguous block is the only extra memory).
+The one-pass export writes from the tensors already in memory; its only extra memory is a CPU
+copy of each GPU or non-contiguous block the rank writes, all made when its writing step starts.
 
 Durability and completeness: every rank fsyncs what it wrote; the index is written last, by rank 0,
 atomically (temporary file, fsync, rename), and only after every rank reported success. Every step
@@ -54,7 +54,8 @@ from ..errors import ConsolidationError, CorruptCheckpointError, InvalidShardsEr
 from ..group import CheckpointGroup
 from ..policy.split import byte_ranges
 from .adapter import LOCAL_PLACEMENTS, PermutedRows, RowOf
-from .files import DTYPE_NAMES, DTYPE_SIZES, INDEX_FILE, MAX_HEADER_BYTES, model_file_name
+from .files import DCP_SHARD_NAME, DTYPE_NAMES, DTYPE_SIZES, INDEX_FILE, MAX_HEADER_BYTES, is_dcp_shard_file
+from .files import model_file_name
 
 logger = logging.getLogger(__name__)
 
@@ -288,12 +289,20 @@ def _block(path: str, fqn: str, entry: Any, sharding: Any, data_start: int, size
 
 
 def find_shard_files(input_dir: str) -> list[str]:
-    """Every `.safetensors` file of `input_dir`, sorted."""
+    """The shard files of `input_dir`, sorted: those named as DCP's `HuggingFaceStorageWriter`
+    names them (`is_dcp_shard_file`, the files a two-phase export's clearing removes). Any
+    other file is ignored, another `.safetensors` one (a stray copy, a file of an earlier tool)
+    with a log line: consolidated, its tensors would join the export."""
     if not os.path.isdir(input_dir):
         raise InvalidShardsError(f"{input_dir}: no such folder of shard files")
-    names = sorted(n for n in os.listdir(input_dir) if n.endswith(".safetensors"))
+    listed = sorted(os.listdir(input_dir))
+    names = [n for n in listed if is_dcp_shard_file(n)]
+    ignored = [n for n in listed if n.endswith(".safetensors") and n not in names]
     if not names:
-        raise InvalidShardsError(f"{input_dir}: no .safetensors shard files")
+        raise InvalidShardsError(f"{input_dir}: no shard files ({DCP_SHARD_NAME})"
+                                 + (f"; {ignored} are not named so" if ignored else ""))
+    if ignored:
+        logger.info("%s: ignoring %s, not named as DCP's shard files are (%s)", input_dir, ignored, DCP_SHARD_NAME)
     return [os.path.join(input_dir, n) for n in names]
 
 

@@ -2,12 +2,15 @@
 `torchtitan-ckpt convert` command runs):
 
     torchtitan-ckpt convert --to dcp HF_DIR OUT_DIR [--adapter llama|mistral|qwen3|qwen3_moe]
+                                    [--rope-layout interleaved|halves]
     torchtitan-ckpt convert --to hf STEP_DIR OUT_DIR [--hf-assets DIR] [--dtype bfloat16]
+                                    [--rope-layout interleaved|halves]
     torchrun --nproc_per_node 4 -m torchtitan_ckpt.cli convert --to dcp HF_DIR OUT_DIR
 
 No model is built: the adapter, picked by `config.json`'s `model_type`, gives the name and shape
 of every tensor, and the DCP side is those names -> tensors. `--to dcp` records the HF config in
-the step folder (`hf_config.json`), so `--to hf` of that folder needs no `--hf-assets`. With
+the step folder (`hf_config.json`) and the RoPE layout it permuted q/k for (`rope_layout.json`),
+so `--to hf` of that folder needs neither `--hf-assets` nor `--rope-layout`. With
 several ranks every tensor is split by rows across them (a 1-D gloo mesh), so each rank reads
 and holds about 1/N of the model; the HF export then writes each rank's rows in place (one pass;
 the two-phase modes gather whole tensors).
@@ -15,6 +18,7 @@ the two-phase modes gather whole tensors).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -34,7 +38,7 @@ from ..dcp import storage
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..io import durable, safe_open
 from ..io.dtypes import EXPORT_DTYPES
-from .adapter import StateDictAdapter
+from .adapter import ROPE_LAYOUTS, StateDictAdapter
 from .files import CONFIG_FILE
 from .load import check_hf_dir, load_hf
 from .model_config import read_hf_config
@@ -47,6 +51,9 @@ Progress = Callable[[str, int, int], None]
 """`progress(phase, nbytes, total)`: this rank's bytes read ("reading") and written ("writing")."""
 RECORDED_CONFIG = "hf_config.json"
 """The HF `config.json` that `--to dcp` records in the DCP step folder it writes."""
+RECORDED_LAYOUT = "rope_layout.json"
+"""`{"rope_layout": ...}` (`adapter.ROPE_LAYOUTS`): the RoPE layout of the model whose q/k rows
+`--to dcp` wrote, recorded beside `RECORDED_CONFIG` (ours, kept out of the HF config's copy)."""
 
 
 def convert(to: str, src: str, dst: str, adapter_name: str | None = None, *, hf_assets_path: str | None = None,
@@ -84,7 +91,7 @@ def to_dcp(hf_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pat
     nbytes = _local_bytes(state)
     load_hf(state, hf_dir, adapter)
     report("reading", nbytes, nbytes)
-    _write_dcp(state, dst, config.raw)
+    _write_dcp(state, dst, config.raw, adapter.rope_layout)
     report("writing", nbytes, nbytes)
 
 
@@ -92,15 +99,21 @@ def to_hf(step_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pa
           report: Progress = lambda phase, nbytes, total: None, rope_layout: str | None = None,
           **export: Any) -> None:
     """Export the model of the DCP step folder `step_dir` to the HF folder `dst`; the config is
-    `hf_assets_path`'s `config.json`, else the one `to_dcp` recorded. `export`: `save_hf`'s
-    dtype, max_shard_size, consolidation (its mode) and threads."""
+    `hf_assets_path`'s `config.json`, else the one `to_dcp` recorded; the RoPE layout is
+    `rope_layout`, else the step's (`_step_rope_layout`). `export`: `save_hf`'s dtype,
+    max_shard_size, consolidation (its mode) and threads."""
     config_path = os.path.join(hf_assets_path, CONFIG_FILE) if hf_assets_path else \
         os.path.join(step_dir, RECORDED_CONFIG)
     if not os.path.isfile(config_path):
         raise CheckpointNotFoundError(f"{step_dir} records no HF config ({RECORDED_CONFIG}); pass --hf-assets "
                                       "with the HF folder whose config.json describes the model")
-    adapter = adapter_for_config(read_hf_config(config_path), hf_assets_path, adapter_name, config_path,
-                                 rope_layout)
+    config, layout = read_hf_config(config_path), rope_layout or _step_rope_layout(step_dir)
+    adapter = adapter_for_config(config, hf_assets_path, adapter_name, config_path, layout)
+    if layout is None and adapter.rope_layout != "interleaved":
+        raise CheckpointError(
+            f"{step_dir} does not record the RoPE layout of its model (a step the training job saved), and "
+            f"{adapter_name or config.model_type} models differ in it: pass --rope-layout halves (TorchTitan's "
+            "Qwen3) or interleaved (this package's example model)")
     state = empty_state_dict(*_dcp_tensors(step_dir, adapter))
     _read_dcp(state, step_dir)
     nbytes = _local_bytes(state)
@@ -108,6 +121,26 @@ def to_hf(step_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pa
     save_hf(state, dst, adapter, dtype=export["dtype"], max_shard_size=export["max_shard_size"],
             mode=export["consolidation"], num_threads=export["threads"],
             progress=lambda n, total: report("writing", n, total))
+
+
+def _step_rope_layout(step_dir: str) -> str | None:
+    """The RoPE layout of the model whose q/k rows the step holds, as far as the step says: the
+    one `to_dcp` recorded (`RECORDED_LAYOUT`); "interleaved" for a step of an older `to_dcp`
+    (a `RECORDED_CONFIG` and no layout: it permuted every family); None for a step that records
+    neither (the training job's), whose layout is the model's, known only to the caller."""
+    path = os.path.join(step_dir, RECORDED_LAYOUT)
+    if not os.path.isfile(path):
+        return "interleaved" if os.path.isfile(os.path.join(step_dir, RECORDED_CONFIG)) else None
+    try:
+        with safe_open.open_path(path, "the recorded RoPE layout", "r") as f:
+            recorded = json.loads(f.read(1 << 12))  # ours is a few bytes
+    except (OSError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"cannot read {path}: {e}") from e
+    layout = recorded.get("rope_layout") if isinstance(recorded, dict) else None
+    if layout not in ROPE_LAYOUTS:
+        raise CorruptCheckpointError(f"{path}: rope_layout = {layout!r}, expected one of {', '.join(ROPE_LAYOUTS)}; "
+                                     "pass --rope-layout with the model's")
+    return layout
 
 
 def _dcp_tensors(path: str, adapter: StateDictAdapter) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
@@ -176,14 +209,15 @@ def _read_dcp(state: dict[str, Any], path: str) -> None:
         raise CheckpointError(f"reading {path} failed: {type(cause).__name__}: {cause}") from None
 
 
-def _write_dcp(state: dict[str, Any], path: str, hf_config: dict[str, Any]) -> None:
-    """A model-only DCP folder with the HF config it came from and a commit marker, loadable as
-    `initial_load_path`."""
+def _write_dcp(state: dict[str, Any], path: str, hf_config: dict[str, Any], rope_layout: str) -> None:
+    """A model-only DCP folder with the HF config it came from, the RoPE layout its q/k rows are
+    in and a commit marker, loadable as `initial_load_path`."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if rank == 0:
         os.makedirs(path, exist_ok=True)
         durable.write_json(os.path.join(path, RECORDED_CONFIG), hf_config, indent=2)
+        durable.write_json(os.path.join(path, RECORDED_LAYOUT), {"rope_layout": rope_layout})
     if dist.is_initialized():
         dist.barrier()
     dcp.save(state, storage_writer=storage.make_storage_writer(path), planner=storage.make_save_planner())

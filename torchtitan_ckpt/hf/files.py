@@ -14,8 +14,8 @@ SINGLE_FILE = "model.safetensors"
 """The one file of a model that is not split."""
 CONFIG_FILE = "config.json"
 """The model's `transformers` config."""
-MODEL_FILES_GLOB = "model-*-of-*.safetensors"
-"""Every numbered model file of a split export (`glob` pattern)."""
+DCP_SHARD_NAME = "shard-0000R-model-0000X-of-0000N.safetensors"
+"""The form of the names of DCP's per-rank shard files, for messages (`is_dcp_shard_file`)."""
 _NUMBERED = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
 _MODEL_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
 _DCP_SHARD_FILE = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors")
@@ -57,7 +57,7 @@ def is_model_file(name: str) -> bool:
 
 def is_dcp_shard_file(name: str) -> bool:
     """Whether `name` is a per-rank shard file of DCP's `HuggingFaceStorageWriter`
-    (`shard-0000R-model-0000X-of-0000N.safetensors`)."""
+    (`DCP_SHARD_NAME`): the files a two-phase export writes, consolidates, and clears."""
     return _DCP_SHARD_FILE.fullmatch(name) is not None
 
 

@@ -14,6 +14,7 @@ per expert on the Hub's (`mlp.experts.E.gate_proj.weight`).
 
 from __future__ import annotations
 
+from ..errors import ConfigError
 from .adapter import StateDictAdapter
 
 
@@ -66,6 +67,13 @@ class Qwen3MoeAdapter(Qwen3Adapter):
     """Qwen3-MoE: Qwen3's attention; in the layers `HFModelConfig.is_moe_layer` picks, a router
     and `num_experts` experts of width `moe_intermediate_size` (no shared expert); the other
     layers have a dense FFN of width `intermediate_size`."""
+
+    def _build(self) -> None:
+        c = self.config
+        if c.num_experts and not c.moe_intermediate_size:  # a broken config, or another family's (Mixtral's)
+            raise ConfigError(f"{c.where}: moe_intermediate_size", c.raw.get("moe_intermediate_size"),
+                              "required by the qwen3_moe adapter: its experts' width, a positive integer")
+        super()._build()
 
     def _mlp(self, layer: int, ours: str, hf: str) -> None:
         c = self.config

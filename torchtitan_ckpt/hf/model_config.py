@@ -29,10 +29,6 @@ MAX_EXPERTS = 1 << 12
 MAX_POSITIONS = 1 << 24
 MAX_CONFIG_BYTES = 16 << 20
 """Far above any model's `config.json` (a few KiB): a larger file is refused, not read whole."""
-EXPERT_WIDTH_TYPES = frozenset({"qwen3_moe"})
-"""The model types whose configs must give their experts' width as `moe_intermediate_size`.
-Other families name it otherwise (Mixtral's experts are `intermediate_size` wide): for them it
-is read when given, so a family no adapter maps is refused for its `model_type`, not for a key."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +50,8 @@ class HFModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    where: str = field(default="config.json", compare=False, repr=False)
+    """The file read, for messages about a key an adapter needs (`moe_intermediate_size`)."""
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer` holds experts, by the rule of `transformers`' Qwen3-MoE."""
@@ -76,13 +74,13 @@ class HFModelConfig:
         if head_dim % 2:
             raise ConfigError(f"{where}: head_dim", head_dim, "must be even (RoPE rotates pairs of channels)")
         layers = get.int("num_hidden_layers", MAX_LAYERS)
-        moe = _expert_fields(get, model_type, layers)
+        moe = _expert_fields(get, layers)
         return cls(
             model_type=model_type, hidden_size=hidden, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
             intermediate_size=get.int("intermediate_size", MAX_FFN, default=0 if moe else _MISSING),
             vocab_size=get.int("vocab_size", MAX_VOCAB),
-            tie_word_embeddings=get.bool("tie_word_embeddings", False), raw=raw, **moe)
+            tie_word_embeddings=get.bool("tie_word_embeddings", False), raw=raw, where=where, **moe)
 
 
 def read_hf_config(path: str) -> HFModelConfig:
@@ -143,16 +141,17 @@ class _Reader:
         return tuple(value)
 
 
-def _expert_fields(get: _Reader, model_type: str, layers: int) -> dict[str, Any]:
+def _expert_fields(get: _Reader, layers: int) -> dict[str, Any]:
     """The expert fields of a mixture-of-experts config (none of a dense one), as
-    `HFModelConfig` keeps them; `moe_intermediate_size` is required of `EXPERT_WIDTH_TYPES` only."""
+    `HFModelConfig` keeps them. `moe_intermediate_size` is 0 when not given: families name the
+    experts' width otherwise (Mixtral's are `intermediate_size` wide), so the adapter that sizes
+    experts by it requires it (`Qwen3MoeAdapter`), and a family no adapter maps is refused for
+    its `model_type`, not for a key."""
     experts = get.int("num_experts", MAX_EXPERTS, default=get.int("num_local_experts", MAX_EXPERTS, 0, low=0), low=0)
     if not experts:
         return {}
-    required = model_type in EXPERT_WIDTH_TYPES
     return dict(num_experts=experts,
-                moe_intermediate_size=get.int("moe_intermediate_size", MAX_FFN, default=_MISSING if required else 0,
-                                              low=1 if required else 0),
+                moe_intermediate_size=get.int("moe_intermediate_size", MAX_FFN, default=0, low=0),
                 num_experts_per_tok=get.int("num_experts_per_tok", experts),
                 decoder_sparse_step=get.int("decoder_sparse_step", layers, default=1),
                 mlp_only_layers=get.layers("mlp_only_layers", layers))

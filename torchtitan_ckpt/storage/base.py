@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
 from ..commit import CommitInfo
 from ..group import CheckpointGroup
 from ..layout import StepFolder, folder_bytes
+
+logger = logging.getLogger(__name__)
+
+
+def warn_replacing(where: str) -> None:
+    """Say that a save replaces a complete step (by `Store.prepare`, on rank 0)."""
+    logger.warning("replacing %s, a complete step saved before (a run that went back to an older step saves "
+                   "over the steps after it)", where)
 
 
 class Store(ABC):

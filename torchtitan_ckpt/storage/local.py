@@ -3,16 +3,13 @@ commit is `commit.write_marker`'s fsync-and-rename."""
 
 from __future__ import annotations
 
-import logging
 import os
 import uuid
 
 from .. import commit, faults, layout
 from ..errors import CheckpointError, ConfigError, RankFailed
 from ..group import CheckpointGroup
-from .base import Store
-
-logger = logging.getLogger(__name__)
+from .base import Store, warn_replacing
 
 _PROBE = ".probe-{token}-rank{rank}"
 
@@ -61,8 +58,7 @@ class LocalStore(Store):
                 raise CheckpointError(f"{path} exists and was not written by torchtitan_ckpt; it is "
                                       "never replaced: move it away or save into another folder")
             if status == layout.COMPLETE:
-                logger.warning("replacing %s, a complete step saved before (a run that went back to an older "
-                               "step saves over the steps after it)", path)
+                warn_replacing(path)
             commit.remove_step(path)  # refuses a symlink: another run's folder is never replaced
         os.makedirs(path)
         commit.mark_in_progress(path)  # ours from now on, even if this save crashes

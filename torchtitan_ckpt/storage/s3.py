@@ -58,7 +58,7 @@ from ..group import CheckpointGroup
 from ..hf.planner import parse_size
 from ..io import posio, safe_open
 from ..io.checksum import crc32
-from .base import Store
+from .base import Store, warn_replacing
 
 logger = logging.getLogger(__name__)
 
@@ -220,8 +220,7 @@ class S3Store(Store):
             raise CheckpointError(f"{self.where(key)} exists and was not written by torchtitan_ckpt; it is "
                                   "never replaced: move it away or save under another prefix")
         if _status(set(names)) == layout.COMPLETE:
-            logger.warning("replacing %s, a complete step saved before (a run that went back to an older step "
-                           "saves over the steps after it)", self.where(key))
+            warn_replacing(self.where(key))
         self._mark_in_progress(key)
         self._remove_step(key, names)
         faults.hit("prepare", step)
