@@ -172,13 +172,16 @@ def test_a_converted_step_records_its_rope_layout_and_exports_in_it(qwen3_step, 
         assert json.load(f) == read_config(src)  # ours stay out of the HF config's copy
 
 
-def test_a_step_of_an_older_convert_exports_as_interleaved(qwen3_step, tmp_path):
-    """A step with `hf_config.json` and no recorded layout was written by a `convert` that
-    permuted every family."""
+def test_a_qwen3_step_of_an_older_convert_needs_its_rope_layout(qwen3_step, tmp_path):
+    """A step with `hf_config.json` and no recorded layout was written by an older `convert`,
+    which permuted every family before one release and followed the family's default after it:
+    a Qwen3 one is refused without the layout, and exports with it."""
     src, step = qwen3_step
     older = shutil.copytree(step, tmp_path / "older")
     (older / RECORDED_LAYOUT).unlink(missing_ok=True)
-    convert("hf", str(older), str(tmp_path / "hf"))
+    with pytest.raises(CheckpointError, match=r"older does not record the RoPE layout of its model"):
+        convert("hf", str(older), str(tmp_path / "refused"))
+    convert("hf", str(older), str(tmp_path / "hf"), rope_layout="interleaved")
     assert_same_file(src, str(tmp_path / "hf"))
 
 
@@ -257,6 +260,9 @@ def test_a_family_without_an_adapter_is_refused_for_its_model_type_not_for_a_key
     with pytest.raises(ConfigError, match=r"^config.json: moe_intermediate_size = None: required by the qwen3_moe "
                                           r"adapter: its experts' width, a positive integer$"):
         adapter_for_config(qwen3_moe)
+    with pytest.raises(ConfigError, match=r"^config.json: moe_intermediate_size = None: required by the example "
+                                          r"model: its experts' width"):
+        args_from_hf_config(qwen3_moe)
 
 
 def test_the_qwen3_moe_adapter_requires_its_expert_width_of_any_config(tmp_path):

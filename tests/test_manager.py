@@ -243,7 +243,7 @@ def test_a_finished_runs_model_only_step_is_not_where_a_run_resumes(tmp_path, ca
     alone = make_job(str(tmp_path), steps=6, init_seed=5)
     with pytest.raises(CheckpointError, match=r"checkpoint: its newest step 6 holds only the model \(a finished run's "
                                               r"last save\) and this job restores its optimizer, lr_scheduler, "
-                                              r"dataloader, train_state state too, but no step holds it: resuming "
+                                              r"dataloader, train_state state too, but no step after step 0 holds it: resuming "
                                               r"would restart training over it. .* checkpoint.initial_load_path = "
                                               r"'.*step-6'"):
         alone.manager.load()
@@ -253,6 +253,23 @@ def test_a_finished_runs_model_only_step_is_not_where_a_run_resumes(tmp_path, ca
     assert excluded.manager.load()  # a job that restores nothing but the model takes it
     assert_same(excluded.model.state_dict(), job.model.state_dict())
     excluded.manager.close()
+
+
+def test_a_seed_step_is_no_resume_point_for_a_finished_runs_model_only_step(tmp_path):
+    """Step 0 (a seed checkpoint) and a finished run's model-only last step: neither holds the
+    optimizer; the job does not restart from the seed over the finished run."""
+    seed = make_job(str(tmp_path), create_seed_checkpoint=True)
+    assert seed.manager.save(0)
+    seed.manager.close()
+    run = make_job(str(tmp_path), steps=2, interval=10)
+    assert run.manager.load() and run.train_state.step == 0
+    run.run_to(2, steps=2)  # the last step alone is saved, model-only
+    run.manager.close()
+    again = make_job(str(tmp_path), steps=2, interval=10)
+    with pytest.raises(CheckpointError, match=r"its newest step 2 holds only the model .* but no step after step 0 "
+                                              r"holds it"):
+        again.manager.load()
+    again.manager.close()
 
 
 def test_retention_keeps_the_step_a_run_resumes_from_when_the_last_holds_only_the_model(tmp_path):

@@ -111,7 +111,9 @@ class Checkpoint:
 
     keep_latest_k: int = 10
     """Keep this many newest complete steps and delete older ones in the background; 0 keeps all.
-    Only steps this package wrote are counted or deleted; another program's never are."""
+    Once the last step is saved model-only, the newest full step before it is kept too: it is
+    where a run that goes on resumes. Only steps this package wrote are counted or deleted;
+    another program's never are."""
 
     load_step: int = -1
     """Step to load (a complete step of ours or another program's finished one); -1 loads the
@@ -132,7 +134,8 @@ class Checkpoint:
     any number of ranks can load it."""
 
     load_only: bool = False
-    """Load checkpoints but never save any."""
+    """Load checkpoints but never save any. Such a job takes the newest step even when it holds
+    only the model (a finished run's last save), which a job that trains on passes over."""
 
     verify_on_load: bool = False
     """Before loading a step, check its files against the sizes and CRC-32s recorded when they

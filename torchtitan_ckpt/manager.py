@@ -309,7 +309,8 @@ class CheckpointManager:
             if self._group.is_coordinator:
                 self._log_saved(info, where, kind, time.perf_counter() - start, written.summary)
                 folders = self._store.scan(folder)
-                keep = self._resume_point_before(folders, step) if info.model_only else set()
+                keep = (self._resume_point_before(folders, step)
+                        if info.model_only and folder == self.folder and self.config.keep_latest_k else set())
                 self._deleter.submit(steps_to_delete(folders, self.config.keep_latest_k, step, keep))
                 if newer := newer_steps(folders, step):
                     logger.warning("%s: steps %s are newer than step %d just saved (the job went back to an "
@@ -328,10 +329,8 @@ class CheckpointManager:
             try:
                 if not commit.read_marker(self._store.fetch(folder.path, [commit.MARKER])).model_only:
                     return {folder.step}
-            except Exception as e:  # rank 0 alone, after the commit: retention just keeps less
-                logger.warning("retention: cannot read the marker of %s (%s); keeping no step for a resume",
-                               self._store.describe(folder.path), e)
-                return set()
+            except Exception as e:  # rank 0 alone, after the commit: that step is not the one
+                logger.warning("retention: cannot read the marker of %s (%s)", self._store.describe(folder.path), e)
         return set()
 
     def _commit(self, step: int, path: str, kind: SaveKind, fmt: StepFormat, written: Written) -> commit.CommitInfo:
@@ -506,10 +505,17 @@ class CheckpointManager:
         that `_resumes` (a damaged marker is not: verifying or loading the step reports it)."""
         if folder.status != layout.COMPLETE or not folder.step or not self._resumes():
             return False
-        try:
-            return commit.read_marker(self._store.fetch(folder.path, [commit.MARKER])).model_only
-        except CorruptCheckpointError:
-            return False
+
+        def model_only() -> bool:
+            try:
+                return commit.read_marker(self._store.fetch(folder.path, [commit.MARKER])).model_only
+            except CorruptCheckpointError:
+                return False
+
+        try:  # every rank decides alike, and a store failing on one rank fails them all
+            return self._group.run(model_only)[0]
+        except RankFailed as failed:
+            failed.reraise(f"reading the marker of {self._store.describe(folder.path)}")
 
     def _resume_point(self, full: _LoadTarget | None, passed: list[layout.StepFolder],
                       corrupt: list[int]) -> _LoadTarget:
@@ -520,7 +526,7 @@ class CheckpointManager:
         if full is not None and not passed:
             return full
         newer = ", ".join(str(f.step) for f in passed)
-        if full is not None:
+        if full is not None and not full.model_only:  # a seed step 0 holds only the model too
             if self._group.is_coordinator:
                 logger.warning("step(s) %s hold only the model (a finished run's last save): resuming from step %s, "
                                "the newest step holding the optimizer and the other states. To start a new run from "
@@ -529,7 +535,7 @@ class CheckpointManager:
             return full
         last = self._store.describe(passed[0].path)
         held = (f"the steps holding it ({', '.join(map(str, corrupt))}) failed verification" if corrupt else
-                "no step holds it")
+                "no step after step 0 holds it")
         raise CheckpointError(
             f"{self._store.describe(self.folder)}: its newest step {passed[0].step} holds only the model (a finished "
             f"run's last save) and this job restores its {', '.join(self._loaded_states())} state too, but {held}: "

@@ -122,8 +122,9 @@ class OptimizerState(CheckedState):
             opt.state.clear()
         # a parameter that had no state when saved (no gradient yet) has none after the load; one
         # that had state of other names (another optimizer) is still asked for its own, and refused
-        stateful = {key[len("state."):].rsplit(".", 1)[0] for key in saved_keys if key.startswith("state.")}
-        sd["state"] = {fqn: values for fqn, values in sd["state"].items() if fqn in stateful}
+        held = {key[len("state."):] for key in saved_keys if key.startswith("state.")}
+        prefixes = {key[:i] for key in held for i, ch in enumerate(key) if ch == "."}  # every `fqn` of `fqn.name...`
+        sd["state"] = {fqn: values for fqn, values in sd["state"].items() if fqn in prefixes}
         sd["param_groups"] = {fqn: {k: v for k, v in settings.items() if f"param_groups.{fqn}.{k}" in saved_keys}
                               for fqn, settings in sd["param_groups"].items()}
         bare = [fqn for fqn, settings in sd["param_groups"].items() if not settings]

@@ -212,7 +212,7 @@ def _rope_scaling(rope: dict[str, Any], where: str) -> RopeScaling | None:
 def _moe_args(c: HFModelConfig, raw: dict[str, Any]) -> MoEArgs | None:
     if not c.num_experts:
         return None
-    return MoEArgs(num_experts=c.num_experts, top_k=c.num_experts_per_tok, hidden=c.moe_intermediate_size,
+    return MoEArgs(num_experts=c.num_experts, top_k=c.num_experts_per_tok, hidden=c.expert_width("the example model"),
                    norm_topk_prob=bool(raw.get("norm_topk_prob", False)), every=c.decoder_sparse_step,
                    dense_layers=c.mlp_only_layers)
 

@@ -125,12 +125,12 @@ def to_hf(step_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pa
 
 def _step_rope_layout(step_dir: str) -> str | None:
     """The RoPE layout of the model whose q/k rows the step holds, as far as the step says: the
-    one `to_dcp` recorded (`RECORDED_LAYOUT`); "interleaved" for a step of an older `to_dcp`
-    (a `RECORDED_CONFIG` and no layout: it permuted every family); None for a step that records
-    neither (the training job's), whose layout is the model's, known only to the caller."""
+    one `to_dcp` recorded (`RECORDED_LAYOUT`), else None (a step the training job saved, or one
+    of an older `to_dcp`, which permuted every family before one release and followed the
+    family's default after it: the caller must know)."""
     path = os.path.join(step_dir, RECORDED_LAYOUT)
     if not os.path.isfile(path):
-        return "interleaved" if os.path.isfile(os.path.join(step_dir, RECORDED_CONFIG)) else None
+        return None
     try:
         with safe_open.open_path(path, "the recorded RoPE layout", "r") as f:
             recorded = json.loads(f.read(1 << 12))  # ours is a few bytes

@@ -14,7 +14,6 @@ per expert on the Hub's (`mlp.experts.E.gate_proj.weight`).
 
 from __future__ import annotations
 
-from ..errors import ConfigError
 from .adapter import StateDictAdapter
 
 
@@ -69,10 +68,8 @@ class Qwen3MoeAdapter(Qwen3Adapter):
     layers have a dense FFN of width `intermediate_size`."""
 
     def _build(self) -> None:
-        c = self.config
-        if c.num_experts and not c.moe_intermediate_size:  # a broken config, or another family's (Mixtral's)
-            raise ConfigError(f"{c.where}: moe_intermediate_size", c.raw.get("moe_intermediate_size"),
-                              "required by the qwen3_moe adapter: its experts' width, a positive integer")
+        if self.config.num_experts:
+            self.config.expert_width("the qwen3_moe adapter")
         super()._build()
 
     def _mlp(self, layer: int, ours: str, hf: str) -> None:

@@ -53,6 +53,14 @@ class HFModelConfig:
     where: str = field(default="config.json", compare=False, repr=False)
     """The file read, for messages about a key an adapter needs (`moe_intermediate_size`)."""
 
+    def expert_width(self, who: str) -> int:
+        """`moe_intermediate_size`, which `who` (a model or an adapter of Qwen3-MoE's layout)
+        needs: a config without it (broken, or another family's: Mixtral's) is refused."""
+        if not self.moe_intermediate_size:
+            raise ConfigError(f"{self.where}: moe_intermediate_size", self.raw.get("moe_intermediate_size"),
+                              f"required by {who}: its experts' width, a positive integer")
+        return self.moe_intermediate_size
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer` holds experts, by the rule of `transformers`' Qwen3-MoE."""
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
