@@ -281,6 +281,27 @@ def test_a_two_phase_export_clears_the_shards_an_earlier_one_kept(tmp_path, mode
     assert_same(back.state_dict(), model.state_dict())
 
 
+@pytest.mark.parametrize("mode", ["one_pass", "all_ranks"])
+def test_an_export_never_follows_a_shards_link_out_of_its_folder(tmp_path, mode):
+    """`sharded` as a link to another folder holding a file named as a shard: the export
+    replaces the link (the two-phase modes write and delete their shards in a folder of their
+    own), and the other folder is untouched."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    theirs = elsewhere / "shard-00001-model-00001-of-00001.safetensors"
+    theirs.write_bytes(b"not ours")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sharded").symlink_to(elsewhere)
+    model = our_model()
+    save_hf(model.state_dict(), str(out), hf_adapter(ARGS), mode=mode)
+    assert sorted(os.listdir(elsewhere)) == [theirs.name] and theirs.read_bytes() == b"not ours"
+    assert not os.path.lexists(out / "sharded")
+    back = our_model(seed=1)
+    load_hf(back.state_dict(), str(out), hf_adapter(ARGS))
+    assert_same(back.state_dict(), model.state_dict())
+
+
 def test_export_failure_names_the_folder(tmp_path):
     (tmp_path / "taken").write_text("a file, not a folder")
     with pytest.raises(CheckpointError, match=r"preparing .*taken failed on rank 0: FileExistsError"):

@@ -17,9 +17,9 @@ CONFIG_FILE = "config.json"
 DCP_SHARD_NAME = "shard-0000R-model-0000X-of-0000N.safetensors"
 """The form of the names of DCP's per-rank shard files, for messages (`is_dcp_shard_file`)."""
 _NUMBERED = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
-_MODEL_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
-_DCP_SHARD_FILE = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors")
-_UNUSED_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_MODEL_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors", re.ASCII)
+_DCP_SHARD_FILE = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors", re.ASCII)
+_UNUSED_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", re.ASCII)
 
 MAX_HEADER_BYTES = 100_000_000
 """The largest safetensors header the `safetensors` library itself reads."""

@@ -173,14 +173,18 @@ def _clear(out_dir: str) -> None:
     """Remove an earlier export's files from `out_dir`: the index first (the folder stops being
     complete), then the model files, then the shard files a two-phase export kept in `SHARDS`
     (which the next two-phase export would consolidate with its own). Files of other names,
-    another format's (Mistral's `consolidated.safetensors`) or the user's, stay."""
+    another format's (Mistral's `consolidated.safetensors`) or the user's, stay. A link named
+    `SHARDS` is removed, never followed: the shards are written, then deleted, in a folder of
+    the export's own."""
     index = os.path.join(out_dir, INDEX_FILE)
     if os.path.lexists(index):
         os.remove(index)
     for name in filter(is_model_file, os.listdir(out_dir)):
         os.remove(os.path.join(out_dir, name))
     shards = os.path.join(out_dir, SHARDS)
-    if os.path.isdir(shards):
+    if os.path.islink(shards):
+        os.remove(shards)
+    elif os.path.isdir(shards):
         for name in filter(is_dcp_shard_file, os.listdir(shards)):
             os.remove(os.path.join(shards, name))
         if not os.listdir(shards):
