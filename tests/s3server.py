@@ -31,7 +31,7 @@ class FaultProxy:
     returns None to forward it, "whole" to forward it without its `Range` header (a server that
     ignores ranges), "slowdown" / "internal" to answer S3's 503 / 500 error instead, or "reset"
     to close the connection without an answer. `edit(path, body)`, when given, returns the body
-    to answer for a successful GET in place of the server's (a server answering nonsense).
+    to answer for a successful request in place of the server's (a server answering nonsense).
     `injected` counts what was done, `served` the body bytes of successful GETs by path."""
 
     def __init__(self, upstream: str, plan, edit=None):
@@ -93,9 +93,9 @@ class FaultProxy:
                 reply = conn.getresponse()
                 data = reply.read()
                 conn.close()
+                if reply.status < 300 and proxy.edit is not None:
+                    data = proxy.edit(self.path, data)
                 if self.command == "GET" and reply.status < 300:
-                    if proxy.edit is not None:
-                        data = proxy.edit(self.path, data)
                     with proxy._lock:
                         proxy.served[self.path.split("?")[0]] += len(data)
                 self._answer(reply.status, reply.getheaders(), data)

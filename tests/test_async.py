@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -335,3 +336,107 @@ def test_a_writer_process_lost_on_one_rank_fails_the_step_on_every_rank(tmp_path
     from .helpers import spawn
 
     spawn(2, _writer_of_rank_1_dies_mid_save, str(tmp_path))
+
+
+class _ValueState:
+    """A user state of one value that DCP pickles whole (a tuple holding a tensor, a named tuple)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.value = sd["value"]
+
+
+class _Position(NamedTuple):
+    """Built from its fields, not from one iterable."""
+
+    step: int
+    seen: int
+
+
+@pytest.mark.parametrize("mode", ["disabled", *MODES])
+def test_a_value_pickled_whole_is_saved_as_it_is_in_every_mode(tmp_path, mode):
+    """A tuple holding a tensor is one pickled value to DCP: staged as a view of the pinned
+    buffer, it carried the whole buffer into the step (4 bytes became the model's size); a
+    tuple type that is not built from one iterable failed the async modes."""
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    model = torch.nn.Linear(512, 512)  # 1 MiB of parameters
+    states = {"rng": _ValueState((torch.arange(4, dtype=torch.uint8), 1)), "pos": _ValueState(_Position(3, 7))}
+    config = Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0)
+    with CheckpointManager(config, [model], states=states, base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    step = layout.step_dir(os.path.join(tmp_path, "checkpoint"), 1)
+    size = sum(os.path.getsize(os.path.join(step, f)) for f in os.listdir(step))
+    params = sum(p.nbytes for p in model.parameters())
+    assert size < params * 1.1, (size, params)
+    loaded = {"rng": _ValueState(None)}  # a class of the job's own is refused on load: it could run code
+    with CheckpointManager(config, [torch.nn.Linear(512, 512)], states=loaded, base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert torch.equal(loaded["rng"].value[0], torch.arange(4, dtype=torch.uint8)) and loaded["rng"].value[1] == 1
+
+
+class _FailingOnRank1:
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def state_dict(self) -> dict:
+        if self.rank == 1:
+            raise RuntimeError("the data loader's state is gone on rank 1")
+        return {"position": 3}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+def _state_fails_on_rank_1(rank: int, world_size: int, folder: str) -> None:
+    import time
+
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    for mode in ["disabled", *MODES]:
+        sub = os.path.join(folder, mode)
+        config = Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0, collective_timeout_s=120)
+        with CheckpointManager(config, [torch.nn.Linear(4, 4)], states={"extra": _FailingOnRank1(rank)},
+                               base_folder=sub) as manager:
+            start = time.monotonic()
+            with pytest.raises(CheckpointSaveError, match="saving step 1 to .*step-1 failed.*state is gone on rank 1"):
+                manager.save(1)
+                manager.wait()
+            assert time.monotonic() - start < 60, mode  # heard at once, not at the collective's timeout
+        assert layout.committed_steps(os.path.join(sub, "checkpoint")) == [], mode
+
+
+@pytest.mark.multirank
+def test_a_state_that_fails_on_one_rank_fails_the_save_on_every_rank_at_once(tmp_path):
+    """A user state whose `state_dict()` raises on one rank: every rank's save fails with it in
+    the save's first round, in every mode (the other rank waited in that round for the
+    collective timeout, then its next save paired with this rank's earlier one)."""
+    from .helpers import spawn
+
+    spawn(2, _state_fails_on_rank_1, str(tmp_path))
+
+
+def test_the_writer_process_ignores_the_signals_a_terminal_sends_the_job(tmp_path):
+    """Ctrl-C reaches every process of the foreground group: the writer process ignores it,
+    so the save in flight completes as the rank decides (it died, and the save with it)."""
+    import signal
+
+    job = make_job(str(tmp_path), steps=10, interval=1, async_mode="async_with_pinned_mem", keep_latest_k=0)
+    job.run_to(1, steps=10)
+    job.manager.wait()
+    writer = job.manager._saves.writer  # noqa: SLF001 - the writer process is what is under test
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        os.kill(writer._proc.pid, sig)  # noqa: SLF001
+    job.step()
+    assert job.manager.save(2)
+    job.manager.wait()
+    assert job.manager._saves.writer is writer and writer.alive  # noqa: SLF001
+    job.manager.close()
+    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1, 2]

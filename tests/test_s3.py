@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import glob
 import itertools
 import json
 import logging
@@ -25,7 +26,8 @@ from torch.multiprocessing import ProcessExitedException
 
 from torchtitan_ckpt import CheckpointManager, cli, commit, faults, layout
 from torchtitan_ckpt.config import Checkpoint
-from torchtitan_ckpt.errors import CheckpointSaveError, ConfigError, CorruptCheckpointError, StorageError
+from torchtitan_ckpt.errors import (CheckpointNotFoundError, CheckpointSaveError, ConfigError,
+                                    CorruptCheckpointError, StorageError)
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.model import hf_adapter
 from torchtitan_ckpt.example.train import build_model, shard_model
@@ -221,6 +223,7 @@ def test_a_store_that_keeps_failing_fails_the_save_on_every_rank(bucket, tmp_pat
         monkeypatch.setenv("AWS_ENDPOINT_URL", moto_url)
     assert proxy.injected["slowdown"] == 2, [s for s in proxy.seen if s[2]]  # the first try and one retry
     assert "run/step-1/COMMITTED.json" not in _objects(bucket)
+    assert not glob.glob(os.path.join(tmp_path, "*", "rank-*", "step-1"))  # no staged copy left behind
 
 
 @pytest.mark.parametrize("folder, env, message", [
@@ -607,7 +610,7 @@ def _listing_with(pattern: str, replacement: str):
     ("<Size>100</Size>", "<Size>-1</Size>", r"gives s3://{bucket}/run/step-1/data a size of -1 bytes"),
     ("<Size>100</Size>", f"<Size>{2**62}</Size>", r"gives s3://{bucket}/run/step-1/data a size of 4611686018427387904"),
     ("<IsTruncated>false</IsTruncated>", "<IsTruncated>true</IsTruncated><NextContinuationToken>{token}"
-                                         "</NextContinuationToken>", "gives a token it gave before"),
+                                         "</NextContinuationToken>", "(gives a token it gave before|out of order)"),
     ("<IsTruncated>false</IsTruncated>", "<IsTruncated>true</IsTruncated>", r"gives no token \(None\)"),
     ("<Key>run/step-1/data</Key>", "<Key>elsewhere/data</Key>", r"the object 'elsewhere/data', which is not under it"),
 ], ids=["negative-size", "huge-size", "token-again", "no-token", "outside"])
@@ -653,3 +656,122 @@ def test_a_deletion_stopped_at_any_request_leaves_the_step_ours(bucket, tmp_path
         store.remove(step)
     assert {k.split("/", 2)[2] for k in _objects(bucket)} == left
     assert [s.status for s in store.scan(store.root)] == ([status] if status else [])
+
+
+def test_a_bucket_without_a_prefix_holds_steps_as_any_folder(bucket, tmp_path):
+    """`s3://bucket`: its steps are found (the listing asked for keys under "/", which no key
+    is), so retention deletes old ones and a restart resumes instead of saving over them."""
+    model, opt = _job()
+    with CheckpointManager(_config(f"s3://{bucket}", str(tmp_path / "a")), [model], opt) as manager:
+        for step in (1, 2, 3):
+            _train(model, opt)
+            manager.save(step)
+    assert {k.split("/")[0] for k in _objects(bucket)} == {"step-3"}
+    fresh, fresh_opt = _job(seed=1)
+    with CheckpointManager(_config(f"s3://{bucket}/", str(tmp_path / "b")), [fresh], fresh_opt) as manager:
+        assert manager.load()
+    _assert_equal(_snapshot(fresh, fresh_opt), _snapshot(model, opt))
+
+
+def test_initial_load_path_on_object_storage_is_told_by_its_markers(bucket, tmp_path):
+    """A step whose save did not finish is refused (a whole download left its in-progress
+    marker behind, and the copy read as another program's finished checkpoint); a run folder
+    is refused naming its steps, before any data file is downloaded."""
+    model, opt = _job()
+    with CheckpointManager(_config(f"s3://{bucket}/a", str(tmp_path / "a"), keep_latest_k=0), [model], opt) as manager:
+        manager.save(1)
+        manager.save(2)
+    client = boto3.client("s3")
+    client.put_object(Bucket=bucket, Key="a/step-2/IN_PROGRESS.json", Body=b"{}")
+    client.delete_object(Bucket=bucket, Key="a/step-2/COMMITTED.json")
+    for source, message in ((f"s3://{bucket}/a/step-2", "its save did not finish"),
+                            (f"s3://{bucket}/a", r"holds no finished checkpoint .* \(it holds the steps \[1\]")):
+        staging = tmp_path / "b"
+        config = _config(str(tmp_path / "local"), str(staging), initial_load_path=source)
+        with CheckpointManager(config, [_job(seed=1)[0]]) as manager:
+            with pytest.raises(CheckpointNotFoundError, match=message):
+                manager.load()
+        assert not glob.glob(os.path.join(staging, "**", "*.distcp"), recursive=True), source
+
+
+def test_folder_placeholders_are_not_objects(bucket, tmp_path):
+    """Empty objects named like folders (the S3 console's) are passed over; one that holds
+    bytes is refused naming it."""
+    model, opt = _job()
+    client = boto3.client("s3")
+    for key in ("run/", "run/step-1/", "run/other/"):
+        client.put_object(Bucket=bucket, Key=key, Body=b"")
+    with CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path / "a")), [model], opt) as manager:
+        manager.save(2)
+    with CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path / "b")), [_job(seed=1)[0]]) as manager:
+        assert manager.load()
+    client.put_object(Bucket=bucket, Key="run/step-2/x/", Body=b"data")
+    store, _ = _store(bucket, tmp_path / "c")
+    with pytest.raises(StorageError, match=rf"s3://{bucket}/run/step-2/x/ is named as a folder and holds 4 bytes"):
+        store.scan(store.root)
+
+
+def test_a_listing_out_of_order_or_unparsable_is_refused_naming_the_folder(bucket, tmp_path, proxied):
+    """S3 lists keys in order: a key repeated (a server that pages on with fresh tokens over the
+    same keys would never end) is refused; a size that is no integer is a `StorageError`."""
+    client = boto3.client("s3")
+    client.put_object(Bucket=bucket, Key="run/step-1/data", Body=bytes(100))
+    client.put_object(Bucket=bucket, Key="run/step-1/more", Body=bytes(7))
+    for pattern, replacement, message in (
+            ("<Key>run/step-1/more</Key>", "<Key>run/step-1/data</Key>", r"^listing s3://{b}/run/step-1/: the server "
+             r"lists s3://{b}/run/step-1/data after s3://{b}/run/step-1/data, out of order"),
+            ("<Size>100</Size>", "<Size>1e2</Size>", r"^listing s3://{b}/run/step-1/ failed: ValueError")):
+        proxied(lambda n, method, path: None, _listing_with(pattern, replacement))
+        store, path = _store(bucket, tmp_path, storage_retries=0)
+        with pytest.raises(StorageError, match=message.format(b=bucket)):
+            store.fetch(path)
+
+
+def test_a_file_of_more_parts_than_s3_takes_is_uploaded_in_larger_parts(bucket, tmp_path, monkeypatch):
+    """S3 takes 10,000 parts at most: a larger file is cut into fewer, larger parts (whole MiB)."""
+    from torchtitan_ckpt.storage import s3
+
+    monkeypatch.setattr(s3, "MAX_PARTS", 3)
+    store, path = _store(bucket, tmp_path)
+    os.makedirs(path)
+    data = torch.randint(0, 256, (20 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    with open(os.path.join(path, "big"), "wb") as f:
+        f.write(data.numpy().tobytes())
+    parts = []
+    store.client.meta.events.register("provide-client-params.s3.UploadPart",
+                                     lambda params, **_: parts.append((params["PartNumber"], len(params["Body"]))))
+    assert store._upload(os.path.join(path, "big"), "run/step-1/big")[0] == 20 << 20  # noqa: SLF001
+    assert sorted(parts) == [(1, 7 << 20), (2, 7 << 20), (3, 6 << 20)]
+    body = boto3.client("s3").get_object(Bucket=bucket, Key="run/step-1/big")["Body"].read()
+    assert body == data.numpy().tobytes()
+
+
+def test_retention_failing_after_the_commit_does_not_fail_the_save(bucket, tmp_path, proxied, caplog):
+    """Once the commit marker is in the store the step is saved: a listing that fails after it
+    (retention's) is a warning, not a failed save on rank 0 alone."""
+    committed, failing = [], [True]
+    def plan(n, method, path):
+        if method == "PUT" and "COMMITTED.json" in path:
+            committed.append(n)
+        return "internal" if committed and failing and "list-type=2" in path else None
+    proxied(plan)
+    model, opt = _job()
+    with caplog.at_level(logging.WARNING, logger="torchtitan_ckpt"):
+        with CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path), storage_retries=0), [model], opt) as m:
+            assert m.save(1)
+    failing.clear()
+    assert "run/step-1/COMMITTED.json" in _objects(bucket)
+    assert "step 1 is saved, but retention could not look at" in caplog.text
+
+
+def test_a_server_error_without_the_fields_it_names_is_our_error(bucket, tmp_path, proxied):
+    """A delete answer naming a failed key without its `Key` field: a `StorageError` naming
+    the object deleted, not a `KeyError`."""
+    client = boto3.client("s3")
+    client.put_object(Bucket=bucket, Key="run/step-1/COMMITTED.json", Body=b"{}")
+    proxied(lambda n, method, path: None,
+            lambda path, body: body.replace(b"</DeleteResult>", b"<Error><Message>nope</Message></Error></DeleteResult>")
+            if path.endswith("?delete") else body)
+    store, path = _store(bucket, tmp_path, storage_retries=0)
+    with pytest.raises(StorageError, match=rf"deleting s3://{bucket}/run/step-1/\S+ failed: 'nope'"):
+        store.remove(layout.StepFolder(1, path, layout.COMPLETE))

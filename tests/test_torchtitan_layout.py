@@ -140,6 +140,28 @@ def test_a_save_never_replaces_a_folder_that_is_not_ours(tmp_path):
     assert sorted(os.listdir(step4)) == before
 
 
+@pytest.mark.parametrize("left", [[], [commit.IN_PROGRESS + ".tmp"]], ids=["empty", "marker-unfinished"])
+def test_a_save_replaces_the_folder_a_save_left_before_marking_it(tmp_path, left, monkeypatch):
+    """A save stopped between creating its folder and marking it (a full disk, a kill) leaves a
+    folder that is empty or holds only the marker's temporary file: saving that step again
+    replaces it (it was refused for good as another program's). The new folder's entry is
+    fsynced in its parent before anything is written into it."""
+    from torchtitan_ckpt.io import durable
+
+    step2 = layout.step_dir(_folder(tmp_path), 2)
+    os.makedirs(step2)
+    for name in left:
+        open(os.path.join(step2, name), "w").close()
+    synced = []
+    real = durable.fsync_path
+    monkeypatch.setattr(durable, "fsync_path", lambda path: (synced.append(os.path.abspath(path)), real(path)))
+    job = make_job(str(tmp_path), steps=4, interval=2)
+    job.run_to(2, steps=4)
+    job.manager.close()
+    assert layout.committed_steps(_folder(tmp_path)) == [2]
+    assert os.path.abspath(_folder(tmp_path)) in synced[:2]
+
+
 def test_every_builtin_state_has_torchtitans_keys(tmp_path):
     job = make_job(str(tmp_path), steps=4, interval=2)
     job.run_to(2, steps=4)

@@ -141,6 +141,7 @@ def remove_step(path: str, removed: Callable[[int], None] | None = None) -> None
     if os.path.lexists(marker):
         os.remove(marker)
     os.rmdir(path)
+    durable.fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def write_marker(path: str, info: CommitInfo,

@@ -64,6 +64,10 @@ class StepFolder:
         return self.status in (COMPLETE, FOREIGN)
 
 
+TELLING = (commit.MARKER, commit.IN_PROGRESS, *(name for fmt in FORMATS.values() for name in fmt.index_files))
+"""The files `status_of` looks at: all a remote store fetches of a folder to tell its status."""
+
+
 def foreign_format(path: str) -> str | None:
     """"dcp" or "hf" when `path` holds a finished checkpoint of that format, else None."""
     return next((name for name, fmt in FORMATS.items() if fmt.holds(path)), None)

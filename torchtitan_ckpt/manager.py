@@ -251,13 +251,17 @@ class CheckpointManager:
         """Hand one save to the staging strategy, or run it here after the save in flight when
         the format must run on the training thread (the background save's collectives share
         the checkpoint group)."""
-        job = self._save_job(step, kind, folder, fmt)
+        try:
+            state, failure = self._state_for_save(kind), None
+        except Exception as e:  # every rank hears of it in the save's first round, not left waiting there
+            state, failure = {}, e
+        job = self._save_job(step, kind, folder, fmt, failure)
         if fmt.on_training_thread:
             self._saves.wait()
-            staged = Staged(self._state_for_save(kind))
+            staged = Staged(state)
             job.run(lambda: staged)
         else:
-            self._saves.submit(self._state_for_save(kind), job, self._deferred)
+            self._saves.submit(state, job, self._deferred)
 
     def _deferred(self, path: tuple) -> bool:
         """Whether a background save may copy the tensor at `path` of the state after `save()`
@@ -285,15 +289,22 @@ class CheckpointManager:
         if self.config.enable:
             self._saves.wait_for_staging()
 
-    def _save_job(self, step: int, kind: SaveKind, folder: str, fmt: StepFormat) -> SaveJob:
+    def _save_job(self, step: int, kind: SaveKind, folder: str, fmt: StepFormat,
+                  failure: Exception | None = None) -> SaveJob:
         """The phases of one save into `{folder}/step-N` in format `fmt`, which the staging
-        strategy runs in order on every rank."""
+        strategy runs in order on every rank. `failure`: this rank could not gather its state;
+        the first phase fails with it on every rank."""
         path = layout.step_dir(folder, step)
         where = self._store.describe(path)  # the step as the user names it, in messages
         start = time.perf_counter()
 
         def prepare() -> None:
-            self._agree(step, path, lambda: self._store.prepare(path, step), coordinator_only=True)
+            def mark() -> None:
+                if failure is not None:
+                    raise failure
+                if self._group.is_coordinator:
+                    self._store.prepare(path, step)
+            self._agree(step, path, mark)
 
         def write(staged: Staged, sink: Sink) -> Written:
             try:
@@ -308,18 +319,27 @@ class CheckpointManager:
             info = self._commit(step, path, kind, fmt, written)
             if self._group.is_coordinator:
                 self._log_saved(info, where, kind, time.perf_counter() - start, written.summary)
-                folders = self._store.scan(folder)
-                keep = (self._resume_point_before(folders, step)
-                        if info.model_only and folder == self.folder and self.config.keep_latest_k else set())
-                self._deleter.submit(steps_to_delete(folders, self.config.keep_latest_k, step, keep))
-                if newer := newer_steps(folders, step):
-                    logger.warning("%s: steps %s are newer than step %d just saved (the job went back to an "
-                                   "older step) and are kept; a load without a step would pick step %d over "
-                                   "it: remove them if that run is abandoned", folder, [f.step for f in newer],
-                                   step, newer[-1].step)
+                try:  # rank 0 alone, and the step is committed: retention failing fails no save
+                    self._retain(folder, step, info.model_only)
+                except Exception as e:
+                    logger.warning("step %d is saved, but retention could not look at %s: %s; older steps are "
+                                   "kept until a later save", step, self._store.describe(folder), e)
 
         return SaveJob(step=step, path=path, prepare=_save_errors(step, where, prepare),
                        write=_save_errors(step, where, write), commit=_save_errors(step, where, commit_step))
+
+    def _retain(self, folder: str, step: int, model_only: bool) -> None:
+        """Rank 0, once `step` is committed: hand the steps retention drops to the deleter, and
+        warn of steps newer than it."""
+        folders = self._store.scan(folder)
+        keep = (self._resume_point_before(folders, step)
+                if model_only and folder == self.folder and self.config.keep_latest_k else set())
+        self._deleter.submit(steps_to_delete(folders, self.config.keep_latest_k, step, keep))
+        if newer := newer_steps(folders, step):
+            logger.warning("%s: steps %s are newer than step %d just saved (the job went back to an "
+                           "older step) and are kept; a load without a step would pick step %d over "
+                           "it: remove them if that run is abandoned", self._store.describe(folder),
+                           [f.step for f in newer], step, newer[-1].step)
 
     def _resume_point_before(self, folders: list[layout.StepFolder], step: int) -> set[int]:
         """The newest step before `step` holding more than the model, which retention keeps once
@@ -461,7 +481,7 @@ class CheckpointManager:
                                                         self._group.rank, self.config)
             return self._target(store.root, None, True, store, "hf")
         if self._initial:
-            return self._initial_target(self._initial.fetch(self._initial.root))
+            return self._initial_target(self._initial.fetch(self._initial.root, layout.TELLING))
         return None
 
     def _newest_target(self, loadable: list[layout.StepFolder]) -> _LoadTarget:
@@ -551,6 +571,8 @@ class CheckpointManager:
         status = layout.status_of(path)
         if status == layout.UNKNOWN:
             found = "holds no finished checkpoint of a known format" if os.path.isdir(path) else "does not exist"
+            if steps := [f.step for f in self._initial.scan(path) if f.loadable]:
+                found += f" (it holds the steps {steps}: name one of their folders)"
             raise CheckpointNotFoundError(
                 f"checkpoint.initial_load_path = {self.config.initial_load_path} {found}, and "
                 f"{self._store.describe(self.folder)} has no loadable step to resume from; formats: "

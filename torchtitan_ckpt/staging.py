@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import copy
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -137,8 +138,8 @@ def freeze(state: Any, deferred: Deferred, path: tuple = ()) -> Any:
         return state if deferred(path) else state.detach().clone()
     if isinstance(state, dict):
         return {k: freeze(v, deferred, (*path, k)) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(freeze(v, deferred, (*path, i)) for i, v in enumerate(state))
+    if _traversed_list(state):
+        return [freeze(v, deferred, (*path, i)) for i, v in enumerate(state)]
     return state if type(state) in _IMMUTABLE else copy.deepcopy(state)
 
 
@@ -225,8 +226,8 @@ class Stager:
             return staged
         if isinstance(state, dict):
             return {k: self._layout(v, (*path, k), pairs) for k, v in state.items()}
-        if isinstance(state, (list, tuple)):
-            return type(state)(self._layout(v, (*path, i), pairs) for i, v in enumerate(state))
+        if _traversed_list(state):
+            return [self._layout(v, (*path, i), pairs) for i, v in enumerate(state)]
         return copy.deepcopy(state)
 
     def _allocate(self, tensors: dict[tuple, torch.Tensor]) -> None:
@@ -372,9 +373,18 @@ def _tensors(state: Any, path: tuple):
     elif isinstance(state, dict):
         for k, v in state.items():
             yield from _tensors(v, (*path, k))
-    elif isinstance(state, (list, tuple)):
+    elif _traversed_list(state):
         for i, v in enumerate(state):
             yield from _tensors(v, (*path, i))
+
+
+def _traversed_list(value: Any) -> bool:
+    """Whether DCP saves the items of `value` one by one, as it does a list holding a tensor, a
+    dict or such a list; any other list, a tuple (a named one too) and every other value it
+    pickles whole, tensors inside included. Staging looks inside the same containers: a tensor
+    staged as a view of a shared buffer inside a value pickled whole would carry the whole
+    buffer into the checkpoint."""
+    return type(value) is list and any(isinstance(v, (torch.Tensor, dict)) or _traversed_list(v) for v in value)
 
 
 def _kind(t: torch.Tensor) -> tuple:
@@ -456,8 +466,12 @@ class BackgroundSaves:
 
     def submit(self, state: dict[str, Any], job: SaveJob, deferred: Deferred = _nothing_deferred) -> None:
         self.wait()
-        sink = self._sink()
-        frozen = freeze(state, deferred)
+        try:
+            sink = self._sink()
+            frozen = freeze(state, deferred)
+        except Exception as e:  # raised by the save's write, inside DCP's protocol, where every rank hears of it
+            self._pending = self._pool.submit(job.run, functools.partial(_failed, e, {}))
+            return
         marks = self._copies.mark(frozen)
         laid_out: Future = Future()
         copies: list[Copies] = []
@@ -546,13 +560,16 @@ def _take(laid_out: Future, copies: list[Copies], frozen: dict[str, Any]) -> Sta
     try:
         laid_out.result()
     except Exception as e:
-        error = e  # `e` itself is unbound when the block ends
-
-        def failed(*_: Any) -> None:
-            raise error
-        return Staged(frozen, failed, failed)
+        return _failed(e, frozen)
     taken = copies.pop()
     return Staged(taken.staged, taken.ready, taken.done, taken.wait_across if taken.counted else None)
+
+
+def _failed(error: Exception, state: dict[str, Any]) -> Staged:
+    """`state`, staged for a save that cannot be made: every wait for its bytes raises `error`."""
+    def failed(*_: Any) -> None:
+        raise error
+    return Staged(state, failed, failed)
 
 
 def _at(state: Any, path: tuple) -> Any:

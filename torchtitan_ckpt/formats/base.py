@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -69,10 +70,14 @@ class StepFormat(ABC):
     def __init__(self, context: Context):
         self.ctx = context
 
-    @staticmethod
-    @abstractmethod
-    def holds(path: str) -> bool:
-        """Whether the folder `path` holds a step in this format (its index file exists)."""
+    index_files: tuple[str, ...]
+    """Files of which one in a folder makes it a finished step of this format (the format's
+    own writer puts it last): what `holds` and a remote store's first look at a folder test."""
+
+    @classmethod
+    def holds(cls, path: str) -> bool:
+        """Whether the folder `path` holds a step in this format (one of its `index_files`)."""
+        return any(os.path.isfile(os.path.join(path, name)) for name in cls.index_files)
 
     @abstractmethod
     def write(self, path: str, step: int, kind: SaveKind, staged: Staged, sink: Sink) -> Written:

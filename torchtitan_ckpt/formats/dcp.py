@@ -37,14 +37,11 @@ if TYPE_CHECKING:  # storage.base imports layout, which imports the formats
 
 class DcpFormat(StepFormat):
     name = "dcp"
+    index_files = (storage.METADATA_FILE,)
 
     def __init__(self, context):
         super().__init__(context)
         self._plan_caches: dict[SaveKind, PlanCache] = {}  # the last save plan of each kind
-
-    @staticmethod
-    def holds(path: str) -> bool:
-        return os.path.isfile(os.path.join(path, storage.METADATA_FILE))
 
     def write(self, path: str, step: int, kind: SaveKind, staged: Staged, sink: Sink) -> Written:
         """The tensors DCP's last plan (or any plan) gives this rank are written early, each as

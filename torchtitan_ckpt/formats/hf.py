@@ -22,11 +22,8 @@ if TYPE_CHECKING:  # storage.base imports layout, which imports the formats
 
 class HfFormat(StepFormat):
     name = "hf"
+    index_files = (INDEX_FILE, SINGLE_FILE)
     on_training_thread = True  # it reads the live model; the two-phase modes gather on the training mesh
-
-    @staticmethod
-    def holds(path: str) -> bool:
-        return any(os.path.isfile(os.path.join(path, f)) for f in (INDEX_FILE, SINGLE_FILE))
 
     def _adapter(self, path: str) -> Any:
         if self.ctx.adapter is None:

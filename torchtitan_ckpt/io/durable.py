@@ -17,6 +17,19 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def make_dir(path: str) -> None:
+    """Create the folder `path` and the folders above it that are missing, each one's entry
+    fsynced in its parent, so a crash cannot lose a folder (and the files in it) that a write
+    after this one counted on. `FileExistsError` if `path` exists."""
+    missing, above = [], os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(above):
+        missing.append(above)
+        above = os.path.dirname(above)
+    for folder in [*reversed(missing), path]:
+        os.mkdir(folder)
+        fsync_path(os.path.dirname(os.path.abspath(folder)))
+
+
 def write_json(path: str, obj: Any, *, before_replace: Callable[[], None] | None = None, **dump_args: Any) -> None:
     """Write `obj` to a temporary file, fsync it, rename it to `path` and fsync the folder, so a
     crash leaves either the old state or the whole new file. `before_replace` runs between the

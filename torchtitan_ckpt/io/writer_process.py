@@ -241,8 +241,17 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+_LEFT_TO_THE_RANK = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+"""Signals a job's launcher or terminal sends to every process of the job: the writer ignores
+them, so that the save in flight ends as the rank decides (a rank that handles one may still
+save); it dies with its rank (`_die_with_parent`)."""
+
+
 def _serve(conn, parent: int) -> None:
     """The writer's loop: write what each message lists, answer with the results or the error."""
+    for name in _LEFT_TO_THE_RANK:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
     _die_with_parent(parent)
     faults.kill_also(parent)
     torch.set_num_threads(1)

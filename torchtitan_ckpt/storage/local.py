@@ -8,6 +8,7 @@ import uuid
 
 from .. import commit, faults, layout
 from ..errors import CheckpointError, ConfigError, RankFailed
+from ..io import durable
 from ..group import CheckpointGroup
 from .base import Store, warn_replacing
 
@@ -52,7 +53,11 @@ class LocalStore(Store):
         return layout.scan(folder)
 
     def prepare(self, path: str, step: int) -> None:
-        if os.path.lexists(path):  # a partial leftover, or a step saved again: it is replaced
+        if _unmarked(path):  # a save that stopped between making the folder and marking it
+            for name in os.listdir(path):
+                os.remove(os.path.join(path, name))
+            os.rmdir(path)
+        elif os.path.lexists(path):  # a partial leftover, or a step saved again: it is replaced
             status = layout.status_of(path)
             if not layout.StepFolder(step, path, status).ours:
                 raise CheckpointError(f"{path} exists and was not written by torchtitan_ckpt; it is "
@@ -60,7 +65,7 @@ class LocalStore(Store):
             if status == layout.COMPLETE:
                 warn_replacing(path)
             commit.remove_step(path)  # refuses a symlink: another run's folder is never replaced
-        os.makedirs(path)
+        durable.make_dir(path)
         commit.mark_in_progress(path)  # ours from now on, even if this save crashes
         faults.hit("prepare", step)
 
@@ -71,3 +76,13 @@ class LocalStore(Store):
         commit.uncommit(folder.path)  # a half-deleted folder must read as partial
         faults.hit("purge", folder.step)
         commit.remove_step(folder.path)
+
+
+def _unmarked(path: str) -> bool:
+    """Whether `path` is a folder (not a link) that is empty or holds only the in-progress
+    marker's temporary file: what a save leaves when it stops between creating the step folder
+    and marking it (a full disk, a kill). Replacing it loses nothing."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return False
+    return all(entry.name == commit.IN_PROGRESS + ".tmp" and entry.is_file(follow_symlinks=False)
+               for entry in os.scandir(path))

@@ -58,6 +58,7 @@ from ..group import CheckpointGroup
 from ..hf.planner import parse_size
 from ..io import posio, safe_open
 from ..io.checksum import crc32
+from ..io.untrusted import brief
 from .base import Store, warn_replacing
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,9 @@ _MARKERS = (commit.MARKER, commit.IN_PROGRESS)
 MAX_OBJECT_BYTES = 1 << 46
 """64 TiB: above the largest object S3 stores (50 TB). A listing that gives a size beyond it (or
 a negative one) is refused before the size reaches a download."""
+
+MAX_PARTS = 10_000
+"""Parts of one multipart upload at most (S3's limit)."""
 
 Fill = Callable[[memoryview, int], None]
 """`fill(buffer, offset)`: puts the bytes of a file being uploaded at `offset` into `buffer`."""
@@ -127,28 +131,48 @@ class S3Store(Store):
     def _call(self, what: str, key: str, fn, **kwargs) -> Any:
         """One request, retried by botocore; its final failure a `StorageError` naming the object."""
         from botocore.exceptions import BotoCoreError, ClientError  # noqa: PLC0415
+        from botocore.parsers import ResponseParserError  # noqa: PLC0415
 
         try:
             return fn(Bucket=self.bucket, **kwargs)
-        except (BotoCoreError, ClientError) as e:
-            raise StorageError(f"{what} {self.where(key)} failed: {type(e).__name__}: {e}") from e
+        except (BotoCoreError, ClientError, ResponseParserError, ValueError) as e:  # ValueError: a field
+            raise StorageError(f"{what} {self.where(key)} failed: {type(e).__name__}: {e}") from e  # it parses
+
+    def _field(self, reply: Mapping, name: str, what: str, key: str) -> str:
+        """The string field `name` of a server's `reply` to `what`; a `StorageError` naming the
+        object when the server left it out."""
+        value = reply.get(name) if isinstance(reply, Mapping) else None
+        if not isinstance(value, str) or not value:
+            raise StorageError(f"{what} {self.where(key)}: the server's answer has no {name} ({brief(value)})")
+        return value
 
     def _list(self, key: str) -> dict[str, int]:
-        """Object name (relative to `key/`) -> size, for every object under `key/`. An answer
-        naming an object outside `key/` or a size outside [0, MAX_OBJECT_BYTES], or one that
-        pages on without a continuation token or with one given before (a listing that would
-        never end), is a `StorageError`."""
-        prefix, found, token, seen = key + "/", {}, {}, set()
+        """Object name (relative to `key/`; the whole bucket for the empty key) -> size, for
+        every object under `key/`. A folder placeholder (an empty object whose name ends in `/`,
+        as the S3 console makes) is no object. An answer naming an object outside `key/`, not
+        after the one before it (S3 lists in UTF-8 order; a listing that repeats itself would
+        never end), or of a size outside [0, MAX_OBJECT_BYTES], or one that pages on without a
+        continuation token or with one given before, is a `StorageError`."""
+        prefix, found, token, seen, last = f"{key}/" if key else "", {}, {}, set(), b""
         while True:
             page = self._call("listing", prefix, self.client.list_objects_v2, Prefix=prefix, **token)
             for o in page.get("Contents", []):
                 name, size = o.get("Key"), o.get("Size")
                 if not isinstance(name, str) or not name.startswith(prefix):
-                    raise StorageError(f"listing {self.where(prefix)}: the server answered the object {name!r}, "
+                    raise StorageError(f"listing {self.where(prefix)}: the server answered the object {brief(name)}, "
                                        "which is not under it")
+                if name.encode() <= last:
+                    raise StorageError(f"listing {self.where(prefix)}: the server lists {self.where(name)} after "
+                                       f"{self.where(last.decode())}, out of order: the listing would never end")
+                last = name.encode()
                 if type(size) is not int or not 0 <= size <= MAX_OBJECT_BYTES:
                     raise StorageError(f"listing {self.where(prefix)}: the server gives {self.where(name)} a size "
                                        f"of {size!r} bytes, not one in [0, {MAX_OBJECT_BYTES}]")
+                if name.endswith("/"):
+                    if size:
+                        raise StorageError(f"listing {self.where(prefix)}: {self.where(name)} is named as a folder "
+                                           f"and holds {size} bytes; no checkpoint file has that name")
+                    continue
                 found[name[len(prefix):]] = size
             if not page.get("IsTruncated"):
                 return found
@@ -168,7 +192,9 @@ class S3Store(Store):
             batch = {"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True}
             errors = self._call("deleting", keys[i], self.client.delete_objects, Delete=batch).get("Errors")
             if errors:
-                raise StorageError(f"deleting {self.where(errors[0]['Key'])} failed: {errors[0].get('Message')}")
+                first = errors[0] if isinstance(errors, list) and isinstance(errors[0], dict) else {}
+                named = first.get("Key") if isinstance(first.get("Key"), str) else keys[i]
+                raise StorageError(f"deleting {self.where(named[:1000])} failed: {brief(first.get('Message'))}")
 
     def _mark_in_progress(self, key: str) -> None:
         self._put(f"{key}/{commit.IN_PROGRESS}", json.dumps({"started": time.time()}).encode())
@@ -235,7 +261,7 @@ class S3Store(Store):
     def publish(self, path: str, files: dict[str, tuple[int, str]], group: CheckpointGroup,
                 joint: Sequence[str] = (), last: Sequence[str] = ()) -> dict[str, tuple[int, str]]:
         """Upload this rank's staged files (each one's CRC-32 computed from the bytes uploaded
-        and checked against its writer's), then free the staging folder. `joint` files go
+        and checked against its writer's), then free the staging folder (after a failure too). `joint` files go
         first (`_upload_joint_files`), and `last` ones once every rank's others are in the store."""
         start, key, step = time.perf_counter(), self._key(path), layout.parse_step(os.path.basename(path))
         uploaded: dict[str, tuple[int, str]] = {}
@@ -246,16 +272,18 @@ class S3Store(Store):
                 uploaded[rel] = self._upload_checked(path, rel, f"{key}/{rel}", files.get(rel))
                 faults.hit("upload", step)
 
-        if joint or last:  # each phase complete on every rank (or failed on every rank) before the next
-            def first() -> None:  # the joint files' collectives first: every rank reaches them
-                self._upload_joint_files(path, key, joint, group, uploaded)
-                own.extend(rel for rel in commit.manifest(path) if rel not in joint)
-            group.run(first)
-            group.run(lambda: upload([rel for rel in own if rel not in last]))
-            upload([rel for rel in own if rel in last])
-        else:
-            upload([rel for rel in commit.manifest(path)])
-        shutil.rmtree(path)
+        try:
+            if joint or last:  # each phase complete on every rank (or failed on every rank) before the next
+                def first() -> None:  # the joint files' collectives first: every rank reaches them
+                    self._upload_joint_files(path, key, joint, group, uploaded)
+                    own.extend(rel for rel in commit.manifest(path) if rel not in joint)
+                group.run(first)
+                group.run(lambda: upload([rel for rel in own if rel not in last]))
+                upload([rel for rel in own if rel in last])
+            else:
+                upload([rel for rel in commit.manifest(path)])
+        finally:  # uploaded or failed, the staged copy is of no more use
+            shutil.rmtree(path, ignore_errors=True)
         _log_rate("rank %d uploaded %d files to %s" % (self.rank, len(uploaded), self.where(key)),
                   sum(s for s, _ in uploaded.values()), start)
         return uploaded
@@ -289,7 +317,7 @@ class S3Store(Store):
                 except Exception as e:
                     failure = e
             try:
-                assembled.finish(self.part_size)
+                assembled.finish(self._part_size(size))
             except Exception as e:
                 failure = failure or e
             sent += assembled.sent
@@ -312,15 +340,17 @@ class S3Store(Store):
     def fetch(self, path: str, names: Sequence[str] | None = None) -> str:
         """Download the objects under the step (or checkpoint folder) into `path`: every one,
         or those of `names`. Afresh (the same step may have been saved again since), unless the
-        whole step is already here."""
+        whole step is already here. `path` exists once anything is under it in the store."""
         self._hold(path)
         if self._whole:
             return path
         start, key = time.perf_counter(), self._key(path)
-        objects = {n: size for n, size in self._list(key).items()
-                   if (n != commit.IN_PROGRESS if names is None else n in names)}
+        listed = self._list(key)
+        objects = {n: size for n, size in listed.items() if names is None or n in names}
         if names is None and not objects:
             raise CheckpointNotFoundError(f"{self.where(key)}: no objects there")
+        if listed:
+            os.makedirs(path, exist_ok=True)
         for name, size in objects.items():
             local = safe_open.inside(path, name, f"an object under {self.where(key)}")
             os.makedirs(os.path.dirname(local), exist_ok=True)
@@ -412,28 +442,41 @@ class S3Store(Store):
                 fill(memoryview(data), 0)
             self._put(key, data)
             return size, f"{crc32(data):08x}"
-        upload = self._call("starting an upload of", key, self.client.create_multipart_upload, Key=key,
-                            ChecksumAlgorithm="CRC32")
+        reply = self._call("starting an upload of", key, self.client.create_multipart_upload, Key=key,
+                           ChecksumAlgorithm="CRC32")
+        upload_id = self._field(reply, "UploadId", "starting an upload of", key)
         try:
-            crc, done = self._send_parts(size, key, upload["UploadId"], fill)
+            crc, done = self._send_parts(size, key, upload_id, fill)
             self._call("finishing the upload of", key, self.client.complete_multipart_upload, Key=key,
-                       UploadId=upload["UploadId"], MultipartUpload={"Parts": done})
+                       UploadId=upload_id, MultipartUpload={"Parts": done})
         except BaseException:
-            self._abort(key, upload["UploadId"])
+            self._abort(key, upload_id)
             raise
         return size, f"{crc:08x}"
+
+    def _part_size(self, size: int) -> int:
+        """The part size of a file of `size` bytes: `part_size`, or a larger one (whole MiB) for
+        a file that would take more than `MAX_PARTS` parts of it."""
+        if size <= self.part_size * MAX_PARTS:
+            return self.part_size
+        return -(-size // (MAX_PARTS << 20)) << 20
 
     def _send_parts(self, size: int, key: str, upload_id: str, fill: Fill) -> tuple[int, list[dict]]:
         """The parts, `parallel` in flight at most, each read into a buffer that the part
         `parallel` places after it reuses once it is sent: the bytes a rank holds, with no
         allocation or copy per part (a bytearray goes to the socket as it is)."""
         crc, done, pending, free = 0, [], collections.deque(), []
-        for number, offset in enumerate(range(0, size, self.part_size), 1):
+        part = self._part_size(size)
+        if part != self.part_size:
+            logger.warning("%s: %d bytes take more than %d parts of checkpoint.upload_part_size; uploading it in "
+                           "parts of %d bytes (%d held at once)", self.where(key), size, MAX_PARTS, part,
+                           part * self.parallel)
+        for number, offset in enumerate(range(0, size, part), 1):
             if len(pending) >= self.parallel:  # wait before the next part is read
                 sent, buf = pending.popleft()
                 done.append(sent.result())
                 free.append(buf)
-            n = min(self.part_size, size - offset)
+            n = min(part, size - offset)
             buf = free.pop() if free else bytearray(n)
             del buf[n:]  # the last part, shorter: shrunk in place
             fill(memoryview(buf), offset)
@@ -446,7 +489,8 @@ class S3Store(Store):
         checksum = _crc_header(data)
         reply = self._call(f"uploading part {number} of", key, self.client.upload_part, Key=key,
                            UploadId=upload_id, PartNumber=number, Body=data, ChecksumCRC32=checksum)
-        return {"PartNumber": number, "ETag": reply["ETag"], "ChecksumCRC32": checksum}
+        return {"PartNumber": number, "ETag": self._field(reply, "ETag", f"uploading part {number} of", key),
+                "ChecksumCRC32": checksum}
 
     def _abort(self, key: str, upload_id: str) -> None:
         try:
@@ -475,14 +519,14 @@ class S3Store(Store):
             os.close(fd)
 
     def _get_range(self, key: str, fd: int, offset: int, length: int) -> None:
-        from botocore.exceptions import IncompleteReadError, ResponseStreamingError  # noqa: PLC0415
+        from botocore.exceptions import IncompleteReadError, ReadTimeoutError, ResponseStreamingError  # noqa: PLC0415
 
         for attempt in range(self.retries + 1):
             reply = self._call("downloading", key, self.client.get_object, Key=key,
                                Range=f"bytes={offset}-{offset + length - 1}")
             try:  # one byte more than asked at most: a server that ignores the range sends all of it
                 data = reply["Body"].read(length + 1)
-            except (IncompleteReadError, ResponseStreamingError) as e:  # the body's stream broke
+            except (IncompleteReadError, ReadTimeoutError, ResponseStreamingError) as e:  # the body broke or stalled
                 if attempt == self.retries:
                     raise StorageError(f"downloading {self.where(key)} failed after {attempt} retries: {e}") from e
                 time.sleep(min(2 ** attempt * 0.1, 5))
