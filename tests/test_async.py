@@ -440,3 +440,27 @@ def test_the_writer_process_ignores_the_signals_a_terminal_sends_the_job(tmp_pat
     assert job.manager._saves.writer is writer and writer.alive  # noqa: SLF001
     job.manager.close()
     assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1, 2]
+
+
+_EXITS_WITH_A_SAVE_IN_FLIGHT = """
+import sys, torch
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.config import Checkpoint
+config = Checkpoint(enable=True, interval=1, async_mode="async", save_threads=2, keep_latest_k=0)
+manager = CheckpointManager(config, [torch.nn.Linear(1024, 1024)], base_folder=sys.argv[1])
+manager.save(1)
+sys.exit(0)  # no close(): the save is still in flight
+"""
+
+
+def test_a_script_that_exits_with_a_save_in_flight_still_commits_it(tmp_path):
+    """The save is waited for at exit, before the interpreter's thread pools stop taking work
+    (with two writer threads, the save was left partial and nothing said so)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _EXITS_WITH_A_SAVE_IN_FLIGHT, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert run.returncode == 0, run.stderr
+    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1], run.stderr

@@ -775,3 +775,18 @@ def test_a_server_error_without_the_fields_it_names_is_our_error(bucket, tmp_pat
     store, path = _store(bucket, tmp_path, storage_retries=0)
     with pytest.raises(StorageError, match=rf"deleting s3://{bucket}/run/step-1/\S+ failed: 'nope'"):
         store.remove(layout.StepFolder(1, path, layout.COMPLETE))
+
+
+def test_the_staging_folder_is_checked_at_start_up_and_named_within_a_file_name(bucket, tmp_path):
+    """A staging folder that cannot be written fails at start-up naming the setting (it failed
+    the first save); a long URL stages under a name a file system takes (one folder named by
+    the whole encoded URL was more than 255 bytes)."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="checkpoint.staging_folder.*files cannot be staged there"):
+        CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path / "file" / "staging")), [_job()[0]])
+    url = f"s3://{bucket}/" + "/".join(["p" * 60] * 5)
+    model, opt = _job()
+    with CheckpointManager(_config(url, str(tmp_path / "s")), [model], opt) as manager:
+        manager.save(1)
+    assert all(len(name) <= 255 for name in os.listdir(tmp_path / "s"))
+    assert any(k.endswith("/step-1/COMMITTED.json") for k in _objects(bucket))

@@ -212,6 +212,6 @@ def manifest(path: str) -> dict[str, int]:
         for name in names:
             full = os.path.join(root, name)
             rel = os.path.relpath(full, path)
-            if rel not in (MARKER, MARKER + ".tmp", IN_PROGRESS):
+            if rel not in (MARKER, MARKER + durable.TMP_SUFFIX, IN_PROGRESS):
                 files[rel] = os.path.getsize(full)
     return dict(sorted(files.items()))

@@ -409,13 +409,14 @@ class CheckpointManager:
         start = time.perf_counter()
         target = self._find_load_target(step if step >= 0 else self.config.load_step)
         if target is None:
-            logger.info("no checkpoint in %s and no initial_load_path: starting from scratch", self.folder)
+            logger.info("no checkpoint in %s and no initial_load_path: starting from scratch",
+                        self._store.describe(self.folder))
             return False
         self._read(target)
         if self._group.is_coordinator:
             secs = time.perf_counter() - start
             gb = layout.folder_bytes(target.path, held=True) / 1e9
-            logger.info("loaded %s%s: %.3f GB in %.2f s, %.2f GB/s", self._store.describe(target.path),
+            logger.info("loaded %s%s: %.3f GB in %.2f s, %.2f GB/s", target.store.describe(target.path),
                         " (model only)" if target.model_only else "", gb, secs, gb / max(secs, 1e-9))
         return True
 
@@ -471,7 +472,7 @@ class CheckpointManager:
         newest_step = loadable[-1].step if loadable else -1
         for f in folders:
             if not f.loadable and f.step > newest_step and self._group.is_coordinator:
-                logger.warning("ignoring %s: %s", f.path, _not_loadable(f))
+                logger.warning("ignoring %s: %s", self._store.describe(f.path), _not_loadable(f))
         if loadable:
             if self.config.initial_load_path:
                 logger.info("%s has loadable steps; ignoring initial_load_path", self.folder)
@@ -591,7 +592,7 @@ class CheckpointManager:
         fmt = layout.foreign_format(path) or "dcp"
         if self._group.is_coordinator:
             logger.info("loading %s: a foreign %s checkpoint (no %s: not written by torchtitan_ckpt), "
-                        "unverified", path, fmt, commit.MARKER)
+                        "unverified", store.describe(path), fmt, commit.MARKER)
         target = self._target(path, step, model_only, store, fmt)
         if not target.model_only:  # a model-only save has none of the other states
             saved = {k.split(".", 1)[0] for k in target.index.keys()}
@@ -600,14 +601,15 @@ class CheckpointManager:
 
     def _explicit_step(self, folders: list[layout.StepFolder], step: int) -> _LoadTarget:
         path = layout.step_dir(self.folder, step)
+        where = self._store.describe(path)
         match = [f for f in folders if f.step == step]
         loadable = [f.step for f in folders if f.loadable]
         if not match:
             raise CheckpointNotFoundError(
-                f"checkpoint.load_step = {step}: {path} does not exist; loadable steps: {loadable}")
+                f"checkpoint.load_step = {step}: {where} does not exist; loadable steps: {loadable}")
         if not match[0].loadable:
             raise CheckpointNotFoundError(
-                f"checkpoint.load_step = {step}: {path} is not loadable ({_not_loadable(match[0])}); "
+                f"checkpoint.load_step = {step}: {where} is not loadable ({_not_loadable(match[0])}); "
                 f"loadable steps: {loadable}")
         if match[0].status == layout.FOREIGN:
             return self._foreign_target(path, step, self._store)

@@ -36,6 +36,7 @@ import copy
 import functools
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
@@ -463,6 +464,7 @@ class BackgroundSaves:
         self._count = torch.zeros(1, dtype=torch.int64).share_memory_() if reuse_buffer else None
         """The copies made of the save being staged, in shared memory, so that the writer
         process starts on each tensor as soon as its copy is made (`Copies`)."""
+        _wait_at_exit(weakref.ref(self))
 
     def submit(self, state: dict[str, Any], job: SaveJob, deferred: Deferred = _nothing_deferred) -> None:
         self.wait()
@@ -540,6 +542,19 @@ class BackgroundSaves:
         if pending is not None:
             pending.result()
 
+    def finish_at_exit(self) -> None:
+        """A script that ends with a save in flight and without `close()`: the save is waited
+        for (and its failure logged) before the interpreter stops thread pools, which the save
+        still uses."""
+        if not self.in_flight():
+            return
+        logger.warning("the interpreter is exiting with a save in flight: waiting for it (close the "
+                       "CheckpointManager to wait for it yourself)")
+        try:
+            self.wait()
+        except Exception as e:
+            logger.error("the save in flight at exit failed: %s", e)
+
     def close(self) -> None:
         try:
             self.wait()
@@ -563,6 +578,20 @@ def _take(laid_out: Future, copies: list[Copies], frozen: dict[str, Any]) -> Sta
         return _failed(e, frozen)
     taken = copies.pop()
     return Staged(taken.staged, taken.ready, taken.done, taken.wait_across if taken.counted else None)
+
+
+def _wait_at_exit(saves: weakref.ref) -> None:
+    """Have the interpreter's exit wait for `saves`' save in flight, before `concurrent.futures`
+    stops taking work (its exit hook is registered the same way, earlier, and runs later):
+    `threading._register_atexit`, private, where this Python has it."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return
+
+    def finish() -> None:
+        if (alive := saves()) is not None:
+            alive.finish_at_exit()
+    register(finish)
 
 
 def _failed(error: Exception, state: dict[str, Any]) -> Staged:

@@ -8,6 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 
+TMP_SUFFIX = ".tmp"
+"""What `write_json` adds to a file's name for the copy it writes before renaming it."""
+
+
 def fsync_path(path: str) -> None:
     """Flush a file's (or a folder's entries') data to the disk."""
     fd = os.open(path, os.O_RDONLY)
@@ -34,7 +38,7 @@ def write_json(path: str, obj: Any, *, before_replace: Callable[[], None] | None
     """Write `obj` to a temporary file, fsync it, rename it to `path` and fsync the folder, so a
     crash leaves either the old state or the whole new file. `before_replace` runs between the
     fsync and the rename (a fail point)."""
-    tmp = path + ".tmp"
+    tmp = path + TMP_SUFFIX
     with open(tmp, "w") as f:
         json.dump(obj, f, **dump_args)
         f.flush()

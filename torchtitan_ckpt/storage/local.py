@@ -84,5 +84,5 @@ def _unmarked(path: str) -> bool:
     and marking it (a full disk, a kill). Replacing it loses nothing."""
     if os.path.islink(path) or not os.path.isdir(path):
         return False
-    return all(entry.name == commit.IN_PROGRESS + ".tmp" and entry.is_file(follow_symlinks=False)
+    return all(entry.name == commit.IN_PROGRESS + durable.TMP_SUFFIX and entry.is_file(follow_symlinks=False)
                for entry in os.scandir(path))

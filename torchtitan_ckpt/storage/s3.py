@@ -35,6 +35,7 @@ from __future__ import annotations
 import base64
 import collections
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -82,6 +83,15 @@ def split_url(url: str) -> tuple[str, str]:
     return bucket, prefix.strip("/")
 
 
+def _folder_name(url: str) -> str:
+    """The staging folder's name for `url`: percent-encoded, shortened with a digest where that
+    is longer than a file name may be (255 bytes)."""
+    name = quote(url, safe="")
+    if len(name) <= 200:
+        return name
+    return f"{name[:150]}-{hashlib.sha256(url.encode()).hexdigest()[:32]}"
+
+
 def _client(key: str, url: str, config: Checkpoint) -> Any:
     try:
         import boto3  # noqa: PLC0415 - an optional dependency, needed only for s3:// folders
@@ -105,7 +115,7 @@ class S3Store(Store):
         self.bucket, self.prefix = split_url(self.url)
         self.rank = rank
         base = config.staging_folder or os.path.join(tempfile.gettempdir(), "torchtitan_ckpt")
-        self.root = os.path.join(base, quote(self.url, safe=""), f"rank-{rank}")
+        self.root = os.path.join(base, _folder_name(self.url), f"rank-{rank}")
         self.part_size = parse_size(config.upload_part_size)
         self.parallel = config.upload_parallel_parts
         self.retries = config.storage_retries
@@ -209,8 +219,13 @@ class S3Store(Store):
     # ------------------------------------------------------------------ the store
 
     def check(self, group: CheckpointGroup, write: bool = True) -> None:
-        """Every rank reaches the bucket with its credentials (and, with `write`, can write
-        under the prefix)."""
+        """Every rank can write into its staging folder, and reaches the bucket with its
+        credentials (and, with `write`, can write under the prefix)."""
+        try:
+            group.run(self._probe_staging)
+        except RankFailed as failed:
+            raise ConfigError("checkpoint.staging_folder", os.path.dirname(os.path.dirname(self.root)),
+                              f"files cannot be staged there: {failed}") from None
         try:
             group.run(lambda: self._probe(write))
         except RankFailed as failed:
@@ -218,6 +233,12 @@ class S3Store(Store):
                 f"the bucket cannot be used: {failed}. Check the bucket's name, the endpoint "
                 "(AWS_ENDPOINT_URL) and the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
                 "AWS_PROFILE): docs/storage.md")) from None
+
+    def _probe_staging(self) -> None:
+        """Every use stages files in `root` (a load too)."""
+        os.makedirs(self.root, exist_ok=True)
+        with tempfile.TemporaryFile(dir=self.root):
+            pass
 
     def _probe(self, write: bool) -> None:
         self._call("reaching the bucket of", self.prefix, self.client.head_bucket)
