@@ -573,10 +573,31 @@ def test_a_byte_item_longer_than_its_file_is_refused_naming_it(ckpt):
 
     def lengthen(md):
         index = _storage_of(md, "train_state.step")
-        md.storage_data[index] = replace(md.storage_data[index], length=2**40)
+        md.storage_data[index] = replace(md.storage_data[index], length=2**29)
 
     _edit_metadata(step, lengthen)
     _refused(dump, "item 'train_state.step' .*cut short")
+
+
+@pytest.mark.parametrize("fqn, length, problem", [
+    ("train_state.step", 2**40, r"entry 'train_state.step' is stored in 1099511627776 bytes, more than the "
+                                r"1073741824 it can take"),
+    ("output.weight", None, r"entry 'output.weight' has a chunk at \[0, 0\] stored in \d+ bytes, more than the "
+                            r"\d+ it can take"),
+], ids=["value", "tensor"])
+def test_an_item_longer_than_its_entry_can_hold_is_refused_before_it_is_read(ckpt, fqn, length, problem):
+    """An item's length comes from `.metadata`: one far past what the entry holds (a tensor's
+    elements and a few KB of framing, a value at most 1 GiB) is refused, not read whole into
+    memory (a length running into a sparse hole of the data file read 2 GiB, 4.4 GB resident)."""
+    dump, step, _ = ckpt
+
+    def lengthen(md):
+        index = _storage_of(md, fqn)
+        info = md.storage_data[index]
+        md.storage_data[index] = replace(info, length=length or info.length + (1 << 20))
+
+    _edit_metadata(step, lengthen)
+    _refused(dump, problem)
 
 
 def _bounded_load(rank: int, world_size: int, dump: str, problem: str, headroom: int) -> None:
@@ -613,7 +634,7 @@ def _long_byte_item(md):
 @pytest.mark.parametrize("edit, problem", [
     (_out_to_dev_zero, "outside the checkpoint folder"),
     (_long_loader, "dataloader.dp_rank_0"),
-    (_long_byte_item, "item 'train_state.step' .*cut short"),
+    (_long_byte_item, "'train_state.step' is stored in 1099511627776 bytes"),
 ])
 def test_sizes_from_a_crafted_metadata_allocate_nothing_large(ckpt, edit, problem):
     """1 GiB from /dev/zero took the loader from 310 MB to 1.33 GB before the checks."""
@@ -1264,3 +1285,102 @@ def test_an_archive_with_two_records_of_one_name_is_refused():
         z.writestr("archive/DATA.pkl", pickle.dumps(2))
     with pytest.raises(torch_archive.Malformed, match="two records named"):
         torch_archive.torch_load(buf.getvalue())
+
+
+def _colliding_ints(n: int) -> bytes:
+    """A pickle of {k * (2**61 - 1): 0 for k in 1..n}, written opcode by opcode (building the
+    dict is what takes quadratic time): every key hashes to 0."""
+    out = [b"\x80\x04}("]
+    for k in range(1, n + 1):
+        value = k * (2**61 - 1)
+        key = value.to_bytes(value.bit_length() // 8 + 1, "little", signed=True)
+        out += [b"\x8a" + bytes([len(key)]) + key, b"K\x00"]  # LONG1, BININT1
+    return b"".join(out + [b"u."])
+
+
+@pytest.mark.parametrize("where", ["metadata", "value"])
+def test_a_pickle_whose_dict_keys_share_a_hash_is_refused_before_it_is_built(tmp_path, where):
+    """0.84 MB of ints sharing one hash took 18 s to unpickle as `.metadata` (83 s at twice the
+    size) and 36 s as a value, then loaded: quadratic in the pickle's size."""
+    from torchtitan_ckpt.io import torch_archive
+
+    bomb = _colliding_ints(20_000)
+    path = tmp_path / storage.METADATA_FILE
+    path.write_bytes(bomb)
+    read = {"metadata": lambda: storage.read_metadata(str(path)),
+            "value": lambda: torch_archive.load_plain_pickle(bomb)}[where]
+    _refused_in_child(read, r"its pickle builds a dict or set of more than 4096 keys whose hashes it can choose")
+
+
+def test_a_dict_of_many_tuple_keys_is_refused_and_of_small_ints_read():
+    """Tuples hash from their items (a pickle can make many share one); distinct small ints never
+    share one, and strings hash with a secret of the process."""
+    from torchtitan_ckpt.io import torch_archive
+    from torchtitan_ckpt.io.untrusted import MAX_CHOSEN_KEYS
+
+    assert len(torch_archive.load_plain_pickle(pickle.dumps({i: (i, 0.5) for i in range(100_000)}))) == 100_000
+    assert len(torch_archive.load_plain_pickle(pickle.dumps({(i, 0): 1 for i in range(MAX_CHOSEN_KEYS)}))) > 0
+    with pytest.raises(CorruptCheckpointError, match="more than 4096 keys whose hashes it can choose"):
+        torch_archive.load_plain_pickle(pickle.dumps({(i, 0): 1 for i in range(MAX_CHOSEN_KEYS + 1)}))
+
+
+def test_metadata_storage_keys_that_share_a_hash_are_refused(tmp_path):
+    """DCP's storage keys are objects of its own class, hashed from their name and offset: ones a
+    file made share a hash are unpickled under a hash with a secret of the process (so building
+    the dict costs no more than any other), then counted and refused."""
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    import itertools
+
+    offsets = itertools.product([k * (2**61 - 1) for k in range(4)], repeat=4)  # each item hashes to 0
+    storage_data = {MetadataIndex("w", torch.Size(offset)): None for offset in offsets}
+    path = tmp_path / storage.METADATA_FILE
+    path.write_bytes(pickle.dumps(Metadata(state_dict_metadata={}, storage_data=storage_data)))
+    with pytest.raises(CorruptCheckpointError, match=rf"{path}: 256 storage keys share one hash"):
+        storage.read_metadata(str(path))
+
+
+def test_a_storage_record_key_that_is_no_number_is_not_read_as_one():
+    """`torch.save` numbers its records: a header naming another key (a lone surrogate, which
+    pickle carries and no file name encodes) goes to the reader that checks the whole archive."""
+    import io
+
+    from torchtitan_ckpt.io import torch_archive
+
+    buf = io.BytesIO()
+    torch.save(torch.zeros(4), buf)
+    _, pkl, _ = torch_archive.header_pickle(buf.getvalue())
+    assert isinstance(torch_archive.unpickle_header(torch_archive.HeaderUnpickler, pkl), torch_archive.SavedTensor)
+    crafted = pkl.replace(b"X\x01\x00\x00\x000", b"X\x03\x00\x00\x00\xed\xa0\x80")
+    assert crafted != pkl
+    with pytest.raises(torch_archive.Unrecognised, match="storage reference"):
+        torch_archive.unpickle_header(torch_archive.HeaderUnpickler, crafted)
+
+
+@pytest.mark.parametrize("name, limit", [("COMMITTED.json", 64 << 20),
+                                         ("model.safetensors.index.json", 64 << 20)])
+def test_a_json_file_larger_than_any_real_one_is_refused_unread(tmp_path, name, limit):
+    """A marker or index of a few real bytes and a sparse hole of GiBs was read whole (4.5 GB
+    resident for 2 GiB)."""
+    from torchtitan_ckpt.hf.adapter import read_index
+
+    path = tmp_path / name
+    path.write_bytes(b"{}")
+    os.truncate(path, limit + 1)
+    read = commit.read_marker if name == "COMMITTED.json" else lambda p: read_index(str(p / name))
+    with pytest.raises(CorruptCheckpointError, match=rf"{name}: the .* is larger than {limit} bytes"):
+        read(tmp_path)
+
+
+def test_sizing_a_linked_step_never_walks_where_the_link_leads(tmp_path):
+    """`list` sized a `step-N` link to `/` by walking the whole file system; a linked step counts
+    its own files only, and a file removed meanwhile counts nothing."""
+    from torchtitan_ckpt import layout
+
+    target = tmp_path / "elsewhere"
+    (target / "deep").mkdir(parents=True)
+    (target / "data").write_bytes(b"x" * 10)
+    (target / "deep" / "more").write_bytes(b"x" * 1000)
+    (tmp_path / "step-9").symlink_to(target)
+    assert layout.folder_bytes(str(tmp_path / "step-9")) == 10
+    assert layout.folder_bytes(str(target)) == 1010

@@ -790,3 +790,21 @@ def test_the_staging_folder_is_checked_at_start_up_and_named_within_a_file_name(
         manager.save(1)
     assert all(len(name) <= 255 for name in os.listdir(tmp_path / "s"))
     assert any(k.endswith("/step-1/COMMITTED.json") for k in _objects(bucket))
+
+
+def test_verify_on_load_reads_the_files_it_verified_without_downloading_them_again(bucket, tmp_path, proxied):
+    """`verify_on_load` downloads a rank's share of the files whole to check them: the load then
+    reads those copies (it fetched their byte ranges again, twice the traffic, and loaded bytes
+    other than the ones verified)."""
+    model, opt = _job()
+    _train(model, opt)
+    with CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path / "a")), [model], opt) as manager:
+        manager.save(1)
+    sizes = {k: v for k, v in _objects(bucket).items() if k.endswith(".distcp")}
+    proxy = proxied(lambda n, method, path: None)
+    fresh, fresh_opt = _job(seed=1)
+    with CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path / "b"), verify_on_load=True),
+                           [fresh], fresh_opt) as manager:
+        assert manager.load()
+    _assert_equal(_snapshot(fresh, fresh_opt), _snapshot(model, opt))
+    assert {k: proxy.served[f"/{bucket}/{k}"] for k in sizes} == sizes

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from .io import durable, safe_open
+from .io.untrusted import brief
 from . import faults
 from .io.checksum import file_crc32, stream_crc32
 from .errors import ConfigError, CorruptCheckpointError
@@ -31,6 +32,8 @@ from .errors import ConfigError, CorruptCheckpointError
 MARKER = "COMMITTED.json"
 IN_PROGRESS = "IN_PROGRESS.json"
 FORMAT_VERSION = 2
+MAX_MARKER_BYTES = 64 << 20
+"""Largest commit marker read: a step of 100,000 files lists them in about 10 MB."""
 
 
 @dataclass
@@ -72,8 +75,7 @@ def read_marker(path: str) -> CommitInfo:
     the marker if it is unreadable or of the wrong shape."""
     marker = os.path.join(path, MARKER)
     try:
-        with safe_open.open_file(path, MARKER, "the commit marker", "r") as f:
-            raw = json.load(f)
+        raw = json.loads(safe_open.read_bounded(marker, "the commit marker", MAX_MARKER_BYTES))
         info = CommitInfo(**raw)
     except CorruptCheckpointError:
         raise
@@ -90,18 +92,19 @@ def _marker_problem(info: CommitInfo, path: str) -> str | None:
         return type(v) is int and low <= v <= 2**62
 
     if not count(info.step, 0) or not count(info.world_size, 1) or not count(info.version, 0):
-        return f"step {info.step!r}, world_size {info.world_size!r} and version {info.version!r} must be counts"
+        return (f"step {brief(info.step)}, world_size {brief(info.world_size)} and version {brief(info.version)} "
+                "must be counts")
     if not isinstance(info.states, list) or not all(isinstance(s, str) and s for s in info.states):
-        return f"states {info.states!r} is not a list of names"
+        return f"states {brief(info.states)} is not a list of names"
     if not isinstance(info.format, str) or type(info.created) not in (int, float):
-        return f"format {info.format!r} or created {info.created!r} has the wrong type"
+        return f"format {brief(info.format)} or created {brief(info.created)} has the wrong type"
     if not isinstance(info.files, dict):
         return f"files is a {type(info.files).__name__}, not a dict of file names"
     for rel, entry in info.files.items():
         safe_open.inside(path, rel, f"the file named in {MARKER}")
         if (not isinstance(entry, dict) or set(entry) != {"size", "crc32"} or not count(entry["size"], 0)
                 or not isinstance(entry["crc32"], str)):
-            return f"files[{rel!r}] = {entry!r} is not {{'size': bytes, 'crc32': hex}}"
+            return f"files[{brief(rel)}] = {brief(entry)} is not {{'size': bytes, 'crc32': hex}}"
     return None
 
 

@@ -100,10 +100,18 @@ def committed_steps(folder: str) -> list[int]:
 
 
 def folder_bytes(path: str, held: bool = False) -> int:
-    """Total size of the files under `path` (a symlink counts as itself, dangling or not); with
-    `held`, a sparse file counts only the bytes it holds (a step fetched by byte ranges from
-    object storage is mostly holes)."""
-    def size(st: os.stat_result) -> int:
+    """Total size of the files under `path` (a symlink counts as itself, dangling or not; a file
+    removed meanwhile, nothing); with `held`, a sparse file counts only the bytes it holds (a
+    step fetched by byte ranges from object storage is mostly holes). A `path` that is itself a
+    link (a step linked in from elsewhere) counts the files directly in it: never a tree the
+    link leads into."""
+    def size(full: str) -> int:
+        try:
+            st = os.lstat(full)
+        except FileNotFoundError:
+            return 0
         return min(st.st_size, st.st_blocks * 512) if held else st.st_size
 
-    return sum(size(os.lstat(os.path.join(r, n))) for r, _, names in os.walk(path) for n in names)
+    if os.path.islink(path):
+        return sum(size(e.path) for e in os.scandir(path) if not e.is_dir(follow_symlinks=False))
+    return sum(size(os.path.join(r, n)) for r, _, names in os.walk(path) for n in names)

@@ -10,6 +10,7 @@ pickle is checked by `untrusted.check_pickle` before it is unpickled.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -18,6 +19,7 @@ import logging
 import math
 import os
 import pickle
+import secrets
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -31,7 +33,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo  # 
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's keys, as its planner makes them
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -93,12 +95,47 @@ _ALLOWED_TORCH_ATTRS = {name: value for name, value in vars(torch).items()
                         if isinstance(value, (torch.dtype, torch.layout, torch.memory_format))}
 
 
+_SALT = secrets.token_hex(16)
+MAX_SHARED_HASH = 64
+"""Most storage keys of a `.metadata` that may share DCP's hash (distinct real ones share none)."""
+
+
+class _SaltedIndex(MetadataIndex):
+    """DCP's `MetadataIndex` as `.metadata`'s storage dict is unpickled: hashed from the text of
+    its fields and a secret of this process, so that keys a crafted file made share DCP's hash
+    (offsets of large or chosen numbers) cost no more to put in that dict than any others.
+    `read_metadata` puts DCP's own keys back once it has counted how many share a hash."""
+
+    def __hash__(self) -> int:
+        return hash((_SALT, repr(getattr(self, "fqn", None)), repr(getattr(self, "offset", None))))
+
+
+def _restore_keys(metadata: Any, path: str) -> None:
+    """Put DCP's `MetadataIndex` keys in place of the `_SaltedIndex` ones unpickled; more than
+    `MAX_SHARED_HASH` sharing DCP's hash is a `CorruptCheckpointError` (a dict of them, and every
+    lookup in it, would take quadratic time)."""
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict) or not all(type(k) is _SaltedIndex for k in storage):
+        return  # `check_metadata` refuses it
+    for k in storage:
+        offset = getattr(k, "offset", None)
+        if type(getattr(k, "fqn", None)) is not str or not (offset is None or type(offset) is torch.Size):
+            raise CorruptCheckpointError(f"{path}: storage key {brief(k)} is not a name and an offset")
+    shared = collections.Counter(MetadataIndex.__hash__(k) for k in storage).most_common(1)
+    if shared and shared[0][1] > MAX_SHARED_HASH:
+        raise CorruptCheckpointError(f"{path}: {shared[0][1]} storage keys share one hash; the file was crafted "
+                                     "to make reading it take quadratic time")
+    metadata.storage_data = {MetadataIndex(k.fqn, k.offset, getattr(k, "index", None)): v for k, v in storage.items()}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, file, path: str):
         super().__init__(file)
         self._path = path
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch.distributed.checkpoint.metadata", "MetadataIndex"):
+            return _SaltedIndex
         if (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and name in _ALLOWED_TORCH_ATTRS:
@@ -129,6 +166,7 @@ def read_metadata(path: str, check: Callable[[bytes, str], None] = check_pickle)
                                      f"{brief(str(e))}") from e
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")
+    _restore_keys(metadata, path)
     check_metadata(metadata, os.path.dirname(path) or ".", path)
     return metadata
 

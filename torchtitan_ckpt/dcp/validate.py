@@ -27,11 +27,15 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import CorruptCheckpointError
 from ..io import safe_open
-from ..io.untrusted import brief
+from ..io.untrusted import MAX_DIMS, brief
 
-MAX_DIMS = 64
 MAX_INT = 2**62
 """Bound of every size, offset and element count: no real tensor or file comes near it."""
+FRAMING_BYTES = 64 << 10
+"""Most bytes a tensor's item holds beyond its elements' (`torch.save`'s zip records and
+directory take a few KB; DCP saves a view's elements alone, cloning it first)."""
+MAX_VALUE_BYTES = 1 << 30
+"""Largest non-tensor value item read (a dataloader's or a user's state pickled whole)."""
 MAX_CELLS = 1 << 22
 """Most cells the overlap check cuts a tensor into (`_overlap_problem`): a grid of N chunks, as
 DCP writes a sharded tensor, makes N; slicing each chunk's rows (`policy.dedup`) a few times N."""
@@ -71,7 +75,10 @@ def check_metadata(metadata: Metadata, root: str, path: str) -> None:
 
 def _entry_problem(key: str, md: Any, storage: dict) -> str | None:
     if isinstance(md, BytesStorageMetadata):
-        return None if MetadataIndex(key) in storage else "has no storage entry"
+        if MetadataIndex(key) not in storage:
+            return "has no storage entry"
+        problem = _length_problem(storage[MetadataIndex(key)], MAX_VALUE_BYTES)
+        return problem and f"is {problem}"
     if not isinstance(md, TensorStorageMetadata):
         return f"is a {type(md).__name__}, not a tensor or bytes entry"
     props = getattr(md, "properties", None)
@@ -87,7 +94,19 @@ def _entry_problem(key: str, md: Any, storage: dict) -> str | None:
             return problem
         if MetadataIndex(key, chunk.offsets) not in storage:
             return f"has no storage entry for its chunk at {list(chunk.offsets)}"
+        held = math.prod(chunk.sizes) * props.dtype.itemsize + FRAMING_BYTES
+        if problem := _length_problem(storage[MetadataIndex(key, chunk.offsets)], held):
+            return f"has a chunk at {list(chunk.offsets)} {problem}"
     return _coverage_problem(size, chunks)
+
+
+def _length_problem(info: Any, most: int) -> str | None:
+    """Whether a storage entry's length (a count, or `_check_storage` says otherwise) exceeds what
+    its entry can hold: a crafted length would make a reader allocate it."""
+    length = getattr(info, "length", None)
+    if _count(length) and length > most:
+        return f"stored in {length} bytes, more than the {most} it can take"
+    return None
 
 
 def _chunk_problem(chunk: Any, size: torch.Size) -> str | None:

@@ -26,8 +26,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..errors import AdapterMismatchError, CheckpointError, CorruptCheckpointError
 from ..io import safe_open
-from .files import CONFIG_FILE, INDEX_FILE, file_number
-from .model_config import HFModelConfig
+from .files import CONFIG_FILE, INDEX_FILE, MAX_INDEX_BYTES, file_number
+from .model_config import MAX_CONFIG_BYTES, HFModelConfig
 
 
 
@@ -250,8 +250,7 @@ def _assets_config(hf_assets_path: str | None) -> dict[str, Any] | None:
     path = os.path.join(hf_assets_path or "", CONFIG_FILE)
     if hf_assets_path is None or not os.path.isfile(path):
         return None
-    with safe_open.open_path(path, "the model config", "r") as f:
-        return json.load(f)
+    return json.loads(safe_open.read_bounded(path, "the model config", MAX_CONFIG_BYTES))
 
 
 def _with_dtype(config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
@@ -325,8 +324,7 @@ def read_file_split(hf_dir: str) -> dict[str, int] | None:
 def read_index(path: str) -> dict[str, str]:
     """The `weight_map` of a `model.safetensors.index.json`."""
     try:
-        with safe_open.open_path(path, "the safetensors index", "r") as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = json.loads(safe_open.read_bounded(path, "the safetensors index", MAX_INDEX_BYTES))["weight_map"]
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise CorruptCheckpointError(f"{path} is not a safetensors index with a weight_map: {e!r}") from e
     if not isinstance(weight_map, dict):

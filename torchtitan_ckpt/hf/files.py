@@ -21,6 +21,8 @@ _MODEL_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors", re.ASCII)
 _DCP_SHARD_FILE = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors", re.ASCII)
 _UNUSED_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", re.ASCII)
 
+MAX_INDEX_BYTES = 64 << 20
+"""Largest `model.safetensors.index.json` read: a model of 100,000 tensors names them in a few MB."""
 MAX_HEADER_BYTES = 100_000_000
 """The largest safetensors header the `safetensors` library itself reads."""
 

@@ -96,11 +96,7 @@ def read_hf_config(path: str) -> HFModelConfig:
     refused, never waited on) inside its folder (a link out of it is not followed) of at most
     `MAX_CONFIG_BYTES`."""
     try:
-        with safe_open.open_path(path, "the model config") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-        if len(data) > MAX_CONFIG_BYTES:
-            raise ValueError(f"it is larger than {MAX_CONFIG_BYTES} bytes, far more than any model's config")
-        raw = json.loads(data)
+        raw = json.loads(safe_open.read_bounded(path, "the model config", MAX_CONFIG_BYTES))
     except (OSError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"cannot read the model config {path}: {e}") from e
     return HFModelConfig.parse(raw, path)

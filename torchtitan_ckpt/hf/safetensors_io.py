@@ -20,8 +20,8 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from .files import MAX_HEADER_BYTES, SAFETENSORS_DTYPES
-from ..io import safe_open
-from ..io import posio
+from ..io import posio, safe_open
+from ..io.untrusted import MAX_DIMS, brief
 
 
 
@@ -64,12 +64,13 @@ def _entry(name: str, fields: dict, path: str, data_start: int) -> TensorEntry:
     """The entry of tensor `name`, its dtype, shape and `data_offsets` checked (not yet against
     the data section: `_check_offsets`)."""
     if fields["dtype"] not in SAFETENSORS_DTYPES:
-        raise ValueError(f"{name}: dtype {fields['dtype']!r} is not one of {sorted(SAFETENSORS_DTYPES)}")
+        raise ValueError(f"{name[:200]}: dtype {brief(fields['dtype'])} is not one of {sorted(SAFETENSORS_DTYPES)}")
     shape, offsets = fields["shape"], fields["data_offsets"]
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise ValueError(f"{name}: shape {shape!r} is not a list of non-negative integers")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d) for d in shape):
+        raise ValueError(f"{name[:200]}: shape {brief(shape)} is not a list of at most {MAX_DIMS} non-negative "
+                         "integers")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(x) for x in offsets):
-        raise ValueError(f"{name}: data_offsets {offsets!r} is not a pair of non-negative integers")
+        raise ValueError(f"{name[:200]}: data_offsets {brief(offsets)} is not a pair of non-negative integers")
     return TensorEntry(SAFETENSORS_DTYPES[fields["dtype"]], tuple(shape), path, data_start + offsets[0])
 
 

@@ -72,6 +72,17 @@ def open_path(path: str, what: str, mode: str = "rb"):
     return open_file(os.path.dirname(path) or ".", os.path.basename(path), what, mode)
 
 
+def read_bounded(path: str, what: str, limit: int) -> bytes:
+    """The bytes of the file at `path` (see `open_path`): a `CorruptCheckpointError` naming it
+    when it holds more than `limit` (a crafted or damaged file is never read whole into memory)."""
+    with open_path(path, what) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{path}: {what} is larger than {limit} bytes, far more than any real one; "
+                                     "refusing to read it")
+    return data
+
+
 def file_size(root: str, name: object, what: str) -> int:
     """Bytes of the regular file `name` under `root` (see `open_fd`)."""
     fd = open_fd(root, name, what)

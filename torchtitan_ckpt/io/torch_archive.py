@@ -220,7 +220,8 @@ class HeaderUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> _StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and isinstance(pid[1], torch.dtype) and isinstance(pid[2], str) and isinstance(pid[4], int)):
+                and isinstance(pid[1], torch.dtype) and isinstance(pid[2], str) and pid[2].isascii()
+                and pid[2].isdigit() and isinstance(pid[4], int)):  # torch.save numbers its records
             raise Unrecognised(f"storage reference {brief(pid)}")
         return _StorageRef(pid[1], pid[2], pid[4])
 

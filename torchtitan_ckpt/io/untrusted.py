@@ -18,6 +18,7 @@ import dataclasses
 import pickle
 import pickletools
 import reprlib
+import sys
 from itertools import islice
 from typing import Any
 
@@ -29,6 +30,13 @@ MAX_DEPTH = 100
 """Deepest nesting a checkpoint's pickle may build, counting an object built by a class (its
 arguments, its state) as levels of its own: DCP's `.metadata` nests 11 deep, a non-tensor value
 or a dataloader's state a few more."""
+MAX_DIMS = 64
+"""Most dimensions of a tensor a checkpoint describes (DCP's metadata, a safetensors header)."""
+MAX_CHOSEN_KEYS = 4096
+"""Most keys of one dict (or members of one set) whose hash a pickle can choose (large ints,
+floats, tuples and values built from them): many sharing one hash make building the dict
+quadratic (0.84 MB of ints sharing a hash took 18 s to unpickle). Scalars' hashes are distinct or
+randomised per process (strings), and a class's own objects hash as their class says."""
 MIN_UNFOLDED = 1 << 20
 UNFOLDED_PER_BYTE = 4
 """A pickle of N bytes may build objects that unfold to at most max(MIN_UNFOLDED,
@@ -60,17 +68,27 @@ _LENGTHS = {pickletools.TAKEN_FROM_ARGUMENT1: (1, False), pickletools.TAKEN_FROM
             pickletools.TAKEN_FROM_ARGUMENT4U: (4, False), pickletools.TAKEN_FROM_ARGUMENT8U: (8, False)}
 """Opcode arguments that are a length (its bytes, signed) and that many bytes."""
 _MEMO_ARGS = {"GET", "BINGET", "LONG_BINGET", "PUT", "BINPUT", "LONG_BINPUT"}
+_NUMBERS = {"INT": 1, "LONG": 1, "LONG1": 1, "LONG4": 1, "FLOAT": 2, "BINFLOAT": 2}
+"""Opcodes of a number that may be a key of chosen hash: an int (1) when it is large (its hash
+is the int modulo `sys.hash_info.modulus`), a float (2) always."""
+_KEYS = {"SETITEM": 1, "SETITEMS": 1, "DICT": 1, "ADDITEMS": 2, "FROZENSET": 2}
+"""Opcodes that hash what they take: every other object from the first (a dict's keys, 1), or
+every object (a set's members, 2)."""
+_TUPLES = {"TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "FROZENSET"}
+"""Opcodes that build a value whose hash follows from its parts' (a pickle can make many share one)."""
 
 
 def _opcode_table() -> list[tuple | None]:
     """Per opcode byte (None: not an opcode): its `_action`, how its argument is laid out (a
     fixed size, a line (two for GLOBAL and INST), or a length first), whether the argument is a memo index (the
-    one argument the scan reads), and whether it is STOP."""
+    one argument the scan reads besides numbers), whether it is STOP, and its `_NUMBERS`, `_KEYS`
+    and `_TUPLES` entries."""
     table: list[tuple | None] = [None] * 256
     for op in pickletools.opcodes:
         size = 0 if op.arg is None else op.arg.n
         lines = 2 if op.arg is not None and op.arg.name == "stringnl_noescape_pair" else 1  # GLOBAL, INST
-        table[ord(op.code)] = (*_action(op), size, lines, op.name in _MEMO_ARGS, op.name == "STOP")
+        table[ord(op.code)] = (*_action(op), size, lines, op.name in _MEMO_ARGS, op.name == "STOP",
+                               _NUMBERS.get(op.name, 0), _KEYS.get(op.name, 0), op.name in _TUPLES)
     return table
 
 
@@ -115,8 +133,9 @@ def _unfolding_problem(data: bytes, limit: int) -> str | None:
     large `.metadata` is hundreds of thousands of opcodes, and this is what a load pays for them.
     """
     data = bytes(data)
-    opcodes, end, pos = _OPCODES, len(data), 0
-    leaf = [1, 0, False]
+    opcodes, end, pos, modulus = _OPCODES, len(data), 0, sys.hash_info.modulus
+    leaf = [1, 0, False, False, 0]  # [unfolded size, depth, taken in, hash chosen, chosen keys taken]
+    chosen_leaf = [1, 0, False, True, 0]  # a number whose hash the pickle chooses
     stack: list[list] = []
     marks: list[int] = []
     memo: dict[int, list] = {}
@@ -127,9 +146,9 @@ def _unfolding_problem(data: bytes, limit: int) -> str | None:
         entry = opcodes[data[pos]]
         if entry is None:
             raise ValueError(f"byte {pos} holds {data[pos]:#04x}, which is not an opcode")
-        kind, n, marked, layout, lines, memo_arg, stop = entry
+        kind, n, marked, layout, lines, memo_arg, stop, number, keys, builds_tuple = entry
         pos += 1
-        arg = None
+        arg, chosen = None, number == 2
         if layout > 0:
             if memo_arg:
                 arg = data[pos] if layout == 1 else int.from_bytes(data[pos:pos + layout], "little")
@@ -141,12 +160,16 @@ def _unfolding_problem(data: bytes, limit: int) -> str | None:
                     raise ValueError(f"the argument at byte {pos} has no end of line")
                 if memo_arg:
                     arg = int(data[pos:eol])
+                elif number == 1:
+                    chosen = abs(int(data[pos:eol].rstrip(b"L"))) >= modulus
                 pos = eol + 1
         elif layout:
             width, signed = _LENGTHS[layout]
             length = int.from_bytes(data[pos:pos + width], "little", signed=signed)
             if length < 0:
                 raise ValueError(f"the argument at byte {pos} has a negative length")
+            if number == 1 and length >= 8:
+                chosen = abs(int.from_bytes(data[pos + width:pos + width + length], "little", signed=True)) >= modulus
             pos += width + length
         if pos > end:
             raise ValueError("the pickle ends inside an opcode's argument")
@@ -159,9 +182,9 @@ def _unfolding_problem(data: bytes, limit: int) -> str | None:
         elif kind == _MEMOIZE and len(stack) > fence:
             memo[len(memo)] = stack[-1]
         elif kind == _LEAF:
-            stack.append(leaf)
+            stack.append(chosen_leaf if chosen else leaf)
         elif kind == _EMPTY:
-            stack.append([1, 0, False])
+            stack.append([1, 0, False, False, 0])
         elif kind == _MARK:
             marks.append(len(stack))
             fence = len(stack)
@@ -188,10 +211,15 @@ def _unfolding_problem(data: bytes, limit: int) -> str | None:
                 continue
             if kind == _INTO:
                 node = parts.pop(0)
-                if node[2] or node is leaf or any(p is node for p in parts):
+                if node[2] or node is leaf or node is chosen_leaf or any(p is node for p in parts):
                     return "changes an object after another object took it in"
-            else:
-                node = [1, 0, False]
+            else:  # a tuple, or an object built from chosen parts, has a hash the pickle chooses
+                node = [1, 0, False, builds_tuple or any(p[3] for p in parts), 0]
+            if keys:
+                node[4] += sum(1 for p in (parts[::2] if keys == 1 else parts) if p[3])
+                if node[4] > MAX_CHOSEN_KEYS:
+                    return (f"builds a dict or set of more than {MAX_CHOSEN_KEYS} keys whose hashes it can choose "
+                            "(large numbers, tuples): keys made to share one would take quadratic time to build")
             size, depth = node[0], node[1]
             for part in parts:
                 part[2] = True

@@ -123,6 +123,7 @@ class S3Store(Store):
         self._pool = ThreadPoolExecutor(self.parallel, thread_name_prefix="ckpt-s3")
         self._held: str | None = None  # the step folder fetched here
         self._whole = False  # with every object of it
+        self._files: set[str] = set()  # the objects of it fetched whole
 
     # ------------------------------------------------------------------ names and requests
 
@@ -276,6 +277,7 @@ class S3Store(Store):
         """An empty local staging folder for this rank's files of the step."""
         if path == self._held:
             self._held, self._whole = None, False
+            self._files.clear()
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path)
 
@@ -377,18 +379,21 @@ class S3Store(Store):
             os.makedirs(os.path.dirname(local), exist_ok=True)
             self._download(f"{key}/{name}", local, [(0, size)], size)
         self._whole = names is None
+        self._files.update(objects)
         _log_rate("rank %d downloaded %d objects of %s" % (self.rank, len(objects), self.where(key)),
                   sum(objects.values()), start)
         return path
 
     def fetch_ranges(self, path: str, ranges: Mapping[str, Sequence[tuple[int, int]]]) -> None:
         """Download only `ranges` of the step's objects (ranged GETs, ranges that touch merged)
-        into sparse local files, at their offsets: this rank's share of the step, not all of it."""
+        into sparse local files, at their offsets: this rank's share of the step, not all of it.
+        An object fetched whole here before (`verify_on_load`'s share) is read as it was
+        verified, not downloaded again."""
         self._hold(path)
         if self._whole:
             return
         start, key, total = time.perf_counter(), self._key(path), 0
-        spans = self._checked_spans(path, key, ranges)
+        spans = self._checked_spans(path, key, {rel: r for rel, r in ranges.items() if rel not in self._files})
         for rel, merged in spans.items():
             local = os.path.join(path, rel)
             os.makedirs(os.path.dirname(local), exist_ok=True)
@@ -426,6 +431,7 @@ class S3Store(Store):
             for old in filter(None, (self._held, path)):
                 shutil.rmtree(old, ignore_errors=True)
             self._held, self._whole = path, False
+            self._files.clear()
 
     def size(self, path: str) -> int:
         return sum(self._list(self._key(path)).values())
