@@ -1384,3 +1384,14 @@ def test_sizing_a_linked_step_never_walks_where_the_link_leads(tmp_path):
     (tmp_path / "step-9").symlink_to(target)
     assert layout.folder_bytes(str(tmp_path / "step-9")) == 10
     assert layout.folder_bytes(str(target)) == 1010
+
+
+def test_an_optimizer_setting_of_another_kind_is_refused_naming_it(tmp_path):
+    """A learning rate saved as text loaded, and the job's next optimizer step failed."""
+    job = make_job(str(tmp_path), steps=4, interval=2, keep_latest_k=0)
+    job.run_to(2, steps=4)
+    job.opt.param_groups[0]["lr"] = "boom"
+    job.opt.param_groups[0]["betas"] = (0.9, 0.95)
+    assert job.manager.save(4)
+    job.manager.close()
+    _refused(str(tmp_path), r"optimizer.param_groups.\S+\.lr is 'boom', where this job's optimizer has 0.0\d+")

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .errors import CheckpointError, CorruptCheckpointError
 from .io.torch_archive import load_plain_pickle
+from .io.untrusted import brief
 
 
 _WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
@@ -134,6 +135,22 @@ class OptimizerState(CheckedState):
                                   "checkpoint.exclude_from_loading to start it fresh")
         return sd
 
+    def check_loaded(self, state_dict: dict[str, Any]) -> None:
+        """Each setting read is of the kind the job's optimizer has for it (a number, a flag, a
+        pair of numbers, ...): one of another kind would load, then fail the next step."""
+        live = {}
+        for opt, names in self.named:
+            at = 0
+            for group in opt.param_groups:
+                for name in names[at:at + len(group["params"])]:
+                    live[name] = group
+                at += len(group["params"])
+        for fqn, settings in state_dict.get("param_groups", {}).items():
+            for key, value in settings.items():
+                if fqn in live and key in live[fqn] and not _same_kind(value, live[fqn][key]):
+                    raise CorruptCheckpointError(f"optimizer.param_groups.{fqn}.{key} is {brief(value)}, where this "
+                                                 f"job's optimizer has {brief(live[fqn][key])}")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for opt, names in self.named:
             current = opt.state_dict()
@@ -144,6 +161,27 @@ class OptimizerState(CheckedState):
 
 
 _NOT_SETTINGS = ("params", "param_names")
+
+
+def _same_kind(saved: Any, live: Any) -> bool:
+    """Whether an optimizer setting read from a checkpoint can stand where the job has `live`:
+    a number (or a tensor holding one) for a number, a flag or None for a flag or None (an
+    option left to its default), a sequence of as many such for a sequence, text for text."""
+    if isinstance(live, bool) or live is None:
+        return saved is None or isinstance(saved, bool) or live is None and _number(saved)
+    if _number(live):
+        return _number(saved)
+    if isinstance(live, (tuple, list)):
+        return (isinstance(saved, (tuple, list)) and len(saved) == len(live)
+                and all(_same_kind(s, v) for s, v in zip(saved, live)))
+    if isinstance(live, str):
+        return isinstance(saved, str)
+    return True
+
+
+def _number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            or isinstance(value, torch.Tensor) and value.numel() == 1)
 
 
 def _parameter_names(parts: Sequence[nn.Module], opt: torch.optim.Optimizer) -> list[str]:
