@@ -464,3 +464,31 @@ def test_a_script_that_exits_with_a_save_in_flight_still_commits_it(tmp_path):
                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
     assert run.returncode == 0, run.stderr
     assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1], run.stderr
+
+
+_FORKS_WITH_A_SAVE_IN_FLIGHT = """
+import multiprocessing, sys, time, torch
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.config import Checkpoint
+config = Checkpoint(enable=True, interval=1, async_mode="async", keep_latest_k=0)
+manager = CheckpointManager(config, [torch.nn.Linear(2048, 4096)], base_folder=sys.argv[1])
+manager.save(1)
+assert manager.save_in_flight
+child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0,))  # a data loader's worker
+child.start()
+child.join(60)
+print("child", child.exitcode)
+manager.close()
+"""
+
+
+def test_a_process_forked_during_a_save_exits_without_waiting_for_it(tmp_path):
+    """The exit's wait for a save in flight is the process's that made it: a forked child (a
+    data loader's worker) inherits the hook but not the save's threads, and waited forever."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _FORKS_WITH_A_SAVE_IN_FLIGHT, str(tmp_path)], capture_output=True,
+                         text=True, timeout=180, env={**os.environ, "PYTHONPATH": root})
+    assert run.returncode == 0 and "child 0" in run.stdout, run.stdout + run.stderr

@@ -35,6 +35,7 @@ import contextlib
 import copy
 import functools
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -385,7 +386,7 @@ def _traversed_list(value: Any) -> bool:
     pickles whole, tensors inside included. Staging looks inside the same containers: a tensor
     staged as a view of a shared buffer inside a value pickled whole would carry the whole
     buffer into the checkpoint."""
-    return type(value) is list and any(isinstance(v, (torch.Tensor, dict)) or _traversed_list(v) for v in value)
+    return isinstance(value, list) and any(isinstance(v, (torch.Tensor, dict)) or _traversed_list(v) for v in value)
 
 
 def _kind(t: torch.Tensor) -> tuple:
@@ -587,9 +588,10 @@ def _wait_at_exit(saves: weakref.ref) -> None:
     register = getattr(threading, "_register_atexit", None)
     if register is None:
         return
+    pid = os.getpid()
 
-    def finish() -> None:
-        if (alive := saves()) is not None:
+    def finish() -> None:  # a forked child (a data loader's worker) inherits the hook, not the save's threads
+        if os.getpid() == pid and (alive := saves()) is not None:
             alive.finish_at_exit()
     register(finish)
 

@@ -165,10 +165,13 @@ _NOT_SETTINGS = ("params", "param_names")
 
 def _same_kind(saved: Any, live: Any) -> bool:
     """Whether an optimizer setting read from a checkpoint can stand where the job has `live`:
-    a number (or a tensor holding one) for a number, a flag or None for a flag or None (an
-    option left to its default), a sequence of as many such for a sequence, text for text."""
-    if isinstance(live, bool) or live is None:
-        return saved is None or isinstance(saved, bool) or live is None and _number(saved)
+    None (an option left to its default) anywhere and anything where the job has None, a flag
+    for a flag, a number (or a tensor holding one) for a number, a sequence of as many such for
+    a sequence, text for text."""
+    if saved is None or live is None:
+        return True
+    if isinstance(live, bool):
+        return isinstance(saved, bool)
     if _number(live):
         return _number(saved)
     if isinstance(live, (tuple, list)):

@@ -31,9 +31,11 @@ from ..io.untrusted import MAX_DIMS, brief
 
 MAX_INT = 2**62
 """Bound of every size, offset and element count: no real tensor or file comes near it."""
-FRAMING_BYTES = 64 << 10
+FRAMING_BYTES = 16 << 20
 """Most bytes a tensor's item holds beyond its elements' (`torch.save`'s zip records and
-directory take a few KB; DCP saves a view's elements alone, cloning it first)."""
+directory take a few KB, with its records aligned to 64 bytes by default and to at most a few
+MB by `torch.utils.serialization.config.save.storage_alignment`; DCP saves a view's elements
+alone, cloning it first)."""
 MAX_VALUE_BYTES = 1 << 30
 """Largest non-tensor value item read (a dataloader's or a user's state pickled whole)."""
 MAX_CELLS = 1 << 22

@@ -76,19 +76,23 @@ _KEYS = {"SETITEM": 1, "SETITEMS": 1, "DICT": 1, "ADDITEMS": 2, "FROZENSET": 2}
 every object (a set's members, 2)."""
 _TUPLES = {"TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "FROZENSET"}
 """Opcodes that build a value whose hash follows from its parts' (a pickle can make many share one)."""
+_GATHERS = {"TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "LIST", "APPEND", "APPENDS"}
+"""Opcodes that put objects in a tuple or list as they are: what a class called on it (`set`,
+`frozenset`, `OrderedDict`) may hash, so their count of chosen hashes is carried along."""
 
 
 def _opcode_table() -> list[tuple | None]:
     """Per opcode byte (None: not an opcode): its `_action`, how its argument is laid out (a
     fixed size, a line (two for GLOBAL and INST), or a length first), whether the argument is a memo index (the
-    one argument the scan reads besides numbers), whether it is STOP, and its `_NUMBERS`, `_KEYS`
-    and `_TUPLES` entries."""
+    one argument the scan reads besides numbers), whether it is STOP, and its `_NUMBERS`, `_KEYS`,
+    `_TUPLES` and `_GATHERS` entries."""
     table: list[tuple | None] = [None] * 256
     for op in pickletools.opcodes:
         size = 0 if op.arg is None else op.arg.n
         lines = 2 if op.arg is not None and op.arg.name == "stringnl_noescape_pair" else 1  # GLOBAL, INST
         table[ord(op.code)] = (*_action(op), size, lines, op.name in _MEMO_ARGS, op.name == "STOP",
-                               _NUMBERS.get(op.name, 0), _KEYS.get(op.name, 0), op.name in _TUPLES)
+                               _NUMBERS.get(op.name, 0), _KEYS.get(op.name, 0), op.name in _TUPLES,
+                               op.name in _GATHERS)
     return table
 
 
@@ -134,7 +138,7 @@ def _unfolding_problem(data: bytes, limit: int) -> str | None:
     """
     data = bytes(data)
     opcodes, end, pos, modulus = _OPCODES, len(data), 0, sys.hash_info.modulus
-    leaf = [1, 0, False, False, 0]  # [unfolded size, depth, taken in, hash chosen, chosen keys taken]
+    leaf = [1, 0, False, False, 0]  # [unfolded size, depth, taken in, hash chosen, chosen hashes held]
     chosen_leaf = [1, 0, False, True, 0]  # a number whose hash the pickle chooses
     stack: list[list] = []
     marks: list[int] = []
@@ -146,7 +150,7 @@ def _unfolding_problem(data: bytes, limit: int) -> str | None:
         entry = opcodes[data[pos]]
         if entry is None:
             raise ValueError(f"byte {pos} holds {data[pos]:#04x}, which is not an opcode")
-        kind, n, marked, layout, lines, memo_arg, stop, number, keys, builds_tuple = entry
+        kind, n, marked, layout, lines, memo_arg, stop, number, keys, builds_tuple, gathers = entry
         pos += 1
         arg, chosen = None, number == 2
         if layout > 0:
@@ -215,11 +219,16 @@ def _unfolding_problem(data: bytes, limit: int) -> str | None:
                     return "changes an object after another object took it in"
             else:  # a tuple, or an object built from chosen parts, has a hash the pickle chooses
                 node = [1, 0, False, builds_tuple or any(p[3] for p in parts), 0]
-            if keys:
+            if keys:  # a dict's keys or a set's members, hashed as they go in
                 node[4] += sum(1 for p in (parts[::2] if keys == 1 else parts) if p[3])
                 if node[4] > MAX_CHOSEN_KEYS:
                     return (f"builds a dict or set of more than {MAX_CHOSEN_KEYS} keys whose hashes it can choose "
                             "(large numbers, tuples): keys made to share one would take quadratic time to build")
+            elif gathers:
+                node[4] += sum(p[4] + p[3] for p in parts)
+            elif kind == _NEW and sum(p[4] + p[3] for p in parts) > MAX_CHOSEN_KEYS:  # a class called on them
+                return (f"hands a class (a set built from a list) more than {MAX_CHOSEN_KEYS} values whose hashes it "
+                        "can choose (large numbers, tuples): ones made to share one would take quadratic time")
             size, depth = node[0], node[1]
             for part in parts:
                 part[2] = True

@@ -160,11 +160,11 @@ class S3Store(Store):
     def _list(self, key: str) -> dict[str, int]:
         """Object name (relative to `key/`; the whole bucket for the empty key) -> size, for
         every object under `key/`. A folder placeholder (an empty object whose name ends in `/`,
-        as the S3 console makes) is no object. An answer naming an object outside `key/`, not
-        after the one before it (S3 lists in UTF-8 order; a listing that repeats itself would
-        never end), or of a size outside [0, MAX_OBJECT_BYTES], or one that pages on without a
-        continuation token or with one given before, is a `StorageError`."""
-        prefix, found, token, seen, last = f"{key}/" if key else "", {}, {}, set(), b""
+        as the S3 console makes) is no object. An answer naming an object outside `key/` or one
+        listed before (a listing that repeats itself would never end), or of a size outside [0,
+        MAX_OBJECT_BYTES], or one that pages on without a continuation token or with one given
+        before, is a `StorageError`."""
+        prefix, found, token, seen = f"{key}/" if key else "", {}, {}, set()
         while True:
             page = self._call("listing", prefix, self.client.list_objects_v2, Prefix=prefix, **token)
             for o in page.get("Contents", []):
@@ -172,10 +172,9 @@ class S3Store(Store):
                 if not isinstance(name, str) or not name.startswith(prefix):
                     raise StorageError(f"listing {self.where(prefix)}: the server answered the object {brief(name)}, "
                                        "which is not under it")
-                if name.encode() <= last:
-                    raise StorageError(f"listing {self.where(prefix)}: the server lists {self.where(name)} after "
-                                       f"{self.where(last.decode())}, out of order: the listing would never end")
-                last = name.encode()
+                if name[len(prefix):] in found:
+                    raise StorageError(f"listing {self.where(prefix)}: the server lists {self.where(name)} twice: "
+                                       "the listing would never end")
                 if type(size) is not int or not 0 <= size <= MAX_OBJECT_BYTES:
                     raise StorageError(f"listing {self.where(prefix)}: the server gives {self.where(name)} a size "
                                        f"of {size!r} bytes, not one in [0, {MAX_OBJECT_BYTES}]")
@@ -363,14 +362,17 @@ class S3Store(Store):
     def fetch(self, path: str, names: Sequence[str] | None = None) -> str:
         """Download the objects under the step (or checkpoint folder) into `path`: every one,
         or those of `names`. Afresh (the same step may have been saved again since), unless the
-        whole step is already here. `path` exists once anything is under it in the store."""
+        whole step is here already; fetching every object skips those fetched by name just before
+        (the files that told the step's status). `path` exists once anything is under it in the
+        store."""
         self._hold(path)
         if self._whole:
             return path
         start, key = time.perf_counter(), self._key(path)
         listed = self._list(key)
-        objects = {n: size for n, size in listed.items() if names is None or n in names}
-        if names is None and not objects:
+        objects = ({n: size for n, size in listed.items() if n not in self._files} if names is None else
+                   {n: size for n, size in listed.items() if n in names})
+        if names is None and not listed:
             raise CheckpointNotFoundError(f"{self.where(key)}: no objects there")
         if listed:
             os.makedirs(path, exist_ok=True)
