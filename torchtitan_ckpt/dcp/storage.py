@@ -20,6 +20,7 @@ import math
 import os
 import pickle
 import secrets
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -96,6 +97,8 @@ _ALLOWED_TORCH_ATTRS = {name: value for name, value in vars(torch).items()
 
 
 _SALT = secrets.token_hex(16)
+_DISTINCT = sys.hash_info.modulus
+"""Non-negative ints below it hash to themselves: no two share a hash."""
 MAX_SHARED_HASH = 64
 """Most storage keys of a `.metadata` that may share DCP's hash (distinct real ones share none)."""
 
@@ -107,7 +110,10 @@ class _SaltedIndex(MetadataIndex):
     `read_metadata` puts DCP's own keys back once it has counted how many share a hash."""
 
     def __hash__(self) -> int:
-        return hash((_SALT, repr(getattr(self, "fqn", None)), repr(getattr(self, "offset", None))))
+        fqn, offset = getattr(self, "fqn", None), getattr(self, "offset", None)
+        if type(fqn) is str and type(offset) is torch.Size and all(0 <= x < _DISTINCT for x in offset):
+            return hash((_SALT, fqn, *offset))  # such ints hash to themselves: only the secret mixes them
+        return hash((_SALT, repr(fqn), repr(offset)))
 
 
 def _restore_keys(metadata: Any, path: str) -> None:
@@ -125,7 +131,9 @@ def _restore_keys(metadata: Any, path: str) -> None:
     if shared and shared[0][1] > MAX_SHARED_HASH:
         raise CorruptCheckpointError(f"{path}: {shared[0][1]} storage keys share one hash; the file was crafted "
                                      "to make reading it take quadratic time")
-    metadata.storage_data = {MetadataIndex(k.fqn, k.offset, getattr(k, "index", None)): v for k, v in storage.items()}
+    for k in storage:
+        k.__class__ = MetadataIndex  # the same fields: DCP's class, and its hash, from here on
+    metadata.storage_data = dict(storage.items())
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -217,24 +217,31 @@ def _unfolding_problem(data: bytes, limit: int) -> str | None:
                 node = parts.pop(0)
                 if node[2] or node is leaf or node is chosen_leaf or any(p is node for p in parts):
                     return "changes an object after another object took it in"
-            else:  # a tuple, or an object built from chosen parts, has a hash the pickle chooses
-                node = [1, 0, False, builds_tuple or any(p[3] for p in parts), 0]
-            if keys:  # a dict's keys or a set's members, hashed as they go in
-                node[4] += sum(1 for p in (parts[::2] if keys == 1 else parts) if p[3])
-                if node[4] > MAX_CHOSEN_KEYS:
-                    return (f"builds a dict or set of more than {MAX_CHOSEN_KEYS} keys whose hashes it can choose "
-                            "(large numbers, tuples): keys made to share one would take quadratic time to build")
-            elif gathers:
-                node[4] += sum(p[4] + p[3] for p in parts)
-            elif kind == _NEW and sum(p[4] + p[3] for p in parts) > MAX_CHOSEN_KEYS:  # a class called on them
-                return (f"hands a class (a set built from a list) more than {MAX_CHOSEN_KEYS} values whose hashes it "
-                        "can choose (large numbers, tuples): ones made to share one would take quadratic time")
-            size, depth = node[0], node[1]
+            else:
+                node = [1, 0, False, builds_tuple, 0]
+            size, depth, chosen, held = node[0], node[1], False, 0
             for part in parts:
                 part[2] = True
                 size += part[0]
                 if part[1] >= depth:
                     depth = part[1] + 1
+                if part[3]:
+                    chosen = True
+                    held += 1
+                held += part[4]
+            if chosen or held:  # rare: most pickles hold no value whose hash they choose
+                if kind != _INTO:  # a tuple, or an object built from chosen parts, has a hash the pickle chooses
+                    node[3] = node[3] or chosen
+                if keys:  # a dict's keys or a set's members, hashed as they go in
+                    node[4] += sum(1 for p in (parts[::2] if keys == 1 else parts) if p[3])
+                    if node[4] > MAX_CHOSEN_KEYS:
+                        return (f"builds a dict or set of more than {MAX_CHOSEN_KEYS} keys whose hashes it can choose "
+                                "(large numbers, tuples): keys made to share one would take quadratic time to build")
+                elif gathers:
+                    node[4] += held
+                elif kind == _NEW and held > MAX_CHOSEN_KEYS:  # a class called on them
+                    return (f"hands a class (a set built from a list) more than {MAX_CHOSEN_KEYS} values whose hashes "
+                            "it can choose (large numbers, tuples): ones made to share one would take quadratic time")
             if depth > MAX_DEPTH:
                 return f"builds objects that nest more than {MAX_DEPTH} deep"
             if size > limit:
