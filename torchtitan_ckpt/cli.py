@@ -224,10 +224,11 @@ def _print_inspect(doc: dict[str, Any]) -> None:
 
 
 def _fetch_described(store: Store, path: str) -> str:
-    """Make what `inspect` reads of the step at `path` readable there: its markers and DCP's
-    `.metadata`; without a `.metadata` (a Hugging Face step), the whole step, since the names
-    and sizes of its tensors are in the headers of its data files."""
-    store.fetch(path, [commit.MARKER, commit.IN_PROGRESS, storage.METADATA_FILE])
+    """Make what `inspect` reads of the step at `path` readable there: the files that tell its
+    status (`layout.TELLING`: markers, DCP's `.metadata`); without a `.metadata` (a Hugging Face
+    step), the whole step, since the names and sizes of its tensors are in the headers of its
+    data files."""
+    store.fetch(path, layout.TELLING)
     return path if os.path.isfile(os.path.join(path, storage.METADATA_FILE)) else store.fetch(path)
 
 

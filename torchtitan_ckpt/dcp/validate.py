@@ -77,9 +77,10 @@ def check_metadata(metadata: Metadata, root: str, path: str) -> None:
 
 def _entry_problem(key: str, md: Any, storage: dict) -> str | None:
     if isinstance(md, BytesStorageMetadata):
-        if MetadataIndex(key) not in storage:
+        info = storage.get(MetadataIndex(key))
+        if info is None:
             return "has no storage entry"
-        problem = _length_problem(storage[MetadataIndex(key)], MAX_VALUE_BYTES)
+        problem = _length_problem(info, MAX_VALUE_BYTES)
         return problem and f"is {problem}"
     if not isinstance(md, TensorStorageMetadata):
         return f"is a {type(md).__name__}, not a tensor or bytes entry"
@@ -94,10 +95,11 @@ def _entry_problem(key: str, md: Any, storage: dict) -> str | None:
     for chunk in chunks:
         if problem := _chunk_problem(chunk, size):
             return problem
-        if MetadataIndex(key, chunk.offsets) not in storage:
+        info = storage.get(MetadataIndex(key, chunk.offsets))
+        if info is None:
             return f"has no storage entry for its chunk at {list(chunk.offsets)}"
         held = math.prod(chunk.sizes) * props.dtype.itemsize + FRAMING_BYTES
-        if problem := _length_problem(storage[MetadataIndex(key, chunk.offsets)], held):
+        if problem := _length_problem(info, held):
             return f"has a chunk at {list(chunk.offsets)} {problem}"
     return _coverage_problem(size, chunks)
 
