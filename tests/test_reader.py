@@ -8,6 +8,9 @@ import ctypes
 import io
 import mmap
 import os
+import resource
+import subprocess
+import sys
 import time
 import zipfile
 
@@ -481,3 +484,49 @@ def test_a_cold_run_reads_its_first_tensor_bytes_ahead_before_the_fill(tmp_path,
     dcp.load(wanted, storage_reader=storage.make_storage_reader(path, threads=1), planner=storage.make_load_planner())
     assert all(torch.equal(wanted[k], saved[k]) for k in saved)
     assert seen == [(True, False)]
+
+
+_LOAD_UNDER_A_LIMIT = """
+import resource, sys, torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torchtitan_ckpt import CorruptCheckpointError
+from torchtitan_ckpt.dcp import storage
+path, soft, hard = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+state = {f"t{i}": torch.full((3,), float(i)) for i in range(150)}
+dcp.save(state, storage_writer=FileSystemWriter(path, single_file_per_rank=False))  # a file per tensor
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+blank = {k: torch.zeros(3) for k in state}
+try:
+    storage.load_on_this_rank(blank, storage.make_storage_reader(path), storage.make_load_planner())
+except BaseException as e:  # DCP's CheckpointException is a BaseException
+    e = storage.root_cause(e)
+    print("corrupt" if isinstance(e, CorruptCheckpointError) else "refused", type(e).__name__, e)
+    sys.exit(3)
+assert all(torch.equal(blank[k], state[k]) for k in state)
+print("soft limit", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+
+
+def _load_under_a_limit(path, soft: int, hard: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _LOAD_UNDER_A_LIMIT, str(path), str(soft), str(hard)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_a_step_of_more_files_than_the_soft_limit_of_open_files_loads(tmp_path):
+    """150 data files against a soft limit of 100 open descriptors (Linux's default is 1024, a
+    1-rank load of a 2048-rank step reads 2048 files): the load raises the soft limit toward
+    the hard one (they were reported as a corrupt checkpoint, "Too many open files")."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 400:
+        pytest.skip(f"this machine's hard limit of open files is {hard}")
+    run = _load_under_a_limit(tmp_path / "step", 100, hard)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert 200 <= int(run.stdout.split()[-1]) <= 400
+
+
+def test_a_step_of_more_files_than_the_hard_limit_is_refused_as_this_machine_s_limit(tmp_path):
+    run = _load_under_a_limit(tmp_path / "step", 100, 100)
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert run.stdout.startswith("refused CheckpointError"), run.stdout
+    assert "150 files" in run.stdout and "ulimit -Hn" in run.stdout

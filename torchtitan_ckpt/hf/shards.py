@@ -166,20 +166,23 @@ def read_all(reads: list[Read], num_threads: int) -> int:
     failed = threading.Event()
 
     def read_run(run: list[Read]) -> None:
-        fds: dict[str, int] = {}
+        path, fd = None, -1  # the run's reads are in file order: one file open at a time
         try:
             for r in run:
                 if failed.is_set():
                     return
-                if r.path not in fds:
-                    fds[r.path] = safe_open.open_fd(os.path.dirname(r.path), os.path.basename(r.path),
-                                                    "a safetensors file")
-                _read(r, fds[r.path], scratch)
+                if r.path != path:
+                    if fd >= 0:
+                        os.close(fd)
+                        fd = -1
+                    fd = safe_open.open_fd(os.path.dirname(r.path), os.path.basename(r.path), "a safetensors file")
+                    path = r.path
+                _read(r, fd, scratch)
         except BaseException:
             failed.set()
             raise
         finally:
-            for fd in fds.values():
+            if fd >= 0:
                 os.close(fd)
 
     runs = in_order_runs(reads, lambda r: r.nbytes, share(sum(r.nbytes for r in reads), num_threads), num_threads)

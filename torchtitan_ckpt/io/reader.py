@@ -73,24 +73,17 @@ class _Cursor:
     last two windows read (each `2 * _WINDOW` bytes from where it was asked), so one read gives
     an item's zip directory, at its end, and the next item's header records, at its start."""
 
-    def __init__(self, root: str, rel: str, first: int):
-        self.path = os.path.join(root, rel)
-        self.fd = safe_open.open_fd(root, rel, "a data file named in .metadata")
-        try:
-            self.size = os.fstat(self.fd).st_size
-            self._windows: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=2)
-            self.cold = self._probe(first)
-            """Whether the page cache lacked the run's first window when the cursor was opened
-            (every run's cursor is opened before any run is read, so that one run's reads past
-            its end do not make the next one look cached)."""
-        except BaseException:
-            os.close(self.fd)
-            raise
+    def __init__(self, path: str, fd: int, first: int):
+        self.path, self.fd = path, fd
+        """The file's descriptor, shared by the cursors of its runs (closed by `ItemReader`)."""
+        self.size = os.fstat(fd).st_size
+        self._windows: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=2)
+        self.cold = self._probe(first)
+        """Whether the page cache lacked the run's first window when the cursor was opened
+        (every run's cursor is opened before any run is read, so that one run's reads past
+        its end do not make the next one look cached)."""
         self.span = (self.size, 0)
         """The bytes of the file the windows read from the disk cover."""
-
-    def close(self) -> None:
-        os.close(self.fd)
 
     def read(self, at: int, n: int) -> bytes:
         """Up to `n` bytes from `at` (fewer at the end of the file)."""
@@ -336,7 +329,7 @@ class ItemReader:
         self._lock = threading.Lock()
         self._failed = threading.Event()
         self._headers: dict[bytes, SavedTensor] = {}
-        self._cursors: list[_Cursor] = []
+        self._fds: dict[str, int] = {}
         self._checked: list[_Run] = []
         self._pool: ThreadPoolExecutor | None = None
 
@@ -344,7 +337,9 @@ class ItemReader:
         """The first pass: open every file of `items`, check every item, hand every non-tensor
         value to the planner; no tensor is written. Every run's cursor is opened first, before
         any run is read."""
-        runs = [(self._open(rel, run), run) for rel, run in self._runs(items)]
+        runs = self._runs(items)
+        safe_open.make_room(len({rel for rel, _ in runs}), "the data files this rank reads")
+        runs = [(self._open(rel, run), run) for rel, run in runs]
         self._checked = self._each(lambda run: self._check_run(*run, planner), runs)
 
     def fill(self, planner: LoadPlanner) -> None:
@@ -355,9 +350,9 @@ class ItemReader:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        for cursor in self._cursors:
-            cursor.close()
-        self._cursors.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def _each(self, fn: Callable[[Any], Any], jobs: list) -> list:
         """`fn` of each job, on up to `threads` threads; the first failure stops the others."""
@@ -389,9 +384,11 @@ class ItemReader:
         return [(rel, run) for rel, reqs in ordered.items() for run in in_order_runs(reqs, length, target)]
 
     def _open(self, rel: str, run: list[ReadItem]) -> _Cursor:
-        cursor = _Cursor(self.root, rel, self.storage_data[run[0].storage_index].offset)
-        self._cursors.append(cursor)
-        return cursor
+        """A cursor for `run` of the file `rel`, on the file's one descriptor (opened here for
+        its first run): a rank reading the files of thousands of ranks holds one per file."""
+        if rel not in self._fds:
+            self._fds[rel] = safe_open.open_fd(self.root, rel, "a data file named in .metadata")
+        return _Cursor(os.path.join(self.root, rel), self._fds[rel], self.storage_data[run[0].storage_index].offset)
 
     def _check_run(self, cursor: _Cursor, run: list[ReadItem], planner: LoadPlanner) -> _Run:
         """The first pass over a run: nothing is written to a destination."""

@@ -5,15 +5,25 @@ A name must be relative, without `..` or NUL, and resolve (symlinks followed) in
 (or, in the Hugging Face hub's cache, inside the repository's `blobs`), so a crafted entry cannot read `/etc/passwd`, another checkpoint's tensors or `/dev/zero`. It is
 opened with `O_NONBLOCK` and checked to be a regular file before anything is read, so a FIFO or a
 device in its place is refused instead of blocking the load forever. Anything else is a
-`CorruptCheckpointError` naming the entry.
+`CorruptCheckpointError` naming the entry, except running out of descriptors, which is this
+process's limit (`make_room` raises it ahead of a load that opens many files).
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import resource
 import stat
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
+
+logger = logging.getLogger(__name__)
+
+_SPARE_FDS = 64
+"""Descriptors left free beside those `make_room` is asked for (sockets, logs, the caller's own)."""
+_OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE}
 
 
 def inside(root: str, name: object, what: str) -> str:
@@ -49,6 +59,9 @@ def open_fd(root: str, name: object, what: str) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
+        if e.errno in _OUT_OF_DESCRIPTORS:  # this machine's limit, not the checkpoint's fault
+            raise CheckpointError(f"{path}: {what} cannot be opened: {e.strerror} (this process may hold "
+                                  f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}; raise `ulimit -n`)") from e
         raise CorruptCheckpointError(f"{path}: {what} cannot be opened: {e.strerror}") from e
     try:
         mode = os.fstat(fd).st_mode
@@ -60,6 +73,26 @@ def open_fd(root: str, name: object, what: str) -> int:
     except BaseException:
         os.close(fd)
         raise
+
+
+def make_room(count: int, what: str) -> None:
+    """Let this process open `count` more files at once: its soft limit of open descriptors
+    (often 1024) is raised toward the hard one where it is short, as a rank loading the files of
+    thousands of ranks needs. A `CheckpointError` naming both numbers, before anything is
+    opened, where the hard limit is short too."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        need = len(os.listdir("/proc/self/fd")) + count + _SPARE_FDS
+    except OSError:  # no /proc: left to the kernel's answer to each open
+        return
+    if soft == resource.RLIM_INFINITY or need <= soft:
+        return
+    if hard != resource.RLIM_INFINITY and need > hard:
+        raise CheckpointError(f"{what} are {count} files, open at once, and this process may hold {hard} "
+                              f"descriptors (the hard limit, {soft} the soft one); raise it (`ulimit -Hn`, "
+                              "or `nofile` in /etc/security/limits.conf) or load on more ranks")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    logger.info("raised this process's limit of open files from %d to %d for %s", soft, need, what)
 
 
 def open_file(root: str, name: object, what: str, mode: str = "rb"):
