@@ -6,8 +6,9 @@ import dataclasses
 import os
 
 import pytest
+import torch
 
-from torchtitan_ckpt import ConfigError
+from torchtitan_ckpt import CheckpointManager, ConfigError
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.config import Checkpoint, field_docs
 from torchtitan_ckpt.example.config import JobConfig
@@ -154,3 +155,44 @@ def test_a_section_is_built_from_torchtitans(caplog):
         Checkpoint.from_torchtitan(_TitansSection(interval=0))
     with pytest.raises(ConfigError, match=r"^checkpoint.initial_load_path = '': expected a path"):
         Checkpoint.from_torchtitan(_TitansSection(), initial_load_path="")
+
+
+@pytest.mark.parametrize("values, key, text", [
+    (dict(async_mode="sync"), "checkpoint.async_mode", "expected one of 'disabled', 'async', 'async_with_pinned_mem'"),
+    (dict(export_dtype="bf16"), "checkpoint.export_dtype", "expected one of 'float16', 'bfloat16', 'float32'"),
+    (dict(dedup_policy="round_robin"), "checkpoint.dedup_policy", "expected one of 'balanced'"),
+    (dict(io_engine="Fast"), "checkpoint.io_engine", "expected one of 'fast', 'torch'"),
+    (dict(consolidation="rank_0"), "checkpoint.consolidation", "expected one of 'one_pass'"),
+    (dict(interval="5"), "checkpoint.interval", "expected an integer"),
+    (dict(load_step=None), "checkpoint.load_step", "expected an integer"),
+    (dict(keep_latest_k=2.5), "checkpoint.keep_latest_k", "expected an integer"),
+    (dict(enable="false"), "checkpoint.enable", "expected a boolean"),
+    (dict(exclude_from_loading="optimizer"), "checkpoint.exclude_from_loading", "expected a list"),
+    (dict(folder=b"ckpt"), "checkpoint.folder", "expected a string"),
+])
+def test_a_section_built_in_python_is_checked_as_a_loaded_one(values, key, text):
+    """Every field's type and choices, as the TOML loader checks them: a value of the wrong type,
+    or not among a key's choices, was taken as it was (async_mode = "sync" made saves run in the
+    background, export_dtype = "bf16" failed the last save)."""
+    for build in (lambda: Checkpoint(**values).validate(), lambda: Checkpoint.from_torchtitan(_TitansSection(), **values)):
+        with pytest.raises(ConfigError) as e:
+            build()
+        assert e.value.key == key and text in str(e.value)
+
+
+def test_a_section_built_in_python_is_converted_as_a_loaded_one(tmp_path):
+    """Paths may be `os.PathLike`, async_mode is read in any case (TorchTitan lower-cases it), a
+    tuple is a list: `validate()` returns the section as the loader builds it, leaving the
+    caller's as it is."""
+    mine = Checkpoint(folder=tmp_path / "ck", initial_load_path=tmp_path / "init", async_mode="Disabled",
+                      exclude_from_loading=("dataloader",))
+    ck = mine.validate()
+    assert (ck.folder, ck.initial_load_path, ck.async_mode, ck.exclude_from_loading) == (
+        str(tmp_path / "ck"), str(tmp_path / "init"), "disabled", ["dataloader"])
+    assert mine.async_mode == "Disabled"
+    mine.exclude_from_loading = ()
+    with CheckpointManager(mine, torch.nn.Linear(2, 2)) as manager:  # saves in the foreground, as asked
+        assert manager.config.async_mode == "disabled" and manager.config.folder == str(tmp_path / "ck")
+    assert Checkpoint.from_torchtitan(_TitansSection(async_mode="ASYNC_WITH_PINNED_MEM")).async_mode == \
+        "async_with_pinned_mem"
+    assert load_job_config(None, ["--checkpoint.async_mode", "Async"]).checkpoint.async_mode == "async"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 
 import pytest
@@ -107,8 +108,10 @@ def test_output_layout_is_aligned_and_sorted_by_element_size():
     start = len(f.header)
     assert start % 8 == 0 and f.starts == {"a": start, "c": start + 8, "b": start + 10}
     assert f.size == start + 13
+    # a number no tensor uses makes no file: the index would not list it, and an import refuses it
     files = C.plan_output_files(specs, {"a": 1, "b": 3, "c": 3})
-    assert [x.name for x in files] == [model_file_name(i, 3) for i in (1, 2, 3)] and files[1].starts == {}
+    assert [(x.name, sorted(x.starts)) for x in files] == [(model_file_name(1, 2), ["a"]),
+                                                          (model_file_name(2, 2), ["b", "c"])]
 
 
 def test_full_tensors_rejects_gaps_and_overlaps():
@@ -120,6 +123,30 @@ def test_full_tensors_rejects_gaps_and_overlaps():
         C.full_tensors([a, C.Block("t", "F32", (1, 0), (2, 4), "s2")])
     with pytest.raises(C.InvalidShardsError, match="disagree on dtype"):
         C.full_tensors([a, C.Block("t", "BF16", (2, 0), (1, 4), "s2")])
+
+
+@pytest.mark.parametrize("blocks, overlap", [
+    ([((0, c), (4, 1)) for c in range(1000)], None),  # 1,000 columns (Shard(1) on as many ranks)
+    ([((0, c), (4, 1)) for c in range(998)] + [((0, 997), (4, 3))], (997, 998)),
+    ([((2 * r, 2 * c), (2, 2)) for r in range(3) for c in range(3)], None),  # a grid
+    ([((2 * r, 2 * c), (2, 2)) for r in range(3) for c in range(3)] + [((3, 3), (1, 1))], (4, 9)),
+    ([((0, 0), (2, 1)), ((0, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 0), (1, 2)), ((1, 1), (1, 1))], None),  # pinwheel
+    ([((0, 0), (2, 1)), ((0, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 0), (1, 2)), ((0, 0), (1, 1))], (0, 4)),
+    ([((0, 0), (2, 4)), ((1, 0), (0, 4)), ((2, 0), (2, 4))], None),  # a block of no elements overlaps nothing
+    ([((), ()), ((), ())], (0, 1)),  # a scalar held twice
+])
+def test_full_tensors_find_any_two_blocks_that_overlap(blocks, overlap):
+    """Blocks sharded along any dimension, a grid, a pinwheel (no straight cut splits it): two
+    blocks sharing an element (`overlap`: their places in `blocks`) are found and named, files
+    included, whatever the layout."""
+    group = [C.Block("t", "F32", offsets, shape, f"s{i}") for i, (offsets, shape) in enumerate(blocks)]
+    if overlap is None:
+        C.full_tensors(group)
+        return
+    a, b = (group[i] for i in overlap)
+    with pytest.raises(C.InvalidShardsError, match=re.escape(
+            f"tensor 't': blocks at offsets {list(a.offsets)} ({a.src}) and {list(b.offsets)} ({b.src}) overlap")):
+        C.full_tensors(group)
 
 
 # --- real DCP shard input ----------------------------------------------------------------------
@@ -236,6 +263,35 @@ def test_corrupt_shards_raise_naming_the_file(tmp_path, damage, match):
     assert not os.path.exists(os.path.join(tmp_path, "out", C.INDEX_FILE))
 
 
+@pytest.mark.parametrize("dtype", [["F32"], {"F32": 1}, None])
+def test_a_shard_whose_dtype_is_not_a_name_is_refused_naming_the_file(tmp_path, dtype):
+    os.makedirs(tmp_path / "in")
+    path = shard_path(tmp_path, 1)
+    text = json.dumps({"__metadata__": {"DCP_SHARDING_INFO": json.dumps({"w": {"saved_offsets": [0]}})},
+                       "w": {"dtype": dtype, "shape": [4], "data_offsets": [0, 16]}}).encode()
+    open(path, "wb").write(struct.pack("<Q", len(text)) + text + bytes(16))
+    with pytest.raises(C.InvalidShardsError, match=re.escape(f"{path}: tensor 'w' has dtype {dtype!r}; known: ")):
+        C.consolidate_safetensors(str(tmp_path / "in"), str(tmp_path / "out"))
+
+
+def test_a_consolidation_replaces_the_model_files_of_an_earlier_one(tmp_path):
+    """Into a folder holding an earlier consolidation of more files, the earlier model files go
+    (left, they would make a folder that an import refuses); other files stay."""
+    from torchtitan_ckpt.hf.load import read_hf_layout
+
+    state = full_state()
+    shards = dcp_shards(tmp_path, state, None)
+    out = tmp_path / "hf"
+    C.consolidate_safetensors(shards, str(out), MAPPING)
+    (out / "consolidated.safetensors").write_bytes(b"another format's")
+    (out / "notes.txt").write_text("mine")
+    C.consolidate_safetensors(shards, str(out), {**MAPPING, "scale": 1, "h": 2})
+    assert sorted(os.listdir(out)) == ["consolidated.safetensors", model_file_name(1, 2), model_file_name(2, 2),
+                                       C.INDEX_FILE, "notes.txt"]
+    assert_identical(read_output(str(out)), state)
+    assert sorted(read_hf_layout(str(out))) == sorted(state)
+
+
 def test_only_files_named_as_dcp_shards_are_consolidated(tmp_path, caplog):
     """Another `.safetensors` file among the shards (a stray copy, a user's) is left out, with a
     log line naming it, as a two-phase export's clearing leaves it: consolidated, its tensors
@@ -313,3 +369,32 @@ def test_cli_consolidates_with_a_mapping_file(tmp_path, capsys):
     assert cli.main(["consolidate", str(tmp_path / "nope"), str(tmp_path / "o")]) == 2
     assert "no such folder" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "o") and not os.path.exists(str(tmp_path / "o") + cli.PARTIAL_SUFFIX)
+
+
+@pytest.mark.parametrize("mapping, problem", [
+    ({"weight_map": {"w": "model.safetensors"}}, "'w' maps to 'model.safetensors'; expected a numbered model file"),
+    ({"weight_map": {"w": "consolidated"}}, "'w' maps to 'consolidated'; expected a numbered model file"),
+    ({"weight_map": {"w": 3}}, "'w' maps to 3; expected a numbered model file"),
+    ({"weight_map": {"w": "model-00000-of-00002.safetensors"}}, "'w' maps to 'model-00000-of-00002.safetensors'"),
+    ({"w": "x"}, "'w' maps to 'x'; expected a file index (an integer from 1)"),
+    ({"w": 0}, "'w' maps to 0; expected a file index (an integer from 1)"),
+    ({"w": [1] * 10000}, "'w' maps to [1, 1, 1, 1, 1, 1, ...]; expected a file index"),
+    ({"weight_map": [1]}, "expected an object, {fqn: file index}, or an HF index with a weight_map"),
+    ([1, 2], "expected an object, {fqn: file index}, or an HF index with a weight_map"),
+])
+def test_a_mapping_file_that_is_not_one_is_refused_naming_the_entry(tmp_path, capsys, mapping, problem):
+    shards = dcp_shards(tmp_path, full_state(), None)
+    (tmp_path / "map.json").write_text(json.dumps(mapping))
+    assert cli.main(["consolidate", shards, str(tmp_path / "hf"), "--mapping", str(tmp_path / "map.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'map.json'}: {problem}" in err and len(err) < 1000
+    assert not os.path.exists(tmp_path / "hf")
+
+
+def test_a_mapping_file_is_read_from_an_hf_index_and_within_a_bound(tmp_path, monkeypatch):
+    index = {"metadata": {}, "weight_map": {"w": model_file_name(2, 3), "emb": model_file_name(1, 3)}}
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    assert C.load_mapping(str(tmp_path / "index.json")) == {"w": 2, "emb": 1}
+    monkeypatch.setattr(C, "MAX_INDEX_BYTES", 16)
+    with pytest.raises(ValueError, match=r"index.json: larger than 16 bytes, far more than any file mapping"):
+        C.load_mapping(str(tmp_path / "index.json"))

@@ -246,6 +246,32 @@ def test_export_replaces_an_earlier_export(tmp_path):
                                             "model.safetensors.index.json"]
 
 
+@pytest.mark.parametrize("ours, assets, differ", [
+    (ARGS, replace(ARGS, tie_embeddings=True), "tie_word_embeddings = true there, false in the adapter's"),
+    (replace(ARGS, tie_embeddings=True), ARGS, "tie_word_embeddings = false there, true in the adapter's"),
+    (ARGS, replace(ARGS, ffn_hidden=ARGS.ffn_dim + 8, n_layers=3),
+     f"num_hidden_layers = 3 there, {ARGS.n_layers} in the adapter's; intermediate_size = {ARGS.ffn_dim + 8} "
+     f"there, {ARGS.ffn_dim} in the adapter's"),
+])
+@pytest.mark.parametrize("mode", ["one_pass", "rank0"])
+def test_an_export_refuses_assets_whose_config_is_another_models(tmp_path, ours, assets, differ, mode):
+    """The export copies the assets' config.json, and `transformers` builds the model from it:
+    a tied model with untied assets would get a head initialised at random, an untied one with
+    tied assets its embedding as head, silently. Refused before the folder is touched: an
+    earlier export there stays whole."""
+    model = Transformer(ours)
+    save_hf(model.state_dict(), str(tmp_path / "out"), hf_adapter(ours))
+    before = {name: (tmp_path / "out" / name).read_bytes() for name in os.listdir(tmp_path / "out")}
+    folder = _assets(tmp_path / "assets", assets)
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{folder}/config.json does not describe the model the adapter converts ({differ}): an export would "
+            "write its tensors under that config, and transformers would build another model from them. Build "
+            "the adapter from that config.json (adapter_for_hf_dir), or give it an hf_assets_path whose "
+            "config.json is its model's")):
+        save_hf(model.state_dict(), str(tmp_path / "out"), hf_adapter(ours, hf_assets_path=folder), mode=mode)
+    assert {name: (tmp_path / "out" / name).read_bytes() for name in os.listdir(tmp_path / "out")} == before
+
+
 @pytest.mark.parametrize("mode", ["one_pass", "rank0"])
 def test_an_export_replaces_a_config_json_link_instead_of_writing_through_it(tmp_path, mode):
     """A folder of the hub cache links its config.json to a blob that other revisions share;
@@ -499,7 +525,8 @@ def test_a_truncated_file_fails_naming_it_before_reading_data(hf_checkpoint, tmp
     last = sorted(glob.glob(str(folder / "*.safetensors")))[-1]
     os.truncate(last, os.path.getsize(last) - 100)
     with pytest.raises(CorruptCheckpointError, match=rf"{re.escape(last)} is not a readable safetensors "
-                                                     r"file: .* do not fit \d+ bytes in a data section"):
+                                                     r"file: .*the tensors end at byte \d+ of a data section of "
+                                                     r"\d+: the file is truncated"):
         load_hf(our_model(seed=1).state_dict(), str(folder), hf_adapter(ARGS))
 
 
@@ -571,6 +598,85 @@ def test_a_header_with_a_shape_or_offset_that_is_not_an_integer_is_refused_namin
     with pytest.raises(CorruptCheckpointError, match=rf"{re.escape(str(path))} is not a readable safetensors "
                                                      r"file: .*[\'\"]w: (shape|data_offsets) .* is not a"):
         read_header(str(path))
+
+
+F32 = '{"dtype": "F32", "shape": [2], "data_offsets": [%d, %d]}'
+
+
+@pytest.mark.parametrize("header, data, problem", [
+    ('{"w": %s, "w": %s}' % (F32 % (0, 8), F32 % (8, 16)), 16, "the header names w twice"),
+    ('{"w": %s}' % (F32 % (8, 16)), 16, r"w: data_offsets \[8, 16\] leave \[0, 8\) to no tensor"),
+    ('{"w": %s}' % (F32 % (0, 8)), 16, r"the tensors end at byte 8 of a data section of 16: the bytes after "
+                                      r"them belong to no tensor"),
+    ('{"a": %s, "b": %s}' % (F32 % (0, 8), F32 % (4, 12)), 12, r"b: data_offsets \[4, 12\] overlap a's"),
+    ('{"w": %s}' % (F32 % (0, 8)), 4, r"the tensors end at byte 8 of a data section of 4: the file is truncated"),
+    ('{"__metadata__": [1, 2], "w": %s}' % (F32 % (0, 8)), 8, r"__metadata__ \[1, 2\] is not an object of strings"),
+    ('{"__metadata__": {"format": 1}, "w": %s}' % (F32 % (0, 8)), 8, r"__metadata__ \{'format': 1\} is not an"),
+    ('{"w": {"dtype": "F32", "shape": [2], "shape": [2], "data_offsets": [0, 8]}}', 8, "names shape twice"),
+    ("utf-16", 8, r"the header is not UTF-8 \(byte 0: invalid start byte\)"),
+    ('{"w": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}}', 8, r"w: dtype \['F32'\] is not one of"),
+])
+def test_a_header_the_safetensors_library_refuses_is_refused_naming_the_file(tmp_path, header, data, problem):
+    """What the `safetensors` library refuses (a header not in UTF-8, tensors that do not tile
+    the data section exactly, metadata that is not strings, a field given twice) is refused,
+    naming the file and what is wrong."""
+    from safetensors import SafetensorError, safe_open
+
+    text = '{"w": %s}' % (F32 % (0, 8)) if header == "utf-16" else header
+    raw = text.encode("utf-16" if header == "utf-16" else "utf-8")
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=rf"^{re.escape(str(path))} is not a readable safetensors "
+                                                     rf"file: .*{problem}"):
+        read_header(str(path))
+    with pytest.raises(SafetensorError):
+        safe_open(str(path), "pt")
+
+
+def test_a_tensor_named_twice_is_refused_even_where_the_library_reads_the_last_entry(tmp_path):
+    """The one header the `safetensors` library reads and this reader refuses: the library,
+    like `json`, keeps the last of two entries of a name; a reader that kept the first would
+    read another tensor from the same file."""
+    from safetensors import safe_open
+
+    text = ('{"w": %s, "w": %s}' % (F32 % (0, 8), F32 % (0, 8))).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(8))
+    with safe_open(str(path), "pt") as f:
+        assert list(f.keys()) == ["w"]
+    with pytest.raises(CorruptCheckpointError, match=r"the header names w twice"):
+        read_header(str(path))
+
+
+@pytest.mark.parametrize("header, data", [
+    ('  {"w": %s}  ' % (F32 % (0, 8)), 8),  # white space around the object
+    ('{"__metadata__": null, "w": %s}' % (F32 % (0, 8)), 8),
+    ('{"b": %s, "a": %s}' % (F32 % (8, 16), F32 % (0, 8)), 16),  # entries out of offset order
+    ('{"w": %s, "z": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}, '
+     '"y": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}}' % (F32 % (0, 8)), 8),  # empty tensors
+    ('{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "extra": 1}}', 8),
+    ("{}", 0),
+])
+def test_a_header_the_safetensors_library_reads_is_read(tmp_path, header, data):
+    from safetensors import safe_open
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(data))
+    with safe_open(str(path), "pt") as f:
+        names = sorted(f.keys())
+    assert sorted(read_header(str(path))) == names
+
+
+def test_a_crafted_tensor_name_of_megabytes_is_not_copied_into_the_message(tmp_path):
+    name = "x" * (1 << 20)
+    path = tmp_path / "model.safetensors"
+    for entry in ({"dtype": "F32", "shape": [4], "data_offsets": [0, 8]},  # fewer bytes than its shape's
+                  {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}):  # a hole before it
+        text = json.dumps({name: entry}).encode()
+        path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(16))
+        with pytest.raises(CorruptCheckpointError, match=rf"^{re.escape(str(path))} is not a readable") as e:
+            read_header(str(path))
+        assert "x" * 200 in str(e.value) and len(str(e.value)) < 600
 
 
 # ---------------------------------------------------------------------------- convert

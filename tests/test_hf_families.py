@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tests.helpers import assert_same, logits, perturbed, read_checkpoint
 from torchtitan_ckpt.errors import AdapterMismatchError, CheckpointError, ConfigError, CorruptCheckpointError
@@ -238,6 +238,106 @@ def test_native_to_hf_to_native_is_exact_and_transformers_reads_it(hf_folder, tm
     resaved = adapter_for_hf_dir(str(tmp_path / "resaved"), rope_layout=ROPE_LAYOUT)
     load_hf(again.state_dict(), str(tmp_path / "resaved"), resaved)
     assert_same(again.state_dict(), ours.state_dict())
+
+
+@pytest.fixture(scope="module")
+def tied_with_head(tmp_path_factory):
+    """(a tied Qwen3 checkpoint whose files also hold lm_head.weight, a copy of the embedding,
+    in a file of its own, as Qwen3-0.6B's on the Hub hold one; its transformers logits)."""
+    folder = str(tmp_path_factory.mktemp("tied_with_head"))
+    model = make_hf_model("qwen3")
+    model.save_pretrained(folder, max_shard_size="60KB")
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    embedding = load_file(os.path.join(folder, index["weight_map"]["model.embed_tokens.weight"]))
+    head = "model-00099-of-00099.safetensors"
+    save_file({"lm_head.weight": embedding["model.embed_tokens.weight"].clone()}, os.path.join(folder, head),
+              metadata={"format": "pt"})
+    index["weight_map"]["lm_head.weight"] = head
+    with open(index_path, "w") as f:
+        json.dump(index, f)
+    assert read_config(folder)["tie_word_embeddings"] is True
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(folder).eval()
+    assert (logits_of(hf) - logits_of(model)).abs().max() == 0
+    return folder, logits_of(model)
+
+
+@pytest.mark.parametrize("mode", ["one_pass", "all_ranks"])
+def test_a_tied_checkpoint_that_stores_its_head_too_loads_and_exports_without_it(tied_with_head, tmp_path, mode,
+                                                                                 caplog):
+    """Its head is the embedding, as transformers ties them: the import reads the embedding and
+    leaves lm_head.weight unread; an export with it as assets writes the embedding alone, in
+    the assets' other files, numbered without the head's, and transformers reads it back."""
+    src, expected = tied_with_head
+    args = args_from_hf_config(read_config(src))
+    model = Transformer(args)
+    with caplog.at_level("INFO", logger="torchtitan_ckpt.hf.load"):
+        load_hf(model.state_dict(), src, adapter_for_hf_dir(src, rope_layout=ROPE_LAYOUT))
+    assert f"{src}: ignoring ['lm_head.weight']: its config.json ties the embedding to the head, which is read " \
+           "from the embedding" in caplog.messages
+    assert (logits_of(model) - expected).abs().max() < 1e-5
+    out = str(tmp_path / "out")
+    save_hf(model.state_dict(), out, adapter_for_hf_dir(src, rope_layout=ROPE_LAYOUT), mode=mode)
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    files = sorted(glob.glob(os.path.join(src, "model-*.safetensors")))
+    assert "lm_head.weight" not in weight_map and sorted(set(weight_map.values())) == [
+        f"model-{i:05d}-of-{len(files) - 1:05d}.safetensors" for i in range(1, len(files))]
+    assert sorted(os.path.basename(f) for f in glob.glob(os.path.join(out, "*.safetensors"))) == sorted(
+        set(weight_map.values()))
+    hf, info = transformers.Qwen3ForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+    assert (logits_of(hf.eval()) - expected).abs().max() < 1e-5
+
+
+def test_a_head_in_a_folder_whose_config_does_not_tie_is_not_dropped_by_a_tied_model(tied_with_head, tmp_path):
+    """The same files under a config that does not tie them hold a head of their own: a tied
+    model (its adapter from another config) would lose it, so the import refuses it."""
+    src, _ = tied_with_head
+    folder = shutil.copytree(src, tmp_path / "untied")
+    (folder / "config.json").write_text(json.dumps({**read_config(src), "tie_word_embeddings": False}))
+    args = args_from_hf_config(read_config(src))
+    with pytest.raises(AdapterMismatchError) as e:
+        load_hf(Transformer(args).state_dict(), str(folder), hf_adapter(args))
+    assert (e.value.unknown, e.value.missing) == (["lm_head.weight"], [])
+
+
+MINIMAL = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=32, intermediate_size=48, vocab_size=100)
+
+
+@pytest.mark.parametrize("config", [
+    dict(model_type="llama", **MINIMAL),
+    dict(model_type="mistral", **MINIMAL),
+    dict(model_type="qwen3", **MINIMAL),
+    dict(model_type="qwen3_moe", moe_intermediate_size=8, num_experts_per_tok=2, **MINIMAL),
+    dict(model_type="qwen3", num_key_value_heads=None, **MINIMAL),  # null: the heads, as transformers has it
+], ids=["llama", "mistral", "qwen3", "qwen3_moe", "qwen3_null_kv"])
+def test_keys_a_config_leaves_out_take_the_defaults_transformers_gives_its_family(config, tmp_path):
+    """A config.json without `head_dim`, `num_key_value_heads` or `num_experts` gives the
+    shapes transformers builds from it (Qwen3's head_dim is 128, not hidden / heads; Mistral's
+    8 key-value heads; Qwen3-MoE's 128 experts), so the export loads in transformers."""
+    theirs = transformers.AutoConfig.for_model(**config)
+    ours = HFModelConfig.parse(config)
+    expected = {"head_dim": getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads,
+                "num_key_value_heads": theirs.num_key_value_heads, "num_experts": getattr(theirs, "num_experts", 0),
+                "intermediate_size": theirs.intermediate_size, "tie_word_embeddings": theirs.tie_word_embeddings}
+    assert {key: getattr(ours, key) for key in expected} == expected
+    adapter = adapter_for_config(config)
+    torch.manual_seed(0)
+    state = {name: torch.randn(shape) for name, shape in adapter.state_dict_shapes().items()}
+    save_hf(state, str(tmp_path), adapter)
+    cls = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+           "qwen3_moe": "Qwen3MoeForCausalLM"}[config["model_type"]]
+    _, info = getattr(transformers, cls).from_pretrained(str(tmp_path), output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+
+
+def test_a_default_that_does_not_fit_the_config_says_it_is_the_default():
+    with pytest.raises(ConfigError, match=re.escape(
+            "config.json: num_key_value_heads = 32: expected an integer in [1, 16] (the config does not give it: "
+            "this is transformers' default for its model_type)")):
+        HFModelConfig.parse(dict(model_type="qwen3", **{**MINIMAL, "num_attention_heads": 16}))
 
 
 # ---------------------------------------------------------------------------- bad input

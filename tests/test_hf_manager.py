@@ -35,9 +35,9 @@ def test_last_step_in_hf_is_a_committed_transformers_folder(tmp_path):
     ours = job.model.state_dict()
     assert torch.equal(hf.model.embed_tokens.weight, ours["tok_embeddings.weight"].to(torch.bfloat16))
 
-    # the HF step loads the model (only) through the HF reader; a job that resumes goes on from
-    # the newest full step instead
-    fresh = make_job(str(tmp_path), steps=4, init_seed=5, load_step=4)
+    # the HF step loads the model (only) through the HF reader, to a job that loads only; a job
+    # that resumes goes on from the newest full step instead
+    fresh = make_job(str(tmp_path), steps=4, init_seed=5, load_step=4, load_only=True)
     assert fresh.manager.load() and fresh.train_state.step == 0
     assert_same(fresh.model.state_dict(), {k: v.to(torch.bfloat16).float() for k, v in ours.items()})
     fresh.manager.close()

@@ -218,11 +218,6 @@ def test_a_finished_runs_model_only_step_is_not_where_a_run_resumes(tmp_path, ca
     assert "step(s) 6 hold only the model (a finished run's last save): resuming from step 4" in caplog.text
     extended.manager.close()
 
-    asked = make_job(str(tmp_path), steps=6, load_step=6, init_seed=5)  # load_step: what it names
-    assert asked.manager.load() and asked.train_state.step == 0
-    assert_same(asked.model.state_dict(), job.model.state_dict())
-    asked.manager.close()
-
     evaluation = make_job(str(tmp_path), steps=6, init_seed=5, load_only=True)  # saves nothing: the last model
     assert evaluation.manager.load() and evaluation.train_state.step == 0
     assert_same(evaluation.model.state_dict(), job.model.state_dict())
@@ -253,6 +248,97 @@ def test_a_finished_runs_model_only_step_is_not_where_a_run_resumes(tmp_path, ca
     assert excluded.manager.load()  # a job that restores nothing but the model takes it
     assert_same(excluded.model.state_dict(), job.model.state_dict())
     excluded.manager.close()
+
+
+def test_load_step_naming_a_model_only_step_is_refused_to_a_job_that_restores_more(tmp_path):
+    """load_step = the finished run's last save (model-only) from a job that restores its optimizer
+    and the rest: refused (TorchTitan's load fails on the missing keys), where it loaded the model
+    alone and left every other state fresh. A job that reads the model alone takes it."""
+    job = make_job(str(tmp_path), steps=6, interval=3, keep_latest_k=0)
+    job.run_to(6, steps=6)
+    job.manager.close()
+    step6 = layout.step_dir(_folder(tmp_path), 6)
+    for load in (dict(load_step=6), dict()):  # named in the config, or as load(step=6)
+        asked = make_job(str(tmp_path), steps=6, init_seed=5, **load)
+        with pytest.raises(CheckpointError, match=(
+                rf"^checkpoint.load_step = 6: {step6} holds only the model \(a finished run's last save\) and this job "
+                r"restores its optimizer, lr_scheduler, dataloader, train_state state too, which the step lacks. To "
+                rf"train on from its model, set checkpoint.initial_load_path = '{step6}' and use another "
+                r"checkpoint.folder; to read the model alone, set checkpoint.load_only = true, or add those states "
+                r"to checkpoint.exclude_from_loading$")):
+            asked.manager.load(**({} if load else {"step": 6}))
+        assert asked.train_state.step == 0 and not asked.opt.state
+        asked.manager.close()
+    for reader in (dict(load_only=True),
+                   dict(exclude_from_loading=["optimizer", "lr_scheduler", "dataloader", "train_state"])):
+        model_alone = make_job(str(tmp_path), steps=6, init_seed=5, load_step=6, **reader)
+        assert model_alone.manager.load() and model_alone.train_state.step == 0
+        assert_same(model_alone.model.state_dict(), job.model.state_dict())
+        model_alone.manager.close()
+
+
+def test_a_state_saved_empty_loads_as_empty(tmp_path):
+    """A state of the job whose `state_dict()` is empty when saved (an EMA before it starts)
+    leaves no keys in the step, which the commit marker lists it in: it loads as empty, where the
+    load refused the step as lacking it."""
+    class Ema:
+        def __init__(self, shadow: dict):
+            self.shadow = shadow
+
+        def state_dict(self) -> dict:
+            return dict(self.shadow)
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            self.shadow = dict(state_dict)
+
+    job = make_job(str(tmp_path), steps=8, interval=2, extra_states={"ema": Ema({})})
+    job.run_to(2, steps=8)
+    job.manager.close()
+    assert "ema" in commit.read_marker(layout.step_dir(_folder(tmp_path), 2)).states
+    ema = Ema({"decay": torch.tensor(0.5)})
+    fresh = make_job(str(tmp_path), steps=8, extra_states={"ema": ema})
+    assert fresh.manager.load()
+    assert ema.shadow == {} and fresh.train_state.step == 2
+    fresh.manager.close()
+
+
+def test_verify_on_load_checks_a_step_of_ours_named_by_initial_load_path(tmp_path):
+    """A damaged step of ours reached through initial_load_path is refused as it is from
+    checkpoint.folder, where it loaded unchecked."""
+    source = make_job(str(tmp_path / "a"), steps=4, interval=2)
+    source.run_to(2, steps=4)
+    source.manager.close()
+    step2 = layout.step_dir(_folder(tmp_path / "a"), 2)
+    raw = source.model.state_dict()["output.weight"].numpy().tobytes()
+    with open(os.path.join(step2, "__0_0.distcp"), "r+b") as f:  # one bit of a weight: the file reads as sound
+        data = bytearray(f.read())
+        data[data.index(raw) + 3] ^= 0x40
+        f.seek(0)
+        f.write(data)
+    job = make_job(str(tmp_path / "b"), steps=4, initial_load_path=step2, initial_load_model_only=False,
+                   verify_on_load=True, init_seed=5)
+    before = {k: v.clone() for k, v in job.model.state_dict().items()}
+    with pytest.raises(CorruptCheckpointError, match=rf"^checkpoint.initial_load_path = {step2} failed "
+                                                     rf"verification: {step2}/__0_0.distcp: CRC-32 [0-9a-f]+, "
+                                                     r"the manifest says [0-9a-f]+$"):
+        job.manager.load()
+    assert_same(job.model.state_dict(), before)
+    job.manager.close()
+
+
+def test_an_unwritable_folder_fails_at_construction_with_one_rank(tmp_path):
+    """A single-process job whose checkpoint.folder cannot be written fails when the manager is
+    built, naming the folder, as a multi-rank job does, not at its first save; a job that only
+    loads may name such a folder."""
+    (tmp_path / "afile").write_text("")
+    folder = str(tmp_path / "afile" / "checkpoint")
+    with pytest.raises(ConfigError, match=rf"^checkpoint.folder = '{folder}': cannot write there: rank 0: "
+                                          r"NotADirectoryError"):
+        make_job(str(tmp_path), folder=folder)
+    make_job(str(tmp_path), folder=folder, load_only=True).manager.close()
+    job = make_job(str(tmp_path), folder="new/checkpoint")
+    assert os.listdir(tmp_path / "new" / "checkpoint") == []  # made, and the probe removed
+    job.manager.close()
 
 
 def test_a_seed_step_is_no_resume_point_for_a_finished_runs_model_only_step(tmp_path):

@@ -530,3 +530,37 @@ def test_a_step_of_more_files_than_the_hard_limit_is_refused_as_this_machine_s_l
     assert run.returncode == 3, run.stdout + run.stderr
     assert run.stdout.startswith("refused CheckpointError"), run.stdout
     assert "150 files" in run.stdout and "ulimit -Hn" in run.stdout
+
+
+def test_lazily_conjugated_and_negated_views_save_what_they_show_and_leave_later_saves_alone(tmp_path):
+    """A conjugate or negative view holds other values in its storage than it shows: it is
+    saved as what it shows, and the framing of a later plain tensor of the same kind does not
+    take its bits (the framing cache keyed them out: every later save of the process loaded
+    conjugated, by DCP's reader too)."""
+    z = torch.tensor([1 + 2j, 3 - 4j, -5j], dtype=torch.complex64)
+    x = torch.tensor([1.5, -2.0, 3.0])
+    steps = [({"z": z.conj(), "x": torch._neg_view(x)}, {"z": z.conj(), "x": -x}),
+             ({"z": z.clone(), "x": x.clone()}, {"z": z, "x": x})]
+    for k, (state, shown) in enumerate(steps):
+        path = str(tmp_path / f"step-{k}")
+        writer = storage.make_storage_writer(path)
+        dcp.save(state, storage_writer=writer, planner=storage.make_save_planner())
+        for reader, planner in [(storage.make_storage_reader(path), storage.make_load_planner()),
+                                (FileSystemReader(path), DefaultLoadPlanner())]:
+            blank = {"z": torch.zeros(3, dtype=torch.complex64), "x": torch.zeros(3)}
+            dcp.load(blank, storage_reader=reader, planner=planner)
+            assert torch.equal(blank["z"], shown["z"].resolve_conj()), (k, type(reader).__name__, blank["z"])
+            assert torch.equal(blank["x"], shown["x"].resolve_neg()), (k, type(reader).__name__, blank["x"])
+
+
+def test_values_under_keys_that_are_not_text_load_under_those_keys(tmp_path):
+    """DCP spells every key of a value's path as text: a value under the number 0 came back under
+    "0", beside the 0 the caller's dict holds (DCP's own reader does so still)."""
+    saved = {"extra": {0: 1.5, 1: torch.ones(2), 2: {3: "deep", "k": (4, 5)}, "s": None}}
+    path = str(tmp_path / "step")
+    dcp.save(saved, storage_writer=storage.make_storage_writer(path))
+    state = {"extra": {0: None, 1: torch.zeros(2), 2: {3: None, "k": None}, "s": 7}}
+    dcp.load(state, storage_reader=storage.make_storage_reader(path), planner=storage.make_load_planner())
+    assert state["extra"].keys() == {0, 1, 2, "s"} and state["extra"][2].keys() == {3, "k"}
+    assert state["extra"][0] == 1.5 and torch.equal(state["extra"][1], torch.ones(2))
+    assert state["extra"][2] == {3: "deep", "k": (4, 5)} and state["extra"]["s"] is None

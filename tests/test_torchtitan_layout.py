@@ -140,6 +140,76 @@ def test_a_save_never_replaces_a_folder_that_is_not_ours(tmp_path):
     assert sorted(os.listdir(step4)) == before
 
 
+def test_a_foreign_step_a_save_would_meet_is_refused_before_training(tmp_path):
+    """TorchTitan's finished run left step 5 (full) and step 10 (its model-only last save); ours
+    resumes from step 5 as documented, and its save at step 10 would meet TorchTitan's folder,
+    which is never replaced: the load fails, saying what to do, where that save failed after
+    the training up to it. Moved away, the run goes on."""
+    job = make_job(str(tmp_path), steps=10, interval=5, keep_latest_k=0)
+    job.run_to(10, steps=10)
+    job.manager.close()
+    folder = _folder(tmp_path)
+    step5, step10 = (layout.step_dir(folder, s) for s in (5, 10))
+    for step in (step5, step10):
+        _as_foreign(step)
+    extended = make_job(str(tmp_path), steps=20, interval=5, init_seed=7)
+    before = {k: v.clone() for k, v in extended.model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=(
+            rf"^{folder}: step\(s\) 10 were not written by torchtitan_ckpt \(another program's, such as TorchTitan's "
+            r"last save\) and this job, starting from step 5, saves step 10 \(checkpoint.interval = 5\); a save never "
+            r"replaces a folder it did not write, so that save would fail after the training up to it. Before "
+            rf"training, move {step10} out of the folder, or save into another checkpoint.folder "
+            rf"\(checkpoint.initial_load_path = '{step5}' with checkpoint.initial_load_model_only = false starts it "
+            r"from the same step there\)$")):
+        extended.manager.load()
+    assert extended.train_state.step == 0
+    assert_same(extended.model.state_dict(), before)
+    extended.manager.close()
+    assert [(s.step, s.status) for s in layout.scan(folder)] == [(5, "foreign"), (10, "foreign")]
+
+    shutil.move(step10, str(tmp_path / "final"))
+    moved = make_job(str(tmp_path), steps=20, interval=5, init_seed=7)
+    assert moved.manager.load() and moved.train_state.step == 5
+    moved.run_to(10, steps=20)
+    moved.manager.close()
+    assert [(s.step, s.status) for s in layout.scan(folder)] == [(5, "foreign"), (10, "complete")]
+
+
+def test_a_foreign_hugging_face_last_save_is_passed_over_without_an_adapter(tmp_path, caplog):
+    """TorchTitan's last save with last_save_in_hf (a Hugging Face folder, model only) after its
+    full step 5: a job with no state-dict adapter resumes from step 5, where reading the Hugging
+    Face step's index asked for an adapter. Named by load_step, it is refused as model-only."""
+    from safetensors.torch import save_file
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer, CheckpointManager]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        config = Checkpoint(enable=True, folder=str(tmp_path), interval=5, keep_latest_k=0)
+        return model, opt, CheckpointManager(config, model, optimizers=opt)
+
+    model, opt, manager = build()
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    manager.save(5)
+    manager.close()
+    _as_foreign(layout.step_dir(str(tmp_path), 5))
+    last = layout.step_dir(str(tmp_path), 12)
+    os.makedirs(last)
+    save_file({"weight": torch.zeros(4, 4), "bias": torch.zeros(4)}, os.path.join(last, "model.safetensors"))
+    assert [(s.step, s.status) for s in layout.scan(str(tmp_path))] == [(5, "foreign"), (12, "foreign")]
+
+    _, resumed_opt, resumed = build()
+    with caplog.at_level(logging.WARNING, logger="torchtitan_ckpt.manager"):
+        assert resumed.load()
+    assert "step(s) 12 hold only the model (a finished run's last save): resuming from step 5" in caplog.text
+    for index in (0, 1):  # the weight's and the bias's moments: the optimizer resumed
+        assert_same(resumed_opt.state_dict()["state"][index], opt.state_dict()["state"][index])
+    with pytest.raises(CheckpointError, match=rf"^checkpoint.load_step = 12: {last} holds only the model"):
+        resumed.load(step=12)
+    resumed.close()
+
+
 @pytest.mark.parametrize("left", [[], [commit.IN_PROGRESS + ".tmp"]], ids=["empty", "marker-unfinished"])
 def test_a_save_replaces_the_folder_a_save_left_before_marking_it(tmp_path, left, monkeypatch):
     """A save stopped between creating its folder and marking it (a full disk, a kill) leaves a

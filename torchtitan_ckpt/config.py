@@ -2,9 +2,9 @@
 
 `Checkpoint` is a plain dataclass: a trainer embeds it in its own config dataclass (a field of
 type `Checkpoint`, under any name) and `load_config()` builds, converts and validates the whole
-tree, or calls `Checkpoint().validate()` on the section alone. Every field is declared once, with
-its type, default and a docstring right under it; `docs/config.md` is generated from those
-docstrings (`docgen.py`). Validation raises one `ConfigError` naming the dotted key.
+tree; `validate()` converts and checks a section built in Python alike. Every field is declared
+once, with its type, default and a docstring right under it; `docs/config.md` is generated from
+those docstrings (`docgen.py`). Validation raises one `ConfigError` naming the dotted key.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ ExportDtype = Literal["float16", "bfloat16", "float32"]
 DedupPolicy = Literal["balanced", "lowest_rank", "replica_slices"]
 Consolidation = Literal["one_pass", "all_ranks", "rank0"]
 IoEngine = Literal["fast", "torch"]
+
+_ANY_CASE = (AsyncMode,)
+"""Choices matched in any case, as TorchTitan matches them (it lower-cases `async_mode`)."""
 
 BUILTIN_STATES = ("model", "optimizer", "lr_scheduler", "dataloader")
 """States the manager itself owns; `states={...}` passed by the caller add to these."""
@@ -88,9 +91,10 @@ class Checkpoint:
     """Dtype of floating tensors in a model-only last-step save."""
 
     async_mode: AsyncMode = "disabled"
-    """How saves overlap training: `disabled`, `async` or `async_with_pinned_mem`. Both async
-    modes return from `save()` before the state is copied: the copy runs while the next step's
-    forward and backward do, and the optimizer's step waits for it (docs/async.md)."""
+    """How saves overlap training: `disabled`, `async` or `async_with_pinned_mem`, in any case (as
+    TorchTitan reads it). Both async modes return from `save()` before the state is copied: the
+    copy runs while the next step's forward and backward do, and the optimizer's step waits for
+    it (docs/async.md)."""
 
     verify_staging: bool = False
     """Debug setting for the async modes: copy the state inside `save()`, and at the next
@@ -117,7 +121,9 @@ class Checkpoint:
 
     load_step: int = -1
     """Step to load (a complete step of ours or another program's finished one); -1 loads the
-    newest such step."""
+    newest such step. A step holding only the model (a finished run's last save) is refused to a
+    job that restores other states too (not `load_only`, not all of them in
+    `exclude_from_loading`), as TorchTitan's load fails on it."""
 
     load_threads: int = 4
     """I/O threads per rank reading a step on load, DCP or HF (each reads its own stretch of the
@@ -138,8 +144,9 @@ class Checkpoint:
     only the model (a finished run's last save), which a job that trains on passes over."""
 
     verify_on_load: bool = False
-    """Before loading a step, check its files against the sizes and CRC-32s recorded when they
-    were written (each rank checks a share of the files)."""
+    """Before loading a step of ours (from `folder` or `initial_load_path`), check its files
+    against the sizes and CRC-32s recorded when they were written (each rank checks a share of
+    the files). Another program's step has none to check."""
 
     verify_fallback: bool = True
     """With `verify_on_load` and `load_step = -1`: a newest step that fails the check is reported
@@ -224,16 +231,21 @@ class Checkpoint:
         unknown = sorted(set(overrides) - ours)
         if unknown:
             raise ConfigError("checkpoint." + unknown[0], overrides[unknown[0]], "unknown key" + _suggest(unknown[0], ours))
-        config = cls(**{**{k: v for k, v in theirs.items() if k in ours}, **overrides})
-        config.validate()
-        return config
+        return cls(**{**{k: v for k, v in theirs.items() if k in ours}, **overrides}).validate()
 
-    def validate(self, prefix: str = "checkpoint.") -> None:
-        """Check ranges and contradictions; raise the first `ConfigError` found, its key
-        `prefix + name` (the section's place in the caller's config tree)."""
-        _check_ranges(self, prefix)
-        _check_paths(self, prefix)
-        _check_combinations(self, prefix)
+    def validate(self, prefix: str = "checkpoint.") -> Checkpoint:
+        """Check every field's type as `load_config` converts a TOML value (a `Literal` key among
+        its choices, a number, a flag, text, a list), then ranges and contradictions; raise the
+        first `ConfigError` found, its key `prefix + name` (the section's place in the caller's
+        config tree). Returns the section as `load_config` builds it, leaving this one as it is:
+        a section built in Python may give a path as `os.PathLike` and `async_mode` in any case."""
+        hints = typing.get_type_hints(type(self))
+        ck = dataclasses.replace(self, **{f.name: _convert(prefix + f.name, getattr(self, f.name), hints[f.name])
+                                          for f in dataclasses.fields(self)})
+        _check_ranges(ck, prefix)
+        _check_paths(ck, prefix)
+        _check_combinations(ck, prefix)
+        return ck
 
 
 def _at_least(key: str, value: int | float, low: int | float, high: int | float | None = None) -> None:
@@ -456,6 +468,8 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
         (inner,) = [a for a in args if a is not type(None)]
         return _convert(key, value, inner)
     if origin is Literal:
+        if tp in _ANY_CASE and isinstance(value, str):
+            value = value.lower()
         if value not in args:
             raise ConfigError(key, value, "expected one of " + ", ".join(repr(a) for a in args))
         return str(value) if isinstance(value, str) else value
@@ -464,6 +478,8 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
     if tp is bool:
         return _convert_bool(key, value)
     if tp is str:
+        if isinstance(value, os.PathLike):  # a path built in Python (pathlib)
+            value = os.fspath(value)
         if not isinstance(value, str) or "\x00" in value:
             raise ConfigError(key, value, "expected a string (without NUL characters)")
         return str(value)
@@ -475,7 +491,7 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
 def _convert_list(key: str, value: Any, inner: Any) -> list:
     if isinstance(value, _CliText):
         value = [_CliText(v.strip()) for v in value.split(",") if v.strip()]
-    if not isinstance(value, list):
+    if not isinstance(value, (list, tuple)):
         raise ConfigError(key, value, "expected a list (TOML array or comma-separated string)")
     return [_convert(key, v, inner) for v in value]
 

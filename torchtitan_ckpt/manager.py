@@ -56,6 +56,8 @@ class _LoadTarget:
     format: StepFormat
     index: StepIndex
     store: Store
+    listed: frozenset[str] = frozenset()
+    """The states the step's commit marker lists (none for another program's step)."""
 
 
 def _as_list(x: Any) -> list:
@@ -100,7 +102,7 @@ class CheckpointManager:
         if state_dict_adapter is not None and sd_adapter is not None:
             raise TypeError("pass the state-dict adapter once: state_dict_adapter= or sd_adapter=, not both")
         state_dict_adapter = state_dict_adapter if state_dict_adapter is not None else sd_adapter
-        config.validate()  # a section built in Python never went through `load_config`
+        config = config.validate()  # a section built in Python never went through `load_config`
         self.config = config
         self._adapter = as_adapter(state_dict_adapter)
         self.folder = config.folder if storage.scheme_of(config.folder) else os.path.join(base_folder, config.folder)
@@ -407,7 +409,9 @@ class CheckpointManager:
         # rank 0 deletes what retention chose: every rank scans once those deletions are done
         self._group.run(lambda: self._deleter.drain(), coordinator_only=True)
         start = time.perf_counter()
-        target = self._find_load_target(step if step >= 0 else self.config.load_step)
+        folders = self._store.scan(self.folder)
+        target = self._find_load_target(folders, step if step >= 0 else self.config.load_step)
+        self._check_steps_ahead(folders, target)
         if target is None:
             logger.info("no checkpoint in %s and no initial_load_path: starting from scratch",
                         self._store.describe(self.folder))
@@ -464,8 +468,7 @@ class CheckpointManager:
         except Exception as e:
             raise PartialLoadError(path, e if isinstance(e, CheckpointError) else _cannot_apply(path, name, e)) from e
 
-    def _find_load_target(self, step: int) -> _LoadTarget | None:
-        folders = self._store.scan(self.folder)
+    def _find_load_target(self, folders: list[layout.StepFolder], step: int) -> _LoadTarget | None:
         if step >= 0:
             return self._explicit_step(folders, step)
         loadable = [f for f in folders if f.loadable]
@@ -485,6 +488,30 @@ class CheckpointManager:
             return self._initial_target(self._initial.fetch(self._initial.root, layout.TELLING))
         return None
 
+    def _check_steps_ahead(self, folders: list[layout.StepFolder], target: _LoadTarget | None) -> None:
+        """A save never replaces a step folder this package did not write (`Store.prepare`).
+        Another program's step ahead of the one this job starts from, at a step its schedule
+        saves (TorchTitan's last save, which a resume passes over), would fail that save after
+        all the training up to it: refused now, before any."""
+        if self.config.load_only:
+            return
+        start = target.step if target is not None and target.step is not None else 0
+        ahead = [f for f in folders if not f.ours and f.step > start
+                 and save_kind(f.step, False, self.config) is not None]
+        if not ahead:
+            return
+        steps = ", ".join(str(f.step) for f in ahead)
+        restart = (f" (checkpoint.initial_load_path = {self._store.describe(target.path)!r} with "
+                   "checkpoint.initial_load_model_only = false starts it from the same step there)"
+                   if target is not None and target.step is not None else "")
+        raise CheckpointError(
+            f"{self._store.describe(self.folder)}: step(s) {steps} were not written by torchtitan_ckpt (another "
+            f"program's, such as TorchTitan's last save) and this job, starting from step {start}, saves step "
+            f"{ahead[0].step} (checkpoint.interval = {self.config.interval}); a save never replaces a folder it did "
+            f"not write, so that save would fail after the training up to it. Before training, move "
+            f"{self._store.describe(ahead[0].path)}{' and the others' if len(ahead) > 1 else ''} out of the folder, "
+            f"or save into another checkpoint.folder{restart}")
+
     def _newest_target(self, loadable: list[layout.StepFolder]) -> _LoadTarget:
         """The newest loadable step; with `verify_fallback`, an older one if it is corrupt. A
         model-only step after step 0 is a finished run's last save: a job that would go on
@@ -502,7 +529,7 @@ class CheckpointManager:
                     passed.append(newest)
                     continue
                 return self._resume_point(target, passed, corrupt)
-            problems = self._verify(newest.path)
+            problems = self._verify(newest.path, self._store)
             if problems and self.config.verify_fallback:
                 if self._group.is_coordinator:
                     logger.error("step %d is corrupt, trying the previous complete step: %s",
@@ -511,7 +538,7 @@ class CheckpointManager:
                 continue
             if problems:
                 raise CorruptCheckpointError(f"step {newest.step} failed verification: {'; '.join(problems)}")
-            return self._resume_point(self._committed_target(newest.path, newest.step), passed, corrupt)
+            return self._resume_point(self._committed_target(newest.path, newest.step, self._store), passed, corrupt)
         if passed:
             return self._resume_point(None, passed, corrupt)
         raise CorruptCheckpointError(f"every complete step in {self._store.describe(self.folder)} failed verification")
@@ -522,9 +549,15 @@ class CheckpointManager:
         return not self.config.load_only and bool(self._loaded_states())
 
     def _only_the_model(self, folder: layout.StepFolder) -> bool:
-        """Whether `folder` is a step of ours after step 0 that holds only the model, for a job
-        that `_resumes` (a damaged marker is not: verifying or loading the step reports it)."""
-        if folder.status != layout.COMPLETE or not folder.step or not self._resumes():
+        """Whether `folder` is a step after step 0 that holds only the model, for a job that
+        `_resumes`, told without reading its index: ours by its marker (a damaged one is not:
+        verifying or loading the step reports it), another program's by its format (a Hugging
+        Face step holds nothing else, and reading its index needs a state-dict adapter)."""
+        if not folder.step or not self._resumes():
+            return False
+        if folder.status == layout.FOREIGN:
+            return not self._foreign_format(folder.path).holds_states
+        if folder.status != layout.COMPLETE:
             return False
 
         def model_only() -> bool:
@@ -554,15 +587,17 @@ class CheckpointManager:
                                "step %s's model, set checkpoint.initial_load_path to it and use another folder",
                                newer, full.step, passed[0].step)
             return full
-        last = self._store.describe(passed[0].path)
         held = (f"the steps holding it ({', '.join(map(str, corrupt))}) failed verification" if corrupt else
                 "no step after step 0 holds it")
         raise CheckpointError(
             f"{self._store.describe(self.folder)}: its newest step {passed[0].step} holds only the model (a finished "
             f"run's last save) and this job restores its {', '.join(self._loaded_states())} state too, but {held}: "
-            f"resuming would restart training over it. To train on from its model, set checkpoint.initial_load_path "
-            f"= {last!r} and use another checkpoint.folder; or load it anyway with checkpoint.load_step = "
-            f"{passed[0].step}")
+            f"resuming would restart training over it. {self._model_only_advice(passed[0].path)}")
+
+    def _model_only_advice(self, path: str) -> str:
+        """What a job that restores more than the model can do with the model-only step at `path`."""
+        return (f"To train on from its model, set checkpoint.initial_load_path = {self._store.describe(path)!r} and "
+                f"use another checkpoint.folder; to read the model alone, set checkpoint.load_only = true")
 
     def _loaded_states(self) -> list[str]:
         """The states besides the model that a load restores."""
@@ -583,13 +618,19 @@ class CheckpointManager:
                                           f"(no {commit.MARKER}); it is never loaded")
         if status != layout.COMPLETE:
             return self._foreign_target(path, None, self._initial, self.config.initial_load_model_only)
-        model_only = self.config.initial_load_model_only or commit.read_marker(path).model_only
-        return self._target(path, None, model_only, self._initial)
+        if problems := self._verify(path, self._initial):
+            raise CorruptCheckpointError(f"checkpoint.initial_load_path = {self.config.initial_load_path} failed "
+                                         f"verification: {'; '.join(problems)}")
+        return self._committed_target(path, None, self._initial, self.config.initial_load_model_only)
+
+    def _foreign_format(self, path: str) -> StepFormat:
+        """The format of another program's checkpoint at `path` (`layout.foreign_format`)."""
+        return self._formats[layout.foreign_format(path) or "dcp"]
 
     def _foreign_target(self, path: str, step: int | None, store: Store, model_only: bool = False) -> _LoadTarget:
         """A checkpoint another program wrote (TorchTitan's own manager, a Hugging Face export):
         loaded as its format's files say, without a manifest to verify them against."""
-        fmt = layout.foreign_format(path) or "dcp"
+        fmt = self._foreign_format(path).name
         if self._group.is_coordinator:
             logger.info("loading %s: a foreign %s checkpoint (no %s: not written by torchtitan_ckpt), "
                         "unverified", store.describe(path), fmt, commit.MARKER)
@@ -611,43 +652,58 @@ class CheckpointManager:
             raise CheckpointNotFoundError(
                 f"checkpoint.load_step = {step}: {where} is not loadable ({_not_loadable(match[0])}); "
                 f"loadable steps: {loadable}")
+        if self._only_the_model(match[0]):
+            raise self._refused_model_only(step, path)
         if match[0].status == layout.FOREIGN:
-            return self._foreign_target(path, step, self._store)
-        if problems := self._verify(path):
+            target = self._foreign_target(path, step, self._store)
+            if target.model_only and step and self._resumes():
+                raise self._refused_model_only(step, path)
+            return target
+        if problems := self._verify(path, self._store):
             raise CorruptCheckpointError(f"step {step} failed verification: {'; '.join(problems)}")
-        return self._committed_target(path, step)
+        return self._committed_target(path, step, self._store)
 
-    def _verify(self, path: str) -> list[str]:
-        """With `verify_on_load`: every rank checks its share of the step's files; every rank
-        gets every problem found. Without it: nothing to report."""
+    def _refused_model_only(self, step: int, path: str) -> CheckpointError:
+        """A step named to load that holds only the model, for a job that `_resumes`: its other
+        states would start over while the model goes on (TorchTitan's load fails on the missing
+        keys), and its saves would replace the steps of the run that wrote it."""
+        return CheckpointError(
+            f"checkpoint.load_step = {step}: {self._store.describe(path)} holds only the model (a finished run's last "
+            f"save) and this job restores its {', '.join(self._loaded_states())} state too, which the step lacks. "
+            f"{self._model_only_advice(path)}, or add those states to checkpoint.exclude_from_loading")
+
+    def _verify(self, path: str, store: Store) -> list[str]:
+        """With `verify_on_load`: every rank checks its share of the files of the step of ours
+        at `path` in `store`; every rank gets every problem found. Without it: nothing to report."""
         if not self.config.verify_on_load:
             return []
         def mine() -> list[str]:
             try:
-                names = sorted(commit.read_marker(self._store.fetch(path, [commit.MARKER])).files)
+                names = sorted(commit.read_marker(store.fetch(path, [commit.MARKER])).files)
             except CorruptCheckpointError as e:  # a problem like any other: `verify_fallback` applies
                 return [str(e)]
             share = names[self._group.rank :: self._group.world_size]
-            self._store.fetch(path, share)
+            store.fetch(path, share)
             return commit.verify(path, share)
 
         try:  # a rank that cannot check its share (the store failing) fails every rank
             found = self._group.run(mine)
         except RankFailed as failed:
-            failed.reraise(f"verifying {self._store.describe(path)}")
+            failed.reraise(f"verifying {store.describe(path)}")
         return list(dict.fromkeys(p for problems in found for p in problems))
 
     def _target(self, path: str, step: int | None, model_only: bool, store: Store,
-                fmt_name: str = "dcp") -> _LoadTarget:
+                fmt_name: str = "dcp", listed: frozenset[str] = frozenset()) -> _LoadTarget:
         fmt = self._formats.get(fmt_name)
         if fmt is None:
             raise CorruptCheckpointError(f"{path}: format {fmt_name!r} is not one of {', '.join(self._formats)}")
         index = fmt.index(path, store)
-        return _LoadTarget(path, step, model_only or not index.keys(), fmt, index, store)
+        return _LoadTarget(path, step, model_only or not index.keys(), fmt, index, store, listed)
 
-    def _committed_target(self, path: str, step: int) -> _LoadTarget:
-        info = commit.read_marker(self._store.fetch(path, [commit.MARKER]))
-        return self._target(path, step, info.model_only, self._store, info.format)
+    def _committed_target(self, path: str, step: int | None, store: Store, model_only: bool = False) -> _LoadTarget:
+        """A step of ours, in the format and with the states its commit marker records."""
+        info = commit.read_marker(store.fetch(path, [commit.MARKER]))
+        return self._target(path, step, model_only or info.model_only, store, info.format, frozenset(info.states))
 
     def _state_for_load(self, target: _LoadTarget) -> dict[str, Any]:
         state: dict[str, Any] = self._model.state_dict()
@@ -660,9 +716,12 @@ class CheckpointManager:
             prefix = name + "."
             saved = [k for k in keys if k.startswith(prefix)]
             if not saved:
-                raise CheckpointError(
-                    f"{target.path} has no state '{name}'; add '{name}' to "
-                    "checkpoint.exclude_from_loading to start it fresh")
+                if name not in target.listed:
+                    raise CheckpointError(
+                        f"{target.path} has no state '{name}'; add '{name}' to "
+                        "checkpoint.exclude_from_loading to start it fresh")
+                state[name] = {}  # saved with no keys (an EMA before it starts): loaded as empty
+                continue
             relative = {k[len(prefix):] for k in saved}
             if isinstance(stateful, DataLoaderState) and not self._dataloader_fits(stateful, relative):
                 continue

@@ -10,6 +10,7 @@ back without running code.
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import pickle
@@ -116,7 +117,8 @@ class OptimizerState(CheckedState):
         state tensors of every parameter the checkpoint has state for, and the settings it has
         (a setting a newer PyTorch added keeps its present value). An optimizer that has no state yet is left without one (its
         state is made here to be read into and is given to it when the load is applied), so a
-        load refused before then leaves it as it was."""
+        load refused before then leaves it as it was; one that has state for some parameters
+        only (others had no gradient yet) gets state made for the rest that the checkpoint has."""
         fresh = [opt for opt in self.optimizers if not opt.state]
         sd = self.state_dict()
         for opt in fresh:
@@ -125,6 +127,10 @@ class OptimizerState(CheckedState):
         # that had state of other names (another optimizer) is still asked for its own, and refused
         held = {key[len("state."):] for key in saved_keys if key.startswith("state.")}
         prefixes = {key[:i] for key in held for i, ch in enumerate(key) if ch == "."}  # every `fqn` of `fqn.name...`
+        for opt, names in self.named:
+            lacking = {name for name in names if name in prefixes and name not in sd["state"]}
+            if lacking and opt.state:
+                sd["state"].update(_made_state(opt, names, lacking))
         sd["state"] = {fqn: values for fqn, values in sd["state"].items() if fqn in prefixes}
         sd["param_groups"] = {fqn: {k: v for k, v in settings.items() if f"param_groups.{fqn}.{k}" in saved_keys}
                               for fqn, settings in sd["param_groups"].items()}
@@ -161,6 +167,26 @@ class OptimizerState(CheckedState):
 
 
 _NOT_SETTINGS = ("params", "param_names")
+
+
+def _made_state(opt: torch.optim.Optimizer, names: list[str], wanted: Collection[str]) -> dict[str, Any]:
+    """State for `opt`'s parameters named in `wanted`, to read a checkpoint's into, made as an
+    optimizer's first state is (a step at learning rate 0 on zero gradients, which leaves the
+    parameters as they are) on a state of its own: `opt`'s state and its parameters'
+    gradients are left as they were."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    held, grads = opt.state, [p.grad for p in params]
+    opt.state = collections.defaultdict(dict)
+    try:
+        for p in params:
+            p.grad = None
+        _init_optim_state(opt)
+        made = opt.state_dict()["state"]
+    finally:
+        opt.state = held
+        for p, grad in zip(params, grads):
+            p.grad = grad
+    return {names[index]: values for index, values in made.items() if names[index] in wanted}
 
 
 def _same_kind(saved: Any, live: Any) -> bool:
@@ -214,12 +240,18 @@ class LRSchedulerState(CheckedState):
         return self.schedulers[0].state_dict()
 
     def state_dict_to_load(self, saved_keys: Collection[str]) -> dict[str, Any]:
-        """The entries of this state the checkpoint holds (`saved_keys` relative to it)."""
-        if "last_epoch" not in saved_keys:
-            raise CheckpointError(f"the checkpoint has no lr_scheduler.last_epoch (it has lr_scheduler."
-                                  f"{sorted(saved_keys)[0]}, ...); add 'lr_scheduler' to "
+        """The entries of this state the checkpoint holds (`saved_keys` relative to it). It must
+        hold `last_epoch`, or, for a scheduler without one (`ChainedScheduler`, whose state is
+        its schedulers'), every entry of the scheduler's own state but its last rates."""
+        live = self.state_dict()
+        needed = ["last_epoch"] if "last_epoch" in live else [k for k in live if k not in _PER_SCHEDULER]
+        held = [k for k in live if any(s == k or s.startswith(k + ".") for s in saved_keys)]
+        missing = [k for k in needed if k not in held]
+        if missing:
+            has = f"it has lr_scheduler.{min(saved_keys)}, ..." if saved_keys else "it has no lr_scheduler entry"
+            raise CheckpointError(f"the checkpoint has no lr_scheduler.{missing[0]} ({has}); add 'lr_scheduler' to "
                                   "checkpoint.exclude_from_loading to start it fresh")
-        return {k: v for k, v in self.state_dict().items() if any(s == k or s.startswith(k + ".") for s in saved_keys)}
+        return {k: live[k] for k in held}
 
     def check_loaded(self, state_dict: dict[str, Any]) -> None:
         for key in ("last_epoch", "_step_count"):
@@ -231,7 +263,7 @@ class LRSchedulerState(CheckedState):
             own = scheduler.state_dict()
             shared = {k: v for k, v in state_dict.items() if len(self.schedulers) == 1 or k not in _PER_SCHEDULER}
             scheduler.load_state_dict(copy.deepcopy({**own, **shared}))
-            if "_step_count" not in state_dict:
+            if "_step_count" not in state_dict and hasattr(scheduler, "last_epoch"):
                 scheduler._step_count = scheduler.last_epoch + 1  # what step() would have counted
             if "_last_lr" not in shared:
                 scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]

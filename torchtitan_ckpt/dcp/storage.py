@@ -254,7 +254,13 @@ class _ReadOnlyRegularFiles(FileSystem):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, but non-tensor values are unpickled with `weights_only=True`."""
+    """DCP's default load planner, but non-tensor values are unpickled without running code, and
+    put under the caller's own keys."""
+
+    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
+        super().set_up_planner(state_dict, *args, **kwargs)
+        self._spellings: dict[int, dict[str, Any]] = {}
+        """Per dict of the caller's (by id, for this load), its keys that are not text, by their text."""
 
     def create_local_plan(self) -> LoadPlan:
         """DCP's local plan, each distinct chunk layout worked out once (`load_plan`) when the
@@ -264,6 +270,16 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         if self.metadata is not None and load_plan.matches(self.state_dict, self.metadata, original):
             return load_plan.local_load_plan(self.state_dict, self.metadata)
         return super().create_local_plan()
+
+    def _own_key(self, node: Any, key: Any) -> Any:
+        """The key of the caller's dict `node` that DCP's flattening spelled `key`: it spells every
+        key of a path as text, so a value under the number 0 would be put under "0" beside it."""
+        if not isinstance(node, dict) or key in node or not isinstance(key, str):
+            return key
+        spelled = self._spellings.get(id(node))
+        if spelled is None:
+            spelled = self._spellings[id(node)] = {str(k): k for k in node if not isinstance(k, str)}
+        return spelled.get(key, key)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
@@ -281,8 +297,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             *parents, last = self.mappings[read_item.dest_index.fqn]
             node = self.original_state_dict
             for key in parents:
-                node = node[key]
-            node[last] = obj
+                node = node[self._own_key(node, key)]
+            node[self._own_key(node, last)] = obj
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 

@@ -103,6 +103,11 @@ class StepFormat(ABC):
         rank there leaves every rank's tensors as they were). A failure once tensors are being
         written is a `PartialLoadError`."""
 
+    holds_states: bool = False
+    """Whether a step in this format can hold the job's states besides the model (optimizer,
+    schedulers, data...). A step in a format that cannot holds the model alone: a job that
+    resumes passes over another program's such step without reading its index."""
+
     on_training_thread: bool = False
     """Whether saves must run on the training thread (their collectives use the training mesh)
     rather than in the background."""

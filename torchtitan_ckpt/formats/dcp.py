@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # storage.base imports layout, which imports the formats
 class DcpFormat(StepFormat):
     name = "dcp"
     index_files = (storage.METADATA_FILE,)
+    holds_states = True
 
     def __init__(self, context):
         super().__init__(context)

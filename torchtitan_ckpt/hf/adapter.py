@@ -10,6 +10,7 @@ or one it expects and does not find, raises `AdapterMismatchError` listing both 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -27,7 +28,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ..errors import AdapterMismatchError, CheckpointError, CorruptCheckpointError
 from ..io import safe_open
 from .files import CONFIG_FILE, INDEX_FILE, MAX_INDEX_BYTES, file_number
-from .model_config import MAX_CONFIG_BYTES, HFModelConfig
+from .model_config import MAX_CONFIG_BYTES, HFModelConfig, read_hf_config
 
 
 
@@ -143,6 +144,10 @@ class StateDictAdapter:
         self.rope_layout = rope_layout or self.ROPE_LAYOUT
         self.sources: dict[str, HFSource] = {}  # ours -> HF, every tensor but a tied head
         self.shapes: dict[str, tuple[int, ...]] = {}  # ours -> shape, from the config
+        # HF tensors that a tied checkpoint may hold as copies of the embedding (a tied model's
+        # head: Qwen3-0.6B's on the Hub): an import of a folder whose config ties too leaves them
+        # unread, and an export leaves them out of its assets' file split
+        self.tied_copies: set[str] = set()
         self._build()
 
     def _build(self) -> None:
@@ -220,8 +225,14 @@ class StateDictAdapter:
 
     def export_config(self, dtype: torch.dtype) -> dict[str, Any]:
         """The assets' `config.json` when there is one, else the adapter's, its dtype set to
-        `dtype` (the one of the exported tensors)."""
-        return _with_dtype(_assets_config(self.hf_assets_path) or dict(self.config.raw), dtype)
+        `dtype` (the one of the exported tensors). The assets' must describe the adapter's
+        model (`_check_describes`): `transformers` builds the model from it."""
+        path = os.path.join(self.hf_assets_path or "", CONFIG_FILE)
+        if self.hf_assets_path is None or not os.path.isfile(path):
+            return _with_dtype(dict(self.config.raw), dtype)
+        assets = read_hf_config(path)
+        _check_describes(assets, self.config)
+        return _with_dtype(dict(assets.raw), dtype)
 
 
 def _check_tied(head: Any, embedding: Any) -> None:
@@ -243,6 +254,27 @@ def _check_tied(head: Any, embedding: Any) -> None:
         f"{problem}: the Hugging Face config ties them (tie_word_embeddings = true), and an export would keep "
         "the embedding alone and drop the model's own head. Export with a config.json saying "
         "tie_word_embeddings = false (the adapter's hf_assets_path), or tie the model's head to its embedding")
+
+
+def _check_describes(assets: HFModelConfig, ours: HFModelConfig) -> None:
+    """Raise `CheckpointError` unless the assets' config gives the adapter's shapes, experts and
+    tying (its `model_type` may differ: Mistral's and Llama's tensors are alike). An export
+    writes the adapter's tensors beside the assets' config, and `transformers` builds the model
+    from that config: a head it ties or initialises at random, other shapes, silently."""
+    differ = [f"{f.name} = {_json(getattr(assets, f.name))} there, {_json(getattr(ours, f.name))} in the "
+              "adapter's" for f in dataclasses.fields(HFModelConfig)
+              if f.compare and f.name != "model_type" and getattr(assets, f.name) != getattr(ours, f.name)]
+    if differ:
+        raise CheckpointError(
+            f"{assets.where} does not describe the model the adapter converts ({'; '.join(differ)}): an export "
+            "would write its tensors under that config, and transformers would build another model from them. "
+            "Build the adapter from that config.json (adapter_for_hf_dir), or give it an hf_assets_path whose "
+            "config.json is its model's")
+
+
+def _json(value: Any) -> str:
+    """A config value as `config.json` spells it (true, [1, 3])."""
+    return json.dumps(list(value) if isinstance(value, tuple) else value)
 
 
 def _assets_config(hf_assets_path: str | None) -> dict[str, Any] | None:
@@ -278,6 +310,8 @@ class ForeignAdapter:
 
     hf_names = None
     """Unknown: an export's file split follows the ranks' state dicts, in rank order."""
+    tied_copies: frozenset[str] = frozenset()
+    """None known: its `from_hf` takes every tensor of a folder."""
 
     def to_hf(self, state_dict: dict[str, Any], complete: bool = True) -> dict[str, Any]:
         return self.adapter.to_hf(state_dict)

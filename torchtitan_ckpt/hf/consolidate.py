@@ -48,14 +48,16 @@ from torch.distributed.tensor import DTensor
 
 from ..io import durable, posio, safe_open
 from ..io.filewriter import Writeback
+from ..io.untrusted import brief
 from .. import faults
 from ..dcp.storage import dtensor_chunk
 from ..errors import ConsolidationError, CorruptCheckpointError, InvalidShardsError, RankFailed
 from ..group import CheckpointGroup
 from ..policy.split import byte_ranges
 from .adapter import LOCAL_PLACEMENTS, PermutedRows, RowOf
-from .files import DCP_SHARD_NAME, DTYPE_NAMES, DTYPE_SIZES, INDEX_FILE, MAX_HEADER_BYTES, is_dcp_shard_file
-from .files import model_file_name
+from .files import DCP_SHARD_NAME, DTYPE_NAMES, DTYPE_SIZES, INDEX_FILE, MAX_HEADER_BYTES, MAX_INDEX_BYTES
+from .files import file_number, is_dcp_shard_file, is_model_file, model_file_name
+from .safetensors_io import parse_header
 
 logger = logging.getLogger(__name__)
 
@@ -149,16 +151,19 @@ def plan_output_files(specs: Mapping[str, TensorSpec],
                       fqn_to_index_mapping: Mapping[str, int] | None = None) -> list[OutputFile]:
     """The final files: tensors grouped by the mapping's file index (one file without a mapping),
     ordered by element size then name so that each tensor's data is aligned to its element size,
-    and a header padded with spaces so that tensor data starts at a multiple of 8 bytes."""
+    and a header padded with spaces so that tensor data starts at a multiple of 8 bytes. The
+    indices the tensors use are numbered 1..N in their order: a number no tensor uses (a gap in
+    a user's mapping, the file of an assets' tensor the export leaves out) makes no file, which
+    the index would not list and an import would refuse."""
     mapping = fqn_to_index_mapping or dict.fromkeys(specs, 1)
     missing = sorted(set(specs) - set(mapping))
     if missing:
         raise ValueError(f"fqn_to_index_mapping has no file index for {missing[:5]}")
-    num_files = max(mapping.values(), default=1)
-    groups: dict[int, list[TensorSpec]] = {i: [] for i in range(1, num_files + 1)}
+    used = sorted({mapping[fqn] for fqn in specs}) or [1]
+    groups: dict[int, list[TensorSpec]] = {i: [] for i in used}
     for fqn, spec in specs.items():
         groups[mapping[fqn]].append(spec)
-    return [_layout_file(model_file_name(i, num_files), specs_in_file) for i, specs_in_file in groups.items()]
+    return [_layout_file(model_file_name(n, len(used)), groups[i]) for n, i in enumerate(used, start=1)]
 
 
 def _layout_file(name: str, specs: list[TensorSpec]) -> OutputFile:
@@ -214,7 +219,7 @@ def full_tensors(blocks: Sequence[Block]) -> dict[str, TensorSpec]:
     for fqn, group in sorted(by_fqn.items()):
         files = sorted({b.src for b in group})
         if len({b.dtype for b in group}) > 1 or len({len(b.shape) for b in group}) > 1:
-            raise InvalidShardsError(f"tensor {fqn!r}: its blocks in {files} disagree on dtype or rank")
+            raise InvalidShardsError(f"tensor {brief(fqn)}: its blocks in {files} disagree on dtype or rank")
         shape = tuple(max(b.offsets[d] + b.shape[d] for b in group) for d in range(len(group[0].shape)))
         _check_coverage(fqn, group, shape, files)
         specs[fqn] = TensorSpec(fqn, group[0].dtype, shape)
@@ -222,18 +227,43 @@ def full_tensors(blocks: Sequence[Block]) -> dict[str, TensorSpec]:
 
 
 def _check_coverage(fqn: str, group: list[Block], shape: tuple[int, ...], files: list[str]) -> None:
-    for i, a in enumerate(group):
-        for b in group[i + 1:]:
-            if all(max(oa, ob) < min(oa + sa, ob + sb)
-                   for oa, sa, ob, sb in zip(a.offsets, a.shape, b.offsets, b.shape)) and a.nbytes and b.nbytes:
-                raise InvalidShardsError(
-                    f"tensor {fqn!r}: blocks at offsets {list(a.offsets)} ({a.src}) and "
-                    f"{list(b.offsets)} ({b.src}) overlap")
+    """Raise `InvalidShardsError` when two blocks holding elements overlap, or when the blocks
+    (inside `shape`) hold fewer elements than it: then some block is missing."""
+    pair = _overlapping(group)
+    if pair is not None:
+        a, b = pair
+        raise InvalidShardsError(
+            f"tensor {brief(fqn)}: blocks at offsets {list(a.offsets)} ({a.src}) and "
+            f"{list(b.offsets)} ({b.src}) overlap")
     covered = sum(math.prod(b.shape) for b in group)
     if covered != math.prod(shape):
         raise InvalidShardsError(
-            f"tensor {fqn!r} of shape {list(shape)}: the shards in {files} cover {covered} of "
+            f"tensor {brief(fqn)} of shape {list(shape)}: the shards in {files} cover {covered} of "
             f"{math.prod(shape)} elements; a rank's shard file is missing")
+
+
+def _overlapping(blocks: Sequence[Block]) -> tuple[Block, Block] | None:
+    """Two of `blocks` (of one tensor) that share an element, or None. A sweep along the
+    dimension the blocks are cut at most places: sorted by their start along it, each block is
+    compared with those it starts inside of only. Blocks cut along one dimension (FSDP's rows,
+    the 1,024 ranks of a large job) then cost n log n, a grid of them n times its side; comparing
+    every pair took half a second per tensor at 1,024 blocks."""
+    held = [b for b in blocks if b.nbytes]
+    if len(held) < 2:
+        return None
+    if not held[0].shape:  # scalars: any two are the same element
+        return held[0], held[1]
+    axis = max(range(len(held[0].shape)), key=lambda d: len({b.offsets[d] for b in held}))
+    held.sort(key=lambda b: b.offsets[axis])
+    open_: list[Block] = []  # the blocks seen so far that reach past the current start along `axis`
+    for b in held:
+        open_ = [a for a in open_ if a.offsets[axis] + a.shape[axis] > b.offsets[axis]]
+        for a in open_:
+            if all(max(oa, ob) < min(oa + sa, ob + sb)
+                   for oa, sa, ob, sb in zip(a.offsets, a.shape, b.offsets, b.shape)):
+                return a, b
+        open_.append(b)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,7 +282,7 @@ def read_shard_blocks(path: str) -> list[Block]:
         if header_len > min(size - 8, MAX_HEADER_BYTES):
             raise InvalidShardsError(f"{path}: header of {header_len} bytes in a file of {size} bytes")
         try:
-            header = json.loads(f.read(header_len))
+            header = parse_header(f.read(header_len))
             sharding = json.loads(header.pop("__metadata__", {})[_SHARDING_KEY])
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise InvalidShardsError(f"{path}: not a DCP HF shard file (header or {_SHARDING_KEY} "
@@ -269,21 +299,21 @@ def _counts(value: Any) -> bool:
 def _block(path: str, fqn: str, entry: Any, sharding: Any, data_start: int, size: int) -> Block:
     info = sharding.get(fqn, {}) if isinstance(sharding, dict) else None
     if not isinstance(entry, dict) or not isinstance(info, dict):
-        raise InvalidShardsError(f"{path}: tensor {fqn!r} has header entry {entry!r} and sharding info {info!r}; "
-                                 f"expected objects (save with save_distributed=True)")
+        raise InvalidShardsError(f"{path}: tensor {brief(fqn)} has header entry {brief(entry)} and sharding info "
+                                 f"{brief(info)}; expected objects (save with save_distributed=True)")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), info.get("saved_offsets", [])
-    if dtype not in DTYPE_SIZES:
-        raise InvalidShardsError(f"{path}: tensor {fqn!r} has dtype {dtype!r}; known: {sorted(DTYPE_SIZES)}")
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise InvalidShardsError(f"{path}: tensor {brief(fqn)} has dtype {brief(dtype)}; known: {sorted(DTYPE_SIZES)}")
     data_offsets = entry.get("data_offsets")
     if not (_counts(shape) and _counts(offsets) and _counts(data_offsets) and len(data_offsets) == 2
             and len(offsets) == len(shape)):
-        raise InvalidShardsError(f"{path}: tensor {fqn!r} has shape {shape!r}, saved_offsets {offsets!r} and "
-                                 f"data_offsets {data_offsets!r}; expected lists of non-negative ints, "
-                                 "one offset per dimension")
+        raise InvalidShardsError(f"{path}: tensor {brief(fqn)} has shape {brief(shape)}, saved_offsets "
+                                 f"{brief(offsets)} and data_offsets {brief(data_offsets)}; expected lists of "
+                                 "non-negative ints, one offset per dimension")
     begin, end = data_offsets
     block = Block(fqn, dtype, tuple(offsets), tuple(shape), path, data_start + begin)
     if end - begin != block.nbytes or data_start + end > size:
-        raise InvalidShardsError(f"{path}: tensor {fqn!r} claims bytes [{begin}, {end}) after the header: "
+        raise InvalidShardsError(f"{path}: tensor {brief(fqn)} claims bytes [{begin}, {end}) after the header: "
                                  f"{block.nbytes} expected, file has {size - data_start}")
     return block
 
@@ -426,14 +456,24 @@ def create_replacing(path: str) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
 
 
+def clear_model_files(folder: str) -> None:
+    """Remove an earlier export's index, first (the folder stops being complete), then its model
+    files (`is_model_file`): one left beside a new export of other files would make the folder
+    one that `load_hf` refuses. Files of other names (another format's, the user's) stay."""
+    index = os.path.join(folder, INDEX_FILE)
+    if os.path.lexists(index):
+        os.remove(index)
+    for name in filter(is_model_file, os.listdir(folder)):
+        os.remove(os.path.join(folder, name))
+
+
 def _create_files(output_dir: str, files: Sequence[OutputFile], sync: Collection[str], header: bool = True) -> None:
-    """Create every output file at its final size, with its header (run by one rank, which
-    fsyncs those named in `sync` now and the others with the tensor bytes it writes into them).
+    """Create every output file at its final size, with its header, in place of an earlier
+    export's (`clear_model_files`); run by one rank, which fsyncs those named in `sync` now and
+    the others with the tensor bytes it writes into them.
     Without `header`: a rank's own copy of files another rank heads (a folder not shared)."""
     os.makedirs(output_dir, exist_ok=True)
-    stale = os.path.join(output_dir, INDEX_FILE)
-    if os.path.exists(stale):
-        os.remove(stale)
+    clear_model_files(output_dir)
     for f in files:
         fd = create_replacing(os.path.join(output_dir, f.name))
         try:
@@ -703,9 +743,28 @@ def _rows_at_hf_places(block: Block, local: torch.Tensor,
 
 
 def load_mapping(path: str) -> dict[str, int]:
-    """fqn -> file index from `{fqn: index}` or from an HF index's weight_map of file names."""
-    with open(path) as fh:
-        data = json.load(fh)
-    if "weight_map" not in data:
-        return {k: int(v) for k, v in data.items()}
-    return {fqn: int(name.split("-")[1]) for fqn, name in data["weight_map"].items()}
+    """fqn -> file index from `{fqn: index}` (integers from 1) or from an HF index's `weight_map`
+    of numbered file names (`model-0000X-of-0000N.safetensors`). Read as the user's own file (a
+    link, a pipe: `--mapping <(...)`), but never more than `MAX_INDEX_BYTES` of it; anything
+    else raises `ValueError` naming the file and the entry."""
+    with open(path, "rb") as fh:
+        text = fh.read(MAX_INDEX_BYTES + 1)
+    if len(text) > MAX_INDEX_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_INDEX_BYTES} bytes, far more than any file mapping")
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    names = data.get("weight_map") if isinstance(data, dict) else None
+    entries = data if names is None else names
+    if not isinstance(entries, dict):
+        raise ValueError(f"{path}: expected an object, {{fqn: file index}}, or an HF index with a weight_map")
+    out = {}
+    for fqn, value in entries.items():
+        index = value if names is None else file_number(value) if isinstance(value, str) else None
+        if type(index) is not int or index < 1:
+            expected = "a file index (an integer from 1)" if names is None else \
+                "a numbered model file (model-0000X-of-0000N.safetensors)"
+            raise ValueError(f"{path}: {brief(fqn)} maps to {brief(value)}; expected {expected}")
+        out[fqn] = index
+    return out

@@ -85,7 +85,7 @@ def to_dcp(hf_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pat
     shapes = adapter.state_dict_shapes()
     meta = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}
     sources = adapter.hf_sources(meta)
-    layout = check_hf_dir(meta, hf_dir, sources)  # every name and shape, before allocating
+    layout = check_hf_dir(meta, hf_dir, sources, tied_copies=adapter.tied_copies)  # before allocating
     dtypes = {k: layout[source.hf_names[0]].dtype for k, source in sources.items()}
     state = empty_state_dict(shapes, dtypes)
     nbytes = _local_bytes(state)

@@ -6,8 +6,9 @@ head (`rope_layout` "interleaved": TorchTitan's Llama 3, the default of `LlamaAd
 `wq` and `wk` are permuted within each head, as HF's rotates channel i with channel
 i + head_dim/2; Qwen3's per-head `q_norm`/`k_norm` weights scale those same channels, so their
 entries move the same way. TorchTitan's Qwen3 rotates halves as HF does: the Qwen3 adapters'
-default layout is "halves", with no permutation. With tied embeddings HF stores no `lm_head.weight`; our
-`output.weight` is the embedding. Qwen3-MoE experts are one grouped 3-D weight per projection on
+default layout is "halves", with no permutation. With tied embeddings our `output.weight` is the
+embedding: an export writes no `lm_head.weight`, and an import ignores one (some tied checkpoints
+store a copy of the embedding there). Qwen3-MoE experts are one grouped 3-D weight per projection on
 our side (`moe.experts.w1` [experts, width, hidden], as TorchTitan stores them) and one 2-D tensor
 per expert on the Hub's (`mlp.experts.E.gate_proj.weight`).
 """
@@ -32,7 +33,9 @@ class LlamaAdapter(StateDictAdapter):
             self.add(f"layers.{i}.ffn_norm.weight", f"model.layers.{i}.post_attention_layernorm.weight",
                      (c.hidden_size,))
         self.add("norm.weight", "model.norm.weight", (c.hidden_size,))
-        if not self.tied:
+        if self.tied:
+            self.tied_copies.add("lm_head.weight")
+        else:
             self.add("output.weight", "lm_head.weight", (c.vocab_size, c.hidden_size))
 
     def _attention(self, ours: str, hf: str) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
@@ -24,7 +24,8 @@ from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundEr
 from ..errors import PartialLoadError, RankFailed
 from ..group import CheckpointGroup, cpu_world
 from .adapter import HFSource, StateDictAdapter, as_adapter, check_names, read_index
-from .files import INDEX_FILE, SINGLE_FILE, is_model_file, is_unused_tensor
+from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, is_model_file, is_unused_tensor
+from .model_config import read_hf_config
 from ..io import safe_open
 from ..io.posio import tensor_bytes
 from .safetensors_io import TensorEntry, read_exact, read_header
@@ -128,7 +129,8 @@ def _checked(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
     if all_sources is None:  # an adapter of whole tensors only (`ForeignAdapter`)
         return _read_through(state_dict, hf_dir, adapter, every)
     sources = {name: all_sources[name] for name in state_dict}
-    layout = check_hf_dir(state_dict, hf_dir, sources, {n for s in all_sources.values() for n in s.hf_names})
+    layout = check_hf_dir(state_dict, hf_dir, sources, {n for s in all_sources.values() for n in s.hf_names},
+                          adapter.tied_copies)
     with torch.no_grad():
         reads, seen = [], set()
         for name, source in sources.items():
@@ -144,15 +146,32 @@ def _checked(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter,
 
 
 def check_hf_dir(state_dict: dict[str, Any], hf_dir: str, sources: dict[str, HFSource],
-                 hf_names: Iterable[str] | None = None) -> dict[str, TensorEntry]:
+                 hf_names: Iterable[str] | None = None,
+                 tied_copies: Collection[str] = ()) -> dict[str, TensorEntry]:
     """The layout of `hf_dir`, once the names, shapes and dtypes of the adapter's `sources` of
     `state_dict` (values need only a shape and a dtype: meta tensors do) are checked to fit.
     The folder holds `hf_names` (the whole model's, of which `state_dict` may be a pipeline
-    stage's part; default: the names of `sources`)."""
+    stage's part; default: the names of `sources`). It may also hold `tied_copies` (the
+    adapter's: a tied model's head) when its own `config.json` ties the embedding too (some tied
+    checkpoints store the head as well, a copy of the embedding, and `transformers` ties it to
+    the embedding): they are left unread, with a log line. Without such a config they are the
+    folder's own head, which a tied model would lose: refused as names the adapter does not
+    know."""
     layout = read_hf_layout(hf_dir)
+    copies = sorted(set(tied_copies) & set(layout))
+    if copies and _ties_embedding(hf_dir):
+        logger.info("%s: ignoring %s: its config.json ties the embedding to the head, which is read from the "
+                    "embedding", hf_dir, copies)
+        layout = {name: entry for name, entry in layout.items() if name not in copies}
     check_names(hf_dir, layout, {n for s in sources.values() for n in s.hf_names} if hf_names is None else hf_names)
     _check_fit(hf_dir, state_dict, sources, layout)
     return layout
+
+
+def _ties_embedding(hf_dir: str) -> bool:
+    """Whether the `config.json` of `hf_dir` says tie_word_embeddings = true."""
+    path = os.path.join(hf_dir, CONFIG_FILE)
+    return os.path.isfile(path) and read_hf_config(path).tie_word_embeddings
 
 
 def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,

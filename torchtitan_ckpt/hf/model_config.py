@@ -30,6 +30,20 @@ MAX_POSITIONS = 1 << 24
 MAX_CONFIG_BYTES = 16 << 20
 """Far above any model's `config.json` (a few KiB): a larger file is refused, not read whole."""
 
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": {"num_key_value_heads": 8},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128},
+    # num_experts, which transformers 5 writes as num_local_experts: the default of either
+    "qwen3_moe": {"num_key_value_heads": 4, "num_local_experts": 128, "intermediate_size": 6144},
+}
+"""`model_type` -> the value `transformers` gives a key that a `config.json` leaves out, where
+it is not the one `HFModelConfig.parse` gives any family (`num_key_value_heads` = heads,
+`head_dim` = hidden / heads, no experts): the defaults of `transformers`' configuration classes
+(`MistralConfig`, `Qwen3Config`, `Qwen3MoeConfig`), so that a file read here gives the shapes
+`transformers` builds from it. A key given as null takes the value of any family, as in
+`transformers`. A key this module requires (`hidden_size`, `moe_intermediate_size`, ...) is
+required of every family: refused when missing, never guessed."""
+
 
 @dataclass(frozen=True)
 class HFModelConfig:
@@ -72,8 +86,8 @@ class HFModelConfig:
         `where` and the key of the first bad value."""
         if not isinstance(raw, dict):
             raise ConfigError(where, type(raw).__name__, "a config.json must hold a JSON object")
-        get = _Reader(raw, where)
-        model_type = get.str("model_type")
+        model_type = _Reader(raw, where).str("model_type")
+        get = _Reader(raw, where, FAMILY_DEFAULTS.get(model_type, {}))
         hidden, heads = get.int("hidden_size", MAX_HIDDEN), get.int("num_attention_heads", MAX_HEADS)
         kv = get.int("num_key_value_heads", heads, default=heads)
         if heads % kv:
@@ -86,7 +100,7 @@ class HFModelConfig:
         return cls(
             model_type=model_type, hidden_size=hidden, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-            intermediate_size=get.int("intermediate_size", MAX_FFN, default=0 if moe else _MISSING),
+            intermediate_size=get.int("intermediate_size", MAX_FFN),
             vocab_size=get.int("vocab_size", MAX_VOCAB),
             tie_word_embeddings=get.bool("tie_word_embeddings", False), raw=raw, where=where, **moe)
 
@@ -108,11 +122,13 @@ _MISSING: Any = object()
 class _Reader:
     """Typed, bounded reads of a config's keys; each failure names the file and the key."""
 
-    def __init__(self, raw: dict[str, Any], where: str):
-        self.raw, self.where = raw, where
+    def __init__(self, raw: dict[str, Any], where: str, family: dict[str, Any] | None = None):
+        self.raw, self.where, self.family = raw, where, family or {}
 
     def _value(self, key: str, default: Any) -> Any:
-        value = self.raw.get(key)
+        """The value of `key`; when the config leaves it out, the family's default
+        (`FAMILY_DEFAULTS`); when it is null or that too is missing, `default`."""
+        value = self.raw.get(key, self.family.get(key))
         if value is None:
             if default is _MISSING:
                 raise ConfigError(f"{self.where}: {key}", value, "required; the config does not give it")
@@ -122,7 +138,9 @@ class _Reader:
     def int(self, key: str, high: int, default: Any = _MISSING, low: int = 1) -> int:
         value = self._value(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ConfigError(f"{self.where}: {key}", value, f"expected an integer in [{low}, {high}]")
+            given = "" if key in self.raw or key not in self.family else \
+                " (the config does not give it: this is transformers' default for its model_type)"
+            raise ConfigError(f"{self.where}: {key}", value, f"expected an integer in [{low}, {high}]{given}")
         return value
 
     def bool(self, key: str, default: bool) -> bool:

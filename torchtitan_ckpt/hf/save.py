@@ -8,8 +8,9 @@ adapter's assets or `plan_files` over the whole model. The bytes are then writte
 `hf.consolidate` in one of three modes (`checkpoint.consolidation`): `one_pass` (default) writes
 the final files directly, each rank its own bytes at their final offsets; `all_ranks` and `rank0`
 first save per-rank shard files through DCP's `HuggingFaceStorageWriter`, then consolidate them
-on every rank or on rank 0. Rank 0 clears the folder and writes `config.json` before any tensor
-file is created; the index is written last, once every byte (`config.json` included) is durable:
+on every rank or on rank 0. Rank 0 reads the `config.json` to write (the assets', refused unless
+it describes the adapter's model), then clears the folder and writes it before any tensor file
+is created; the index is written last, once every byte (`config.json` included) is durable:
 a folder with an index is complete.
 """
 
@@ -28,13 +29,13 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.tensor import DTensor
 
 from ..io import durable
-from .consolidate import OnePassPlan, consolidate_safetensors, create_replacing, plan_one_pass
+from .consolidate import OnePassPlan, clear_model_files, consolidate_safetensors, create_replacing, plan_one_pass
 from .consolidate import write_safetensors_one_pass
 from ..errors import CheckpointError
 from ..errors import RankFailed
 from ..group import CheckpointGroup, cpu_world
 from .adapter import PermutedRows, RowOf, StateDictAdapter, as_adapter, check_names
-from .files import CONFIG_FILE, INDEX_FILE, SAFETENSORS_DTYPES, is_dcp_shard_file, is_model_file, is_unused_tensor
+from .files import CONFIG_FILE, INDEX_FILE, SAFETENSORS_DTYPES, is_dcp_shard_file, is_unused_tensor
 from .planner import parse_size, plan_files
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
     mapping = _file_split(adapter, plan.specs, max_shard_size)
     config_dtype = dtype or SAFETENSORS_DTYPES[next(iter(plan.specs.values())).dtype]
 
-    def prepare(sync: bool) -> list[str]:  # on rank 0
+    def prepare(sync: bool) -> list[str]:  # on rank 0; the config is read (and checked) before the folder is touched
         try:
             return [_clear_and_write_config(out_dir, adapter.export_config(config_dtype), sync)]
         except OSError as e:
@@ -140,12 +141,14 @@ def _whole_tensors(hf_sd: dict[str, Any]) -> dict[str, Any]:
 
 def _file_split(adapter: Any, specs: dict[str, Any], max_shard_size: str | int) -> dict[str, int]:
     """HF name -> file index: the adapter's assets' split (checked to name every tensor but
-    those no model loads, which an import leaves out), else `plan_files` over the tensors'
-    sizes in the model's order."""
+    those an import leaves out: those no model loads, and the copies of the embedding a tied
+    checkpoint may hold, `tied_copies`, which the export does not write), else `plan_files`
+    over the tensors' sizes in the model's order."""
     mapping = adapter.fqn_to_index_mapping
     if mapping is None:
         return plan_files({name: spec.nbytes for name, spec in specs.items()}, parse_size(max_shard_size))
-    mapping = {name: i for name, i in mapping.items() if not is_unused_tensor(name)}
+    mapping = {name: i for name, i in mapping.items()
+               if not is_unused_tensor(name) and name not in adapter.tied_copies}
     check_names(f"file split of {adapter.hf_assets_path}/{INDEX_FILE}", mapping, specs)
     return mapping
 
@@ -176,11 +179,7 @@ def _clear(out_dir: str) -> None:
     another format's (Mistral's `consolidated.safetensors`) or the user's, stay. A link named
     `SHARDS` is removed, never followed: the shards are written, then deleted, in a folder of
     the export's own."""
-    index = os.path.join(out_dir, INDEX_FILE)
-    if os.path.lexists(index):
-        os.remove(index)
-    for name in filter(is_model_file, os.listdir(out_dir)):
-        os.remove(os.path.join(out_dir, name))
+    clear_model_files(out_dir)
     shards = os.path.join(out_dir, SHARDS)
     if os.path.islink(shards):
         os.remove(shards)

@@ -473,10 +473,13 @@ def exact_storage(t: torch.Tensor, copy: bool = True) -> torch.Tensor | None:
     """`t` on the CPU with a storage holding exactly its elements (what `torch.save` writes).
     A view whose elements fill one stretch of a larger storage (a slice of rows, a tensor in
     a staging arena) gets a storage over just that stretch, sharing its memory; a view that
-    does not, or a tensor on another device, is copied (or None is returned, if not `copy`)."""
+    does not, a tensor on another device, or a lazily conjugated or negated view (whose storage
+    holds other values than it shows) is copied (or None is returned, if not `copy`)."""
     t = t.detach()
     nbytes = t.numel() * t.element_size()
-    if t.device.type != "cpu":
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg().cpu() if copy else None
+    elif t.device.type != "cpu":
         t = t.cpu() if copy else None
     elif t.untyped_storage().nbytes() != nbytes:
         if _fills_one_stretch(t):

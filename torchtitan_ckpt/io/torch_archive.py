@@ -13,7 +13,9 @@ one of them is met by `checkpoint.io_engine = "torch"`, which uses none of them)
   settings `torch.utils.serialization.config.save` (`storage_alignment`, `compute_crc32`) that
   the framing depends on;
 - `torch._weights_only_unpickler`, torch's own allow-list unpickler, for plain pickles that are
-  not plain data.
+  neither plain data nor CPU tensors;
+- torch's legacy format, in which `pickle.dumps` of a tensor holds its storage (read by
+  `_storage_from_archive`).
 An archive of another shape (float8, uint16, a compressed record) is `Unrecognised` and goes
 through `torch.load(weights_only=True)`, as DCP does; a framing that differs raises at once.
 Every pickle, ours to unpickle or torch's, is first checked by `untrusted.check_pickle`, and a
@@ -294,13 +296,78 @@ def torch_load(data: bytes) -> Any:
 
 def load_plain_pickle(data: bytes) -> Any:
     """A plain pickle (`pickle.dumps`, not a `torch.save` archive), read without running code:
-    plain data here, else with the globals `torch.load(weights_only=True)` allows (its
-    unpickler, which is private to torch). Anything else raises `pickle.UnpicklingError`
-    (`UnsafePickleError`, one, where `check_pickle` refuses it)."""
+    plain data and CPU tensors here (`_TensorValueUnpickler`), else with the globals
+    `torch.load(weights_only=True)` allows (its unpickler, which is private to torch). Anything
+    else raises `pickle.UnpicklingError` (`UnsafePickleError`, one, where `check_pickle` refuses
+    it)."""
     try:
-        return unpickle(_PlainUnpickler, data)
+        return unpickle(_TensorValueUnpickler, data)
     except Unrecognised:
         return _weights_only_unpickler.load(io.BytesIO(data), encoding="utf-8")
+
+
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_VERSION = 1001
+
+
+class _LegacyStorageUnpickler(HeaderUnpickler):
+    """The reference to its storage that torch's legacy format pickles: a storage class (its
+    dtype, as `HeaderUnpickler` resolves it) and a numeric key, on the CPU, no view."""
+
+    def persistent_load(self, pid: Any) -> _StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 6 and pid[0] == "storage" and pid[3] == "cpu"
+                and pid[5] is None):
+            raise Unrecognised(f"storage reference {brief(pid)}")
+        return super().persistent_load(pid[:5])
+
+
+def _storage_from_archive(archive: Any) -> torch.storage.TypedStorage:
+    """The storage that `pickle.dumps` of a tensor holds as `torch.save(storage,
+    _use_new_zipfile_serialization=False)` bytes (which torch reads back with
+    `torch.load(weights_only=False)`): torch's legacy format, a magic number, a format version,
+    system information, the storage's reference and its key, each a pickle checked then read
+    here with no other globals, then the storage's length and bytes, checked to be all there is."""
+    if not isinstance(archive, bytes):
+        raise Unrecognised("a tensor's storage that is not bytes")
+    f = io.BytesIO(archive)
+
+    def next_pickle(unpickler: type[pickle.Unpickler] = _PlainUnpickler) -> Any:
+        check_pickle(archive[f.tell():], "a tensor's storage")
+        return unpickler(f).load()
+
+    magic, version, info = next_pickle(), next_pickle(), next_pickle()
+    if magic != _LEGACY_MAGIC or version != _LEGACY_VERSION or not isinstance(info, dict) \
+            or info.get("little_endian") is not True:
+        raise Unrecognised("a tensor's storage in a format other than torch's legacy one")
+    ref, keys = next_pickle(_LegacyStorageUnpickler), next_pickle()
+    numel = struct.unpack("<q", f.read(8).ljust(8, b"\xff"))[0]
+    if not isinstance(ref, _StorageRef) or keys != [ref.key] or numel != ref.numel or f.tell() + numel * ref.dtype.itemsize != len(archive):
+        raise Unrecognised(f"a tensor's storage of {brief(numel)} elements in {len(archive) - f.tell()} bytes")
+    data = torch.frombuffer(bytearray(archive[f.tell():]), dtype=torch.uint8) if numel else torch.empty(0, dtype=torch.uint8)
+    return torch.storage.TypedStorage(wrap_storage=data.untyped_storage(), dtype=ref.dtype, _internal=True)
+
+
+def _plain_tensor(storage, storage_offset, size, stride, requires_grad, hooks, metadata=None) -> torch.Tensor:
+    """A tensor `pickle.dumps` wrote, as a view of its storage that `set_` checks to lie inside it."""
+    if not isinstance(storage, torch.storage.TypedStorage) or hooks or metadata or not isinstance(requires_grad, bool):
+        raise Unrecognised("a tensor with hooks or metadata")
+    t = torch.empty((0,), dtype=storage.dtype).set_(storage._untyped_storage, storage_offset, size, stride)
+    return t.requires_grad_(requires_grad)
+
+
+class _TensorValueUnpickler(_PlainUnpickler):
+    """`_PlainUnpickler`, and the CPU tensors `pickle.dumps` writes (a data loader's state
+    holds its generator's as one), each storage read from its own archive by `torch_load`."""
+
+    _GLOBALS = {("torch._utils", "_rebuild_tensor_v2"): _plain_tensor,
+                ("torch.storage", "_load_from_bytes"): _storage_from_archive,
+                ("collections", "OrderedDict"): collections.OrderedDict}
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._GLOBALS.get((module, name))
+        if found is None:
+            raise Unrecognised(f"{module[:100]}.{name[:100]}")
+        return found
 
 
 # ---------------------------------------------------------------- framing a tensor's archive
@@ -346,12 +413,12 @@ _MAX_FRAMES = 4096
 
 def frame(t: torch.Tensor) -> tuple[bytes, bytes]:
     """The archive `torch.save(t)` writes around `t`'s storage bytes (whose storage holds
-    exactly its elements). It depends only on the tensor's dtype, shape and strides and on
-    torch's serialization settings, so it is computed once per kind of tensor rather than per
-    tensor per save."""
+    exactly its elements). It depends only on the tensor's dtype, shape and strides, its lazy
+    conjugate and negative bits, and torch's serialization settings, so it is computed once per
+    kind of tensor rather than per tensor per save."""
     settings = serialization_config.save
-    key = (type(t), t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), settings.storage_alignment,
-           settings.compute_crc32)
+    key = (type(t), t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.is_conj(), t.is_neg(),
+           settings.storage_alignment, settings.compute_crc32)
     found = _FRAMES.get(key)
     if found is None:
         frame = _Frame(t.untyped_storage().nbytes())

@@ -23,10 +23,12 @@ class LocalStore(Store):
         self.root = folder
 
     def check(self, group: CheckpointGroup, write: bool = True) -> None:
-        """Every rank writes a probe file into the folder, then looks for every other rank's: a
-        folder that is not shared (a node-local disk) would otherwise give a step whose marker
-        lists only rank 0's files, complete to look at and missing every other node's shards."""
-        if group.world_size == 1 or not write:
+        """With `write`, every rank writes a probe file into the folder (one that cannot be
+        written fails now, not at the first save after hours of training), then looks for every
+        other rank's: a folder that is not shared (a node-local disk) would otherwise give a step
+        whose marker lists only rank 0's files, complete to look at and missing every other
+        node's shards."""
+        if not write:
             return
         token = group.broadcast(uuid.uuid4().hex)
         probes = [os.path.join(self.root, _PROBE.format(token=token, rank=r)) for r in range(group.world_size)]

@@ -1,0 +1,113 @@
+"""A data loader's position (`states.DataLoaderState`) saved as TorchTitan saves it, a pickle
+per data-parallel rank, and read back without running code from the checkpoint: a
+`StatefulDataLoader` that shuffles holds its generator's state as a tensor, which `pickle.dumps`
+writes with its storage in torch's legacy format."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+
+import pytest
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.io import torch_archive
+
+_DATA = list(range(100))
+
+
+def _job(folder: str, seed: int) -> tuple[StatefulDataLoader, CheckpointManager]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(2, 2)
+    loader = StatefulDataLoader(_DATA, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1234))
+    return loader, CheckpointManager(Checkpoint(enable=True, interval=3), [model], dataloader=loader,
+                                     base_folder=folder)
+
+
+def test_a_shuffling_stateful_dataloader_resumes_at_its_next_batch(tmp_path):
+    """Its state held a tensor, and every load refused it as code ("Unsupported operand 149")."""
+    loader, manager = _job(str(tmp_path), 0)
+    batches = iter(loader)
+    for step in range(1, 4):
+        next(batches)
+        manager.save(step)
+    expected = next(batches).tolist()
+    manager.close()
+    loader, manager = _job(str(tmp_path), 1)
+    assert manager.load()
+    assert next(iter(loader)).tolist() == expected
+    manager.close()
+
+
+class _Runs:
+    """Unpickled, calls `os.mkdir(path)`: what a crafted checkpoint would run."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+class _StorageAs:
+    """Pickles as `torch.storage._load_from_bytes(archive)`, as a tensor's storage does."""
+
+    def __init__(self, archive: bytes):
+        self.archive = archive
+
+    def __reduce__(self):
+        return torch.storage._load_from_bytes, (self.archive,)
+
+
+def _legacy(storage) -> bytes:
+    f = io.BytesIO()
+    torch.save(storage, f, _use_new_zipfile_serialization=False)
+    return f.getvalue()
+
+
+def test_a_tensor_in_a_plain_pickle_is_read_as_pickle_loads_reads_it():
+    state = {"gen": torch.Generator().manual_seed(7).get_state(), "t": torch.arange(6.0).view(2, 3).t(),
+             "empty": torch.zeros(0, dtype=torch.int64), "n": 3}
+    got = torch_archive.load_plain_pickle(pickle.dumps(state))
+    assert got.keys() == state.keys() and got["n"] == 3
+    for k in ("gen", "t", "empty"):
+        assert got[k].dtype == state[k].dtype and torch.equal(got[k], state[k])
+    assert got["t"].stride() == (1, 3)
+
+
+def _cut(archive: bytes) -> bytes:
+    return archive[:-3]
+
+
+def _longer(archive: bytes) -> bytes:
+    return archive[:-8 - 5] + (2**40).to_bytes(8, "little") + archive[-5:]
+
+
+@pytest.mark.parametrize("make", ["runs", "runs_inside", "cut", "longer"])
+def test_a_crafted_storage_runs_nothing_and_allocates_nothing(tmp_path, make):
+    """`pickle.loads` would call `torch.load(weights_only=False)` on a storage's bytes: here
+    each of their pickles is checked and read with no globals but storage classes, and their
+    length must be the bytes there are."""
+    marker = str(tmp_path / "ran")
+    archive = _legacy(torch.arange(5, dtype=torch.uint8).untyped_storage())
+    archive = {"runs": lambda: pickle.dumps(_Runs(marker), protocol=2),
+               "runs_inside": lambda: archive.replace(pickle.dumps(1001, protocol=2),
+                                                      pickle.dumps(_Runs(marker), protocol=2)),
+               "cut": lambda: _cut(archive), "longer": lambda: _longer(archive)}[make]()
+    tensor = torch._utils._rebuild_tensor_v2
+    data = pickle.dumps({"t": _Rebuilt(tensor, _StorageAs(archive))})
+    with pytest.raises(pickle.UnpicklingError):
+        torch_archive.load_plain_pickle(data)
+    assert not os.path.exists(marker)
+
+
+class _Rebuilt:
+    def __init__(self, rebuild, storage):
+        self.rebuild, self.storage = rebuild, storage
+
+    def __reduce__(self):
+        return self.rebuild, (self.storage, 0, (5,), (1,), False, {})
