@@ -21,13 +21,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from tqdm import tqdm
 
 from torchtitan_ckpt import Checkpoint, CheckpointManager, cli, commit, layout
 from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_adapter, hf_config
+from torchtitan_ckpt.hf import save_hf
 from torchtitan_ckpt.hf.convert import RECORDED_CONFIG
 
-from .helpers import ROOT
+from .helpers import ROOT, run_job
 
 CMD = [sys.executable, "-m", "torchtitan_ckpt.cli"]
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
@@ -236,6 +238,44 @@ def test_clean_reports_bytes_removed(folder, tmp_path, capsys):
     assert layout.committed_steps(work) == [2, 4] and len(layout.scan(work)) == 2
 
 
+@pytest.mark.parametrize("ours", [False, True])
+def test_clean_keeps_a_step_whose_marker_is_a_folder(tmp_path, capsys, ours):
+    """A `COMMITTED.json` that is a folder is nothing this package writes (in a step it started
+    too): the step is unknown, never loaded; clean keeps it and what is in it, and goes on."""
+    folder = str(tmp_path)
+    theirs, partial = layout.step_dir(folder, 11), layout.step_dir(folder, 3)
+    os.makedirs(os.path.join(theirs, commit.MARKER))
+    with open(os.path.join(theirs, commit.MARKER, "notes.txt"), "w") as f:
+        f.write("theirs")
+    if ours:
+        commit.mark_in_progress(theirs)
+    os.makedirs(partial)
+    commit.mark_in_progress(partial)
+    size = _du(partial)
+    assert [(s.step, s.status) for s in layout.scan(folder)] == [(3, layout.PARTIAL), (11, layout.UNKNOWN)]
+    assert cli.main(["clean", folder, "-q"]) == 0
+    assert capsys.readouterr().out == (f"kept {theirs} (unknown: not removed by clean)\n"
+                                       f"removed {partial} (partial)\n"
+                                       f"1 partial step folder(s) removed, {cli.fmt_bytes(size)}\n")
+    with open(os.path.join(theirs, commit.MARKER, "notes.txt")) as f:
+        assert f.read() == "theirs"
+    assert [s.step for s in layout.scan(folder)] == [11]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["list", "gs://bucket/run"], "folder = 'gs://bucket/run': gs:// is not a supported storage"),
+    (["verify", "https://host/x/step-1"], "step_dir = 'https://host/x/step-1': https:// is not a supported storage"),
+    (["inspect", "hdfs://x/step-1"], "step_dir = 'hdfs://x/step-1': hdfs:// is not a supported storage"),
+    (["list", "s3://"], "folder = 's3://': expected s3://bucket/prefix (no bucket given)"),
+])
+def test_an_unsupported_url_is_an_input_error_naming_what_is_supported(argv, message, capsys):
+    """Exit status 2 with our message, not a traceback and 1 (which means "verify failed")."""
+    assert cli.main([*argv, "-q"]) == cli.EXIT_INPUT
+    supported = ("" if "no bucket" in message else
+                 "; expected a path on a file system every rank shares, or one of s3://bucket/prefix")
+    assert capsys.readouterr() == ("", f"error: {message}{supported}\n")
+
+
 # ------------------------------------------------------------------------- Unix manners
 
 
@@ -411,3 +451,92 @@ def test_convert_never_removes_a_partial_folder_it_did_not_make(small_step, tmp_
                           capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
     assert commit.verify(back) == [] and commit.IN_PROGRESS not in os.listdir(back)
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> str:
+    """The debug model as a Hugging Face folder: config.json, its safetensors file and index."""
+    path = str(tmp_path_factory.mktemp("hf") / "hf")
+    torch.manual_seed(0)
+    model = Transformer(FLAVORS["debugmodel"])
+    save_hf(model.state_dict(), path, hf_adapter(model.args))
+    return path
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    """The per-rank shard files DCP's HuggingFaceStorageWriter writes with save_distributed=True."""
+    path = str(tmp_path_factory.mktemp("shards") / "shards")
+    dcp.save({"w": torch.arange(32.0).reshape(4, 8)}, storage_writer=HuggingFaceStorageWriter(path, save_distributed=True))
+    return path
+
+
+def _writing(command: str, hf_folder: str, shards: str) -> list[str]:
+    """The arguments of `command` before its OUT_DIR."""
+    return ["convert", "--to", "dcp", hf_folder] if command == "convert" else ["consolidate", shards]
+
+
+@pytest.mark.parametrize("command", ["convert", "consolidate"])
+def test_an_object_store_output_is_refused_before_any_work(hf_folder, shards, tmp_path, monkeypatch, capsys, command):
+    """convert and consolidate write local files: an s3:// OUT_DIR is an input error, and nothing
+    is written (no folder `./s3:/bkt/out`)."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([*_writing(command, hf_folder, shards), "s3://bkt/out", "-q"]) == cli.EXIT_INPUT
+    assert capsys.readouterr() == ("", "error: s3://bkt/out: OUT_DIR must be a local folder (this command uploads "
+                                       "nothing); write a local folder, then upload it with your own tool\n")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("command", ["convert", "consolidate"])
+def test_an_output_that_is_a_file_is_refused_before_any_work(hf_folder, shards, tmp_path, capsys, command):
+    out = tmp_path / "out"
+    out.write_text("mine")
+    assert cli.main([*_writing(command, hf_folder, shards), str(out), "-q"]) == cli.EXIT_INPUT
+    assert capsys.readouterr() == ("", f"error: {out} exists and is not a folder; remove it or name a new folder\n")
+    assert os.listdir(tmp_path) == ["out"] and out.read_text() == "mine"
+
+
+def test_an_output_that_cannot_take_its_name_leaves_no_partial_folder(hf_folder, tmp_path, monkeypatch, capsys):
+    """Another program makes a file named OUT_DIR while the command works: the final rename
+    fails (exit 2) and OUT_DIR.partial is removed, so a retry is not refused for it."""
+    out = str(tmp_path / "out")
+    real = cli.convert
+
+    def convert_then_clash(*args, **kwargs):
+        real(*args, **kwargs)
+        with open(out, "w") as f:
+            f.write("theirs")
+
+    monkeypatch.setattr(cli, "convert", convert_then_clash)
+    assert cli.main(["convert", "--to", "dcp", hf_folder, out, "-q"]) == cli.EXIT_INPUT
+    assert "error: [Errno 20] Not a directory" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["out"]
+
+
+def test_convert_names_the_config_it_did_not_find(small_step, tmp_path, capsys):
+    """--hf-assets without a config.json is named as such; a source that is not a DCP folder is
+    named before any config is looked for."""
+    (tmp_path / "assets").mkdir()
+    out = str(tmp_path / "hf")
+    assert cli.main(["convert", "--to", "hf", small_step, out, "--hf-assets", str(tmp_path / "assets"), "-q"]) == 2
+    assert capsys.readouterr() == ("", f"error: {tmp_path / 'assets' / 'config.json'} not found: --hf-assets must "
+                                       "name an HF folder holding the model's config.json\n")
+    assert cli.main(["convert", "--to", "hf", str(tmp_path / "nothing"), out, "-q"]) == 2
+    assert capsys.readouterr() == ("", f"error: {tmp_path / 'nothing'} is not a DCP checkpoint folder (no .metadata)\n")
+    assert sorted(os.listdir(tmp_path)) == ["assets"]
+
+
+def test_quiet_means_nothing_on_stderr(hf_folder, tmp_path):
+    """-q: the result on stdout, and no warning of DCP's about saving outside torchrun."""
+    out = str(tmp_path / "out")
+    done = subprocess.run([*CMD, "convert", "--to", "dcp", hf_folder, out, "-q"], capture_output=True, text=True,
+                          env=ENV, cwd=ROOT, timeout=300)
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"converted {hf_folder} -> {out} (dcp)\n", "")
+
+
+def test_the_example_job_reports_a_checkpoint_error_without_a_traceback(tmp_path):
+    """A step to load that is not there: the job's message, exit status 2 (run_job: not 0)."""
+    log = run_job(str(tmp_path), "--checkpoint.load_step", "99", expect_ok=False)
+    assert "Traceback" not in log, log
+    assert log.endswith(f"checkpoint error: checkpoint.load_step = 99: {tmp_path}/checkpoint/step-99 does not "
+                        "exist; loadable steps: []\n"), log

@@ -22,6 +22,7 @@ import boto3
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.multiprocessing import ProcessExitedException
 
 from torchtitan_ckpt import CheckpointManager, cli, commit, faults, layout
@@ -33,9 +34,9 @@ from torchtitan_ckpt.example.model import hf_adapter
 from torchtitan_ckpt.example.train import build_model, shard_model
 from torchtitan_ckpt.group import CheckpointGroup
 from torchtitan_ckpt.hf import save_hf
-from torchtitan_ckpt.storage.s3 import S3Store
+from torchtitan_ckpt.storage.s3 import S3Store, split_url
 
-from .helpers import DEBUG_CONFIG, assert_same, data_file_use, logits, perturbed, spawn
+from .helpers import DEBUG_CONFIG, assert_same, data_file_use, logits, perturbed, run_job, spawn
 from .s3server import CREDENTIALS, FaultProxy, start_moto
 
 pytestmark = pytest.mark.multirank
@@ -543,6 +544,60 @@ def test_the_cli_converts_from_object_storage(bucket, tmp_path):
     assert cli.main(["convert", "--to", "hf", str(tmp_path / "dcp"), str(tmp_path / "back"), "--quiet"]) == 0
     name = "model-00001-of-00001.safetensors"
     assert_same(load_file(str(tmp_path / "back" / name)), load_file(str(tmp_path / "hf" / name)))
+
+
+def _upload(bucket: str, folder, prefix: str) -> None:
+    for name in os.listdir(folder):
+        boto3.client("s3").upload_file(os.path.join(folder, name), bucket, f"{prefix}/{name}")
+
+
+def test_the_cli_inspects_a_run_folder_without_downloading_its_steps(bucket, tmp_path, proxied, capsys):
+    """`inspect s3://bucket/run` (a run's folder, not a step's): only the files that would tell
+    a step are asked for (none is there), then an error naming the URL; nothing under a step is
+    downloaded."""
+    model, opt = _job()
+    with CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path)), [model], opt) as manager:
+        manager.save(1)
+    proxy = proxied(lambda n, method, path: None)
+    code, err = _cli_json(capsys, "inspect", f"s3://{bucket}/run")
+    assert (code, err) == (2, f"error: s3://{bucket}/run holds no checkpoint: no .metadata (DCP), no "
+                              "model.safetensors.index.json or model.safetensors (Hugging Face); name a step folder\n")
+    assert [path for path in proxy.served if "/step-1/" in path] == []
+
+
+def test_the_cli_inspects_another_programs_steps_with_the_status_list_gives_them(bucket, tmp_path, capsys):
+    """Object storage tells a step by its markers alone (docs/storage.md): another program's DCP
+    step and Hugging Face export, without our markers, are `unknown` to `list` and `inspect`
+    alike; inspect still shows what they hold."""
+    from safetensors import safe_open
+
+    dcp.save({"w": torch.ones(2, 3)}, checkpoint_id=str(tmp_path / "dcp"))
+    _upload(bucket, tmp_path / "dcp", "run/step-5")
+    model = build_model(load_job_config(DEBUG_CONFIG, []))
+    save_hf(model.state_dict(), str(tmp_path / "hf"), hf_adapter(model.args))
+    _upload(bucket, tmp_path / "hf", "run/step-7")
+    code, doc = _cli_json(capsys, "list", f"s3://{bucket}/run")
+    assert (code, [(s["step"], s["status"]) for s in doc["steps"]]) == (1, [(5, "unknown"), (7, "unknown")])
+
+    code, doc = _cli_json(capsys, "inspect", f"s3://{bucket}/run/step-5")
+    assert (code, doc["status"], doc["format"], [t["key"] for t in doc["tensors"]]) == (0, "unknown", "dcp", ["w"])
+    code, doc = _cli_json(capsys, "inspect", f"s3://{bucket}/run/step-7/")
+    with safe_open(str(tmp_path / "hf" / "model-00001-of-00001.safetensors"), "pt") as f:
+        names = sorted(f.keys())
+    assert (code, doc["path"], doc["status"], doc["format"]) == (0, f"s3://{bucket}/run/step-7/", "unknown", "hf")
+    assert [t["key"] for t in doc["tensors"]] == names
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3:///run"])
+def test_a_url_without_a_bucket_is_refused(url):
+    with pytest.raises(ConfigError, match=re.escape(f"url = {url!r}: expected s3://bucket/prefix (no bucket given)")):
+        split_url(url)
+
+
+def test_the_example_job_names_its_object_storage_folder_as_a_url(bucket, tmp_path):
+    log = run_job(str(tmp_path / "job"), "--training.steps", "2", "--checkpoint.interval", "2",
+                  "--checkpoint.folder", f"s3://{bucket}/ex1", "--checkpoint.staging_folder", str(tmp_path / "stage"))
+    assert f"done at step 2; checkpoints in s3://{bucket}/ex1\n" in log, log
 
 
 # ---------------------------------------------------------------------------- one store, a hostile server

@@ -10,6 +10,7 @@
 list's DIR, inspect's and verify's STEP_DIR and convert's source may be object-store URLs
 (`s3://bucket/prefix/step-N`, read with the standard AWS environment: docs/storage.md); what a
 command reads of one is downloaded into a temporary folder (verify and convert: the whole step).
+What convert and consolidate write, OUT_DIR, is a local folder.
 
 All argparse of the package lives here. `list`, `inspect` and `verify` take `--json` (one JSON
 document on stdout; docs/cli.md shows each). Long work shows progress on stderr: a bar on a
@@ -26,6 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -47,7 +49,7 @@ from .hf.registry import ADAPTERS
 from .io.dtypes import EXPORT_DTYPES
 from .hf.save import MODES
 from .progress import DEFAULT_INTERVAL, Progress, fmt_bytes, this_rank_draws
-from .storage import open_store, scheme_of
+from .storage import check_url, open_store, scheme_of
 from .storage.base import Store
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
@@ -60,6 +62,9 @@ EXIT_CODES = """exit status:
 """
 PARTIAL_SUFFIX = ".partial"
 """convert and consolidate write a new OUT_DIR as OUT_DIR.partial and rename it when done."""
+SINGLE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
+"""The start of the warning DCP gives on each save and load outside a process group: a command
+run without torchrun is one process on purpose, so the warning is not shown."""
 
 
 def _print_json(doc: dict[str, Any]) -> None:
@@ -186,9 +191,10 @@ _ENTRIES = {"dcp": _dcp_entries, "hf": _hf_entries}
 """Format name (as the commit marker or `layout.foreign_format` gives it) -> how inspect reads it."""
 
 
-def _describe(path: str, where: str) -> dict[str, Any]:
-    """The `inspect --json` document of the step folder `path` (`where` as the user named it).
-    Its states are the commit marker's; without a marker, the `KNOWN_STATES` its keys show."""
+def _describe(path: str, where: str, listed: str | None) -> dict[str, Any]:
+    """The `inspect --json` document of the step folder `path` (`where` as the user named it),
+    its status `listed` (`_opened_step`) or else `layout.status_of`'s. Its states are the commit
+    marker's; without a marker, the `KNOWN_STATES` its keys show."""
     info = commit.read_marker(path) if commit.is_committed(path) else None
     fmt = info.format if info else layout.foreign_format(path)
     if fmt is None:
@@ -199,7 +205,7 @@ def _describe(path: str, where: str) -> dict[str, Any]:
                                      f"{', '.join(_ENTRIES)}")
     tensors, objects = _ENTRIES[fmt](path, where, info.states if info else KNOWN_STATES)
     found = {e["state"] for e in tensors + objects}
-    return {"path": where, "status": layout.status_of(path), "step": info.step if info else None,
+    return {"path": where, "status": listed or layout.status_of(path), "step": info.step if info else None,
             "format": fmt, "world_size": info.world_size if info else None,
             "states": info.states if info else [name for name in KNOWN_STATES if name in found],
             "tensor_bytes": sum(t["bytes"] for t in tensors), "tensors": tensors, "objects": objects}
@@ -223,18 +229,41 @@ def _print_inspect(doc: dict[str, Any]) -> None:
         print(f"  {'total tensor bytes':<60} {'':<9} {'':<16} {fmt_bytes(total):>10}")
 
 
+@contextlib.contextmanager
+def _opened_step(where: str) -> Iterator[tuple[Store, str, str | None]]:
+    """`_opened` for the one step folder `where` names, and the status `list` gives it. An
+    object-store step (`URL/step-N`) is opened through the folder above it, whose store's `scan`
+    tells its status as `list` does (by its markers alone); for a path, or a folder not named
+    `step-N`, the status is None: `layout.status_of` (the local store's scan) tells it once its
+    files are fetched."""
+    parent, _, name = where.rstrip("/").rpartition("/")
+    step = layout.parse_step(name)
+    if step is None or scheme_of(where) is None or scheme_of(parent) is None:
+        with _opened(where, "step_dir") as (store, path):
+            yield store, path, None
+        return
+    check_url("step_dir", where)  # a URL it refuses is named as given
+    with _opened(parent, "step_dir") as (store, folder):
+        listed = [s.status for s in store.scan(folder) if s.step == step]
+        yield store, layout.step_dir(folder, step), listed[0] if listed else None
+
+
 def _fetch_described(store: Store, path: str) -> str:
     """Make what `inspect` reads of the step at `path` readable there: the files that tell its
-    status (`layout.TELLING`: markers, DCP's `.metadata`); without a `.metadata` (a Hugging Face
-    step), the whole step, since the names and sizes of its tensors are in the headers of its
-    data files."""
+    status (`layout.TELLING`: markers, DCP's `.metadata`, a Hugging Face `model.safetensors`);
+    with a Hugging Face index and no `.metadata`, the whole step, since the names and sizes of
+    its tensors are in the headers of the data files the index names. A folder holding none of
+    them (a run's folder, not a step's) is not downloaded."""
+    def has(name: str) -> bool:
+        return os.path.isfile(os.path.join(path, name))
+
     store.fetch(path, layout.TELLING)
-    return path if os.path.isfile(os.path.join(path, storage.METADATA_FILE)) else store.fetch(path)
+    return store.fetch(path) if has(INDEX_FILE) and not has(storage.METADATA_FILE) else path
 
 
 def cmd_inspect(args: argparse.Namespace, progress: Progress) -> int:
-    with _opened(args.step_dir, "step_dir") as (store, path):
-        doc = _describe(_fetch_described(store, path), args.step_dir)
+    with _opened_step(args.step_dir) as (store, path, listed):
+        doc = _describe(_fetch_described(store, path), args.step_dir, listed)
     if args.json:
         _print_json(doc)
     else:
@@ -310,11 +339,22 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
 # convert and consolidate: collective under torchrun, output staged under a temporary name
 
 
+def _check_output(dst: str) -> None:
+    """Refuse, before any work, an output folder the command cannot write: a URL (convert and
+    consolidate write local files and upload nothing) or a path to something else than a folder
+    (the finished output could not be renamed to it)."""
+    if scheme_of(dst) is not None:
+        raise CheckpointError(f"{dst}: OUT_DIR must be a local folder (this command uploads nothing); write "
+                              "a local folder, then upload it with your own tool")
+    if os.path.lexists(dst) and not os.path.isdir(dst):
+        raise CheckpointError(f"{dst} exists and is not a folder; remove it or name a new folder")
+
+
 @contextlib.contextmanager
 def _staged(dst: str) -> Iterator[str]:
     """The folder to write: a `dst` that exists is written in place (its format's last-written
     file marks it complete); a new one is written as `dst.partial`, renamed to `dst` by rank 0
-    once the work returned on every rank, and removed on failure or Ctrl-C."""
+    once the work returned on every rank, and removed on failure (of the rename too) or Ctrl-C."""
     if os.path.isdir(dst) and os.listdir(dst):
         yield dst
         return
@@ -326,16 +366,16 @@ def _staged(dst: str) -> Iterator[str]:
         failed.reraise(f"preparing {tmp}")
     try:
         yield tmp
+        if rank0:
+            if commit.is_in_progress(tmp):  # a DCP output's commit removed it already
+                os.remove(os.path.join(tmp, commit.IN_PROGRESS))
+            if os.path.isdir(dst):
+                os.rmdir(dst)
+            os.rename(tmp, dst)
     except BaseException:
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if rank0:
-        if commit.is_in_progress(tmp):  # a DCP output's commit removed it already
-            os.remove(os.path.join(tmp, commit.IN_PROGRESS))
-        if os.path.isdir(dst):
-            os.rmdir(dst)
-        os.rename(tmp, dst)
 
 
 def _new_partial(tmp: str) -> None:
@@ -353,6 +393,7 @@ def _new_partial(tmp: str) -> None:
 
 
 def cmd_convert(args: argparse.Namespace, progress: Progress) -> int:
+    _check_output(args.dst)
     if os.path.isdir(args.dst) and os.listdir(args.dst):
         raise CheckpointError(f"{args.dst} exists and is not empty; remove it or name a new folder")
     with launched_group(), _opened(args.src, "src") as (store, src), _staged(args.dst) as out, progress:
@@ -365,6 +406,7 @@ def cmd_convert(args: argparse.Namespace, progress: Progress) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace, progress: Progress) -> int:
+    _check_output(args.output_dir)
     mapping = load_mapping(args.mapping) if args.mapping else None
     same = os.path.abspath(args.input_dir) == os.path.abspath(args.output_dir)
     with launched_group(), (contextlib.nullcontext(args.output_dir) if same else _staged(args.output_dir)) as out, \
@@ -431,7 +473,7 @@ def _add_convert(sub: Any) -> None:
              "(on every rank under torchrun); a new DST is written as DST.partial and renamed when done")
     p.add_argument("--to", required=True, choices=("hf", "dcp"), help="the format to write")
     p.add_argument("src", help="a DCP step folder (--to hf) or an HF folder (--to dcp)")
-    p.add_argument("dst", help="the folder to write (new or empty)")
+    p.add_argument("dst", help="the local folder to write (new or empty; not a URL)")
     p.add_argument("--adapter", choices=sorted(ADAPTERS), help="the model family; default: config.json's model_type")
     p.add_argument("--rope-layout", choices=ROPE_LAYOUTS,
                    help="the channels the DCP model's RoPE rotates together: interleaved pairs (TorchTitan's "
@@ -487,7 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args)
     progress = Progress(args.command, enabled=not args.quiet and this_rank_draws(), interval=args.progress_every)
     try:
-        code = args.run(args, progress)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", SINGLE_PROCESS_WARNING, UserWarning)
+            code = args.run(args, progress)
         sys.stdout.flush()
         return code
     except BrokenPipeError:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from .errors import ConfigError
-from .storage import STORES, scheme_of
+from .storage import check_url, scheme_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -288,13 +288,9 @@ def _check_paths(ck: Checkpoint, p: str) -> None:
 
 
 def _check_url(p: str, name: str, url: str, ck: Checkpoint) -> None:
-    """A supported scheme, a bucket, and a Hugging Face export that object storage can take."""
-    scheme = scheme_of(url)
-    if scheme not in STORES:
-        raise ConfigError(p + name, url, f"{scheme}:// is not a supported storage; expected a path on a file "
-                          f"system every rank shares, or one of {', '.join(s + '://bucket/prefix' for s in STORES)}")
-    if not url.split("://", 1)[1].split("/", 1)[0]:
-        raise ConfigError(p + name, url, f"expected {scheme}://bucket/prefix (no bucket given)")
+    """A supported scheme, a bucket (`storage.check_url`), and a Hugging Face export that object
+    storage can take."""
+    check_url(p + name, url)
     hf = [k for k in ("last_save_in_hf", "hf_export_interval") if getattr(ck, k)]
     if name == "folder" and hf and ck.consolidation != "one_pass":
         raise ConfigError(p + "consolidation", ck.consolidation, f"a Hugging Face export ({p}{hf[0]}) to "

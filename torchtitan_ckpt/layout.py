@@ -10,7 +10,8 @@ marker, `commit.IN_PROGRESS`) until its commit marker replaces that mark, so a s
   (DCP renames it into place last; TorchTitan's own test) or a Hugging Face
   `model.safetensors(.index.json)`. Loaded, unverified; never deleted;
 - unknown: not ours and neither of those (another program's save in flight, or not a
-  checkpoint). Never loaded, never deleted.
+  checkpoint), or a folder whose `COMMITTED.json` is itself a folder (nothing this package
+  writes). Never loaded, never deleted.
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ def status_of(path: str) -> str:
     """Whose step folder `path` is, and whether it is finished (see the module docstring)."""
     if commit.is_committed(path):
         return COMPLETE
-    if commit.is_in_progress(path) or os.path.lexists(os.path.join(path, commit.MARKER)):
+    marker = os.path.join(path, commit.MARKER)
+    if os.path.isdir(marker) and not os.path.islink(marker):
+        return UNKNOWN  # a folder by the marker's name was never ours to write, nor to delete
+    if commit.is_in_progress(path) or os.path.lexists(marker):
         return PARTIAL  # ours: started, or its marker is there but not a readable file
     return FOREIGN if foreign_format(path) else UNKNOWN
 

@@ -105,7 +105,7 @@ class CheckpointManager:
         config = config.validate()  # a section built in Python never went through `load_config`
         self.config = config
         self._adapter = as_adapter(state_dict_adapter)
-        self.folder = config.folder if storage.scheme_of(config.folder) else os.path.join(base_folder, config.folder)
+        self.folder = storage.under(base_folder, config.folder)
         parts = _as_list(model_parts)
         if not parts:
             raise ValueError("model_parts is empty; pass the model (or its pipeline stages)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .. import storage
 from ..config import Checkpoint, load_config
 from ..errors import ConfigError
 from ..hf.files import INDEX_FILE, SINGLE_FILE
@@ -130,8 +131,9 @@ class JobConfig:
 
     @property
     def checkpoint_folder(self) -> str:
-        """Absolute-or-relative path of the step folders: `{job.dump_folder}/{checkpoint.folder}`."""
-        return os.path.join(self.job.dump_folder, self.checkpoint.folder)
+        """Where the step folders are: `{job.dump_folder}/{checkpoint.folder}` (absolute or
+        relative), or `checkpoint.folder` itself when it is a URL (`s3://bucket/prefix`)."""
+        return storage.under(self.job.dump_folder, self.checkpoint.folder)
 
     def validate(self, prefix: str = "") -> None:
         """The example job's own ranges, and what its sections say about each other."""

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..group import launched_group
 from ..manager import CheckpointManager
+from ..storage import scheme_of
 from .config import JobConfig, load_job_config
 from .data import build_dataloader
 from .model import FLAVORS, Transformer, hf_adapter
@@ -166,8 +167,9 @@ def train(config: JobConfig, device: torch.device | None = None) -> None:
         train_steps(config, run, iter(loader), train_state, manager,
                     min(tc.steps, tc.stop_at_step) if tc.stop_at_step else tc.steps)
     if rank == 0:
+        folder = config.checkpoint_folder
         logger.info("done at step %d; checkpoints in %s", train_state.step,
-                    os.path.abspath(config.checkpoint_folder))
+                    folder if scheme_of(folder) else os.path.abspath(folder))
 
 
 def train_steps(config: JobConfig, run: Run, batches: Iterator, train_state: TrainState,
@@ -231,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
             train(config, device)
     except ConfigError as e:  # the parallelism degrees against the number of ranks, at start
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:  # a step to load that is missing or damaged, a save that failed
+        print(f"checkpoint error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -102,11 +102,15 @@ def to_hf(step_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pa
     `hf_assets_path`'s `config.json`, else the one `to_dcp` recorded; the RoPE layout is
     `rope_layout`, else the step's (`_step_rope_layout`). `export`: `save_hf`'s dtype,
     max_shard_size, consolidation (its mode) and threads."""
+    if not os.path.isfile(os.path.join(step_dir, storage.METADATA_FILE)):  # the source before its config
+        raise CheckpointNotFoundError(f"{step_dir} is not a DCP checkpoint folder (no {storage.METADATA_FILE})")
     config_path = os.path.join(hf_assets_path, CONFIG_FILE) if hf_assets_path else \
         os.path.join(step_dir, RECORDED_CONFIG)
     if not os.path.isfile(config_path):
-        raise CheckpointNotFoundError(f"{step_dir} records no HF config ({RECORDED_CONFIG}); pass --hf-assets "
-                                      "with the HF folder whose config.json describes the model")
+        raise CheckpointNotFoundError(
+            f"{config_path} not found: --hf-assets must name an HF folder holding the model's {CONFIG_FILE}"
+            if hf_assets_path else f"{step_dir} records no HF config ({RECORDED_CONFIG}); pass --hf-assets "
+            f"with the HF folder whose {CONFIG_FILE} describes the model")
     config, layout = read_hf_config(config_path), rope_layout or _step_rope_layout(step_dir)
     adapter = adapter_for_config(config, hf_assets_path, adapter_name, config_path, layout)
     if layout is None and adapter.rope_layout != "interleaved":
@@ -147,10 +151,7 @@ def _dcp_tensors(path: str, adapter: StateDictAdapter) -> tuple[dict[str, tuple[
     """The shapes and dtypes of the adapter's tensors in the DCP folder `path`, checked against
     the config's shapes and their data files (`_check_stored`) before anything is allocated (a
     tied head may be absent)."""
-    md_path = os.path.join(path, storage.METADATA_FILE)
-    if not os.path.isfile(md_path):
-        raise CheckpointNotFoundError(f"{path} is not a DCP checkpoint folder (no {storage.METADATA_FILE})")
-    metadata = storage.read_metadata(md_path)
+    metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
     saved = metadata.state_dict_metadata
     shapes = {k: v for k, v in adapter.state_dict_shapes().items() if k in saved or k in adapter.shapes}
     found = {f"{k} {list(saved[k].size)}" for k in shapes if k in saved and hasattr(saved[k], "size")}

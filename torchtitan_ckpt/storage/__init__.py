@@ -8,8 +8,11 @@ are imported only when a store of that kind is opened.
 from __future__ import annotations
 
 import importlib
+import os
 import re
 from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..config import Checkpoint
@@ -27,12 +30,31 @@ def scheme_of(path: str) -> str | None:
     return m.group(1).lower() if m else None
 
 
+def under(base: str, folder: str) -> str:
+    """Where `folder` is for a job whose outputs go under `base`: a URL as it is, a path
+    joined onto `base`."""
+    return folder if scheme_of(folder) else os.path.join(base, folder)
+
+
+def check_url(key: str, url: str) -> None:
+    """A `ConfigError` naming `key` unless the URL `url` names a kind of storage there is a
+    store for (`STORES`), and a bucket in it."""
+    scheme = scheme_of(url)
+    if scheme not in STORES:
+        raise ConfigError(key, url, f"{scheme}:// is not a supported storage; expected a path on a file "
+                          f"system every rank shares, or one of {', '.join(s + '://bucket/prefix' for s in STORES)}")
+    if not url.partition("://")[2].split("/", 1)[0]:
+        raise ConfigError(key, url, f"expected {scheme}://bucket/prefix (no bucket given)")
+
+
 def open_store(path: str, key: str, rank: int, config: Checkpoint) -> Store:
-    """The store for `path` (the value of config key `key`) as seen by `rank`."""
+    """The store for `path` (the value of config key `key`) as seen by `rank`; a `ConfigError`
+    for a URL `check_url` refuses."""
     scheme = scheme_of(path)
     if scheme is None:
         from .local import LocalStore  # noqa: PLC0415 - keeps this module import-light
 
         return LocalStore(path)
+    check_url(key, path)
     module, _, name = STORES[scheme].partition(":")
     return getattr(importlib.import_module(module), name)(path, key, rank, config)

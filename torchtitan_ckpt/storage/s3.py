@@ -78,8 +78,10 @@ Fill = Callable[[memoryview, int], None]
 
 
 def split_url(url: str) -> tuple[str, str]:
-    """"s3://bucket/a/b/" -> ("bucket", "a/b")."""
-    bucket, _, prefix = url.split("://", 1)[1].partition("/")
+    """"s3://bucket/a/b/" -> ("bucket", "a/b"); a `ConfigError` when no bucket is given."""
+    bucket, _, prefix = url.partition("://")[2].partition("/")
+    if not bucket:
+        raise ConfigError("url", url, "expected s3://bucket/prefix (no bucket given)")
     return bucket, prefix.strip("/")
 
 
