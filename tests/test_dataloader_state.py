@@ -93,7 +93,7 @@ def test_a_crafted_storage_runs_nothing_and_allocates_nothing(tmp_path, make):
     each of their pickles is checked and read with no globals but storage classes, and their
     length must be the bytes there are."""
     marker = str(tmp_path / "ran")
-    archive = _legacy(torch.arange(5, dtype=torch.uint8).untyped_storage())
+    archive = _legacy(torch.arange(5, dtype=torch.uint8).storage())
     archive = {"runs": lambda: pickle.dumps(_Runs(marker), protocol=2),
                "runs_inside": lambda: archive.replace(pickle.dumps(1001, protocol=2),
                                                       pickle.dumps(_Runs(marker), protocol=2)),
@@ -106,8 +106,66 @@ def test_a_crafted_storage_runs_nothing_and_allocates_nothing(tmp_path, make):
 
 
 class _Rebuilt:
-    def __init__(self, rebuild, storage):
-        self.rebuild, self.storage = rebuild, storage
+    """Pickles as a tensor of `size` and `stride` over the storage `storage` pickles as."""
+
+    def __init__(self, rebuild, storage, size=(5,), stride=(1,)):
+        self.rebuild, self.storage, self.size, self.stride = rebuild, storage, size, stride
 
     def __reduce__(self):
-        return self.rebuild, (self.storage, 0, (5,), (1,), False, {})
+        return self.rebuild, (self.storage, 0, self.size, self.stride, False, {})
+
+
+class _Ref:
+    """Pickles as torch's legacy persistent id of a storage."""
+
+    def __init__(self, numel: int, key: str):
+        self.pid = ("storage", torch.ByteStorage, key, "cpu", numel, None)
+
+
+def _pid_pickle(ref: _Ref) -> bytes:
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return obj.pid if isinstance(obj, _Ref) else None
+
+    out = io.BytesIO()
+    Pickler(out, protocol=2).dump(ref)
+    return out.getvalue()
+
+
+def _with_decoy(archive: bytes) -> bytes:
+    """The legacy archive with its storage reference preceded by a decoy of 10**12 elements that
+    the pickle names, then drops (POP): torch's reader sizes both."""
+    f = io.BytesIO(archive)
+    for _ in range(3):
+        pickle.load(f)
+    start = f.tell()
+    real = pickle.Unpickler(f)
+    real.persistent_load = lambda pid: pid
+    pid = real.load()
+    decoy = _pid_pickle(_Ref(10**12, "2"))
+    body = decoy[:-1] + pickle.POP + _pid_pickle(_Ref(pid[4], pid[2]))[2:]
+    return archive[:start] + body + archive[f.tell():]
+
+
+def test_a_storage_archive_naming_a_second_storage_is_refused():
+    archive = _legacy(torch.arange(5, dtype=torch.uint8).storage())
+    assert torch.equal(torch_archive.load_plain_pickle(pickle.dumps(_Rebuilt(
+        torch._utils._rebuild_tensor_v2, _StorageAs(archive)))), torch.arange(5, dtype=torch.uint8))
+    data = pickle.dumps({"t": _Rebuilt(torch._utils._rebuild_tensor_v2, _StorageAs(_with_decoy(archive)))})
+    with pytest.raises(pickle.UnpicklingError):
+        torch_archive.load_plain_pickle(data)
+
+
+def test_an_archive_named_many_times_is_one_storage():
+    """Each `_load_from_bytes` made a copy: a 27 KB pickle held 32 MB in 2000 storages."""
+    archive = _legacy(torch.zeros(4096, dtype=torch.uint8).storage())  # one bytes object, named 200 times
+    data = pickle.dumps([_Rebuilt(torch._utils._rebuild_tensor_v2, _StorageAs(archive), (4096,)) for _ in range(200)])
+    got = torch_archive.load_plain_pickle(data)
+    assert len(got) == 200 and len({t.untyped_storage().data_ptr() for t in got}) == 1
+
+
+def test_a_view_of_more_elements_than_its_storage_holds_is_refused():
+    archive = _StorageAs(_legacy(torch.zeros(4, dtype=torch.uint8).storage()))
+    data = pickle.dumps(_Rebuilt(torch._utils._rebuild_tensor_v2, archive, (2**60,), (0,)))
+    with pytest.raises(pickle.UnpicklingError):
+        torch_archive.load_plain_pickle(data)

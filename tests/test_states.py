@@ -46,8 +46,11 @@ def test_an_optimizer_with_state_for_some_parameters_loads_the_state_of_all(tmp_
     _train(model2, opt2, sched2, layers=("a",))
     grad = torch.full_like(model2["b"].weight, 7.0)
     model2["b"].weight.grad = grad
+    steps = []
+    opt2.register_step_post_hook(lambda *_: steps.append(1))
     assert manager2.load()
     assert model2["b"].weight.grad is grad  # the state made to read into left the gradients alone
+    assert steps == [] and len(opt2.param_groups[0]["params"]) == 4  # and the hooks and groups
     for name, p in model2.named_parameters():
         assert opt2.state[p].keys() == saved[name].keys(), name
         for k, v in saved[name].items():

@@ -395,3 +395,17 @@ def test_a_scheduler_or_optimizer_in_another_layout_is_an_error_not_a_silent_ski
         with pytest.raises(CheckpointError, match=message + ".*exclude_from_loading"):
             job.manager.load()
         job.manager.close()
+
+
+def test_an_empty_step_folder_ahead_is_no_reason_to_refuse_a_resume(tmp_path):
+    """A save killed between making `step-10` and marking it leaves an empty folder, which the
+    next save there replaces: the check for other programs' steps ahead passed it for one."""
+    job = make_job(str(tmp_path), steps=20, interval=5, keep_latest_k=0)
+    job.run_to(5, steps=20)
+    job.manager.close()
+    os.makedirs(layout.step_dir(_folder(tmp_path), 10))
+    resumed = make_job(str(tmp_path), steps=20, interval=5, keep_latest_k=0)
+    assert resumed.manager.load() and resumed.train_state.step == 5
+    resumed.run_to(10, steps=20)
+    resumed.manager.close()
+    assert [(s.step, s.status) for s in layout.scan(_folder(tmp_path))] == [(5, "complete"), (10, "complete")]

@@ -490,13 +490,15 @@ class CheckpointManager:
 
     def _check_steps_ahead(self, folders: list[layout.StepFolder], target: _LoadTarget | None) -> None:
         """A save never replaces a step folder this package did not write (`Store.prepare`).
-        Another program's step ahead of the one this job starts from, at a step its schedule
-        saves (TorchTitan's last save, which a resume passes over), would fail that save after
-        all the training up to it: refused now, before any."""
+        Another program's checkpoint ahead of the step this job starts from, at a step its
+        schedule saves (TorchTitan's last save, which a resume passes over), would fail that save
+        after all the training up to it: refused now, before any. (A folder of no known format,
+        such as the empty one a save killed before its first file leaves, is the save's to
+        replace or refuse then.)"""
         if self.config.load_only:
             return
         start = target.step if target is not None and target.step is not None else 0
-        ahead = [f for f in folders if not f.ours and f.step > start
+        ahead = [f for f in folders if f.status == layout.FOREIGN and f.step > start
                  and save_kind(f.step, False, self.config) is not None]
         if not ahead:
             return

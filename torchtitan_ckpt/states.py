@@ -172,21 +172,34 @@ _NOT_SETTINGS = ("params", "param_names")
 def _made_state(opt: torch.optim.Optimizer, names: list[str], wanted: Collection[str]) -> dict[str, Any]:
     """State for `opt`'s parameters named in `wanted`, to read a checkpoint's into, made as an
     optimizer's first state is (a step at learning rate 0 on zero gradients, which leaves the
-    parameters as they are) on a state of its own: `opt`'s state and its parameters'
-    gradients are left as they were."""
+    parameters as they are) for those parameters alone, on a state of its own and with the
+    optimizer's step hooks set aside (a hook keeping an EMA or a count would take it for a
+    step): `opt`'s state, groups, hooks and its parameters' gradients are left as they were."""
     params = [p for group in opt.param_groups for p in group["params"]]
-    held, grads = opt.state, [p.grad for p in params]
+    name_of = {id(p): name for p, name in zip(params, names)}
+    mine = [p for p in params if name_of[id(p)] in wanted]
+    held = opt.state, opt.param_groups, [p.grad for p in mine]
+    hooks = {k: getattr(opt, k) for k in _STEP_HOOKS if hasattr(opt, k)}
     opt.state = collections.defaultdict(dict)
+    opt.param_groups = [{**g, "params": [p for p in g["params"] if name_of[id(p)] in wanted]} for g in held[1]]
     try:
-        for p in params:
+        for k in hooks:
+            setattr(opt, k, collections.OrderedDict())
+        for p in mine:
             p.grad = None
         _init_optim_state(opt)
         made = opt.state_dict()["state"]
     finally:
-        opt.state = held
-        for p, grad in zip(params, grads):
+        opt.state, opt.param_groups = held[0], held[1]
+        for k, v in hooks.items():
+            setattr(opt, k, v)
+        for p, grad in zip(mine, held[2]):
             p.grad = grad
-    return {names[index]: values for index, values in made.items() if names[index] in wanted}
+    return {name_of[id(mine[index])]: values for index, values in made.items()}
+
+
+_STEP_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+"""Where an optimizer keeps the step hooks registered on it."""
 
 
 def _same_kind(saved: Any, live: Any) -> bool:
@@ -302,8 +315,10 @@ class DataLoaderState(CheckedState):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         position = self._position(state_dict)
-        # TorchTitan's loader unpickles the entry itself: it is known to be plain data by now
-        self.dataloader.load_state_dict(state_dict if self.own_layout else position)
+        # TorchTitan's loader unpickles its entry itself, with `pickle.loads`: it gets the value
+        # read here pickled again, never the checkpoint's bytes
+        self.dataloader.load_state_dict({**state_dict, self.key: pickle.dumps(position)} if self.own_layout
+                                        else position)
 
     def _position(self, state_dict: dict[str, Any]) -> Any:
         """This rank's loader state, unpickled without running code."""

@@ -312,12 +312,15 @@ _LEGACY_VERSION = 1001
 
 class _LegacyStorageUnpickler(HeaderUnpickler):
     """The reference to its storage that torch's legacy format pickles: a storage class (its
-    dtype, as `HeaderUnpickler` resolves it) and a numeric key, on the CPU, no view."""
+    dtype, as `HeaderUnpickler` resolves it) and a numeric key, on the CPU, no view; one
+    reference only (a pickle naming others and dropping them would be read apart by torch)."""
 
     def persistent_load(self, pid: Any) -> _StorageRef:
-        if not (isinstance(pid, tuple) and len(pid) == 6 and pid[0] == "storage" and pid[3] == "cpu"
+        if getattr(self, "_referenced", False) or not (
+                isinstance(pid, tuple) and len(pid) == 6 and pid[0] == "storage" and pid[3] == "cpu"
                 and pid[5] is None):
             raise Unrecognised(f"storage reference {brief(pid)}")
+        self._referenced = True
         return super().persistent_load(pid[:5])
 
 
@@ -348,23 +351,37 @@ def _storage_from_archive(archive: Any) -> torch.storage.TypedStorage:
 
 
 def _plain_tensor(storage, storage_offset, size, stride, requires_grad, hooks, metadata=None) -> torch.Tensor:
-    """A tensor `pickle.dumps` wrote, as a view of its storage that `set_` checks to lie inside it."""
+    """A tensor `pickle.dumps` wrote, as a view of its storage that `set_` checks to lie inside
+    it, of at most as many elements as the storage holds (a view repeating elements, stride 0,
+    could claim any number, which a copy of it would allocate)."""
     if not isinstance(storage, torch.storage.TypedStorage) or hooks or metadata or not isinstance(requires_grad, bool):
         raise Unrecognised("a tensor with hooks or metadata")
     t = torch.empty((0,), dtype=storage.dtype).set_(storage._untyped_storage, storage_offset, size, stride)
+    if t.numel() > storage.size():
+        raise Unrecognised(f"a view of {t.numel()} elements of a storage of {storage.size()}")
     return t.requires_grad_(requires_grad)
 
 
 class _TensorValueUnpickler(_PlainUnpickler):
     """`_PlainUnpickler`, and the CPU tensors `pickle.dumps` writes (a data loader's state
-    holds its generator's as one), each storage read from its own archive by `torch_load`."""
+    holds its generator's as one), each storage read from its archive by `_storage_from_archive`
+    once: a pickle naming one archive many times gets one storage, so what it holds stays within
+    the bytes it holds."""
 
-    _GLOBALS = {("torch._utils", "_rebuild_tensor_v2"): _plain_tensor,
-                ("torch.storage", "_load_from_bytes"): _storage_from_archive,
-                ("collections", "OrderedDict"): collections.OrderedDict}
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._storages: dict[int, tuple[bytes, torch.storage.TypedStorage]] = {}
+
+    def _storage(self, archive: Any) -> torch.storage.TypedStorage:
+        found = self._storages.get(id(archive))
+        if found is None:
+            found = self._storages[id(archive)] = (archive, _storage_from_archive(archive))  # keeps the id's object
+        return found[1]
 
     def find_class(self, module: str, name: str) -> Any:
-        found = self._GLOBALS.get((module, name))
+        found = {("torch._utils", "_rebuild_tensor_v2"): _plain_tensor,
+                 ("torch.storage", "_load_from_bytes"): self._storage,
+                 ("collections", "OrderedDict"): collections.OrderedDict}.get((module, name))
         if found is None:
             raise Unrecognised(f"{module[:100]}.{name[:100]}")
         return found
