@@ -227,8 +227,8 @@ class StateDictAdapter:
         """The assets' `config.json` when there is one, else the adapter's, its dtype set to
         `dtype` (the one of the exported tensors). The assets' must describe the adapter's
         model (`_check_describes`): `transformers` builds the model from it."""
-        path = os.path.join(self.hf_assets_path or "", CONFIG_FILE)
-        if self.hf_assets_path is None or not os.path.isfile(path):
+        path = _assets_config_path(self.hf_assets_path)
+        if path is None:
             return _with_dtype(dict(self.config.raw), dtype)
         assets = read_hf_config(path)
         _check_describes(assets, self.config)
@@ -277,12 +277,16 @@ def _json(value: Any) -> str:
     return json.dumps(list(value) if isinstance(value, tuple) else value)
 
 
+def _assets_config_path(hf_assets_path: str | None) -> str | None:
+    """The path of an assets folder's `config.json`, or None without one."""
+    path = os.path.join(hf_assets_path or "", CONFIG_FILE)
+    return path if hf_assets_path is not None and os.path.isfile(path) else None
+
+
 def _assets_config(hf_assets_path: str | None) -> dict[str, Any] | None:
     """The `config.json` of an assets folder, or None without one."""
-    path = os.path.join(hf_assets_path or "", CONFIG_FILE)
-    if hf_assets_path is None or not os.path.isfile(path):
-        return None
-    return json.loads(safe_open.read_bounded(path, "the model config", MAX_CONFIG_BYTES))
+    path = _assets_config_path(hf_assets_path)
+    return None if path is None else json.loads(safe_open.read_bounded(path, "the model config", MAX_CONFIG_BYTES))
 
 
 def _with_dtype(config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
