@@ -26,6 +26,7 @@ from torchtitan_ckpt.example.model import FLAVORS, Transformer, args_from_hf_con
 from torchtitan_ckpt.hf import HFModelConfig, LlamaAdapter, load_hf, parse_size, plan_files, read_hf_config, save_hf
 from torchtitan_ckpt.hf import shards
 from torchtitan_ckpt.policy.split import in_order_runs, share
+from torchtitan_ckpt.hf.files import MAX_ASSET_BYTES
 from torchtitan_ckpt.hf.adapter import HFSource, reorder_rows, rope_row_order, whole_row_blocks
 from torchtitan_ckpt.hf.model_config import MAX_CONFIG_BYTES
 from torchtitan_ckpt.hf.safetensors_io import read_exact, read_header
@@ -285,6 +286,49 @@ def test_an_export_replaces_a_config_json_link_instead_of_writing_through_it(tmp
     assert not (tmp_path / "out" / "config.json").is_symlink()
     with open(tmp_path / "out" / "config.json") as f:
         assert json.load(f) == hf_adapter(ARGS).export_config(torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["one_pass", "rank0"])
+def test_an_export_copies_the_assets_generation_and_tokenizer_files(tmp_path, mode):
+    """Llama 3.1 Instruct's `generation_config.json` stops `generate` at three tokens, its
+    `config.json` names one: without it, the exported model generates past the end of a turn.
+    The tokenizer's files make the folder one `AutoTokenizer` reads. Links (a hub cache's) are
+    read through; nothing else of the assets (their weights, a README) is copied."""
+    (tmp_path / "repo" / "snapshots").mkdir(parents=True)
+    assets = _assets(tmp_path / "repo" / "snapshots" / "abc", ARGS)
+    transformers.GenerationConfig(bos_token_id=1, eos_token_id=[2, 8, 9], temperature=0.6,
+                                  do_sample=True).save_pretrained(assets)
+    (tmp_path / "repo" / "blobs").mkdir()
+    (tmp_path / "repo" / "blobs" / "f00d").write_text('{"version": "1.0", "model": {"type": "BPE"}}')
+    os.symlink(tmp_path / "repo" / "blobs" / "f00d", os.path.join(assets, "tokenizer.json"))
+    with open(os.path.join(assets, "tokenizer_config.json"), "w") as f:
+        f.write('{"model_max_length": 8192}')
+    with open(os.path.join(assets, "README.md"), "w") as f:
+        f.write("a model card")
+    save_file({"x": torch.ones(2)}, os.path.join(assets, "model.safetensors"))
+    save_hf(our_model().state_dict(), str(tmp_path / "out"), hf_adapter(ARGS, hf_assets_path=assets), mode=mode)
+    assert sorted(os.listdir(tmp_path / "out")) == [
+        "config.json", "generation_config.json", "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"]
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(assets, name), "rb") as f:
+            assert (tmp_path / "out" / name).read_bytes() == f.read()
+        assert not (tmp_path / "out" / name).is_symlink()
+    generation = transformers.GenerationConfig.from_pretrained(str(tmp_path / "out"))
+    assert generation.eos_token_id == [2, 8, 9] and generation.temperature == 0.6
+
+
+def test_an_export_refuses_an_assets_file_too_large_to_be_one_before_touching_the_folder(tmp_path):
+    model = our_model()
+    save_hf(model.state_dict(), str(tmp_path / "out"), hf_adapter(ARGS))
+    before = {name: (tmp_path / "out" / name).read_bytes() for name in os.listdir(tmp_path / "out")}
+    assets = _assets(tmp_path / "assets", ARGS)
+    with open(os.path.join(assets, "tokenizer.json"), "wb") as f:
+        f.truncate(MAX_ASSET_BYTES + 1)
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{assets}/tokenizer.json: the assets' tokenizer.json is larger than {MAX_ASSET_BYTES} bytes")):
+        save_hf(model.state_dict(), str(tmp_path / "out"), hf_adapter(ARGS, hf_assets_path=assets))
+    assert {name: (tmp_path / "out" / name).read_bytes() for name in os.listdir(tmp_path / "out")} == before
 
 
 @pytest.mark.parametrize("mode", ["all_ranks", "rank0"])

@@ -9,8 +9,8 @@ adapter's assets or `plan_files` over the whole model. The bytes are then writte
 the final files directly, each rank its own bytes at their final offsets; `all_ranks` and `rank0`
 first save per-rank shard files through DCP's `HuggingFaceStorageWriter`, then consolidate them
 on every rank or on rank 0. Rank 0 reads the `config.json` to write (the assets', refused unless
-it describes the adapter's model), then clears the folder and writes it before any tensor file
-is created; the index is written last, once every byte (`config.json` included) is durable:
+it describes the adapter's model) and the assets' generation and tokenizer files (`ASSET_FILES`),
+then clears the folder and writes them before any tensor file is created; the index is written last, once every byte (`config.json` included) is durable:
 a folder with an index is complete.
 """
 
@@ -28,14 +28,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.tensor import DTensor
 
-from ..io import durable
+from ..io import durable, safe_open
 from .consolidate import OnePassPlan, clear_model_files, consolidate_safetensors, create_replacing, plan_one_pass
 from .consolidate import write_safetensors_one_pass
 from ..errors import CheckpointError
 from ..errors import RankFailed
 from ..group import CheckpointGroup, cpu_world
 from .adapter import PermutedRows, RowOf, StateDictAdapter, as_adapter, check_names
-from .files import CONFIG_FILE, INDEX_FILE, SAFETENSORS_DTYPES, is_dcp_shard_file, is_unused_tensor
+from .files import ASSET_FILES, CONFIG_FILE, INDEX_FILE, MAX_ASSET_BYTES, SAFETENSORS_DTYPES, is_dcp_shard_file
+from .files import is_unused_tensor
 from .planner import parse_size, plan_files
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
 
     def prepare(sync: bool) -> list[str]:  # on rank 0; the config is read (and checked) before the folder is touched
         try:
-            return [_clear_and_write_config(out_dir, adapter.export_config(config_dtype), sync)]
+            config, assets = adapter.export_config(config_dtype), _read_assets(adapter.hf_assets_path)
+            return _clear_and_write_config(out_dir, config, assets, sync)
         except OSError as e:
             raise CheckpointError(f"preparing {out_dir} failed on rank 0: {type(e).__name__}: {e}") from e
 
@@ -153,23 +155,33 @@ def _file_split(adapter: Any, specs: dict[str, Any], max_shard_size: str | int) 
     return mapping
 
 
-def _clear_and_write_config(out_dir: str, config: dict[str, Any], sync: bool) -> str:
-    """Make `out_dir` exist and hold no earlier export (`_clear`), then write `config.json`
-    (durably with `sync`; else the caller fsyncs it); returns its path. A link there is
-    replaced, never written through: a hub cache's `config.json` links to a blob of the cache,
-    and any link may lead out of the folder. Not atomically: the folder has no index until the
-    export is done."""
+def _read_assets(hf_assets_path: str | None) -> dict[str, bytes]:
+    """The assets' files of `ASSET_FILES` there are (a hub cache's links to its blobs followed),
+    by name; each at most `MAX_ASSET_BYTES`."""
+    if hf_assets_path is None:
+        return {}
+    return {name: safe_open.read_bounded(os.path.join(hf_assets_path, name), f"the assets' {name}", MAX_ASSET_BYTES)
+            for name in ASSET_FILES if os.path.isfile(os.path.join(hf_assets_path, name))}
+
+
+def _clear_and_write_config(out_dir: str, config: dict[str, Any], assets: dict[str, bytes], sync: bool) -> list[str]:
+    """Make `out_dir` exist and hold no earlier export (`_clear`), then write `config.json` and
+    the assets' other files (durably with `sync`; else the caller fsyncs them); returns their
+    paths. A link there is replaced, never written through: a hub cache's `config.json` links to
+    a blob of the cache, and any link may lead out of the folder. Not atomically: the folder has
+    no index until the export is done."""
     os.makedirs(out_dir, exist_ok=True)
     _clear(out_dir)
-    path = os.path.join(out_dir, CONFIG_FILE)
-    with os.fdopen(create_replacing(path), "w") as f:
-        json.dump(config, f, indent=2)
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
+    files = {CONFIG_FILE: json.dumps(config, indent=2).encode(), **assets}
+    for name, data in files.items():
+        with os.fdopen(create_replacing(os.path.join(out_dir, name)), "wb") as f:
+            f.write(data)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
     if sync:
         durable.fsync_path(out_dir)
-    return path
+    return [os.path.join(out_dir, name) for name in files]
 
 
 def _clear(out_dir: str) -> None:
