@@ -30,7 +30,7 @@ PLUGINS = {
     "dedup": ["benchmarks.dedup", "--ranks", "2", "--repeats", "1"],
     "consolidation": ["benchmarks.consolidation", "--layers", "3"],
 }
-TAKES_DIR = {"async", "dedup", "paired"}
+TAKES_DIR = {"async", "dedup", "paired", "consolidation"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,6 +83,12 @@ def run_plugins(names: list[str], folder: str | None) -> dict[str, str]:
     return tables
 
 
+def _write_json(results: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> None:
     from benchmarks.suite_report import print_tables, write_doc
 
@@ -97,12 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     results = {"ranks": RANKS, "repeats": args.repeats, "cold": "posix_fadvise(POSIX_FADV_DONTNEED) after fsync",
                "loadavg_before": os.getloadavg(), "sizes": run_sizes(args)}
     results["loadavg_after"] = os.getloadavg()
+    _write_json(results, args.out)  # before anything formats them: a formatting failure loses nothing
     print_tables(results)
     results["plugins"] = run_plugins([p for p in args.plugins.split(",") if p], args.dir)
     results["wall_s"] = time.perf_counter() - t0
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    _write_json(results, args.out)
     write_doc(results, args.doc, args.img)
     print(f"[suite] {results['wall_s']:.0f} s in all; wrote {args.out}, {args.doc}, {args.img}/suite_*.png")
 

@@ -7,7 +7,10 @@ The state is the example model's (flavor `bench`: ~128M parameters, ~1.5 GB with
 FSDP-sharded over gloo ranks on the CPU. Per path it prints the median over `--repeats` saves of:
 the time `save()` blocks, the time until the step is complete, the extra memory held, and the
 slowdown of training steps run while the save is in flight; ratios are against the synchronous
-save. Absolute times on a shared machine are noise; read the ratios.
+save. Absolute times on a shared machine are noise; read the ratios. `--modes` must include
+`disabled` (the ratios' denominator). The `dcp.async_save` row uses PyTorch's own
+`FileSystemWriter` (its default `sync_files=True`: the data files are fsynced before the future
+completes), not this project's storage writer.
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint import FileSystemWriter
 
 from benchmarks.common import run_ranks
 from torchtitan_ckpt import CheckpointManager
 from torchtitan_ckpt.example.config import load_job_config
-from torchtitan_ckpt.dcp.storage import make_storage_writer
 from torchtitan_ckpt.example.train import build_model, shard_model
 
 MODES = ["disabled", "async", "async_with_pinned_mem"]
@@ -95,7 +98,7 @@ def _bench(rank: int, world: int, args, results: dict) -> None:
     rows = {"raw disk": {"block": _raw_write(nbytes, args.dir, rank)}}
     rows["raw disk"]["total"] = rows["raw disk"]["block"]
     rows["raw disk"]["extra"] = None
-    for mode in args.modes.split(","):
+    for mode in [m for m in args.modes.split(",") if m]:
         config.checkpoint.async_mode = mode
         folder = os.path.join(args.dir, mode)
         with CheckpointManager(config.checkpoint, [model], optimizers=opt, base_folder=folder) as manager:
@@ -125,7 +128,8 @@ def _bench(rank: int, world: int, args, results: dict) -> None:
 
 
 def _pytorch_async(model, opt, tokens, baseline, args) -> dict:
-    """PyTorch's own async path on the same state: dcp.async_save with its default stager."""
+    """PyTorch's own async path on the same state: dcp.async_save with its default stager and
+    PyTorch's own `FileSystemWriter` (which fsyncs every data file before the future completes)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     blocks, totals, slows = [], [], []
@@ -136,7 +140,7 @@ def _pytorch_async(model, opt, tokens, baseline, args) -> dict:
             path = os.path.join(args.dir, f"pt-async-{i}-{during_training}")
             dist.barrier()
             t0 = time.perf_counter()
-            fut = dcp.async_save({"model": msd, "optimizer": osd}, storage_writer=make_storage_writer(path),
+            fut = dcp.async_save({"model": msd, "optimizer": osd}, storage_writer=FileSystemWriter(path),
                                  process_group=group)
             block = time.perf_counter() - t0
             if during_training:
@@ -159,6 +163,9 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="async_mode values to measure")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
     args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if "disabled" not in modes or set(modes) - set(MODES):
+        parser.error(f"--modes: include disabled (the ratios are against it); choose from {','.join(MODES)}")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         args.dir = tmp
         print_table(dict(run_ranks(args.ranks, _bench, args, tmp)), args.ranks)
@@ -174,7 +181,9 @@ def print_table(r: dict, ranks: int) -> None:
              "async": "ours, async", "async_with_pinned_mem": "ours, async_with_pinned_mem (warm)",
              "dcp.async_save": "PyTorch dcp.async_save"}
     for key, name in names.items():
-        row = r[key]
+        row = r.get(key)
+        if row is None:  # a mode not measured (--modes)
+            continue
         extra = "-" if row.get("extra") is None else f"{row['extra'] / 1e9:.2f} GB"
         slow = f"{row['slow']:.2f}x" if "slow" in row else "-"
         print(f"| {name} | {row['block']:.2f} s | {row['block'] / sync['block']:.2f} | {row['total']:.2f} s | "

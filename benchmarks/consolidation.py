@@ -8,7 +8,7 @@
 for an even 4-file layout and an uneven one (one large file, three small), with the peak RSS of
 each rank during each method (VmHWM, reset before each method through /proc/self/clear_refs).
 
-    python -m benchmarks.consolidation [--layers 6] [--threads 4]
+    python -m benchmarks.consolidation [--layers 6] [--threads 4] [--dir /tmp]
 """
 
 from __future__ import annotations
@@ -144,8 +144,8 @@ def consolidate_side(rank: int, world: int, args, results: dict) -> None:
             fsync_files(out, theirs)
 
         def ours() -> None:
-            consolidate_safetensors(src, out, mapping, process_group=dist.group.WORLD, num_threads=threads,
-                                    keep_shards=True)
+            # the shard files are kept by default (remove_shards=False): the next repeat reads them again
+            consolidate_safetensors(src, out, mapping, process_group=dist.group.WORLD, num_threads=threads)
 
         def raw_copy() -> None:
             mine = [f for f in sorted(os.listdir(src)) if f.startswith(f"shard-{rank + 1:05d}-")]
@@ -187,10 +187,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--threads", type=int, default=4, help="copy threads per rank, ours and PyTorch's")
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--dir", default=os.environ.get("BENCH_DIR"),
+                        help="where the checkpoints are written (default: $BENCH_DIR, else a temp dir)")
     args = parser.parse_args()
     shapes = llama_shapes(args.layers)
     gb = sum(torch.Size(s).numel() * 4 for s in shapes.values()) / 1e9
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as root:
+    with tempfile.TemporaryDirectory(dir=args.dir) as root:
         for sub in ("rdzv-save", "rdzv-consolidate"):
             os.makedirs(os.path.join(root, sub))
         results = run_ranks(args.world, save_side, (root, shapes, args.threads), os.path.join(root, "rdzv-save"))

@@ -22,8 +22,11 @@ On a shared machine a run's length drifts by more than a save costs, so each rou
 path between two runs with no checkpointing (in an order that turns every round) and takes the
 path's cost against the mean of the two around it: drift slower than a run cancels. Per path it
 prints, per save: the training time lost (seconds, x a synchronous save, % of the run), how long
-`save()` blocked, and the time from `save()` until the step is durable (ours: the commit marker's
-time; the peers: their write future), each against the synchronous save (ours, `disabled`) of the
+`save()` blocked, and the time from `save()` until the step is durable (ours: when rank 0's
+commit returns, i.e. after the marker's fsync, rename and folder fsync, timed by the manager's
+"saved step N" log record that `CheckpointManager` emits right after the commit; not the
+marker's mtime, which is set before its fsync, rename and folder fsync and would flatter us; the
+peers: when their write future completes), each against the synchronous save (ours, `disabled`) of the
 same round; the median over rounds with a distribution-free 95% interval of it
 (`paired.median_interval`; 6 rounds or more, else it is the whole range); and the most resident
 memory a rank held beyond the run's start.
@@ -32,6 +35,7 @@ memory a rank held beyond the run's start.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import statistics
@@ -47,7 +51,7 @@ import torch.nn.functional as F
 from benchmarks import peers
 from benchmarks.common import run_ranks
 from benchmarks.paired import median_interval
-from torchtitan_ckpt import CheckpointManager, commit, layout
+from torchtitan_ckpt import CheckpointManager
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.train import build_model, shard_model
 
@@ -106,6 +110,21 @@ class _NoGuard:
         return False
 
 
+class _CommitTimes(logging.Handler):
+    """The wall-clock time of each step's "saved step N" record, which the manager logs on rank 0
+    once `_commit` has returned: every data file fsynced, the marker fsynced, renamed into place
+    and its folder fsynced. The step is durable by then (a little later than the exact moment,
+    never earlier)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.times: dict[int, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if isinstance(record.msg, str) and record.msg.startswith("saved step ") and record.args:
+            self.times.setdefault(int(record.args[0]), record.created)
+
+
 def _ours(model, opt, tokens, args, mode: str) -> Run:
     config = load_job_config(None, ["--checkpoint.enable", "true", "--checkpoint.interval", str(args.every),
                                     "--checkpoint.keep_latest_k", "0", "--checkpoint.async_mode", mode])
@@ -118,14 +137,24 @@ def _ours(model, opt, tokens, args, mode: str) -> Run:
             return True
         return False
 
-    with CheckpointManager(config.checkpoint, [model], optimizers=opt, base_folder=folder) as manager:
-        manager.save(args.every)
-        manager.wait()
-        run = _train(model, opt, tokens, args, save, _NoGuard)
-    marker = os.path.join(folder, "checkpoint")
-    run.durable = [os.path.getmtime(os.path.join(layout.step_dir(marker, s), commit.MARKER)) - t
-                   for s, t in started.items()]
-    dist.barrier()  # every rank has read the markers
+    committed = _CommitTimes()
+    log = logging.getLogger("torchtitan_ckpt.manager")
+    level = log.level
+    log.addHandler(committed)
+    log.setLevel(logging.INFO)
+    try:
+        with CheckpointManager(config.checkpoint, [model], optimizers=opt, base_folder=folder) as manager:
+            manager.save(args.every)
+            manager.wait()
+            run = _train(model, opt, tokens, args, save, _NoGuard)
+    finally:
+        log.removeHandler(committed)
+        log.setLevel(level)
+    if dist.get_rank() == 0:  # the commit (and its log record) is rank 0's
+        if missing := sorted(set(started) - set(committed.times)):
+            raise RuntimeError(f"{mode}: no commit seen for steps {missing}")
+        run.durable = [committed.times[s] - t for s, t in started.items()]
+    dist.barrier()
     shutil.rmtree(folder, ignore_errors=True)
     return run
 

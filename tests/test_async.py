@@ -442,25 +442,31 @@ def test_the_writer_process_ignores_the_signals_a_terminal_sends_the_job(tmp_pat
     assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1, 2]
 
 
-_EXITS_WITH_A_SAVE_IN_FLIGHT = """
+_EXITS_WITHOUT_CLOSE = """
 import sys, torch
 from torchtitan_ckpt import CheckpointManager
 from torchtitan_ckpt.config import Checkpoint
-config = Checkpoint(enable=True, interval=1, async_mode="async", save_threads=2, keep_latest_k=0)
-manager = CheckpointManager(config, [torch.nn.Linear(1024, 1024)], base_folder=sys.argv[1])
+mode, how, folder = sys.argv[1:]
+config = Checkpoint(enable=True, interval=1, async_mode=mode, save_threads=2, keep_latest_k=0)
+manager = CheckpointManager(config, [torch.nn.Linear(1024, 1024)], base_folder=folder)
 manager.save(1)
-sys.exit(0)  # no close(): the save is still in flight
+if how == "saved":
+    manager.wait()
+sys.exit(0)  # no close(): with "in_flight", the save is still in flight
 """
 
 
-def test_a_script_that_exits_with_a_save_in_flight_still_commits_it(tmp_path):
+@pytest.mark.parametrize("how", ["in_flight", "saved"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_script_that_exits_with_a_save_in_flight_still_commits_it(tmp_path, mode, how):
     """The save is waited for at exit, before the interpreter's thread pools stop taking work
-    (with two writer threads, the save was left partial and nothing said so)."""
+    (with two writer threads, the save was left partial and nothing said so), and the exit
+    then stops the writer process (`multiprocessing`'s exit waited for it forever)."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", _EXITS_WITH_A_SAVE_IN_FLIGHT, str(tmp_path)], capture_output=True,
+    run = subprocess.run([sys.executable, "-c", _EXITS_WITHOUT_CLOSE, mode, how, str(tmp_path)], capture_output=True,
                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
     assert run.returncode == 0, run.stderr
     assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1], run.stderr
@@ -492,3 +498,41 @@ def test_a_process_forked_during_a_save_exits_without_waiting_for_it(tmp_path):
     run = subprocess.run([sys.executable, "-c", _FORKS_WITH_A_SAVE_IN_FLIGHT, str(tmp_path)], capture_output=True,
                          text=True, timeout=180, env={**os.environ, "PYTHONPATH": root})
     assert run.returncode == 0 and "child 0" in run.stdout, run.stdout + run.stderr
+
+
+def test_a_manager_that_never_saves_starts_no_writer_process(tmp_path):
+    """A job that only loads never starts a writer process, nor waits for one to start (close()
+    waited for it to finish importing torch, 30 s and a warning on a loaded machine)."""
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    config = Checkpoint(enable=True, async_mode="async_with_pinned_mem", load_only=True)
+    with CheckpointManager(config, [torch.nn.Linear(8, 8)], base_folder=str(tmp_path)) as manager:
+        manager.load()  # nothing to load
+        assert manager._saves.writer is None  # noqa: SLF001 - the writer process is what is under test
+
+
+def test_a_step_queued_for_deletion_is_not_queued_again():
+    """Retention picks a step again until it is gone: a second request while the first is
+    queued or running is dropped (its removal failed, warning about a step deleted fine)."""
+    import threading
+
+    from torchtitan_ckpt.deleter import BackgroundDeleter
+
+    removing, release, removed = threading.Event(), threading.Event(), []
+
+    def remove(folder: layout.StepFolder) -> None:
+        removing.set()
+        release.wait(30)
+        removed.append(folder.step)
+
+    deleter = BackgroundDeleter(remove)
+    step_1, step_2 = (layout.StepFolder(s, f"/nowhere/step-{s}", "COMPLETE") for s in (1, 2))
+    deleter.submit([step_1])
+    assert removing.wait(30)
+    deleter.submit([step_1, step_2, step_2])  # step 1 is being deleted, step 2 queued twice
+    release.set()
+    deleter.drain()
+    deleter.submit([step_1])  # done: a later request is honoured
+    deleter.close()
+    assert removed == [1, 2, 1]

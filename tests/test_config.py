@@ -116,6 +116,21 @@ def test_toml_type_errors_and_unknown_sections(tmp_path):
     assert _error([], tmp_path / "missing.toml").key == "--config"
 
 
+@pytest.mark.parametrize("key, text", [
+    ("enable_checkpoint = true", "TorchTitan's earlier name of checkpoint.enable"),
+    ("model_weights_only = true", "TorchTitan's earlier name of checkpoint.last_save_model_only"),
+    ("initial_load_in_hf_quantized = false", "quantized Hugging Face checkpoints are not read"),
+    ("enable_ft_dataloader_checkpoints = false", "TorchFT's setting"),
+])
+def test_torchtitans_keys_we_lack_are_named_for_what_they_are(tmp_path, key, text):
+    """The closest key by spelling has another meaning (`enable_first_step_checkpoint` for
+    `enable_checkpoint`, `initial_load_in_hf` for the quantized one)."""
+    bad = tmp_path / "titan.toml"
+    bad.write_text(f"[checkpoint]\n{key}\n")
+    message = str(_error([], bad))
+    assert text in message and "did you mean" not in message
+
+
 def test_every_field_has_a_docstring():
     from torchtitan_ckpt.config import sections
     import dataclasses

@@ -12,7 +12,9 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 import tracemalloc
 import uuid
 import zlib
@@ -845,6 +847,50 @@ def test_the_staging_folder_is_checked_at_start_up_and_named_within_a_file_name(
         manager.save(1)
     assert all(len(name) <= 255 for name in os.listdir(tmp_path / "s"))
     assert any(k.endswith("/step-1/COMMITTED.json") for k in _objects(bucket))
+
+
+def test_the_default_staging_folder_is_the_users_own_and_never_a_link(bucket, tmp_path, monkeypatch):
+    """The system's temporary folder is every user's: the default staging folder is made
+    readable by its user alone, and one another user made first (here a link into a folder of
+    theirs, or a folder open to others) is refused before a file is staged there."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    model, opt = _job()
+    with CheckpointManager(_config(f"s3://{bucket}/run", ""), [model], opt) as manager:
+        manager.save(1)
+    own = tmp_path / f"torchtitan_ckpt-{os.getuid()}"
+    assert os.stat(own).st_mode & 0o777 == 0o700
+    shutil.rmtree(own)
+    (tmp_path / "theirs").mkdir()
+    own.symlink_to(tmp_path / "theirs")
+    with pytest.raises(ConfigError, match=re.escape(f"the default staging folder {own} is not a folder of this "
+                                                    "user's that only this user can read")):
+        CheckpointManager(_config(f"s3://{bucket}/run", ""), [model], opt)
+    own.unlink()
+    own.mkdir(mode=0o755)
+    os.chmod(own, 0o755)
+    with pytest.raises(ConfigError, match="checkpoint.staging_folder"):
+        CheckpointManager(_config(f"s3://{bucket}/run", ""), [model], opt)
+    assert os.listdir(tmp_path / "theirs") == [] and os.listdir(own) == []
+
+
+def test_a_marker_larger_than_any_is_refused_before_it_is_downloaded(bucket, tmp_path, proxied):
+    """The listing gives an object's size before its GET: a `COMMITTED.json` past the marker
+    reader's limit is refused naming its URL, and none of it is downloaded (it was, whole,
+    twice, before its reader refused it)."""
+    model, opt = _job()
+    with CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path / "a")), [model], opt) as manager:
+        manager.save(1)
+    boto3.client("s3").put_object(Bucket=bucket, Key="run/step-1/COMMITTED.json",
+                                  Body=b" " * (commit.MAX_MARKER_BYTES + 1))
+    gets = []
+    proxied(lambda n, method, path: gets.append(path) if method == "GET" else None)
+    fresh, fresh_opt = _job(seed=1)
+    with pytest.raises(CorruptCheckpointError, match=re.escape(
+            f"s3://{bucket}/run/step-1/COMMITTED.json is {commit.MAX_MARKER_BYTES + 1} bytes, more than the "
+            f"{commit.MAX_MARKER_BYTES} its reader takes: refusing to download it")):
+        with CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path / "b")), [fresh], fresh_opt) as manager:
+            manager.load()
+    assert not [path for path in gets if "COMMITTED.json" in path]
 
 
 def test_verify_on_load_reads_the_files_it_verified_without_downloading_them_again(bucket, tmp_path, proxied):

@@ -96,6 +96,26 @@ def test_load_step_and_initial_load_path_may_name_a_foreign_step(tmp_path):
     initial.manager.close()
 
 
+def test_a_foreign_step_0_is_a_seed_whose_model_alone_is_read(tmp_path, caplog):
+    """TorchTitan writes its seed checkpoint as step 0, with every state unless its last save is
+    model-only (the optimizer then holds the step count of the zero-learning-rate step that made
+    its state), and loads a step 0 as the model alone: so do we."""
+    job = make_job(str(tmp_path), steps=20, interval=2, keep_latest_k=0)
+    job.run_to(2, steps=20)
+    job.manager.close()
+    folder = _folder(tmp_path)
+    os.rename(layout.step_dir(folder, 2), layout.step_dir(folder, 0))
+    _as_foreign(layout.step_dir(folder, 0))
+    assert {k.split(".")[0] for k in read_checkpoint(layout.step_dir(folder, 0))} >= {"optimizer", "train_state"}
+    fresh = make_job(str(tmp_path), steps=20, interval=2, init_seed=7)
+    with caplog.at_level(logging.INFO, logger="torchtitan_ckpt.manager"):
+        assert fresh.manager.load()
+    assert "step-0: a foreign dcp checkpoint" in caplog.text and "step 0, a seed: its model alone" in caplog.text
+    assert_same(fresh.model.state_dict(), job.model.state_dict())
+    assert (fresh.train_state.step, fresh.sched.last_epoch, fresh.opt.state_dict()["state"]) == (0, 0, {})
+    fresh.manager.close()
+
+
 def test_a_crashed_save_of_ours_is_partial_never_loaded_and_cleaned(tmp_path, capsys):
     job = make_job(str(tmp_path), steps=20, interval=2, keep_latest_k=0)
     job.run_to(2, steps=20)

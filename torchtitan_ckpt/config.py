@@ -195,7 +195,8 @@ class Checkpoint:
     """With an object-storage `folder` or `initial_load_path`: the local folder where each rank
     writes its files of a save before uploading them, and downloads a step to load it
     (`{staging_folder}/{url, percent-encoded}/rank-N`). Needs room for a rank's share of a step (two with async
-    saves). Empty: `torchtitan_ckpt` in the system's temporary folder."""
+    saves). Empty: `torchtitan_ckpt-<uid>` in the system's temporary folder, made readable by this
+    user alone (refused when it is a link, another user's, or open to others)."""
 
     upload_part_size: str = "64MB"
     """Object storage: the size of each part of a multipart upload and of each ranged download.
@@ -439,7 +440,7 @@ def _build(cls: type[T], table: dict[str, Any], prefix: str) -> T:
         dotted = prefix + key
         if key not in hints:
             what = "unknown section" if isinstance(value, dict) else "unknown key"
-            raise ConfigError(dotted, value, what + _suggest(key, hints))
+            raise ConfigError(dotted, value, what + (_THEIR_KEYS.get(dotted) or _suggest(key, hints)))
         if dataclasses.is_dataclass(hints[key]):
             if not isinstance(value, dict):
                 raise ConfigError(dotted, value, f"expected a TOML table [{dotted}]")
@@ -447,6 +448,17 @@ def _build(cls: type[T], table: dict[str, Any], prefix: str) -> T:
         else:
             values[key] = _convert(dotted, value, hints[key])
     return cls(**values)
+
+
+_THEIR_KEYS = {
+    "checkpoint.enable_checkpoint": ": TorchTitan's earlier name of checkpoint.enable",
+    "checkpoint.model_weights_only": ": TorchTitan's earlier name of checkpoint.last_save_model_only",
+    "checkpoint.initial_load_in_hf_quantized": (": quantized Hugging Face checkpoints are not read by torchtitan_ckpt; "
+                                                "load a dequantized copy with checkpoint.initial_load_in_hf"),
+    "checkpoint.enable_ft_dataloader_checkpoints": ": TorchFT's setting; torchtitan_ckpt does not run TorchFT, remove it",
+}
+"""TorchTitan's `[checkpoint]` keys this section does not have -> what to do instead (the
+closest name by spelling would point to a key of another meaning)."""
 
 
 def _suggest(name: str, valid) -> str:

@@ -19,11 +19,20 @@ class BackgroundDeleter:
     def __init__(self, remove: Callable[[StepFolder], None]) -> None:
         self._remove = remove
         self._queue: queue.Queue[StepFolder | None] = queue.Queue()
+        self._pending: set[str] = set()
+        """The folders queued or being deleted: retention picks a step again until it is gone,
+        and a second removal would fail (FileNotFoundError) and warn about a step deleted fine."""
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="ckpt-deleter", daemon=True)
         self._thread.start()
 
     def submit(self, folders: list[StepFolder]) -> None:
+        """Queue the deletion of `folders`, but of none already queued or being deleted."""
         for folder in folders:
+            with self._lock:
+                if folder.path in self._pending:
+                    continue
+                self._pending.add(folder.path)
             self._queue.put(folder)
 
     def drain(self) -> None:
@@ -44,5 +53,7 @@ class BackgroundDeleter:
             except Exception as e:  # any failure: the thread keeps serving the next deletions
                 logger.warning("could not delete %s: %s: %s", folder.path, type(e).__name__, e)
             finally:
+                with self._lock:
+                    self._pending.discard(folder.path)
                 self._queue.task_done()
         self._queue.task_done()  # the stop: a `drain()` after `close()` returns at once

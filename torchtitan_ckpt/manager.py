@@ -130,7 +130,7 @@ class CheckpointManager:
         initial = config.initial_load_path
         self._initial = storage.open_store(initial, "checkpoint.initial_load_path", rank, config) if initial else None
         self._check_job()
-        self._saves = make_strategy(config.async_mode, config.verify_staging)
+        self._saves = make_strategy(config.async_mode, config.verify_staging, saves=not config.load_only)
         if optimizer := self._states.get("optimizer"):
             self._hooks = [opt.register_step_pre_hook(self._before_optimizer_step) for opt in optimizer.optimizers]
         self._deleter = BackgroundDeleter(self._store.remove) if self._group.is_coordinator else None
@@ -631,11 +631,16 @@ class CheckpointManager:
 
     def _foreign_target(self, path: str, step: int | None, store: Store, model_only: bool = False) -> _LoadTarget:
         """A checkpoint another program wrote (TorchTitan's own manager, a Hugging Face export):
-        loaded as its format's files say, without a manifest to verify them against."""
+        loaded as its format's files say, without a manifest to verify them against. Its step 0
+        is a seed: its model alone is read, as TorchTitan reads it (a seed saved with every
+        state holds the optimizer of the zero-learning-rate step that built it, whose step
+        count would change the first real update's bias correction)."""
         fmt = self._foreign_format(path).name
         if self._group.is_coordinator:
             logger.info("loading %s: a foreign %s checkpoint (no %s: not written by torchtitan_ckpt), "
-                        "unverified", store.describe(path), fmt, commit.MARKER)
+                        "unverified%s", store.describe(path), fmt, commit.MARKER,
+                        "; step 0, a seed: its model alone" if step == 0 else "")
+        model_only = model_only or step == 0
         target = self._target(path, step, model_only, store, fmt)
         if not target.model_only:  # a model-only save has none of the other states
             saved = {k.split(".", 1)[0] for k in target.index.keys()}

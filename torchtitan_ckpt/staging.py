@@ -452,7 +452,7 @@ class BackgroundSaves:
     copies: one changed in between (by anything but the optimizer's step, which the hook runs
     before) is a `StagingMismatchError` naming it."""
 
-    def __init__(self, reuse_buffer: bool, verify: bool = False):
+    def __init__(self, reuse_buffer: bool, verify: bool = False, saves: bool = True):
         self.stager = Stager(reuse=reuse_buffer)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-save")  # staging, the rest
         self._pending: Future | None = None
@@ -461,7 +461,11 @@ class BackgroundSaves:
         self._verify = verify
         self._check: list[tuple[tuple, torch.Tensor, torch.Tensor]] = []
         """(path, live tensor, its staged copy) for each deferred tensor, with `verify`."""
-        self.writer = WriterProcess() if reuse_buffer else None
+        self._pinned = reuse_buffer
+        self.writer: WriterProcess | None = WriterProcess() if reuse_buffer and saves else None
+        """`async_with_pinned_mem`'s writer process: started now, so that it is up by the first
+        save (it takes seconds to import torch) when the job `saves`, else never (by the first
+        save, should one come)."""
         self._count = torch.zeros(1, dtype=torch.int64).share_memory_() if reuse_buffer else None
         """The copies made of the save being staged, in shared memory, so that the writer
         process starts on each tensor as soon as its copy is made (`Copies`)."""
@@ -517,14 +521,16 @@ class BackgroundSaves:
                     "the optimizer's step, or call maybe_wait_for_staging() first")
 
     def _sink(self) -> Sink:
-        """Where the files go; a writer process that died (its save failed and said so) is
-        replaced here, on the training thread, which the new process's life is tied to."""
-        if self.writer is None:
+        """Where the files go; the writer process is started, and one that died (its save failed
+        and said so) replaced, here, on the training thread, which the process's life is tied to."""
+        if not self._pinned:
             return write_files
-        if not self.writer.alive:
+        if self.writer is not None and not self.writer.alive:
             logger.warning("the checkpoint writer process is gone (exit code %s); starting a new one",
                            self.writer.exitcode)
             self.writer.close()
+            self.writer = None
+        if self.writer is None:
             self.writer = WriterProcess()
         return self.writer
 
@@ -544,17 +550,20 @@ class BackgroundSaves:
             pending.result()
 
     def finish_at_exit(self) -> None:
-        """A script that ends with a save in flight and without `close()`: the save is waited
-        for (and its failure logged) before the interpreter stops thread pools, which the save
-        still uses."""
-        if not self.in_flight():
-            return
-        logger.warning("the interpreter is exiting with a save in flight: waiting for it (close the "
-                       "CheckpointManager to wait for it yourself)")
-        try:
-            self.wait()
-        except Exception as e:
-            logger.error("the save in flight at exit failed: %s", e)
+        """A script that ends without `close()`: a save in flight is waited for (and its failure
+        logged) before the interpreter stops thread pools, which the save still uses; then the
+        writer process is stopped, before `multiprocessing`'s exit joins it (it ignores the
+        SIGTERM sent first, and would wait for the pipe this process holds: forever)."""
+        if self.in_flight():
+            logger.warning("the interpreter is exiting with a save in flight: waiting for it (close the "
+                           "CheckpointManager to wait for it yourself)")
+            try:
+                self.wait()
+            except Exception as e:
+                logger.error("the save in flight at exit failed: %s", e)
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
     def close(self) -> None:
         try:
@@ -564,6 +573,7 @@ class BackgroundSaves:
             self.stager.release()
             if self.writer is not None:
                 self.writer.close()
+                self.writer = None
 
 
 def _take(laid_out: Future, copies: list[Copies], frozen: dict[str, Any]) -> Staged:
@@ -582,8 +592,9 @@ def _take(laid_out: Future, copies: list[Copies], frozen: dict[str, Any]) -> Sta
 
 
 def _wait_at_exit(saves: weakref.ref) -> None:
-    """Have the interpreter's exit wait for `saves`' save in flight, before `concurrent.futures`
-    stops taking work (its exit hook is registered the same way, earlier, and runs later):
+    """Have the interpreter's exit finish `saves` (`finish_at_exit`) before `concurrent.futures`
+    stops taking work (its exit hook is registered the same way, earlier, and runs later) and
+    before any `atexit` function (`multiprocessing` joins its children in one):
     `threading._register_atexit`, private, where this Python has it."""
     register = getattr(threading, "_register_atexit", None)
     if register is None:
@@ -615,8 +626,9 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def make_strategy(async_mode: str, verify: bool = False) -> SynchronousSaves | BackgroundSaves:
-    """The strategy for a validated `checkpoint.async_mode` (`verify`: `checkpoint.verify_staging`)."""
+def make_strategy(async_mode: str, verify: bool = False, saves: bool = True) -> SynchronousSaves | BackgroundSaves:
+    """The strategy for a validated `checkpoint.async_mode` (`verify`: `checkpoint.verify_staging`;
+    `saves`: false for a job that only loads)."""
     if async_mode == "disabled":
         return SynchronousSaves()
-    return BackgroundSaves(reuse_buffer=async_mode == "async_with_pinned_mem", verify=verify)
+    return BackgroundSaves(reuse_buffer=async_mode == "async_with_pinned_mem", verify=verify, saves=saves)

@@ -102,10 +102,14 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter |
     start = time.perf_counter()
     group = CheckpointGroup(process_group or cpu_world())
     # with pipeline stages a rank holds part of the model: the folder must fit all ranks' names
-    every = dict.fromkeys(name for names in group.all_gather(list(state_dict)) for name in names)
+    # (name -> shape and dtype, which an adapter of whole tensors is asked about)
+    every: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for part in group.all_gather({name: (tuple(v.shape), v.dtype) for name, v in state_dict.items()}):
+        every.update(part)
     planned: list[tuple[Callable[[], int], int]] = []
     try:  # every rank raises if one failed: its own error, or one naming the failing rank
-        group.run(lambda: (planned.append(_checked(state_dict, hf_dir, adapter, num_threads, every)), check()))
+        group.run(lambda: (planned.append(_checked(state_dict, hf_dir, adapter, num_threads, every,
+                                                   group.is_coordinator)), check()))
     except RankFailed as failed:
         failed.reraise(f"reading {hf_dir}")
     fill, total = planned[0]
@@ -121,13 +125,15 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter |
 
 
 def _checked(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter, num_threads: int,
-             every: dict[str, None]) -> tuple[Callable[[], int], int]:
-    """Check `hf_dir` against `state_dict` (this rank's part of the model whose names, on all
-    ranks, are `every`) and plan this rank's reads, writing nothing. Returns the function that
-    reads them (returning the bytes read) and the bytes in the folder."""
+             every: dict[str, tuple[tuple[int, ...], torch.dtype]],
+             log: bool = True) -> tuple[Callable[[], int], int]:
+    """Check `hf_dir` against `state_dict` (this rank's part of the model whose names, shapes
+    and dtypes, on all ranks, are `every`) and plan this rank's reads, writing nothing. Returns
+    the function that reads them (returning the bytes read) and the bytes in the folder. `log`:
+    whether this rank logs what the whole model leaves (the coordinator)."""
     all_sources = adapter.hf_sources(every)
     if all_sources is None:  # an adapter of whole tensors only (`ForeignAdapter`)
-        return _read_through(state_dict, hf_dir, adapter, every)
+        return _read_through(state_dict, hf_dir, adapter, every, log)
     sources = {name: all_sources[name] for name in state_dict}
     layout = check_hf_dir(state_dict, hf_dir, sources, {n for s in all_sources.values() for n in s.hf_names},
                           adapter.tied_copies)
@@ -175,16 +181,42 @@ def _ties_embedding(hf_dir: str) -> bool:
 
 
 def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
-                  every: Iterable[str]) -> tuple[Callable[[], int], int]:
+                  every: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                  log: bool = True) -> tuple[Callable[[], int], int]:
     """For an adapter that converts whole tensors only (`ForeignAdapter`): every rank reads
     every tensor whole and converts them with `from_hf`; the function returned copies its own
-    part of each into `state_dict`. `every` names the tensors of all ranks, which the folder
-    must hold. Returns that function and the bytes in the folder (all read)."""
+    part of each into `state_dict`. `every` names the tensors of all ranks (with their shapes
+    and dtypes). As TorchTitan's own manager does, only the tensors the adapter maps to HF ones
+    (`_adapter_names`) are read: `from_hf` must give back each of them, and nothing the model
+    lacks, or `AdapterMismatchError` names the difference; the model's other tensors (TorchTitan
+    0.3.0's MoE `expert_bias_E`, which has no HF counterpart) keep their values, named in one log
+    line. Each value to be copied must be a whole plain tensor of the model's shape, else
+    `CheckpointError` names it, before any is written. Returns that function and the bytes in
+    the folder (all read)."""
     layout = read_hf_layout(hf_dir)
+    named = _adapter_names(adapter, every)
     ours = adapter.from_hf(_read_whole(layout))
-    check_names(hf_dir, ours, every)
-    wrong = [f"{k}: {tuple(ours[k].shape)} in the checkpoint, {tuple(v.shape)} expected"
-             for k, v in state_dict.items() if tuple(ours[k].shape) != tuple(v.shape)]
+    unknown, missing = set(ours) - set(every), named - set(ours)
+    if unknown or missing:
+        raise AdapterMismatchError(hf_dir, sorted(unknown), sorted(missing))
+    left = [name for name in every if name not in ours]
+    if left and log:
+        logger.info("%s: leaving %d tensor(s) of the model as they are, which the adapter maps to no Hugging "
+                    "Face tensor: %s", hf_dir, len(left), left)
+    wrong, not_whole = [], []
+    for name, dest in state_dict.items():
+        value = ours.get(name)
+        if value is None:
+            continue
+        if isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
+            not_whole.append(f"{name} ({type(value).__name__})")
+        elif tuple(value.shape) != tuple(dest.shape):
+            wrong.append(f"{name}: {tuple(value.shape)} in the checkpoint, {tuple(dest.shape)} expected")
+    if not_whole:
+        raise CheckpointError(
+            f"reading {hf_dir}: the adapter's from_hf gives {', '.join(not_whole)}, not a whole torch.Tensor; "
+            "a TorchTitan adapter used before for a sharded export keeps that export's sharding: load with a "
+            "new adapter")
     if wrong:
         raise CheckpointError(f"{hf_dir} does not fit this model: {'; '.join(wrong)}")
     nbytes = sum(entry.nbytes for entry in layout.values())
@@ -192,12 +224,33 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
     def fill() -> int:
         with torch.no_grad():
             for name, dest in state_dict.items():
+                if name not in ours:
+                    continue
                 offsets, sizes = dtensor_chunk(tuple(dest.shape), dest.device_mesh, tuple(dest.placements)) \
                     if isinstance(dest, DTensor) else ((0,) * dest.dim(), tuple(dest.shape))
                 local = dest.to_local() if isinstance(dest, DTensor) else dest
                 local.copy_(ours[name][tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
         return nbytes
     return fill, nbytes
+
+
+def _adapter_names(adapter: Any, every: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> set[str]:
+    """The model's tensors (`every`: name -> shape and dtype) that the adapter maps to some HF
+    tensor: those whose `to_hf`, given that tensor alone as a plain meta tensor (no data, and
+    none of a DTensor's sharding for TorchTitan's adapters to remember), gives anything back. A
+    tensor it drops (TorchTitan 0.3.0's MoE `expert_bias_E`; a tied head, which `from_hf` may
+    still give back) is not one. When `to_hf` fails on such a tensor, all of them: the strict
+    check, as without this."""
+    named = set()
+    for name, (shape, dtype) in every.items():
+        try:
+            if adapter.to_hf({name: torch.empty(shape, dtype=dtype, device="meta")}):
+                named.add(name)
+        except Exception as e:  # noqa: BLE001 - an adapter we do not know: require every tensor
+            logger.debug("the adapter's to_hf fails on a meta tensor %s (%r): every tensor of the model is "
+                         "required from the checkpoint", name, e)
+            return set(every)
+    return named
 
 
 def _read_whole(layout: dict[str, TensorEntry]) -> dict[str, torch.Tensor]:

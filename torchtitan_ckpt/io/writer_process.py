@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 _STOP = None
 
+_IDLE_STOP_S = 10.0
+"""How long `close()` lets a writer with no work in progress take to stop before killing it."""
+
 
 class WriterProcess:
     """The training side of one rank's writer process; calling it is a `filewriter.Sink`, and
@@ -204,17 +207,23 @@ class WriterProcess:
                 self._proc.kill()
 
     def close(self) -> None:
-        """Stop the writer (after the writes in progress, if any) and wait for it to exit."""
-        if self.alive:
+        """Stop the writer (after the writes in progress, if any) and wait for it to exit. With
+        nothing in progress nothing can be lost: one that has not stopped within
+        `_IDLE_STOP_S` (still starting: spawning and importing torch can take over 30 s on a
+        loaded machine, and it reads the stop only once up) is killed, and that is no warning."""
+        with self._lock:
+            idle = not self._waiting
             try:
-                with self._lock:
-                    self._conn.send(_STOP)
+                self._conn.send(_STOP)
             except OSError:
                 pass
-        if self._join(30):
-            logger.warning("the checkpoint writer process did not stop; killing it")
+        if self._join(_IDLE_STOP_S if idle else 30):
+            if idle:
+                logger.debug("the idle checkpoint writer process did not stop at once; killing it")
+            else:
+                logger.warning("the checkpoint writer process did not stop; killing it")
             self._kill()
-            self._join(None)
+        self._join(None)
         self._replies.join()
         self._conn.close()
         self._registered.clear()

@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -53,9 +54,11 @@ import torch.distributed as dist
 
 from .. import commit, faults, layout
 from ..config import Checkpoint
+from ..dcp.storage import MAX_METADATA_BYTES, METADATA_FILE
 from ..errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RankFailed,
                       StorageError)
 from ..group import CheckpointGroup
+from ..hf.files import INDEX_FILE, MAX_INDEX_BYTES
 from ..hf.planner import parse_size
 from ..io import posio, safe_open
 from ..io.checksum import crc32
@@ -105,6 +108,31 @@ def _client(key: str, url: str, config: Checkpoint) -> Any:
         "s3", config=Config(retries=retry, max_pool_connections=config.upload_parallel_parts + 2))
 
 
+_FETCH_LIMITS = {commit.MARKER: commit.MAX_MARKER_BYTES, METADATA_FILE: MAX_METADATA_BYTES,
+                 INDEX_FILE: MAX_INDEX_BYTES}
+"""Object name -> the most bytes a fetch of it by name downloads: its reader refuses more."""
+
+
+def private_staging_folder() -> str:
+    """The default staging folder, one per user (`torchtitan_ckpt-<uid>`) in the system's
+    temporary folder, made if need be. Every user writes to that folder, so the staging folder
+    must be this user's own, readable by no one else, and not a link: another user could have
+    made it first, to read the staged shards or to put files into a step before its upload."""
+    path = os.path.join(tempfile.gettempdir(), f"torchtitan_ckpt-{os.getuid()}")
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as e:
+        raise ConfigError("checkpoint.staging_folder", "", f"the default staging folder {path} cannot be made: "
+                          f"{e}; set checkpoint.staging_folder to a folder of your own") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ConfigError("checkpoint.staging_folder", "",
+                          f"the default staging folder {path} is not a folder of this user's that only this user "
+                          "can read (a link, another user's, or open to others): remove it, or set "
+                          "checkpoint.staging_folder to a folder of your own")
+    return path
+
+
 class S3Store(Store):
     """A checkpoint folder `s3://bucket/prefix`; each rank stages its files in
     `{staging_folder}/{url}/rank-N`."""
@@ -116,7 +144,7 @@ class S3Store(Store):
         self.key = key
         self.bucket, self.prefix = split_url(self.url)
         self.rank = rank
-        base = config.staging_folder or os.path.join(tempfile.gettempdir(), "torchtitan_ckpt")
+        base = config.staging_folder or private_staging_folder()
         self.root = os.path.join(base, _folder_name(self.url), f"rank-{rank}")
         self.part_size = parse_size(config.upload_part_size)
         self.parallel = config.upload_parallel_parts
@@ -372,10 +400,15 @@ class S3Store(Store):
             return path
         start, key = time.perf_counter(), self._key(path)
         listed = self._list(key)
-        objects = ({n: size for n, size in listed.items() if n not in self._files} if names is None else
-                   {n: size for n, size in listed.items() if n in names})
+        wanted = None if names is None else set(names)
+        objects = ({n: size for n, size in listed.items() if n not in self._files} if wanted is None else
+                   {n: size for n, size in listed.items() if n in wanted})
         if names is None and not listed:
             raise CheckpointNotFoundError(f"{self.where(key)}: no objects there")
+        for name, size in objects.items():
+            if wanted is not None and size > _FETCH_LIMITS.get(name, size):
+                raise CorruptCheckpointError(f"{self.where(f'{key}/{name}')} is {size} bytes, more than the "
+                                             f"{_FETCH_LIMITS[name]} its reader takes: refusing to download it")
         if listed:
             os.makedirs(path, exist_ok=True)
         for name, size in objects.items():
