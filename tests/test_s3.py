@@ -13,8 +13,10 @@ import logging
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
+import time
 import tracemalloc
 import uuid
 import zlib
@@ -29,7 +31,7 @@ from torch.multiprocessing import ProcessExitedException
 
 from torchtitan_ckpt import CheckpointManager, cli, commit, faults, layout
 from torchtitan_ckpt.config import Checkpoint
-from torchtitan_ckpt.errors import (CheckpointNotFoundError, CheckpointSaveError, ConfigError,
+from torchtitan_ckpt.errors import (CheckpointError, CheckpointNotFoundError, CheckpointSaveError, ConfigError,
                                     CorruptCheckpointError, StorageError)
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.model import hf_adapter
@@ -229,6 +231,42 @@ def test_a_store_that_keeps_failing_fails_the_save_on_every_rank(bucket, tmp_pat
     assert not glob.glob(os.path.join(tmp_path, "*", "rank-*", "step-1"))  # no staged copy left behind
 
 
+def _load_fails_on_one_rank(rank, world_size, url, staging, proxy_url, what):
+    if rank == 1:  # this node's endpoint fails; rank 0's answers
+        os.environ["AWS_ENDPOINT_URL"] = proxy_url
+    model, opt = _job(seed=1)
+    start = time.monotonic()
+    # load_only: no read of the marker to tell a model-only step first (that one is agreed on already)
+    config = _config(url, staging, storage_retries=0, collective_timeout_s=60, verify_on_load=False, load_only=True)
+    with CheckpointManager(config, [model], opt) as manager:
+        with pytest.raises(CheckpointError, match=f"{what}.*InternalError" if rank == 1 else f"on rank 1: .*{what}"):
+            manager.load()
+    assert time.monotonic() - start < 30  # not the collective's timeout
+
+
+@pytest.mark.parametrize("what, failing", [
+    ("listing", lambda method, path: method == "GET" and "list-type=2" in path),
+    ("COMMITTED.json", lambda method, path: method == "GET" and path.split("?")[0].endswith("/step-1/COMMITTED.json")),
+    (".metadata", lambda method, path: method == "GET" and path.split("?")[0].endswith("/step-1/.metadata")),
+])
+def test_a_store_failing_on_one_rank_fails_the_load_on_every_rank_at_once(bucket, tmp_path, moto_url, what,
+                                                                           failing):
+    """Each of a load's reads before its first collective (the listing, the marker, DCP's
+    `.metadata`) failing on rank 1 alone: rank 0 hears of it at once, not after
+    collective_timeout_s of waiting with a timeout error that does not say why."""
+    url = f"s3://{bucket}/run"
+    model, opt = _job()
+    _train(model, opt)
+    with CheckpointManager(_config(url, str(tmp_path / "a")), [model], opt) as manager:
+        manager.save(1)
+    proxy = FaultProxy(moto_url, lambda n, method, path: "internal" if failing(method, path) else None)
+    try:
+        spawn(2, _load_fails_on_one_rank, url, str(tmp_path / "b"), proxy.url, re.escape(what))
+    finally:
+        proxy.close()
+    assert proxy.injected["internal"] >= 1
+
+
 @pytest.mark.parametrize("folder, env, message", [
     ("s3://no-such-bucket/run", {}, "404"),
     ("s3://{bucket}/run", {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None,
@@ -245,6 +283,24 @@ def test_an_unusable_bucket_fails_at_start_up_naming_the_url(bucket, tmp_path, m
     model, opt = _job()
     with pytest.raises(ConfigError, match=rf"checkpoint.folder = '{url}': the bucket cannot be used: .*{message}"):
         CheckpointManager(_config(url, str(tmp_path), storage_retries=0), [model], opt)
+
+
+def test_an_endpoint_that_never_answers_fails_after_storage_timeout_s_per_try(bucket, tmp_path, monkeypatch):
+    """A proxy or load balancer that takes the connection and stays silent: each try gives up
+    after `storage_timeout_s` (botocore's own default waits 60 s a try)."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:%d" % silent.getsockname()[1])
+    model, opt = _job()
+    start = time.monotonic()
+    try:
+        with pytest.raises(ConfigError, match=r"the bucket cannot be used: .*timeout"):
+            CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path), storage_retries=1, storage_timeout_s=1),
+                              [model], opt)
+    finally:
+        silent.close()
+    assert time.monotonic() - start < 15  # 2 tries of 1 s, with backoff; botocore's default: 120 s
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -713,6 +769,28 @@ def test_a_deletion_stopped_at_any_request_leaves_the_step_ours(bucket, tmp_path
         store.remove(step)
     assert {k.split("/", 2)[2] for k in _objects(bucket)} == left
     assert [s.status for s in store.scan(store.root)] == ([status] if status else [])
+
+
+def test_another_programs_step_a_save_would_meet_is_refused_before_training(bucket, tmp_path):
+    """TorchTitan's own save under the prefix (no marker of ours) at a step this job saves:
+    its save would be refused there after the training up to it; the load refuses now."""
+    for name in (".metadata", "__0_0.distcp"):
+        boto3.client("s3").put_object(Bucket=bucket, Key=f"run/step-3/{name}", Body=b"x")
+    model, opt = _job()
+    with CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path)), [model], opt) as manager:
+        with pytest.raises(CheckpointError, match=rf"step\(s\) 3 were not written by torchtitan_ckpt .* saves step 3"):
+            manager.load()
+    assert sorted(_objects(bucket)) == ["run/step-3/.metadata", "run/step-3/__0_0.distcp"]
+
+
+def test_a_damaged_marker_is_named_by_its_url_not_its_downloaded_copy(bucket, tmp_path):
+    model, opt = _job()
+    with CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path / "a")), [model], opt) as manager:
+        manager.save(1)
+    boto3.client("s3").put_object(Bucket=bucket, Key="run/step-1/COMMITTED.json", Body=b'{"step": 1, "states": 5}')
+    with CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path / "b")), [model], opt) as manager:
+        with pytest.raises(CorruptCheckpointError, match=rf"^s3://{bucket}/run/step-1/COMMITTED.json is not a valid"):
+            manager.load()
 
 
 def test_a_bucket_without_a_prefix_holds_steps_as_any_folder(bucket, tmp_path):

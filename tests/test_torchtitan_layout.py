@@ -195,6 +195,25 @@ def test_a_foreign_step_a_save_would_meet_is_refused_before_training(tmp_path):
     assert [(s.step, s.status) for s in layout.scan(folder)] == [(5, "foreign"), (10, "complete")]
 
 
+def test_a_folder_of_no_known_format_a_save_would_meet_is_refused_and_an_empty_one_is_not(tmp_path):
+    """Another program's step-10 still being written (files, no index yet) is never replaced
+    either: refused before training too. An empty step-10 (a save of ours killed before its
+    marker) is the save's to replace."""
+    folder = _folder(tmp_path)
+    step10 = layout.step_dir(folder, 10)
+    os.makedirs(step10)
+    job = make_job(str(tmp_path), steps=20, interval=5)
+    assert not job.manager.load()  # empty: replaced by the save
+    job.manager.close()
+    with open(os.path.join(step10, "__0_0.distcp"), "wb") as f:
+        f.write(b"x")
+    job = make_job(str(tmp_path), steps=20, interval=5)
+    with pytest.raises(CheckpointError, match=r"step\(s\) 10 were not written by torchtitan_ckpt .* saves step 10"):
+        job.manager.load()
+    job.manager.close()
+    assert os.listdir(step10) == ["__0_0.distcp"]
+
+
 def test_a_foreign_hugging_face_last_save_is_passed_over_without_an_adapter(tmp_path, caplog):
     """TorchTitan's last save with last_save_in_hf (a Hugging Face folder, model only) after its
     full step 5: a job with no state-dict adapter resumes from step 5, where reading the Hugging

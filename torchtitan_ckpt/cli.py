@@ -107,9 +107,9 @@ def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any]:
     info, status, problem, where = None, s.status, None, store.describe(s.path)
     if s.committed:
         try:
-            info = commit.read_marker(store.fetch(s.path, [commit.MARKER]))
+            info = store.read_marker(s.path)
         except CorruptCheckpointError as e:
-            status, problem = CORRUPT, str(e).replace(s.path, where)
+            status, problem = CORRUPT, str(e)
     fmt = info.format if info else layout.foreign_format(s.path) if status == layout.FOREIGN else None
     return {"step": s.step, "path": where, "status": status, "bytes": store.size(s.path),
             "format": fmt, "states": info.states if info else None,
@@ -294,7 +294,8 @@ def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
         path = args.step_dir
         if not commit.is_committed(store.fetch(local, [commit.MARKER])):
             raise CheckpointNotFoundError(f"{path} has no {commit.MARKER}: not a complete step")
-        info = commit.read_marker(store.fetch(local))
+        store.fetch(local)
+        info = store.read_marker(local)
         with progress:
             files = _verify_files(local, info, args.threads, progress)
     failed = [f for f in files if not f["ok"]]

@@ -209,7 +209,14 @@ class Checkpoint:
 
     storage_retries: int = 5
     """Object storage: how many times a request that failed transiently (throttling, 5xx, a
-    reset connection) is retried, with exponential backoff, before the save or load fails."""
+    reset connection, a timeout) is retried, with exponential backoff, before the save or load
+    fails."""
+
+    storage_timeout_s: float = 20.0
+    """Object storage: the seconds a request waits to connect, and then for each next piece of
+    the answer, before it counts as failed (and is retried): a stalled endpoint fails after
+    about `storage_retries + 1` times this, not after botocore's 60 s per try. A limit on
+    silence, not on a transfer's length."""
 
     @classmethod
     def from_torchtitan(cls, section: Any, **overrides: Any) -> Checkpoint:
@@ -266,6 +273,8 @@ def _check_ranges(ck: Checkpoint, p: str) -> None:
         raise ConfigError(p + "collective_timeout_s", ck.collective_timeout_s,
                           f"expected > 0 seconds and at most {MAX_TIMEOUT_S:.0f} (a week)")
     _at_least(p + "storage_retries", ck.storage_retries, 0, 100)
+    if not 0 < ck.storage_timeout_s <= 3600:
+        raise ConfigError(p + "storage_timeout_s", ck.storage_timeout_s, "expected > 0 seconds and at most 3600")
     for name in ("hf_max_shard_size", "upload_part_size"):
         try:
             parse_size(getattr(ck, name))

@@ -6,12 +6,13 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from .errors import RankFailed
 
+T = TypeVar("T")
 
 
 class CheckpointGroup:
@@ -73,6 +74,18 @@ class CheckpointGroup:
             kinds = tuple(dict.fromkeys(kind for _, (_, ks) in failed for kind in ks))
             raise RankFailed(rank, message, kinds, error) from error
         return [r for r, _ in gathered]
+
+    def each(self, fn: Callable[[], T], what: str) -> T:
+        """`fn()` on every rank in a round of its own, this rank's result returned (not shared).
+        For a rank's own reads from a store before a collective: a failure on any rank (a store
+        failing on one node) is a `CheckpointError` on every rank naming `what` (`RankFailed.reraise`),
+        where the other ranks would otherwise wait in the next collective until its timeout."""
+        mine: list[T] = []
+        try:
+            self.run(lambda: mine.append(fn()))
+        except RankFailed as failed:
+            failed.reraise(what)
+        return mine[0]
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""

@@ -349,7 +349,7 @@ class CheckpointManager:
         resumes from (`_newest_target`). Empty when there is none, or it cannot be told."""
         for folder in reversed([f for f in folders if f.committed and 0 < f.step < step]):
             try:
-                if not commit.read_marker(self._store.fetch(folder.path, [commit.MARKER])).model_only:
+                if not self._store.read_marker(folder.path).model_only:
                     return {folder.step}
             except Exception as e:  # rank 0 alone, after the commit: that step is not the one
                 logger.warning("retention: cannot read the marker of %s (%s)", self._store.describe(folder.path), e)
@@ -409,7 +409,8 @@ class CheckpointManager:
         # rank 0 deletes what retention chose: every rank scans once those deletions are done
         self._group.run(lambda: self._deleter.drain(), coordinator_only=True)
         start = time.perf_counter()
-        folders = self._store.scan(self.folder)
+        folders = self._group.each(lambda: self._store.scan(self.folder),
+                                   f"listing the steps of {self._store.describe(self.folder)}")
         target = self._find_load_target(folders, step if step >= 0 else self.config.load_step)
         self._check_steps_ahead(folders, target)
         if target is None:
@@ -485,20 +486,22 @@ class CheckpointManager:
                                                         self._group.rank, self.config)
             return self._target(store.root, None, True, store, "hf")
         if self._initial:
-            return self._initial_target(self._initial.fetch(self._initial.root, layout.TELLING))
+            return self._initial_target(self._group.each(
+                lambda: self._initial.fetch(self._initial.root, layout.TELLING),
+                f"fetching checkpoint.initial_load_path = {self.config.initial_load_path}"))
         return None
 
     def _check_steps_ahead(self, folders: list[layout.StepFolder], target: _LoadTarget | None) -> None:
         """A save never replaces a step folder this package did not write (`Store.prepare`).
-        Another program's checkpoint ahead of the step this job starts from, at a step its
-        schedule saves (TorchTitan's last save, which a resume passes over), would fail that save
-        after all the training up to it: refused now, before any. (A folder of no known format,
-        such as the empty one a save killed before its first file leaves, is the save's to
-        replace or refuse then.)"""
+        Another program's folder ahead of the step this job starts from, at a step its schedule
+        saves (TorchTitan's last save, which a resume passes over; on object storage any step
+        without our markers), would fail that save after all the training up to it: refused now,
+        before any. (An empty folder, which a save killed before its first file leaves, is
+        replaced: `Store.replaceable`.)"""
         if self.config.load_only:
             return
         start = target.step if target is not None and target.step is not None else 0
-        ahead = [f for f in folders if f.status == layout.FOREIGN and f.step > start
+        ahead = [f for f in folders if f.step > start and not self._store.replaceable(f)
                  and save_kind(f.step, False, self.config) is not None]
         if not ahead:
             return
@@ -564,7 +567,7 @@ class CheckpointManager:
 
         def model_only() -> bool:
             try:
-                return commit.read_marker(self._store.fetch(folder.path, [commit.MARKER])).model_only
+                return self._store.read_marker(folder.path).model_only
             except CorruptCheckpointError:
                 return False
 
@@ -686,7 +689,7 @@ class CheckpointManager:
             return []
         def mine() -> list[str]:
             try:
-                names = sorted(commit.read_marker(store.fetch(path, [commit.MARKER])).files)
+                names = sorted(store.read_marker(path).files)
             except CorruptCheckpointError as e:  # a problem like any other: `verify_fallback` applies
                 return [str(e)]
             share = names[self._group.rank :: self._group.world_size]
@@ -709,7 +712,8 @@ class CheckpointManager:
 
     def _committed_target(self, path: str, step: int | None, store: Store, model_only: bool = False) -> _LoadTarget:
         """A step of ours, in the format and with the states its commit marker records."""
-        info = commit.read_marker(store.fetch(path, [commit.MARKER]))
+        info = self._group.each(lambda: store.read_marker(path),
+                                f"reading the marker of {store.describe(path)}")
         return self._target(path, step, model_only or info.model_only, store, info.format, frozenset(info.states))
 
     def _state_for_load(self, target: _LoadTarget) -> dict[str, Any]:

@@ -65,7 +65,8 @@ class DcpFormat(StepFormat):
         return Written(writer.durable, planner.summary_line() if group.is_coordinator else "")
 
     def index(self, path: str, store: Store) -> StepIndex:
-        store.fetch(path, [storage.METADATA_FILE])
+        self.ctx.group.each(lambda: store.fetch(path, [storage.METADATA_FILE]),
+                            f"fetching {store.describe(os.path.join(path, storage.METADATA_FILE))}")
         metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE), self._scanned_once)
         tensors, values = {}, set()
         for key, md in metadata.state_dict_metadata.items():

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointError, RankFailed
+from ..errors import CheckpointError
 from ..hf import load_hf, save_hf
 from ..hf.files import INDEX_FILE, SINGLE_FILE, is_model_file
 from ..io.dtypes import EXPORT_DTYPES
@@ -54,9 +54,6 @@ class HfFormat(StepFormat):
         """The step is fetched from `store` in a round of its own: a rank whose download failed
         fails every rank there, before `load_hf`'s collectives."""
         group = self.ctx.group
-        try:
-            local = group.run(lambda: store.fetch(path))[group.rank]
-        except RankFailed as failed:
-            failed.reraise(f"fetching {path}")
+        local = group.each(lambda: store.fetch(path), f"fetching {store.describe(path)}")
         load_hf(state, local, self._adapter(path), process_group=group.pg,
                 num_threads=self.ctx.config.load_threads, check=check)

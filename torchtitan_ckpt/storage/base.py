@@ -6,7 +6,9 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
+from .. import commit
 from ..commit import CommitInfo
+from ..errors import CorruptCheckpointError
 from ..group import CheckpointGroup
 from ..layout import StepFolder, folder_bytes
 
@@ -52,6 +54,10 @@ class Store(ABC):
         """Rank 0: make `path` an empty step folder of ours marked in progress (replacing a
         leftover of ours; refusing another program's)."""
 
+    def replaceable(self, folder: StepFolder) -> bool:
+        """Whether `prepare` would replace `folder` rather than refuse it: a step of ours."""
+        return folder.ours
+
     def prepare_rank(self, path: str) -> None:
         """Every rank, before writing: make sure this rank can write into `path`."""
 
@@ -74,6 +80,17 @@ class Store(ABC):
         files (or only those of `names` that exist, relative to `path`) readable there.
         Returns `path`."""
         return path
+
+    def read_marker(self, path: str) -> CommitInfo:
+        """The commit marker of the step of ours at `path`, fetched (`commit.read_marker`); a
+        damaged one is a `CorruptCheckpointError` naming the step as the user does (`describe`),
+        not a downloaded copy."""
+        try:
+            return commit.read_marker(self.fetch(path, [commit.MARKER]))
+        except CorruptCheckpointError as e:
+            if (where := self.describe(path)) == path:
+                raise
+            raise CorruptCheckpointError(str(e).replace(path, where)) from e
 
     def fetch_ranges(self, path: str, ranges: Mapping[str, Sequence[tuple[int, int]]]) -> None:
         """Every rank, before reading byte ranges of files of `path` ({file relative to `path`:

@@ -71,6 +71,9 @@ class LocalStore(Store):
         commit.mark_in_progress(path)  # ours from now on, even if this save crashes
         faults.hit("prepare", step)
 
+    def replaceable(self, folder: layout.StepFolder) -> bool:
+        return folder.ours or _unmarked(folder.path)
+
     def commit(self, path: str, info: commit.CommitInfo, checksums: dict[str, tuple[int, str]]) -> commit.CommitInfo:
         return commit.write_marker(path, info, checksums)
 

@@ -26,8 +26,9 @@ the length of each ranged read), as are the byte ranges a step's metadata asks f
 
 Endpoint, region and credentials come from boto3's standard chain (`AWS_ENDPOINT_URL`,
 `AWS_REGION`, `AWS_ACCESS_KEY_ID`, `AWS_PROFILE`, ...) and are never logged.
-Throttling, 5xx and reset connections are retried by botocore's `standard` mode with
-exponential backoff, `storage_retries` times, then fail the save on every rank.
+Throttling, 5xx, reset connections and silences longer than `storage_timeout_s` are retried by
+botocore's `standard` mode with exponential backoff, `storage_retries` times, then fail the save
+on every rank.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def _client(key: str, url: str, config: Checkpoint) -> Any:
         raise ConfigError(key, url, "object storage needs boto3: pip install 'torchtitan_ckpt[s3]'") from None
     retry = {"total_max_attempts": config.storage_retries + 1, "mode": "standard"}
     return boto3.session.Session().client(
-        "s3", config=Config(retries=retry, max_pool_connections=config.upload_parallel_parts + 2))
+        "s3", config=Config(retries=retry, max_pool_connections=config.upload_parallel_parts + 2,
+                            connect_timeout=config.storage_timeout_s, read_timeout=config.storage_timeout_s))
 
 
 _FETCH_LIMITS = {commit.MARKER: commit.MAX_MARKER_BYTES, METADATA_FILE: MAX_METADATA_BYTES,
