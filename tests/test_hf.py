@@ -318,6 +318,40 @@ def test_an_export_copies_the_assets_generation_and_tokenizer_files(tmp_path, mo
     assert generation.eos_token_id == [2, 8, 9] and generation.temperature == 0.6
 
 
+FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def test_an_export_leaves_out_the_assets_quantization_config(tmp_path, caplog):
+    """Assets of an FP8 checkpoint (every DeepSeek-V3 on the Hub, Qwen3-*-FP8) say so in their
+    config.json; the export writes plain floating-point tensors, which transformers would cast
+    to FP8 layers with made-up scales (on a GPU) or refuse to load (here). The same for an
+    adapter of whole tensors (TorchTitan's), which copies its assets' config.json."""
+    model = our_model()
+    assets = _assets(tmp_path / "assets", ARGS)
+    with open(os.path.join(assets, "config.json")) as f:
+        config = {**json.load(f), "quantization_config": FP8, "compression_config": {"format": "float-quantized"}}
+    with open(os.path.join(assets, "config.json"), "w") as f:
+        json.dump(config, f)
+    with caplog.at_level(logging.INFO, logger="torchtitan_ckpt.hf.adapter"):
+        save_hf(model.state_dict(), str(tmp_path / "out"), hf_adapter(ARGS, hf_assets_path=assets),
+                dtype=torch.bfloat16)
+    with open(tmp_path / "out" / "config.json") as f:
+        exported = json.load(f)
+    assert exported == {**{k: v for k, v in config.items() if k not in ("quantization_config", "compression_config")},
+                        "torch_dtype": "bfloat16"}
+    assert (f"{assets}/config.json: leaving quantization_config out of the exported config.json: the export writes "
+            "bfloat16 tensors, which transformers would otherwise quantize") in caplog.messages
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    expected = our_model()
+    expected.load_state_dict({k: v.bfloat16().float() for k, v in model.state_dict().items()})
+    assert (logits_of(hf) - logits_of(expected)).abs().max() < 1e-5
+
+    _config_file(tmp_path / "tiny", json.dumps({"model_type": "tiny", "quantization_config": FP8}))
+    save_hf({"a": torch.ones(2)}, str(tmp_path / "foreign"), _Renamed(str(tmp_path / "tiny")))
+    with open(tmp_path / "foreign" / "config.json") as f:
+        assert json.load(f) == {"model_type": "tiny", "torch_dtype": "float32"}
+
+
 def test_an_export_refuses_an_assets_file_too_large_to_be_one_before_touching_the_folder(tmp_path):
     model = our_model()
     save_hf(model.state_dict(), str(tmp_path / "out"), hf_adapter(ARGS))
@@ -435,6 +469,38 @@ def test_import_from_the_hub_cache_reads_through_its_links_into_blobs_only(hf_ch
         load_hf(our_model(seed=1).state_dict(), str(snapshot), hf_adapter(ARGS))
 
 
+def test_import_of_an_old_local_dir_download_reads_through_its_links_into_a_hub_cache(hf_checkpoint, tmp_path):
+    """`huggingface-cli download --local-dir` of huggingface_hub < 0.23 left the big files as
+    links to `~/.cache/huggingface/hub/models--<name>/blobs/<hash>`: they load as copies would.
+    A link to a file anywhere else (a folder named `blobs` outside a hub cache, or a file below
+    a blob store) is refused, saying how to load such a folder."""
+    src, expected = hf_checkpoint
+    blobs = tmp_path / "cache" / "hub" / "models--org--tiny" / "blobs"
+    blobs.mkdir(parents=True)
+    local = tmp_path / "local"
+    local.mkdir()
+    for name in os.listdir(src):
+        if name.endswith(".safetensors"):
+            shutil.copyfile(os.path.join(src, name), blobs / f"hash-{name}")
+            (local / name).symlink_to(blobs / f"hash-{name}")
+        else:
+            shutil.copyfile(os.path.join(src, name), local / name)
+    model = our_model(seed=1)
+    load_hf(model.state_dict(), str(local), hf_adapter(ARGS))
+    assert (logits_of(model) - expected).abs().max() < 1e-5
+
+    first = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))[0]
+    for target in (tmp_path / "elsewhere" / "blobs" / "hash", blobs / "sub" / "hash"):
+        target.parent.mkdir(parents=True)
+        shutil.copyfile(os.path.join(src, first), target)
+        (local / first).unlink()
+        (local / first).symlink_to(target)
+        with pytest.raises(CorruptCheckpointError, match=re.escape(
+                f"{local / first}: a safetensors file is a link to {target}, outside the checkpoint folder; refusing "
+                "to read it (if the link is meant, copy the folder with its links followed: `cp -rL`)")):
+            load_hf(our_model(seed=1).state_dict(), str(local), hf_adapter(ARGS))
+
+
 @pytest.mark.parametrize("num_threads", [1, 3, 64])
 def test_import_on_any_number_of_threads_gives_the_same_state(hf_checkpoint, num_threads):
     """More threads than pieces, or a run ending inside a tensor, change nothing."""
@@ -542,6 +608,48 @@ def test_llama2_rope_buffers_are_ignored_on_import_and_in_the_assets_file_split(
     assert sorted(before) == sorted(after)
     for file in before:
         assert_same(before[file], after[file])
+
+
+def test_an_export_leaves_out_the_names_of_the_assets_file_split_the_model_does_not_have(hf_checkpoint, tmp_path,
+                                                                                          caplog):
+    """The index of a Hub folder used as assets may list tensors the model does not export: an
+    FP8 checkpoint's `weight_scale_inv` beside each weight, DeepSeek-V3's MTP layer (numbered
+    past the last layer) in a file of its own. The export follows the split for the model's
+    tensors; a file only the others fill is not written."""
+    src, expected = hf_checkpoint
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    shutil.copyfile(os.path.join(src, "config.json"), assets / "config.json")
+    with open(os.path.join(src, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    count = len(set(weight_map.values()))
+    extra = {name.removesuffix("weight") + "weight_scale_inv": file for name, file in weight_map.items()
+             if name.endswith("_proj.weight")}
+    extra.update(dict.fromkeys([f"model.layers.{ARGS.n_layers}.eh_proj.weight",
+                                f"model.layers.{ARGS.n_layers}.self_attn.q_proj.weight"],
+                               f"model-{count + 1:05d}-of-{count + 1:05d}.safetensors"))
+    (assets / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {**weight_map, **extra}}))
+    model = our_model(seed=1)
+    load_hf(model.state_dict(), src, hf_adapter(ARGS))
+    with caplog.at_level(logging.INFO, logger="torchtitan_ckpt.hf.save"):
+        save_hf(model.state_dict(), str(tmp_path / "out"), hf_adapter(ARGS, hf_assets_path=str(assets)))
+    assert (f"{assets}/model.safetensors.index.json: leaving {len(extra)} tensors of the file split out of the "
+            "export, which the model does not have, such as model.layers.0.mlp.down_proj.weight_scale_inv, "
+            "model.layers.0.mlp.gate_proj.weight_scale_inv, model.layers.0.mlp.up_proj.weight_scale_inv") \
+        in caplog.messages
+    with open(tmp_path / "out" / "model.safetensors.index.json") as f:
+        assert json.load(f)["weight_map"] == weight_map
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert (logits_of(hf) - expected).abs().max() < 1e-5
+
+    # a tensor the model exports and the split lacks is refused, before the folder is touched
+    del weight_map["model.norm.weight"]
+    (assets / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(AdapterMismatchError, match=re.escape(
+            f"{assets}/model.safetensors.index.json, the file split of the adapter's hf_assets_path, lacks tensors "
+            "the model exports (missing): 0 unknown name(s) [] and 1 missing name(s) ['model.norm.weight']")):
+        save_hf(model.state_dict(), str(tmp_path / "other"), hf_adapter(ARGS, hf_assets_path=str(assets)))
+    assert not os.path.exists(tmp_path / "other")
 
 
 def test_wrong_shapes_fail_naming_them(hf_checkpoint, no_data_reads):

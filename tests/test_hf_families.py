@@ -25,7 +25,8 @@ from torchtitan_ckpt.example.model import ROPE_LAYOUT, Transformer, args_from_hf
 from torchtitan_ckpt.hf import (HFModelConfig, LlamaAdapter, Qwen3Adapter, Qwen3MoeAdapter, adapter_for_config,
                                 adapter_for_hf_dir, load_hf, save_hf)
 from torchtitan_ckpt.hf.adapter import rope_row_order
-from torchtitan_ckpt.hf.convert import RECORDED_CONFIG, RECORDED_LAYOUT, convert
+from torchtitan_ckpt.hf.convert import RECORDED_CONFIG, convert
+from torchtitan_ckpt.hf.files import RECORDED_LAYOUT
 
 transformers = pytest.importorskip("transformers")
 
@@ -210,6 +211,38 @@ def test_a_recorded_rope_layout_that_is_not_one_is_refused_naming_the_file(qwen3
                                                      r"'complex', expected one of interleaved, halves; pass "
                                                      r"--rope-layout with the model's$"):
         convert("hf", str(bad), str(tmp_path / "hf"))
+
+
+def test_a_converted_step_of_another_rope_layout_is_refused_as_initial_load_path(qwen3_step, tmp_path):
+    """`convert --to dcp` of a Qwen3 without `--rope-layout` writes TorchTitan's layout
+    (`halves`); the example job, whose model is `interleaved`, starting from it would train a
+    model whose attention is scrambled: refused before any tensor changes, naming both layouts
+    and the option. The step converted for its layout loads, giving the transformers logits."""
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    src, interleaved = qwen3_step
+    halves = str(tmp_path / "halves")
+    convert("dcp", src, halves)
+    args = args_from_hf_config(read_config(src))
+    model = Transformer(args)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def manager(path: str, folder: str) -> CheckpointManager:
+        return CheckpointManager(Checkpoint(enable=True, initial_load_path=path, initial_load_model_only=True),
+                                 [model], base_folder=str(tmp_path / folder), state_dict_adapter=hf_adapter(args))
+
+    with manager(halves, "refused") as m, pytest.raises(CheckpointError, match=re.escape(
+            f"{halves}: its q/k rows are in the halves RoPE layout (its rope_layout.json, written by `torchtitan-ckpt "
+            "convert --to dcp`), and this job's model's is interleaved (its state-dict adapter's rope_layout): it "
+            "would load with its attention scrambled. Convert the Hugging Face folder again with `torchtitan-ckpt "
+            "convert --to dcp --rope-layout interleaved HF_DIR OUT_DIR`")):
+        m.load()
+    assert_same(model.state_dict(), before)
+    with manager(interleaved, "loaded") as m:
+        assert m.load()
+    expected = logits_of(transformers.Qwen3ForCausalLM.from_pretrained(src).eval())
+    assert (logits(model, TOKENS) - expected).abs().max() < 1e-5
 
 
 def test_native_to_hf_to_native_is_exact_and_transformers_reads_it(hf_folder, tmp_path):

@@ -12,6 +12,9 @@ import sys
 from .test_torchtitan_interop import torchtitan_path
 from .helpers import ROOT
 
+N_EXTRA = 24
+"""Tensors of the folder "mtp" that the model does not have: a copy of layer 1 as layer 2 (21), 3 others."""
+
 SCRIPT = r'''
 import logging, os, sys, torch
 from safetensors.torch import save_file
@@ -62,6 +65,30 @@ assert not unequal, unequal
 assert all(torch.equal(fresh[k], kept[k]) for k in bias)
 print("OK every tensor the adapter maps is read, expert_bias_E keeps its value")
 
+# as the Hub's DeepSeek-V3 folders hold: an MTP layer numbered past the model's layers (a whole layer and
+# tensors of its own, which from_hf knows no name for), and FP8 scales, in a file of their own
+import json
+import torchtitan_ckpt.hf.load as load
+extra = {k.replace("model.layers.1.", "model.layers.2."): v.clone() for k, v in hf.items()
+         if k.startswith("model.layers.1.")}
+extra.update({"model.layers.2.eh_proj.weight": torch.ones(D, 2 * D), "model.layers.2.enorm.weight": torch.ones(D),
+              "model.layers.0.self_attn.q_proj.weight_scale_inv": torch.ones(1, 1)})
+os.makedirs(os.path.join(out, "mtp"))
+save_file(hf, os.path.join(out, "mtp", "model-00001-of-00002.safetensors"))
+save_file(extra, os.path.join(out, "mtp", "model-00002-of-00002.safetensors"))
+with open(os.path.join(out, "mtp", "model.safetensors.index.json"), "w") as f:
+    json.dump({"weight_map": {**dict.fromkeys(hf, "model-00001-of-00002.safetensors"),
+                              **dict.fromkeys(extra, "model-00002-of-00002.safetensors")}}, f)
+read, read_whole = [], load._read_whole
+load._read_whole = lambda layout: (read.extend(layout), read_whole(layout))[1]
+fresh = build(3).state_dict()
+load_hf(fresh, os.path.join(out, "mtp"), Qwen3StateDictAdapter(cfg, None))
+assert sorted(read) == sorted(hf), sorted(set(read) ^ set(hf))
+unequal = [k for k in saved if k not in bias and not torch.equal(saved[k], fresh[k])]
+assert not unequal, unequal
+load._read_whole = read_whole
+print(f"OK the folder's {len(extra)} tensors the model does not have are not read")
+
 del hf["model.norm.weight"]
 os.makedirs(os.path.join(out, "short"))
 save_file(hf, os.path.join(out, "short", "model.safetensors"))
@@ -70,7 +97,7 @@ before = {k: v.clone() for k, v in other.items()}
 try:
     load_hf(other, os.path.join(out, "short"), Qwen3StateDictAdapter(cfg, None))
 except AdapterMismatchError as e:
-    assert "1 missing name(s) ['norm.weight']" in str(e), e
+    assert "1 missing name(s) ['model.norm.weight']" in str(e), e
     assert all(torch.equal(before[k], other[k]) for k in before)
     print("OK a tensor the adapter maps and the folder lacks is an error naming it")
 '''
@@ -84,6 +111,10 @@ def test_torchtitan_030_moe_adapter_imports_an_hf_folder_leaving_expert_bias(tmp
     assert proc.returncode == 0, log[-6000:]
     assert [line[3:] for line in proc.stdout.splitlines() if line.startswith("OK ")] == [
         "every tensor the adapter maps is read, expert_bias_E keeps its value",
+        f"the folder's {N_EXTRA} tensors the model does not have are not read",
         "a tensor the adapter maps and the folder lacks is an error naming it"], log[-6000:]
     assert ("leaving 2 tensor(s) of the model as they are, which the adapter maps to no Hugging Face tensor: "
             "['layers.0.moe.expert_bias_E', 'layers.1.moe.expert_bias_E']") in proc.stdout, log[-6000:]
+    assert (f"/mtp: ignoring {N_EXTRA} tensors of the folder that the model does not have, such as "
+            "model.layers.0.self_attn.q_proj.weight_scale_inv, model.layers.2.eh_proj.weight, "
+            "model.layers.2.enorm.weight") in proc.stdout, log[-6000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -77,6 +78,36 @@ def test_hf_options_need_an_adapter(tmp_path):
                           base_folder=str(tmp_path))
 
 
+def test_an_assets_file_split_is_checked_when_the_manager_starts(tmp_path):
+    """An assets' index lacking a tensor the model exports would fail the HF export, after all
+    the training up to it: refused when the manager is built. One listing tensors the model does
+    not export (an FP8 checkpoint's `weight_scale_inv`s) is no mismatch: the export leaves them
+    out."""
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_adapter
+
+    model = Transformer(FLAVORS["debugmodel"])
+    names = hf_adapter(model.args).hf_names
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    index = assets / "model.safetensors.index.json"
+
+    def manager(weight_map: dict[str, str]) -> CheckpointManager:
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        return CheckpointManager(Checkpoint(enable=True, last_save_in_hf=True), [model], base_folder=str(tmp_path),
+                                 state_dict_adapter=hf_adapter(model.args, hf_assets_path=str(assets)))
+
+    with pytest.raises(ConfigError, match=re.escape(
+            f"checkpoint.last_save_in_hf = True: {index}, the file split of the adapter's hf_assets_path, lacks "
+            f"tensors the model exports (missing): 0 unknown name(s) [] and 1 missing name(s) ['{names[0]}']")):
+        manager(dict.fromkeys(names[1:], "model.safetensors"))
+    with manager({**dict.fromkeys(names, "model.safetensors"), "lm_head.weight_scale_inv": "model.safetensors"}) as m:
+        assert m.save(1, last_step=True)
+    with open(os.path.join(layout.step_dir(_folder(tmp_path), 1), "model.safetensors.index.json")) as f:
+        assert json.load(f)["weight_map"] == dict.fromkeys(names, "model-00001-of-00001.safetensors")
+
+
+@pytest.mark.multirank
 @pytest.mark.multirank
 def test_two_rank_job_exports_hf_that_transformers_loads(tmp_path):
     run_job(str(tmp_path), "--checkpoint.last_save_in_hf", "true", "--training.steps", "6",

@@ -771,6 +771,36 @@ def test_a_deletion_stopped_at_any_request_leaves_the_step_ours(bucket, tmp_path
     assert [s.status for s in store.scan(store.root)] == ([status] if status else [])
 
 
+def test_a_step_holding_keys_xml_cannot_carry_is_deleted_whole(bucket, tmp_path):
+    """S3 keys may hold control characters, which DeleteObjects' XML body cannot: such a key
+    failed the whole batch, and the step was never deleted. Neighbours sharing the prefix's
+    spelling are left alone."""
+    client = boto3.client("s3")
+    names = [commit.IN_PROGRESS, "a b", "ü", "a+b", "a%2Fb", "x&y<z>", "tab\tx", "ctl\x01x", "cr\rx"]
+    for name in names:
+        client.put_object(Bucket=bucket, Key=f"run/step-1/{name}", Body=b"1")
+    client.put_object(Bucket=bucket, Key=f"run/step-1x/{commit.IN_PROGRESS}", Body=b"{}")
+    client.put_object(Bucket=bucket, Key=f"run10/step-1/{commit.IN_PROGRESS}", Body=b"{}")
+    store, path = _store(bucket, tmp_path, storage_retries=0)
+    assert sorted(_objects(bucket)) == sorted([f"run/step-1/{n}" for n in names] +
+                                              [f"run/step-1x/{commit.IN_PROGRESS}", f"run10/step-1/{commit.IN_PROGRESS}"])
+    store.remove(layout.StepFolder(1, path, layout.PARTIAL))
+    assert sorted(_objects(bucket)) == [f"run/step-1x/{commit.IN_PROGRESS}", f"run10/step-1/{commit.IN_PROGRESS}"]
+
+
+@pytest.mark.parametrize("names, message", [
+    (["x", "x/y"], r"'x' is an object and also a folder holding 'x/y'"),
+    (["a/b", "a//b"], r"the objects 'a//b' and 'a/b' would be one file"),
+])
+def test_objects_that_cannot_be_files_are_refused_naming_them_before_any_download(bucket, tmp_path, names, message):
+    for name in (commit.MARKER, *names):
+        boto3.client("s3").put_object(Bucket=bucket, Key=f"run/step-1/{name}", Body=b"1")
+    store, path = _store(bucket, tmp_path)
+    with pytest.raises(CorruptCheckpointError, match=rf"^s3://{bucket}/run/step-1: {message}"):
+        store.fetch(path)
+    assert not os.path.exists(path)
+
+
 def test_another_programs_step_a_save_would_meet_is_refused_before_training(bucket, tmp_path):
     """TorchTitan's own save under the prefix (no marker of ours) at a step this job saves:
     its save would be refused there after the training up to it; the load refuses now."""
@@ -778,7 +808,7 @@ def test_another_programs_step_a_save_would_meet_is_refused_before_training(buck
         boto3.client("s3").put_object(Bucket=bucket, Key=f"run/step-3/{name}", Body=b"x")
     model, opt = _job()
     with CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path)), [model], opt) as manager:
-        with pytest.raises(CheckpointError, match=rf"step\(s\) 3 were not written by torchtitan_ckpt .* saves step 3"):
+        with pytest.raises(CheckpointError, match=r"step\(s\) 3 were not written by torchtitan_ckpt .* saves step 3"):
             manager.load()
     assert sorted(_objects(bucket)) == ["run/step-3/.metadata", "run/step-3/__0_0.distcp"]
 

@@ -35,6 +35,9 @@ from .group import CheckpointGroup
 from .formats import FORMATS, Context, StepFormat, StepIndex, Written
 from .hf import StateDictAdapter
 from .hf.adapter import as_adapter
+from .hf.convert import recorded_rope_layout
+from .hf.files import RECORDED_LAYOUT
+from .hf.save import assets_file_split
 from .io.dtypes import EXPORT_DTYPES
 from .io.filewriter import Sink
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
@@ -138,8 +141,9 @@ class CheckpointManager:
         self._formats = {name: cls(context) for name, cls in FORMATS.items()}
 
     def _check_job(self) -> None:
-        """What the config asks of this job: an adapter for the Hugging Face format, one process
-        for a seed checkpoint, one folder for every rank."""
+        """What the config asks of this job: an adapter for the Hugging Face format (and what an
+        export writes beside its tensors: `_check_export`), one process for a seed checkpoint,
+        one folder for every rank."""
         config = self.config
         for key in ("initial_load_in_hf", "last_save_in_hf", "hf_export_interval"):
             if getattr(config, key) and self._adapter is None:
@@ -151,9 +155,8 @@ class CheckpointManager:
                               "checkpoint.initial_load_in_hf needs the Hugging Face folder to start from: set "
                               "initial_load_path, or give the adapter an hf_assets_path")
         if export := next((k for k in ("last_save_in_hf", "hf_export_interval") if getattr(config, k)), None):
-            try:  # a config.json to write beside the files (rank 0's to write): known now, not at the export
-                self._group.run(lambda: self._adapter.export_config(EXPORT_DTYPES[config.export_dtype]),
-                                coordinator_only=True)
+            try:  # what rank 0 writes beside the files, known now, not at the export after the training
+                self._group.run(self._check_export, coordinator_only=True)
             except RankFailed as failed:
                 raise ConfigError(f"checkpoint.{export}", getattr(config, export), str(failed.error or failed)) from None
         if config.create_seed_checkpoint and self._group.world_size != 1:
@@ -168,6 +171,13 @@ class CheckpointManager:
         self._store.check(self._group, write=not config.load_only)  # a probe written: shared by every rank?
         if self._initial is not None:
             self._initial.check(self._group, write=False)
+
+    def _check_export(self) -> None:
+        """The adapter's `config.json` to write; and, where the adapter knows the tensors it
+        exports (one of ours), that its assets' file split, if any, names each of them."""
+        self._adapter.export_config(EXPORT_DTYPES[self.config.export_dtype])
+        if self._adapter.hf_names is not None:
+            assets_file_split(self._adapter, self._adapter.hf_names, log=False)
 
     def _build_states(self, parts, optimizers, lr_schedulers, dataloader, extra, rank,
                       world_size) -> dict[str, Stateful]:
@@ -708,7 +718,25 @@ class CheckpointManager:
         if fmt is None:
             raise CorruptCheckpointError(f"{path}: format {fmt_name!r} is not one of {', '.join(self._formats)}")
         index = fmt.index(path, store)
+        self._check_rope_layout(path, store)
         return _LoadTarget(path, step, model_only or not index.keys(), fmt, index, store, listed)
+
+    def _check_rope_layout(self, path: str, store: Store) -> None:
+        """A folder `convert --to dcp` wrote records the RoPE layout its q/k rows are in
+        (`RECORDED_LAYOUT`); the model's is its adapter's, when one of ours. Another one would
+        load a model whose attention is wrong, silently: refused before any tensor is read."""
+        if not isinstance(self._adapter, StateDictAdapter):
+            return
+        recorded = self._group.each(lambda: recorded_rope_layout(store.fetch(path, [RECORDED_LAYOUT])),
+                                    f"reading the RoPE layout recorded in {store.describe(path)}")
+        ours = self._adapter.rope_layout
+        if recorded not in (None, ours):
+            raise CheckpointError(
+                f"{store.describe(path)}: its q/k rows are in the {recorded} RoPE layout (its {RECORDED_LAYOUT}, "
+                f"written by `torchtitan-ckpt convert --to dcp`), and this job's model's is {ours} (its "
+                "state-dict adapter's rope_layout): it would load with its attention scrambled. Convert the "
+                f"Hugging Face folder again with `torchtitan-ckpt convert --to dcp --rope-layout {ours} HF_DIR "
+                "OUT_DIR`")
 
     def _committed_target(self, path: str, step: int | None, store: Store, model_only: bool = False) -> _LoadTarget:
         """A step of ours, in the format and with the states its commit marker records."""

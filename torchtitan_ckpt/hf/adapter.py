@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging
 import math
 import os
 from collections.abc import Iterable
@@ -30,6 +31,12 @@ from ..io import safe_open
 from .files import CONFIG_FILE, INDEX_FILE, MAX_INDEX_BYTES, file_number
 from .model_config import MAX_CONFIG_BYTES, HFModelConfig, read_hf_config
 
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_KEYS = ("quantization_config", "compression_config")
+"""Keys of a `config.json` saying its tensors are quantized (an FP8 checkpoint's: every DeepSeek-V3
+on the Hub, Qwen3-*-FP8), left out of an export of plain floating-point tensors: `transformers`
+would build quantized layers, cast the tensors to them and make up the scales the export lacks."""
 
 
 def check_names(where: str, found: Any, expected: Any) -> None:
@@ -229,10 +236,10 @@ class StateDictAdapter:
         model (`_check_describes`): `transformers` builds the model from it."""
         path = _assets_config_path(self.hf_assets_path)
         if path is None:
-            return _with_dtype(dict(self.config.raw), dtype)
+            return _for_export(dict(self.config.raw), dtype, self.config.where)
         assets = read_hf_config(path)
         _check_describes(assets, self.config)
-        return _with_dtype(dict(assets.raw), dtype)
+        return _for_export(dict(assets.raw), dtype, path)
 
 
 def _check_tied(head: Any, embedding: Any) -> None:
@@ -289,10 +296,17 @@ def _assets_config(hf_assets_path: str | None) -> dict[str, Any] | None:
     return None if path is None else json.loads(safe_open.read_bounded(path, "the model config", MAX_CONFIG_BYTES))
 
 
-def _with_dtype(config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    """`config` naming `dtype` as the model's (transformers 4 writes `torch_dtype`, 5 `dtype`)."""
+def _for_export(config: dict[str, Any], dtype: torch.dtype, where: str) -> dict[str, Any]:
+    """`config` (read from `where`) naming `dtype` as the model's (transformers 4 writes
+    `torch_dtype`, 5 `dtype`), without its `QUANTIZATION_KEYS` when `dtype` is a plain floating
+    point one (16 bits or more), as every export's is."""
     for key in [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]:
         config[key] = str(dtype).removeprefix("torch.")
+    if dtype.is_floating_point and dtype.itemsize >= 2:
+        for key in [k for k in QUANTIZATION_KEYS if k in config]:
+            del config[key]
+            logger.info("%s: leaving %s out of the exported config.json: the export writes %s tensors, which "
+                        "transformers would otherwise quantize", where, key, str(dtype).removeprefix("torch."))
     return config
 
 
@@ -315,7 +329,7 @@ class ForeignAdapter:
     hf_names = None
     """Unknown: an export's file split follows the ranks' state dicts, in rank order."""
     tied_copies: frozenset[str] = frozenset()
-    """None known: its `from_hf` takes every tensor of a folder."""
+    """None known: an import reads the tensors its `to_hf` names, and no others."""
 
     def to_hf(self, state_dict: dict[str, Any], complete: bool = True) -> dict[str, Any]:
         return self.adapter.to_hf(state_dict)
@@ -331,7 +345,7 @@ class ForeignAdapter:
         if config is None:
             raise CheckpointError(f"{type(self.adapter).__name__} has no hf_assets_path holding a {CONFIG_FILE}, "
                                   "and it cannot write one: give it the model's Hugging Face assets folder")
-        return _with_dtype(config, dtype)
+        return _for_export(config, dtype, os.path.join(self.hf_assets_path, CONFIG_FILE))
 
     @property
     def fqn_to_index_mapping(self) -> dict[str, int] | None:

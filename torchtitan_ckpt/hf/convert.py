@@ -39,7 +39,7 @@ from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundEr
 from ..io import durable, safe_open
 from ..io.dtypes import EXPORT_DTYPES
 from .adapter import ROPE_LAYOUTS, StateDictAdapter
-from .files import CONFIG_FILE
+from .files import CONFIG_FILE, MAX_RECORDED_LAYOUT_BYTES, RECORDED_LAYOUT
 from .load import check_hf_dir, load_hf
 from .model_config import read_hf_config
 from .registry import adapter_for_config
@@ -51,9 +51,6 @@ Progress = Callable[[str, int, int], None]
 """`progress(phase, nbytes, total)`: this rank's bytes read ("reading") and written ("writing")."""
 RECORDED_CONFIG = "hf_config.json"
 """The HF `config.json` that `--to dcp` records in the DCP step folder it writes."""
-RECORDED_LAYOUT = "rope_layout.json"
-"""`{"rope_layout": ...}` (`adapter.ROPE_LAYOUTS`): the RoPE layout of the model whose q/k rows
-`--to dcp` wrote, recorded beside `RECORDED_CONFIG` (ours, kept out of the HF config's copy)."""
 
 
 def convert(to: str, src: str, dst: str, adapter_name: str | None = None, *, hf_assets_path: str | None = None,
@@ -100,7 +97,7 @@ def to_hf(step_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pa
           **export: Any) -> None:
     """Export the model of the DCP step folder `step_dir` to the HF folder `dst`; the config is
     `hf_assets_path`'s `config.json`, else the one `to_dcp` recorded; the RoPE layout is
-    `rope_layout`, else the step's (`_step_rope_layout`). `export`: `save_hf`'s dtype,
+    `rope_layout`, else the step's (`recorded_rope_layout`). `export`: `save_hf`'s dtype,
     max_shard_size, consolidation (its mode) and threads."""
     if not os.path.isfile(os.path.join(step_dir, storage.METADATA_FILE)):  # the source before its config
         raise CheckpointNotFoundError(f"{step_dir} is not a DCP checkpoint folder (no {storage.METADATA_FILE})")
@@ -111,7 +108,7 @@ def to_hf(step_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pa
             f"{config_path} not found: --hf-assets must name an HF folder holding the model's {CONFIG_FILE}"
             if hf_assets_path else f"{step_dir} records no HF config ({RECORDED_CONFIG}); pass --hf-assets "
             f"with the HF folder whose {CONFIG_FILE} describes the model")
-    config, layout = read_hf_config(config_path), rope_layout or _step_rope_layout(step_dir)
+    config, layout = read_hf_config(config_path), rope_layout or recorded_rope_layout(step_dir)
     adapter = adapter_for_config(config, hf_assets_path, adapter_name, config_path, layout)
     if layout is None and adapter.rope_layout != "interleaved":
         raise CheckpointError(
@@ -127,18 +124,19 @@ def to_hf(step_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pa
             progress=lambda n, total: report("writing", n, total))
 
 
-def _step_rope_layout(step_dir: str) -> str | None:
+def recorded_rope_layout(step_dir: str) -> str | None:
     """The RoPE layout of the model whose q/k rows the step holds, as far as the step says: the
     one `to_dcp` recorded (`RECORDED_LAYOUT`), else None (a step the training job saved, or one
     of an older `to_dcp`, which permuted every family before one release and followed the
-    family's default after it: the caller must know)."""
+    family's default after it: the caller must know). Read as any file of a checkpoint: at
+    most a few KB, and one of `ROPE_LAYOUTS`, else `CorruptCheckpointError`."""
     path = os.path.join(step_dir, RECORDED_LAYOUT)
     if not os.path.isfile(path):
         return None
+    data = safe_open.read_bounded(path, "the recorded RoPE layout", MAX_RECORDED_LAYOUT_BYTES)
     try:
-        with safe_open.open_path(path, "the recorded RoPE layout", "r") as f:
-            recorded = json.loads(f.read(1 << 12))  # ours is a few bytes
-    except (OSError, ValueError, RecursionError) as e:
+        recorded = json.loads(data)
+    except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"cannot read {path}: {e}") from e
     layout = recorded.get("rope_layout") if isinstance(recorded, dict) else None
     if layout not in ROPE_LAYOUTS:

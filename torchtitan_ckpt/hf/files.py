@@ -29,6 +29,12 @@ _MODEL_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors", re.ASCII)
 _DCP_SHARD_FILE = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors", re.ASCII)
 _UNUSED_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", re.ASCII)
 
+RECORDED_LAYOUT = "rope_layout.json"
+"""`{"rope_layout": ...}` (`adapter.ROPE_LAYOUTS`): the RoPE layout of the model whose q/k rows
+`convert --to dcp` wrote into a DCP step, recorded beside its copy of the HF config (ours, kept
+out of that copy)."""
+MAX_RECORDED_LAYOUT_BYTES = 1 << 12
+"""Largest `RECORDED_LAYOUT` read: ours is a few bytes."""
 MAX_INDEX_BYTES = 64 << 20
 """Largest `model.safetensors.index.json` read: a model of 100,000 tensors names them in a few MB."""
 MAX_HEADER_BYTES = 100_000_000

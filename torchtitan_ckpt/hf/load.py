@@ -186,15 +186,18 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
     """For an adapter that converts whole tensors only (`ForeignAdapter`): every rank reads
     every tensor whole and converts them with `from_hf`; the function returned copies its own
     part of each into `state_dict`. `every` names the tensors of all ranks (with their shapes
-    and dtypes). As TorchTitan's own manager does, only the tensors the adapter maps to HF ones
-    (`_adapter_names`) are read: `from_hf` must give back each of them, and nothing the model
-    lacks, or `AdapterMismatchError` names the difference; the model's other tensors (TorchTitan
-    0.3.0's MoE `expert_bias_E`, which has no HF counterpart) keep their values, named in one log
-    line. Each value to be copied must be a whole plain tensor of the model's shape, else
-    `CheckpointError` names it, before any is written. Returns that function and the bytes in
-    the folder (all read)."""
-    layout = read_hf_layout(hf_dir)
-    named = _adapter_names(adapter, every)
+    and dtypes). As TorchTitan's own manager does, only the HF tensors the adapter's `to_hf`
+    names for the model's tensors (`_adapter_names`) are read and given to `from_hf`: one the
+    folder lacks is an `AdapterMismatchError` naming it, before any is read; the folder's others
+    (the Hub's DeepSeek-V3 MTP layer, an FP8 checkpoint's `weight_scale_inv`), which `from_hf`
+    would fail on, are left unread, counted in one log line. `from_hf` must give back each
+    tensor mapped, and nothing the model lacks, or `AdapterMismatchError` names the difference;
+    the model's other tensors (TorchTitan 0.3.0's MoE `expert_bias_E`, which has no HF
+    counterpart) keep their values, named in one log line. Each value to be copied must be a
+    whole plain tensor of the model's shape, else `CheckpointError` names it, before any is
+    written. Returns that function and the bytes it reads."""
+    named, wanted = _adapter_names(adapter, every)
+    layout = _wanted_layout(hf_dir, wanted, log)
     ours = adapter.from_hf(_read_whole(layout))
     unknown, missing = set(ours) - set(every), named - set(ours)
     if unknown or missing:
@@ -234,23 +237,42 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
     return fill, nbytes
 
 
-def _adapter_names(adapter: Any, every: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> set[str]:
+def _adapter_names(adapter: Any, every: dict[str, tuple[tuple[int, ...], torch.dtype]]
+                   ) -> tuple[set[str], set[str] | None]:
     """The model's tensors (`every`: name -> shape and dtype) that the adapter maps to some HF
-    tensor: those whose `to_hf`, given that tensor alone as a plain meta tensor (no data, and
-    none of a DTensor's sharding for TorchTitan's adapters to remember), gives anything back. A
-    tensor it drops (TorchTitan 0.3.0's MoE `expert_bias_E`; a tied head, which `from_hf` may
-    still give back) is not one. When `to_hf` fails on such a tensor, all of them: the strict
-    check, as without this."""
-    named = set()
+    tensor, and the HF names it maps them to: what its `to_hf` gives for each tensor alone as a
+    plain meta tensor (no data, and none of a DTensor's sharding for TorchTitan's adapters to
+    remember). A tensor it drops (TorchTitan 0.3.0's MoE `expert_bias_E`; a tied head, which
+    `from_hf` may still give back) is not one. When `to_hf` fails on such a tensor, all of them,
+    and HF names unknown (None): the strict check, every tensor of the folder read."""
+    named, hf_names = set(), set()
     for name, (shape, dtype) in every.items():
         try:
-            if adapter.to_hf({name: torch.empty(shape, dtype=dtype, device="meta")}):
-                named.add(name)
+            converted = adapter.to_hf({name: torch.empty(shape, dtype=dtype, device="meta")})
         except Exception as e:  # noqa: BLE001 - an adapter we do not know: require every tensor
             logger.debug("the adapter's to_hf fails on a meta tensor %s (%r): every tensor of the model is "
                          "required from the checkpoint", name, e)
-            return set(every)
-    return named
+            return set(every), None
+        if converted:
+            named.add(name)
+            hf_names.update(converted)
+    return named, hf_names
+
+
+def _wanted_layout(hf_dir: str, wanted: set[str] | None, log: bool) -> dict[str, TensorEntry]:
+    """The layout of the tensors `wanted` of `hf_dir` (None: all of them): `AdapterMismatchError`
+    names those the folder lacks; the folder's others are left out, counted in one log line
+    when `log`."""
+    layout = read_hf_layout(hf_dir)
+    if wanted is None:
+        return layout
+    if absent := wanted - set(layout):
+        raise AdapterMismatchError(f"{hf_dir}: the adapter's to_hf maps the model to tensors the folder lacks "
+                                   "(missing)", [], sorted(absent))
+    if (extra := sorted(set(layout) - wanted)) and log:
+        logger.info("%s: ignoring %d tensors of the folder that the model does not have, such as %s", hf_dir,
+                    len(extra), ", ".join(extra[:3]))
+    return {name: layout[name] for name in wanted}
 
 
 def _read_whole(layout: dict[str, TensorEntry]) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -31,12 +31,10 @@ from torch.distributed.tensor import DTensor
 from ..io import durable, safe_open
 from .consolidate import OnePassPlan, clear_model_files, consolidate_safetensors, create_replacing, plan_one_pass
 from .consolidate import write_safetensors_one_pass
-from ..errors import CheckpointError
-from ..errors import RankFailed
+from ..errors import AdapterMismatchError, CheckpointError, RankFailed
 from ..group import CheckpointGroup, cpu_world
 from .adapter import PermutedRows, RowOf, StateDictAdapter, as_adapter, check_names
 from .files import ASSET_FILES, CONFIG_FILE, INDEX_FILE, MAX_ASSET_BYTES, SAFETENSORS_DTYPES, is_dcp_shard_file
-from .files import is_unused_tensor
 from .planner import parse_size, plan_files
 
 logger = logging.getLogger(__name__)
@@ -71,7 +69,8 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
     hf_sd = plan.state_dict
     if not plan.specs:
         raise CheckpointError(f"exporting to {out_dir}: the model has no tensors")
-    mapping = _file_split(adapter, plan.specs, max_shard_size)
+    mapping = assets_file_split(adapter, plan.specs, log=group.rank == 0) or \
+        plan_files({name: spec.nbytes for name, spec in plan.specs.items()}, parse_size(max_shard_size))
     config_dtype = dtype or SAFETENSORS_DTYPES[next(iter(plan.specs.values())).dtype]
 
     def prepare(sync: bool) -> list[str]:  # on rank 0; the config is read (and checked) before the folder is touched
@@ -141,18 +140,24 @@ def _whole_tensors(hf_sd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _file_split(adapter: Any, specs: dict[str, Any], max_shard_size: str | int) -> dict[str, int]:
-    """HF name -> file index: the adapter's assets' split (checked to name every tensor but
-    those an import leaves out: those no model loads, and the copies of the embedding a tied
-    checkpoint may hold, `tied_copies`, which the export does not write), else `plan_files`
-    over the tensors' sizes in the model's order."""
-    mapping = adapter.fqn_to_index_mapping
+def assets_file_split(adapter: Any, exported: Collection[str], log: bool = True) -> dict[str, int] | None:
+    """HF name -> file index of the `exported` tensors, from the adapter's assets' index (None
+    without one). An exported tensor it lacks is an `AdapterMismatchError` naming it. Its other
+    names (the Hub's DeepSeek-V3 MTP layer, an FP8 checkpoint's `weight_scale_inv`s, a tied
+    checkpoint's copy of the embedding, Llama-2's RoPE buffers) are left out, counted in a log
+    line when `log`: a file only they fill is not written, and the files after it are numbered
+    on (`plan_output_files`)."""
+    mapping, exported = adapter.fqn_to_index_mapping, set(exported)
     if mapping is None:
-        return plan_files({name: spec.nbytes for name, spec in specs.items()}, parse_size(max_shard_size))
-    mapping = {name: i for name, i in mapping.items()
-               if not is_unused_tensor(name) and name not in adapter.tied_copies}
-    check_names(f"file split of {adapter.hf_assets_path}/{INDEX_FILE}", mapping, specs)
-    return mapping
+        return None
+    where = f"{adapter.hf_assets_path}/{INDEX_FILE}"
+    if missing := exported - set(mapping):
+        raise AdapterMismatchError(f"{where}, the file split of the adapter's hf_assets_path, lacks tensors the "
+                                   "model exports (missing)", [], sorted(missing))
+    if (extra := sorted(set(mapping) - exported)) and log:
+        logger.info("%s: leaving %d tensors of the file split out of the export, which the model does not have, "
+                    "such as %s", where, len(extra), ", ".join(extra[:3]))
+    return {name: i for name, i in mapping.items() if name in exported}
 
 
 def _read_assets(hf_assets_path: str | None) -> dict[str, bytes]:

@@ -2,7 +2,8 @@
 index, a shard header): it names a regular file inside the checkpoint's folder.
 
 A name must be relative, without `..` or NUL, and resolve (symlinks followed) inside the folder
-(or, in the Hugging Face hub's cache, inside the repository's `blobs`), so a crafted entry cannot read `/etc/passwd`, another checkpoint's tensors or `/dev/zero`. It is
+(or to a file of the Hugging Face hub's cache's `blobs`, which a download's links lead to), so a
+crafted entry cannot read `/etc/passwd`, another checkpoint's tensors or `/dev/zero`. It is
 opened with `O_NONBLOCK` and checked to be a regular file before anything is read, so a FIFO or a
 device in its place is refused instead of blocking the load forever. Anything else is a
 `CorruptCheckpointError` naming the entry, except running out of descriptors, which is this
@@ -38,18 +39,27 @@ def inside(root: str, name: object, what: str) -> str:
 
 
 def _resolved_inside(root: str, name: object, what: str) -> str:
-    """`inside`, and the path with its symlinks followed is inside `root` too, or, for a folder
-    of the Hugging Face hub's cache (`<repo>/snapshots/<revision>`, whose files are links to
-    `<repo>/blobs/<hash>`), inside that repository's `blobs` folder."""
+    """`inside`, and the path with its symlinks followed is inside `root` too, or a blob of the
+    Hugging Face hub's cache (`_hub_blob`)."""
     path = inside(root, name, what)
     real_root, real = os.path.realpath(root), os.path.realpath(path)
-    allowed = [real_root]
-    if os.path.basename(os.path.dirname(real_root)) == "snapshots":
-        allowed.append(os.path.join(os.path.dirname(os.path.dirname(real_root)), "blobs"))
-    if not any(os.path.commonpath([folder, real]) == folder for folder in allowed):
-        raise CorruptCheckpointError(f"{path}: {what} is a link to {real}, outside the checkpoint folder; "
-                                     "refusing to read it")
+    if os.path.commonpath([real_root, real]) != real_root and not _hub_blob(real_root, real):
+        raise CorruptCheckpointError(f"{path}: {what} is a link to {real}, outside the checkpoint folder; refusing "
+                                     "to read it (if the link is meant, copy the folder with its links followed: "
+                                     "`cp -rL`)")
     return path
+
+
+def _hub_blob(real_root: str, real: str) -> bool:
+    """Whether `real` (a link's target, resolved) is a file the Hugging Face hub's cache keeps
+    for the folder `real_root`: for a folder of the cache (`<repo>/snapshots/<revision>`, whose
+    files link to `<repo>/blobs/<hash>`), one directly in that repository's `blobs`; for another
+    folder (a `--local-dir` download of huggingface_hub < 0.23, whose big files link into the
+    cache), one directly in the `blobs` of any repository of a cache (`models--<name>/blobs`)."""
+    blobs = os.path.dirname(real)
+    if os.path.basename(os.path.dirname(real_root)) == "snapshots":
+        return blobs == os.path.join(os.path.dirname(os.path.dirname(real_root)), "blobs")
+    return os.path.basename(blobs) == "blobs" and os.path.basename(os.path.dirname(blobs)).startswith("models--")
 
 
 def open_fd(root: str, name: object, what: str) -> int:

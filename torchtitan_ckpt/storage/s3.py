@@ -40,6 +40,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -59,7 +60,7 @@ from ..dcp.storage import MAX_METADATA_BYTES, METADATA_FILE
 from ..errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RankFailed,
                       StorageError)
 from ..group import CheckpointGroup
-from ..hf.files import INDEX_FILE, MAX_INDEX_BYTES
+from ..hf.files import INDEX_FILE, MAX_INDEX_BYTES, MAX_RECORDED_LAYOUT_BYTES, RECORDED_LAYOUT
 from ..hf.planner import parse_size
 from ..io import posio, safe_open
 from ..io.checksum import crc32
@@ -110,8 +111,12 @@ def _client(key: str, url: str, config: Checkpoint) -> Any:
                             connect_timeout=config.storage_timeout_s, read_timeout=config.storage_timeout_s))
 
 
+_NOT_IN_XML = re.compile("[^\t\n\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+"""Characters a key may hold that DeleteObjects' XML body cannot carry as they are (XML 1.0
+has no control characters; a carriage return is read back as a line feed)."""
+
 _FETCH_LIMITS = {commit.MARKER: commit.MAX_MARKER_BYTES, METADATA_FILE: MAX_METADATA_BYTES,
-                 INDEX_FILE: MAX_INDEX_BYTES}
+                 INDEX_FILE: MAX_INDEX_BYTES, RECORDED_LAYOUT: MAX_RECORDED_LAYOUT_BYTES}
 """Object name -> the most bytes a fetch of it by name downloads: its reader refuses more."""
 
 
@@ -230,6 +235,11 @@ class S3Store(Store):
         self._call("writing", key, self.client.put_object, Key=key, Body=body, ChecksumCRC32=_crc_header(body))
 
     def _delete(self, keys: list[str]) -> None:
+        """Delete `keys`, a thousand per request; one that XML cannot carry (`_NOT_IN_XML`) in a
+        request of its own, which names it in the URL."""
+        for key in [k for k in keys if _NOT_IN_XML.search(k)]:
+            self._call("deleting", key, self.client.delete_object, Key=key)
+        keys = [k for k in keys if not _NOT_IN_XML.search(k)]
         for i in range(0, len(keys), 1000):
             batch = {"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True}
             errors = self._call("deleting", keys[i], self.client.delete_objects, Delete=batch).get("Errors")
@@ -407,6 +417,8 @@ class S3Store(Store):
                    {n: size for n, size in listed.items() if n in wanted})
         if names is None and not listed:
             raise CheckpointNotFoundError(f"{self.where(key)}: no objects there")
+        if names is None:
+            _check_as_files(self.where(key), listed)
         for name, size in objects.items():
             if wanted is not None and size > _FETCH_LIMITS.get(name, size):
                 raise CorruptCheckpointError(f"{self.where(f'{key}/{name}')} is {size} bytes, more than the "
@@ -604,6 +616,26 @@ class S3Store(Store):
                 raise StorageError(f"{self.where(key)}: asked for {length} bytes at {offset}, got {got}")
             posio.write_all(fd, memoryview(data), offset)
             return
+
+
+def _check_as_files(where: str, names: Mapping[str, int]) -> None:
+    """The objects `names` (relative to the folder `where`) can be laid out as files: none is
+    also a folder of another (`x` and `x/y`) and no two are one file (`a//b` and `a/b`), which
+    S3 allows. A `CorruptCheckpointError` naming them otherwise, before anything is downloaded."""
+    files: dict[str, str] = {}
+    for name in names:
+        local = os.path.normpath(name)
+        if local in files:
+            raise CorruptCheckpointError(f"{where}: the objects {files[local]!r} and {name!r} would be one file; "
+                                         "the folder is damaged or was not written as a checkpoint")
+        files[local] = name
+    for local, name in files.items():
+        parent = os.path.dirname(local)
+        while parent:
+            if parent in files:
+                raise CorruptCheckpointError(f"{where}: {files[parent]!r} is an object and also a folder holding "
+                                             f"{name!r}; the folder is damaged or was not written as a checkpoint")
+            parent = os.path.dirname(parent)
 
 
 def _crc_header(data: bytes | bytearray) -> str:
