@@ -155,6 +155,23 @@ def test_pickled_code_in_metadata_never_runs(tmp_path):
     assert not evidence.exists()
 
 
+def test_metadata_of_a_newer_pytorch_is_refused_as_such_not_as_damaged(tmp_path, monkeypatch):
+    """PyTorch 2.15 pickles `TensorProperties` with a sixth field (its strides), which 2.13
+    cannot unpack: that says which PyTorch to load with, not that the file is damaged."""
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    metadata = pickle.loads(_real_metadata())  # our own file, as PyTorch reads it
+    older = TensorProperties.__getstate__
+    monkeypatch.setattr(TensorProperties, "__getstate__", lambda self: (*older(self), None))
+    path = tmp_path / storage.METADATA_FILE
+    path.write_bytes(pickle.dumps(metadata))
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=r"was written by a newer PyTorch than this one \(.*\): its "
+                                              r"TensorProperties holds more fields .*Load it with the PyTorch") as e:
+        storage.read_metadata(str(path))
+    assert type(e.value) is CheckpointError
+
+
 @FAST
 @given(**MUTATIONS)
 def test_mutated_safetensors_headers_are_read_or_refused(tmp_path, edits, cut):

@@ -57,7 +57,7 @@ from ..policy.split import balanced_groups
 from . import load_plan
 from .planner import DedupSavePlanner, PlanCache
 from .validate import check_metadata
-from ..errors import CorruptCheckpointError, PartialLoadError
+from ..errors import CheckpointError, CorruptCheckpointError, PartialLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +154,21 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
+def _newer_class(error: Exception) -> str | None:
+    """The DCP metadata class whose `__setstate__` failed with `error` unpacking its state (one
+    a newer PyTorch gave more fields, as 2.15 did `TensorProperties`), else None."""
+    if not isinstance(error, ValueError) or "values to unpack" not in str(error):
+        return None
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    frame = tb.tb_frame if tb is not None else None
+    if frame is None or frame.f_code.co_name != "__setstate__" or frame.f_globals.get("__name__") != Metadata.__module__:
+        return None
+    owner = frame.f_locals.get("self")
+    return type(owner).__name__ if owner is not None else "metadata"
+
+
 def read_metadata(path: str, check: Callable[[bytes, str], None] = check_pickle) -> Metadata:
     """Read a DCP `.metadata` file without running code from it, its pickle checked first
     (`check(data, path)`: `check_pickle`, or a caller's way of having it done) and every field
@@ -169,7 +184,12 @@ def read_metadata(path: str, check: Callable[[bytes, str], None] = check_pickle)
         metadata = _MetadataUnpickler(io.BytesIO(data), path).load()
     except CorruptCheckpointError:
         raise
-    except Exception as e:  # a crafted pickle
+    except Exception as e:  # a crafted pickle, or one of a newer PyTorch
+        if newer := _newer_class(e):
+            raise CheckpointError(
+                f"{path} was written by a newer PyTorch than this one ({torch.__version__}): its {newer} holds more "
+                f"fields than this version's ({type(e).__name__}: {brief(str(e))}). Load it with the PyTorch that "
+                "saved it, or a newer one") from e
         raise CorruptCheckpointError(f"{path} is not a readable DCP metadata file: {type(e).__name__}: "
                                      f"{brief(str(e))}") from e
     if not isinstance(metadata, Metadata):
