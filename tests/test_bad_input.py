@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchtitan_ckpt import CheckpointError, ConfigError, cli, commit
+from torchtitan_ckpt import CheckpointError, ConfigError, CorruptCheckpointError, cli, commit
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.dcp import storage
 from torchtitan_ckpt.config import sections
@@ -170,6 +170,12 @@ def test_metadata_of_a_newer_pytorch_is_refused_as_such_not_as_damaged(tmp_path,
                                               r"TensorProperties holds more fields .*Load it with the PyTorch") as e:
         storage.read_metadata(str(path))
     assert type(e.value) is CheckpointError
+
+    monkeypatch.setattr(TensorProperties, "__getstate__", lambda self: older(self)[:4])  # fewer: damaged
+    path.write_bytes(pickle.dumps(metadata))
+    monkeypatch.undo()
+    with pytest.raises(CorruptCheckpointError, match=r"is not a readable DCP metadata file: .*not enough values"):
+        storage.read_metadata(str(path))
 
 
 @FAST

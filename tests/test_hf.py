@@ -469,11 +469,12 @@ def test_import_from_the_hub_cache_reads_through_its_links_into_blobs_only(hf_ch
         load_hf(our_model(seed=1).state_dict(), str(snapshot), hf_adapter(ARGS))
 
 
-def test_import_of_an_old_local_dir_download_reads_through_its_links_into_a_hub_cache(hf_checkpoint, tmp_path):
+def test_an_old_local_dir_download_linking_into_a_hub_cache_is_refused_saying_how_to_load_it(hf_checkpoint,
+                                                                                              tmp_path):
     """`huggingface-cli download --local-dir` of huggingface_hub < 0.23 left the big files as
-    links to `~/.cache/huggingface/hub/models--<name>/blobs/<hash>`: they load as copies would.
-    A link to a file anywhere else (a folder named `blobs` outside a hub cache, or a file below
-    a blob store) is refused, saying how to load such a folder."""
+    links to `~/.cache/huggingface/hub/models--<name>/blobs/<hash>`. Followed from any folder,
+    such links would let a crafted one read whichever cached model it names: refused, saying
+    how to load the folder; its copy with the links followed loads."""
     src, expected = hf_checkpoint
     blobs = tmp_path / "cache" / "hub" / "models--org--tiny" / "blobs"
     blobs.mkdir(parents=True)
@@ -485,20 +486,15 @@ def test_import_of_an_old_local_dir_download_reads_through_its_links_into_a_hub_
             (local / name).symlink_to(blobs / f"hash-{name}")
         else:
             shutil.copyfile(os.path.join(src, name), local / name)
-    model = our_model(seed=1)
-    load_hf(model.state_dict(), str(local), hf_adapter(ARGS))
-    assert (logits_of(model) - expected).abs().max() < 1e-5
-
     first = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))[0]
-    for target in (tmp_path / "elsewhere" / "blobs" / "hash", blobs / "sub" / "hash"):
-        target.parent.mkdir(parents=True)
-        shutil.copyfile(os.path.join(src, first), target)
-        (local / first).unlink()
-        (local / first).symlink_to(target)
-        with pytest.raises(CorruptCheckpointError, match=re.escape(
-                f"{local / first}: a safetensors file is a link to {target}, outside the checkpoint folder; refusing "
-                "to read it (if the link is meant, copy the folder with its links followed: `cp -rL`)")):
-            load_hf(our_model(seed=1).state_dict(), str(local), hf_adapter(ARGS))
+    with pytest.raises(CorruptCheckpointError, match=re.escape(
+            f"{local / first}: a safetensors file is a link to {blobs / f'hash-{first}'}, outside the checkpoint "
+            "folder; refusing to read it (if the link is meant, copy the folder with its links followed: `cp -rL`)")):
+        load_hf(our_model(seed=1).state_dict(), str(local), hf_adapter(ARGS))
+    shutil.copytree(local, tmp_path / "copy", symlinks=False)  # `cp -rL`
+    model = our_model(seed=1)
+    load_hf(model.state_dict(), str(tmp_path / "copy"), hf_adapter(ARGS))
+    assert (logits_of(model) - expected).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("num_threads", [1, 3, 64])
@@ -927,6 +923,37 @@ def test_an_adapter_of_whole_tensors_reads_by_position_and_a_file_cut_short_is_a
                                                      r"the 48 bytes from byte 256 that its header describes: the "
                                                      r"file is truncated"):
         load_hf({k: torch.zeros_like(v) for k, v in saved.items()}, str(tmp_path / "hf"), adapter)
+
+
+class _Dequantizing(_Renamed):
+    """`_Renamed` that dequantizes an FP8 checkpoint's tensors with their block scales, as a
+    TorchTitan adapter for DeepSeek-V3 does (one scale per tensor here)."""
+
+    def from_hf(self, hf_state_dict):
+        scales = {k.removesuffix("_scale_inv"): v for k, v in hf_state_dict.items() if k.endswith("_scale_inv")}
+        return super().from_hf({k: v.to(torch.float32) * scales[k] if k in scales else v
+                                for k, v in hf_state_dict.items() if not k.endswith("_scale_inv")})
+
+
+def test_an_fp8_checkpoint_reaches_from_hf_with_its_scales_and_undequantized_is_refused(tmp_path):
+    """Weights stored in FP8 beside their `_scale_inv` (every DeepSeek-V3 on the Hub): the
+    scales of each tensor read are read with it, for an adapter that dequantizes; one that does
+    not gives back FP8 values that a cast would make silently wrong (2.0 for 6.0): refused
+    before anything is written. The folder's other tensors stay unread."""
+    true = torch.full((4, 4), 6.0)
+    scale = torch.tensor(3.0)
+    (tmp_path / "fp8").mkdir()
+    save_file({"hf.w": (true / scale).to(torch.float8_e4m3fn), "hf.w_scale_inv": scale,
+               "hf.mtp.w": torch.ones(2), "hf.b": torch.arange(3.0)}, str(tmp_path / "fp8" / "model.safetensors"))
+    state = {"w": torch.zeros(4, 4), "b": torch.zeros(3)}
+    load_hf(state, str(tmp_path / "fp8"), _Dequantizing(str(tmp_path / "fp8")))
+    assert_same(state, {"w": true, "b": torch.arange(3.0)})
+
+    untouched = {"w": torch.zeros(4, 4), "b": torch.zeros(3)}
+    with pytest.raises(CheckpointError, match=r"fp8 stores w in FP8 and the adapter's from_hf gives them back "
+                                              r"undequantized"):
+        load_hf(untouched, str(tmp_path / "fp8"), _Renamed(str(tmp_path / "fp8")))
+    assert_same(untouched, {"w": torch.zeros(4, 4), "b": torch.zeros(3)})
 
 
 def _config_file(folder, text: str) -> str:

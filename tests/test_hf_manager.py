@@ -108,7 +108,6 @@ def test_an_assets_file_split_is_checked_when_the_manager_starts(tmp_path):
 
 
 @pytest.mark.multirank
-@pytest.mark.multirank
 def test_two_rank_job_exports_hf_that_transformers_loads(tmp_path):
     run_job(str(tmp_path), "--checkpoint.last_save_in_hf", "true", "--training.steps", "6",
             "--checkpoint.consolidation", "all_ranks", nproc=2)

@@ -35,7 +35,6 @@ from .group import CheckpointGroup
 from .formats import FORMATS, Context, StepFormat, StepIndex, Written
 from .hf import StateDictAdapter
 from .hf.adapter import as_adapter
-from .hf.convert import recorded_rope_layout
 from .hf.files import RECORDED_LAYOUT
 from .hf.save import assets_file_split
 from .io.dtypes import EXPORT_DTYPES
@@ -718,19 +717,19 @@ class CheckpointManager:
         if fmt is None:
             raise CorruptCheckpointError(f"{path}: format {fmt_name!r} is not one of {', '.join(self._formats)}")
         index = fmt.index(path, store)
-        self._check_rope_layout(path, store)
+        self._check_rope_layout(path, index, store)
         return _LoadTarget(path, step, model_only or not index.keys(), fmt, index, store, listed)
 
-    def _check_rope_layout(self, path: str, store: Store) -> None:
+    def _check_rope_layout(self, path: str, index: StepIndex, store: Store) -> None:
         """A folder `convert --to dcp` wrote records the RoPE layout its q/k rows are in
-        (`RECORDED_LAYOUT`); the model's is its adapter's, when one of ours. Another one would
-        load a model whose attention is wrong, silently: refused before any tensor is read."""
-        if not isinstance(self._adapter, StateDictAdapter):
+        (`RECORDED_LAYOUT`, in `index`); the model's is its adapter's, when one of ours. Another
+        one would load a model whose attention is wrong, silently: refused before any tensor is
+        read."""
+        recorded = index.rope_layout
+        if recorded is None or not isinstance(self._adapter, StateDictAdapter):
             return
-        recorded = self._group.each(lambda: recorded_rope_layout(store.fetch(path, [RECORDED_LAYOUT])),
-                                    f"reading the RoPE layout recorded in {store.describe(path)}")
         ours = self._adapter.rope_layout
-        if recorded not in (None, ours):
+        if recorded != ours:
             raise CheckpointError(
                 f"{store.describe(path)}: its q/k rows are in the {recorded} RoPE layout (its {RECORDED_LAYOUT}, "
                 f"written by `torchtitan-ckpt convert --to dcp`), and this job's model's is {ours} (its "

@@ -157,7 +157,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def _newer_class(error: Exception) -> str | None:
     """The DCP metadata class whose `__setstate__` failed with `error` unpacking its state (one
     a newer PyTorch gave more fields, as 2.15 did `TensorProperties`), else None."""
-    if not isinstance(error, ValueError) or "values to unpack" not in str(error):
+    if not isinstance(error, ValueError) or "too many values to unpack" not in str(error):
         return None
     tb = error.__traceback__
     while tb is not None and tb.tb_next is not None:

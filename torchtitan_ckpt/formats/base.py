@@ -56,6 +56,9 @@ class StepIndex:
     """Saved keys of non-tensor values."""
     native: Any = None
     """The format's own index (DCP's `Metadata`), passed back to `read`."""
+    rope_layout: str | None = None
+    """The RoPE layout of the q/k rows, where the step records it (`hf.files.RECORDED_LAYOUT`,
+    which `convert --to dcp` writes)."""
 
     def keys(self) -> set[str]:
         return set(self.tensors) | set(self.values)

@@ -25,6 +25,8 @@ from ..errors import CheckpointError, CorruptCheckpointError, RankFailed
 from ..group import CheckpointGroup
 from ..dcp import storage
 from ..dcp.planner import PlanCache
+from ..hf.convert import recorded_rope_layout
+from ..hf.files import RECORDED_LAYOUT
 from ..io.filewriter import Sink
 from ..io.untrusted import check_pickle
 from ..policy.schedule import SaveKind
@@ -65,8 +67,11 @@ class DcpFormat(StepFormat):
         return Written(writer.durable, planner.summary_line() if group.is_coordinator else "")
 
     def index(self, path: str, store: Store) -> StepIndex:
-        self.ctx.group.each(lambda: store.fetch(path, [storage.METADATA_FILE]),
-                            f"fetching {store.describe(os.path.join(path, storage.METADATA_FILE))}")
+        """With the RoPE layout a step `convert --to dcp` wrote records (fetched with the
+        `.metadata`, in one listing)."""
+        rope_layout = self.ctx.group.each(
+            lambda: recorded_rope_layout(store.fetch(path, [storage.METADATA_FILE, RECORDED_LAYOUT])),
+            f"fetching {store.describe(os.path.join(path, storage.METADATA_FILE))}")
         metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE), self._scanned_once)
         tensors, values = {}, set()
         for key, md in metadata.state_dict_metadata.items():
@@ -74,7 +79,7 @@ class DcpFormat(StepFormat):
                 values.add(key)
             else:
                 tensors[key] = tuple(md.size)
-        return StepIndex(tensors, frozenset(values), metadata)
+        return StepIndex(tensors, frozenset(values), metadata, rope_layout)
 
     def _scanned_once(self, data: bytes, what: str) -> None:
         """`check_pickle` of the `.metadata` every rank has read, by rank 0 for all: the ranks

@@ -328,9 +328,6 @@ class ForeignAdapter:
 
     hf_names = None
     """Unknown: an export's file split follows the ranks' state dicts, in rank order."""
-    tied_copies: frozenset[str] = frozenset()
-    """None known: an import reads the tensors its `to_hf` names, and no others."""
-
     def to_hf(self, state_dict: dict[str, Any], complete: bool = True) -> dict[str, Any]:
         return self.adapter.to_hf(state_dict)
 

@@ -189,8 +189,10 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
     and dtypes). As TorchTitan's own manager does, only the HF tensors the adapter's `to_hf`
     names for the model's tensors (`_adapter_names`) are read and given to `from_hf`: one the
     folder lacks is an `AdapterMismatchError` naming it, before any is read; the folder's others
-    (the Hub's DeepSeek-V3 MTP layer, an FP8 checkpoint's `weight_scale_inv`), which `from_hf`
-    would fail on, are left unread, counted in one log line. `from_hf` must give back each
+    (the Hub's DeepSeek-V3 MTP layer), which `from_hf` would fail on, are left unread, counted in
+    one log line; the block scales of a named tensor stored in FP8 (`<name>_scale_inv`) are read
+    with it, for an adapter that dequantizes, and an FP8 value `from_hf` gives back for a tensor
+    of another dtype is a `CheckpointError` (a cast would be silently wrong). `from_hf` must give back each
     tensor mapped, and nothing the model lacks, or `AdapterMismatchError` names the difference;
     the model's other tensors (TorchTitan 0.3.0's MoE `expert_bias_E`, which has no HF
     counterpart) keep their values, named in one log line. Each value to be copied must be a
@@ -199,6 +201,12 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
     named, wanted = _adapter_names(adapter, every)
     layout = _wanted_layout(hf_dir, wanted, log)
     ours = adapter.from_hf(_read_whole(layout))
+    if quantized := sorted(name for name, value in ours.items() if name in every and isinstance(value, torch.Tensor)
+                           and _fp8(value.dtype) and value.dtype != every[name][1]):
+        raise CheckpointError(
+            f"{hf_dir} stores {', '.join(quantized[:3])}{' and others' if len(quantized) > 3 else ''} in FP8 and "
+            "the adapter's from_hf gives them back undequantized: cast to the model's dtype they would be wrong "
+            "(their block scales unapplied). Dequantize the checkpoint first, or use an adapter that does")
     unknown, missing = set(ours) - set(every), named - set(ours)
     if unknown or missing:
         raise AdapterMismatchError(hf_dir, sorted(unknown), sorted(missing))
@@ -260,19 +268,30 @@ def _adapter_names(adapter: Any, every: dict[str, tuple[tuple[int, ...], torch.d
 
 
 def _wanted_layout(hf_dir: str, wanted: set[str] | None, log: bool) -> dict[str, TensorEntry]:
-    """The layout of the tensors `wanted` of `hf_dir` (None: all of them): `AdapterMismatchError`
-    names those the folder lacks; the folder's others are left out, counted in one log line
-    when `log`."""
+    """The layout of the tensors `wanted` of `hf_dir` (None: all of them), with the block scales
+    of those stored in FP8: `AdapterMismatchError` names those the folder lacks; the folder's
+    others are left out, counted in one log line when `log`."""
     layout = read_hf_layout(hf_dir)
     if wanted is None:
         return layout
     if absent := wanted - set(layout):
         raise AdapterMismatchError(f"{hf_dir}: the adapter's to_hf maps the model to tensors the folder lacks "
                                    "(missing)", [], sorted(absent))
+    wanted = wanted | {scale for name in wanted if name in layout and _fp8(layout[name].dtype)
+                       and (scale := name + FP8_SCALE_SUFFIX) in layout}
     if (extra := sorted(set(layout) - wanted)) and log:
         logger.info("%s: ignoring %d tensors of the folder that the model does not have, such as %s", hf_dir,
                     len(extra), ", ".join(extra[:3]))
     return {name: layout[name] for name in wanted}
+
+
+FP8_SCALE_SUFFIX = "_scale_inv"
+"""`<tensor>_scale_inv`: the block scales of a tensor an FP8 checkpoint (DeepSeek-V3's, Qwen3-*-FP8)
+stores in 8 bits, which a dequantizing adapter multiplies it by."""
+
+
+def _fp8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
 
 
 def _read_whole(layout: dict[str, TensorEntry]) -> dict[str, torch.Tensor]:

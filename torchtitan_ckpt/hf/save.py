@@ -71,7 +71,8 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
         raise CheckpointError(f"exporting to {out_dir}: the model has no tensors")
     mapping = assets_file_split(adapter, plan.specs, log=group.rank == 0) or \
         plan_files({name: spec.nbytes for name, spec in plan.specs.items()}, parse_size(max_shard_size))
-    config_dtype = dtype or SAFETENSORS_DTYPES[next(iter(plan.specs.values())).dtype]
+    dtypes = [SAFETENSORS_DTYPES[spec.dtype] for spec in plan.specs.values()]  # the model's: its first float's
+    config_dtype = dtype or next((d for d in dtypes if d.is_floating_point), dtypes[0])
 
     def prepare(sync: bool) -> list[str]:  # on rank 0; the config is read (and checked) before the folder is touched
         try:
@@ -97,7 +98,7 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
         secs = time.perf_counter() - start
         total = sum(spec.nbytes for spec in plan.specs.values()) / 1e9
         logger.info("exported %s (%s): %d file(s), %.3f GB in %.2f s, %.2f GB/s", out_dir, mode,
-                    max(mapping.values()), total, secs, total / max(secs, 1e-9))
+                    len(set(mapping.values())), total, secs, total / max(secs, 1e-9))
 
 
 def _plan(group: CheckpointGroup, adapter: StateDictAdapter, state_dict: dict[str, Any],

@@ -2,8 +2,8 @@
 index, a shard header): it names a regular file inside the checkpoint's folder.
 
 A name must be relative, without `..` or NUL, and resolve (symlinks followed) inside the folder
-(or to a file of the Hugging Face hub's cache's `blobs`, which a download's links lead to), so a
-crafted entry cannot read `/etc/passwd`, another checkpoint's tensors or `/dev/zero`. It is
+(or, for a snapshot of the Hugging Face hub's cache, to a file of its own repository's `blobs`),
+so a crafted entry cannot read `/etc/passwd`, another checkpoint's tensors or `/dev/zero`. It is
 opened with `O_NONBLOCK` and checked to be a regular file before anything is read, so a FIFO or a
 device in its place is refused instead of blocking the load forever. Anything else is a
 `CorruptCheckpointError` naming the entry, except running out of descriptors, which is this
@@ -52,14 +52,13 @@ def _resolved_inside(root: str, name: object, what: str) -> str:
 
 def _hub_blob(real_root: str, real: str) -> bool:
     """Whether `real` (a link's target, resolved) is a file the Hugging Face hub's cache keeps
-    for the folder `real_root`: for a folder of the cache (`<repo>/snapshots/<revision>`, whose
-    files link to `<repo>/blobs/<hash>`), one directly in that repository's `blobs`; for another
-    folder (a `--local-dir` download of huggingface_hub < 0.23, whose big files link into the
-    cache), one directly in the `blobs` of any repository of a cache (`models--<name>/blobs`)."""
-    blobs = os.path.dirname(real)
-    if os.path.basename(os.path.dirname(real_root)) == "snapshots":
-        return blobs == os.path.join(os.path.dirname(os.path.dirname(real_root)), "blobs")
-    return os.path.basename(blobs) == "blobs" and os.path.basename(os.path.dirname(blobs)).startswith("models--")
+    for the folder `real_root`, a snapshot of the cache (`<repo>/snapshots/<revision>`, whose
+    files link to `<repo>/blobs/<hash>`): one directly in that repository's `blobs`. A link from
+    any other folder into a cache (an old `--local-dir` download's) is not followed: nothing
+    would then keep a crafted folder from reading whichever cached model it names."""
+    if os.path.basename(os.path.dirname(real_root)) != "snapshots":
+        return False
+    return os.path.dirname(real) == os.path.join(os.path.dirname(os.path.dirname(real_root)), "blobs")
 
 
 def open_fd(root: str, name: object, what: str) -> int:
