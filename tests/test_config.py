@@ -119,8 +119,7 @@ def test_toml_type_errors_and_unknown_sections(tmp_path):
 @pytest.mark.parametrize("key, text", [
     ("enable_checkpoint = true", "TorchTitan's earlier name of checkpoint.enable"),
     ("model_weights_only = true", "TorchTitan's earlier name of checkpoint.last_save_model_only"),
-    ("initial_load_in_hf_quantized = false", "quantized Hugging Face checkpoints are not read"),
-    ("enable_ft_dataloader_checkpoints = false", "TorchFT's setting"),
+    ("initial_load_in_hf_quantized = true", "quantized Hugging Face checkpoints are not read"),
 ])
 def test_torchtitans_keys_we_lack_are_named_for_what_they_are(tmp_path, key, text):
     """The closest key by spelling has another meaning (`enable_first_step_checkpoint` for
@@ -129,6 +128,23 @@ def test_torchtitans_keys_we_lack_are_named_for_what_they_are(tmp_path, key, tex
     bad.write_text(f"[checkpoint]\n{key}\n")
     message = str(_error([], bad))
     assert text in message and "did you mean" not in message
+
+
+def test_a_torchtitan_job_config_loads_as_torchtitan_reads_it(tmp_path, caplog):
+    """TorchTitan 0.2.2's own defaults for the keys we lack change nothing here: left out with
+    a log line, as `Checkpoint.from_torchtitan` leaves them. `initial_load_path = ""` is unset,
+    as TorchTitan reads it; its parser's `--section.no_flag` and `--section.key-name` work."""
+    titan = tmp_path / "titan.toml"
+    titan.write_text('[checkpoint]\nenable = true\nenable_ft_dataloader_checkpoints = true\n'
+                     'initial_load_in_hf_quantized = false\ninitial_load_path = ""\n')
+    with caplog.at_level("INFO", logger="torchtitan_ckpt.config"):
+        ck = load_job_config(titan, ["--checkpoint.no_initial_load_model_only", "--checkpoint.keep-latest-k", "3",
+                                     "--checkpoint.no-last-save-model-only"]).checkpoint
+    assert (ck.initial_load_path, ck.initial_load_model_only, ck.keep_latest_k, ck.last_save_model_only) == (
+        None, False, 3, False)
+    assert "checkpoint.enable_ft_dataloader_checkpoints = True: TorchTitan's setting, with no effect" in caplog.text
+    assert "checkpoint.initial_load_in_hf_quantized = False: TorchTitan's setting, with no effect" in caplog.text
+    assert _error(["--checkpoint.no_interval"], titan).key == "checkpoint.no_interval"  # not a flag: unknown
 
 
 def test_every_field_has_a_docstring():
@@ -168,8 +184,7 @@ def test_a_section_is_built_from_torchtitans(caplog):
         Checkpoint.from_torchtitan(_TitansSection(), intervl=5)
     with pytest.raises(ConfigError, match=r"^checkpoint.interval = 0: expected >= 1"):
         Checkpoint.from_torchtitan(_TitansSection(interval=0))
-    with pytest.raises(ConfigError, match=r"^checkpoint.initial_load_path = '': expected a path"):
-        Checkpoint.from_torchtitan(_TitansSection(), initial_load_path="")
+    assert Checkpoint.from_torchtitan(_TitansSection(), initial_load_path="").initial_load_path is None  # unset
 
 
 @pytest.mark.parametrize("values, key, text", [

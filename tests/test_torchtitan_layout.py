@@ -4,6 +4,7 @@ and wrappers save under their own keys, and the manager has TorchTitan's API."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -57,6 +58,7 @@ def test_foreign_steps_resume_and_are_never_deleted(tmp_path, capsys, caplog):
         assert fresh.manager.load()
     assert "step-4: a foreign dcp checkpoint (no COMMITTED.json: not written by torchtitan_ckpt), unverified" in caplog.text
     assert "ignoring" in caplog.text and "step-5: not written by torchtitan_ckpt" in caplog.text
+    assert "step(s) 5, ahead of step 4 this job starts from, were not written by torchtitan_ckpt" in caplog.text
     assert (fresh.train_state.step, fresh.sched.last_epoch) == (4, 4)
     assert [fresh.step() for _ in range(2)] == later  # dataloader position, optimizer, model: all resumed
     assert_same(fresh.model.state_dict(), source.model.state_dict())
@@ -389,8 +391,38 @@ def test_sd_adapter_is_torchtitans_name_for_state_dict_adapter(tmp_path):
         assert manager.save(1, last_step=True)
     assert os.path.isfile(os.path.join(layout.step_dir(str(tmp_path / "x" / "checkpoint"), 1),
                                        "model.safetensors.index.json"))
-    with pytest.raises(TypeError, match="state_dict_adapter= or sd_adapter=, not both"):
+    with pytest.raises(TypeError, match=r"pass state_dict_adapter= or sd_adapter= \(TorchTitan's name for it\), "
+                                        "not both"):
         CheckpointManager(config, job.model, state_dict_adapter=adapter, sd_adapter=adapter)
+
+
+@dataclasses.dataclass
+class _TitansSection:
+    """The shape of TorchTitan's `[checkpoint]` section (the real ones: tests/torchtitan_interop.py)."""
+
+    enable: bool = True
+    folder: str = "checkpoint"
+    interval: int = 2
+    enable_ft_dataloader_checkpoints: bool = True
+    initial_load_path: str = ""
+
+
+def test_the_constructor_takes_torchtitans_keywords_and_section(tmp_path):
+    """TorchTitan's trainer builds its manager with `checkpoint_config=` (its own section),
+    `sd_adapter=` and `ft_manager=`: the same call builds ours, its section converted."""
+    job = make_job(str(tmp_path))
+    job.manager.close()
+    with CheckpointManager(dataloader=None, model_parts=[job.model], optimizers=job.opt, lr_schedulers=None,
+                           states={}, checkpoint_config=_TitansSection(), sd_adapter=None,
+                           base_folder=str(tmp_path / "x"), ft_manager=None) as manager:
+        assert (manager.config.interval, manager.config.initial_load_path) == (2, None)
+        assert manager.save(2) and manager.load()
+    with pytest.raises(TypeError, match=r"pass config= or checkpoint_config= \(TorchTitan's name for it\), not both"):
+        CheckpointManager(Checkpoint(), [job.model], checkpoint_config=_TitansSection())
+    with pytest.raises(TypeError, match="ft_manager: TorchFT's fault-tolerant training is not run"):
+        CheckpointManager(checkpoint_config=_TitansSection(), model_parts=[job.model], ft_manager=object())
+    with pytest.raises(TypeError, match=r"config is a dict, not a \[checkpoint\] section"):
+        CheckpointManager({"enable": True}, [job.model])
 
 
 class _Values:

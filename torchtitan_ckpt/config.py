@@ -21,6 +21,7 @@ import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 from .errors import ConfigError
@@ -293,8 +294,6 @@ def _check_paths(ck: Checkpoint, p: str) -> None:
         value = getattr(ck, name)
         if value is not None and scheme_of(value) is not None:
             _check_url(p, name, value, ck)
-    if ck.initial_load_path == "":
-        raise ConfigError(p + "initial_load_path", "", "expected a path to a checkpoint folder, or none")
 
 
 def _check_url(p: str, name: str, url: str, ck: Checkpoint) -> None:
@@ -410,7 +409,8 @@ class _CliText(str):
 
 
 def _parse_overrides(argv: list[str]) -> list[tuple[str, Any]]:
-    """`--a.b value`, `--a.b=value` and bare `--a.b` (a boolean flag) -> [(key, value)].
+    """`--a.b value`, `--a.b=value` and bare `--a.b` (a boolean flag) -> [(key, value)], a
+    key's `-` read as `_` (`--checkpoint.keep-latest-k`, as TorchTitan's parser takes it).
     Values stay text (or True for a bare flag); `_convert` types them."""
     out: list[tuple[str, Any]] = []
     i = 0
@@ -427,7 +427,7 @@ def _parse_overrides(argv: list[str]) -> list[tuple[str, Any]]:
         else:
             value = True
             i += 1
-        out.append((key, value if value is True else _CliText(value)))
+        out.append((key.replace("-", "_"), value if value is True else _CliText(value)))
     return out
 
 
@@ -447,6 +447,11 @@ def _build(cls: type[T], table: dict[str, Any], prefix: str) -> T:
     values = {}
     for key, value in table.items():
         dotted = prefix + key
+        if key not in hints and key.startswith("no_") and hints.get(key[3:]) is bool and value is True:
+            key, value = key[3:], False  # a bare `--section.no_flag`, as TorchTitan's parser takes it
+        if key not in hints and dotted in _LEFT_OUT and _LEFT_OUT[dotted](dotted, value):
+            logger.info("%s = %r: TorchTitan's setting, with no effect here; left out", dotted, value)
+            continue
         if key not in hints:
             what = "unknown section" if isinstance(value, dict) else "unknown key"
             raise ConfigError(dotted, value, what + (_THEIR_KEYS.get(dotted) or _suggest(key, hints)))
@@ -464,10 +469,17 @@ _THEIR_KEYS = {
     "checkpoint.model_weights_only": ": TorchTitan's earlier name of checkpoint.last_save_model_only",
     "checkpoint.initial_load_in_hf_quantized": (": quantized Hugging Face checkpoints are not read by torchtitan_ckpt; "
                                                 "load a dequantized copy with checkpoint.initial_load_in_hf"),
-    "checkpoint.enable_ft_dataloader_checkpoints": ": TorchFT's setting; torchtitan_ckpt does not run TorchFT, remove it",
 }
 """TorchTitan's `[checkpoint]` keys this section does not have -> what to do instead (the
 closest name by spelling would point to a key of another meaning)."""
+
+_LEFT_OUT: dict[str, Callable[[str, Any], bool]] = {
+    "checkpoint.enable_ft_dataloader_checkpoints": lambda key, value: True,
+    "checkpoint.initial_load_in_hf_quantized": lambda key, value: not _convert_bool(key, value),
+}
+"""TorchTitan's `[checkpoint]` keys this section does not have -> whether a value changes
+nothing here (TorchFT's setting, which this package does not run; a quantized import turned
+off): such a key is left out with a log line, as `Checkpoint.from_torchtitan` leaves it out."""
 
 
 def _suggest(name: str, valid) -> str:
@@ -480,8 +492,8 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
     """Convert a TOML value or a command-line string to the field type `tp`, or raise."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType) and type(None) in args:
-        if value is None or (isinstance(value, _CliText) and value.lower() in ("", "none")):
-            return None
+        if value is None or value == "" or (isinstance(value, _CliText) and value.lower() == "none"):
+            return None  # "" too: TorchTitan's "unset" for a path
         (inner,) = [a for a in args if a is not type(None)]
         return _convert(key, value, inner)
     if origin is Literal:

@@ -62,6 +62,13 @@ class _LoadTarget:
     """The states the step's commit marker lists (none for another program's step)."""
 
 
+def _one(name: str, value: Any, alias: str, other: Any) -> Any:
+    """An argument given under our name or TorchTitan's (`alias`), not both."""
+    if value is not None and other is not None:
+        raise TypeError(f"pass {name}= or {alias}= (TorchTitan's name for it), not both")
+    return value if value is not None else other
+
+
 def _as_list(x: Any) -> list:
     if x is None:
         return []
@@ -87,8 +94,8 @@ class CheckpointManager:
 
     def __init__(
         self,
-        config: Checkpoint,
-        model_parts: Sequence[nn.Module] | nn.Module,
+        config: Checkpoint | None = None,
+        model_parts: Sequence[nn.Module] | nn.Module | None = None,
         optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer | None = None,
         lr_schedulers: Sequence[Any] | Any | None = None,
         dataloader: Any | None = None,
@@ -97,13 +104,27 @@ class CheckpointManager:
         process_group: Any | None = None,
         state_dict_adapter: StateDictAdapter | None = None,
         *,
+        checkpoint_config: Any | None = None,
         sd_adapter: StateDictAdapter | None = None,
+        ft_manager: Any | None = None,
     ):
-        """`sd_adapter` is TorchTitan's name for `state_dict_adapter`; pass either. The adapter
-        is one of ours, or any with TorchTitan's `BaseStateDictAdapter` surface."""
-        if state_dict_adapter is not None and sd_adapter is not None:
-            raise TypeError("pass the state-dict adapter once: state_dict_adapter= or sd_adapter=, not both")
-        state_dict_adapter = state_dict_adapter if state_dict_adapter is not None else sd_adapter
+        """TorchTitan's keyword arguments are taken as its trainer passes them: `checkpoint_config`
+        for `config` (TorchTitan's own `[checkpoint]` section is converted with
+        `Checkpoint.from_torchtitan`), `sd_adapter` for `state_dict_adapter` (one of ours, or any
+        with TorchTitan's `BaseStateDictAdapter` surface), and `ft_manager` only as None (TorchFT
+        is not run here)."""
+        config = _one("config", config, "checkpoint_config", checkpoint_config)
+        state_dict_adapter = _one("state_dict_adapter", state_dict_adapter, "sd_adapter", sd_adapter)
+        if config is None or model_parts is None:
+            raise TypeError("CheckpointManager needs the [checkpoint] section (config= or checkpoint_config=) "
+                            "and model_parts=")
+        if ft_manager is not None:
+            raise TypeError("ft_manager: TorchFT's fault-tolerant training is not run by torchtitan_ckpt; pass None")
+        if not isinstance(config, Checkpoint):  # TorchTitan's own section, as its trainer passes it
+            if not hasattr(config, "folder") or not hasattr(config, "enable"):
+                raise TypeError(f"config is a {type(config).__name__}, not a [checkpoint] section: pass "
+                                "torchtitan_ckpt's Checkpoint, or TorchTitan's job_config.checkpoint")
+            config = Checkpoint.from_torchtitan(config)
         config = config.validate()  # a section built in Python never went through `load_config`
         self.config = config
         self._adapter = as_adapter(state_dict_adapter)
@@ -505,13 +526,19 @@ class CheckpointManager:
         Another program's folder ahead of the step this job starts from, at a step its schedule
         saves (TorchTitan's last save, which a resume passes over; on object storage any step
         without our markers), would fail that save after all the training up to it: refused now,
-        before any. (An empty folder, which a save killed before its first file leaves, is
-        replaced: `Store.replaceable`.)"""
+        before any. One off the schedule is a warning: the job's last step, which the manager
+        does not know, may be there. (An empty folder, which a save killed before its first file
+        leaves, is replaced: `Store.replaceable`.)"""
         if self.config.load_only:
             return
         start = target.step if target is not None and target.step is not None else 0
-        ahead = [f for f in folders if f.step > start and not self._store.replaceable(f)
-                 and save_kind(f.step, False, self.config) is not None]
+        kept = [f for f in folders if f.step > start and not self._store.replaceable(f)]
+        ahead = [f for f in kept if save_kind(f.step, False, self.config) is not None]
+        if (off := [f.step for f in kept if f not in ahead]) and self._group.is_coordinator:
+            logger.warning("%s: step(s) %s, ahead of step %d this job starts from, were not written by "
+                           "torchtitan_ckpt and are never replaced: a last save at one of them (a run ending "
+                           "there) would be refused after the training. Move them out of the folder if so",
+                           self._store.describe(self.folder), ", ".join(map(str, off)), start)
         if not ahead:
             return
         steps = ", ".join(str(f.step) for f in ahead)

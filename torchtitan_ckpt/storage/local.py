@@ -55,23 +55,25 @@ class LocalStore(Store):
         return layout.scan(folder)
 
     def prepare(self, path: str, step: int) -> None:
-        if _unmarked(path):  # a save that stopped between making the folder and marking it
-            for name in os.listdir(path):
-                os.remove(os.path.join(path, name))
-            os.rmdir(path)
-        elif os.path.lexists(path):  # a partial leftover, or a step saved again: it is replaced
-            status = layout.status_of(path)
-            if not layout.StepFolder(step, path, status).ours:
+        if os.path.lexists(path):  # a leftover of ours, or a step saved again: it is replaced
+            folder = layout.StepFolder(step, path, layout.status_of(path))
+            if not self.replaceable(folder):
                 raise CheckpointError(f"{path} exists and was not written by torchtitan_ckpt; it is "
                                       "never replaced: move it away or save into another folder")
-            if status == layout.COMPLETE:
-                warn_replacing(path)
-            commit.remove_step(path)  # refuses a symlink: another run's folder is never replaced
+            if _unmarked(path):
+                for name in os.listdir(path):
+                    os.remove(os.path.join(path, name))
+                os.rmdir(path)
+            else:
+                if folder.status == layout.COMPLETE:
+                    warn_replacing(path)
+                commit.remove_step(path)  # refuses a symlink: another run's folder is never replaced
         durable.make_dir(path)
         commit.mark_in_progress(path)  # ours from now on, even if this save crashes
         faults.hit("prepare", step)
 
     def replaceable(self, folder: layout.StepFolder) -> bool:
+        """Also a folder a save stopped in before marking it (`_unmarked`)."""
         return folder.ours or _unmarked(folder.path)
 
     def commit(self, path: str, info: commit.CommitInfo, checksums: dict[str, tuple[int, str]]) -> commit.CommitInfo:
