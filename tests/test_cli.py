@@ -238,6 +238,13 @@ def test_clean_reports_bytes_removed(folder, tmp_path, capsys):
     assert layout.committed_steps(work) == [2, 4] and len(layout.scan(work)) == 2
 
 
+def test_clean_of_object_storage_says_what_removes_partial_steps_there(capsys):
+    """It said "is not a folder"; retention removes them (tests/test_s3.py)."""
+    assert cli.main(["clean", "s3://bucket/run"]) == 2
+    assert "s3://bucket/run: clean works on a local folder; on object storage the next save's retention" in \
+        capsys.readouterr().err
+
+
 @pytest.mark.parametrize("ours", [False, True])
 def test_clean_keeps_a_step_whose_marker_is_a_folder(tmp_path, capsys, ours):
     """A `COMMITTED.json` that is a folder is nothing this package writes (in a step it started

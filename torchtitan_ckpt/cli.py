@@ -320,7 +320,11 @@ def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
 def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
     """Run it while no job writes to the folder: a save in flight looks partial too. Only folders
     this package started writing are removed; another program's are listed and kept, and so is
-    a step folder that is a symlink."""
+    a step folder that is a symlink. A local folder only: on object storage a save's retention
+    deletes the partial steps before it."""
+    if scheme_of(args.folder) is not None:
+        raise CheckpointError(f"{args.folder}: clean works on a local folder; on object storage the next save's "
+                              "retention deletes the partial steps older than it (docs/storage.md)")
     _require_folder(args.folder)
     steps = layout.scan(args.folder)
     for s in steps:
