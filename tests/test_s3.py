@@ -801,6 +801,22 @@ def test_objects_that_cannot_be_files_are_refused_naming_them_before_any_downloa
     assert not os.path.exists(path)
 
 
+def test_a_step_an_earlier_run_left_staged_is_removed_at_start_up(bucket, tmp_path):
+    """A job killed during an upload leaves its rank's share of the step in the staging folder,
+    which only a save of that same step again would have removed."""
+    url = f"s3://{bucket}/run"
+    model, opt = _job()
+    CheckpointManager(_config(url, str(tmp_path)), [model], opt).close()
+    rank0 = glob.glob(os.path.join(tmp_path, "*", "rank-0"))
+    assert len(rank0) == 1
+    os.makedirs(os.path.join(rank0[0], "step-2"))
+    with open(os.path.join(rank0[0], "step-2", "__0_0.distcp"), "wb") as f:
+        f.write(b"x" * 1000)
+    os.symlink(str(tmp_path), os.path.join(rank0[0], "step-3"))  # not a folder we make: kept
+    CheckpointManager(_config(url, str(tmp_path)), [model], opt).close()
+    assert sorted(os.listdir(rank0[0])) == ["step-3"]
+
+
 def test_another_programs_step_a_save_would_meet_is_refused_before_training(bucket, tmp_path):
     """TorchTitan's own save under the prefix (no marker of ours) at a step this job saves:
     its save would be refused there after the training up to it; the load refuses now."""

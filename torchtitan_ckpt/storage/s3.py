@@ -277,10 +277,16 @@ class S3Store(Store):
                 "AWS_PROFILE): docs/storage.md")) from None
 
     def _probe_staging(self) -> None:
-        """Every use stages files in `root` (a load too)."""
+        """Every use stages files in `root` (a load too). The step folders an earlier process
+        left there (killed during an upload, or a fetched step) are removed: this rank's of
+        this URL, staged or fetched by this package alone, each a rank's share of a step."""
         os.makedirs(self.root, exist_ok=True)
         with tempfile.TemporaryFile(dir=self.root):
             pass
+        for entry in os.scandir(self.root):
+            if layout.parse_step(entry.name) is not None and entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+                logger.info("rank %d removed %s, left in its staging folder by an earlier run", self.rank, entry.path)
 
     def _probe(self, write: bool) -> None:
         self._call("reaching the bucket of", self.prefix, self.client.head_bucket)
