@@ -163,7 +163,8 @@ def _newer_class(error: Exception) -> str | None:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     frame = tb.tb_frame if tb is not None else None
-    if frame is None or frame.f_code.co_name != "__setstate__" or frame.f_globals.get("__name__") != Metadata.__module__:
+    if (frame is None or frame.f_code.co_name != "__setstate__"
+            or frame.f_globals.get("__name__") != Metadata.__module__):
         return None
     owner = frame.f_locals.get("self")
     return type(owner).__name__ if owner is not None else "metadata"

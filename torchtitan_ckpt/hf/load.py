@@ -192,8 +192,8 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
     (the Hub's DeepSeek-V3 MTP layer), which `from_hf` would fail on, are left unread, counted in
     one log line; the block scales of a named tensor stored in FP8 (`<name>_scale_inv`) are read
     with it, for an adapter that dequantizes, and an FP8 value `from_hf` gives back for a tensor
-    of another dtype is a `CheckpointError` (a cast would be silently wrong). `from_hf` must give back each
-    tensor mapped, and nothing the model lacks, or `AdapterMismatchError` names the difference;
+    of another dtype is a `CheckpointError` (a cast would be silently wrong). `from_hf` must give
+    back each tensor mapped, and nothing the model lacks, or `AdapterMismatchError` names the difference;
     the model's other tensors (TorchTitan 0.3.0's MoE `expert_bias_E`, which has no HF
     counterpart) keep their values, named in one log line. Each value to be copied must be a
     whole plain tensor of the model's shape, else `CheckpointError` names it, before any is

@@ -311,10 +311,11 @@ class S3Store(Store):
     def prepare(self, path: str, step: int) -> None:
         key = self._key(path)
         names = list(self._list(key))
-        if names and not set(_MARKERS) & set(names):
+        folder = layout.StepFolder(step, path, _status(set(names)))
+        if names and not self.replaceable(folder):
             raise CheckpointError(f"{self.where(key)} exists and was not written by torchtitan_ckpt; it is "
                                   "never replaced: move it away or save under another prefix")
-        if _status(set(names)) == layout.COMPLETE:
+        if folder.status == layout.COMPLETE:
             warn_replacing(self.where(key))
         self._mark_in_progress(key)
         self._remove_step(key, names)
