@@ -216,6 +216,34 @@ def test_a_folder_of_no_known_format_a_save_would_meet_is_refused_and_an_empty_o
     assert os.listdir(step10) == ["__0_0.distcp"]
 
 
+def test_a_linked_step_a_save_would_meet_is_refused_before_training(tmp_path):
+    """Step 10, a link to another run's step 10 (ours too), ahead of step 5 that `load_step`
+    names: a run linked in is never changed, so its save at step 10 would fail after the training
+    (it failed in the middle of that save, with a raw OSError): refused at `load()`. The save
+    itself, asked directly, refuses the link by name; the linked run is left as it was."""
+    other = make_job(str(tmp_path / "other"), steps=10, interval=5, keep_latest_k=0)
+    other.run_to(10, steps=10)
+    other.manager.close()
+    job = make_job(str(tmp_path), steps=20, interval=5)
+    job.run_to(5, steps=20)
+    job.manager.close()
+    folder, elsewhere = _folder(tmp_path), layout.step_dir(_folder(tmp_path / "other"), 10)
+    os.symlink(elsewhere, layout.step_dir(folder, 10))
+    before = sorted(os.listdir(elsewhere))
+    resumed = make_job(str(tmp_path), steps=20, interval=5, load_step=5)
+    with pytest.raises(CheckpointError, match=(
+            r"step\(s\) 10 are links to folders elsewhere \(a run linked in is never changed\) or were not "
+            r"written by torchtitan_ckpt and this job, starting from step 5, saves step 10")):
+        resumed.manager.load()
+    resumed.manager.close()
+    saving = make_job(str(tmp_path), steps=20, interval=5)
+    saving.train_state.step = 10
+    with pytest.raises(CheckpointSaveError, match=rf"step-10 is a link to {elsewhere}: a step folder linked in"):
+        saving.manager.save(10)
+    saving.manager.close()
+    assert sorted(os.listdir(elsewhere)) == before and commit.is_committed(elsewhere)
+
+
 def test_a_foreign_hugging_face_last_save_is_passed_over_without_an_adapter(tmp_path, caplog):
     """TorchTitan's last save with last_save_in_hf (a Hugging Face folder, model only) after its
     full step 5: a job with no state-dict adapter resumes from step 5, where reading the Hugging

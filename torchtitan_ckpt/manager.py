@@ -247,6 +247,9 @@ class CheckpointManager:
         finally:
             if self._deleter is not None:
                 self._deleter.close()
+            for store in (self._store, self._initial):
+                if store is not None:
+                    store.close()
 
     def wait(self) -> None:
         """Block until every save submitted so far is committed (or raise its failure)."""
@@ -525,10 +528,10 @@ class CheckpointManager:
         """A save never replaces a step folder this package did not write (`Store.prepare`).
         Another program's folder ahead of the step this job starts from, at a step its schedule
         saves (TorchTitan's last save, which a resume passes over; on object storage any step
-        without our markers), would fail that save after all the training up to it: refused now,
-        before any. One off the schedule is a warning: the job's last step, which the manager
-        does not know, may be there. (An empty folder, which a save killed before its first file
-        leaves, is replaced: `Store.replaceable`.)"""
+        without our markers), or a link to a step elsewhere, would fail that save after all the
+        training up to it: refused now, before any. One off the schedule is a warning: the job's
+        last step, which the manager does not know, may be there. (An empty folder, which a save
+        killed before its first file leaves, is replaced: `Store.replaceable`.)"""
         if self.config.load_only:
             return
         start = target.step if target is not None and target.step is not None else 0
@@ -536,20 +539,23 @@ class CheckpointManager:
         ahead = [f for f in kept if save_kind(f.step, False, self.config) is not None]
         if (off := [f.step for f in kept if f not in ahead]) and self._group.is_coordinator:
             logger.warning("%s: step(s) %s, ahead of step %d this job starts from, were not written by "
-                           "torchtitan_ckpt and are never replaced: a last save at one of them (a run ending "
-                           "there) would be refused after the training. Move them out of the folder if so",
+                           "torchtitan_ckpt (or are links) and are never replaced: a last save at one of them (a "
+                           "run ending there) would be refused after the training. Move them out of the folder if so",
                            self._store.describe(self.folder), ", ".join(map(str, off)), start)
         if not ahead:
             return
         steps = ", ".join(str(f.step) for f in ahead)
+        whose = ("are links to folders elsewhere (a run linked in is never changed) or were not written by "
+                 "torchtitan_ckpt" if any(f.linked for f in ahead) else
+                 "were not written by torchtitan_ckpt (another program's, such as TorchTitan's last save)")
         restart = (f" (checkpoint.initial_load_path = {self._store.describe(target.path)!r} with "
                    "checkpoint.initial_load_model_only = false starts it from the same step there)"
                    if target is not None and target.step is not None else "")
         raise CheckpointError(
-            f"{self._store.describe(self.folder)}: step(s) {steps} were not written by torchtitan_ckpt (another "
-            f"program's, such as TorchTitan's last save) and this job, starting from step {start}, saves step "
-            f"{ahead[0].step} (checkpoint.interval = {self.config.interval}); a save never replaces a folder it did "
-            f"not write, so that save would fail after the training up to it. Before training, move "
+            f"{self._store.describe(self.folder)}: step(s) {steps} {whose} and this job, starting from step "
+            f"{start}, saves step {ahead[0].step} (checkpoint.interval = {self.config.interval}); a save never "
+            f"replaces a folder it did not write, so that save would fail after the training up to it. Before "
+            f"training, move "
             f"{self._store.describe(ahead[0].path)}{' and the others' if len(ahead) > 1 else ''} out of the folder, "
             f"or save into another checkpoint.folder{restart}")
 

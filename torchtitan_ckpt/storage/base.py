@@ -55,8 +55,13 @@ class Store(ABC):
         leftover of ours; refusing another program's)."""
 
     def replaceable(self, folder: StepFolder) -> bool:
-        """Whether `prepare` would replace `folder` rather than refuse it: a step of ours."""
-        return folder.ours
+        """Whether `prepare` would replace `folder` rather than refuse it: a step of ours, not
+        a link to one (a run linked in is loaded from, never changed)."""
+        return folder.ours and not folder.linked
+
+    def close(self) -> None:
+        """When the job is done with the store (the manager's `close`): let go of what it
+        holds on this node."""
 
     def prepare_rank(self, path: str) -> None:
         """Every rank, before writing: make sure this rank can write into `path`."""

@@ -56,7 +56,10 @@ class LocalStore(Store):
 
     def prepare(self, path: str, step: int) -> None:
         if os.path.lexists(path):  # a leftover of ours, or a step saved again: it is replaced
-            folder = layout.StepFolder(step, path, layout.status_of(path))
+            folder = layout.StepFolder(step, path, layout.status_of(path), os.path.islink(path))
+            if folder.linked:
+                raise CheckpointError(f"{path} is a link to {os.path.realpath(path)}: a step folder linked in from "
+                                      "elsewhere is never replaced; remove the link or save into another folder")
             if not self.replaceable(folder):
                 raise CheckpointError(f"{path} exists and was not written by torchtitan_ckpt; it is "
                                       "never replaced: move it away or save into another folder")
@@ -67,14 +70,14 @@ class LocalStore(Store):
             else:
                 if folder.status == layout.COMPLETE:
                     warn_replacing(path)
-                commit.remove_step(path)  # refuses a symlink: another run's folder is never replaced
+                commit.remove_step(path)
         durable.make_dir(path)
         commit.mark_in_progress(path)  # ours from now on, even if this save crashes
         faults.hit("prepare", step)
 
     def replaceable(self, folder: layout.StepFolder) -> bool:
         """Also a folder a save stopped in before marking it (`_unmarked`)."""
-        return folder.ours or _unmarked(folder.path)
+        return super().replaceable(folder) or _unmarked(folder.path)
 
     def commit(self, path: str, info: commit.CommitInfo, checksums: dict[str, tuple[int, str]]) -> commit.CommitInfo:
         return commit.write_marker(path, info, checksums)
