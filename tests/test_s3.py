@@ -15,6 +15,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import tracemalloc
@@ -815,6 +816,58 @@ def test_a_step_an_earlier_run_left_staged_is_removed_at_start_up(bucket, tmp_pa
     os.symlink(str(tmp_path), os.path.join(rank0[0], "step-3"))  # not a folder we make: kept
     CheckpointManager(_config(url, str(tmp_path)), [model], opt).close()
     assert sorted(os.listdir(rank0[0])) == ["step-3"]
+
+
+_SECOND_JOB = """
+import sys
+from torch import nn, optim
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.errors import ConfigError
+model = nn.Linear(2, 2)
+refused = 0
+for load_only in (False, True):
+    config = Checkpoint(enable=True, folder=sys.argv[1], staging_folder=sys.argv[2], load_only=load_only)
+    try:
+        CheckpointManager(config, [model], optim.SGD(model.parameters(), lr=0.1)).close()
+    except ConfigError as e:
+        print(e)
+        refused += 1
+sys.exit(refused)
+"""
+
+
+def test_a_second_job_of_one_url_on_one_node_is_refused_while_the_first_runs(bucket, tmp_path):
+    """Its start would remove the first job's staged step in the middle of its upload, and their
+    saves and fetches would meet in one staging folder: a second process is refused at start,
+    naming the first (an evaluation job that only loads, too), with what to do. Once the first
+    closes, the same folder serves the next job. Within one process, managers of one URL do not
+    lock each other out."""
+    url = f"s3://{bucket}/run"
+    model, opt = _job()
+    first = CheckpointManager(_config(url, str(tmp_path)), [model], opt)
+    first.save(1)
+    staged = glob.glob(os.path.join(tmp_path, "*", "rank-0"))[0]
+    os.makedirs(os.path.join(staged, "step-2"))  # as an upload in flight holds it
+    CheckpointManager(_config(url, str(tmp_path), load_only=True), [model], opt).close()  # the same process
+    assert os.path.isdir(os.path.join(staged, "step-2"))
+
+    def second() -> subprocess.CompletedProcess:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return subprocess.run([sys.executable, "-c", _SECOND_JOB, url, str(tmp_path)], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+
+    refused = second()
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stdout.count(
+        f"checkpoint.staging_folder = {str(tmp_path)!r}: files cannot be staged there: rank 0: CheckpointError: "
+        f"another process (pid {os.getpid()}) on this node stages {url} for rank 0 in {staged}: one job per URL "
+        "and node; give this job a checkpoint.staging_folder of its own\n") == 2
+    assert os.path.isdir(os.path.join(staged, "step-2"))
+    first.close()
+    ran = second()
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert not os.path.exists(os.path.join(staged, "step-2"))
 
 
 def test_another_programs_step_a_save_would_meet_is_refused_before_training(bucket, tmp_path):

@@ -87,8 +87,11 @@ def _opened(where: str, argument: str) -> Iterator[tuple[Store, str]]:
         return
     with tempfile.TemporaryDirectory(prefix="torchtitan-ckpt-") as tmp:
         store = open_store(where, argument, 0, Checkpoint(staging_folder=tmp))
-        store.check(CheckpointGroup(), write=False)
-        yield store, store.root
+        try:
+            store.check(CheckpointGroup(), write=False)
+            yield store, store.root
+        finally:
+            store.close()
 
 
 # ---------------------------------------------------------------------------------------------
