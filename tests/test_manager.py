@@ -370,6 +370,17 @@ def test_retention_keeps_the_step_a_run_resumes_from_when_the_last_holds_only_th
     assert layout.committed_steps(_folder(tmp_path)) == [6, 8]  # 8 the model alone again, 6 where a run goes on
 
 
+def test_the_last_save_leaves_the_k_steps_before_it_as_torchtitan_does(tmp_path):
+    """TorchTitan runs no retention after the job's last save (model-only or full): k full steps
+    stay besides it. Ours deleted one of them there (step 4 of [4, 6, 7] with k = 2)."""
+    for model_only in (True, False):
+        dump = tmp_path / str(model_only)
+        job = make_job(str(dump), steps=7, interval=2, keep_latest_k=2, last_save_model_only=model_only)
+        job.run_to(7, steps=7)
+        job.manager.close()
+        assert layout.committed_steps(_folder(dump)) == [4, 6, 7]
+
+
 def test_saving_over_a_complete_step_says_so(tmp_path, caplog):
     job = make_job(str(tmp_path), steps=8, interval=2, keep_latest_k=0)
     job.run_to(4, steps=8)

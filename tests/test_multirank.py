@@ -13,6 +13,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from torchtitan_ckpt import CheckpointManager, commit, layout
+from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.train import build_model, shard_model
 
@@ -156,3 +157,33 @@ def test_kill_during_background_save_resumes_from_previous_step(tmp_path, mode):
         assert f"loaded {layout.step_dir(folder, previous)}" in log
     assert f"ignoring {layout.step_dir(folder, killed_at)}: its save did not finish" in log
     assert sorted(losses(log)) == list(range(previous + 1, 21))
+
+
+def _load_with_a_stale_view(rank: int, world_size: int, folder: str, out: str) -> None:
+    """Rank 1's file system still shows step 10 without its marker (a node caching an older
+    listing, as an NFS client may): every rank loads the step rank 0 sees."""
+    from torchtitan_ckpt.storage.local import LocalStore  # noqa: PLC0415
+
+    if rank == 1:
+        real = LocalStore.scan
+        LocalStore.scan = lambda self, path: [layout.StepFolder(f.step, f.path, layout.PARTIAL, f.linked)
+                                              if f.step == 10 else f for f in real(self, path)]
+    model = torch.nn.Linear(4, 4)
+    config = Checkpoint(enable=True, folder=folder, interval=5, load_only=True)
+    with CheckpointManager(config, [model]) as manager:
+        assert manager.load()
+    torch.save(model.weight.detach().clone(), os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_every_rank_loads_the_step_rank_0_sees(tmp_path):
+    """Each rank listed the folder and chose a step alone: rank 1, whose view lagged, loaded
+    step 5 while rank 0 loaded step 10, and no error said so."""
+    folder = str(tmp_path / "checkpoint")
+    model = torch.nn.Linear(4, 4)
+    with CheckpointManager(Checkpoint(enable=True, folder=folder, interval=5, keep_latest_k=0), [model]) as manager:
+        for step in (5, 10):
+            torch.nn.init.constant_(model.weight, float(step))
+            manager.save(step)
+    spawn(2, _load_with_a_stale_view, folder, str(tmp_path))
+    for rank in (0, 1):
+        assert torch.equal(torch.load(tmp_path / f"rank{rank}.pt"), torch.full((4, 4), 10.0)), rank

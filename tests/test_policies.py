@@ -46,8 +46,6 @@ def test_retention_counts_complete_steps_only():
     doomed = steps_to_delete(_folders([4, 8], partial=[2, 6]), keep_latest_k=1, committed_now=8)
     assert [f.step for f in doomed] == [2, 4, 6]
     assert steps_to_delete(_folders([1, 2, 3]), keep_latest_k=0, committed_now=3) == []
-    kept = steps_to_delete(_folders([2, 4, 6]), keep_latest_k=1, committed_now=6, keep={4})  # 6 holds the model only
-    assert [f.step for f in kept] == [2]
 
 
 def test_retention_never_chooses_a_folder_it_did_not_write():
@@ -56,6 +54,15 @@ def test_retention_never_chooses_a_folder_it_did_not_write():
     assert [f.step for f in doomed] == [3, 5]
     assert steps_to_delete(_folders([], foreign=[1, 2]), keep_latest_k=1, committed_now=3) == []
     assert steps_to_delete(_folders([7]), keep_latest_k=1, committed_now=7) == []
+
+
+def test_retention_neither_counts_nor_chooses_a_linked_step():
+    """Another run's step 7 linked in: counted, it had the job's own step 5 deleted in its
+    favour with `keep_latest_k = 2`, and the other run may delete its step 7 at any time."""
+    folders = [StepFolder(5, "step-5", layout.COMPLETE), StepFolder(7, "step-7", layout.COMPLETE, linked=True),
+               StepFolder(9, "step-9", layout.PARTIAL, linked=True), StepFolder(10, "step-10", layout.COMPLETE)]
+    assert steps_to_delete(folders, keep_latest_k=2, committed_now=10) == []
+    assert [f.step for f in steps_to_delete(folders, keep_latest_k=1, committed_now=10)] == [5]
 
 
 def test_retention_after_going_back_keeps_the_step_just_saved_and_leaves_the_newer_ones():
@@ -79,12 +86,18 @@ def test_step_names():
 
 
 def test_scan_sees_marker_and_ignores_other_entries(tmp_path):
-    for name in ("step-1", "step-2", "step-10", "other"):
+    """A file or a dangling link by a step's name is unknown (in the way of a save there, never
+    loaded or deleted); so is a folder whose markers are links (a `cp -rs` copy of a step)."""
+    for name in ("step-1", "step-2", "step-10", "step-11", "other"):
         (tmp_path / name).mkdir()
     (tmp_path / "step-3").write_text("a file, not a step folder")
+    os.symlink(str(tmp_path / "gone"), str(tmp_path / "step-4"))
     commit.write_marker(str(tmp_path / "step-10"), commit.CommitInfo(step=10, states=["model"]))
     commit.write_marker(str(tmp_path / "step-1"), commit.CommitInfo(step=1, states=["model"]))
-    assert [(s.step, s.committed) for s in layout.scan(str(tmp_path))] == [(1, True), (2, False), (10, True)]
+    os.symlink(str(tmp_path / "step-10" / commit.MARKER), str(tmp_path / "step-11" / commit.MARKER))
+    assert [(s.step, s.status) for s in layout.scan(str(tmp_path))] == [
+        (1, "complete"), (2, "unknown"), (3, "unknown"), (4, "unknown"), (10, "complete"), (11, "unknown")]
+    assert [layout.folder_bytes(str(tmp_path / name)) for name in ("step-3", "step-4")] == [25, len(str(tmp_path)) + 5]
     assert layout.committed_steps(str(tmp_path)) == [1, 10]
     assert layout.scan(str(tmp_path / "missing")) == []
 

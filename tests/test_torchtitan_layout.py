@@ -214,6 +214,14 @@ def test_a_folder_of_no_known_format_a_save_would_meet_is_refused_and_an_empty_o
         job.manager.load()
     job.manager.close()
     assert os.listdir(step10) == ["__0_0.distcp"]
+    shutil.rmtree(step10)
+    for make in (lambda: open(step10, "w").close(), lambda: os.symlink(str(tmp_path / "gone"), step10)):
+        make()  # a file, a dangling link: not folders, and in the way of the save all the same
+        job = make_job(str(tmp_path), steps=20, interval=5)
+        with pytest.raises(CheckpointError, match=r"step\(s\) 10 (are links .* or )?were not written by torchtitan_ckpt"):
+            job.manager.load()
+        job.manager.close()
+        os.remove(step10)
 
 
 def test_a_linked_step_a_save_would_meet_is_refused_before_training(tmp_path):

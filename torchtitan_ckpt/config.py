@@ -115,10 +115,10 @@ class Checkpoint:
     whose direct writes go out one request at a time."""
 
     keep_latest_k: int = 10
-    """Keep this many newest complete steps and delete older ones in the background; 0 keeps all.
-    Once the last step is saved model-only, the newest full step before it is kept too: it is
-    where a run that goes on resumes. Only steps this package wrote are counted or deleted;
-    another program's never are."""
+    """Keep this many newest complete steps and delete older ones in the background, after each
+    save but the job's last (as TorchTitan: the k steps before the last save stay, and the
+    newest full one is where a run that goes on resumes); 0 keeps all. Only steps this package
+    wrote are counted or deleted; another program's, and a step folder that is a link, never are."""
 
     load_step: int = -1
     """Step to load (a complete step of ours or another program's finished one); -1 loads the

@@ -10,8 +10,8 @@ marker, `commit.IN_PROGRESS`) until its commit marker replaces that mark, so a s
   (DCP renames it into place last; TorchTitan's own test) or a Hugging Face
   `model.safetensors(.index.json)`. Loaded, unverified; never deleted;
 - unknown: not ours and neither of those (another program's save in flight, or not a
-  checkpoint), or a folder whose `COMMITTED.json` is itself a folder (nothing this package
-  writes). Never loaded, never deleted.
+  checkpoint), a folder whose `COMMITTED.json` is itself a folder or whose markers are links,
+  or a file by a step's name (nothing this package writes). Never loaded, never deleted.
 """
 
 from __future__ import annotations
@@ -76,10 +76,12 @@ def foreign_format(path: str) -> str | None:
 
 def status_of(path: str) -> str:
     """Whose step folder `path` is, and whether it is finished (see the module docstring)."""
+    marker = os.path.join(path, commit.MARKER)
+    if any(os.path.islink(os.path.join(path, name)) for name in (commit.MARKER, commit.IN_PROGRESS)):
+        return UNKNOWN  # ours are files: a marker linked in (a `cp -rs` copy of a step) is not ours
     if commit.is_committed(path):
         return COMPLETE
-    marker = os.path.join(path, commit.MARKER)
-    if os.path.isdir(marker) and not os.path.islink(marker):
+    if os.path.isdir(marker):
         return UNKNOWN  # a folder by the marker's name was never ours to write, nor to delete
     if commit.is_in_progress(path) or os.path.lexists(marker):
         return PARTIAL  # ours: started, or its marker is there but not a readable file
@@ -87,14 +89,17 @@ def status_of(path: str) -> str:
 
 
 def scan(folder: str) -> list[StepFolder]:
-    """Every `step-N` folder under `folder`, complete or not, oldest first. A missing folder is empty."""
+    """Every `step-N` folder under `folder`, complete or not, oldest first. A missing folder is
+    empty. An entry by a step's name that is not a folder (a file, a dangling link) is listed as
+    unknown: never loaded or deleted, and in the way of a save of that step."""
     if not os.path.isdir(folder):
         return []
     found = []
     for entry in os.scandir(folder):
         step = parse_step(entry.name)
-        if step is not None and entry.is_dir():
-            found.append(StepFolder(step, entry.path, status_of(entry.path), entry.is_symlink()))
+        if step is not None:
+            status = status_of(entry.path) if entry.is_dir() else UNKNOWN
+            found.append(StepFolder(step, entry.path, status, entry.is_symlink()))
     return sorted(found, key=lambda s: s.step)
 
 
@@ -116,6 +121,8 @@ def folder_bytes(path: str, held: bool = False) -> int:
             return 0
         return min(st.st_size, st.st_blocks * 512) if held else st.st_size
 
+    if not os.path.isdir(path):  # a file or a dangling link in a step's place: itself
+        return size(path)
     if os.path.islink(path):
         return sum(size(e.path) for e in os.scandir(path) if not e.is_dir(follow_symlinks=False))
     return sum(size(os.path.join(r, n)) for r, _, names in os.walk(path) for n in names)

@@ -274,7 +274,7 @@ class CheckpointManager:
         kind = save_kind(step, last_step, self.config)
         fmt = save_format(kind, self.config)
         if kind is not None:
-            self._submit(step, kind, self.folder, self._formats[fmt])
+            self._submit(step, kind, self.folder, self._formats[fmt], last_step)
         hf_copy = hf_copy_due(step, self.config) and not (kind is SaveKind.MODEL_ONLY and fmt == "hf")
         if hf_copy:
             self._submit(step, SaveKind.MODEL_ONLY, os.path.join(self.folder, HF_COPIES), self._formats["hf"])
@@ -282,15 +282,15 @@ class CheckpointManager:
             self._saves.wait()
         return kind is not None or hf_copy
 
-    def _submit(self, step: int, kind: SaveKind, folder: str, fmt: StepFormat) -> None:
+    def _submit(self, step: int, kind: SaveKind, folder: str, fmt: StepFormat, last: bool = False) -> None:
         """Hand one save to the staging strategy, or run it here after the save in flight when
         the format must run on the training thread (the background save's collectives share
-        the checkpoint group)."""
+        the checkpoint group). `last`: the job's last save, after which retention does not run."""
         try:
             state, failure = self._state_for_save(kind), None
         except Exception as e:  # every rank hears of it in the save's first round, not left waiting there
             state, failure = {}, e
-        job = self._save_job(step, kind, folder, fmt, failure)
+        job = self._save_job(step, kind, folder, fmt, failure, last)
         if fmt.on_training_thread:
             self._saves.wait()
             staged = Staged(state)
@@ -325,7 +325,7 @@ class CheckpointManager:
             self._saves.wait_for_staging()
 
     def _save_job(self, step: int, kind: SaveKind, folder: str, fmt: StepFormat,
-                  failure: Exception | None = None) -> SaveJob:
+                  failure: Exception | None = None, last: bool = False) -> SaveJob:
         """The phases of one save into `{folder}/step-N` in format `fmt`, which the staging
         strategy runs in order on every rank. `failure`: this rank could not gather its state;
         the first phase fails with it on every rank."""
@@ -354,8 +354,10 @@ class CheckpointManager:
             info = self._commit(step, path, kind, fmt, written)
             if self._group.is_coordinator:
                 self._log_saved(info, where, kind, time.perf_counter() - start, written.summary)
+                if last:  # as TorchTitan: the steps before the job's last save stay, its k newest full ones
+                    return
                 try:  # rank 0 alone, and the step is committed: retention failing fails no save
-                    self._retain(folder, step, info.model_only)
+                    self._retain(folder, step)
                 except Exception as e:
                     logger.warning("step %d is saved, but retention could not look at %s: %s; older steps are "
                                    "kept until a later save", step, self._store.describe(folder), e)
@@ -363,30 +365,16 @@ class CheckpointManager:
         return SaveJob(step=step, path=path, prepare=_save_errors(step, where, prepare),
                        write=_save_errors(step, where, write), commit=_save_errors(step, where, commit_step))
 
-    def _retain(self, folder: str, step: int, model_only: bool) -> None:
+    def _retain(self, folder: str, step: int) -> None:
         """Rank 0, once `step` is committed: hand the steps retention drops to the deleter, and
         warn of steps newer than it."""
         folders = self._store.scan(folder)
-        keep = (self._resume_point_before(folders, step)
-                if model_only and folder == self.folder and self.config.keep_latest_k else set())
-        self._deleter.submit(steps_to_delete(folders, self.config.keep_latest_k, step, keep))
+        self._deleter.submit(steps_to_delete(folders, self.config.keep_latest_k, step))
         if newer := newer_steps(folders, step):
             logger.warning("%s: steps %s are newer than step %d just saved (the job went back to an "
                            "older step) and are kept; a load without a step would pick step %d over "
                            "it: remove them if that run is abandoned", self._store.describe(folder),
                            [f.step for f in newer], step, newer[-1].step)
-
-    def _resume_point_before(self, folders: list[layout.StepFolder], step: int) -> set[int]:
-        """The newest step before `step` holding more than the model, which retention keeps once
-        `step` (a finished run's last save) holds only the model: the step a run that goes on
-        resumes from (`_newest_target`). Empty when there is none, or it cannot be told."""
-        for folder in reversed([f for f in folders if f.committed and 0 < f.step < step]):
-            try:
-                if not self._store.read_marker(folder.path).model_only:
-                    return {folder.step}
-            except Exception as e:  # rank 0 alone, after the commit: that step is not the one
-                logger.warning("retention: cannot read the marker of %s (%s)", self._store.describe(folder.path), e)
-        return set()
 
     def _commit(self, step: int, path: str, kind: SaveKind, fmt: StepFormat, written: Written) -> commit.CommitInfo:
         """Wait until every rank's files are durable in the store, then write the marker on rank 0."""
@@ -442,8 +430,8 @@ class CheckpointManager:
         # rank 0 deletes what retention chose: every rank scans once those deletions are done
         self._group.run(lambda: self._deleter.drain(), coordinator_only=True)
         start = time.perf_counter()
-        folders = self._group.each(lambda: self._store.scan(self.folder),
-                                   f"listing the steps of {self._store.describe(self.folder)}")
+        folders = self._agreed_steps(self._group.each(lambda: self._store.scan(self.folder),
+                                                      f"listing the steps of {self._store.describe(self.folder)}"))
         target = self._find_load_target(folders, step if step >= 0 else self.config.load_step)
         self._check_steps_ahead(folders, target)
         if target is None:
@@ -457,6 +445,19 @@ class CheckpointManager:
             logger.info("loaded %s%s: %.3f GB in %.2f s, %.2f GB/s", target.store.describe(target.path),
                         " (model only)" if target.model_only else "", gb, secs, gb / max(secs, 1e-9))
         return True
+
+    def _agreed_steps(self, mine: list[layout.StepFolder]) -> list[layout.StepFolder]:
+        """Rank 0's view of the step folders, on every rank (with this rank's paths): ranks that
+        saw them differently (a node whose file system caches an older listing) would each pick
+        a step of their own and load different steps without an error."""
+        seen = self._group.broadcast([(f.step, f.status, f.linked) for f in mine])
+        agreed = [layout.StepFolder(step, layout.step_dir(self.folder, step), status, linked)
+                  for step, status, linked in seen]
+        if agreed != mine:
+            logger.warning("rank %d sees the steps of %s as %s, rank 0 as %s: rank 0's view is used",
+                           self._group.rank, self._store.describe(self.folder),
+                           [(f.step, f.status) for f in mine], [(f.step, f.status) for f in agreed])
+        return agreed
 
     def _read(self, target: _LoadTarget) -> None:
         """Each rank checks its share of the step and reads its values, the states check them,
@@ -651,7 +652,7 @@ class CheckpointManager:
         return [name for name in self._states if name not in self.config.exclude_from_loading]
 
     def _initial_target(self, path: str) -> _LoadTarget:
-        status = layout.status_of(path)
+        status = self._group.broadcast(layout.status_of(path))  # one decision (`_agreed_steps`)
         if status == layout.UNKNOWN:
             found = "holds no finished checkpoint of a known format" if os.path.isdir(path) else "does not exist"
             if steps := [f.step for f in self._initial.scan(path) if f.loadable]:
