@@ -526,7 +526,7 @@ def test_a_step_queued_for_deletion_is_not_queued_again():
         release.wait(30)
         removed.append(folder.step)
 
-    deleter = BackgroundDeleter(remove)
+    deleter = BackgroundDeleter(remove, str)
     step_1, step_2 = (layout.StepFolder(s, f"/nowhere/step-{s}", "COMPLETE") for s in (1, 2))
     deleter.submit([step_1])
     assert removing.wait(30)

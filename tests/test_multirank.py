@@ -187,3 +187,24 @@ def test_every_rank_loads_the_step_rank_0_sees(tmp_path):
     spawn(2, _load_with_a_stale_view, folder, str(tmp_path))
     for rank in (0, 1):
         assert torch.equal(torch.load(tmp_path / f"rank{rank}.pt"), torch.full((4, 4), 10.0)), rank
+
+
+def _start_in_own_folder(rank: int, world_size: int, base: str) -> None:
+    from torchtitan_ckpt.errors import ConfigError  # noqa: PLC0415
+
+    config = Checkpoint(enable=True, folder=os.path.join(base, f"rank{rank}"))
+    try:
+        CheckpointManager(config, [torch.nn.Linear(2, 2)])
+    except ConfigError as e:
+        with open(os.path.join(base, f"error{rank}"), "w") as f:
+            f.write(str(e))
+
+
+def test_ranks_naming_different_folders_all_fail_at_start(tmp_path):
+    """Only the rank that differed from rank 0 raised; rank 0 went on to the next collective and
+    failed there with a gloo error that said nothing of the folder."""
+    spawn(2, _start_in_own_folder, str(tmp_path))
+    for rank in (0, 1):
+        assert (tmp_path / f"error{rank}").read_text().endswith(
+            f"every rank must use the same folder; rank 0 uses {tmp_path}/rank0, rank 1 {tmp_path}/rank1 (a relative "
+            "folder resolved in another working directory?)"), rank

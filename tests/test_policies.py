@@ -175,7 +175,7 @@ def test_the_deleter_outlives_a_failed_deletion_and_drain_waits_for_the_queue(tm
         shutil.rmtree(folder.path)
         removed.append(folder.step)
 
-    deleter = BackgroundDeleter(remove)
+    deleter = BackgroundDeleter(remove, str)
     deleter.submit(folders)
     threading.Timer(0.3, gate.set).start()
     deleter.drain()

@@ -810,6 +810,7 @@ def test_a_step_an_earlier_run_left_staged_is_removed_at_start_up(bucket, tmp_pa
     CheckpointManager(_config(url, str(tmp_path)), [model], opt).close()
     rank0 = glob.glob(os.path.join(tmp_path, "*", "rank-0"))
     assert len(rank0) == 1
+    assert [os.stat(p).st_mode & 0o777 for p in (os.path.dirname(rank0[0]), rank0[0])] == [0o700, 0o700]
     os.makedirs(os.path.join(rank0[0], "step-2"))
     with open(os.path.join(rank0[0], "step-2", "__0_0.distcp"), "wb") as f:
         f.write(b"x" * 1000)

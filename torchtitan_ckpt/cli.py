@@ -124,7 +124,8 @@ def _contents(s: dict[str, Any]) -> str:
             layout.PARTIAL: f"no {commit.MARKER}: a save of ours that did not finish; never loaded",
             layout.FOREIGN: f"{s['format']}: not written here; loadable, unverified, never deleted",
             CORRUPT: f"{commit.MARKER} unreadable (list --json: problem): not loadable, a load() of it fails",
-            }.get(s["status"], "not written here, not a finished checkpoint: never loaded, never deleted")
+            }.get(s["status"], "not written here, not told finished (no marker of ours; locally, no index "
+                               "either): never loaded from the run folder, never deleted")
 
 
 def _newest(steps: list[dict[str, Any]], *statuses: str) -> int | None:

@@ -63,23 +63,24 @@ class Checkpoint:
     """Save checkpoints and resume from them. When false, `save()` and `load()` do nothing."""
 
     folder: str = "checkpoint"
-    """Folder of the step folders (`step-N`), relative to `job.dump_folder` unless absolute; every
-    rank must see the same folder (checked at start-up). Or object storage: `s3://bucket/prefix`
-    (docs/storage.md)."""
+    """Folder of the step folders (`step-N`), relative to the manager's `base_folder` (the example
+    job's `job.dump_folder`) unless absolute; every rank must see the same folder (checked at
+    start-up). Or object storage: `s3://bucket/prefix` (docs/storage.md)."""
 
     interval: int = 500
     """Save every this many steps (step % interval == 0)."""
 
     initial_load_path: str | None = None
-    """Checkpoint (a `step-N` folder or any DCP folder, a path or `s3://bucket/prefix`) loaded when `folder` holds no loadable step
-    (a complete step of ours, or another program's finished one: docs/torchtitan.md)."""
+    """Checkpoint (a `step-N` folder or any DCP folder, a path or `s3://bucket/prefix`) loaded
+    when `folder` holds no loadable step (a complete step of ours, or in a folder on a file
+    system another program's finished one: docs/torchtitan.md)."""
 
     initial_load_model_only: bool = True
     """Load only the model from `initial_load_path` (optimizer, schedulers and data start fresh)."""
 
     initial_load_in_hf: bool = False
-    """`initial_load_path` (or `model.hf_assets_path` when unset) is a Hugging Face safetensors
-    folder (needs `initial_load_model_only`)."""
+    """`initial_load_path` (or, when unset, the adapter's `hf_assets_path`: the example job's
+    `model.hf_assets_path`) is a Hugging Face safetensors folder (needs `initial_load_model_only`)."""
 
     last_save_model_only: bool = True
     """At the last step save only the model, cast to `export_dtype`; otherwise a full checkpoint."""
@@ -121,8 +122,8 @@ class Checkpoint:
     wrote are counted or deleted; another program's, and a step folder that is a link, never are."""
 
     load_step: int = -1
-    """Step to load (a complete step of ours or another program's finished one); -1 loads the
-    newest such step. A step holding only the model (a finished run's last save) is refused to a
+    """Step to load (a complete step of ours or, in a folder on a file system, another program's
+    finished one); -1 loads the newest such step. A step holding only the model (a finished run's last save) is refused to a
     job that restores other states too (not `load_only`, not all of them in
     `exclude_from_loading`), as TorchTitan's load fails on it."""
 
@@ -154,7 +155,7 @@ class Checkpoint:
     and the newest intact step is loaded instead. False raises `CorruptCheckpointError`."""
 
     hf_max_shard_size: str = "5GB"
-    """Largest Hugging Face file of an export when `model.hf_assets_path` gives no file split
+    """Largest Hugging Face file of an export when the adapter's `hf_assets_path` gives no file split
     (e.g. "5GB", "500MB"); a layer's tensors stay in one file."""
 
     hf_export_interval: int = 0

@@ -14,10 +14,12 @@ logger = logging.getLogger(__name__)
 
 class BackgroundDeleter:
     """Deletes step folders on a daemon thread so a save never waits for `rm -r`, each with
-    `remove` (the store's: marker first, so a half-deleted step reads as partial)."""
+    `remove` (the store's: marker first, so a half-deleted step reads as partial); each named
+    in the log by `describe` (the store's: an object-storage step by its URL)."""
 
-    def __init__(self, remove: Callable[[StepFolder], None]) -> None:
+    def __init__(self, remove: Callable[[StepFolder], None], describe: Callable[[str], str]) -> None:
         self._remove = remove
+        self._describe = describe
         self._queue: queue.Queue[StepFolder | None] = queue.Queue()
         self._pending: set[str] = set()
         """The folders queued or being deleted: retention picks a step again until it is gone,
@@ -49,9 +51,9 @@ class BackgroundDeleter:
         while (folder := self._queue.get()) is not None:
             try:
                 self._remove(folder)
-                logger.info("deleted old checkpoint step %d (%s)", folder.step, folder.path)
+                logger.info("deleted old checkpoint step %d (%s)", folder.step, self._describe(folder.path))
             except Exception as e:  # any failure: the thread keeps serving the next deletions
-                logger.warning("could not delete %s: %s: %s", folder.path, type(e).__name__, e)
+                logger.warning("could not delete %s: %s: %s", self._describe(folder.path), type(e).__name__, e)
             finally:
                 with self._lock:
                     self._pending.discard(folder.path)

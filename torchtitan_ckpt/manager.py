@@ -144,6 +144,8 @@ class CheckpointManager:
                                           world_size)
         if self._group is not None:
             self._start(rank)
+        else:
+            logger.info("checkpointing is disabled (checkpoint.enable = false): save() and load() do nothing")
 
     def _start(self, rank: int) -> None:
         """Open the storage, check the job against the config, and start the strategies."""
@@ -156,7 +158,7 @@ class CheckpointManager:
         self._saves = make_strategy(config.async_mode, config.verify_staging, saves=not config.load_only)
         if optimizer := self._states.get("optimizer"):
             self._hooks = [opt.register_step_pre_hook(self._before_optimizer_step) for opt in optimizer.optimizers]
-        self._deleter = BackgroundDeleter(self._store.remove) if self._group.is_coordinator else None
+        self._deleter = BackgroundDeleter(self._store.remove, self._store.describe) if self._group.is_coordinator else None
         context = Context(config, self._group, self._adapter, self._store.staged)
         self._formats = {name: cls(context) for name, cls in FORMATS.items()}
 
@@ -183,11 +185,12 @@ class CheckpointManager:
             raise ConfigError("checkpoint.create_seed_checkpoint", True,
                               f"a seed checkpoint is written by a single process; this job has "
                               f"{self._group.world_size} ranks")
-        if self._group.world_size > 1:
-            rank0_folder = self._group.broadcast(self._store.url)
-            if rank0_folder != self._store.url:
+        if self._group.world_size > 1:  # every rank fails, not only those that differ
+            folders = self._group.all_gather(self._store.url)
+            if other := next((r for r, url in enumerate(folders) if url != folders[0]), None):
                 raise ConfigError("checkpoint.folder", self._store.url,
-                                  f"every rank must use the same folder; rank 0 uses {rank0_folder}")
+                                  f"every rank must use the same folder; rank 0 uses {folders[0]}, rank {other} "
+                                  f"{folders[other]} (a relative folder resolved in another working directory?)")
         self._store.check(self._group, write=not config.load_only)  # a probe written: shared by every rank?
         if self._initial is not None:
             self._initial.check(self._group, write=False)

@@ -340,8 +340,10 @@ class S3Store(Store):
         """Every use stages files in `root` (a load too), which this process holds for this
         rank and URL (`_claim`) until `close`. The step folders an earlier process left there
         (killed during an upload, or a fetched step) are then removed: this rank's of this URL,
-        staged or fetched by this package alone, each a rank's share of a step."""
-        os.makedirs(self.root, exist_ok=True)
+        staged or fetched by this package alone, each a rank's share of a step. The folders
+        made for the URL and the rank are this user's alone, in any `staging_folder`."""
+        for folder in (os.path.dirname(self.root), self.root):
+            os.makedirs(folder, mode=0o700, exist_ok=True)
         with tempfile.TemporaryFile(dir=self.root):
             pass
         if self._claimed:
