@@ -49,7 +49,7 @@ def test_kill_during_a_save_then_resume_is_bit_identical(tmp_path, uninterrupted
     resumed = losses(log)
     assert resumed == {s: v for s, v in uninterrupted["losses"].items() if s > previous}
     assert_same(read_checkpoint(layout.step_dir(folder, 20)), uninterrupted["final"])
-    assert layout.committed_steps(folder) == [15, 20]  # retention removed the partial step too
+    assert layout.committed_steps(folder) == [10, 15, 20]  # k = 2 before the last save; the partial one saved again
 
 
 def test_kill_during_an_hf_export_leaves_no_index(tmp_path):
