@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import shutil
+import tracemalloc
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -176,6 +177,20 @@ def test_metadata_of_a_newer_pytorch_is_refused_as_such_not_as_damaged(tmp_path,
     monkeypatch.undo()
     with pytest.raises(CorruptCheckpointError, match=r"is not a readable DCP metadata file: .*not enough values"):
         storage.read_metadata(str(path))
+
+
+def test_a_metadata_file_that_is_no_pickle_is_refused_before_it_is_read_whole(tmp_path):
+    """A sparse file just under the size bound: it was read whole (1 GiB in memory) before its
+    first byte was looked at."""
+    path = tmp_path / storage.METADATA_FILE
+    os.truncate(path.touch() or path, storage.MAX_METADATA_BYTES - 1)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptCheckpointError, match=r"is not a DCP metadata file: it starts with b'\\x00'"):
+            storage.read_metadata(str(path))
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
 
 
 @FAST

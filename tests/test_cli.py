@@ -230,6 +230,48 @@ def test_verify_json(folder, tmp_path, capsys):
     assert out.out == "" and "has no COMMITTED.json" in out.err
 
 
+def test_verify_reports_files_the_manifest_does_not_list(folder, tmp_path, capsys):
+    """A file added after the commit was not reported, nor was a step whose manifest lists none
+    ("0 files, all intact" while its data was damaged); a failed check ends with a summary."""
+    step = shutil.copytree(layout.step_dir(folder, 2), str(tmp_path / "step-2"))
+    with open(os.path.join(step, "extra.bin"), "wb") as f:
+        f.write(b"x")
+    assert cli.main(["verify", step, "-q"]) == 1
+    n = len(commit.read_marker(step).files) + 1
+    assert capsys.readouterr().out == (f"CORRUPT {step}/extra.bin: not in the manifest of COMMITTED.json (added "
+                                       f"after the commit?)\n{step}: 1 of {n} files failed the check\n")
+    code, doc = _run_json(capsys, "verify", step)
+    assert (code, doc["failed"], doc["files"][-1]["file"], doc["files"][-1]["bytes"]) == (1, 1, "extra.bin", None)
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_missing_step_folder_is_named_as_missing(tmp_path, capsys, command):
+    assert cli.main([command, str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'nope'} is not a folder\n"
+
+
+def test_termination_is_raised_as_an_interruption_and_the_handler_put_back():
+    """SIGTERM and SIGHUP (`timeout`, a scheduler) ended the command where it stood, leaving a
+    downloaded step or a half-written output; they now unwind it as Ctrl-C does."""
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with pytest.raises(KeyboardInterrupt) as raised, cli._on_termination():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    assert raised.value.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-shard-size", "banana"], "argument --max-shard-size: size 'banana' is not a byte count"),
+    (["--progress-every", "nan"], "argument --progress-every: 'nan': expected a number of seconds, 0 or more"),
+    (["--progress-every", "-5"], "argument --progress-every: '-5': expected a number of seconds, 0 or more"),
+])
+def test_bad_option_values_are_refused_naming_the_option(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["convert", "--to", "hf", str(tmp_path), str(tmp_path / "out"), *argv])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_clean_reports_bytes_removed(folder, tmp_path, capsys):
     work = shutil.copytree(folder, str(tmp_path / "c"))
     partial = _du(layout.step_dir(work, 3))
@@ -246,13 +288,20 @@ def test_clean_of_object_storage_says_what_removes_partial_steps_there(capsys):
 
 
 @pytest.mark.parametrize("ours", [False, True])
-def test_clean_keeps_a_step_whose_marker_is_a_folder(tmp_path, capsys, ours):
-    """A `COMMITTED.json` that is a folder is nothing this package writes (in a step it started
-    too): the step is unknown, never loaded; clean keeps it and what is in it, and goes on."""
+@pytest.mark.parametrize("fifo", [False, True])
+def test_clean_keeps_a_step_whose_marker_is_a_folder(tmp_path, capsys, ours, fifo):
+    """A `COMMITTED.json` that is a folder (or a fifo: read as partial, it was removed with the
+    other program's files) is nothing this package writes (in a step it started too): the step
+    is unknown, never loaded; clean keeps it and what is in it, and goes on."""
     folder = str(tmp_path)
     theirs, partial = layout.step_dir(folder, 11), layout.step_dir(folder, 3)
-    os.makedirs(os.path.join(theirs, commit.MARKER))
-    with open(os.path.join(theirs, commit.MARKER, "notes.txt"), "w") as f:
+    if fifo:
+        os.makedirs(theirs)
+        os.mkfifo(os.path.join(theirs, commit.MARKER))
+        os.makedirs(os.path.join(theirs, "keep"))
+    else:
+        os.makedirs(os.path.join(theirs, commit.MARKER))
+    with open(os.path.join(theirs, "keep" if fifo else commit.MARKER, "notes.txt"), "w") as f:
         f.write("theirs")
     if ours:
         commit.mark_in_progress(theirs)
@@ -264,7 +313,7 @@ def test_clean_keeps_a_step_whose_marker_is_a_folder(tmp_path, capsys, ours):
     assert capsys.readouterr().out == (f"kept {theirs} (unknown: not removed by clean)\n"
                                        f"removed {partial} (partial)\n"
                                        f"1 partial step folder(s) removed, {cli.fmt_bytes(size)}\n")
-    with open(os.path.join(theirs, commit.MARKER, "notes.txt")) as f:
+    with open(os.path.join(theirs, "keep" if fifo else commit.MARKER, "notes.txt")) as f:
         assert f.read() == "theirs"
     assert [s.step for s in layout.scan(folder)] == [11]
 
@@ -503,6 +552,17 @@ def test_an_output_that_is_a_file_is_refused_before_any_work(hf_folder, shards, 
     assert os.listdir(tmp_path) == ["out"] and out.read_text() == "mine"
 
 
+@pytest.mark.parametrize("command", ["convert", "consolidate"])
+def test_an_output_that_is_a_link_is_refused_before_any_work(hf_folder, shards, tmp_path, capsys, command):
+    """A link to an empty folder: the work was done, then renaming it in failed."""
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "out")
+    assert cli.main([*_writing(command, hf_folder, shards), str(tmp_path / "out"), "-q"]) == cli.EXIT_INPUT
+    assert capsys.readouterr() == ("", f"error: {tmp_path / 'out'} is a link; name the folder itself "
+                                       f"({tmp_path / 'real'})\n")
+    assert sorted(os.listdir(tmp_path)) == ["out", "real"] and os.listdir(tmp_path / "real") == []
+
+
 def test_an_output_that_cannot_take_its_name_leaves_no_partial_folder(hf_folder, tmp_path, monkeypatch, capsys):
     """Another program makes a file named OUT_DIR while the command works: the final rename
     fails (exit 2) and OUT_DIR.partial is removed, so a retry is not refused for it."""
@@ -539,6 +599,14 @@ def test_quiet_means_nothing_on_stderr(hf_folder, tmp_path):
     done = subprocess.run([*CMD, "convert", "--to", "dcp", hf_folder, out, "-q"], capture_output=True, text=True,
                           env=ENV, cwd=ROOT, timeout=300)
     assert (done.returncode, done.stdout, done.stderr) == (0, f"converted {hf_folder} -> {out} (dcp)\n", "")
+
+
+def test_the_example_job_has_a_help(capsys):
+    """`--help` was taken for an override and refused as a config error."""
+    from torchtitan_ckpt.example import train  # noqa: PLC0415
+
+    assert train.main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: python -m torchtitan_ckpt.example.train [--config FILE.toml]")
 
 
 def test_the_example_job_reports_a_checkpoint_error_without_a_traceback(tmp_path):

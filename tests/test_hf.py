@@ -763,6 +763,8 @@ F32 = '{"dtype": "F32", "shape": [2], "data_offsets": [%d, %d]}'
     ('{"w": {"dtype": "F32", "shape": [2], "shape": [2], "data_offsets": [0, 8]}}', 8, "names shape twice"),
     ("utf-16", 8, r"the header is not UTF-8 \(byte 0: invalid start byte\)"),
     ('{"w": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}}', 8, r"w: dtype \['F32'\] is not one of"),
+    ('{"w": {"shape": [2], "data_offsets": [0, 8]}}', 8, r"w: \{.*\} is not an object with dtype, shape and data_"),
+    ('{"w": 3}', 8, r"w: 3 is not an object with dtype, shape and data_offsets"),  # a KeyError or TypeError
 ])
 def test_a_header_the_safetensors_library_refuses_is_refused_naming_the_file(tmp_path, header, data, problem):
     """What the `safetensors` library refuses (a header not in UTF-8, tensors that do not tile

@@ -52,7 +52,7 @@ def test_hf_copies_at_an_interval_beside_the_dcp_steps(tmp_path):
                    last_save_model_only=False)
     job.run_to(6, steps=6)
     job.manager.close()
-    assert layout.committed_steps(_folder(tmp_path)) == [6]
+    assert layout.committed_steps(_folder(tmp_path)) == [4, 6]  # no retention after the last save
     copies = os.path.join(_folder(tmp_path), "hf")
     assert layout.committed_steps(copies) == [6]  # keep_latest_k applies to the copies too
     with open(os.path.join(layout.step_dir(copies, 6), "model.safetensors.index.json")) as f:

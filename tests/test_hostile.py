@@ -148,10 +148,10 @@ def test_a_fifo_as_the_marker_is_refused_without_blocking(ckpt, capsys):
         commit.read_marker(step)
     with within(10):
         assert cli.main(["list", os.path.dirname(step)]) == 1  # no complete step (docs/cli.md)
-    assert "partial" in capsys.readouterr().out
+    assert "unknown" in capsys.readouterr().out  # a marker that is no regular file is not ours
     job = make_job(dump, steps=2, interval=2)
-    with within(60):
-        assert not job.manager.load()  # a step without a readable marker is partial: never loaded
+    with within(60), pytest.raises(CheckpointError, match=r"step\(s\) 2 were not written by torchtitan_ckpt"):
+        job.manager.load()  # never loaded; and in the way of the save at step 2, so refused now
 
 
 # ---------------------------------------------------------------- 3. symlinked step folders
@@ -185,7 +185,7 @@ def test_a_save_never_replaces_a_linked_step_folder(tmp_path):
     os.makedirs(tmp_path / "dump" / "checkpoint")
     os.symlink(other, tmp_path / "dump" / "checkpoint" / "step-2")
     job = make_job(str(tmp_path / "dump"), steps=2, interval=2)
-    with pytest.raises(CheckpointSaveError, match="step-2 is a symlink to .*left alone"):
+    with pytest.raises(CheckpointSaveError, match="step-2 is a link to .*: a step folder linked in from elsewhere is never replaced"):
         job.run_to(2, steps=2)
     job.manager.close()
     assert (tmp_path / "other" / "step-1" / commit.MARKER).read_bytes() == marker

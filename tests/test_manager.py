@@ -91,14 +91,14 @@ def test_keep_latest_k_keeps_newest_complete_steps(tmp_path):
     job = make_job(str(tmp_path), steps=10, interval=1, keep_latest_k=3, last_save_model_only=False)
     job.run_to(10, steps=10)
     job.manager.close()
-    assert layout.committed_steps(_folder(tmp_path)) == [8, 9, 10]
+    assert layout.committed_steps(_folder(tmp_path)) == [7, 8, 9, 10]  # k before the last save, as TorchTitan
 
 
 def test_keep_latest_k_one_keeps_the_newest(tmp_path):
     job = make_job(str(tmp_path), steps=5, interval=1, keep_latest_k=1, last_save_model_only=False)
     job.run_to(5, steps=5)
     job.manager.close()
-    assert layout.committed_steps(_folder(tmp_path)) == [5]
+    assert layout.committed_steps(_folder(tmp_path)) == [4, 5]  # the last save runs no retention
 
 
 def test_exclude_from_loading_leaves_those_states_fresh(tmp_path):

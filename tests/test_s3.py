@@ -792,6 +792,8 @@ def test_a_step_holding_keys_xml_cannot_carry_is_deleted_whole(bucket, tmp_path)
 @pytest.mark.parametrize("names, message", [
     (["x", "x/y"], r"'x' is an object and also a folder holding 'x/y'"),
     (["a/b", "a//b"], r"the objects 'a//b' and 'a/b' would be one file"),
+    (["/x"], r"the object '/x' names no file inside the folder"),  # run/step-1//x: it looped forever
+    (["a/../../x"], r"the object 'a/../../x' names no file inside the folder"),
 ])
 def test_objects_that_cannot_be_files_are_refused_naming_them_before_any_download(bucket, tmp_path, names, message):
     for name in (commit.MARKER, *names):

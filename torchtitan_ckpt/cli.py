@@ -23,10 +23,13 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import warnings
 from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +50,7 @@ from .hf.convert import convert
 from .hf.adapter import ROPE_LAYOUTS
 from .hf.registry import ADAPTERS
 from .io.dtypes import EXPORT_DTYPES
+from .hf.planner import parse_size
 from .hf.save import MODES
 from .progress import DEFAULT_INTERVAL, Progress, fmt_bytes, this_rank_draws
 from .storage import check_url, open_store, scheme_of
@@ -58,6 +62,7 @@ EXIT_CODES = """exit status:
   1    verify: a file is missing or differs from the manifest; list: no loadable step
   2    usage error, or input that is not what the command needs (named on stderr)
   130  interrupted (Ctrl-C); an unfinished convert/consolidate output is removed
+  143  ended by SIGTERM (129: SIGHUP), cleaned up as after Ctrl-C
   141  stdout was closed early (e.g. `| head`); the command stops quietly
 """
 PARTIAL_SUFFIX = ".partial"
@@ -266,6 +271,8 @@ def _fetch_described(store: Store, path: str) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace, progress: Progress) -> int:
+    if scheme_of(args.step_dir) is None:
+        _require_folder(args.step_dir)
     with _opened_step(args.step_dir) as (store, path, listed):
         doc = _describe(_fetch_described(store, path), args.step_dir, listed)
     if args.json:
@@ -280,20 +287,29 @@ def cmd_inspect(args: argparse.Namespace, progress: Progress) -> int:
 
 
 def _verify_files(path: str, info: commit.CommitInfo, threads: int, progress: Progress) -> list[dict[str, Any]]:
-    """One record per manifest file, checked `threads` at a time, reporting bytes as files finish."""
+    """One record per manifest file, checked `threads` at a time, reporting bytes as files finish;
+    then one per file in the folder the manifest does not list (added after the commit)."""
+    total = info.total_bytes
+
     def check(rel: str) -> dict[str, Any]:
         problem = commit.check_file(path, rel, info.files[rel])  # the manifest read once, not per file
         size = info.files[rel]["size"]
-        progress("verifying", size, info.total_bytes)
+        progress("verifying", size, total)
         return {"file": rel, "bytes": size, "crc32": info.files[rel]["crc32"], "ok": problem is None,
                 "problem": problem}
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        return list(pool.map(check, sorted(info.files)))
+        listed = list(pool.map(check, sorted(info.files)))
+    unlisted = sorted(set(commit.files_in(path)) - set(info.files))
+    return listed + [{"file": rel, "bytes": None, "crc32": None, "ok": False,
+                      "problem": f"{os.path.join(path, rel)}: not in the manifest of {commit.MARKER} (added after "
+                                 "the commit?)"} for rel in unlisted]
 
 
 def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
     """An object-store step is downloaded into a temporary folder (under TMPDIR), then checked."""
+    if scheme_of(args.step_dir) is None:
+        _require_folder(args.step_dir)
     with _opened(args.step_dir, "step_dir") as (store, local):
         path = args.step_dir
         if not commit.is_committed(store.fetch(local, [commit.MARKER])):
@@ -314,6 +330,8 @@ def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
                 print(f"ok      {os.path.join(path, f['file'])}")
         if not failed:
             print(f"{path}: {len(files)} files, {fmt_bytes(info.total_bytes)}, all intact")
+        else:
+            print(f"{path}: {len(failed)} of {len(files)} files failed the check")
     return EXIT_FAILED if failed else EXIT_OK
 
 
@@ -338,6 +356,9 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
     total = sum(layout.folder_bytes(s.path) for s in partial)
     with progress:
         for s in partial:
+            if os.path.islink(s.path) or layout.status_of(s.path) != layout.PARTIAL:  # a job finished it since
+                print(f"kept {s.path} (no longer partial: a job is writing there?)")
+                continue
             commit.remove_step(s.path, lambda size: progress("removing", size, total))
             print(f"removed {s.path} (partial)")
     print(f"{len(partial)} partial step folder(s) removed, {fmt_bytes(total)}")
@@ -355,6 +376,8 @@ def _check_output(dst: str) -> None:
     if scheme_of(dst) is not None:
         raise CheckpointError(f"{dst}: OUT_DIR must be a local folder (this command uploads nothing); write "
                               "a local folder, then upload it with your own tool")
+    if os.path.islink(dst):
+        raise CheckpointError(f"{dst} is a link; name the folder itself ({os.path.realpath(dst)})")
     if os.path.lexists(dst) and not os.path.isdir(dst):
         raise CheckpointError(f"{dst} exists and is not a folder; remove it or name a new folder")
 
@@ -415,6 +438,8 @@ def cmd_convert(args: argparse.Namespace, progress: Progress) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace, progress: Progress) -> int:
+    if scheme_of(args.input_dir) is not None:
+        raise CheckpointError(f"{args.input_dir}: IN_DIR must be a local folder (consolidate reads local shard files)")
     _check_output(args.output_dir)
     mapping = load_mapping(args.mapping) if args.mapping else None
     same = os.path.abspath(args.input_dir) == os.path.abspath(args.output_dir)
@@ -436,11 +461,31 @@ def _common_options(json_output: bool = False) -> argparse.ArgumentParser:
     loud = common.add_mutually_exclusive_group()
     loud.add_argument("-q", "--quiet", action="store_true", help="no progress and no log lines; results and errors only")
     loud.add_argument("-v", "--verbose", action="store_true", help="debug log lines (verify: every file checked)")
-    common.add_argument("--progress-every", type=float, default=DEFAULT_INTERVAL, metavar="SECONDS",
+    common.add_argument("--progress-every", type=_seconds, default=DEFAULT_INTERVAL, metavar="SECONDS",
                         help="seconds between progress lines when stderr is not a terminal (default %(default)s)")
     if json_output:
         common.add_argument("--json", action="store_true", help="print one JSON document on stdout (see docs/cli.md)")
     return common
+
+
+def _seconds(text: str) -> float:
+    """A finite number of seconds, 0 or more, from the command line (0: a line per update)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds, 0 or more")
+    return value
+
+
+def _size(text: str) -> str:
+    """A byte count as `hf_max_shard_size` takes it ("5GB", "500MB"), checked now."""
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _threads(text: str) -> int:
@@ -490,7 +535,8 @@ def _add_convert(sub: Any) -> None:
                         "family, --to hf the one the step records (a Qwen3 step that records none needs it)")
     p.add_argument("--hf-assets", help="HF folder whose config.json (and file split) gives the model; default: the HF source (--to dcp) or the config the DCP step recorded (--to hf)")
     p.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="cast floating tensors of an HF export")
-    p.add_argument("--max-shard-size", default="5GB", help="largest HF file when there is no assets index")
+    p.add_argument("--max-shard-size", type=_size, default="5GB",
+                   help="largest HF file when there is no assets index (default %(default)s)")
     p.add_argument("--consolidation", default="one_pass", choices=MODES,
                    help="how the HF files are written (see checkpoint.consolidation)")
     p.add_argument("--threads", type=_threads, default=4, help="I/O threads per rank for the HF files")
@@ -522,6 +568,8 @@ def _setup_logging(args: argparse.Namespace) -> None:
                         format=f"[rank{rank}] %(asctime)s %(name)s %(levelname)s: %(message)s")
     if args.verbose:
         logging.getLogger(__package__).setLevel(logging.DEBUG)
+    else:  # its INFO lines ("Found credentials in environment variables.") say nothing of the command
+        logging.getLogger("botocore").setLevel(logging.WARNING)
 
 
 def _stdout_closed() -> int:
@@ -533,9 +581,44 @@ def _stdout_closed() -> int:
     return EXIT_PIPE
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (`timeout`, a scheduler, a closed terminal), raised as Ctrl-C is, so the
+    command cleans up as it does after one (a half-written output, a downloaded step)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated(signum)
+
+
+@contextlib.contextmanager
+def _on_termination() -> Iterator[None]:
+    """Raise `_Terminated` on SIGTERM and SIGHUP while the command runs, unless the host process
+    handles them (a caller's own handler, or `main` called off the main thread)."""
+    taken = []
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                signal.signal(signum, _raise_terminated)
+                taken.append(signum)
+    try:
+        yield
+    finally:
+        for signum in taken:
+            signal.signal(signum, signal.SIG_DFL)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args)
+    with _on_termination():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     progress = Progress(args.command, enabled=not args.quiet and this_rank_draws(), interval=args.progress_every)
     try:
         with warnings.catch_warnings():
@@ -554,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {type(cause).__name__}: {cause}", file=sys.stderr)
             return EXIT_INPUT
         print(f"torchtitan-ckpt {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return 128 + cause.signum if isinstance(cause, _Terminated) else EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ or deleted gets it back before it loses its commit marker.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -27,7 +28,7 @@ from .io import durable, safe_open
 from .io.untrusted import brief
 from . import faults
 from .io.checksum import file_crc32, stream_crc32
-from .errors import ConfigError, CorruptCheckpointError
+from .errors import CheckpointError, ConfigError, CorruptCheckpointError
 
 MARKER = "COMMITTED.json"
 IN_PROGRESS = "IN_PROGRESS.json"
@@ -143,7 +144,14 @@ def remove_step(path: str, removed: Callable[[int], None] | None = None) -> None
             (os.remove if os.path.islink(full) else os.rmdir)(full)
     if os.path.lexists(marker):
         os.remove(marker)
-    os.rmdir(path)
+    try:
+        os.rmdir(path)
+    except OSError as e:  # a file written meanwhile: the folder is marked ours again, partial
+        if e.errno != errno.ENOTEMPTY:
+            raise
+        mark_in_progress(path)
+        raise CheckpointError(f"{path}: files appeared in it while it was removed (a job is writing there?); it "
+                              "is left partial, to be removed once nothing writes there") from None
     durable.fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
@@ -208,13 +216,16 @@ def verify(path: str, files: list[str] | None = None, threads: int = 4) -> list[
         return [problem for problem in found if problem is not None]
 
 
+def files_in(path: str) -> list[str]:
+    """Every file (or link) under the step folder `path` but the markers, by relative path."""
+    return sorted(rel for root, _, names in os.walk(path) for name in names
+                  if (rel := os.path.relpath(os.path.join(root, name), path)) not in _NOT_DATA)
+
+
 def manifest(path: str) -> dict[str, int]:
     """Size of every file of the step folder `path` but the markers, by relative path, sorted."""
-    files = {}
-    for root, _, names in os.walk(path):
-        for name in names:
-            full = os.path.join(root, name)
-            rel = os.path.relpath(full, path)
-            if rel not in (MARKER, MARKER + durable.TMP_SUFFIX, IN_PROGRESS):
-                files[rel] = os.path.getsize(full)
-    return dict(sorted(files.items()))
+    return {rel: os.path.getsize(os.path.join(path, rel)) for rel in files_in(path)}
+
+
+_NOT_DATA = (MARKER, MARKER + durable.TMP_SUFFIX, IN_PROGRESS)
+"""The markers (and the commit marker's temporary name): never part of a step's manifest."""

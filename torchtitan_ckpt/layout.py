@@ -10,14 +10,15 @@ marker, `commit.IN_PROGRESS`) until its commit marker replaces that mark, so a s
   (DCP renames it into place last; TorchTitan's own test) or a Hugging Face
   `model.safetensors(.index.json)`. Loaded, unverified; never deleted;
 - unknown: not ours and neither of those (another program's save in flight, or not a
-  checkpoint), a folder whose `COMMITTED.json` is itself a folder or whose markers are links,
-  or a file by a step's name (nothing this package writes). Never loaded, never deleted.
+  checkpoint), a folder whose markers are not regular files (a folder, a link, a fifo by their
+  names), or a file by a step's name (nothing this package writes). Never loaded, never deleted.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 
 from . import commit
@@ -76,16 +77,22 @@ def foreign_format(path: str) -> str | None:
 
 def status_of(path: str) -> str:
     """Whose step folder `path` is, and whether it is finished (see the module docstring)."""
-    marker = os.path.join(path, commit.MARKER)
-    if any(os.path.islink(os.path.join(path, name)) for name in (commit.MARKER, commit.IN_PROGRESS)):
-        return UNKNOWN  # ours are files: a marker linked in (a `cp -rs` copy of a step) is not ours
-    if commit.is_committed(path):
+    kinds = [_kind(os.path.join(path, name)) for name in (commit.MARKER, commit.IN_PROGRESS)]
+    if any(kind not in (None, stat.S_IFREG) for kind in kinds):
+        return UNKNOWN  # ours are regular files: a marker linked in (a `cp -rs` copy), a folder, a fifo
+    if kinds[0] is not None:
         return COMPLETE
-    if os.path.isdir(marker):
-        return UNKNOWN  # a folder by the marker's name was never ours to write, nor to delete
-    if commit.is_in_progress(path) or os.path.lexists(marker):
-        return PARTIAL  # ours: started, or its marker is there but not a readable file
+    if kinds[1] is not None:
+        return PARTIAL  # ours: started
     return FOREIGN if foreign_format(path) else UNKNOWN
+
+
+def _kind(path: str) -> int | None:
+    """The type bits of what `path` names, not following a link (None: nothing there)."""
+    try:
+        return stat.S_IFMT(os.lstat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def scan(folder: str) -> list[StepFolder]:

@@ -179,7 +179,10 @@ def read_metadata(path: str, check: Callable[[bytes, str], None] = check_pickle)
         if size > MAX_METADATA_BYTES:
             raise CorruptCheckpointError(f"{path} is {size} bytes, more than the {MAX_METADATA_BYTES} of any DCP "
                                          "metadata file this reads; the file is damaged or crafted")
-        data = f.read()
+        if (head := f.read(1)) != b"\x80":  # protocol 2 or later, as DCP writes: told before reading the rest
+            raise CorruptCheckpointError(f"{path} is not a DCP metadata file: it starts with {head!r}, where a pickle "
+                                         "of protocol 2 or later (DCP's) starts with b'\\x80'; the file is damaged")
+        data = head + f.read()
     check(data, path)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data), path).load()

@@ -211,6 +211,11 @@ def _log_step(step: int, loss: torch.Tensor | None, lr: float, run: Run) -> None
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(f"usage: python -m torchtitan_ckpt.example.train [--config FILE.toml] [--section.key value ...]\n\n"
+              f"{__doc__.strip()}\n\nEvery key, its type and default: docs/config.md (checkpoint keys under "
+              "[checkpoint], e.g. --checkpoint.interval 5).")
+        return 0
     path = None
     if "--config" in argv:
         i = argv.index("--config")

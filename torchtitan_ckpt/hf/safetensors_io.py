@@ -92,6 +92,8 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
 def _entry(name: str, fields: dict, path: str, data_start: int) -> TensorEntry:
     """The entry of tensor `name`, its dtype, shape and `data_offsets` checked (not yet against
     the data section: `_check_offsets`)."""
+    if not isinstance(fields, dict) or not {"dtype", "shape", "data_offsets"} <= fields.keys():
+        raise ValueError(f"{_shown(name)}: {brief(fields)} is not an object with dtype, shape and data_offsets")
     if not isinstance(fields["dtype"], str) or fields["dtype"] not in SAFETENSORS_DTYPES:
         raise ValueError(f"{_shown(name)}: dtype {brief(fields['dtype'])} is not one of {sorted(SAFETENSORS_DTYPES)}")
     shape, offsets = fields["shape"], fields["data_offsets"]

@@ -706,6 +706,9 @@ def _check_as_files(where: str, names: Mapping[str, int]) -> None:
     files: dict[str, str] = {}
     for name in names:
         local = os.path.normpath(name)
+        if os.path.isabs(local) or local == "." or local.split(os.sep)[0] == "..":
+            raise CorruptCheckpointError(f"{where}: the object {name!r} names no file inside the folder; the folder "
+                                         "is damaged or was not written as a checkpoint")
         if local in files:
             raise CorruptCheckpointError(f"{where}: the objects {files[local]!r} and {name!r} would be one file; "
                                          "the folder is damaged or was not written as a checkpoint")
