@@ -185,7 +185,8 @@ def test_a_save_never_replaces_a_linked_step_folder(tmp_path):
     os.makedirs(tmp_path / "dump" / "checkpoint")
     os.symlink(other, tmp_path / "dump" / "checkpoint" / "step-2")
     job = make_job(str(tmp_path / "dump"), steps=2, interval=2)
-    with pytest.raises(CheckpointSaveError, match="step-2 is a link to .*: a step folder linked in from elsewhere is never replaced"):
+    with pytest.raises(CheckpointSaveError, match="step-2 is a link to .*: a step folder linked in from elsewhere "
+                                                  "is never replaced"):
         job.run_to(2, steps=2)
     job.manager.close()
     assert (tmp_path / "other" / "step-1" / commit.MARKER).read_bytes() == marker

@@ -9,6 +9,7 @@ import pytest
 
 from torchtitan_ckpt import commit, layout
 from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.errors import CorruptCheckpointError
 from torchtitan_ckpt.layout import StepFolder
 from torchtitan_ckpt.policy.retention import newer_steps, steps_to_delete
 from torchtitan_ckpt.policy.schedule import SaveKind, save_kind
@@ -54,6 +55,14 @@ def test_retention_never_chooses_a_folder_it_did_not_write():
     assert [f.step for f in doomed] == [3, 5]
     assert steps_to_delete(_folders([], foreign=[1, 2]), keep_latest_k=1, committed_now=3) == []
     assert steps_to_delete(_folders([7]), keep_latest_k=1, committed_now=7) == []
+
+
+def test_a_marker_of_a_newer_version_is_refused_as_such(tmp_path):
+    """Version 99 was read as if it were this one's."""
+    commit.write_marker(str(tmp_path), commit.CommitInfo(step=1, states=["model"], version=99))
+    with pytest.raises(CorruptCheckpointError, match=r"COMMITTED.json is of version 99, written by a newer "
+                                                     r"torchtitan_ckpt than this one \(version 2 and older\)"):
+        commit.read_marker(str(tmp_path))
 
 
 def test_retention_neither_counts_nor_chooses_a_linked_step():

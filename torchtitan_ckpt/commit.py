@@ -85,6 +85,9 @@ def read_marker(path: str) -> CommitInfo:
     if problem := _marker_problem(info, path):
         raise CorruptCheckpointError(f"{marker} is not a valid commit marker: {problem}; the step is damaged "
                                      "or was not written by torchtitan_ckpt: load another step")
+    if info.version > FORMAT_VERSION:
+        raise CorruptCheckpointError(f"{marker} is of version {info.version}, written by a newer torchtitan_ckpt "
+                                     f"than this one (version {FORMAT_VERSION} and older): read it with that one")
     return info
 
 
