@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import pty
 import re
 import shutil
@@ -253,12 +254,15 @@ def test_a_missing_step_folder_is_named_as_missing(tmp_path, capsys, command):
 def test_termination_is_raised_as_an_interruption_and_the_handler_put_back():
     """SIGTERM and SIGHUP (`timeout`, a scheduler) ended the command where it stood, leaving a
     downloaded step or a half-written output; they now unwind it as Ctrl-C does."""
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    before = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)]  # SIGHUP ignored under nohup: kept
+    assert before[0] is signal.SIG_DFL
     with pytest.raises(KeyboardInterrupt) as raised, cli._on_termination():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
     assert raised.value.signum == signal.SIGTERM
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)] == before
+    # as DCP hands a rank's failure to the others: pickled, it comes back the same
+    assert pickle.loads(pickle.dumps(raised.value)).signum == signal.SIGTERM
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -48,14 +48,14 @@ def test_last_step_in_hf_is_a_committed_transformers_folder(tmp_path):
 
 
 def test_hf_copies_at_an_interval_beside_the_dcp_steps(tmp_path):
-    job = make_job(str(tmp_path), steps=6, interval=2, hf_export_interval=3, keep_latest_k=1,
+    job = make_job(str(tmp_path), steps=9, interval=2, hf_export_interval=3, keep_latest_k=1,
                    last_save_model_only=False)
-    job.run_to(6, steps=6)
+    job.run_to(9, steps=9)
     job.manager.close()
-    assert layout.committed_steps(_folder(tmp_path)) == [4, 6]  # no retention after the last save
+    assert layout.committed_steps(_folder(tmp_path)) == [8, 9]  # no retention after the last save
     copies = os.path.join(_folder(tmp_path), "hf")
-    assert layout.committed_steps(copies) == [6]  # keep_latest_k applies to the copies too
-    with open(os.path.join(layout.step_dir(copies, 6), "model.safetensors.index.json")) as f:
+    assert layout.committed_steps(copies) == [6, 9]  # keep_latest_k applies to the copies too (3 went)
+    with open(os.path.join(layout.step_dir(copies, 9), "model.safetensors.index.json")) as f:
         assert "model.embed_tokens.weight" in json.load(f)["weight_map"]
 
 

@@ -96,7 +96,9 @@ def test_step_names():
 
 def test_scan_sees_marker_and_ignores_other_entries(tmp_path):
     """A file or a dangling link by a step's name is unknown (in the way of a save there, never
-    loaded or deleted); so is a folder whose markers are links (a `cp -rs` copy of a step)."""
+    loaded or deleted); a folder whose marker is a link (a `cp -rs` copy of a step, a hub cache's
+    snapshot) is complete and linked in (never counted by retention or deleted); one whose marker
+    is a fifo is unknown."""
     for name in ("step-1", "step-2", "step-10", "step-11", "other"):
         (tmp_path / name).mkdir()
     (tmp_path / "step-3").write_text("a file, not a step folder")
@@ -104,10 +106,13 @@ def test_scan_sees_marker_and_ignores_other_entries(tmp_path):
     commit.write_marker(str(tmp_path / "step-10"), commit.CommitInfo(step=10, states=["model"]))
     commit.write_marker(str(tmp_path / "step-1"), commit.CommitInfo(step=1, states=["model"]))
     os.symlink(str(tmp_path / "step-10" / commit.MARKER), str(tmp_path / "step-11" / commit.MARKER))
-    assert [(s.step, s.status) for s in layout.scan(str(tmp_path))] == [
-        (1, "complete"), (2, "unknown"), (3, "unknown"), (4, "unknown"), (10, "complete"), (11, "unknown")]
+    (tmp_path / "step-12").mkdir()
+    os.mkfifo(tmp_path / "step-12" / commit.MARKER)
+    assert [(s.step, s.status, s.linked) for s in layout.scan(str(tmp_path))] == [
+        (1, "complete", False), (2, "unknown", False), (3, "unknown", False), (4, "unknown", True),
+        (10, "complete", False), (11, "complete", True), (12, "unknown", False)]
     assert [layout.folder_bytes(str(tmp_path / name)) for name in ("step-3", "step-4")] == [25, len(str(tmp_path)) + 5]
-    assert layout.committed_steps(str(tmp_path)) == [1, 10]
+    assert layout.committed_steps(str(tmp_path)) == [1, 10, 11]
     assert layout.scan(str(tmp_path / "missing")) == []
 
 

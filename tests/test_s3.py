@@ -873,6 +873,22 @@ def test_a_second_job_of_one_url_on_one_node_is_refused_while_the_first_runs(buc
     assert not os.path.exists(os.path.join(staged, "step-2"))
 
 
+def test_a_manager_that_fails_to_start_lets_go_of_its_staging_folder(bucket, tmp_path):
+    """Its staging folder was taken, then the start failed (an initial_load_path in a bucket that
+    does not exist): no manager to close, and the folder stayed locked to every later job."""
+    import fcntl  # noqa: PLC0415
+
+    url = f"s3://{bucket}/run"
+    model, opt = _job()
+    with pytest.raises(ConfigError, match="checkpoint.initial_load_path"):
+        CheckpointManager(_config(url, str(tmp_path), initial_load_path=f"s3://no-{bucket}/x"), [model], opt)
+    locks = glob.glob(os.path.join(tmp_path, "*", "rank-0.lock"))
+    assert len(locks) == 2  # the folder's and initial_load_path's
+    for lock in locks:
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raised BlockingIOError while held
+
+
 def test_another_programs_step_a_save_would_meet_is_refused_before_training(bucket, tmp_path):
     """TorchTitan's own save under the prefix (no marker of ours) at a step this job saves:
     its save would be refused there after the training up to it; the load refuses now."""

@@ -252,6 +252,41 @@ def test_a_linked_step_a_save_would_meet_is_refused_before_training(tmp_path):
     assert sorted(os.listdir(elsewhere)) == before and commit.is_committed(elsewhere)
 
 
+def test_a_step_of_ours_in_a_hub_cache_snapshot_loads_and_a_link_farm_is_never_deleted(tmp_path):
+    """A step of ours uploaded to the Hub and downloaded into its cache: every file, the commit
+    marker included, is a link into the repository's blobs. Taking such a marker for another
+    program's made the step unknown and unloadable; it loads, verified. The same links in a run
+    folder (a `cp -rs` copy of a step) are a step linked in: never counted or deleted."""
+    job = make_job(str(tmp_path / "a"), steps=6, interval=2)
+    job.run_to(2, steps=6)
+    job.manager.close()
+    step = layout.step_dir(_folder(tmp_path / "a"), 2)
+    repo = tmp_path / "hub" / "models--org--ours"
+    snapshot, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for name in os.listdir(step):
+        shutil.copyfile(os.path.join(step, name), blobs / f"blob-{name}")
+        (snapshot / name).symlink_to(os.path.join("..", "..", "blobs", f"blob-{name}"))
+    fresh = make_job(str(tmp_path / "b"), steps=6, interval=2, init_seed=3, initial_load_path=str(snapshot),
+                     verify_on_load=True)
+    assert fresh.manager.load()
+    assert_same(fresh.model.state_dict(), job.model.state_dict())
+    fresh.manager.close()
+
+    farm = layout.step_dir(_folder(tmp_path / "c"), 2)
+    os.makedirs(farm)
+    for name in os.listdir(step):
+        os.symlink(os.path.join(step, name), os.path.join(farm, name))
+    linked = make_job(str(tmp_path / "c"), steps=8, interval=2, keep_latest_k=1)
+    linked.train_state.step = 2
+    linked.run_to(6, steps=8)  # saves 4 and 6, each followed by retention
+    linked.manager.close()
+    assert [(s.step, s.status, s.linked) for s in layout.scan(_folder(tmp_path / "c"))] == [
+        (2, "complete", True), (6, "complete", False)]
+    assert sorted(os.listdir(farm)) == sorted(os.listdir(step)) and commit.is_committed(step)
+
+
 def test_a_foreign_hugging_face_last_save_is_passed_over_without_an_adapter(tmp_path, caplog):
     """TorchTitan's last save with last_save_in_hf (a Hugging Face folder, model only) after its
     full step 5: a job with no state-dict adapter resumes from step 5, where reading the Hugging

@@ -129,8 +129,8 @@ def _contents(s: dict[str, Any]) -> str:
             layout.PARTIAL: f"no {commit.MARKER}: a save of ours that did not finish; never loaded",
             layout.FOREIGN: f"{s['format']}: not written here; loadable, unverified, never deleted",
             CORRUPT: f"{commit.MARKER} unreadable (list --json: problem): not loadable, a load() of it fails",
-            }.get(s["status"], "not written here, not told finished (no marker of ours; locally, no index "
-                               "either): never loaded from the run folder, never deleted")
+            }.get(s["status"], "not ours (no marker of ours, or one that is no file), not told finished: "
+                               "never loaded from the run folder, never deleted")
 
 
 def _newest(steps: list[dict[str, Any]], *statuses: str) -> int | None:
@@ -351,18 +351,26 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
     steps = layout.scan(args.folder)
     for s in steps:
         if not s.ours or s.linked:
-            print(f"kept {s.path} ({s.status}{', a symlink' if s.linked else ''}: not removed by clean)")
+            print(f"kept {s.path} ({s.status}{', linked in' if s.linked else ''}: not removed by clean)")
     partial = [s for s in steps if s.status == layout.PARTIAL and not s.linked]
     total = sum(layout.folder_bytes(s.path) for s in partial)
+    removed, freed, code = 0, 0, EXIT_OK
     with progress:
         for s in partial:
-            if os.path.islink(s.path) or layout.status_of(s.path) != layout.PARTIAL:  # a job finished it since
+            if layout.linked_in(s.path) or layout.status_of(s.path) != layout.PARTIAL:  # a job finished it since
                 print(f"kept {s.path} (no longer partial: a job is writing there?)")
                 continue
-            commit.remove_step(s.path, lambda size: progress("removing", size, total))
+            size = layout.folder_bytes(s.path)
+            try:
+                commit.remove_step(s.path, lambda n: progress("removing", n, total))
+            except CheckpointError as e:  # files appeared meanwhile: the others are still cleaned
+                print(f"error: {e}", file=sys.stderr)
+                code = EXIT_INPUT
+                continue
+            removed, freed = removed + 1, freed + size
             print(f"removed {s.path} (partial)")
-    print(f"{len(partial)} partial step folder(s) removed, {fmt_bytes(total)}")
-    return EXIT_OK
+    print(f"{removed} partial step folder(s) removed, {fmt_bytes(freed)}")
+    return code
 
 
 # ---------------------------------------------------------------------------------------------
@@ -588,6 +596,9 @@ class _Terminated(KeyboardInterrupt):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+    def __reduce__(self) -> tuple:  # DCP pickles a rank's failure to hand it to the others
+        return _Terminated, (self.signum,)
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:

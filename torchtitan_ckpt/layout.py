@@ -10,8 +10,11 @@ marker, `commit.IN_PROGRESS`) until its commit marker replaces that mark, so a s
   (DCP renames it into place last; TorchTitan's own test) or a Hugging Face
   `model.safetensors(.index.json)`. Loaded, unverified; never deleted;
 - unknown: not ours and neither of those (another program's save in flight, or not a
-  checkpoint), a folder whose markers are not regular files (a folder, a link, a fifo by their
-  names), or a file by a step's name (nothing this package writes). Never loaded, never deleted.
+  checkpoint), a folder whose markers are not files (a folder or a fifo by their names), or a
+  file by a step's name (nothing this package writes). Never loaded, never deleted.
+
+A step folder that is a link, or whose commit marker is one, is another's linked in: loaded
+from as its status says, never counted by retention, deleted or replaced.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class StepFolder:
     status: str
     """COMPLETE, PARTIAL, FOREIGN or UNKNOWN (see the module docstring)."""
     linked: bool = False
-    """A symlink to a folder elsewhere (a run linked in): loaded from, never changed or deleted."""
+    """Another's step linked in (`linked_in`): loaded from, never changed or deleted."""
 
     @property
     def committed(self) -> bool:
@@ -79,7 +82,7 @@ def status_of(path: str) -> str:
     """Whose step folder `path` is, and whether it is finished (see the module docstring)."""
     kinds = [_kind(os.path.join(path, name)) for name in (commit.MARKER, commit.IN_PROGRESS)]
     if any(kind not in (None, stat.S_IFREG) for kind in kinds):
-        return UNKNOWN  # ours are regular files: a marker linked in (a `cp -rs` copy), a folder, a fifo
+        return UNKNOWN  # ours are files (or links to files: a hub cache's snapshot), never a folder or a fifo
     if kinds[0] is not None:
         return COMPLETE
     if kinds[1] is not None:
@@ -88,11 +91,21 @@ def status_of(path: str) -> str:
 
 
 def _kind(path: str) -> int | None:
-    """The type bits of what `path` names, not following a link (None: nothing there)."""
+    """The type bits of what `path` leads to (None: nothing there, or a dangling link; -1: what
+    cannot be looked at, a folder not this user's to enter)."""
     try:
-        return stat.S_IFMT(os.lstat(path).st_mode)
+        return stat.S_IFMT(os.stat(path).st_mode)
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError:
+        return -1
+
+
+def linked_in(path: str) -> bool:
+    """Whether the step folder at `path` is another's linked in (loaded from, never changed or
+    deleted): a link itself, or a folder whose commit marker is a link (a `cp -rs` copy of a
+    step; a hub cache's snapshot, where every file is a link into its blobs)."""
+    return os.path.islink(path) or os.path.islink(os.path.join(path, commit.MARKER))
 
 
 def scan(folder: str) -> list[StepFolder]:
@@ -106,7 +119,7 @@ def scan(folder: str) -> list[StepFolder]:
         step = parse_step(entry.name)
         if step is not None:
             status = status_of(entry.path) if entry.is_dir() else UNKNOWN
-            found.append(StepFolder(step, entry.path, status, entry.is_symlink()))
+            found.append(StepFolder(step, entry.path, status, linked_in(entry.path)))
     return sorted(found, key=lambda s: s.step)
 
 

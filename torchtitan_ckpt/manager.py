@@ -154,7 +154,13 @@ class CheckpointManager:
         self.folder = self._store.root  # where the formats write and read: the folder, or a local stage
         initial = config.initial_load_path
         self._initial = storage.open_store(initial, "checkpoint.initial_load_path", rank, config) if initial else None
-        self._check_job()
+        try:
+            self._check_job()
+        except BaseException:  # no manager to close: let go of what the stores took
+            for store in (self._store, self._initial):
+                if store is not None:
+                    store.close()
+            raise
         self._saves = make_strategy(config.async_mode, config.verify_staging, saves=not config.load_only)
         if optimizer := self._states.get("optimizer"):
             self._hooks = [opt.register_step_pre_hook(self._before_optimizer_step) for opt in optimizer.optimizers]
@@ -280,7 +286,8 @@ class CheckpointManager:
             self._submit(step, kind, self.folder, self._formats[fmt], last_step)
         hf_copy = hf_copy_due(step, self.config) and not (kind is SaveKind.MODEL_ONLY and fmt == "hf")
         if hf_copy:
-            self._submit(step, SaveKind.MODEL_ONLY, os.path.join(self.folder, HF_COPIES), self._formats["hf"])
+            self._submit(step, SaveKind.MODEL_ONLY, os.path.join(self.folder, HF_COPIES), self._formats["hf"],
+                         last_step)
         if last_step:
             self._saves.wait()
         return kind is not None or hf_copy
@@ -655,7 +662,8 @@ class CheckpointManager:
         return [name for name in self._states if name not in self.config.exclude_from_loading]
 
     def _initial_target(self, path: str) -> _LoadTarget:
-        status = self._group.broadcast(layout.status_of(path))  # one decision (`_agreed_steps`)
+        status = self._group.broadcast(self._group.each(  # one decision (`_agreed_steps`)
+            lambda: layout.status_of(path), f"looking at checkpoint.initial_load_path = {path}"))
         if status == layout.UNKNOWN:
             found = "holds no finished checkpoint of a known format" if os.path.isdir(path) else "does not exist"
             if steps := [f.step for f in self._initial.scan(path) if f.loadable]:

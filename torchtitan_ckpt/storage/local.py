@@ -56,10 +56,11 @@ class LocalStore(Store):
 
     def prepare(self, path: str, step: int) -> None:
         if os.path.lexists(path):  # a leftover of ours, or a step saved again: it is replaced
-            folder = layout.StepFolder(step, path, layout.status_of(path), os.path.islink(path))
+            folder = layout.StepFolder(step, path, layout.status_of(path), layout.linked_in(path))
             if folder.linked:
-                raise CheckpointError(f"{path} is a link to {os.path.realpath(path)}: a step folder linked in from "
-                                      "elsewhere is never replaced; remove the link or save into another folder")
+                linked = path if os.path.islink(path) else os.path.join(path, commit.MARKER)
+                raise CheckpointError(f"{linked} is a link to {os.path.realpath(linked)}: a step folder linked in "
+                                      "from elsewhere is never replaced; remove it or save into another folder")
             if not self.replaceable(folder):
                 raise CheckpointError(f"{path} exists and was not written by torchtitan_ckpt; it is "
                                       "never replaced: move it away or save into another folder")

@@ -143,7 +143,7 @@ def private_staging_folder() -> str:
 
 _HOLDERS: dict[str, tuple[int, int]] = {}
 """Staging folder (`S3Store.root`) -> the descriptor of the lock file by which this process
-holds it, and how many stores of this process use it."""
+holds it (-1 on a file system without locks), and how many stores of this process use it."""
 
 
 def _claim(root: str, url: str, rank: int) -> bool:
@@ -164,6 +164,7 @@ def _claim(root: str, url: str, rank: int) -> bool:
         os.close(fd)
         if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
             logger.info("%s: not locked (%s); one job per URL and node is assumed", root, e)
+            _HOLDERS[root] = -1, 1  # shared by this process's stores all the same
             return True
         raise CheckpointError(f"another process (pid {holder or 'unknown'}) on this node stages {url} for rank {rank} "
                               f"in {root}: one job per URL and node; give this job a checkpoint.staging_folder of "
@@ -177,22 +178,22 @@ def _claim(root: str, url: str, rank: int) -> bool:
 def _release(root: str) -> None:
     """One store of this process stops using `root`; the last one unlocks it (a child forked
     since, a data loader's worker, shares the lock until it is unlocked)."""
-    if root not in _HOLDERS:
-        return  # a file system without locks
     fd, count = _HOLDERS[root]
     if count > 1:
         _HOLDERS[root] = fd, count - 1
         return
     del _HOLDERS[root]
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    os.close(fd)
+    if fd >= 0:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def _forget_holders() -> None:
     """In a forked child: its copies of the lock files' descriptors are closed (the parent
     still holds the locks), so that a child outliving its parent does not keep them."""
     for fd, _ in _HOLDERS.values():
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
     _HOLDERS.clear()
 
 
