@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 import re
 import signal
 import subprocess
 import sys
+import shutil
 import tempfile
 from typing import Any
 
@@ -165,3 +167,15 @@ def logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out = model(tokens)
     return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def hub_snapshot(src: str, repo: pathlib.Path) -> pathlib.Path:
+    """The files of the folder `src` as the Hugging Face hub's cache holds a download of them:
+    `<repo>/snapshots/<revision>/<name>`, each a relative link to a copy in `<repo>/blobs`."""
+    snapshot, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for name in os.listdir(src):
+        shutil.copyfile(os.path.join(src, name), blobs / f"blob-{name}")
+        (snapshot / name).symlink_to(os.path.join("..", "..", "blobs", f"blob-{name}"))
+    return snapshot

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from tests.helpers import assert_same, logits, perturbed, read_checkpoint
+from tests.helpers import assert_same, hub_snapshot, logits, perturbed, read_checkpoint
 from torchtitan_ckpt import cli
 from torchtitan_ckpt.errors import AdapterMismatchError, CheckpointError, CorruptCheckpointError
 from torchtitan_ckpt.example.model import FLAVORS, Transformer, args_from_hf_config, hf_adapter, hf_config
@@ -448,13 +448,7 @@ def test_import_from_the_hub_cache_reads_through_its_links_into_blobs_only(hf_ch
     links to `<repo>/blobs/<hash>`. It loads as its folder would (the links stay inside the
     repository's blobs); a link anywhere else, another repository's blobs included, is refused."""
     src, expected = hf_checkpoint
-    repo = tmp_path / "hub" / "models--org--tiny"
-    snapshot, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
-    snapshot.mkdir(parents=True)
-    blobs.mkdir()
-    for name in os.listdir(src):
-        shutil.copyfile(os.path.join(src, name), blobs / f"blob-{name}")
-        (snapshot / name).symlink_to(os.path.join("..", "..", "blobs", f"blob-{name}"))
+    snapshot = hub_snapshot(src, tmp_path / "hub" / "models--org--tiny")
     model = our_model(seed=1)
     load_hf(model.state_dict(), str(snapshot), hf_adapter(ARGS))
     assert (logits_of(model) - expected).abs().max() < 1e-5

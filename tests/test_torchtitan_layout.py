@@ -21,7 +21,7 @@ from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.dcp.storage import METADATA_FILE
 from torchtitan_ckpt.example.model import hf_adapter
 
-from .helpers import assert_same, read_checkpoint
+from .helpers import assert_same, hub_snapshot, read_checkpoint
 from .jobs import make_job
 
 
@@ -261,13 +261,7 @@ def test_a_step_of_ours_in_a_hub_cache_snapshot_loads_and_a_link_farm_is_never_d
     job.run_to(2, steps=6)
     job.manager.close()
     step = layout.step_dir(_folder(tmp_path / "a"), 2)
-    repo = tmp_path / "hub" / "models--org--ours"
-    snapshot, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
-    snapshot.mkdir(parents=True)
-    blobs.mkdir()
-    for name in os.listdir(step):
-        shutil.copyfile(os.path.join(step, name), blobs / f"blob-{name}")
-        (snapshot / name).symlink_to(os.path.join("..", "..", "blobs", f"blob-{name}"))
+    snapshot = hub_snapshot(step, tmp_path / "hub" / "models--org--ours")
     fresh = make_job(str(tmp_path / "b"), steps=6, interval=2, init_seed=3, initial_load_path=str(snapshot),
                      verify_on_load=True)
     assert fresh.manager.load()
