@@ -352,23 +352,22 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
     for s in steps:
         if not s.ours or s.linked:
             print(f"kept {s.path} ({s.status}{', linked in' if s.linked else ''}: not removed by clean)")
-    partial = [s for s in steps if s.status == layout.PARTIAL and not s.linked]
-    total = sum(layout.folder_bytes(s.path) for s in partial)
+    sizes = {s.path: layout.folder_bytes(s.path) for s in steps if s.status == layout.PARTIAL and not s.linked}
+    total = sum(sizes.values())
     removed, freed, code = 0, 0, EXIT_OK
     with progress:
-        for s in partial:
-            if layout.linked_in(s.path) or layout.status_of(s.path) != layout.PARTIAL:  # a job finished it since
-                print(f"kept {s.path} (no longer partial: a job is writing there?)")
+        for path, size in sizes.items():
+            if layout.linked_in(path) or layout.status_of(path) != layout.PARTIAL:  # a job finished it since
+                print(f"kept {path} (no longer partial: a job is writing there?)")
                 continue
-            size = layout.folder_bytes(s.path)
             try:
-                commit.remove_step(s.path, lambda n: progress("removing", n, total))
+                commit.remove_step(path, lambda n: progress("removing", n, total))
             except CheckpointError as e:  # files appeared meanwhile: the others are still cleaned
                 print(f"error: {e}", file=sys.stderr)
                 code = EXIT_INPUT
                 continue
             removed, freed = removed + 1, freed + size
-            print(f"removed {s.path} (partial)")
+            print(f"removed {path} (partial)")
     print(f"{removed} partial step folder(s) removed, {fmt_bytes(freed)}")
     return code
 

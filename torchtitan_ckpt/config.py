@@ -123,9 +123,9 @@ class Checkpoint:
 
     load_step: int = -1
     """Step to load (a complete step of ours or, in a folder on a file system, another program's
-    finished one); -1 loads the newest such step. A step holding only the model (a finished run's last save) is refused to a
-    job that restores other states too (not `load_only`, not all of them in
-    `exclude_from_loading`), as TorchTitan's load fails on it."""
+    finished one); -1 loads the newest such step. A step holding only the model (a finished
+    run's last save) is refused to a job that restores other states too (not `load_only`, not
+    all of them in `exclude_from_loading`), as TorchTitan's load fails on it."""
 
     load_threads: int = 4
     """I/O threads per rank reading a step on load, DCP or HF (each reads its own stretch of the
@@ -232,9 +232,8 @@ class Checkpoint:
             if dataclasses.is_dataclass(section) else dict(vars(section))
         ours = {f.name for f in dataclasses.fields(cls)}
         if theirs.get("initial_load_in_hf_quantized"):
-            raise ConfigError("checkpoint.initial_load_in_hf_quantized", True,
-                              "quantized Hugging Face checkpoints are not read by torchtitan_ckpt; load a "
-                              "dequantized copy (initial_load_in_hf = true)")
+            key = "checkpoint.initial_load_in_hf_quantized"
+            raise ConfigError(key, True, _THEIR_KEYS[key].removeprefix(": "))
         dropped = sorted(set(theirs) - ours - {"initial_load_in_hf_quantized"})
         if dropped:
             logger.info("TorchTitan checkpoint settings with no equivalent here, left out: %s", ", ".join(dropped))

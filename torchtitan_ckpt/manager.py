@@ -157,14 +157,13 @@ class CheckpointManager:
         try:
             self._check_job()
         except BaseException:  # no manager to close: let go of what the stores took
-            for store in (self._store, self._initial):
-                if store is not None:
-                    store.close()
+            self._close_stores()
             raise
         self._saves = make_strategy(config.async_mode, config.verify_staging, saves=not config.load_only)
         if optimizer := self._states.get("optimizer"):
             self._hooks = [opt.register_step_pre_hook(self._before_optimizer_step) for opt in optimizer.optimizers]
-        self._deleter = BackgroundDeleter(self._store.remove, self._store.describe) if self._group.is_coordinator else None
+        self._deleter = (BackgroundDeleter(self._store.remove, self._store.describe)
+                         if self._group.is_coordinator else None)
         context = Context(config, self._group, self._adapter, self._store.staged)
         self._formats = {name: cls(context) for name, cls in FORMATS.items()}
 
@@ -256,9 +255,13 @@ class CheckpointManager:
         finally:
             if self._deleter is not None:
                 self._deleter.close()
-            for store in (self._store, self._initial):
-                if store is not None:
-                    store.close()
+            self._close_stores()
+
+    def _close_stores(self) -> None:
+        """Let go of what the stores hold on this node (`Store.close`)."""
+        for store in (self._store, self._initial):
+            if store is not None:
+                store.close()
 
     def wait(self) -> None:
         """Block until every save submitted so far is committed (or raise its failure)."""
