@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
+import io
 import json
 import os
 import pickle
@@ -179,6 +181,34 @@ def test_metadata_of_a_newer_pytorch_is_refused_as_such_not_as_damaged(tmp_path,
         storage.read_metadata(str(path))
 
 
+@dataclasses.dataclass
+class Attribute:
+    """Pickled as `getattr(cls, name)`, as some Pythons pickle an enum member (tests/test_other_versions.py)."""
+    cls: type
+    name: object
+
+
+class _Attributes(pickle.Pickler):
+    def reducer_override(self, obj):
+        return (getattr, (obj.cls, obj.name)) if isinstance(obj, Attribute) else NotImplemented
+
+
+@pytest.mark.parametrize("cls, name", [("memory format", "__class__"), ("memory format", "TORCH_NOPE"),
+                                       ("memory format", 1), ("size", "mro"), ("size", "__subclasses__")])
+def test_a_getattr_in_metadata_names_only_a_member_of_dcps_enums(tmp_path, cls, name):
+    import torch
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    cls = {"memory format": _MEM_FORMAT_ENCODING, "size": torch.Size}[cls]
+    path = tmp_path / storage.METADATA_FILE
+    out = io.BytesIO()
+    _Attributes(out, protocol=4).dump({"x": Attribute(cls, name)})
+    path.write_bytes(out.getvalue())
+    with pytest.raises(CorruptCheckpointError, match=rf"^{path}: its pickle asks for the attribute .* of .*, where a "
+                                                     "DCP metadata file names only members of DCP's enums"):
+        storage.read_metadata(str(path))
+
+
 def test_a_metadata_file_that_is_no_pickle_is_refused_before_it_is_read_whole(tmp_path):
     """A sparse file just under the size bound: it was read whole (1 GiB in memory) before its
     first byte was looked at."""
@@ -217,6 +247,37 @@ def test_safetensors_header_claiming_more_than_the_file(tmp_path):
         assert "exceeds the file" in str(e)
     else:
         raise AssertionError("accepted")
+
+
+@pytest.mark.parametrize("header, data, library_refuses, problem", [
+    ('{"z": {"dtype": "F32", "shape": [1], "data_offsets": [0, NaN]}}', 4, True,
+     "the header holds NaN, which is not JSON"),
+    ('{"z": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "__metadata__": {"a": Infinity}}', 4, True,
+     "the header holds Infinity"),
+    ('{"z": {"dtype": "F32", "shape": [0, 18446744073709551616], "data_offsets": [0, 0]}}', 0, True,
+     "spans more than the"),
+    ('{"z": {"dtype": "F32", "shape": [0, 4611686018427387904, 4], "data_offsets": [0, 0]}}', 0, False,
+     "spans more than the"),
+])
+def test_a_safetensors_header_of_what_no_tensor_or_json_holds_is_refused(tmp_path, header, data, library_refuses,
+                                                                          problem):
+    """Found by fuzzing: Python's `json` reads NaN and Infinity, which the `safetensors` library
+    refuses as not JSON; a 0 in a shape hid dimensions no tensor can have (the library refuses
+    2**64, a u64's overflow; `torch.empty` refuses both, and failed later naming neither file
+    nor tensor)."""
+    import struct
+
+    from safetensors import SafetensorError, safe_open
+
+    from torchtitan_ckpt.hf.safetensors_io import read_header
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + b"\0" * data)
+    with contextlib.nullcontext() if not library_refuses else pytest.raises(SafetensorError):
+        with safe_open(str(path), "pt") as f:
+            assert [f.get_slice(k).get_shape() for k in f.keys()] == [[0, 2**62, 4]]
+    with pytest.raises(CorruptCheckpointError, match=rf"^{path} is not a readable safetensors file: .*{problem}"):
+        read_header(str(path))
 
 
 @pytest.mark.parametrize("file", ["../outside.safetensors", "/etc/passwd", "sub/model.safetensors", ".."])

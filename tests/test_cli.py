@@ -94,7 +94,8 @@ def test_list_json_exit_codes(tmp_path, capsys):
                                                             "latest_loadable": None,
                                                             "steps": [{"step": 7, "path": layout.step_dir(str(tmp_path), 7),
                                                                        "status": "partial", "bytes": _du(layout.step_dir(str(tmp_path), 7)), "format": None,
-                                                                       "states": None, "world_size": None, "problem": None}]})
+                                                                       "states": None, "world_size": None,
+                                                                       "linked": False, "problem": None}]})
     assert cli.main(["list", str(tmp_path / "nope"), "--json"]) == 2
     out = capsys.readouterr()
     assert out.out == "" and "nope is not a folder" in out.err

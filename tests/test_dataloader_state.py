@@ -132,6 +132,11 @@ def _pid_pickle(ref: _Ref) -> bytes:
     return out.getvalue()
 
 
+class _PidUnpickler(pickle.Unpickler):
+    def persistent_load(self, pid):  # a method: Python 3.13's unpickler refuses setting the attribute
+        return pid
+
+
 def _with_decoy(archive: bytes) -> bytes:
     """The legacy archive with its storage reference preceded by a decoy of 10**12 elements that
     the pickle names, then drops (POP): torch's reader sizes both."""
@@ -139,9 +144,7 @@ def _with_decoy(archive: bytes) -> bytes:
     for _ in range(3):
         pickle.load(f)
     start = f.tell()
-    real = pickle.Unpickler(f)
-    real.persistent_load = lambda pid: pid
-    pid = real.load()
+    pid = _PidUnpickler(f).load()
     decoy = _pid_pickle(_Ref(10**12, "2"))
     body = decoy[:-1] + pickle.POP + _pid_pickle(_Ref(pid[4], pid[2]))[2:]
     return archive[:start] + body + archive[f.tell():]

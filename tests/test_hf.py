@@ -731,14 +731,15 @@ def test_read_exact_fills_more_buffers_than_one_preadv_takes_in_file_order(tmp_p
     ("[" + "1, " * 64 + "4]", "[0, 16]"),  # 65 dimensions: no tensor has as many
 ])
 def test_a_header_with_a_shape_or_offset_that_is_not_an_integer_is_refused_naming_the_tensor(tmp_path, shape, offsets):
-    """Python's `json` reads Infinity, NaN and 1e999 as floats: each refused as our error, as are
-    floats and booleans that `int()` would take, and a shape of more dimensions than any tensor's
-    (3 million of them passed, and made a 9 MB error message)."""
+    """Python's `json` reads Infinity, NaN and 1e999 as floats: each refused as our error (the
+    first two as not JSON), as are floats and booleans that `int()` would take, and a shape of
+    more dimensions than any tensor's (3 million of them passed, and made a 9 MB error message)."""
     header = f'{{"w": {{"dtype": "F32", "shape": {shape}, "data_offsets": {offsets}}}}}'.encode()
     path = tmp_path / "model.safetensors"
     path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
     with pytest.raises(CorruptCheckpointError, match=rf"{re.escape(str(path))} is not a readable safetensors "
-                                                     r"file: .*[\'\"]w: (shape|data_offsets) .* is not a"):
+                                                     r"file: .*([\'\"]w: (shape|data_offsets) .* is not a|the header "
+                                                     r"holds -?(Infinity|NaN), which is not JSON)"):
         read_header(str(path))
 
 

@@ -166,7 +166,7 @@ def _other_run(tmp_path) -> tuple[str, bytes]:
     return str(other), (other / commit.MARKER).read_bytes()
 
 
-def test_retention_never_deletes_or_uncommits_through_a_linked_step(tmp_path):
+def test_retention_never_deletes_or_uncommits_through_a_linked_step(tmp_path, capsys):
     other, marker = _other_run(tmp_path)
     os.makedirs(tmp_path / "dump" / "checkpoint")
     os.symlink(other, tmp_path / "dump" / "checkpoint" / "step-1")
@@ -178,6 +178,13 @@ def test_retention_never_deletes_or_uncommits_through_a_linked_step(tmp_path):
     assert (tmp_path / "other" / "step-1" / commit.MARKER).read_bytes() == marker
     assert cli.main(["clean", str(tmp_path / "dump" / "checkpoint")]) == 0
     assert os.path.islink(tmp_path / "dump" / "checkpoint" / "step-1")
+    capsys.readouterr()
+    assert cli.main(["list", str(tmp_path / "dump" / "checkpoint"), "--json"]) == 0
+    assert [(s["step"], s["linked"]) for s in json.loads(capsys.readouterr().out)["steps"]] == [
+        (1, True), (4, False), (6, False)]
+    assert cli.main(["list", str(tmp_path / "dump" / "checkpoint")]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert ["linked in, never deleted" in line for line in lines] == [True, False, False]
 
 
 def test_a_save_never_replaces_a_linked_step_folder(tmp_path):
@@ -351,13 +358,45 @@ def _short_zip64_extra(step: str) -> str:
     return r"^(?![\s\S]*struct\.error)[\s\S]*item '.*' .*is not a readable torch.save archive"
 
 
-@pytest.mark.parametrize("damage", [_damage_last_tensor_header, _damage_last_value, _short_zip64_extra])
-def test_a_damaged_item_is_refused_before_any_tensor_is_written(ckpt, pristine, damage):
+def _last_tensor_directory_entry(step: str, name: bytes) -> tuple[str, int]:
+    """(file, position) of the zip directory entry of the record whose name ends in `name`, in
+    the last tensor's item."""
+    file, offset, length, _ = [i for i in _items(step) if i[3]][-1]
+    with open(file, "rb") as f:
+        f.seek(offset)
+        item = f.read(length)
+    return file, offset + item.rindex(b"PK\x01\x02", 0, item.index(name, item.index(b"PK\x01\x02")))
+
+
+def _rename_in_directory(step: str) -> str:
+    """The last tensor's `version` record renamed `archiv//version` in its zip directory (found
+    by fuzzing): torch's zip reader refuses the archive; with io_engine = "torch" the load
+    failed after tensors were written."""
+    file, entry = _last_tensor_directory_entry(step, b"/version")
+    _patch(file, entry + 46, b"archiv//version")
+    return r"item '.*' .*is not a readable torch.save archive \(record b'archiv//version' is not named as torch.save"
+
+
+def _storage_record_made_a_folder(step: str) -> str:
+    """The last tensor's storage record given the MS-DOS folder attribute in its zip directory
+    (found by fuzzing): torch's zip reader then reads none of its bytes; with io_engine = "torch"
+    the tensor loaded as uninitialised memory, without an error."""
+    file, entry = _last_tensor_directory_entry(step, b"/data/0")
+    _patch(file, entry + 38, struct.pack("<I", 0x10))
+    return r"item '.*' .*is not a readable torch.save archive \(record b'.*/data/0' is not a file stored uncompressed"
+
+
+@pytest.mark.parametrize("engine", ["fast", "torch"])
+@pytest.mark.parametrize("damage", [_damage_last_tensor_header, _damage_last_value, _short_zip64_extra,
+                                    _rename_in_directory, _storage_record_made_a_folder])
+def test_a_damaged_item_is_refused_before_any_tensor_is_written(ckpt, pristine, damage, engine):
     """Without verify_on_load: the damage is found in the reader's first pass, after the items
-    before it were checked and before any of them is read into the job's tensors."""
+    before it were checked and before any of them is read into the job's tensors, whichever
+    engine then reads them."""
     dump, step, _ = ckpt
     problem = damage(step)
-    _refused_unchanged(make_job(dump, steps=2, interval=2), pristine, CorruptCheckpointError, problem)
+    _refused_unchanged(make_job(dump, steps=2, interval=2, io_engine=engine), pristine, CorruptCheckpointError,
+                       problem)
 
 
 def _flip_a_byte(step: str) -> str:
@@ -1353,7 +1392,7 @@ def test_a_storage_record_key_that_is_no_number_is_not_read_as_one():
     buf = io.BytesIO()
     torch.save(torch.zeros(4), buf)
     _, pkl, _ = torch_archive.header_pickle(buf.getvalue())
-    assert isinstance(torch_archive.unpickle_header(torch_archive.HeaderUnpickler, pkl), torch_archive.SavedTensor)
+    assert isinstance(torch_archive.unpickle_header(torch_archive.HeaderUnpickler, pkl)[0], torch_archive.SavedTensor)
     crafted = pkl.replace(b"X\x01\x00\x00\x000", b"X\x03\x00\x00\x00\xed\xa0\x80")
     assert crafted != pkl
     with pytest.raises(torch_archive.Unrecognised, match="storage reference"):

@@ -8,6 +8,7 @@ import ctypes
 import io
 import mmap
 import os
+import pickle
 import resource
 import subprocess
 import sys
@@ -189,6 +190,111 @@ def test_a_tensor_header_naming_other_code_is_refused_naming_the_file(tmp_path):
     _patch(file, offset + at, b"_rebuild_tensor_v9")  # a global that no tensor header names
     with pytest.raises(CorruptCheckpointError, match=rf"{file}: item 'bf16' .*could run code; refused"):
         _load(path, storage.make_storage_reader(path), storage.make_load_planner())
+
+
+def _central_entry(item: bytes, name: bytes) -> int:
+    """Where the zip directory entry of the record whose name ends in `name` starts in `item`."""
+    return item.rindex(b"PK\x01\x02", 0, item.index(name, item.index(b"PK\x01\x02")))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_an_item_whose_directory_gives_its_header_pickle_another_size_is_read_as_torch_reads_it(tmp_path, fast):
+    """torch's zip reader takes `data.pkl`'s bytes as the zip directory gives them; ours read
+    the first record up to the next one. The directory saying one byte fewer made torch fail
+    (after other tensors were written, with `io_engine = "torch"`) where ours loaded."""
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    file, offset, length = _item(path, "bf16")
+    item = _read(file, offset, length)
+    entry = _central_entry(item, b"/data.pkl")
+    size = int.from_bytes(item[entry + 24 : entry + 28], "little")
+    _patch(file, offset + entry + 20, 2 * (size - 1).to_bytes(4, "little"))  # its compressed and full sizes
+    with pytest.raises(CheckpointException, match="EOFError"):
+        dcp.load({"bf16": torch.zeros(17, 5, dtype=torch.bfloat16)}, storage_reader=FileSystemReader(path))
+    with pytest.raises(CorruptCheckpointError, match=rf"{file}: item 'bf16' .*has a pickle that is not well formed "
+                                                     r"\(ValueError: 'the pickle ends before its STOP opcode'\)"):
+        _load(path, storage.make_storage_reader(path, fast=fast), storage.make_load_planner())
+
+
+def _archive(records: list[tuple[str, object]]) -> bytearray:
+    """A zip of torch's writer holding `records` (name -> a value pickled), in that order."""
+    buf = io.BytesIO()
+    writer = torch._C.PyTorchFileWriter(buf)
+    for name, value in records:
+        data = pickle.dumps(value, protocol=2)
+        writer.write_record(name, data, len(data))
+    writer.write_end_of_file()
+    return bytearray(buf.getvalue())
+
+
+def test_a_value_whose_directory_names_another_header_pickle_is_read_as_torch_reads_it():
+    """Archives holding two pickles, of which ours read the first record's (1) and torch.load
+    the one named `data.pkl` in the zip directory (2): one whose directory swaps the names, and
+    one whose first record is `data.pkl` a folder deeper (torch's folder is the first name's
+    first segment)."""
+    from torchtitan_ckpt.io import torch_archive
+
+    swapped = _archive([("data.pkl", 1), ("zata.pkl", 2)])
+    for old, new in [(b"/data.pkl", b"/yata.pkl"), (b"/zata.pkl", b"/data.pkl")]:
+        at = swapped.index(old, swapped.index(b"PK\x01\x02"))
+        swapped[at : at + len(new)] = new
+    deeper = _archive([("b/data.pkl", 1), ("data.pkl", 2)])
+    for archive in (bytes(swapped), bytes(deeper)):
+        assert torch.load(io.BytesIO(archive), weights_only=True) == 2
+        assert torch_archive.load_plain(archive) == 2
+
+
+def test_an_item_of_fewer_dimensions_than_its_metadata_says_is_refused_naming_it(tmp_path):
+    """The metadata's entry of a 2-D tensor pointed at the item of a 1-D one: a raw IndexError."""
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    md_path = os.path.join(path, storage.METADATA_FILE)
+    with open(md_path, "rb") as f:
+        md = pickle.load(f)  # our own test file: plain pickle is fine here
+    index = {i.fqn: i for i in md.storage_data}
+    md.storage_data[index["f32"]] = md.storage_data[index["i64"]]
+    with open(md_path, "wb") as f:
+        pickle.dump(md, f)
+    file = _item(path, "i64")[0]
+    for fast in (True, False):
+        with pytest.raises(CorruptCheckpointError, match=rf"{file}: item 'f32' .*does not hold the region \[0, 0\] "
+                                                         r"\+ \[64, 33\] .*\(it holds \[100\]\)"):
+            _load(path, storage.make_storage_reader(path, fast=fast), storage.make_load_planner())
+    md.storage_data[index["f32"]] = md.storage_data[index["u16"]]  # an item read by torch.load
+    with open(md_path, "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(CorruptCheckpointError, match=rf"{file}: item 'f32' .*does not hold the region \[0, 0\] "
+                                                     r"\+ \[64, 33\] .*\(it holds \[60\]\)"):
+        _load(path, storage.make_storage_reader(path), storage.make_load_planner())
+
+
+def _record_bytes(item: bytes, name: bytes) -> int:
+    """Where the bytes of the record whose local header names `name` start in `item`."""
+    header = item.rindex(b"PK\x03\x04", 0, item.index(name))
+    nlen, xlen = (int.from_bytes(item[at : at + 2], "little") for at in (header + 26, header + 28))
+    return header + 30 + nlen + xlen
+
+
+@pytest.mark.parametrize("edit, problem", [("version", "maximum supported version"),
+                                           ("requires_grad", "floating point and complex dtype can require")])
+def test_an_item_torch_load_refuses_is_refused_by_either_engine(tmp_path, edit, problem):
+    """A version record of 99, or an int tensor marked as requiring grad: the fast reader read
+    neither, and loaded the item that torch.load (and `io_engine = "torch"`, after writing
+    other tensors) refuses."""
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    file, offset, length = _item(path, "i64")
+    item = _read(file, offset, length)
+    if edit == "version":
+        at = _record_bytes(item, b"/version")
+        assert item[at : at + 2] == b"3\n"
+        _patch(file, offset + at, b"99")
+    else:
+        at = item.index(b"\x89ccollections\nOrderedDict")  # requires_grad (False), then the hooks
+        _patch(file, offset + at, b"\x88")
+    for fast in (True, False):
+        with pytest.raises(CorruptCheckpointError, match=rf"{file}: item 'i64' .*{problem}"):
+            _load(path, storage.make_storage_reader(path, fast=fast), storage.make_load_planner())
 
 
 def test_load_threads_must_be_positive():

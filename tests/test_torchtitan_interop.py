@@ -32,6 +32,9 @@ def torchtitan_path(version: str) -> str:
     """The PYTHONPATH that imports torchtitan `version` next to this package."""
     folders = [os.path.join(TORCHTITAN_DIR, version), os.path.join(TORCHTITAN_DIR, "common")]
     missing = [f for f in folders if not os.path.isdir(f)]
+    if missing and sys.version_info < (3, 11):
+        pytest.skip("the torchtitan interop tests need Python 3.11 "
+                    "(torchtitan 0.3.0, tests/requirements-torchtitan.txt)")
     if missing:
         pytest.skip(f"{', '.join(missing)} missing: `make test` installs torchtitan {version} there")
     return os.pathsep.join([ROOT, *folders])

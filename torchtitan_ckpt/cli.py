@@ -121,11 +121,12 @@ def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any]:
     fmt = info.format if info else layout.foreign_format(s.path) if status == layout.FOREIGN else None
     return {"step": s.step, "path": where, "status": status, "bytes": store.size(s.path),
             "format": fmt, "states": info.states if info else None,
-            "world_size": info.world_size if info else None, "problem": problem}
+            "world_size": info.world_size if info else None, "linked": s.linked, "problem": problem}
 
 
 def _contents(s: dict[str, Any]) -> str:
-    return {layout.COMPLETE: f"{s['format']}: {', '.join(s['states'] or ())}",
+    linked = "linked in, never deleted; " if s["linked"] else ""
+    return linked + {layout.COMPLETE: f"{s['format']}: {', '.join(s['states'] or ())}",
             layout.PARTIAL: f"no {commit.MARKER}: a save of ours that did not finish; never loaded",
             layout.FOREIGN: f"{s['format']}: not written here; loadable, unverified, never deleted",
             CORRUPT: f"{commit.MARKER} unreadable (list --json: problem): not loadable, a load() of it fails",

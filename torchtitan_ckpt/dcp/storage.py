@@ -13,11 +13,13 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import enum
 import functools
 import io
 import logging
 import math
 import os
+import pathlib
 import pickle
 import secrets
 import sys
@@ -141,9 +143,23 @@ class _MetadataUnpickler(pickle.Unpickler):
         super().__init__(file)
         self._path = path
 
+    def _enum_member(self, cls: Any, name: Any) -> enum.Enum:
+        """What `getattr` may do in a `.metadata`: name a member of one of DCP's enums, as some
+        Python 3.11 releases pickle an enum member (Debian 12's 3.11.2 does; 3.11.7 pickles its
+        value instead)."""
+        if isinstance(cls, type) and issubclass(cls, enum.Enum) and (cls.__module__, cls.__name__) in _ALLOWED_GLOBALS \
+                and type(name) is str and name in cls.__members__:
+            return cls.__members__[name]
+        raise CorruptCheckpointError(f"{self._path}: its pickle asks for the attribute {brief(name)} of {brief(cls)}, "
+                                     "where a DCP metadata file names only members of DCP's enums; refusing to load it")
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch.distributed.checkpoint.metadata", "MetadataIndex"):
             return _SaltedIndex
+        if (module, name) == ("builtins", "getattr"):
+            return self._enum_member
+        if (module, name) == ("pathlib._local", "PosixPath"):  # where Python 3.13 pickles it from
+            return pathlib.PosixPath
         if (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and name in _ALLOWED_TORCH_ATTRS:

@@ -25,6 +25,10 @@ from .files import MAX_HEADER_BYTES, SAFETENSORS_DTYPES
 from ..io import posio, safe_open
 from ..io.untrusted import MAX_DIMS, brief
 
+MAX_ELEMENTS = 2**63 - 1
+"""Most elements the dimensions of a tensor's shape may span, counting each dimension but a 0:
+torch indexes elements and strides with 64-bit ints, so a larger shape fails in `torch.empty`
+even when a 0 makes it hold nothing."""
 
 
 @dataclass(frozen=True)
@@ -74,10 +78,15 @@ def parse_header(text: bytes) -> dict:
         decoded = text.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"the header is not UTF-8 (byte {e.start}: {e.reason})") from None
-    header = json.loads(decoded, object_pairs_hook=_unique_keys)
+    header = json.loads(decoded, object_pairs_hook=_unique_keys, parse_constant=_not_json)
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
     return header
+
+
+def _not_json(constant: str) -> None:
+    """`json` reads NaN and Infinity, which JSON (and the `safetensors` library) does not have."""
+    raise ValueError(f"the header holds {constant}, which is not JSON")
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
@@ -100,6 +109,9 @@ def _entry(name: str, fields: dict, path: str, data_start: int) -> TensorEntry:
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d) for d in shape):
         raise ValueError(f"{_shown(name)}: shape {brief(shape)} is not a list of at most {MAX_DIMS} non-negative "
                          "integers")
+    if math.prod(d for d in shape if d) > MAX_ELEMENTS:
+        raise ValueError(f"{_shown(name)}: shape {brief(shape)} spans more than the {MAX_ELEMENTS} elements a tensor "
+                         "can index (even when one of its dimensions is 0)")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(x) for x in offsets):
         raise ValueError(f"{_shown(name)}: data_offsets {brief(offsets)} is not a pair of non-negative integers")
     return TensorEntry(SAFETENSORS_DTYPES[fields["dtype"]], tuple(shape), path, data_start + offsets[0])

@@ -18,6 +18,7 @@ would leave them part one step, part another.
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import logging
 import os
@@ -35,8 +36,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from ..errors import CorruptCheckpointError
 from ..policy.split import in_order_runs, share
 from . import posio, safe_open
-from .torch_archive import (HeaderUnpickler, Malformed, SavedTensor, Unrecognised, header_pickle, local_record,
-                            torch_load, unpickle_header, zip_record, zip_records)
+from .torch_archive import (HeaderUnpickler, Malformed, SavedTensor, Unrecognised, check_header_record,
+                            check_small_records, header_pickle, local_record, torch_load, unpickle_header, zip_record,
+                            zip_records)
 from .untrusted import UnsafePickleError, brief
 
 logger = logging.getLogger(__name__)
@@ -158,6 +160,7 @@ class _Located:
 
     saved: SavedTensor
     folder: bytes
+    pickle_length: int
     header: int
     start: int
 
@@ -192,23 +195,24 @@ class _Item:
         if got != len(buf):
             raise self.fail(f"is cut short: the file ends {len(buf) - got} bytes early")
 
-    def locate(self, headers: dict[bytes, SavedTensor]) -> _Located:
+    def locate(self, headers: dict[bytes, tuple[SavedTensor, int]]) -> _Located:
         """The tensor's header and storage record, from the item's first bytes only, so that the
         file is read forward; `confirm` checks them against the zip directory afterwards.
-        `headers` caches parsed header pickles: tensors of one shape and dtype share theirs."""
+        `headers` caches parsed header pickles (and their lengths): tensors of one shape and
+        dtype share theirs."""
         head = self.read(0, min(self.length, _WINDOW))
         folder, pkl, pos = header_pickle(head)
-        saved = headers.get(pkl)
-        if saved is None:
-            saved = unpickle_header(HeaderUnpickler, pkl)
+        if pkl not in headers:
+            saved, length = unpickle_header(HeaderUnpickler, pkl)
             if not isinstance(saved, SavedTensor):
                 raise Unrecognised("not a tensor")
-            headers[pkl] = saved
+            headers[pkl] = saved, length
+        saved, length = headers[pkl]
         record = folder + b"data/" + saved.key.encode()
         while pos >= 0:
             found, start = local_record(head, pos)
             if found == record:
-                located = _Located(saved, folder, pos, start)
+                located = _Located(saved, folder, length, pos, start)
                 if start + located.nbytes > self.length:
                     raise Unrecognised("storage record past the item's end")
                 return located
@@ -220,6 +224,8 @@ class _Item:
         tail = max(located.start + located.nbytes, self.length - _WINDOW)
         self.read(tail, self.length - tail)  # one read for the directory and the next item's start
         records = zip_records(self.read, self.length, _MAX_DIRECTORY)
+        check_header_record(records, located.folder, located.pickle_length)
+        check_small_records(self.read, self.length, records, located.folder)
         order = zip_record(self.read, self.length, records, located.folder + b"byteorder")
         if order is not None and order[1] not in (len(b"little"), len(b"big")):
             raise Malformed(f"has a byteorder record of {order[1]} bytes, not 'little' or 'big'")
@@ -279,6 +285,8 @@ def _fits(saved: SavedTensor) -> bool:
 def _region(saved: SavedTensor, req: ReadItem) -> _Region | None:
     """What `req` reads of `saved` (a view that `_fits`), or None when it lies outside it."""
     size = torch.Size(req.lengths)
+    if len(size) != len(saved.size) or len(req.storage_offsets) != len(saved.size):
+        return None
     if (tuple(size) == saved.size and not any(req.storage_offsets) and saved.storage_offset == 0
             and saved.stride == _row_major(saved.size) and size.numel() == saved.storage_numel):
         return _Region(size, saved.stride, 0, True)  # the whole record, as most reads are
@@ -328,7 +336,7 @@ class ItemReader:
         self.root, self.storage_data, self.threads = root, storage_data, threads
         self._lock = threading.Lock()
         self._failed = threading.Event()
-        self._headers: dict[bytes, SavedTensor] = {}
+        self._headers: dict[bytes, tuple[SavedTensor, int]] = {}
         self._fds: dict[str, int] = {}
         self._checked: list[_Run] = []
         self._pool: ThreadPoolExecutor | None = None
@@ -500,11 +508,14 @@ class ItemReader:
             raise item.fail(f"is not a readable torch.save archive ({type(e).__name__}: {e})") from None
         if not isinstance(tensor, torch.Tensor):
             raise item.fail(f"holds a {type(tensor).__name__} where the metadata says a tensor")
-        try:
-            tensor = _narrow(tensor, req.storage_offsets, req.lengths)
-        except RuntimeError:
+        region = None
+        if len(req.lengths) == len(req.storage_offsets) == tensor.dim():
+            with contextlib.suppress(RuntimeError):
+                region = _narrow(tensor, req.storage_offsets, req.lengths)
+        if region is None:
             raise item.fail(f"does not hold the region {list(req.storage_offsets)} + {list(req.lengths)} "
-                            f"the checkpoint's metadata says (it holds {list(tensor.size())})") from None
+                            f"the checkpoint's metadata says (it holds {list(tensor.size())})")
+        tensor = region
         if dest.size() != tensor.size():
             raise item.fail(f"holds {tuple(tensor.size())} where the destination is {tuple(dest.size())}")
         return tensor

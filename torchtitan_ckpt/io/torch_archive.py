@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,15 +68,24 @@ class Malformed(Exception):
 # ---------------------------------------------------------------- the zip archive of one item
 
 
+_FLAGS = 0x0808
+"""The only flags `torch.save` sets on a record (sizes in a data descriptor, UTF-8 names)."""
+_DOS_FOLDER = 0x10
+"""The attribute that makes torch's zip reader take a record for a folder, and read none of it."""
+
+
 def zip_records(read: Callable[[int, int], bytes], length: int, max_directory: int) -> dict[bytes, tuple[int, int]]:
     """Name -> (offset of its local header within the item, size) of every record of a zip
-    whose records are all stored uncompressed. A zip directory of over `max_directory` bytes is
-    `Malformed`, refused before it is read."""
+    whose records are all stored uncompressed, on one disk, as files (not folders), named
+    `<folder>/<name>` with one folder, as `torch.save` writes them: any other is `Unrecognised`
+    (what torch's zip reader makes of it is not worked out here). A zip directory of over
+    `max_directory` bytes is `Malformed`, refused before it is read."""
     if length < _EOCD.size:
         raise Unrecognised("shorter than a zip directory")
-    sig, _, _, _, count, cd_size, cd_offset, comment = _EOCD.unpack(read(length - _EOCD.size, _EOCD.size))
-    if sig != b"PK\x05\x06" or comment:
-        raise Unrecognised("no zip directory at its end")
+    sig, disk, cd_disk, count_here, count, cd_size, cd_offset, comment = _EOCD.unpack(
+        read(length - _EOCD.size, _EOCD.size))
+    if sig != b"PK\x05\x06" or comment or disk or cd_disk or count_here != count:
+        raise Unrecognised("no zip directory of one disk at its end")
     locator = length - _EOCD.size - _ZIP64_LOCATOR.size
     if _FULL32 in (cd_size, cd_offset) or count == 0xFFFF or \
             (locator >= 0 and read(locator, 4) == b"PK\x06\x07"):  # torch's zip reader takes zip64's then
@@ -87,15 +97,21 @@ def zip_records(read: Callable[[int, int], bytes], length: int, max_directory: i
     directory = read(cd_offset, cd_size)
     out: dict[bytes, tuple[int, int]] = {}
     folded: set[bytes] = set()
-    pos = 0
+    pos, folder = 0, None
     for _ in range(count):
         if pos + _CENTRAL.size > len(directory):
             raise Unrecognised("zip directory cut short")
-        sig, _, _, _, method, _, _, _, csize, usize, nlen, xlen, clen, _, _, _, lho = _CENTRAL.unpack_from(directory, pos)
+        sig, _, _, flags, method, _, _, _, csize, usize, nlen, xlen, clen, disk, _, external, lho = \
+            _CENTRAL.unpack_from(directory, pos)
         pos += _CENTRAL.size
         name = directory[pos : pos + nlen]
-        if sig != b"PK\x01\x02" or method != 0:
-            raise Unrecognised(f"record {brief(name)} is not stored uncompressed")
+        if pos + nlen + xlen + clen > len(directory):
+            raise Unrecognised(f"record {brief(name)} runs past the zip directory")
+        if sig != b"PK\x01\x02" or method != 0 or flags & ~_FLAGS or disk or external & _DOS_FOLDER:
+            raise Unrecognised(f"record {brief(name)} is not a file stored uncompressed as torch.save stores one")
+        folder = folder or name[: name.find(b"/") + 1]
+        if not folder or not name.startswith(folder) or not _PLAIN_NAME.fullmatch(name, len(folder)):
+            raise Unrecognised(f"record {brief(name)} is not named as torch.save names one")
         if _FULL32 in (usize, csize, lho):
             usize, csize, lho = _zip64_fields(directory[pos + nlen : pos + nlen + xlen], usize, csize, lho)
         if usize != csize:
@@ -108,15 +124,22 @@ def zip_records(read: Callable[[int, int], bytes], length: int, max_directory: i
     return out
 
 
+_SEGMENT = rb"(?!\.\.?(?:/|$))[A-Za-z0-9._-]+"
+_PLAIN_NAME = re.compile(rb"%s(?:/%s)*" % (_SEGMENT, _SEGMENT))
+"""A record's name within its folder as `torch.save` writes one (`data.pkl`, `.data/version`,
+`data/0`, ...): segments of letters, digits, `.`, `_` and `-`, none empty or a folder's self
+or parent."""
+
+
 def _zip64_directory(read: Callable[[int, int], bytes], length: int) -> tuple[int, int, int]:
     at = length - _EOCD.size - _ZIP64_LOCATOR.size
     if at < 0:
         raise Unrecognised("no zip64 locator")
-    sig, _, eocd64, _ = _ZIP64_LOCATOR.unpack(read(at, _ZIP64_LOCATOR.size))
-    if sig != b"PK\x06\x07" or eocd64 + _ZIP64_EOCD.size > length:
+    sig, disk, eocd64, disks = _ZIP64_LOCATOR.unpack(read(at, _ZIP64_LOCATOR.size))
+    if sig != b"PK\x06\x07" or disk or disks != 1 or eocd64 + _ZIP64_EOCD.size > length:
         raise Unrecognised("bad zip64 locator")
     fields = _ZIP64_EOCD.unpack(read(eocd64, _ZIP64_EOCD.size))
-    if fields[0] != b"PK\x06\x06":
+    if fields[0] != b"PK\x06\x06" or fields[4] or fields[5] or fields[6] != fields[7]:
         raise Unrecognised("bad zip64 directory")
     return fields[7], fields[8], fields[9]
 
@@ -170,8 +193,8 @@ def header_pickle(buf: bytes) -> tuple[bytes, bytes, int]:
     `torch.save` writes `data.pkl` first; the local headers carry no sizes, so the next header
     is found by its signature."""
     name, start = local_record(buf, 0)
-    if not name.endswith(b"/data.pkl"):
-        raise Unrecognised("no header pickle first")
+    if not name.endswith(b"/data.pkl") or name.find(b"/") != len(name) - len(b"/data.pkl"):
+        raise Unrecognised("no header pickle first")  # torch's reader takes the folder up to the first /
     end = buf.find(b"PK\x03\x04", start)
     if end < 0:
         raise Unrecognised("header pickle past the bytes read")
@@ -203,6 +226,9 @@ class _StorageRef:
 def _rebuild(storage, storage_offset, size, stride, requires_grad, hooks, metadata=None) -> SavedTensor:
     if not isinstance(storage, _StorageRef) or hooks or metadata:
         raise Unrecognised("a tensor with hooks or metadata")
+    if type(requires_grad) is not bool or requires_grad and not (storage.dtype.is_floating_point
+                                                                 or storage.dtype.is_complex):
+        raise Unrecognised("a tensor that cannot require grad marked as requiring it")  # torch.load refuses it
     return SavedTensor(storage.dtype, storage.key, storage.numel, int(storage_offset),
                         tuple(int(s) for s in size), tuple(int(s) for s in stride))
 
@@ -241,34 +267,68 @@ class _PlainUnpickler(pickle.Unpickler):
 def unpickle(unpickler: type[pickle.Unpickler], data: bytes) -> Any:
     """`data` unpickled by `unpickler`, once `check_pickle` passed it (else `UnsafePickleError`);
     any error of the unpickler's is `Unrecognised`."""
-    check_pickle(data, "the value")
+    return _unpickled(unpickler, data)[0]
+
+
+def _unpickled(unpickler: type[pickle.Unpickler], data: bytes) -> tuple[Any, int]:
+    """`unpickle`, and the length of the pickle read (through its STOP)."""
+    length = check_pickle(data, "the value")
     try:
-        return unpickler(io.BytesIO(data)).load()
+        return unpickler(io.BytesIO(data)).load(), length
     except Unrecognised:
         raise
     except Exception as e:  # a broken pickle: let torch.load judge it
         raise Unrecognised(str(e)) from None
 
 
-def unpickle_header(unpickler: type[pickle.Unpickler], pkl: bytes) -> Any:
-    """`unpickle` of the record `header_pickle` cut out. One the scan finds malformed was cut at
-    a record signature inside its own bytes (a zip held in a value, an int written as those
-    bytes), not at the next record: the archive is `Unrecognised`, and `torch_load` reads it
-    whole, every pickle record checked."""
+def unpickle_header(unpickler: type[pickle.Unpickler], pkl: bytes) -> tuple[Any, int]:
+    """`unpickle` of the record `header_pickle` cut out, and the length of its pickle: the size
+    the zip directory must give `data.pkl` (`check_header_record`). One the scan finds malformed
+    was cut at a record signature inside its own bytes (a zip held in a value, an int written as
+    those bytes), not at the next record: the archive is `Unrecognised`, and `torch_load` reads
+    it whole, every pickle record checked."""
     try:
-        return unpickle(unpickler, pkl)
+        return _unpickled(unpickler, pkl)
     except UnsafePickleError as e:
         if e.malformed:
             raise Unrecognised("header pickle cut short") from None
         raise
 
 
+def check_header_record(records: dict[bytes, tuple[int, int]], folder: bytes, length: int) -> None:
+    """`Unrecognised` unless the zip directory's `data.pkl` is the first record and as long as
+    the header pickle read from it: torch's zip reader finds `data.pkl` through the directory,
+    so an archive whose directory names another record would be read apart by torch."""
+    if records.get(folder + b"data.pkl") != (0, length):
+        raise Unrecognised("a zip directory whose data.pkl is not the first record's pickle")
+
+
+def check_small_records(read: Callable[[int, int], bytes], length: int, records: dict[bytes, tuple[int, int]],
+                        folder: bytes) -> None:
+    """`Unrecognised` unless the archive's version records hold what `torch.save` writes and its
+    `.storage_alignment` a number: `torch.load` refuses other values, which the fast reader
+    does not otherwise read."""
+    versions = [folder + b"version", folder + b".data/version"]
+    if not any(name in records for name in versions):
+        raise Unrecognised("no version record")
+    for name, holds in [*((v, b"3\n".__eq__) for v in versions), (folder + b".format_version", b"1".__eq__),
+                        (folder + b".storage_alignment", bytes.isdigit)]:
+        where = zip_record(read, length, records, name)
+        if where is not None and (where[1] > 16 or not holds(read(*where))):
+            raise Unrecognised(f"record {brief(name)} holds what torch.save does not write")
+
+
 def load_plain(data: bytes) -> Any:
     """A non-tensor value that DCP saved with `torch.save`: plain data is unpickled here (no
     globals allowed, so no code runs); anything else by `torch_load`."""
     try:
-        _, pkl, _ = header_pickle(data)
-        return unpickle_header(_PlainUnpickler, pkl)
+        folder, pkl, _ = header_pickle(data)
+        value, length = unpickle_header(_PlainUnpickler, pkl)
+        read = lambda at, n: data[at : at + n]  # noqa: E731
+        records = zip_records(read, len(data), len(data))
+        check_header_record(records, folder, length)
+        check_small_records(read, len(data), records, folder)
+        return value
     except Unrecognised:
         return torch_load(data)
 

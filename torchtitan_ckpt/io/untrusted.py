@@ -112,21 +112,24 @@ class UnsafePickleError(CorruptCheckpointError, pickle.UnpicklingError):
         super().__init__(f"{what}: its pickle {problem}; refusing to unpickle it (the file is damaged or crafted)")
 
 
-def check_pickle(data: bytes, what: str) -> None:
+def check_pickle(data: bytes, what: str) -> int:
     """Raise `UnsafePickleError` naming `what` (the file, or the entry and its file) unless
     `data` is a well-formed pickle whose every object unfolds to at most `MAX_DEPTH` levels and
-    max(`MIN_UNFOLDED`, `UNFOLDED_PER_BYTE` * len(data)) parts. Linear in the size of `data`:
-    about three times as long as unpickling it."""
+    max(`MIN_UNFOLDED`, `UNFOLDED_PER_BYTE` * len(data)) parts; return its length, through its
+    STOP opcode (what follows is not read by an unpickler). Linear in the size of `data`: about
+    three times as long as unpickling it."""
     try:
-        problem = _unfolding_problem(data, max(MIN_UNFOLDED, UNFOLDED_PER_BYTE * len(data)))
+        found = _scan(data, max(MIN_UNFOLDED, UNFOLDED_PER_BYTE * len(data)))
     except (ValueError, IndexError, KeyError) as e:  # genops' errors, and a stack or memo it lacks
         raise UnsafePickleError(what, f"is not well formed ({type(e).__name__}: {brief(str(e))})", True) from None
-    if problem:
-        raise UnsafePickleError(what, problem)
+    if isinstance(found, str):
+        raise UnsafePickleError(what, found)
+    return found
 
 
-def _unfolding_problem(data: bytes, limit: int) -> str | None:
-    """Why the objects `data` builds are unsafe to use, or None; raises on a malformed pickle.
+def _scan(data: bytes, limit: int) -> int | str:
+    """The length of the pickle at the start of `data` (through its STOP), or why the objects
+    it builds are unsafe to use; raises on a malformed pickle.
 
     One pass over the opcodes, with a stack, marks and memo of [unfolded size, depth, taken in]
     per object where the unpickler has the objects, so each object's size and depth are known
@@ -180,7 +183,7 @@ def _unfolding_problem(data: bytes, limit: int) -> str | None:
         if stop:
             if len(stack) <= fence:
                 raise IndexError("stack underflow")
-            return None
+            return pos
         if kind == _GET:
             stack.append(memo[arg])
         elif kind == _MEMOIZE and len(stack) > fence:
