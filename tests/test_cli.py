@@ -28,7 +28,7 @@ from tqdm import tqdm
 from torchtitan_ckpt import Checkpoint, CheckpointManager, cli, commit, layout
 from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_adapter, hf_config
 from torchtitan_ckpt.hf import save_hf
-from torchtitan_ckpt.hf.convert import RECORDED_CONFIG
+from torchtitan_ckpt.hf.files import RECORDED_CONFIG
 
 from .helpers import ROOT, run_job
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 
 import pytest
 import torch
 
 from torchtitan_ckpt import CheckpointManager, ConfigError
 from torchtitan_ckpt.example.config import load_job_config
-from torchtitan_ckpt.config import Checkpoint, field_docs
+from torchtitan_ckpt.config import Checkpoint, DedupPolicy, ExportDtype, field_docs
+from torchtitan_ckpt.io.dtypes import EXPORT_DTYPES
+from torchtitan_ckpt.policy.dedup import POLICIES
 from torchtitan_ckpt.example.config import JobConfig
 
 from .helpers import DEBUG_CONFIG, ROOT
@@ -79,7 +82,8 @@ def _error(argv, path=None) -> ConfigError:
     (["--model.hf_assets_path", "/nonexistent/hf"], "model.hf_assets_path", "existing folder"),
     (["--checkpoint.dedup_policy", "random"], "checkpoint.dedup_policy",
      "expected one of 'balanced', 'lowest_rank', 'replica_slices'"),
-    (["--checkpoint.collective_timeout_s", "0"], "checkpoint.collective_timeout_s", "expected > 0"),
+    (["--checkpoint.collective_timeout_s", "0.05"], "checkpoint.collective_timeout_s", "expected >= 1.0"),
+    (["--checkpoint.storage_timeout_s", "0.001"], "checkpoint.storage_timeout_s", "expected >= 1.0"),
     (["--checkpoint.dedup_min_slice_bytes", "0"], "checkpoint.dedup_min_slice_bytes", "expected >= 1"),
     (["--parallelism.data_parallel_replicate_degree", "0"], "parallelism.data_parallel_replicate_degree",
      "expected >= 1"),
@@ -87,6 +91,12 @@ def _error(argv, path=None) -> ConfigError:
      "checkpoint.create_seed_checkpoint", "contradicts checkpoint.load_only"),
     (["--checkpoint.create_seed_checkpoint"], "checkpoint.create_seed_checkpoint", "checkpoint.enable = true"),
     (["--checkpoint.folder", ""], "checkpoint.folder", "non-empty"),
+    (["--checkpoint.folder", "s3:/bkt/x"], "checkpoint.folder", "a mistyped URL (s3: without //)?"),
+    (["--checkpoint.folder", "s3:"], "checkpoint.folder", "or for a local folder of that name ./s3:"),
+    (["--checkpoint.folder", " s3://bkt/x"], "checkpoint.folder", "starts or ends with white space"),
+    (["--checkpoint.initial_load_path", "s3:/bkt/x"], "checkpoint.initial_load_path", "a mistyped URL"),
+    (["--checkpoint.staging_folder", "s3://bkt/x"], "checkpoint.staging_folder", "expected a local folder, not a URL"),
+    (["--checkpoint.staging_folder", "gs:/x"], "checkpoint.staging_folder", "expected a local folder, not a URL"),
     (["--training.steps", "0"], "training.steps", "expected >= 1"),
     (["--training.seed", "1.5"], "training.seed", "expected an integer"),
     (["--optimizer.lr", "0"], "optimizer.lr", "expected > 0"),
@@ -226,3 +236,81 @@ def test_a_section_built_in_python_is_converted_as_a_loaded_one(tmp_path):
     assert Checkpoint.from_torchtitan(_TitansSection(async_mode="ASYNC_WITH_PINNED_MEM")).async_mode == \
         "async_with_pinned_mem"
     assert load_job_config(None, ["--checkpoint.async_mode", "Async"]).checkpoint.async_mode == "async"
+
+
+def test_the_config_names_what_the_registries_hold():
+    """The values a key accepts (its `Literal`) are the names the code looks up: a policy, a
+    dtype or a mode added to one and not the other would pass validation and fail mid-save."""
+    assert set(typing.get_args(DedupPolicy)) == set(POLICIES)
+    assert set(typing.get_args(ExportDtype)) == set(EXPORT_DTYPES)
+
+
+def test_a_folder_a_file_system_cannot_make_is_refused_before_any_level_is_made(tmp_path):
+    """A name over NAME_MAX bytes, or a path whose levels outgrow PATH_MAX (less room for the files
+    made in it), is refused naming the key: `makedirs` made the levels above it, then failed."""
+    long_name = str(tmp_path / "a" / ("x" * 256) / "c")
+    too_deep = str(tmp_path / "/".join(["d" * 200] * 20))
+    for key, value, text in (("folder", long_name, "holds a name of 256 bytes; the file system takes at most 255"),
+                             ("staging_folder", long_name, "holds a name of 256 bytes"),
+                             ("folder", too_deep, f"gives a folder path of {len(too_deep)} bytes; at most 3584")):
+        with pytest.raises(ConfigError) as e:
+            Checkpoint(**{key: value}).validate()
+        assert (e.value.key, e.value.value) == ("checkpoint." + key, value) and text in str(e.value)
+    with pytest.raises(ConfigError, match=r"^checkpoint.folder = 'a\\ud800': is not a path this system can encode"):
+        Checkpoint(folder="a\ud800").validate()
+    with pytest.raises(ConfigError, match="^checkpoint.folder = "):
+        CheckpointManager(Checkpoint(enable=True, folder=too_deep), torch.nn.Linear(2, 2))
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("base, key, text", [
+    ("s3://", "base_folder", "expected s3://bucket/prefix (no bucket given)"),
+    ("gs://bkt/run", "base_folder", "gs:// is not a supported storage"),
+    ("s3:", "base_folder", "a mistyped URL (s3: without //)?"),
+    ("out ", "base_folder", "starts or ends with white space"),
+    ("x" * 256, "base_folder", "holds a name of 256 bytes"),
+    (None, "base_folder", "expected a string"),
+    ("s3://bkt/run", "checkpoint.consolidation", "to object storage (base_folder = 's3://bkt/run') is written in one "
+                                                 "pass"),
+])
+def test_the_folder_under_a_base_folder_is_checked_as_the_folder_is(base, key, text):
+    """The manager's `base_folder` (a TorchTitan job's `job.dump_folder`) joined with `folder`: a
+    URL there was taken unchecked ("s3://" made `checkpoint` the bucket; a two-phase export to
+    object storage failed at the first export), or refused naming `folder` with a value no one
+    wrote."""
+    ck = Checkpoint(hf_export_interval=10, consolidation="rank0").validate()
+    with pytest.raises(ConfigError) as e:
+        ck.folder_under(base)
+    assert e.value.key == key and text in str(e.value)
+    assert Checkpoint().validate().folder_under("s3://bkt/run/") == "s3://bkt/run/checkpoint"
+    assert Checkpoint().validate().folder_under("out") == os.path.join("out", "checkpoint")
+    assert Checkpoint(folder="/abs").validate().folder_under("s3://") == "/abs"  # the base folder is not used
+    assert Checkpoint(folder="s3://bkt/x").validate().folder_under("gs://y") == "s3://bkt/x"
+
+
+def test_a_config_value_nested_a_thousand_deep_is_refused_with_a_short_message(tmp_path):
+    """A dotted key of a thousand parts is a table nested a thousand deep; printing it in the
+    error overflowed the stack (RecursionError). An int of 5000 digits, which `repr` refuses,
+    is named too."""
+    toml = tmp_path / "deep.toml"
+    toml.write_text("[checkpoint]\nx" + ".x" * 1000 + " = 1\n")
+    for path, argv in ((toml, []), (None, ["--checkpoint" + ".x" * 1000, "1"])):
+        e = _error(argv, path)
+        assert e.key == "checkpoint.x"
+        assert str(e).startswith("checkpoint.x = {'x': {'x': {'x': {'x': {...}}}}}: unknown section")
+    with pytest.raises(ConfigError, match=r"^checkpoint.interval = <an int of 16610 bits>: expected an integer"):
+        Checkpoint(interval=10**5000).validate()
+
+
+def test_misusing_the_loaders_api_is_a_type_error_saying_what_to_pass():
+    with pytest.raises(TypeError, match=r"^argv\[1\] is of type int; argv holds strings"):
+        load_job_config(None, ["--checkpoint.interval", 5])
+    with pytest.raises(TypeError, match=r"^argv is of type str; pass a list of strings"):
+        load_job_config(None, "--checkpoint.interval 5")
+    for section in ({"enable": True}, None, _Slotted()):
+        with pytest.raises(TypeError, match=r"not TorchTitan's \[checkpoint\] section .* pass job_config.checkpoint"):
+            Checkpoint.from_torchtitan(section)
+
+
+class _Slotted:
+    __slots__ = ("enable", "folder")

@@ -88,7 +88,7 @@ def test_replica_slices_uneven_rows_small_and_short_tensors():
 
 def test_make_policy_rejects_unknown_names():
     with pytest.raises(ValueError, match="expected one of balanced, lowest_rank, replica_slices"):
-        make_policy("random")
+        make_policy("random", 1 << 20)
 
 
 # ----------------------------------------------------------------------------- against DCP's dedup
@@ -215,7 +215,7 @@ def test_planner_writes_each_rank_its_slices():
 
 def test_summary_line_is_known_only_after_planning():
     with pytest.raises(RuntimeError, match="coordinator"):
-        DedupSavePlanner("lowest_rank").summary_line()
+        DedupSavePlanner("lowest_rank", 1 << 20).summary_line()
 
 
 def test_writers_of_reads_whole_writes():

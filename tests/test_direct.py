@@ -164,3 +164,20 @@ def test_a_failed_direct_write_raises_its_own_error_and_leaves_the_pool_usable(t
     assert not [t for t in threading.enumerate() if t.name == "ckpt-direct"]
     again = filewriter.FileJob(str(tmp_path / "g.distcp"), [filewriter.Entry("t", values["t"])], direct=True)
     _check_file(again.path, filewriter.write_file(again), values)
+
+
+def test_a_process_forked_while_another_thread_takes_a_block_can_take_blocks():
+    """A data loader's worker forked while a background save's thread holds the pool's lock: the
+    child has no such thread, so with the parent's lock it would wait for ever on its first block;
+    and the parent's idle blocks are not the child's to hand out."""
+    direct._give_block(direct._take_block())  # one idle block in the pool
+    with direct._pool_lock:  # as the writing thread holds it at the fork
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status, never return into pytest
+            signal.alarm(10)  # a wait for ever ends the child, and the test with it
+            ok = not direct._pool
+            block = direct._take_block()
+            direct._give_block(block)
+            os._exit(0 if ok and direct._pool == [block] else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

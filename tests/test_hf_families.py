@@ -25,8 +25,8 @@ from torchtitan_ckpt.example.model import ROPE_LAYOUT, Transformer, args_from_hf
 from torchtitan_ckpt.hf import (HFModelConfig, LlamaAdapter, Qwen3Adapter, Qwen3MoeAdapter, adapter_for_config,
                                 adapter_for_hf_dir, load_hf, save_hf)
 from torchtitan_ckpt.hf.adapter import rope_row_order
-from torchtitan_ckpt.hf.convert import RECORDED_CONFIG, convert
-from torchtitan_ckpt.hf.files import RECORDED_LAYOUT
+from torchtitan_ckpt.hf.convert import convert
+from torchtitan_ckpt.hf.files import RECORDED_CONFIG, RECORDED_LAYOUT
 
 transformers = pytest.importorskip("transformers")
 

@@ -1266,12 +1266,13 @@ def test_convert_to_hf_checks_the_data_files_before_allocating(tmp_path, monkeyp
 
     from torchtitan_ckpt.example.model import FLAVORS, hf_config
     from torchtitan_ckpt.hf import convert
+    from torchtitan_ckpt.hf.files import RECORDED_CONFIG
     from torchtitan_ckpt.hf.model_config import read_hf_config
     from torchtitan_ckpt.hf.registry import adapter_for_config
 
     step = tmp_path / "step"
     step.mkdir()
-    config = step / convert.RECORDED_CONFIG
+    config = step / RECORDED_CONFIG
     config.write_text(json.dumps(hf_config(FLAVORS["debugmodel"])))
     shapes = adapter_for_config(read_hf_config(str(config)), None, None, str(config)).state_dict_shapes()
     (step / "__0_0.distcp").write_bytes(b"\0" * 4096)

@@ -423,6 +423,23 @@ def test_the_manager_checks_the_config_and_the_job_it_is_given(tmp_path):
                           state_dict_adapter=Whole())
 
 
+@pytest.mark.parametrize("base, folder, key", [
+    ("gs://bkt/run", "checkpoint", "base_folder"),
+    ("s3:", "checkpoint", "base_folder"),
+    (os.path.join("a", "x" * 256), "checkpoint", "base_folder"),
+    ("out", "s3:/bkt/x", "checkpoint.folder"),
+])
+def test_a_bad_base_folder_is_refused_naming_it_before_anything_is_made(tmp_path, monkeypatch, base, folder, key):
+    """The base folder joined with `folder` is checked as `folder` is: a mistyped URL made a
+    local folder `s3:`, a name too long left the levels above it made, and an unsupported URL
+    was refused naming checkpoint.folder, with a value (the two joined) no one wrote."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        CheckpointManager(Checkpoint(enable=True, folder=folder), torch.nn.Linear(2, 2), base_folder=base)
+    assert (e.value.key, e.value.value) == (key, base if key == "base_folder" else folder)
+    assert os.listdir(tmp_path) == []
+
+
 def test_seed_checkpoint_is_model_only_step_zero(tmp_path):
     job = make_job(str(tmp_path), create_seed_checkpoint=True)
     assert job.manager.save(0)

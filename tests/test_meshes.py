@@ -54,7 +54,7 @@ def test_degrees_the_model_cannot_take(argv, key, says):
 
 @pytest.mark.parametrize("argv,world,key,says", [
     (["--model.flavor", "debugmodel_mesh", "--parallelism.tensor_parallel_degree", "4"], 2,
-     "parallelism.data_parallel_replicate_degree", "= 4 must divide the number of ranks (2)"),
+     "parallelism.tensor_parallel_degree", "= 4 must divide the number of ranks (2)"),
     (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "3"], 4,
      "parallelism.data_parallel_shard_degree", "= 6 must equal the number of ranks (4)"),
     (["--model.flavor", "qwen3_moe_debug", "--parallelism.expert_parallel_degree", "4",
@@ -111,7 +111,7 @@ def test_the_cpu_runs_on_gloo():
 def test_the_job_refuses_degrees_that_do_not_fit_its_ranks_at_start(tmp_path):
     log = run_job(str(tmp_path), "--model.flavor", "debugmodel_mesh", "--parallelism.tensor_parallel_degree", "4",
                   nproc=2, expect_ok=False)
-    assert "config error: parallelism.data_parallel_replicate_degree = 1" in log
+    assert "config error: parallelism.tensor_parallel_degree = 4" in log
     assert not (tmp_path / "checkpoint").exists()
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from torchtitan_ckpt import commit, layout
 from torchtitan_ckpt.config import Checkpoint
-from torchtitan_ckpt.errors import CorruptCheckpointError
+from torchtitan_ckpt.errors import CheckpointError, CorruptCheckpointError
 from torchtitan_ckpt.layout import StepFolder
 from torchtitan_ckpt.policy.retention import newer_steps, steps_to_delete
 from torchtitan_ckpt.policy.schedule import SaveKind, save_kind
@@ -234,6 +234,29 @@ def test_a_step_being_deleted_reads_as_partial_whenever_the_deletion_stops(tmp_p
         assert layout.status_of(path) == layout.PARTIAL, stop_after
     path = str(tmp_path / "step-9")
     _committed_step(path)
+    commit.remove_step(path)
+    assert not os.path.lexists(path)
+
+
+def test_a_file_written_into_a_step_while_it_is_deleted_leaves_it_partial(tmp_path):
+    """A job still writing there (a file created after the folder was listed): the folder cannot
+    be removed; it is marked ours and partial again, the new file kept, and the error says so. The
+    next cleaning removes it."""
+    path = str(tmp_path / "step-3")
+    _committed_step(path)
+    count = []
+
+    def removed(nbytes: int) -> None:
+        count.append(nbytes)
+        if len(count) == 4:  # the last file listed is gone
+            with open(os.path.join(path, "late.bin"), "wb") as f:
+                f.write(b"late")
+
+    with pytest.raises(CheckpointError, match=rf"^{path}: files appeared in it while it was removed .* it is left "
+                                               "partial, to be removed once nothing writes there$"):
+        commit.remove_step(path, removed)
+    assert layout.status_of(path) == layout.PARTIAL
+    assert sorted(os.listdir(path)) == [commit.IN_PROGRESS, "late.bin"]
     commit.remove_step(path)
     assert not os.path.lexists(path)
 

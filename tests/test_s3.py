@@ -874,19 +874,90 @@ def test_a_second_job_of_one_url_on_one_node_is_refused_while_the_first_runs(buc
 
 
 def test_a_manager_that_fails_to_start_lets_go_of_its_staging_folder(bucket, tmp_path):
-    """Its staging folder was taken, then the start failed (an initial_load_path in a bucket that
-    does not exist): no manager to close, and the folder stayed locked to every later job."""
+    """Its staging folder was taken, then the start failed (initial_load_path's staging folder is
+    taken before the folder's, here one that cannot be made): no manager to close, and the
+    folder stayed locked to every later job."""
     import fcntl  # noqa: PLC0415
 
     url = f"s3://{bucket}/run"
+    (tmp_path / quote(url, safe="")).write_text("")  # where the folder's staging folder would go
     model, opt = _job()
-    with pytest.raises(ConfigError, match="checkpoint.initial_load_path"):
-        CheckpointManager(_config(url, str(tmp_path), initial_load_path=f"s3://no-{bucket}/x"), [model], opt)
-    locks = glob.glob(os.path.join(tmp_path, "*", "rank-0.lock"))
-    assert len(locks) == 2  # the folder's and initial_load_path's
-    for lock in locks:
-        with open(lock) as f:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raised BlockingIOError while held
+    with pytest.raises(ConfigError, match="checkpoint.staging_folder"):
+        CheckpointManager(_config(url, str(tmp_path), initial_load_path=f"s3://{bucket}/x"), [model], opt)
+    (lock,) = glob.glob(os.path.join(tmp_path, "*", "rank-0.lock"))  # initial_load_path's
+    with open(lock) as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raised BlockingIOError while held
+
+
+def test_a_bucket_that_cannot_be_used_is_refused_before_anything_is_made(bucket, tmp_path):
+    """Every store is reached before any makes anything: the folder's staging folder and lock
+    file were made before its bucket was tried, and the local checkpoint folder before
+    initial_load_path's bucket was."""
+    model, opt = _job()
+    stage = str(tmp_path / "stage")
+    with pytest.raises(ConfigError, match=rf"^checkpoint.folder = 's3://no-{bucket}/run': the bucket cannot be used"):
+        CheckpointManager(_config(f"s3://no-{bucket}/run", stage, storage_retries=0), [model], opt)
+    assert os.listdir(tmp_path) == []
+    config = _config(str(tmp_path / "ck"), stage, initial_load_path=f"s3://no-{bucket}/x", storage_retries=0)
+    with pytest.raises(ConfigError, match=rf"^checkpoint.initial_load_path = 's3://no-{bucket}/x': the bucket cannot"):
+        CheckpointManager(config, [model], opt)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_url_in_the_base_folder_is_checked_as_the_folder_is(bucket, tmp_path):
+    """The manager's base folder (a TorchTitan job's `job.dump_folder`) may put the step folders
+    on object storage; that URL was not checked: "s3://" made the folder `checkpoint` a bucket,
+    and a two-phase Hugging Face export, refused for an s3:// folder at start-up, failed the
+    first export."""
+    model = build_model(load_job_config(DEBUG_CONFIG, []))
+    stage = str(tmp_path / "stage")
+    config = _config("checkpoint", stage, hf_export_interval=1, consolidation="rank0")
+    with pytest.raises(ConfigError, match=re.escape(f"checkpoint.consolidation = 'rank0': a Hugging Face export "
+                                                    f"(checkpoint.hf_export_interval) to object storage (base_folder = "
+                                                    f"'s3://{bucket}/run') is written in one pass")):
+        CheckpointManager(config, [model], base_folder=f"s3://{bucket}/run", state_dict_adapter=hf_adapter(model.args))
+    with pytest.raises(ConfigError, match=re.escape("base_folder = 's3://': expected s3://bucket/prefix (no bucket")):
+        CheckpointManager(_config("checkpoint", stage), [model], base_folder="s3://")
+    assert os.listdir(tmp_path) == [] and _objects(bucket) == {}
+    with CheckpointManager(_config("checkpoint", stage), [model], base_folder=f"s3://{bucket}/run") as manager:
+        manager.save(1)
+    assert "run/checkpoint/step-1/COMMITTED.json" in _objects(bucket)
+
+
+_DIES_LEAVING_A_WORKER = """
+import os, signal, sys, time
+from torch import nn, optim
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.config import Checkpoint
+model = nn.Linear(2, 2)
+config = Checkpoint(enable=True, folder=sys.argv[1], staging_folder=sys.argv[2])
+manager = CheckpointManager(config, [model], optim.SGD(model.parameters(), lr=0.1))
+worker = os.fork()  # a data loader's worker, which outlives its killed parent
+if worker == 0:
+    time.sleep(120)
+    os._exit(0)
+print(worker, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_worker_forked_by_a_killed_job_does_not_hold_its_staging_folder(bucket, tmp_path):
+    """A forked child gets copies of the lock files' descriptors; had it kept them, the lock
+    would outlive the killed job for as long as the child lives, and refuse the next job."""
+    url = f"s3://{bucket}/run"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    killed = subprocess.Popen([sys.executable, "-c", _DIES_LEAVING_A_WORKER, url, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True, env=env)  # the worker keeps the pipe open
+    worker = int(killed.stdout.readline())
+    try:
+        assert killed.wait(timeout=120) == -9
+        os.kill(worker, 0)  # still alive
+        ran = subprocess.run([sys.executable, "-c", _SECOND_JOB, url, str(tmp_path)], capture_output=True,
+                             text=True, timeout=120, env=env)
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+    finally:
+        os.kill(worker, 9)
 
 
 def test_another_programs_step_a_save_would_meet_is_refused_before_training(bucket, tmp_path):

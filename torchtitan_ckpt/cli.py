@@ -59,7 +59,7 @@ from .storage.base import Store
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
 EXIT_CODES = """exit status:
   0    success
-  1    verify: a file is missing or differs from the manifest; list: no loadable step
+  1    verify: a file is missing, differs from the manifest or is not in it; list: no loadable step
   2    usage error, or input that is not what the command needs (named on stderr)
   130  interrupted (Ctrl-C); an unfinished convert/consolidate output is removed
   143  ended by SIGTERM (129: SIGHUP), cleaned up as after Ctrl-C
@@ -93,7 +93,9 @@ def _opened(where: str, argument: str) -> Iterator[tuple[Store, str]]:
     with tempfile.TemporaryDirectory(prefix="torchtitan-ckpt-") as tmp:
         store = open_store(where, argument, 0, Checkpoint(staging_folder=tmp))
         try:
-            store.check(CheckpointGroup(), write=False)
+            group = CheckpointGroup()
+            store.reach(group, write=False)
+            store.check(group, write=False)
             yield store, store.root
         finally:
             store.close()
@@ -543,9 +545,9 @@ def _add_convert(sub: Any) -> None:
                         "family, --to hf the one the step records (a Qwen3 step that records none needs it)")
     p.add_argument("--hf-assets", help="HF folder whose config.json (and file split) gives the model; default: the HF source (--to dcp) or the config the DCP step recorded (--to hf)")
     p.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="cast floating tensors of an HF export")
-    p.add_argument("--max-shard-size", type=_size, default="5GB",
+    p.add_argument("--max-shard-size", type=_size, default=Checkpoint.hf_max_shard_size,
                    help="largest HF file when there is no assets index (default %(default)s)")
-    p.add_argument("--consolidation", default="one_pass", choices=MODES,
+    p.add_argument("--consolidation", default=Checkpoint.consolidation, choices=MODES,
                    help="how the HF files are written (see checkpoint.consolidation)")
     p.add_argument("--threads", type=_threads, default=4, help="I/O threads per rank for the HF files")
 

@@ -21,11 +21,11 @@ import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypeVar
 
 from .errors import ConfigError
-from .storage import check_url, scheme_of
+from .storage import check_location, scheme_of, under
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -52,6 +52,21 @@ MAX_THREADS = 256
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Upper bound of `collective_timeout_s` (a week): larger values overflow the process group's timer."""
 
+MIN_TIMEOUT_S = 1.0
+"""Lower bound of `collective_timeout_s` and `storage_timeout_s`: a shorter wait fails healthy
+collectives and requests (a peer still planning its save, a connection still being made)."""
+
+MAX_STORAGE_TIMEOUT_S = 3600.0
+"""Upper bound of `storage_timeout_s`: a store silent for longer has failed."""
+
+NAME_MAX, PATH_MAX = 255, 4096
+"""The bytes of a file name and of a path a file system takes where `os.pathconf` does not say."""
+
+PATH_ROOM = 512
+"""Bytes a local folder's path leaves below PATH_MAX for the names this package makes in it: a
+step's files (`hf/step-N/model-00001-of-00009.safetensors.tmp`) and, in a `staging_folder`, a
+URL's folder (at most 200 bytes) and `rank-N`."""
+
 MIN_PART, MAX_PART = 5 << 20, 5 << 30
 """The part sizes S3's multipart upload accepts (every part but the last)."""
 T = TypeVar("T")
@@ -63,9 +78,9 @@ class Checkpoint:
     """Save checkpoints and resume from them. When false, `save()` and `load()` do nothing."""
 
     folder: str = "checkpoint"
-    """Folder of the step folders (`step-N`), relative to the manager's `base_folder` (the example
-    job's `job.dump_folder`) unless absolute; every rank must see the same folder (checked at
-    start-up). Or object storage: `s3://bucket/prefix` (docs/storage.md)."""
+    """Folder of the step folders (`step-N`), relative to the manager's `base_folder` (a TorchTitan
+    job's `job.dump_folder`, a path or a URL) unless absolute; every rank must see the same folder
+    (checked at start-up). Or object storage: `s3://bucket/prefix` (docs/storage.md)."""
 
     interval: int = 500
     """Save every this many steps (step % interval == 0)."""
@@ -79,7 +94,7 @@ class Checkpoint:
     """Load only the model from `initial_load_path` (optimizer, schedulers and data start fresh)."""
 
     initial_load_in_hf: bool = False
-    """`initial_load_path` (or, when unset, the adapter's `hf_assets_path`: the example job's
+    """`initial_load_path` (or, when unset, the adapter's `hf_assets_path`: a TorchTitan job's
     `model.hf_assets_path`) is a Hugging Face safetensors folder (needs `initial_load_model_only`)."""
 
     last_save_model_only: bool = True
@@ -176,7 +191,8 @@ class Checkpoint:
 
     collective_timeout_s: float = 600.0
     """Timeout of every collective on the checkpoint process group the manager creates: a rank
-    whose peer died raises instead of waiting forever."""
+    whose peer died raises instead of waiting forever. At least 1 s: ranks wait on each other's
+    ordinary work (a save's planning, a rank's upload), which a shorter timeout fails."""
 
     dedup_policy: DedupPolicy = "balanced"
     """Which rank writes a tensor replicated on several ranks: `balanced` (fewest bytes in the end),
@@ -194,8 +210,8 @@ class Checkpoint:
     same with both, and each reads what the other wrote."""
 
     staging_folder: str = ""
-    """With an object-storage `folder` or `initial_load_path`: the local folder where each rank
-    writes its files of a save before uploading them, and downloads a step to load it
+    """With an object-storage `folder` or `initial_load_path`: the local folder (not a URL) where
+    each rank writes its files of a save before uploading them, and downloads a step to load it
     (`{staging_folder}/{url, percent-encoded}/rank-N`). Needs room for a rank's share of a step (two with async
     saves). Empty: `torchtitan_ckpt-<uid>` in the system's temporary folder, made readable by this
     user alone (refused when it is a link, another user's, or open to others)."""
@@ -218,7 +234,8 @@ class Checkpoint:
     """Object storage: the seconds a request waits to connect, and then for each next piece of
     the answer, before it counts as failed (and is retried): a stalled endpoint fails after
     about `storage_retries + 1` times this, not after botocore's 60 s per try. A limit on
-    silence, not on a transfer's length."""
+    silence, not on a transfer's length. 1 to 3600 s: a shorter one fails a healthy endpoint's
+    requests (connecting alone may take longer), which then reads as a bad bucket."""
 
     @classmethod
     def from_torchtitan(cls, section: Any, **overrides: Any) -> Checkpoint:
@@ -228,8 +245,13 @@ class Checkpoint:
         here are refused when they would change what is saved or loaded
         (`initial_load_in_hf_quantized`), and otherwise left out with a log line
         (`enable_ft_dataloader_checkpoints`: TorchFT's, which this package does not run)."""
-        theirs = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)} \
-            if dataclasses.is_dataclass(section) else dict(vars(section))
+        if dataclasses.is_dataclass(section) and not isinstance(section, type):
+            theirs = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+        elif hasattr(section, "__dict__") and not isinstance(section, type):
+            theirs = dict(vars(section))
+        else:
+            raise TypeError(f"section is of type {type(section).__name__}, not TorchTitan's [checkpoint] section (a "
+                            "dataclass, or an object holding its settings as attributes): pass job_config.checkpoint")
         ours = {f.name for f in dataclasses.fields(cls)}
         if theirs.get("initial_load_in_hf_quantized"):
             key = "checkpoint.initial_load_in_hf_quantized"
@@ -256,6 +278,20 @@ class Checkpoint:
         _check_combinations(ck, prefix)
         return ck
 
+    def folder_under(self, base_folder: str | os.PathLike, base_key: str = "base_folder",
+                     prefix: str = "checkpoint.") -> str:
+        """Where the step folders of this validated section are for a job whose outputs go under
+        `base_folder` (a TorchTitan job's `job.dump_folder`, named `base_key` in errors): `folder`
+        joined onto it (`storage.under`), or `folder` itself when it is a URL or absolute. The
+        joined folder gets the checks `validate` gives `folder` (a URL in the base folder makes
+        the step folders object storage), and a bad base folder is a `ConfigError` naming
+        `base_key`: "s3://" joined with "checkpoint" would be the bucket `checkpoint`."""
+        base = _convert(base_key, base_folder, str)
+        folder = under(base, self.folder)
+        if folder != self.folder:  # the base folder is used
+            _check_folder(self, prefix, folder, base_key, base)
+        return folder
+
 
 def _at_least(key: str, value: int | float, low: int | float, high: int | float | None = None) -> None:
     if value < low or (high is not None and value > high):
@@ -270,12 +306,9 @@ def _check_ranges(ck: Checkpoint, p: str) -> None:
         _at_least(p + name, getattr(ck, name), low)
     for name in ("load_threads", "save_threads", "consolidation_threads", "upload_parallel_parts"):
         _at_least(p + name, getattr(ck, name), 1, MAX_THREADS)
-    if not 0 < ck.collective_timeout_s <= MAX_TIMEOUT_S:
-        raise ConfigError(p + "collective_timeout_s", ck.collective_timeout_s,
-                          f"expected > 0 seconds and at most {MAX_TIMEOUT_S:.0f} (a week)")
+    _at_least(p + "collective_timeout_s", ck.collective_timeout_s, MIN_TIMEOUT_S, MAX_TIMEOUT_S)
     _at_least(p + "storage_retries", ck.storage_retries, 0, 100)
-    if not 0 < ck.storage_timeout_s <= 3600:
-        raise ConfigError(p + "storage_timeout_s", ck.storage_timeout_s, "expected > 0 seconds and at most 3600")
+    _at_least(p + "storage_timeout_s", ck.storage_timeout_s, MIN_TIMEOUT_S, MAX_STORAGE_TIMEOUT_S)
     for name in ("hf_max_shard_size", "upload_part_size"):
         try:
             parse_size(getattr(ck, name))
@@ -290,21 +323,62 @@ def _check_ranges(ck: Checkpoint, p: str) -> None:
 def _check_paths(ck: Checkpoint, p: str) -> None:
     if not ck.folder:
         raise ConfigError(p + "folder", ck.folder, "expected a non-empty folder name")
-    for name in ("folder", "initial_load_path"):
-        value = getattr(ck, name)
-        if value is not None and scheme_of(value) is not None:
-            _check_url(p, name, value, ck)
+    _check_folder(ck, p, ck.folder, p + "folder", ck.folder)
+    if ck.initial_load_path is not None:
+        check_location(p + "initial_load_path", ck.initial_load_path)
+    if ck.staging_folder:
+        check_location(p + "staging_folder", ck.staging_folder, local=True)
+        _check_local(p + "staging_folder", ck.staging_folder, ck.staging_folder)
 
 
-def _check_url(p: str, name: str, url: str, ck: Checkpoint) -> None:
-    """A supported scheme, a bucket (`storage.check_url`), and a Hugging Face export that object
-    storage can take."""
-    check_url(p + name, url)
+def _check_folder(ck: Checkpoint, p: str, folder: str, key: str, value: str) -> None:
+    """What depends on where the step folders are, `folder`: `folder` itself, or it under a base
+    folder (`Checkpoint.folder_under`), `key = value` being the setting that makes it a URL or a
+    local path. A URL of a store there is and a Hugging Face export that object storage can take,
+    or a local path a file system takes (`_check_local`); never a mistyped URL."""
+    check_location(key, value)
+    if scheme_of(folder) is None:
+        _check_local(key, value, folder)
+        return
     hf = [k for k in ("last_save_in_hf", "hf_export_interval") if getattr(ck, k)]
-    if name == "folder" and hf and ck.consolidation != "one_pass":
+    if hf and ck.consolidation != "one_pass":
         raise ConfigError(p + "consolidation", ck.consolidation, f"a Hugging Face export ({p}{hf[0]}) to "
-                          f"object storage ({p}folder = {url!r}) is written in one pass; set {p}consolidation "
+                          f"object storage ({key} = {value!r}) is written in one pass; set {p}consolidation "
                           "= \"one_pass\"")
+
+
+def _check_local(key: str, value: str, folder: str) -> None:
+    """The local folder `folder` (named by `key = value`) can be made, with room for what this
+    package writes in it: each name in `value` within the file system's NAME_MAX bytes, and
+    `folder` within its PATH_MAX less `PATH_ROOM`. Checked now because making a folder whose
+    path is too long fails only once the levels above the name too long are made."""
+    try:
+        length = len(os.fsencode(folder))
+        name = max(map(len, os.fsencode(value).split(b"/")))
+    except UnicodeEncodeError as e:
+        raise ConfigError(key, value, f"is not a path this system can encode: {e.reason}") from None
+    name_max, path_max = _path_limits(folder)
+    if name > name_max:
+        raise ConfigError(key, value, f"holds a name of {name} bytes; the file system takes at most {name_max}")
+    if length > path_max - PATH_ROOM:
+        raise ConfigError(key, value, f"gives a folder path of {length} bytes; at most {path_max - PATH_ROOM} "
+                          f"leave room for the files made in it (the file system takes paths of {path_max})")
+
+
+def _path_limits(folder: str) -> tuple[int, int]:
+    """NAME_MAX and PATH_MAX of the file system holding `folder`'s nearest existing folder
+    (`os.pathconf`), or `NAME_MAX` and `PATH_MAX` where it does not say."""
+    existing = os.path.abspath(folder)
+    while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    limits = []
+    for name, default in (("PC_NAME_MAX", NAME_MAX), ("PC_PATH_MAX", PATH_MAX)):
+        try:
+            limit = os.pathconf(existing, name)
+        except (OSError, ValueError, AttributeError):  # no such setting here, or no pathconf at all
+            limit = default
+        limits.append(limit if limit > 0 else sys.maxsize)  # -1: no limit
+    return limits[0], limits[1]
 
 
 def _check_combinations(ck: Checkpoint, p: str) -> None:
@@ -374,7 +448,7 @@ def load_config(root: type[T], path: str | os.PathLike | None = None, argv: list
     `argv`; convert every value to its field's type and validate every table that has a
     `validate(prefix)` method, children before parents. Raises `ConfigError`."""
     raw: dict[str, Any] = _read_toml(os.fspath(path)) if path is not None else {}
-    for key, value in _parse_overrides(argv or []):
+    for key, value in _parse_overrides(_strings(argv)):
         _set_dotted(raw, key, value)
     config = _build(root, raw, "")
     validate_tree(config)
@@ -402,6 +476,21 @@ def _read_toml(path: str) -> dict[str, Any]:
             raise ConfigError("--config", path, f"is not valid TOML: {e}") from e
         except RecursionError:
             raise ConfigError("--config", path, "is nested too deeply to be a job config") from None
+
+
+def _strings(argv: Any) -> list[str]:
+    """`argv` (None: none) as a list of strings, or a `TypeError` saying what was passed instead:
+    a string (its letters would be read as arguments), or a list holding something else."""
+    if argv is None:
+        return []
+    if isinstance(argv, (str, bytes)) or not isinstance(argv, Iterable):
+        raise TypeError(f"argv is of type {type(argv).__name__}; pass a list of strings, as sys.argv[1:]")
+    args = list(argv)
+    for i, arg in enumerate(args):
+        if not isinstance(arg, str):
+            raise TypeError(f"argv[{i}] is of type {type(arg).__name__}; argv holds strings, as sys.argv[1:] does: "
+                            "pass str(value)")
+    return args
 
 
 class _CliText(str):

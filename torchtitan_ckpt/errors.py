@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import reprlib
 from typing import NoReturn
 
 
 class CheckpointError(Exception):
     """Base class of every error this package raises deliberately."""
+
+
+class _ValueRepr(reprlib.Repr):
+    """A config value's repr for a message, bounded as reprlib bounds it (a table a dotted key
+    nests a thousand deep, a list of millions) and without `repr`'s own failure on an int of
+    over 4300 digits; a string is shown whole up to 1000 characters (any path one would type)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 4
+        self.maxstring = self.maxother = 1000
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 128:
+            return f"<an int of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_value_repr = _ValueRepr().repr
 
 
 class ConfigError(CheckpointError, ValueError):
@@ -16,7 +36,7 @@ class ConfigError(CheckpointError, ValueError):
         self.key = key
         self.value = value
         self.expected = expected
-        super().__init__(f"{key} = {value!r}: {expected}")
+        super().__init__(f"{key} = {_value_repr(value)}: {expected}")
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):

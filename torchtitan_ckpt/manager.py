@@ -39,6 +39,7 @@ from .hf.files import RECORDED_LAYOUT
 from .hf.save import assets_file_split
 from .io.dtypes import EXPORT_DTYPES
 from .io.filewriter import Sink
+from .progress import gb_per_s
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
 from .staging import SaveJob, Staged, make_strategy
 from .states import CheckedState, DataLoaderState, LRSchedulerState, ModelState, OptimizerState, saved_dp_degree
@@ -128,7 +129,7 @@ class CheckpointManager:
         config = config.validate()  # a section built in Python never went through `load_config`
         self.config = config
         self._adapter = as_adapter(state_dict_adapter)
-        self.folder = storage.under(base_folder, config.folder)
+        self.folder = config.folder_under(base_folder)
         parts = _as_list(model_parts)
         if not parts:
             raise ValueError("model_parts is empty; pass the model (or its pipeline stages)")
@@ -170,7 +171,7 @@ class CheckpointManager:
     def _check_job(self) -> None:
         """What the config asks of this job: an adapter for the Hugging Face format (and what an
         export writes beside its tensors: `_check_export`), one process for a seed checkpoint,
-        one folder for every rank."""
+        one folder for every rank; then the stores (`_check_stores`)."""
         config = self.config
         for key in ("initial_load_in_hf", "last_save_in_hf", "hf_export_interval"):
             if getattr(config, key) and self._adapter is None:
@@ -196,9 +197,17 @@ class CheckpointManager:
                 raise ConfigError("checkpoint.folder", self._store.url,
                                   f"every rank must use the same folder; rank 0 uses {folders[0]}, rank {other} "
                                   f"{folders[other]} (a relative folder resolved in another working directory?)")
-        self._store.check(self._group, write=not config.load_only)  # a probe written: shared by every rank?
-        if self._initial is not None:
-            self._initial.check(self._group, write=False)
+        self._check_stores()
+
+    def _check_stores(self) -> None:
+        """Every store reached before any makes anything (a staging folder, the checkpoint
+        folder): a bucket that cannot be used leaves nothing behind. The checkpoint folder's
+        check, which on a file system makes the folder, goes last."""
+        stores = [(self._store, not self.config.load_only)] + ([(self._initial, False)] if self._initial else [])
+        for store, write in stores:
+            store.reach(self._group, write)
+        for store, write in reversed(stores):
+            store.check(self._group, write)  # a probe written: shared by every rank?
 
     def _check_export(self) -> None:
         """The adapter's `config.json` to write; and, where the adapter knows the tensors it
@@ -404,9 +413,8 @@ class CheckpointManager:
 
     @staticmethod
     def _log_saved(info: commit.CommitInfo, path: str, kind: SaveKind, secs: float, summary: str) -> None:
-        gb = info.total_bytes / 1e9
-        logger.info("saved step %d (%s, %s) to %s: %.3f GB in %.2f s, %.2f GB/s",
-                    info.step, kind.value, info.format, path, gb, secs, gb / max(secs, 1e-9))
+        logger.info("saved step %d (%s, %s) to %s: %.3f GB in %.2f s, %.2f GB/s", info.step, kind.value,
+                    info.format, path, info.total_bytes / 1e9, secs, gb_per_s(info.total_bytes, secs))
         if summary:
             logger.info("step %d %s", info.step, summary)
 
@@ -454,9 +462,9 @@ class CheckpointManager:
         self._read(target)
         if self._group.is_coordinator:
             secs = time.perf_counter() - start
-            gb = layout.folder_bytes(target.path, held=True) / 1e9
+            nbytes = layout.folder_bytes(target.path, held=True)
             logger.info("loaded %s%s: %.3f GB in %.2f s, %.2f GB/s", target.store.describe(target.path),
-                        " (model only)" if target.model_only else "", gb, secs, gb / max(secs, 1e-9))
+                        " (model only)" if target.model_only else "", nbytes / 1e9, secs, gb_per_s(nbytes, secs))
         return True
 
     def _agreed_steps(self, mine: list[layout.StepFolder]) -> list[layout.StepFolder]:

@@ -35,6 +35,11 @@ def fmt_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def gb_per_s(nbytes: float, secs: float) -> float:
+    """A throughput for a log line, in GB/s (powers of 1000); a zero duration counts as 1 ns."""
+    return nbytes / 1e9 / max(secs, 1e-9)
+
+
 def _fmt_seconds(s: float) -> str:
     s = int(s + 0.5)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"

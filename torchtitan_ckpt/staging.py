@@ -36,6 +36,7 @@ import copy
 import functools
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -53,6 +54,12 @@ from .io.filewriter import CountWait, Sink, write_files
 from .io.writer_process import WriterProcess
 
 logger = logging.getLogger(__name__)
+
+_NO_THREADS_AT_EXIT = (3, 12, 0) <= sys.version_info[:3] < (3, 12, 3)
+"""Python 3.12.0-3.12.2 start no thread once the interpreter is exiting (CPython gh-113964,
+fixed in 3.12.3), so a save still in flight at exit cannot finish there."""
+_EXIT_THREADS_NOTE = (" (this Python, 3.12.0 to 3.12.2, starts no thread at exit: close the CheckpointManager "
+                      "before the script ends, or use Python 3.12.3 or later)")
 
 Deferred = Callable[[tuple], bool]
 """Whether the tensor at a path of the state (its keys, in order) may be staged after `submit()`
@@ -560,7 +567,8 @@ class BackgroundSaves:
             try:
                 self.wait()
             except Exception as e:
-                logger.error("the save in flight at exit failed: %s", e)
+                logger.error("the save in flight at exit failed: %s%s", e, _EXIT_THREADS_NOTE if
+                             _NO_THREADS_AT_EXIT else "")
         if self.writer is not None:
             self.writer.close()
             self.writer = None

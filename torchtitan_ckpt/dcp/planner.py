@@ -32,11 +32,18 @@ def _key(item: WriteItem) -> Key:
     return (item.index.fqn, tuple(item.index.offset or ()))
 
 
+def item_bytes(item: WriteItem) -> int:
+    """Bytes a rank writes for `item` (its chunk, not the whole tensor; 0 for a value's)."""
+    if item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+
 def _item(item: WriteItem) -> Item:
     if item.tensor_data is None:
         return Item(0)
     sizes = item.tensor_data.chunk.sizes
-    return Item(math.prod(sizes) * item.tensor_data.properties.dtype.itemsize, sizes[0] if sizes else 0)
+    return Item(item_bytes(item), sizes[0] if sizes else 0)
 
 
 def layout_of(plans: Sequence[SavePlan]) -> list[dict[Key, Item]]:
@@ -133,7 +140,7 @@ class DedupSavePlanner(DefaultSavePlanner):
     no rank's plan changed (and replans with the cached plans of the unchanged ranks when some
     did), and a rank sent an empty plan writes as it did last time."""
 
-    def __init__(self, policy: str = "balanced", min_slice_bytes: int = 1 << 20, cache: PlanCache | None = None):
+    def __init__(self, policy: str, min_slice_bytes: int, cache: PlanCache | None = None):
         super().__init__()
         self.policy = policy
         self._assign = make_policy(policy, min_slice_bytes)
@@ -236,10 +243,10 @@ def _scalar(value: object) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _saved_scalar(pickled: bytes) -> bytes:
     """`torch.save`'s bytes (DCP's format for a value) of the value `pickled` holds, made once
-    per value: the same value always gives the same bytes, and `torch.save` takes 80-180 us
-    each, which, for the one value per optimizer setting and parameter of TorchTitan's layout
-    (about 1000 values per rank for the 1.6 GB benchmark state), was a tenth of a save. Keyed by
-    the value's pickle, which tells apart what compares equal (1, 1.0, True; 0.0 and -0.0)."""
+    per value: the same value always gives the same bytes, and a `torch.save` for each of the
+    values of TorchTitan's layout (one per optimizer setting and parameter) at every save was a
+    large part of a save's CPU (`docs/performance.md`). Keyed by the value's pickle, which tells
+    apart what compares equal (1, 1.0, True; 0.0 and -0.0)."""
     buf = io.BytesIO()
     torch.save(pickle.loads(pickled), buf)
     return buf.getvalue()

@@ -17,7 +17,6 @@ import enum
 import functools
 import io
 import logging
-import math
 import os
 import pathlib
 import pickle
@@ -55,9 +54,10 @@ from torch.futures import Future
 from ..io import filewriter, reader, safe_open, torch_archive
 from ..io.untrusted import UnsafePickleError, brief, check_pickle
 from ..io.checksum import crc32
+from ..config import Checkpoint
 from ..policy.split import balanced_groups
 from . import load_plan
-from .planner import DedupSavePlanner, PlanCache
+from .planner import DedupSavePlanner, PlanCache, item_bytes
 from .validate import check_metadata
 from ..errors import CheckpointError, CorruptCheckpointError, PartialLoadError
 
@@ -498,7 +498,7 @@ class DataFileWriter(FileSystemWriter):
                 return
             jobs = []
             for i, bucket in enumerate(balanced_groups(pieces, self.thread_count, lambda kt: kt[1].nbytes)):
-                self._early_names.append(f"__{rank}_{i}.distcp")
+                self._early_names.append(_data_file(f"__{rank}_", i))  # the prefix the global plan gives
                 jobs.append(filewriter.FileJob(os.path.join(self.path, self._early_names[-1]),
                                                [filewriter.Entry(key, t, wait and wait(t)) for key, t in bucket],
                                                self._direct))
@@ -520,10 +520,10 @@ class DataFileWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._staged()  # raised here, in DCP's protocol, a staging failure reaches every rank
         results, rest = self._written_early(plan.items)
-        buckets = balanced_groups(rest, self.thread_count, _item_bytes) if rest or self._early is None else []
+        buckets = balanced_groups(rest, self.thread_count, item_bytes) if rest or self._early is None else []
         jobs, names = [], []
         for i, bucket in enumerate(buckets):
-            names.append(f"{plan.storage_data.prefix}{len(self._early_names) + i}.distcp")
+            names.append(_data_file(plan.storage_data.prefix, len(self._early_names) + i))
             entries = [filewriter.Entry(item.index, _resolve(planner, item)) for item in bucket]
             jobs.append(filewriter.FileJob(os.path.join(self.path, names[-1]), entries, self._direct))
         for name, written in zip(names, self._sink(jobs, self._step, self.sync_files), strict=True):
@@ -633,13 +633,6 @@ def _resolve(planner: SavePlanner, item: WriteItem) -> bytes | torch.Tensor:
     return data.detach()
 
 
-def _item_bytes(item: WriteItem) -> int:
-    """Bytes this rank writes for `item` (its chunk, not the whole tensor)."""
-    if item.tensor_data is None:
-        return 0
-    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
-
-
 class TorchFileWriter(FileSystemWriter):
     """PyTorch's own writer, for `io_engine = "torch"`: the same calls as `DataFileWriter`, but
     nothing is written early and no checksum is computed while writing (the commit reads each
@@ -689,7 +682,13 @@ def make_storage_reader(path: str, metadata: Metadata | None = None, threads: in
     return SafeFileSystemReader(path, metadata, threads, fast, before_read, agree)
 
 
-def make_save_planner(policy: str = "balanced", min_slice_bytes: int = 1 << 20,
+def _data_file(prefix: str, number: int) -> str:
+    """A data file's name: the rank's prefix in the global plan (`FileSystemWriter`'s
+    `__{rank}_`) and a number."""
+    return f"{prefix}{number}.distcp"
+
+
+def make_save_planner(policy: str = Checkpoint.dedup_policy, min_slice_bytes: int = Checkpoint.dedup_min_slice_bytes,
                       cache: PlanCache | None = None) -> DedupSavePlanner:
     """DCP's save planner with replicated values written as `checkpoint.dedup_policy` says,
     reusing what `cache` holds of the last save's plan when nothing changed."""

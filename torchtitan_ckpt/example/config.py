@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
-from .. import storage
 from ..config import Checkpoint, load_config
 from ..errors import ConfigError
 from ..hf.files import INDEX_FILE, SINGLE_FILE
+from .data import SAMPLES
 from .model import FLAVORS
 
 
@@ -38,16 +39,22 @@ class Model:
 @dataclass
 class Training:
     steps: int = 10
-    """Number of optimizer steps of the whole run (the last one is the `last_step` save)."""
+    """Number of optimizer steps of the whole run (the last one is the `last_step` save). A run is
+    at most one pass over the synthetic dataset (65536 samples): each data-parallel rank gets an
+    equal share of it, so at most share / `local_batch_size` steps."""
 
     seed: int = 0
-    """Seed of the model initialisation, the synthetic data and the RNG state."""
+    """Seed of the model initialisation, the synthetic data and the RNG state; any 64-bit integer."""
 
     local_batch_size: int = 8
-    """Sequences per rank per step."""
+    """Sequences per rank per step; at most a data-parallel rank's share of the synthetic dataset
+    (65536 samples / the data-parallel degree). Memory grows with `local_batch_size x seq_len`
+    tokens (the logits alone take 4 bytes x vocabulary size per token, kept for the backward
+    pass); the config does not bound it further, as what fits depends on the machine."""
 
     seq_len: int = 64
-    """Tokens per sequence."""
+    """Tokens per sequence: from 2 to the flavor's `max_seq_len` (2048 in every flavor), the
+    positions its rotary embedding covers."""
 
     max_norm: float = 1.0
     """Gradient-norm clipping threshold; 0 disables clipping."""
@@ -67,13 +74,13 @@ class Optimizer:
     """Optimizer class. Only `AdamW` exists in the example job."""
 
     lr: float = 8e-4
-    """Peak learning rate, reached at the end of warm-up."""
+    """Peak learning rate, reached at the end of warm-up; > 0."""
 
     eps: float = 1e-8
-    """AdamW epsilon."""
+    """AdamW epsilon; >= 0."""
 
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay."""
+    """AdamW decoupled weight decay; >= 0."""
 
 
 @dataclass
@@ -132,12 +139,15 @@ class JobConfig:
     @property
     def checkpoint_folder(self) -> str:
         """Where the step folders are: `{job.dump_folder}/{checkpoint.folder}` (absolute or
-        relative), or `checkpoint.folder` itself when it is a URL (`s3://bucket/prefix`)."""
-        return storage.under(self.job.dump_folder, self.checkpoint.folder)
+        relative), or `checkpoint.folder` itself when it is a URL (`s3://bucket/prefix`); a
+        `ConfigError` naming `job.dump_folder` when the joined folder is not one to use."""
+        return self.checkpoint.folder_under(self.job.dump_folder, "job.dump_folder")
 
     def validate(self, prefix: str = "") -> None:
         """The example job's own ranges, and what its sections say about each other."""
         _validate_sections(self)
+        self.checkpoint.folder_under(self.job.dump_folder, "job.dump_folder")  # as the manager checks it
+        _validate_training(self)
         _validate_parallelism(self)
         if self.checkpoint.initial_load_in_hf:
             _validate_hf_source(self)
@@ -171,13 +181,45 @@ def _validate_sections(c: JobConfig) -> None:
         _at_least(key, value, low)
     if not 0 <= c.lr_scheduler.min_lr_factor <= 1:
         raise ConfigError("lr_scheduler.min_lr_factor", c.lr_scheduler.min_lr_factor, "expected 0..1")
-    if c.optimizer.lr <= 0:
-        raise ConfigError("optimizer.lr", c.optimizer.lr, "expected > 0")
+    o = c.optimizer
+    if not (math.isfinite(o.lr) and o.lr > 0):
+        raise ConfigError("optimizer.lr", o.lr, "expected > 0 and finite")
+    for key, value in (("optimizer.eps", o.eps), ("optimizer.weight_decay", o.weight_decay)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(key, value, "expected >= 0 and finite")
     dp = c.parallelism.data_parallel_shard_degree
     if dp == 0 or dp < -1:
         raise ConfigError("parallelism.data_parallel_shard_degree", dp, "expected -1 (all ranks) or >= 1")
     if not c.job.dump_folder:
         raise ConfigError("job.dump_folder", c.job.dump_folder, "expected a non-empty path")
+
+
+def _validate_training(c: JobConfig) -> None:
+    """What the model and the dataset can take; the data-parallel degree is its least here
+    (`data_parallel_shard_degree` -1 takes 1), and checked again at start (`check_data`)."""
+    max_seq_len = FLAVORS[c.model.flavor].max_seq_len
+    if c.training.seq_len > max_seq_len:
+        raise ConfigError("training.seq_len", c.training.seq_len, f"flavor {c.model.flavor} takes at most "
+                          f"max_seq_len ({max_seq_len}) tokens per sequence")
+    p = c.parallelism
+    check_data(c, p.data_parallel_replicate_degree * max(1, p.data_parallel_shard_degree))
+
+
+def check_data(c: JobConfig, dp: int) -> None:
+    """`ConfigError` unless each of `dp` data-parallel ranks can draw `training.steps` batches from
+    one pass over the synthetic dataset (its loader starts no second epoch, and would stop the
+    run with a `StopIteration` mid-way)."""
+    tc = c.training
+    share = -(-SAMPLES // dp)  # the sampler pads the ranks' shares to the same length
+    batches = share // tc.local_batch_size
+    if not batches:
+        raise ConfigError("training.local_batch_size", tc.local_batch_size, f"expected at most {share}: a "
+                          f"data-parallel rank's share of the synthetic dataset ({SAMPLES} samples over {dp} "
+                          "rank(s))")
+    if tc.steps > batches:
+        raise ConfigError("training.steps", tc.steps, f"the synthetic dataset ({SAMPLES} samples over {dp} "
+                          f"data-parallel rank(s)) makes {batches} batches of training.local_batch_size "
+                          f"({tc.local_batch_size}) per rank; use at most {batches} steps or a smaller batch")
 
 
 PIPELINE_SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}

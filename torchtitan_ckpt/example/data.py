@@ -18,16 +18,27 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from ..io.torch_archive import load_plain_pickle
 from ..states import DP_RANK_PREFIX
 
+SAMPLES = 1 << 16
+"""Samples in the synthetic dataset. A run is at most one pass over it: the loader starts no
+second epoch, so the config refuses steps that would need one."""
+
+
+def _sample_seed(seed: int, index: int) -> int:
+    """The generator seed of sample `index`. Taken modulo 2**64, where torch reads a negative seed
+    as its two's complement: the same seed as before for every value that fitted in 64 bits, and
+    no overflow for any 64-bit `seed`."""
+    return (seed * 1_000_003 + index) % (1 << 64)
+
 
 class SyntheticTokens(Dataset):
-    def __init__(self, vocab_size: int, seq_len: int, seed: int, num_samples: int = 1 << 16):
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, num_samples: int = SAMPLES):
         self.vocab_size, self.seq_len, self.seed, self.num_samples = vocab_size, seq_len, seed, num_samples
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        g = torch.Generator().manual_seed(_sample_seed(self.seed, index))
         start, stride = torch.randint(0, self.vocab_size, (2,), generator=g).tolist()
         tokens = (start + (stride | 1) * torch.arange(self.seq_len + 1)) % self.vocab_size
         return tokens[:-1], tokens[1:]

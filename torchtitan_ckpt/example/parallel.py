@@ -11,6 +11,7 @@ and FSDP-sharded over `(dp_replicate,) efsdp`; every other parameter is FSDP-sha
 from __future__ import annotations
 
 import copy
+import math
 import os
 from dataclasses import dataclass
 
@@ -25,6 +26,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from ..errors import ConfigError
 from .config import PIPELINE_SCHEDULES, Parallelism
 from .model import Transformer
+
+
+_OUTER_DEGREES = ("pipeline_parallel_degree", "data_parallel_replicate_degree", "tensor_parallel_degree")
+"""The degrees besides the shard degree, outermost first, as `ParallelDims.from_config` multiplies them."""
 
 
 @dataclass(frozen=True)
@@ -42,15 +47,13 @@ class ParallelDims:
     def from_config(cls, p: Parallelism, world_size: int) -> ParallelDims:
         """The degrees `p` names on `world_size` ranks (a shard degree of -1 takes the ranks the
         others leave); `ConfigError` naming the keys when they do not multiply to the ranks."""
-        others = p.pipeline_parallel_degree * p.data_parallel_replicate_degree * p.tensor_parallel_degree
-        names = (f"pipeline_parallel_degree ({p.pipeline_parallel_degree}) x data_parallel_replicate_degree "
-                 f"({p.data_parallel_replicate_degree}) x tensor_parallel_degree ({p.tensor_parallel_degree})")
-        shard = p.data_parallel_shard_degree
-        if shard == -1:
-            if world_size % others:
-                raise ConfigError("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree,
-                                  f"{names} = {others} must divide the number of ranks ({world_size})")
-            shard = world_size // others
+        others = math.prod(getattr(p, key) for key in _OUTER_DEGREES)
+        names = " x ".join(f"{key} ({getattr(p, key)})" for key in _OUTER_DEGREES)
+        if world_size % others:
+            key = _first_misfit(p, world_size)
+            raise ConfigError(f"parallelism.{key}", getattr(p, key),
+                              f"{names} = {others} must divide the number of ranks ({world_size})")
+        shard = world_size // others if p.data_parallel_shard_degree == -1 else p.data_parallel_shard_degree
         if others * shard != world_size:
             raise ConfigError("parallelism.data_parallel_shard_degree", shard,
                               f"{names} x data_parallel_shard_degree = {others * shard} must equal the number "
@@ -77,6 +80,17 @@ class ParallelDims:
 
     def pp_rank(self, rank: int) -> int:
         return rank // (self.dp * self.tp)
+
+
+def _first_misfit(p: Parallelism, world_size: int) -> str:
+    """The degree (of those the shard degree does not take) at which their running product stops
+    dividing `world_size`: one the user set above 1, named in the error instead of a default."""
+    product = 1
+    for key in _OUTER_DEGREES:
+        product *= getattr(p, key)
+        if world_size % product:
+            return key
+    raise AssertionError("called with degrees that divide world_size")
 
 
 @dataclass

@@ -19,11 +19,12 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from .. import layout
 from ..errors import CheckpointError, ConfigError
 from ..group import launched_group
 from ..manager import CheckpointManager
 from ..storage import scheme_of
-from .config import JobConfig, load_job_config
+from .config import JobConfig, check_data, load_job_config
 from .data import build_dataloader
 from .model import FLAVORS, Transformer, hf_adapter
 from .parallel import ParallelDims, build_meshes, clip_grad_norm_, parallelize, pipeline_parts, select_device
@@ -105,8 +106,10 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def build_run(config: JobConfig, world_size: int, rank: int, device: torch.device) -> Run:
     """The model parts of `rank` on the meshes `config.parallelism` names, each with its optimizer
-    and scheduler (`ConfigError` when the degrees do not fit `world_size`)."""
+    and scheduler (`ConfigError` when the degrees do not fit `world_size`, or their data-parallel
+    ranks the dataset)."""
     dims = ParallelDims.from_config(config.parallelism, world_size)
+    check_data(config, dims.dp)
     model = build_model(config).to(device)
     staged, schedule, stages, pp_group = [(0, model)], None, [], None
     if world_size > 1:
@@ -151,7 +154,7 @@ def train(config: JobConfig, device: torch.device | None = None) -> None:
         adapter = hf_adapter(model.args, hf_assets_path=config.model.hf_assets_path)
         with CheckpointManager(ck, [model], base_folder=config.job.dump_folder, state_dict_adapter=adapter) as manager:
             manager.save(0)
-        logger.info("seed checkpoint written to %s", os.path.join(config.checkpoint_folder, "step-0"))
+        logger.info("seed checkpoint written to %s", layout.step_dir(config.checkpoint_folder, 0))
         return
     run = build_run(config, world_size, rank, device)
     adapter = hf_adapter(FLAVORS[config.model.flavor], hf_assets_path=config.model.hf_assets_path)
@@ -216,13 +219,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{__doc__.strip()}\n\nEvery key, its type and default: docs/config.md (checkpoint keys under "
               "[checkpoint], e.g. --checkpoint.interval 5).")
         return 0
-    path = None
-    if "--config" in argv:
-        i = argv.index("--config")
-        if i + 1 >= len(argv):
-            raise SystemExit("--config needs a path to a TOML file")
-        path = argv[i + 1]
-        del argv[i : i + 2]
+    path, argv = _split_config(argv)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank{rank}] %(asctime)s %(name)s %(levelname)s: %(message)s")
@@ -243,6 +240,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"checkpoint error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
+    """The TOML path of `--config FILE` or `--config=FILE` (at most once), and the overrides
+    left. An override's value never starts with `--`, so every `--config` here is the option."""
+    path, rest, i = None, [], 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        if arg != "--config" and not arg.startswith("--config="):
+            rest.append(arg)
+            continue
+        if path is not None:
+            raise SystemExit("--config is given twice; pass one TOML file")
+        if arg == "--config" and i < len(argv) and not argv[i].startswith("--"):
+            arg, i = f"--config={argv[i]}", i + 1
+        path = arg.partition("=")[2]
+        if not path:
+            raise SystemExit("--config needs a path to a TOML file")
+    return path, rest
 
 
 if __name__ == "__main__":

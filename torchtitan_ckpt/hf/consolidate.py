@@ -54,6 +54,7 @@ from ..dcp.storage import dtensor_chunk
 from ..errors import ConsolidationError, CorruptCheckpointError, InvalidShardsError, RankFailed
 from ..group import CheckpointGroup
 from ..policy.split import byte_ranges
+from ..progress import gb_per_s
 from .adapter import LOCAL_PLACEMENTS, PermutedRows, RowOf
 from .files import DCP_SHARD_NAME, DTYPE_NAMES, DTYPE_SIZES, INDEX_FILE, MAX_HEADER_BYTES, MAX_INDEX_BYTES
 from .files import file_number, is_dcp_shard_file, is_model_file, model_file_name
@@ -76,6 +77,11 @@ _SHARDING_KEY = "DCP_SHARDING_INFO"
 # Plain data: blocks, tensors, output files, copy tasks.
 
 
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    """Bytes of a tensor of `shape` and safetensors `dtype`."""
+    return math.prod(shape) * DTYPE_SIZES[dtype]
+
+
 @dataclass(frozen=True)
 class Block:
     """One block of one tensor: where it sits in the full tensor and where its bytes are (a shard
@@ -90,7 +96,7 @@ class Block:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+        return _nbytes(self.shape, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+        return _nbytes(self.shape, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -547,7 +553,7 @@ def _write_everything(group: CheckpointGroup, output_dir: str, files: list[Outpu
     seconds = time.perf_counter() - t0
     mine = sum(t.stop - t.start for t in tasks)
     logger.info("rank %d wrote %.3f GB into %d files in %.2f s (%.2f GB/s)", group.rank, mine / 1e9,
-                len(files), seconds, mine / 1e9 / max(seconds, 1e-9))
+                len(files), seconds, gb_per_s(mine, seconds))
     return seconds
 
 
@@ -589,7 +595,7 @@ def consolidate_safetensors(input_dir: str, output_dir: str, fqn_to_index_mappin
         seconds = time.perf_counter() - t0
         logger.info("consolidated %d shard files (%.3f GB) into %d files in %s on %d ranks in %.2f s (%.2f GB/s)",
                     len(shard_files), total / 1e9, len(files), output_dir, group.world_size, seconds,
-                    total / 1e9 / max(seconds, 1e-9))
+                    gb_per_s(total, seconds))
 
 
 @dataclass(frozen=True)

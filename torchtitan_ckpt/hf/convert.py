@@ -34,12 +34,13 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.device_mesh import init_device_mesh
 
 from .. import commit
+from ..config import Checkpoint
 from ..dcp import storage
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..io import durable, safe_open
 from ..io.dtypes import EXPORT_DTYPES
 from .adapter import ROPE_LAYOUTS, StateDictAdapter
-from .files import CONFIG_FILE, MAX_RECORDED_LAYOUT_BYTES, RECORDED_LAYOUT
+from .files import CONFIG_FILE, MAX_RECORDED_LAYOUT_BYTES, RECORDED_CONFIG, RECORDED_LAYOUT
 from .load import check_hf_dir, load_hf
 from .model_config import read_hf_config
 from .registry import adapter_for_config
@@ -49,13 +50,12 @@ logger = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]
 """`progress(phase, nbytes, total)`: this rank's bytes read ("reading") and written ("writing")."""
-RECORDED_CONFIG = "hf_config.json"
-"""The HF `config.json` that `--to dcp` records in the DCP step folder it writes."""
 
 
 def convert(to: str, src: str, dst: str, adapter_name: str | None = None, *, hf_assets_path: str | None = None,
-            dtype: str | None = None, max_shard_size: str = "5GB", consolidation: str = "one_pass",
-            threads: int = 4, progress: Progress | None = None, rope_layout: str | None = None) -> None:
+            dtype: str | None = None, max_shard_size: str = Checkpoint.hf_max_shard_size,
+            consolidation: str = Checkpoint.consolidation, threads: int = 4, progress: Progress | None = None,
+            rope_layout: str | None = None) -> None:
     """Convert the model in `src` to format `to` ("hf" or "dcp") in `dst`; call on every rank.
     The adapter is `adapter_name` (one of `ADAPTERS`), else the config's `model_type`, for a
     model whose RoPE is `rope_layout` (`adapter.ROPE_LAYOUTS`; None: the family's default).

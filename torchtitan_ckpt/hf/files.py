@@ -29,6 +29,8 @@ _MODEL_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors", re.ASCII)
 _DCP_SHARD_FILE = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors", re.ASCII)
 _UNUSED_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", re.ASCII)
 
+RECORDED_CONFIG = "hf_config.json"
+"""The HF `config.json` that `convert --to dcp` records in the DCP step folder it writes."""
 RECORDED_LAYOUT = "rope_layout.json"
 """`{"rope_layout": ...}` (`adapter.ROPE_LAYOUTS`): the RoPE layout of the model whose q/k rows
 `convert --to dcp` wrote into a DCP step, recorded beside its copy of the HF config (ours, kept

@@ -23,6 +23,7 @@ from ..dcp.storage import dtensor_chunk
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..errors import PartialLoadError, RankFailed
 from ..group import CheckpointGroup, cpu_world
+from ..progress import gb_per_s
 from .adapter import HFSource, StateDictAdapter, as_adapter, check_names, read_index
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, is_model_file, is_unused_tensor
 from .model_config import read_hf_config
@@ -120,7 +121,7 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter |
     secs = time.perf_counter() - start
     if group.is_coordinator:
         logger.info("loaded %s: %.3f GB (%.3f GB read by rank 0) in %.2f s, %.2f GB/s per rank", hf_dir,
-                    total / 1e9, nbytes / 1e9, secs, nbytes / 1e9 / max(secs, 1e-9))
+                    total / 1e9, nbytes / 1e9, secs, gb_per_s(nbytes, secs))
     return state_dict
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, CorruptCheckpointError
+from .files import CONFIG_FILE
 from ..io import safe_open
 
 # ceilings far above any published model, low enough that no shape computed from them overflows
@@ -26,7 +27,6 @@ MAX_HEADS = 1 << 12
 MAX_FFN = 1 << 20
 MAX_VOCAB = 1 << 24
 MAX_EXPERTS = 1 << 12
-MAX_POSITIONS = 1 << 24
 MAX_CONFIG_BYTES = 16 << 20
 """Far above any model's `config.json` (a few KiB): a larger file is refused, not read whole."""
 
@@ -64,7 +64,7 @@ class HFModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    where: str = field(default="config.json", compare=False, repr=False)
+    where: str = field(default=CONFIG_FILE, compare=False, repr=False)
     """The file read, for messages about a key an adapter needs (`moe_intermediate_size`)."""
 
     def expert_width(self, who: str) -> int:
@@ -81,7 +81,7 @@ class HFModelConfig:
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
-    def parse(cls, raw: Any, where: str = "config.json") -> HFModelConfig:
+    def parse(cls, raw: Any, where: str = CONFIG_FILE) -> HFModelConfig:
         """Check `raw` (a parsed `config.json`) and keep its shapes; raises `ConfigError` naming
         `where` and the key of the first bad value."""
         if not isinstance(raw, dict):
@@ -179,7 +179,7 @@ def _expert_fields(get: _Reader, layers: int) -> dict[str, Any]:
                 mlp_only_layers=get.layers("mlp_only_layers", layers))
 
 
-def positive_float(raw: dict[str, Any], key: str, default: float, where: str = "config.json") -> float:
+def positive_float(raw: dict[str, Any], key: str, default: float, where: str = CONFIG_FILE) -> float:
     """A finite positive number of `raw` (a model's RoPE or norm constant)."""
     value = raw.get(key, default)
     if value is None:

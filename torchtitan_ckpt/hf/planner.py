@@ -8,7 +8,6 @@ fewest files that fit `max_shard_size` are filled as evenly as contiguous groups
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -38,13 +37,12 @@ def layer_of(name: str) -> str:
     return m.group(1) if m else name
 
 
-def plan_files(sizes: dict[str, int], max_shard_size: int,
-               group_of: Callable[[str], str] = layer_of) -> dict[str, int]:
+def plan_files(sizes: dict[str, int], max_shard_size: int) -> dict[str, int]:
     """Tensor name -> 1-based file index. When no group is larger than `max_shard_size`, no
     file is; a larger group (a layer is never split) makes its file larger."""
     groups: dict[str, list[str]] = {}
     for name in sizes:
-        groups.setdefault(group_of(name), []).append(name)
+        groups.setdefault(layer_of(name), []).append(name)
     order = list(groups)
     group_bytes = [sum(sizes[n] for n in groups[g]) for g in order]
     n_files = len(_fill(group_bytes, max_shard_size))

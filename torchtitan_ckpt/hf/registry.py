@@ -20,7 +20,7 @@ ADAPTERS: dict[str, type[StateDictAdapter]] = {
 
 
 def adapter_for_config(config: HFModelConfig | dict[str, Any], hf_assets_path: str | None = None,
-                       adapter: str | None = None, where: str = "config.json",
+                       adapter: str | None = None, where: str = CONFIG_FILE,
                        rope_layout: str | None = None) -> StateDictAdapter:
     """The adapter of `config` (an `HFModelConfig` or a parsed `config.json`), chosen by its
     `model_type` unless `adapter` names one of `ADAPTERS`, for a model of `rope_layout`

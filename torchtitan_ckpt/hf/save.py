@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import time
+import typing
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -32,21 +33,23 @@ from ..io import durable, safe_open
 from .consolidate import OnePassPlan, clear_model_files, consolidate_safetensors, create_replacing, plan_one_pass
 from .consolidate import write_safetensors_one_pass
 from ..errors import AdapterMismatchError, CheckpointError, RankFailed
+from ..config import Checkpoint, Consolidation
 from ..group import CheckpointGroup, cpu_world
+from ..progress import gb_per_s
 from .adapter import PermutedRows, RowOf, StateDictAdapter, as_adapter, check_names
 from .files import ASSET_FILES, CONFIG_FILE, INDEX_FILE, MAX_ASSET_BYTES, SAFETENSORS_DTYPES, is_dcp_shard_file
 from .planner import parse_size, plan_files
 
 logger = logging.getLogger(__name__)
 
-MODES = ("one_pass", "all_ranks", "rank0")
+MODES = typing.get_args(Consolidation)
 SHARDS = "sharded"
 """Subfolder of the per-rank shard files in the two-phase modes (removed once consolidated)."""
 
 
 def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAdapter | Any, *,
-            dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB",
-            process_group: Any | None = None, mode: str = "one_pass", num_threads: int = 4,
+            dtype: torch.dtype | None = None, max_shard_size: str | int = Checkpoint.hf_max_shard_size,
+            process_group: Any | None = None, mode: str = Checkpoint.consolidation, num_threads: int = 4,
             keep_shards: bool = False, progress: Callable[[int, int], None] | None = None,
             shared: bool = True) -> None:
     """Write `model_state_dict` (our names) to `out_dir` in HF format; call on every rank.
@@ -96,9 +99,9 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
                                 remove_shards=not keep_shards, all_ranks=mode == "all_ranks", progress=progress)
     if group.rank == 0:
         secs = time.perf_counter() - start
-        total = sum(spec.nbytes for spec in plan.specs.values()) / 1e9
+        total = sum(spec.nbytes for spec in plan.specs.values())
         logger.info("exported %s (%s): %d file(s), %.3f GB in %.2f s, %.2f GB/s", out_dir, mode,
-                    len(set(mapping.values())), total, secs, total / max(secs, 1e-9))
+                    len(set(mapping.values())), total / 1e9, secs, gb_per_s(total, secs))
 
 
 def _plan(group: CheckpointGroup, adapter: StateDictAdapter, state_dict: dict[str, Any],

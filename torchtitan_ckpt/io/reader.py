@@ -120,8 +120,8 @@ class _Cursor:
     def forget_read(self) -> None:
         """On a cold cache, drop from it what the first pass read (a few KB at each end of every
         item): left there, those islands split the kernel's read-ahead of the tensor bytes
-        between them into two to three times as many disk requests, and the second pass takes
-        about 1.5 times as long (`docs/performance.md`). On a warm cache nothing is dropped."""
+        between them into several times as many disk requests, which slows the second pass
+        (`docs/performance.md`). On a warm cache nothing is dropped."""
         if self.cold and self.span[1] > self.span[0]:
             start = self.span[0] - self.span[0] % _PAGE
             os.posix_fadvise(self.fd, start, self.span[1] - start, os.POSIX_FADV_DONTNEED)

@@ -104,14 +104,10 @@ def make_room(count: int, what: str) -> None:
     logger.info("raised this process's limit of open files from %d to %d for %s", soft, need, what)
 
 
-def open_file(root: str, name: object, what: str, mode: str = "rb"):
-    """`open_fd` as a file object (`mode` "rb" or "r")."""
-    return os.fdopen(open_fd(root, name, what), mode)
-
-
-def open_path(path: str, what: str, mode: str = "rb"):
-    """`open_file` of a path given as a whole: its own folder is the one it must stay in."""
-    return open_file(os.path.dirname(path) or ".", os.path.basename(path), what, mode)
+def open_path(path: str, what: str):
+    """`open_fd` of a path given as a whole (its own folder is the one it must stay in), as a
+    binary file object."""
+    return os.fdopen(open_fd(os.path.dirname(path) or ".", os.path.basename(path), what), "rb")
 
 
 def read_bounded(path: str, what: str, limit: int) -> bytes:

@@ -318,13 +318,18 @@ def check_small_records(read: Callable[[int, int], bytes], length: int, records:
             raise Unrecognised(f"record {brief(name)} holds what torch.save does not write")
 
 
+def _reader(data: bytes) -> Callable[[int, int], bytes]:
+    """The `read(at, n)` of the zip readers above, over an archive held in memory."""
+    return lambda at, n: data[at : at + n]
+
+
 def load_plain(data: bytes) -> Any:
     """A non-tensor value that DCP saved with `torch.save`: plain data is unpickled here (no
     globals allowed, so no code runs); anything else by `torch_load`."""
     try:
         folder, pkl, _ = header_pickle(data)
         value, length = unpickle_header(_PlainUnpickler, pkl)
-        read = lambda at, n: data[at : at + n]  # noqa: E731
+        read = _reader(data)
         records = zip_records(read, len(data), len(data))
         check_header_record(records, folder, length)
         check_small_records(read, len(data), records, folder)
@@ -342,8 +347,9 @@ def torch_load(data: bytes) -> Any:
     if not data.startswith(b"PK\x03\x04"):  # how torch.load tells a zip from its legacy format
         raise Malformed("is not a readable torch.save archive (no zip record at its start)")
     try:
-        records = zip_records(lambda at, n: data[at : at + n], len(data), len(data))
-        pickles = [zip_record(lambda at, n: data[at : at + n], len(data), records, name)
+        read = _reader(data)
+        records = zip_records(read, len(data), len(data))
+        pickles = [zip_record(read, len(data), records, name)
                    for name in records if name.lower().endswith(b"data.pkl")]
     except Unrecognised as e:
         raise Malformed(f"is not a readable torch.save archive ({e})") from None

@@ -35,7 +35,7 @@ MAX_DIMS = 64
 MAX_CHOSEN_KEYS = 4096
 """Most keys of one dict (or members of one set) whose hash a pickle can choose (large ints,
 floats, tuples and values built from them): many sharing one hash make building the dict
-quadratic (0.84 MB of ints sharing a hash took 18 s to unpickle). Scalars' hashes are distinct or
+quadratic (a pickle of under a megabyte then unpickles for seconds). Scalars' hashes are distinct or
 randomised per process (strings), and a class's own objects hash as their class says."""
 MIN_UNFOLDED = 1 << 20
 UNFOLDED_PER_BYTE = 4

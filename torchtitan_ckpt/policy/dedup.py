@@ -134,7 +134,7 @@ POLICIES: dict[str, Callable[..., Assignment]] = {
 }
 
 
-def make_policy(name: str, min_slice_bytes: int = 1 << 20) -> Policy:
+def make_policy(name: str, min_slice_bytes: int) -> Policy:
     """The policy called `name` (`checkpoint.dedup_policy`) as a function of the layout alone."""
     if name not in POLICIES:
         raise ValueError(f"unknown dedup policy {name!r}; expected one of {', '.join(POLICIES)}")

@@ -22,6 +22,7 @@ STORES = {"s3": "torchtitan_ckpt.storage.s3:S3Store"}
 """URL scheme -> the store class for it; a plain path (no scheme) is `local.LocalStore`."""
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_SCHEME_COLON = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 
 
 def scheme_of(path: str) -> str | None:
@@ -45,6 +46,26 @@ def check_url(key: str, url: str) -> None:
                           f"system every rank shares, or one of {', '.join(s + '://bucket/prefix' for s in STORES)}")
     if not url.partition("://")[2].split("/", 1)[0]:
         raise ConfigError(key, url, f"expected {scheme}://bucket/prefix (no bucket given)")
+
+
+def check_location(key: str, value: str, local: bool = False) -> None:
+    """A `ConfigError` naming `key` unless `value` is a URL `check_url` takes (none when `local`)
+    or a path that is no mistyped URL. A path keeps what a URL would drop, so a mistyped one
+    silently became a local folder: white space at either end (" s3://b/x"), or a scheme and a
+    colon without `//` ("s3:/b/x", "s3:", "s3:b/x") where a URL was meant."""
+    if value != value.strip():
+        raise ConfigError(key, value, "starts or ends with white space, which a path keeps; remove it")
+    url = scheme_of(value) is not None
+    m = _SCHEME_COLON.match(value)
+    mistyped = m and not url and (value[m.end():m.end() + 1] in ("", "/") or m.group(1).lower() in STORES)
+    if local and (url or mistyped):
+        raise ConfigError(key, value, f"expected a local folder, not a URL (for a folder of that name: ./{value})")
+    if url:
+        check_url(key, value)
+    elif mistyped:
+        raise ConfigError(key, value, f"a mistyped URL ({m.group(0)} without //)? expected one of "
+                          f"{', '.join(s + '://bucket/prefix' for s in STORES)}, or for a local folder of "
+                          f"that name ./{value}")
 
 
 def open_store(path: str, key: str, rank: int, config: Checkpoint) -> Store:

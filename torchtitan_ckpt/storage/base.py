@@ -39,10 +39,17 @@ class Store(ABC):
         """A local path under `root` as the user knows it (the object's URL for a remote store)."""
         return path
 
+    def reach(self, group: CheckpointGroup, write: bool = True) -> None:
+        """At start-up, before any store of the job makes anything (`check`): the storage answers
+        (and, with `write`, takes a write), leaving nothing behind; a `ConfigError` naming the
+        folder otherwise (raised on every rank). A file system has nothing to reach: its
+        `check` writes into the folder."""
+
     @abstractmethod
     def check(self, group: CheckpointGroup, write: bool = True) -> None:
-        """At start-up: the folder is reachable (and, with `write`, writable, and every rank
-        sees the same one); a `ConfigError` naming the folder otherwise (raised on every rank)."""
+        """At start-up, once every store of the job is reached: the folder is usable (and, with
+        `write`, writable, and every rank sees the same one), making what the store needs on
+        this node; a `ConfigError` naming the folder otherwise (raised on every rank)."""
 
     @abstractmethod
     def scan(self, folder: str) -> list[StepFolder]:

@@ -66,6 +66,7 @@ from ..hf.planner import parse_size
 from ..io import posio, safe_open
 from ..io.checksum import crc32
 from ..io.untrusted import brief
+from ..progress import gb_per_s
 from .base import Store, warn_replacing
 
 logger = logging.getLogger(__name__)
@@ -321,14 +322,9 @@ class S3Store(Store):
 
     # ------------------------------------------------------------------ the store
 
-    def check(self, group: CheckpointGroup, write: bool = True) -> None:
-        """Every rank can write into its staging folder, and reaches the bucket with its
-        credentials (and, with `write`, can write under the prefix)."""
-        try:
-            group.run(self._probe_staging)
-        except RankFailed as failed:
-            raise ConfigError("checkpoint.staging_folder", os.path.dirname(os.path.dirname(self.root)),
-                              f"files cannot be staged there: {failed}") from None
+    def reach(self, group: CheckpointGroup, write: bool = True) -> None:
+        """Every rank reaches the bucket with its credentials (and, with `write`, can write under
+        the prefix)."""
         try:
             group.run(lambda: self._probe(write))
         except RankFailed as failed:
@@ -336,6 +332,14 @@ class S3Store(Store):
                 f"the bucket cannot be used: {failed}. Check the bucket's name, the endpoint "
                 "(AWS_ENDPOINT_URL) and the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
                 "AWS_PROFILE): docs/storage.md")) from None
+
+    def check(self, group: CheckpointGroup, write: bool = True) -> None:
+        """Every rank can write into its staging folder."""
+        try:
+            group.run(self._probe_staging)
+        except RankFailed as failed:
+            raise ConfigError("checkpoint.staging_folder", os.path.dirname(os.path.dirname(self.root)),
+                              f"files cannot be staged there: {failed}") from None
 
     def _probe_staging(self) -> None:
         """Every use stages files in `root` (a load too), which this process holds for this
@@ -756,7 +760,7 @@ def _status(names: set[str]) -> str:
 
 def _log_rate(what: str, nbytes: int, start: float) -> None:
     secs = time.perf_counter() - start
-    logger.info("%s: %.3f GB in %.2f s, %.2f GB/s", what, nbytes / 1e9, secs, nbytes / 1e9 / max(secs, 1e-9))
+    logger.info("%s: %.3f GB in %.2f s, %.2f GB/s", what, nbytes / 1e9, secs, gb_per_s(nbytes, secs))
 
 
 def _size_or_none(local: str) -> int | None:
