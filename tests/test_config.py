@@ -96,7 +96,7 @@ def _error(argv, path=None) -> ConfigError:
     (["--checkpoint.folder", " s3://bkt/x"], "checkpoint.folder", "starts or ends with white space"),
     (["--checkpoint.initial_load_path", "s3:/bkt/x"], "checkpoint.initial_load_path", "a mistyped URL"),
     (["--checkpoint.staging_folder", "s3://bkt/x"], "checkpoint.staging_folder", "expected a local folder, not a URL"),
-    (["--checkpoint.staging_folder", "gs:/x"], "checkpoint.staging_folder", "expected a local folder, not a URL"),
+    (["--checkpoint.staging_folder", "s3:/x"], "checkpoint.staging_folder", "expected a local folder, not a URL"),
     (["--training.steps", "0"], "training.steps", "expected >= 1"),
     (["--training.seed", "1.5"], "training.seed", "expected an integer"),
     (["--optimizer.lr", "0"], "optimizer.lr", "expected > 0"),
@@ -252,7 +252,7 @@ def test_a_folder_a_file_system_cannot_make_is_refused_before_any_level_is_made(
     too_deep = str(tmp_path / "/".join(["d" * 200] * 20))
     for key, value, text in (("folder", long_name, "holds a name of 256 bytes; the file system takes at most 255"),
                              ("staging_folder", long_name, "holds a name of 256 bytes"),
-                             ("folder", too_deep, f"gives a folder path of {len(too_deep)} bytes; at most 3584")):
+                             ("folder", too_deep, f"gives a folder path of {len(too_deep)} bytes; at most 3968")):
         with pytest.raises(ConfigError) as e:
             Checkpoint(**{key: value}).validate()
         assert (e.value.key, e.value.value) == ("checkpoint." + key, value) and text in str(e.value)
@@ -286,6 +286,35 @@ def test_the_folder_under_a_base_folder_is_checked_as_the_folder_is(base, key, t
     assert Checkpoint().validate().folder_under("out") == os.path.join("out", "checkpoint")
     assert Checkpoint(folder="/abs").validate().folder_under("s3://") == "/abs"  # the base folder is not used
     assert Checkpoint(folder="s3://bkt/x").validate().folder_under("gs://y") == "s3://bkt/x"
+
+
+def test_a_deep_folder_is_measured_as_the_kernel_walks_it_with_room_for_a_step(tmp_path, monkeypatch):
+    """An existing folder whose path leaves room for a step's file names is taken (a save there
+    worked before the check existed), spelt absolute or relative to the working directory; the
+    staging folder keeps room for a URL's folder too. Joined under a base folder, the error
+    names both settings."""
+    levels = [tmp_path]
+    while len(str(levels[-1])) < 3700:
+        levels.append(levels[-1] / ("d" * 200))
+    deep = levels[-1]
+    deep.mkdir(parents=True)
+    assert Checkpoint(folder=str(deep)).validate()
+    monkeypatch.chdir(levels[-2])
+    assert Checkpoint(folder=deep.name).validate()
+    with pytest.raises(ConfigError, match=r"^checkpoint.staging_folder = '.*': gives a folder path of \d+ bytes; "
+                                          "at most 3584"):
+        Checkpoint(staging_folder=deep.name).validate()
+    monkeypatch.chdir(tmp_path)
+    folder = "f" * 200 + "/" + "f" * 200
+    with pytest.raises(ConfigError) as e:
+        Checkpoint(folder=folder).validate().folder_under(str(levels[-2]))
+    assert e.value.key == "base_folder" and f"(with checkpoint.folder = '{folder}' under it)" in str(e.value)
+
+
+@pytest.mark.parametrize("folder", ["C:/ckpt", "exp:/ckpt", "run:", "hf:org/model", "runs/2024-01-01T10:00"])
+def test_a_local_name_with_a_colon_is_a_local_folder(folder):
+    """Only a supported store's scheme makes a mistyped URL; other names stay the paths they were."""
+    assert Checkpoint(folder=folder).validate().folder == folder
 
 
 def test_a_config_value_nested_a_thousand_deep_is_refused_with_a_short_message(tmp_path):

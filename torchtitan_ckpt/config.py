@@ -62,10 +62,10 @@ MAX_STORAGE_TIMEOUT_S = 3600.0
 NAME_MAX, PATH_MAX = 255, 4096
 """The bytes of a file name and of a path a file system takes where `os.pathconf` does not say."""
 
-PATH_ROOM = 512
-"""Bytes a local folder's path leaves below PATH_MAX for the names this package makes in it: a
-step's files (`hf/step-N/model-00001-of-00009.safetensors.tmp`) and, in a `staging_folder`, a
-URL's folder (at most 200 bytes) and `rank-N`."""
+FOLDER_ROOM, STAGING_ROOM = 128, 512
+"""Bytes a local folder's path leaves below PATH_MAX for the names this package makes in it: in
+the step folders' folder, a step's files (`hf/step-N/model-00001-of-00009.safetensors.tmp`); in a
+`staging_folder`, a URL's folder (at most 200 bytes), `rank-N` and those."""
 
 MIN_PART, MAX_PART = 5 << 20, 5 << 30
 """The part sizes S3's multipart upload accepts (every part but the last)."""
@@ -328,7 +328,7 @@ def _check_paths(ck: Checkpoint, p: str) -> None:
         check_location(p + "initial_load_path", ck.initial_load_path)
     if ck.staging_folder:
         check_location(p + "staging_folder", ck.staging_folder, local=True)
-        _check_local(p + "staging_folder", ck.staging_folder, ck.staging_folder)
+        _check_local(p + "staging_folder", ck.staging_folder, ck.staging_folder, STAGING_ROOM)
 
 
 def _check_folder(ck: Checkpoint, p: str, folder: str, key: str, value: str) -> None:
@@ -338,7 +338,8 @@ def _check_folder(ck: Checkpoint, p: str, folder: str, key: str, value: str) -> 
     or a local path a file system takes (`_check_local`); never a mistyped URL."""
     check_location(key, value)
     if scheme_of(folder) is None:
-        _check_local(key, value, folder)
+        joined = f" (with {p}folder = {ck.folder!r} under it)" if folder != value else ""
+        _check_local(key, value, folder, FOLDER_ROOM, joined)
         return
     hf = [k for k in ("last_save_in_hf", "hf_export_interval") if getattr(ck, k)]
     if hf and ck.consolidation != "one_pass":
@@ -347,21 +348,22 @@ def _check_folder(ck: Checkpoint, p: str, folder: str, key: str, value: str) -> 
                           "= \"one_pass\"")
 
 
-def _check_local(key: str, value: str, folder: str) -> None:
-    """The local folder `folder` (named by `key = value`) can be made, with room for what this
-    package writes in it: each name in `value` within the file system's NAME_MAX bytes, and
-    `folder` within its PATH_MAX less `PATH_ROOM`. Checked now because making a folder whose
-    path is too long fails only once the levels above the name too long are made."""
+def _check_local(key: str, value: str, folder: str, room: int, joined: str = "") -> None:
+    """The local folder `folder` (named by `key = value`, `joined` saying what else made it) can
+    be made, with `room` bytes for what this package writes in it: each name in `value` within
+    the file system's NAME_MAX bytes, and `folder`'s absolute path (what the kernel walks,
+    however it is spelt) within its PATH_MAX less `room`. Checked now because making a folder
+    whose path is too long fails only once the levels above the name too long are made."""
     try:
-        length = len(os.fsencode(folder))
+        length = len(os.fsencode(os.path.abspath(folder)))
         name = max(map(len, os.fsencode(value).split(b"/")))
     except UnicodeEncodeError as e:
         raise ConfigError(key, value, f"is not a path this system can encode: {e.reason}") from None
     name_max, path_max = _path_limits(folder)
     if name > name_max:
         raise ConfigError(key, value, f"holds a name of {name} bytes; the file system takes at most {name_max}")
-    if length > path_max - PATH_ROOM:
-        raise ConfigError(key, value, f"gives a folder path of {length} bytes; at most {path_max - PATH_ROOM} "
+    if length > path_max - room:
+        raise ConfigError(key, value, f"gives a folder path of {length} bytes{joined}; at most {path_max - room} "
                           f"leave room for the files made in it (the file system takes paths of {path_max})")
 
 

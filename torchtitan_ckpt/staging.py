@@ -61,6 +61,17 @@ fixed in 3.12.3), so a save still in flight at exit cannot finish there."""
 _EXIT_THREADS_NOTE = (" (this Python, 3.12.0 to 3.12.2, starts no thread at exit: close the CheckpointManager "
                       "before the script ends, or use Python 3.12.3 or later)")
 
+
+def _no_thread_at_exit(error: BaseException | None) -> bool:
+    """Whether `error`, or an error it was raised from or during, is that refusal of a thread."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, RuntimeError) and "interpreter shutdown" in str(error):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
 Deferred = Callable[[tuple], bool]
 """Whether the tensor at a path of the state (its keys, in order) may be staged after `submit()`
 returns: true only for tensors that nothing changes in place before `wait_for_staging()`."""
@@ -567,8 +578,8 @@ class BackgroundSaves:
             try:
                 self.wait()
             except Exception as e:
-                logger.error("the save in flight at exit failed: %s%s", e, _EXIT_THREADS_NOTE if
-                             _NO_THREADS_AT_EXIT else "")
+                logger.error("the save in flight at exit failed: %s%s", e,
+                             _EXIT_THREADS_NOTE if _NO_THREADS_AT_EXIT and _no_thread_at_exit(e) else "")
         if self.writer is not None:
             self.writer.close()
             self.writer = None

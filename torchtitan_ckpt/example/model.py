@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError
 from ..hf import HFModelConfig, StateDictAdapter, adapter_for_config
+from ..hf.files import CONFIG_FILE
 from ..hf.model_config import positive_float
 
 logger = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ def hf_adapter(args: ModelArgs, hf_assets_path: str | None = None) -> StateDictA
                               rope_layout=ROPE_LAYOUT)
 
 
-def args_from_hf_config(raw: Any, where: str = "config.json") -> ModelArgs:
+def args_from_hf_config(raw: Any, where: str = CONFIG_FILE) -> ModelArgs:
     """The `ModelArgs` of the model a parsed HF `config.json` describes. Raises `ConfigError`
     naming the key this model cannot express (biases, another activation, a RoPE type it does
     not implement)."""

@@ -52,12 +52,13 @@ def check_location(key: str, value: str, local: bool = False) -> None:
     """A `ConfigError` naming `key` unless `value` is a URL `check_url` takes (none when `local`)
     or a path that is no mistyped URL. A path keeps what a URL would drop, so a mistyped one
     silently became a local folder: white space at either end (" s3://b/x"), or a scheme and a
-    colon without `//` ("s3:/b/x", "s3:", "s3:b/x") where a URL was meant."""
+    colon without `//` ("s3:/b/x", "s3:", "s3:b/x") where a URL of a supported store was meant
+    (another scheme-like name, "run:1" or "C:/x", is a local path as it always was)."""
     if value != value.strip():
         raise ConfigError(key, value, "starts or ends with white space, which a path keeps; remove it")
     url = scheme_of(value) is not None
     m = _SCHEME_COLON.match(value)
-    mistyped = m and not url and (value[m.end():m.end() + 1] in ("", "/") or m.group(1).lower() in STORES)
+    mistyped = m and not url and m.group(1).lower() in STORES
     if local and (url or mistyped):
         raise ConfigError(key, value, f"expected a local folder, not a URL (for a folder of that name: ./{value})")
     if url:
