@@ -245,13 +245,11 @@ class Checkpoint:
         here are refused when they would change what is saved or loaded
         (`initial_load_in_hf_quantized`), and otherwise left out with a log line
         (`enable_ft_dataloader_checkpoints`: TorchFT's, which this package does not run)."""
-        if dataclasses.is_dataclass(section) and not isinstance(section, type):
-            theirs = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
-        elif hasattr(section, "__dict__") and not isinstance(section, type):
-            theirs = dict(vars(section))
-        else:
+        if isinstance(section, type) or not (dataclasses.is_dataclass(section) or hasattr(section, "__dict__")):
             raise TypeError(f"section is of type {type(section).__name__}, not TorchTitan's [checkpoint] section (a "
                             "dataclass, or an object holding its settings as attributes): pass job_config.checkpoint")
+        theirs = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)} \
+            if dataclasses.is_dataclass(section) else dict(vars(section))
         ours = {f.name for f in dataclasses.fields(cls)}
         if theirs.get("initial_load_in_hf_quantized"):
             key = "checkpoint.initial_load_in_hf_quantized"

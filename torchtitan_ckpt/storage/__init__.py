@@ -21,14 +21,14 @@ if TYPE_CHECKING:
 STORES = {"s3": "torchtitan_ckpt.storage.s3:S3Store"}
 """URL scheme -> the store class for it; a plain path (no scheme) is `local.LocalStore`."""
 
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-_SCHEME_COLON = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(//)?")
+"""A scheme and its colon; with `//` after them, a URL."""
 
 
 def scheme_of(path: str) -> str | None:
     """"s3" for "s3://bucket/prefix", None for a plain path."""
     m = _SCHEME.match(path)
-    return m.group(1).lower() if m else None
+    return m.group(1).lower() if m and m.group(2) else None
 
 
 def under(base: str, folder: str) -> str:
@@ -56,8 +56,8 @@ def check_location(key: str, value: str, local: bool = False) -> None:
     (another scheme-like name, "run:1" or "C:/x", is a local path as it always was)."""
     if value != value.strip():
         raise ConfigError(key, value, "starts or ends with white space, which a path keeps; remove it")
-    url = scheme_of(value) is not None
-    m = _SCHEME_COLON.match(value)
+    m = _SCHEME.match(value)
+    url = bool(m and m.group(2))
     mistyped = m and not url and m.group(1).lower() in STORES
     if local and (url or mistyped):
         raise ConfigError(key, value, f"expected a local folder, not a URL (for a folder of that name: ./{value})")
