@@ -444,25 +444,29 @@ def test_the_writer_process_ignores_the_signals_a_terminal_sends_the_job(tmp_pat
 
 
 _EXITS_WITHOUT_CLOSE = """
-import sys, torch
+import gc, sys, torch
 from torchtitan_ckpt import CheckpointManager
 from torchtitan_ckpt.config import Checkpoint
 mode, how, folder = sys.argv[1:]
 config = Checkpoint(enable=True, interval=1, async_mode=mode, save_threads=2, keep_latest_k=0)
 manager = CheckpointManager(config, [torch.nn.Linear(1024, 1024)], base_folder=folder)
 manager.save(1)
-if how == "saved":
+if how != "in_flight":
     manager.wait()
+if how == "dropped":  # the manager is gone, its writer process is not
+    del manager
+    gc.collect()
 sys.exit(0)  # no close(): with "in_flight", the save is still in flight
 """
 
 
-@pytest.mark.parametrize("how", ["in_flight", "saved"])
+@pytest.mark.parametrize("how", ["in_flight", "saved", "dropped"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_script_that_exits_with_a_save_in_flight_still_commits_it(tmp_path, mode, how):
     """The save is waited for at exit, before the interpreter's thread pools stop taking work
     (with two writer threads, the save was left partial and nothing said so), and the exit
-    then stops the writer process (`multiprocessing`'s exit waited for it forever)."""
+    then stops the writer process (`multiprocessing`'s exit waited for it forever), that of a
+    manager dropped without `close()` too (its exit hook went with it)."""
     import subprocess
     import sys
 

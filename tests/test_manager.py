@@ -121,6 +121,19 @@ def test_exclude_from_loading_must_name_a_state_of_the_job(tmp_path):
         make_job(str(tmp_path), exclude_from_loading=["data_loader"])
 
 
+def test_model_parts_whose_names_collide_are_refused(tmp_path):
+    """The parts are saved as one flat dict: two parts with a `lin.weight` each saved and loaded
+    one of them, without a word."""
+    parts = []
+    for _ in range(2):
+        part = torch.nn.Module()
+        part.lin = torch.nn.Linear(4, 4)
+        parts.append(part)
+    with pytest.raises(ValueError, match="model parts 0 and 1 both have a state named 'lin.weight'"):
+        CheckpointManager(Checkpoint(enable=True), parts, base_folder=str(tmp_path))
+    assert not (tmp_path / "checkpoint").exists()
+
+
 def test_load_only_loads_but_never_saves(tmp_path):
     job = make_job(str(tmp_path), steps=8, interval=2)
     job.run_to(2, steps=8)

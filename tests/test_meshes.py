@@ -124,3 +124,35 @@ def test_the_job_trains_a_pipeline_of_tensor_parallel_stages(tmp_path):
                   "false", nproc=4)
     assert "on 4 rank(s) (cpu)" in log and sorted(losses(log)) == [1, 2, 3, 4]
     assert layout.committed_steps(str(tmp_path / "checkpoint")) == [2, 4]
+
+
+def _experts_as_on_one_process(rank: int, world_size: int) -> None:
+    from torchtitan_ckpt.example.train import build_model, build_run
+
+    config = _config("--model.flavor", "qwen3_moe_debug", "--parallelism.expert_parallel_degree", "2")
+    run = build_run(config, world_size, rank, torch.device("cpu"))
+    tokens = torch.randint(0, FLAVORS["qwen3_moe_debug"].vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = run.parts[0](tokens), build_model(config)(tokens)  # the same seed: the same weights
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.multirank
+def test_expert_parallel_logits_are_one_processs(tmp_path):
+    """EP 2 x FSDP 2 computes what one process does with the same weights. The experts a rank
+    holds were counted outside their module's forward, where FSDP keeps them sharded: half of
+    them were never used (logits off by 2e-3)."""
+    from .helpers import spawn
+
+    spawn(4, _experts_as_on_one_process)
+
+
+@pytest.mark.multirank
+def test_expert_parallel_training_where_ranks_route_tokens_unevenly(tmp_path):
+    """Two tokens per rank: some experts get no token on one rank and some on its FSDP peer. The
+    experts' module was called once per expert that got a token, each call an FSDP all-gather,
+    so the peers' counts differed and the job hung in its second step."""
+    log = run_job(str(tmp_path), "--model.flavor", "qwen3_moe_debug", "--parallelism.expert_parallel_degree", "2",
+                  "--training.local_batch_size", "1", "--training.seq_len", "2", "--training.steps", "4",
+                  "--checkpoint.enable", "false", nproc=4)
+    assert sorted(losses(log)) == [1, 2, 3, 4]

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 import uuid
@@ -121,6 +122,7 @@ def _save_then_resume(rank, world_size, url, staging, mode):
     with CheckpointManager(_config(url, staging, verify_on_load=True), [fresh], fresh_opt) as manager:
         assert manager.load()
     _assert_equal(_snapshot(fresh, fresh_opt), expected)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("ckpt-s3")]  # close() let them go
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])

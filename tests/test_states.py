@@ -75,3 +75,52 @@ def test_a_chained_scheduler_resumes_where_it_was(tmp_path):
         _train(model2, opt2, sched2)
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     manager2.close()
+
+
+def test_a_save_runs_no_step_of_an_optimizer_that_keeps_no_state(tmp_path):
+    """Plain SGD keeps no state, and TorchTitan's layout wants some for every parameter: it is
+    made apart, so the optimizer's step hooks (an EMA, a step count) never see a save as a step
+    and its parameters' gradients stay as they were."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = []
+    opt.register_step_post_hook(lambda *_: steps.append(1))
+    with CheckpointManager(Checkpoint(enable=True, interval=1, keep_latest_k=0), [model], optimizers=opt,
+                           base_folder=str(tmp_path)) as manager:
+        for step in range(1, 4):
+            model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()  # gradients set to None, as before every save
+            manager.save(step)
+        assert model.weight.grad is None
+    assert len(steps) == 3
+
+
+def test_a_sequential_schedulers_last_rates_come_back_as_saved(tmp_path):
+    """A new `SequentialLR` shares its last rates with its first scheduler's; with a tensor learning
+    rate they are one tensor, which the load would fill with whichever entry it read last."""
+    def job(seed):
+        torch.manual_seed(seed)
+        model = nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1))
+        sched = lr_scheduler.SequentialLR(opt, [lr_scheduler.LinearLR(opt, 0.5, total_iters=2),
+                                                lr_scheduler.ExponentialLR(opt, 0.9)], milestones=[2])
+        return model, opt, sched
+
+    model, opt, sched = job(0)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=opt, lr_schedulers=sched,
+                           base_folder=str(tmp_path)) as manager:
+        for _ in range(5):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        manager.save(5)
+    want = [[float(lr) for lr in s._last_lr] for s in (sched, *sched._schedulers)]
+    assert want[0] != want[1]  # the case: the entries differ
+    model, opt, sched = job(1)
+    with CheckpointManager(Checkpoint(enable=True), [model], optimizers=opt, lr_schedulers=sched,
+                           base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert [[float(lr) for lr in s._last_lr] for s in (sched, *sched._schedulers)] == want

@@ -136,6 +136,22 @@ def test_verify_staging_names_a_parameter_changed_outside_the_optimizer(tmp_path
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("then", ["save", "wait", "load", "close"])
+def test_verify_staging_names_a_change_by_hand_before_any_optimizer_step(tmp_path, mode, then):
+    """A change by hand followed by the next save(), wait(), load() or close() instead of an
+    optimizer step: the save in flight may have copied it too."""
+    model, opt, manager = _job(tmp_path, mode, verify_staging=True)
+    _train_step(model, opt)
+    manager.save(1)
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)
+    until = r"the next save\(\), wait\(\), load\(\) or close\(\)"
+    with pytest.raises(StagingMismatchError, match=rf"^0\.weight changed between save\(\) and {until}"):
+        {"save": lambda: manager.save(2), "wait": manager.wait, "load": manager.load, "close": manager.close}[then]()
+    manager.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_a_saves_staged_copy_is_let_go_by_that_save_not_by_the_next_save_call(mode):
     """Freeing a whole state's copy takes tens of ms: the save's own thread does it once it has
     written the copy, so the next `save()` does not."""
@@ -150,6 +166,24 @@ def test_a_saves_staged_copy_is_let_go_by_that_save_not_by_the_next_save_call(mo
         time.sleep(0.01)
     assert written and written[0]() is None
     saves.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_param_group_added_after_the_manager_is_built_is_saved(tmp_path, mode):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model[0].parameters(), lr=0.1)
+    ck = Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0)
+    with CheckpointManager(ck, [model], optimizers=opt, base_folder=str(tmp_path)) as manager:
+        _train_step(model, opt)
+        manager.save(1)
+        opt.add_param_group({"params": list(model[1].parameters()), "lr": 0.5})
+        _train_step(model, opt)
+        manager.save(2)
+        expected = {f"optimizer.state.1.weight.{k}": v.clone() for k, v in opt.state[model[1].weight].items()}
+    saved = _saved(tmp_path, 2)
+    assert_same({k: saved[k] for k in expected}, expected)
+    assert saved["optimizer.param_groups.1.weight.lr"] == 0.5
 
 
 def test_verify_staging_needs_an_async_mode():

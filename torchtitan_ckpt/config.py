@@ -115,9 +115,10 @@ class Checkpoint:
 
     verify_staging: bool = False
     """Debug setting for the async modes: copy the state inside `save()`, and at the next
-    optimizer step check that no parameter or optimizer state changed since, raising
-    `StagingMismatchError` naming the tensor (a loop that changes them outside the optimizer
-    needs `maybe_wait_for_staging()` first). Costs the copy's time in every `save()`."""
+    optimizer step (or the next `save()`, `wait()`, `load()` or `close()`, whichever comes first)
+    check that no parameter or optimizer state changed since, raising `StagingMismatchError`
+    naming the tensor (a loop that changes them outside the optimizer needs
+    `maybe_wait_for_staging()` first). Costs the copy's time in every `save()`."""
 
     save_threads: int = 1
     """Data files each rank writes in parallel, one thread each (tensors spread over them by

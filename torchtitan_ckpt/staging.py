@@ -466,9 +466,9 @@ class BackgroundSaves:
     only plans, waits and commits, so training keeps the GIL).
 
     With `verify=True` (`checkpoint.verify_staging`, a debug setting) staging is done inside
-    `submit()` instead, and `wait_for_staging()` compares the deferred tensors with their staged
-    copies: one changed in between (by anything but the optimizer's step, which the hook runs
-    before) is a `StagingMismatchError` naming it."""
+    `submit()` instead, and the first `wait_for_staging()` or `wait()` after it compares the
+    deferred tensors with their staged copies: one changed in between (by anything but the
+    optimizer's step, which the hook runs before) is a `StagingMismatchError` naming it."""
 
     def __init__(self, reuse_buffer: bool, verify: bool = False, saves: bool = True):
         self.stager = Stager(reuse=reuse_buffer)
@@ -530,13 +530,18 @@ class BackgroundSaves:
         `wait()`, with its step); with `verify`, check the deferred tensors first."""
         if self._staging is not None:
             wait_for([self._staging])
+        self._compare("the optimizer's step")
+
+    def _compare(self, until: str) -> None:
+        """With `verify`: raise if a deferred tensor of the last save changed since `submit()`,
+        `until` now (said in the message); each save's tensors are compared once."""
         check, self._check = self._check, []
         for path, live, staged in check:
             if not _same_bytes(live, staged):
                 raise StagingMismatchError(
-                    f"{'.'.join(map(str, path))} changed between save() and the optimizer's step; the "
-                    "checkpoint would hold a mix of old and new values. Change the state only after "
-                    "the optimizer's step, or call maybe_wait_for_staging() first")
+                    f"{'.'.join(map(str, path))} changed between save() and {until}; the checkpoint would "
+                    "hold a mix of old and new values. Change the state only after the optimizer's step, "
+                    "or call maybe_wait_for_staging() first")
 
     def _sink(self) -> Sink:
         """Where the files go; the writer process is started, and one that died (its save failed
@@ -563,9 +568,12 @@ class BackgroundSaves:
         the save's failure if it had one."""
         pending, staging = self._pending, self._staging
         wait_for([f for f in (pending, staging) if f is not None])  # interrupted: both still tracked
-        self._pending, self._staging, self._check = None, None, []
+        self._pending, self._staging = None, None
+        check, self._check = self._check, []
         if pending is not None:
             pending.result()
+        self._check = check  # a save that did not fail: were its tensors changed before its end?
+        self._compare("the next save(), wait(), load() or close()")
 
     def finish_at_exit(self) -> None:
         """A script that ends without `close()`: a save in flight is waited for (and its failure

@@ -53,6 +53,13 @@ class ModelState(CheckedState):
 
     def __init__(self, parts: Sequence[nn.Module]):
         self.parts = list(parts)
+        owner: dict[str, int] = {}
+        for index, part in enumerate(self.parts):
+            for key in map(canonical_name, part.state_dict()):
+                if owner.setdefault(key, index) != index:  # the flat dict would keep one part's value
+                    raise ValueError(f"model parts {owner[key]} and {index} both have a state named {key!r}; "
+                                     "the parts' names must differ (pipeline stages keep the whole model's "
+                                     "names: layers.0, layers.1, ...)")
 
     def state_dict(self) -> dict[str, Any]:
         return {canonical_name(k): v for part in self.parts for k, v in part.state_dict().items()}
@@ -93,20 +100,35 @@ class OptimizerState(CheckedState):
     several); each optimizer's parameters must belong to one of the parts."""
 
     def __init__(self, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]):
-        self.named = [(opt, _parameter_names(parts, opt)) for opt in optimizers]
+        self.parts = list(parts)
+        self.optimizers = list(optimizers)
+        self._names: dict[int, tuple[tuple[int, ...], list[str]]] = {}
+        """id(optimizer) -> (its parameters' ids, their names), as of the last `named`."""
+        for opt in self.optimizers:  # every optimizer's parameters are in the parts, checked now
+            self._names_of(opt)
 
     @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [opt for opt, _ in self.named]
+    def named(self) -> list[tuple[torch.optim.Optimizer, list[str]]]:
+        """Each optimizer with the canonical names of its parameters, by their index in its state dict."""
+        return [(opt, self._names_of(opt)) for opt in self.optimizers]
+
+    def _names_of(self, opt: torch.optim.Optimizer) -> list[str]:
+        """`opt`'s parameters' names, named again when its parameters changed (`add_param_group`)."""
+        ids = tuple(id(p) for group in opt.param_groups for p in group["params"])
+        known = self._names.get(id(opt))
+        if known is None or known[0] != ids:
+            known = self._names[id(opt)] = (ids, _parameter_names(self.parts, opt))
+        return known[1]
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {}
         groups: dict[str, Any] = {}
         for opt, names in self.named:
-            _init_optim_state(opt)  # TorchTitan's manager expects the state of every parameter
             saved = opt.state_dict()
             for index, values in saved["state"].items():
                 state[names[index]] = values
+            if not opt.state:  # TorchTitan's manager expects the state of every parameter
+                state.update(_made_state(opt, names, set(names)))
             for group in saved["param_groups"]:
                 settings = {k: v for k, v in group.items() if k not in _NOT_SETTINGS}
                 groups.update({names[index]: dict(settings) for index in group["params"]})
@@ -119,10 +141,7 @@ class OptimizerState(CheckedState):
         state is made here to be read into and is given to it when the load is applied), so a
         load refused before then leaves it as it was; one that has state for some parameters
         only (others had no gradient yet) gets state made for the rest that the checkpoint has."""
-        fresh = [opt for opt in self.optimizers if not opt.state]
         sd = self.state_dict()
-        for opt in fresh:
-            opt.state.clear()
         # a parameter that had no state when saved (no gradient yet) has none after the load; one
         # that had state of other names (another optimizer) is still asked for its own, and refused
         held = {key[len("state."):] for key in saved_keys if key.startswith("state.")}
@@ -264,7 +283,7 @@ class LRSchedulerState(CheckedState):
             has = f"it has lr_scheduler.{min(saved_keys)}, ..." if saved_keys else "it has no lr_scheduler entry"
             raise CheckpointError(f"the checkpoint has no lr_scheduler.{missing[0]} ({has}); add 'lr_scheduler' to "
                                   "checkpoint.exclude_from_loading to start it fresh")
-        return {k: live[k] for k in held}
+        return _unshared({k: live[k] for k in held}, set())
 
     def check_loaded(self, state_dict: dict[str, Any]) -> None:
         for key in ("last_epoch", "_step_count"):
@@ -283,6 +302,23 @@ class LRSchedulerState(CheckedState):
 
 
 _PER_SCHEDULER = ("base_lrs", "_last_lr")
+
+
+def _unshared(value: Any, seen: set[int]) -> Any:
+    """`value` with every tensor met before (in `seen`, by id) cloned: a load reads each entry into
+    its tensor in place, and one tensor behind two entries (a new `SequentialLR` shares its last
+    rates with its first scheduler's; a tensor learning rate makes them tensors) would end up
+    holding whichever entry was read last."""
+    if isinstance(value, torch.Tensor):
+        if id(value) in seen:
+            return value.clone()
+        seen.add(id(value))
+        return value
+    if isinstance(value, dict):
+        return {k: _unshared(v, seen) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unshared(v, seen) for v in value]
+    return value
 
 
 class DataLoaderState(CheckedState):

@@ -312,10 +312,21 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
 
-    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """Expert number `expert` of those this rank holds (all of them without expert parallelism)."""
-        w1, w2, w3 = (_local(w)[expert] for w in (self.w1, self.w2, self.w3))
-        return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, first: int) -> torch.Tensor:
+        """Each token's sum over the experts this rank holds (numbered from `first`; all of them
+        without expert parallelism) that `chosen` picks for it, weighted by `weights`.
+
+        One call per MoE forward on every rank, whatever the routing, and every expert in the
+        graph (an expert given no token gets a zero gradient, not none): FSDP gathers the
+        experts for each call and reduces their gradients, and its peers must do so alike. The
+        experts this rank holds are counted here, where FSDP has gathered them."""
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        out = torch.zeros_like(x)
+        for i in range(w1.shape[0]):
+            token, slot = torch.where(chosen == first + i)
+            y = (F.silu(x[token] @ w1[i].T) * (x[token] @ w3[i].T)) @ w2[i].T
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -341,31 +352,20 @@ class MoE(nn.Module):
         if self.args.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(x.dtype)
-        out = self._routed(flat, chosen, weights) if self.ep_group is None else self._routed_ep(flat, chosen, weights)
+        routed = self.experts(flat, chosen, weights, 0) if self.ep_group is None else self._ep(flat, chosen, weights)
         if self.args.shared_hidden:
-            out = out + self.shared_experts(flat)
-        return out.view(x.shape)
+            routed = routed + self.shared_experts(flat)
+        return routed.view(x.shape)
 
-
-    def _routed(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-                first: int = 0) -> torch.Tensor:
-        """Each token's weighted sum over the experts this rank holds, numbered from `first`."""
-        out = torch.zeros_like(flat)
-        for i in range(_local(self.experts.w1).shape[0]):
-            token, slot = torch.where(chosen == first + i)
-            if token.numel():
-                out.index_add_(0, token, self.experts(flat[token], i) * weights[token, slot, None])
-        return out
-
-    def _routed_ep(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _ep(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Expert parallel: every rank of the group applies its experts to the tokens of all of
         them, and the sums go back to the tokens' ranks (an all-gather and a reduce-scatter, where
         TorchTitan uses an all-to-all: the same values, with simpler code)."""
         group = self.ep_group
         all_flat, all_weights = (funcol.all_gather_tensor_autograd(t, 0, group) for t in (flat, weights))
         all_chosen = funcol.all_gather_tensor(chosen, 0, group).wait()
-        first = dist.get_rank(group) * _local(self.experts.w1).shape[0]
-        out = self._routed(all_flat, all_chosen, all_weights, first)
+        first = dist.get_rank(group) * (self.args.num_experts // dist.get_world_size(group))
+        out = self.experts(all_flat, all_chosen, all_weights, first)
         return funcol.reduce_scatter_tensor_autograd(out, "sum", 0, group)
 
 

@@ -82,6 +82,7 @@ class WriterProcess:
         self._gone: BaseException | None = None
         self._replies = threading.Thread(target=self._receive, name="ckpt-writer-replies", daemon=True)
         self._replies.start()
+        _OPEN[self] = os.getpid()
 
     def __call__(self, jobs: list[FileJob], step: int | None = None, sync: bool = True) -> list[WrittenFile]:
         """Write `jobs` in the writer process; returns once they are durable there. The shared
@@ -227,6 +228,26 @@ class WriterProcess:
         self._replies.join()
         self._conn.close()
         self._registered.clear()
+        _OPEN.pop(self, None)
+
+
+_OPEN: dict[WriterProcess, int] = {}
+"""Writers not closed yet -> the process that started them. Their reply threads keep them alive
+after their owner is gone (a manager dropped without `close()`), and at exit `multiprocessing`
+joins every child after a SIGTERM the writer ignores: `_close_at_exit` closes them first."""
+
+
+def _close_at_exit() -> None:
+    """Close the writers this process started and nobody closed. Registered on import, before any
+    manager's own exit hook (`staging._wait_at_exit`), so it runs after them: a save in flight
+    is waited for first."""
+    for writer, pid in list(_OPEN.items()):
+        if pid == os.getpid():  # a forked child inherits the table, not the writers
+            writer.close()
+
+
+if (_register_atexit := getattr(threading, "_register_atexit", None)) is not None:
+    _register_atexit(_close_at_exit)
 
 
 @contextmanager

@@ -363,6 +363,7 @@ class S3Store(Store):
                 logger.info("rank %d removed %s, left in its staging folder by an earlier run", self.rank, entry.path)
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True)  # idle by now: the job's transfers are done
         if self._claimed:
             self._claimed = False
             _release(self.root)
