@@ -131,7 +131,8 @@ def _experts_as_on_one_process(rank: int, world_size: int) -> None:
 
     config = _config("--model.flavor", "qwen3_moe_debug", "--parallelism.expert_parallel_degree", "2")
     run = build_run(config, world_size, rank, torch.device("cpu"))
-    tokens = torch.randint(0, FLAVORS["qwen3_moe_debug"].vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
+    vocab = FLAVORS["qwen3_moe_debug"].vocab_size
+    tokens = torch.randint(0, vocab, (4, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got, want = run.parts[0](tokens), build_model(config)(tokens)  # the same seed: the same weights
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -124,3 +124,37 @@ def test_a_sequential_schedulers_last_rates_come_back_as_saved(tmp_path):
                            base_folder=str(tmp_path)) as manager:
         assert manager.load()
     assert [[float(lr) for lr in s._last_lr] for s in (sched, *sched._schedulers)] == want
+
+
+def test_a_resume_from_a_save_before_an_optimizers_first_step_goes_on_as_the_run_did(tmp_path):
+    """A module frozen for the first steps: its optimizer has no state at those saves. The state a
+    save makes for it (TorchTitan's layout wants some for every parameter) is the optimizer's
+    from then on, as it is the resumed run's: made apart, a resume counted one Adam step more."""
+    def job(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        opts = [torch.optim.AdamW(model[1].parameters(), lr=0.01), torch.optim.AdamW(model[0].parameters(), lr=0.01)]
+        manager = CheckpointManager(Checkpoint(enable=True, interval=1, keep_latest_k=0), [model], optimizers=opts,
+                                    base_folder=str(tmp_path))
+        return model, opts, manager
+
+    def train(model, opts, step):
+        hidden = model[0](torch.arange(8.0).view(2, 4) / step)
+        model[1](hidden if step >= 4 else hidden.detach()).pow(2).sum().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+    model, opts, manager = job(0)
+    with manager:
+        for step in range(1, 7):
+            train(model, opts, step)
+            manager.save(step)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    model, opts, manager = job(1)
+    with manager:
+        assert manager.load(step=2)
+        for step in range(3, 7):
+            train(model, opts, step)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, want[key]), key

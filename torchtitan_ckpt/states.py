@@ -11,10 +11,11 @@ back without running code.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import itertools
 import pickle
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -124,11 +125,11 @@ class OptimizerState(CheckedState):
         state: dict[str, Any] = {}
         groups: dict[str, Any] = {}
         for opt, names in self.named:
+            with _hooks_aside(opt):  # a save is no step to an EMA or a step count
+                _init_optim_state(opt)  # TorchTitan's manager expects the state of every parameter
             saved = opt.state_dict()
             for index, values in saved["state"].items():
                 state[names[index]] = values
-            if not opt.state:  # TorchTitan's manager expects the state of every parameter
-                state.update(_made_state(opt, names, set(names)))
             for group in saved["param_groups"]:
                 settings = {k: v for k, v in group.items() if k not in _NOT_SETTINGS}
                 groups.update({names[index]: dict(settings) for index in group["params"]})
@@ -141,7 +142,10 @@ class OptimizerState(CheckedState):
         state is made here to be read into and is given to it when the load is applied), so a
         load refused before then leaves it as it was; one that has state for some parameters
         only (others had no gradient yet) gets state made for the rest that the checkpoint has."""
+        fresh = [opt for opt in self.optimizers if not opt.state]
         sd = self.state_dict()
+        for opt in fresh:
+            opt.state.clear()
         # a parameter that had no state when saved (no gradient yet) has none after the load; one
         # that had state of other names (another optimizer) is still asked for its own, and refused
         held = {key[len("state."):] for key in saved_keys if key.startswith("state.")}
@@ -198,23 +202,34 @@ def _made_state(opt: torch.optim.Optimizer, names: list[str], wanted: Collection
     name_of = {id(p): name for p, name in zip(params, names)}
     mine = [p for p in params if name_of[id(p)] in wanted]
     held = opt.state, opt.param_groups, [p.grad for p in mine]
-    hooks = {k: getattr(opt, k) for k in _STEP_HOOKS if hasattr(opt, k)}
     opt.state = collections.defaultdict(dict)
     opt.param_groups = [{**g, "params": [p for p in g["params"] if name_of[id(p)] in wanted]} for g in held[1]]
     try:
-        for k in hooks:
-            setattr(opt, k, collections.OrderedDict())
         for p in mine:
             p.grad = None
-        _init_optim_state(opt)
+        with _hooks_aside(opt):
+            _init_optim_state(opt)
         made = opt.state_dict()["state"]
     finally:
         opt.state, opt.param_groups = held[0], held[1]
-        for k, v in hooks.items():
-            setattr(opt, k, v)
         for p, grad in zip(mine, held[2]):
             p.grad = grad
     return {name_of[id(mine[index])]: values for index, values in made.items()}
+
+
+@contextlib.contextmanager
+def _hooks_aside(opt: torch.optim.Optimizer) -> Iterator[None]:
+    """`opt` without its step hooks for the block: a step made to create state (at learning rate
+    0 on zero gradients) is no training step to a hook keeping an EMA or a count, nor to the
+    manager's own (`CheckpointManager._before_optimizer_step`)."""
+    hooks = {k: getattr(opt, k) for k in _STEP_HOOKS if hasattr(opt, k)}
+    for k in hooks:
+        setattr(opt, k, collections.OrderedDict())
+    try:
+        yield
+    finally:
+        for k, v in hooks.items():
+            setattr(opt, k, v)
 
 
 _STEP_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
