@@ -134,6 +134,13 @@ def test_model_parts_whose_names_collide_are_refused(tmp_path):
     assert not (tmp_path / "checkpoint").exists()
 
 
+def test_a_closed_manager_refuses_to_load(tmp_path):
+    manager = CheckpointManager(Checkpoint(enable=True), [torch.nn.Linear(2, 2)], base_folder=str(tmp_path))
+    manager.close()
+    with pytest.raises(CheckpointError, match=r"load\(\) called after close\(\)"):
+        manager.load()
+
+
 def test_load_only_loads_but_never_saves(tmp_path):
     job = make_job(str(tmp_path), steps=8, interval=2)
     job.run_to(2, steps=8)

@@ -22,7 +22,7 @@ class CheckpointGroup:
     rank is created (collectively), so checkpoint traffic never queues behind training's
     collectives, with `timeout_s` on every collective. A group given must serve CPU tensors
     (gloo; an NCCL-only group is refused). Without `torch.distributed` it is a group of one and
-    every collective is local. `close()` destroys the group made here (a caller's is theirs).
+    every collective is local.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, timeout_s: float = 600.0):
@@ -33,7 +33,6 @@ class CheckpointGroup:
                     f"the checkpoint's process_group serves only {devices} tensors; checkpoint collectives "
                     "exchange CPU objects, from background threads too: pass a group with a CPU backend "
                     "(dist.new_group(backend='gloo')), or none (one is made)")
-            self._made = process_group is None
             self.pg: dist.ProcessGroup | None = process_group or dist.new_group(
                 backend="gloo", timeout=timedelta(seconds=timeout_s))
             self.rank = dist.get_rank(self.pg)
@@ -42,16 +41,6 @@ class CheckpointGroup:
             if process_group is not None:
                 raise ValueError("a process_group was given but torch.distributed is not initialised")
             self.pg, self.rank, self.world_size = None, 0, 1
-            self._made = False
-
-    def close(self) -> None:
-        """Destroy the group made for the checkpoint (its connections hold file descriptors, which
-        a process that builds many managers would run out of); none is used after this. A group
-        gone already (the caller destroyed every group) is left alone."""
-        made, self._made = self._made, False
-        if made and dist.is_initialized():
-            with contextlib.suppress(ValueError):  # not a group of the present world any more
-                dist.destroy_process_group(self.pg)
 
     @property
     def is_coordinator(self) -> bool:

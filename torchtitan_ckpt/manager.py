@@ -141,16 +141,11 @@ class CheckpointManager:
         self._hooks: list = []
         self._group = CheckpointGroup(process_group, config.collective_timeout_s) if config.enable else None
         rank, world_size = (self._group.rank, self._group.world_size) if self._group else (0, 1)
-        try:
-            self._states = self._build_states(parts, optimizers, lr_schedulers, dataloader, states or {}, rank,
-                                              world_size)
-            if self._group is not None:
-                self._start(rank)
-        except BaseException:  # a refused job: the group made for it is let go
-            if self._group is not None:
-                self._group.close()
-            raise
-        if self._group is None:
+        self._states = self._build_states(parts, optimizers, lr_schedulers, dataloader, states or {}, rank,
+                                          world_size)
+        if self._group is not None:
+            self._start(rank)
+        else:
             logger.info("checkpointing is disabled (checkpoint.enable = false): save() and load() do nothing")
 
     def _start(self, rank: int) -> None:
@@ -257,8 +252,8 @@ class CheckpointManager:
         self.close()
 
     def close(self) -> None:
-        """Wait for any save in flight and for pending deletions, then let go of the manager's
-        process group and stores. Safe to call twice."""
+        """Wait for any save in flight and for pending deletions, then let go of the stores.
+        Safe to call twice."""
         if self._closed or not self.config.enable:
             self._closed = True
             return
@@ -268,12 +263,9 @@ class CheckpointManager:
         try:
             self._saves.close()
         finally:
-            try:
-                if self._deleter is not None:
-                    self._deleter.close()
-                self._close_stores()
-            finally:
-                self._group.close()
+            if self._deleter is not None:
+                self._deleter.close()
+            self._close_stores()
 
     def _close_stores(self) -> None:
         """Let go of what the stores hold on this node (`Store.close`)."""
