@@ -530,18 +530,8 @@ class BackgroundSaves:
         `wait()`, with its step); with `verify`, check the deferred tensors first."""
         if self._staging is not None:
             wait_for([self._staging])
-        self._compare("the optimizer's step")
-
-    def _compare(self, until: str) -> None:
-        """With `verify`: raise if a deferred tensor of the last save changed since `submit()`,
-        `until` now (said in the message); each save's tensors are compared once."""
-        check, self._check = self._check, []
-        for path, live, staged in check:
-            if not _same_bytes(live, staged):
-                raise StagingMismatchError(
-                    f"{'.'.join(map(str, path))} changed between save() and {until}; the checkpoint would "
-                    "hold a mix of old and new values. Change the state only after the optimizer's step, "
-                    "or call maybe_wait_for_staging() first")
+        check, self._check = self._check, []  # each save's tensors are compared once
+        _compare(check, "the optimizer's step")
 
     def _sink(self) -> Sink:
         """Where the files go; the writer process is started, and one that died (its save failed
@@ -568,12 +558,10 @@ class BackgroundSaves:
         the save's failure if it had one."""
         pending, staging = self._pending, self._staging
         wait_for([f for f in (pending, staging) if f is not None])  # interrupted: both still tracked
-        self._pending, self._staging = None, None
-        check, self._check = self._check, []
+        self._pending, self._staging, check, self._check = None, None, self._check, []
         if pending is not None:
             pending.result()
-        self._check = check  # a save that did not fail: were its tensors changed before its end?
-        self._compare("the next save(), wait(), load() or close()")
+        _compare(check, "the next save(), wait(), load() or close()")  # a save that did not fail
 
     def finish_at_exit(self) -> None:
         """A script that ends without `close()`: a save in flight is waited for (and its failure
@@ -645,6 +633,17 @@ def _at(state: Any, path: tuple) -> Any:
     for key in path:
         state = state[key]
     return state
+
+
+def _compare(check: list[tuple[tuple, torch.Tensor, torch.Tensor]], until: str) -> None:
+    """With `verify`: raise if a live tensor of `check` (path, live tensor, its staged copy)
+    changed since `submit()`, `until` now (said in the message)."""
+    for path, live, staged in check:
+        if not _same_bytes(live, staged):
+            raise StagingMismatchError(
+                f"{'.'.join(map(str, path))} changed between save() and {until}; the checkpoint would "
+                "hold a mix of old and new values. Change the state only after the optimizer's step, "
+                "or call maybe_wait_for_staging() first")
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -103,23 +103,13 @@ class OptimizerState(CheckedState):
     def __init__(self, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]):
         self.parts = list(parts)
         self.optimizers = list(optimizers)
-        self._names: dict[int, tuple[tuple[int, ...], list[str]]] = {}
-        """id(optimizer) -> (its parameters' ids, their names), as of the last `named`."""
-        for opt in self.optimizers:  # every optimizer's parameters are in the parts, checked now
-            self._names_of(opt)
+        self.named  # every optimizer's parameters are in the parts, checked now
 
     @property
     def named(self) -> list[tuple[torch.optim.Optimizer, list[str]]]:
-        """Each optimizer with the canonical names of its parameters, by their index in its state dict."""
-        return [(opt, self._names_of(opt)) for opt in self.optimizers]
-
-    def _names_of(self, opt: torch.optim.Optimizer) -> list[str]:
-        """`opt`'s parameters' names, named again when its parameters changed (`add_param_group`)."""
-        ids = tuple(id(p) for group in opt.param_groups for p in group["params"])
-        known = self._names.get(id(opt))
-        if known is None or known[0] != ids:
-            known = self._names[id(opt)] = (ids, _parameter_names(self.parts, opt))
-        return known[1]
+        """Each optimizer with the canonical names of its parameters, by their index in its state
+        dict: named at each use, as its parameters may change (`add_param_group`)."""
+        return [(opt, _parameter_names(self.parts, opt)) for opt in self.optimizers]
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {}
