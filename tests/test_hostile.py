@@ -30,6 +30,7 @@ from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.hf import consolidate as C
 from torchtitan_ckpt.policy.schedule import SaveKind
 from torchtitan_ckpt.states import CheckedState
+from torchtitan_ckpt.storage.local import LOCK_FILE
 
 from .helpers import ROOT, read_checkpoint, spawn, within
 from .jobs import make_job
@@ -174,7 +175,7 @@ def test_retention_never_deletes_or_uncommits_through_a_linked_step(tmp_path, ca
     job.run_to(6, steps=6)
     job.manager.close()
     # step 4 stays too: step 6 holds only the model, and 4 is where a run goes on
-    assert sorted(os.listdir(tmp_path / "dump" / "checkpoint")) == ["step-1", "step-4", "step-6"]
+    assert sorted(os.listdir(tmp_path / "dump" / "checkpoint")) == [LOCK_FILE, "step-1", "step-4", "step-6"]
     assert (tmp_path / "other" / "step-1" / commit.MARKER).read_bytes() == marker
     assert cli.main(["clean", str(tmp_path / "dump" / "checkpoint")]) == 0
     assert os.path.islink(tmp_path / "dump" / "checkpoint" / "step-1")

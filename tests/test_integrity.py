@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import zlib
 
 import pytest
+import torch
 
-from torchtitan_ckpt import CheckpointSaveError, CorruptCheckpointError, cli, commit, layout
+from torchtitan_ckpt import CheckpointManager, CheckpointSaveError, CorruptCheckpointError, cli, commit, layout
+from torchtitan_ckpt.config import Checkpoint
 
 from .jobs import make_job
 
@@ -127,13 +130,60 @@ def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_step(tiny_dis
     fresh.manager.close()
 
 
+@pytest.mark.parametrize("consolidation", ["one_pass", "all_ranks"])
+def test_a_full_disk_fails_a_hugging_face_export_as_a_save_error(tiny_disk, consolidation):
+    """The two-phase export let DCP's own exception (a BaseException) out of save(), past a
+    training loop's `except Exception`."""
+    job = make_job(tiny_disk, steps=10, interval=1, keep_latest_k=0, last_save_in_hf=True,
+                   consolidation=consolidation)
+    job.step()
+    job.manager.save(1)
+    free = os.statvfs(tiny_disk)
+    with open(os.path.join(tiny_disk, "filler"), "wb") as f:  # 64 KB left: less than the export
+        f.write(b"\0" * (free.f_bavail * free.f_frsize - 65536))
+    with pytest.raises(CheckpointSaveError, match=r"saving step 2 to .*step-2 failed: .*No space left on device"):
+        job.manager.save(2, last_step=True)
+    job.manager.close()
+    assert layout.committed_steps(os.path.join(tiny_disk, "checkpoint")) == [1]
+
+
+def test_clean_goes_on_past_a_partial_step_it_cannot_remove(tmp_path, capsys):
+    """The first step that could not be removed ended the command (exit status 2): the partial
+    steps after it stayed."""
+    folder = _saved(tmp_path)
+    for step in (7, 9):
+        shutil.copytree(layout.step_dir(folder, 2), layout.step_dir(folder, step))
+        commit.uncommit(layout.step_dir(folder, step))
+    busy = os.path.join(layout.step_dir(folder, 7), "mounted")
+    os.mkdir(busy)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", busy], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        assert cli.main(["clean", folder]) == 1
+    finally:
+        subprocess.run(["umount", "-l", busy], check=False)
+    out, err = capsys.readouterr()
+    assert f"error: {layout.step_dir(folder, 7)} could not be removed: [Errno 16] Device or resource busy" in err
+    assert f"removed {layout.step_dir(folder, 9)} (partial)" in out
+    assert [s.step for s in layout.scan(folder)] == [2, 4, 7]
+
+
+def test_a_save_stopped_while_marking_its_folder_leaves_a_partial_step(tmp_path):
+    """A folder holding only the in-progress marker's temporary file (a full disk while it was
+    written) read as another program's: never removed by retention or clean."""
+    folder = _saved(tmp_path)
+    os.mkdir(layout.step_dir(folder, 3))
+    open(os.path.join(layout.step_dir(folder, 3), commit.IN_PROGRESS + ".tmp"), "w").close()
+    assert layout.status_of(layout.step_dir(folder, 3)) == layout.PARTIAL
+    job = make_job(str(tmp_path), steps=10, interval=2)
+    job.run_to(6, steps=10)
+    job.manager.close()
+    assert 3 not in [s.step for s in layout.scan(folder)]
+
+
 def _rank_1_never_saves(rank: int, world_size: int, folder: str) -> None:
     import time
-
-    import torch
-
-    from torchtitan_ckpt import CheckpointManager
-    from torchtitan_ckpt.config import Checkpoint
 
     config = Checkpoint(enable=True, interval=1, collective_timeout_s=3)
     manager = CheckpointManager(config, [torch.nn.Linear(2, 2)], base_folder=folder)
@@ -141,7 +191,8 @@ def _rank_1_never_saves(rank: int, world_size: int, folder: str) -> None:
         time.sleep(12)  # alive but gone astray: it never joins the save
         return
     start = time.monotonic()
-    with pytest.raises(CheckpointSaveError, match="saving step 1"):
+    with pytest.raises(CheckpointSaveError, match=r"saving step 1 .* another rank did not join it within "
+                                                  r"checkpoint.collective_timeout_s = 3 s"):
         manager.save(1)
     assert time.monotonic() - start < 10  # the timeout, not a hang
     assert layout.committed_steps(os.path.join(folder, "checkpoint")) == []
@@ -152,3 +203,46 @@ def test_a_missing_rank_times_out_instead_of_hanging(tmp_path):
     from .helpers import spawn
 
     spawn(2, _rank_1_never_saves, str(tmp_path))
+
+
+_SECOND_JOB = """
+import sys
+from torch import nn
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.errors import ConfigError
+for load_only in (True, False):
+    try:
+        manager = CheckpointManager(Checkpoint(enable=True, folder=sys.argv[1], load_only=load_only), [nn.Linear(2, 2)])
+        print("loaded", manager.load())
+        manager.close()
+    except ConfigError as e:
+        print(e)
+        sys.exit(3)
+"""
+
+
+def test_a_second_job_saving_into_a_folder_in_use_is_refused_at_start(tmp_path):
+    """The same run started again while the first still ran replaced the first's step in
+    flight; the first then committed a marker over the second's files, and both said saved."""
+    folder = str(tmp_path / "checkpoint")
+    first = CheckpointManager(Checkpoint(enable=True, folder=folder, interval=1), [torch.nn.Linear(2, 2)])
+    first.save(1)
+    second = [sys.executable, "-c", _SECOND_JOB, folder]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    refused = subprocess.run(second, capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode == 3, refused.stderr
+    assert refused.stdout.splitlines() == [  # a job that only loads is let in
+        "loaded True",
+        f"checkpoint.folder = {folder!r}: another process (pid {os.getpid()} on {os.uname().nodename}) uses {folder} "
+        "to save into: one job saves into a folder at a time; stop that job first, or give this one a folder of "
+        "its own"]
+    assert layout.committed_steps(folder) == [1]
+    clean = subprocess.run([sys.executable, "-m", "torchtitan_ckpt.cli", "clean", folder], capture_output=True,
+                           text=True, timeout=120, env=env)
+    assert clean.returncode == 2 and (f"uses {folder} to save into: clean removes partial steps, and that job's save "
+                                      "in flight is one: run it once the job has ended") in clean.stderr, clean.stderr
+    first.save(2)
+    first.close()
+    ran = subprocess.run(second, capture_output=True, text=True, timeout=120, env=env)
+    assert ran.returncode == 0 and ran.stdout.splitlines() == ["loaded True", "loaded True"], ran.stderr

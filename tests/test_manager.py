@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torchtitan_ckpt import (Checkpoint, CheckpointError, CheckpointManager, CheckpointNotFoundError, ConfigError,
                              CorruptCheckpointError, commit, layout)
 from torchtitan_ckpt.dcp.storage import METADATA_FILE
+from torchtitan_ckpt.storage.local import LOCK_FILE
 
 from .helpers import assert_same, data_file_use, read_checkpoint
 from .jobs import make_job
@@ -357,7 +358,7 @@ def test_an_unwritable_folder_fails_at_construction_with_one_rank(tmp_path):
         make_job(str(tmp_path), folder=folder)
     make_job(str(tmp_path), folder=folder, load_only=True).manager.close()
     job = make_job(str(tmp_path), folder="new/checkpoint")
-    assert os.listdir(tmp_path / "new" / "checkpoint") == []  # made, and the probe removed
+    assert os.listdir(tmp_path / "new" / "checkpoint") == [LOCK_FILE]  # made, held, and the probe removed
     job.manager.close()
 
 
@@ -604,3 +605,123 @@ def test_parameters_without_optimizer_state_resume_without_it(tmp_path):
                                                   r".momentum_buffer', 'optimizer.state.used.bias.momentum_buffer'\]"):
             manager.load()
     assert not sgd.state and sgd.param_groups[0]["lr"] == 0.5
+
+
+@pytest.mark.parametrize("step, error, message", [
+    (3.0, TypeError, r"save\(3.0\): the step must be an int, not a float"),
+    (True, TypeError, r"save\(True\): the step must be an int, not a bool"),
+    ("4", TypeError, r"save\('4'\): the step must be an int, not a str"),
+    (None, TypeError, r"save\(None\): the step must be an int"),
+    (-5, ValueError, r"save\(-5\): the step must be from 0 to 2\*\*62"),
+    (2**62 + 1, ValueError, r"the step must be from 0 to 2\*\*62"),
+])
+def test_a_step_that_is_no_count_is_refused_before_anything_is_written(tmp_path, step, error, message):
+    """`save(3.0)` wrote `step-3.0`, which no load finds; -5 and True wrote `step--5` and
+    `step-True`; a step above the markers' bound was saved and then refused by every load."""
+    manager = CheckpointManager(Checkpoint(enable=True, interval=1), [torch.nn.Linear(2, 2)],
+                                base_folder=str(tmp_path))
+    with pytest.raises(error, match=message):
+        manager.save(step)
+    with pytest.raises(error, match=message.replace("save", "load").replace("from 0", "from -1")):
+        manager.load(step)
+    manager.close()
+    assert os.listdir(_folder(tmp_path)) == [LOCK_FILE]
+
+
+def test_an_integer_of_numpy_or_a_tensor_is_a_step(tmp_path):
+    """`for step in np.arange(...)`: the commit marker failed (an int64 is no JSON) after every
+    file was written."""
+    np = pytest.importorskip("numpy")
+    model = torch.nn.Linear(2, 2)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path)) as manager:
+        assert manager.save(np.int64(6)) and manager.save(torch.tensor(7))
+    assert layout.committed_steps(_folder(tmp_path)) == [6, 7]
+    with CheckpointManager(Checkpoint(enable=True), [torch.nn.Linear(2, 2)], base_folder=str(tmp_path)) as manager:
+        assert manager.load(np.int64(6))
+
+
+def test_a_model_without_memory_is_refused_before_anything_is_read_or_written(tmp_path):
+    """A model built on the meta device and not materialised: load() filled nothing and said it
+    had loaded; save() failed after making the step folder."""
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [torch.nn.Linear(2, 2)],
+                           base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    for model in (torch.nn.Linear(2, 2, device="meta"), torch.nn.LazyLinear(2)):
+        with CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path)) as manager:
+            with pytest.raises(CheckpointError, match=r"load\(\): 2 of the model's tensors have no memory yet, "
+                                                      r"e.g. \['weight', 'bias'\] .*model.to_empty"):
+                manager.load()
+            with pytest.raises(CheckpointError, match=r"save\(\): 2 of the model's tensors have no memory yet"):
+                manager.save(2)
+    assert sorted(os.listdir(_folder(tmp_path))) == [LOCK_FILE, "step-1"]
+
+
+def test_a_model_changed_since_the_save_is_named_before_its_optimizer(tmp_path):
+    """A layer added since the save: the error was the optimizer's missing settings, and
+    excluding the optimizer as it advised only then showed the model's missing tensors."""
+    def job(layers):
+        model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(layers)])
+        return model, torch.optim.AdamW(model.parameters())
+
+    model, opt = job(1)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], opt, base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    model, opt = job(2)
+    with CheckpointManager(Checkpoint(enable=True), [model], opt, base_folder=str(tmp_path)) as manager:
+        with pytest.raises(CheckpointError, match=r"step-1 lacks 2 tensors this job has, e.g. \['1.weight', "
+                                                  r"'1.bias'\]; was it saved from a different model\?"):
+            manager.load()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))  # the same model, another kind of optimizer
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    sgd.step()
+    with CheckpointManager(Checkpoint(enable=True), [model], sgd, base_folder=str(tmp_path)) as manager:
+        with pytest.raises(CheckpointError, match=r"lacks 2 tensors this job has, e.g. \['optimizer.state.0.weight."
+                                                  r"momentum_buffer', .* another kind of optimizer\? add 'optimizer' "
+                                                  "to checkpoint.exclude_from_loading"):
+            manager.load()
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"model_parts": {"a": torch.nn.Linear(2, 2)}}, "model_parts is a dict; expected an nn.Module"),
+    ({"model_parts": torch.nn.Linear(2, 2).state_dict()}, "model_parts is a OrderedDict; expected an nn.Module"),
+    ({"model_parts": [torch.nn.Linear(2, 2), "x"]}, r"model_parts\[1\] is a str; expected an nn.Module"),
+    ({"optimizers": {"o": None}}, "optimizers is a dict; expected a torch.optim.Optimizer"),
+    ({"lr_schedulers": [lambda step: 1.0]}, r"lr_schedulers\[0\] is a function; expected an LR scheduler"),
+    ({"states": [1]}, "states is a list; expected a dict"),
+])
+def test_arguments_of_the_wrong_kind_are_refused_naming_them(tmp_path, arguments, message):
+    """A dict of optimizers was taken for its keys ('str' object has no attribute
+    'param_groups'); a lambda as scheduler failed the first save, after the training up to it."""
+    arguments = {"model_parts": [torch.nn.Linear(2, 2)], **arguments}
+    with pytest.raises(TypeError, match=message):
+        CheckpointManager(Checkpoint(enable=True), base_folder=str(tmp_path), **arguments)
+
+
+def test_a_relative_folder_stays_where_it_was_when_the_manager_was_made(tmp_path, monkeypatch):
+    """A relative folder was resolved at each save: after a chdir, steps went to another folder,
+    made without a check, and a restarted job resumed from the older steps."""
+    monkeypatch.chdir(tmp_path)
+    config = Checkpoint(enable=True, interval=1, keep_latest_k=0)
+    with CheckpointManager(config, [torch.nn.Linear(2, 2)], base_folder="outputs") as manager:
+        manager.save(1)
+        (tmp_path / "elsewhere").mkdir()
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        manager.save(2)
+        assert manager.load(1)
+    assert layout.committed_steps(str(tmp_path / "outputs" / "checkpoint")) == [1, 2]
+    assert os.listdir(tmp_path / "elsewhere") == []
+
+
+def test_a_layer_removed_since_the_save_is_said_when_it_is_not_loaded(tmp_path, caplog):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    smaller = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with CheckpointManager(Checkpoint(enable=True), [smaller], base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert torch.equal(smaller[0].weight, model[0].weight)
+    assert "step-1 holds 2 model tensors this job's model does not have, e.g. ['1.weight', '1.bias']: they are " \
+           "not loaded (a layer removed since the save?)" in caplog.text

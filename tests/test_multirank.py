@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from torchtitan_ckpt import CheckpointManager, commit, layout
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.train import build_model, shard_model
+from torchtitan_ckpt.storage.local import LOCK_FILE
 
 from .helpers import DEBUG_CONFIG, ROOT, assert_same, losses, read_checkpoint, run_job, spawn
 
@@ -208,3 +210,81 @@ def test_ranks_naming_different_folders_all_fail_at_start(tmp_path):
         assert (tmp_path / f"error{rank}").read_text().endswith(
             f"every rank must use the same folder; rank 0 uses {tmp_path}/rank0, rank 1 {tmp_path}/rank1 (a relative "
             "folder resolved in another working directory?)"), rank
+
+
+def _save_otherwise(rank: int, world_size: int, folder: str, how: str) -> None:
+    from torchtitan_ckpt.errors import CheckpointSaveError, CollectiveError  # noqa: PLC0415
+
+    model = torch.nn.Linear(4, 4)
+    config = Checkpoint(enable=True, folder=folder, interval=1, keep_latest_k=0, last_save_model_only=True,
+                        collective_timeout_s=3)
+    with CheckpointManager(config, [model]) as manager:
+        manager.save(1)
+        if how == "load" and rank == 0:  # rank 1 goes to a save without the load
+            with pytest.raises(CollectiveError, match="another rank did not join it within"):
+                manager.load()
+            return
+        step, last = (2 + rank, False) if how == "steps" else (2, rank == 0)
+        others = {"steps": "rank 0 saves step 2 (full, dcp), rank 1 saves step 3 (full, dcp)",
+                  "last_step": "rank 0 saves step 2 (model_only, dcp, last_step), rank 1 saves step 2 (full, dcp)",
+                  "load": "rank 0 is not saving (it is in another call of the manager, load() say), rank 1 saves "
+                          "step 2 (full, dcp)"}[how]
+        expected = rf"saving step {step} .* the ranks called save\(\) otherwise: {re.escape(others)}; every rank"
+        with pytest.raises(CheckpointSaveError, match=expected):
+            manager.save(step, last_step=last)
+        if how == "steps" and rank == 0:
+            time.sleep(6)  # rank 1 goes on alone to a save rank 0 never joins
+        elif how == "steps":
+            with pytest.raises(CheckpointSaveError, match=r"saving step 4 .* CollectiveError: a collective among the "
+                                                          r"checkpoint's 2 ranks failed on rank 1 .* within "
+                                                          r"checkpoint.collective_timeout_s = 3 s"):
+                manager.save(4)
+
+
+@pytest.mark.parametrize("how", ["steps", "last_step", "load"])
+def test_ranks_that_call_save_otherwise_fail_before_anything_is_written(tmp_path, how):
+    """Rank 0 at save(1), rank 1 at save(2): each wrote its own step folder, rank 1's holding
+    its file alone and no marker (another program's, to every later job: never removed, and a
+    save of that step refused). Ranks that disagreed on last_step committed a step whose
+    marker listed the model alone over the optimizer's state, in two dtypes."""
+    folder = str(tmp_path / "checkpoint")
+    spawn(2, _save_otherwise, folder, how)
+    assert sorted(os.listdir(folder)) == [LOCK_FILE, "step-1"]
+
+
+def _rank_1_never_builds_its_manager(rank: int, world_size: int, folder: str) -> None:
+    from torchtitan_ckpt.errors import CollectiveError  # noqa: PLC0415
+
+    if rank == 1:
+        time.sleep(6)
+        return
+    with pytest.raises(CollectiveError, match=r"failed on rank 0 .* another rank did not join it within "
+                                              r"checkpoint.collective_timeout_s = 2 s"):
+        CheckpointManager(Checkpoint(enable=True, folder=folder, collective_timeout_s=2), [torch.nn.Linear(2, 2)])
+
+
+def test_a_rank_that_never_builds_its_manager_fails_the_others_with_our_error(tmp_path):
+    """The group the manager makes is made collectively: torch's DistStoreError ("wait timeout
+    after 2000ms, keys: /default_pg/...") said nothing of what to look for."""
+    spawn(2, _rank_1_never_builds_its_manager, str(tmp_path / "checkpoint"))
+
+
+def _replicas_that_differ(rank: int, world_size: int, folder: str, how: str) -> None:
+    from torchtitan_ckpt.errors import CheckpointSaveError  # noqa: PLC0415
+
+    width = 32 if how == "shape" and rank == 1 else 16
+    model = torch.nn.Linear(width, 4).to(torch.bfloat16 if how == "dtype" and rank == 1 else torch.float32)
+    differ = {"shape": r"float32\[4, 16\] and float32\[4, 32\]", "dtype": r"float32\[4, 16\] and bfloat16\[4, 16\]"}
+    with CheckpointManager(Checkpoint(enable=True, folder=folder, interval=1), [model]) as manager:
+        with pytest.raises(CheckpointSaveError, match=rf"saving step 1 .* ranks 0 and 1 hold weight otherwise "
+                                                      rf"\({differ[how]}\): every rank saves the same model"):
+            manager.save(1)
+
+
+@pytest.mark.parametrize("how", ["shape", "dtype"])
+def test_ranks_whose_replicas_differ_fail_the_save(tmp_path, how):
+    """Each tensor was written by one of the ranks holding it: a step of both models was
+    committed, which fit neither (shapes) or held two dtypes without a word."""
+    folder = str(tmp_path / "checkpoint")
+    spawn(2, _replicas_that_differ, folder, how)
+    assert layout.committed_steps(folder) == []

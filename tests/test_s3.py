@@ -40,6 +40,7 @@ from torchtitan_ckpt.example.model import hf_adapter
 from torchtitan_ckpt.example.train import build_model, shard_model
 from torchtitan_ckpt.group import CheckpointGroup
 from torchtitan_ckpt.hf import save_hf
+from torchtitan_ckpt.storage.local import LOCK_FILE
 from torchtitan_ckpt.storage.s3 import S3Store, split_url
 
 from .helpers import DEBUG_CONFIG, assert_same, data_file_use, logits, perturbed, run_job, spawn
@@ -490,7 +491,7 @@ def _shared_disk(rank, world_size, tmp):
     model, opt = _job()
     CheckpointManager(Checkpoint(enable=True, folder=os.path.join(tmp, "ckpt")), [model], opt).close()
     dist.barrier()
-    assert os.listdir(os.path.join(tmp, "ckpt")) == []  # the probes are gone
+    assert os.listdir(os.path.join(tmp, "ckpt")) == [LOCK_FILE]  # the probes are gone
 
 
 def test_a_folder_the_ranks_do_not_share_is_refused_at_start_up(tmp_path):
@@ -866,8 +867,8 @@ def test_a_second_job_of_one_url_on_one_node_is_refused_while_the_first_runs(buc
     assert refused.returncode == 2, refused.stderr
     assert refused.stdout.count(
         f"checkpoint.staging_folder = {str(tmp_path)!r}: files cannot be staged there: rank 0: CheckpointError: "
-        f"another process (pid {os.getpid()}) on this node stages {url} for rank 0 in {staged}: one job per URL "
-        "and node; give this job a checkpoint.staging_folder of its own\n") == 2
+        f"another process (pid {os.getpid()} on {os.uname().nodename}) uses {staged}, where this node stages {url} "
+        "for rank 0: one job per URL and node; give this job a checkpoint.staging_folder of its own\n") == 2
     assert os.path.isdir(os.path.join(staged, "step-2"))
     first.close()
     ran = second()

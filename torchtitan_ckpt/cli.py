@@ -54,12 +54,15 @@ from .hf.planner import parse_size
 from .hf.save import MODES
 from .progress import DEFAULT_INTERVAL, Progress, fmt_bytes, this_rank_draws
 from .storage import check_url, open_store, scheme_of
+from .storage import lock
 from .storage.base import Store
+from .storage.local import LOCK_FILE
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
 EXIT_CODES = """exit status:
   0    success
-  1    verify: a file is missing, differs from the manifest or is not in it; list: no loadable step
+  1    verify: a file is missing, differs from the manifest or is not in it; list: no loadable step;
+       clean: a partial step could not be removed (named on stderr)
   2    usage error, or input that is not what the command needs (named on stderr)
   130  interrupted (Ctrl-C); an unfinished convert/consolidate output is removed
   143  ended by SIGTERM (129: SIGHUP), cleaned up as after Ctrl-C
@@ -343,7 +346,8 @@ def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
 
 
 def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
-    """Run it while no job writes to the folder: a save in flight looks partial too. Only folders
+    """Refused while a job of this package saves into the folder (it holds it: `_no_job_saving`),
+    as its save in flight looks partial too (another program's job is not seen). Only folders
     this package started writing are removed; another program's are listed and kept, and so is
     a step folder that is a symlink. A local folder only: on object storage a save's retention
     deletes the partial steps before it."""
@@ -351,28 +355,49 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
         raise CheckpointError(f"{args.folder}: clean works on a local folder; on object storage the next save's "
                               "retention deletes the partial steps older than it (docs/storage.md)")
     _require_folder(args.folder)
-    steps = layout.scan(args.folder)
-    for s in steps:
-        if not s.ours or s.linked:
-            print(f"kept {s.path} ({s.status}{', linked in' if s.linked else ''}: not removed by clean)")
-    sizes = {s.path: layout.folder_bytes(s.path) for s in steps if s.status == layout.PARTIAL and not s.linked}
-    total = sum(sizes.values())
-    removed, freed, code = 0, 0, EXIT_OK
-    with progress:
-        for path, size in sizes.items():
-            if layout.linked_in(path) or layout.status_of(path) != layout.PARTIAL:  # a job finished it since
-                print(f"kept {path} (no longer partial: a job is writing there?)")
-                continue
-            try:
-                commit.remove_step(path, lambda n: progress("removing", n, total))
-            except CheckpointError as e:  # files appeared meanwhile: the others are still cleaned
-                print(f"error: {e}", file=sys.stderr)
-                code = EXIT_INPUT
-                continue
-            removed, freed = removed + 1, freed + size
-            print(f"removed {path} (partial)")
-    print(f"{removed} partial step folder(s) removed, {fmt_bytes(freed)}")
-    return code
+    with _no_job_saving(args.folder):
+        steps = layout.scan(args.folder)
+        for s in steps:
+            if not s.ours or s.linked:
+                print(f"kept {s.path} ({s.status}{', linked in' if s.linked else ''}: not removed by clean)")
+        sizes = {s.path: layout.folder_bytes(s.path) for s in steps if s.status == layout.PARTIAL and not s.linked}
+        total = sum(sizes.values())
+        removed, freed, code = 0, 0, EXIT_OK
+        with progress:
+            for path, size in sizes.items():
+                if layout.linked_in(path) or layout.status_of(path) != layout.PARTIAL:  # a job finished it since
+                    print(f"kept {path} (no longer partial: a job is writing there?)")
+                    continue
+                try:
+                    commit.remove_step(path, lambda n: progress("removing", n, total))
+                except CheckpointError as e:  # files appeared meanwhile: the others are still cleaned
+                    print(f"error: {e}", file=sys.stderr)
+                    code = EXIT_INPUT
+                    continue
+                except OSError as e:  # one that cannot be removed (permissions): the others are still cleaned
+                    print(f"error: {path} could not be removed: {e}", file=sys.stderr)
+                    code = max(code, EXIT_FAILED)
+                    continue
+                removed, freed = removed + 1, freed + size
+                print(f"removed {path} (partial)")
+        print(f"{removed} partial step folder(s) removed, {fmt_bytes(freed)}")
+        return code
+
+
+@contextlib.contextmanager
+def _no_job_saving(folder: str) -> Iterator[None]:
+    """Hold `folder` as a job saving there does (`storage.local.LOCK_FILE`, where a job of this
+    package has saved), for the duration of the block: a job's save in flight is partial too."""
+    held = os.path.join(folder, LOCK_FILE)
+    if not os.path.lexists(held):  # no job of ours has saved here
+        yield
+        return
+    lock.claim(held, f"{folder} to save into", "clean removes partial steps, and that job's save in flight is "
+               "one: run it once the job has ended")
+    try:
+        yield
+    finally:
+        lock.release(held)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -525,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add(sub, "verify", cmd_verify, "check a step's files against its commit manifest", True)
     p.add_argument("step_dir")
     p.add_argument("--threads", type=_threads, default=4, help="files checked at once")
-    p = _add(sub, "clean", cmd_clean, "remove partial step folders (run while no job is saving)")
+    p = _add(sub, "clean", cmd_clean, "remove partial step folders (refused while a job saves there)")
     p.add_argument("folder")
     _add_convert(sub)
     _add_consolidate(sub)

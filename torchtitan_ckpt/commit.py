@@ -91,9 +91,13 @@ def read_marker(path: str) -> CommitInfo:
     return info
 
 
+MAX_COUNT = 2**62
+"""The largest step, world size or version a marker may give (and so the largest step saved)."""
+
+
 def _marker_problem(info: CommitInfo, path: str) -> str | None:
     def count(v: object, low: int) -> bool:
-        return type(v) is int and low <= v <= 2**62
+        return type(v) is int and low <= v <= MAX_COUNT
 
     if not count(info.step, 0) or not count(info.world_size, 1) or not count(info.version, 0):
         return (f"step {brief(info.step)}, world_size {brief(info.world_size)} and version {brief(info.version)} "

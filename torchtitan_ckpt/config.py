@@ -79,8 +79,10 @@ class Checkpoint:
 
     folder: str = "checkpoint"
     """Folder of the step folders (`step-N`), relative to the manager's `base_folder` (a TorchTitan
-    job's `job.dump_folder`, a path or a URL) unless absolute; every rank must see the same folder
-    (checked at start-up). Or object storage: `s3://bucket/prefix` (docs/storage.md)."""
+    job's `job.dump_folder`, a path or a URL) unless absolute, and a relative path is taken in the
+    working directory the manager is made in; every rank must see the same folder (checked at
+    start-up), and one job saves into it at a time (docs/reliability.md). Or object storage:
+    `s3://bucket/prefix` (docs/storage.md)."""
 
     interval: int = 500
     """Save every this many steps (step % interval == 0)."""

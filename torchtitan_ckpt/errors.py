@@ -91,6 +91,11 @@ class CheckpointSaveError(CheckpointError):
         super().__init__(f"saving step {step} to {path} failed: {type(cause).__name__}: {cause}{hint}")
 
 
+class CollectiveError(CheckpointError, RuntimeError):
+    """A collective among the checkpoint's ranks failed: a rank did not join it in time (it
+    called `save`/`load` otherwise than the others, or is stuck), or it failed or died."""
+
+
 class StorageError(CheckpointError, OSError):
     """A storage backend (an object store) refused or kept failing a request after its bounded
     retries; the message names the URL and what was tried."""

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from .errors import RankFailed
+from .errors import CollectiveError, RankFailed
 
 T = TypeVar("T")
 
@@ -33,10 +33,12 @@ class CheckpointGroup:
                     f"the checkpoint's process_group serves only {devices} tensors; checkpoint collectives "
                     "exchange CPU objects, from background threads too: pass a group with a CPU backend "
                     "(dist.new_group(backend='gloo')), or none (one is made)")
-            self.pg: dist.ProcessGroup | None = process_group or dist.new_group(
-                backend="gloo", timeout=timedelta(seconds=timeout_s))
-            self.rank = dist.get_rank(self.pg)
-            self.world_size = dist.get_world_size(self.pg)
+            self._timeout = (f"checkpoint.collective_timeout_s = {timeout_s:g} s" if process_group is None else
+                             "the process_group's timeout")
+            self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
+            with self._failing():  # made collectively: a rank that never comes times it out
+                self.pg: dist.ProcessGroup | None = process_group or dist.new_group(
+                    backend="gloo", timeout=timedelta(seconds=timeout_s))
         else:
             if process_group is not None:
                 raise ValueError("a process_group was given but torch.distributed is not initialised")
@@ -51,8 +53,21 @@ class CheckpointGroup:
         if self.pg is None:
             return [obj]
         found = [None] * self.world_size
-        dist.all_gather_object(found, obj, group=self.pg)
+        with self._failing():
+            dist.all_gather_object(found, obj, group=self.pg)
         return found
+
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        """A collective's failure (gloo's timeout, a peer's closed connection) as a
+        `CollectiveError` that says what to look for."""
+        try:
+            yield
+        except RuntimeError as e:
+            raise CollectiveError(
+                f"a collective among the checkpoint's {self.world_size} ranks failed on rank {self.rank} ({e}): "
+                f"another rank did not join it within {self._timeout}, or failed or died (see its log). Every "
+                "rank calls save(step, last_step), load() and close() alike, with the same arguments") from e
 
     def run(self, fn: Callable[[], Any], coordinator_only: bool = False) -> list[Any]:
         """Run `fn` on every rank (or on rank 0 only), then share results and failures: returns
@@ -92,7 +107,8 @@ class CheckpointGroup:
         if self.pg is None:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
+        with self._failing():
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
         return box[0]
 
 

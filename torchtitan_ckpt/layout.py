@@ -19,17 +19,38 @@ from as its status says, never counted by retention, deleted or replaced.
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 import stat
 from dataclasses import dataclass
+from typing import Any
 
 from . import commit
+from .io import durable
+from .io.untrusted import brief
 from .formats import FORMATS
 
 _STEP_RE = re.compile(r"step-(0|[1-9][0-9]*)", re.ASCII)
 """One spelling per step: no leading zeros, ASCII digits, nothing after (so `step-007`, a
 non-ASCII digit or a trailing newline never name the folder of step 7)."""
+
+
+def check_step(step: Any, call: str, low: int = 0) -> int:
+    """`step` as given to `call` ("save", "load"), as an int: an integer of any kind (NumPy's,
+    a 0-dim integer tensor) as its value. A bool, a float, a string, or a step outside `low` to
+    `commit.MAX_COUNT` is a `TypeError` or `ValueError` naming it, before anything is written or
+    read: `save(3.0)` would write `step-3.0`, which no load finds, and a NumPy integer would fail
+    the commit marker after every file was written."""
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        value = operator.index(step)
+    except TypeError:
+        raise TypeError(f"{call}({brief(step)}): the step must be an int, not a {type(step).__name__}") from None
+    if not low <= value <= commit.MAX_COUNT:
+        raise ValueError(f"{call}({brief(value)}): the step must be from {low} to 2**62")
+    return value
 
 
 def step_dir(folder: str, step: int) -> str:
@@ -85,9 +106,20 @@ def status_of(path: str) -> str:
         return UNKNOWN  # ours are files (or links to files: a hub cache's snapshot), never a folder or a fifo
     if kinds[0] is not None:
         return COMPLETE
-    if kinds[1] is not None:
+    if kinds[1] is not None or _marking(path):
         return PARTIAL  # ours: started
     return FOREIGN if foreign_format(path) else UNKNOWN
+
+
+def _marking(path: str) -> bool:
+    """Whether `path` holds the in-progress marker's temporary file and nothing else: a save
+    that stopped while marking the folder (a full disk, a kill)."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return False
+    return (len(entries) == 1 and entries[0].name == commit.IN_PROGRESS + durable.TMP_SUFFIX
+            and entries[0].is_file(follow_symlinks=False))
 
 
 def _kind(path: str) -> int | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,19 +70,21 @@ def _one(name: str, value: Any, alias: str, other: Any) -> Any:
     return value if value is not None else other
 
 
-def _as_list(x: Any) -> list:
+def _members(x: Any, name: str, expected: str, fits: Callable[[Any], bool], many: bool = True) -> list:
+    """Model parts, optimizers or LR schedulers as a list: one, a list or tuple, or (`many`)
+    TorchTitan's `OptimizersContainer` / `LRSchedulersContainer` (iterables of the real ones; a
+    torch optimizer or scheduler is not iterable); each one `fits`, else a `TypeError` naming
+    `name` and the `expected` kind (a dict of them, say, would otherwise be taken for its keys)."""
     if x is None:
         return []
-    return list(x) if isinstance(x, (list, tuple)) else [x]
-
-
-def _members(x: Any) -> list:
-    """Optimizers or LR schedulers: one, a list, or TorchTitan's `OptimizersContainer` /
-    `LRSchedulersContainer` (iterables of the real ones; a torch optimizer or scheduler is not
-    iterable)."""
-    if x is None:
-        return []
-    return list(x) if isinstance(x, (list, tuple)) or hasattr(type(x), "__iter__") else [x]
+    if isinstance(x, Mapping):
+        raise TypeError(f"{name} is a {type(x).__name__}; expected {expected}, or a list of them")
+    several = isinstance(x, (list, tuple)) or many and hasattr(type(x), "__iter__")
+    members = list(x) if several else [x]
+    for i, member in enumerate(members):
+        if not fits(member):
+            raise TypeError(f"{name}{f'[{i}]' if several else ''} is a {type(member).__name__}; expected {expected}")
+    return members
 
 
 class CheckpointManager:
@@ -130,7 +132,8 @@ class CheckpointManager:
         self.config = config
         self._adapter = as_adapter(state_dict_adapter)
         self.folder = config.folder_under(base_folder)
-        parts = _as_list(model_parts)
+        parts = _members(model_parts, "model_parts", "an nn.Module (the model, or a pipeline stage)",
+                         lambda m: isinstance(m, nn.Module), many=False)
         if not parts:
             raise ValueError("model_parts is empty; pass the model (or its pipeline stages)")
         self._model = ModelState(parts)
@@ -219,9 +222,11 @@ class CheckpointManager:
     def _build_states(self, parts, optimizers, lr_schedulers, dataloader, extra, rank,
                       world_size) -> dict[str, Stateful]:
         found: dict[str, Stateful] = {}
-        if opts := _members(optimizers):
+        if opts := _members(optimizers, "optimizers", "a torch.optim.Optimizer",
+                            lambda o: isinstance(o, torch.optim.Optimizer)):
             found["optimizer"] = OptimizerState(parts, opts)
-        if scheds := _members(lr_schedulers):
+        if scheds := _members(lr_schedulers, "lr_schedulers", "an LR scheduler (with state_dict() and "
+                              "load_state_dict())", lambda s: isinstance(s, Stateful)):
             found["lr_scheduler"] = LRSchedulerState(scheds)
         if dataloader is not None:
             if not isinstance(dataloader, Stateful):
@@ -229,6 +234,9 @@ class CheckpointManager:
                                 "load_state_dict(): pass a stateful one (torchdata's StatefulDataLoader, or "
                                 "TorchTitan's), or none")
             found["dataloader"] = DataLoaderState(dataloader, rank, world_size)
+        if not isinstance(extra, Mapping):
+            raise TypeError(f"states is a {type(extra).__name__}; expected a dict of name -> a state with "
+                            "state_dict() and load_state_dict()")
         for name, state in extra.items():
             if name in BUILTIN_STATES or not name.isidentifier():
                 raise ValueError(f"states key {name!r} is reserved or not an identifier; "
@@ -286,9 +294,9 @@ class CheckpointManager:
         `async_mode`, staged and handed to the background writer). The last step's save is
         always waited for. Raises the failure of an earlier background save, if any. The
         garbage collector is paused during the call (`gc_pause`)."""
-        step = curr_step
         if self._closed:
             raise CheckpointError("save() called after close()")
+        step = layout.check_step(curr_step, "save")
         if not self.config.enable:
             return False
         if self._half_loaded is not None:
@@ -357,12 +365,16 @@ class CheckpointManager:
         start = time.perf_counter()
 
         def prepare() -> None:
-            def mark() -> None:
+            def mine() -> tuple:
                 if failure is not None:
                     raise failure
-                if self._group.is_coordinator:
-                    self._store.prepare(path, step)
-            self._agree(step, path, mark)
+                return step, kind.value, fmt.name, last
+            calls = self._agree(step, path, mine)
+            if (other := next((r for r, call in enumerate(calls) if call != calls[0]), None)) is not None:
+                raise CheckpointError(f"the ranks called save() otherwise: rank 0 {_described(calls[0])}, rank "
+                                      f"{other} {_described(calls[other])}; every rank calls save(step, last_step) "
+                                      "with the same arguments")
+            self._agree(step, path, lambda: self._store.prepare(path, step), coordinator_only=True)
 
         def write(staged: Staged, sink: Sink) -> Written:
             try:
@@ -423,6 +435,7 @@ class CheckpointManager:
         """The state as of now: model tensors at the top level, every other state resolved to
         its `state_dict()` (so a background save sees this step's values)."""
         model_sd = self._model.state_dict()
+        self._model.check_materialised(model_sd, "save()")
         if kind is SaveKind.MODEL_ONLY:
             dtype = EXPORT_DTYPES[self.config.export_dtype]
             return {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in model_sd.items()}
@@ -448,6 +461,7 @@ class CheckpointManager:
         garbage collector is paused during the call (`gc_pause`)."""
         if self._closed:
             raise CheckpointError("load() called after close()")
+        step = layout.check_step(step, "load", low=-1)
         if not self.config.enable:
             return False
         self._saves.wait()
@@ -490,7 +504,7 @@ class CheckpointManager:
         states take what was read. A failure once tensors are being written leaves the job's
         state undefined: `PartialLoadError` on every rank, and `save()` refuses until a load
         succeeds."""
-        state = self._state_for_load(target)
+        state = self._group.each(lambda: self._state_for_load(target), f"loading {target.path}")
         try:
             self._group.run(lambda: target.format.read(target.path, target.index, state, target.store,
                                                        lambda: self._check_loaded(state, target.path)))
@@ -804,8 +818,12 @@ class CheckpointManager:
 
     def _state_for_load(self, target: _LoadTarget) -> dict[str, Any]:
         state: dict[str, Any] = self._model.state_dict()
+        self._model.check_materialised(state, "load()")
+        if self._group.is_coordinator and target.format.name == "dcp":  # named as in the model
+            self._warn_unloaded(target, state)
         if target.model_only:
             return state
+        target.index.require(target.path, state)  # named before the optimizer misses the new parameters' state
         keys = target.index.keys()
         for name, stateful in self._states.items():
             if name in self.config.exclude_from_loading:
@@ -827,9 +845,21 @@ class CheckpointManager:
                     state[name] = stateful.state_dict_to_load(relative)
                 except CheckpointError as e:
                     raise CheckpointError(f"{target.path}: {e}") from None
+                target.index.require(target.path, {name: state[name]}, (
+                    f"was it saved by another kind of {name.replace('_', ' ')}? add '{name}' to "
+                    "checkpoint.exclude_from_loading to start it fresh"))
             else:
                 state[name] = stateful.state_dict()  # filled in place; applied once every rank has read
         return state
+
+    def _warn_unloaded(self, target: _LoadTarget, model_state: dict[str, Any]) -> None:
+        """The step's model tensors that this job's model lacks (a layer removed since the save)
+        are not loaded, as DCP leaves them: said once, on rank 0."""
+        states = {*BUILTIN_STATES, *self._states, *target.listed}
+        unloaded = [k for k in target.index.tensors if k.partition(".")[0] not in states and k not in model_state]
+        if unloaded:
+            logger.warning("%s holds %d model tensors this job's model does not have, e.g. %s: they are not loaded "
+                           "(a layer removed since the save?)", target.path, len(unloaded), unloaded[:3])
 
     def _dataloader_fits(self, loader: DataLoaderState, saved: set[str]) -> bool:
         """TorchTitan refuses a dataloader state saved by another data-parallel degree; here the
@@ -864,6 +894,15 @@ def _space_hint(path: str) -> str:
         return ""
     free = stat.f_bavail * stat.f_frsize
     return f" (the file system holding it is full: {free} bytes free)" if free < (1 << 20) else ""
+
+
+def _described(call: Any) -> str:
+    """A save as `prepare` shares it among the ranks, in words; anything else is what a rank
+    sent from another round (it is in `load()`, or at another point of a save)."""
+    if not (isinstance(call, tuple) and len(call) == 4):
+        return "is not saving (it is in another call of the manager, load() say)"
+    step, kind, fmt, last = call
+    return f"saves step {step} ({kind}, {fmt}{', last_step' if last else ''})"
 
 
 def _save_errors(step: int, path: str, fn):

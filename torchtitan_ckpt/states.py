@@ -65,6 +65,19 @@ class ModelState(CheckedState):
     def state_dict(self) -> dict[str, Any]:
         return {canonical_name(k): v for part in self.parts for k, v in part.state_dict().items()}
 
+    @staticmethod
+    def check_materialised(state: dict[str, Any], call: str) -> None:
+        """A `CheckpointError` unless every tensor of `state` (this model's `state_dict()`) has
+        memory: one on the meta device (a model built there, not yet `to_empty`-ed and
+        initialised) or a lazy module's parameter (not yet shaped by a forward pass) would make
+        `load()` fill nothing and report success, or `save()` fail after making the step folder."""
+        empty = [k for k, v in state.items()
+                 if isinstance(v, torch.Tensor) and (v.is_meta or nn.parameter.is_lazy(v))]
+        if empty:
+            raise CheckpointError(f"{call}: {len(empty)} of the model's tensors have no memory yet, e.g. {empty[:3]} "
+                                  "(on the meta device, or a lazy module's before its first forward pass): "
+                                  "materialise the model first (model.to_empty(device=...), then its init)")
+
     def parameter_names(self) -> set[str]:
         """The keys of `state_dict()` that are parameters (both names of a tied one)."""
         return {canonical_name(n) for part in self.parts for n, _ in part.named_parameters(remove_duplicate=False)}

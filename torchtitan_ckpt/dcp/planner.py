@@ -56,6 +56,34 @@ def writers_of(plans: Sequence[SavePlan]) -> Assignment:
     return {_key(w): [Write(rank)] for rank, plan in enumerate(plans) for w in plan.items}
 
 
+def _check_alike(plans: Sequence[SavePlan]) -> None:
+    """Every rank that holds a tensor holds it alike: one whole shape and dtype, and a piece at
+    one offset of one size. Ranks whose models differ (a replica built with another width or
+    dtype) would otherwise give one step of both, each piece taken from one of them: the
+    step's shapes would fit neither model, or its dtypes be mixed without a word."""
+    seen: dict[str, tuple[int, tuple, dict]] = {}
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            data = item.tensor_data
+            if data is None:
+                continue
+            whole = (tuple(data.size), data.properties.dtype)
+            first, first_whole, pieces = seen.setdefault(item.index.fqn, (rank, whole, {}))
+            offset, sizes = tuple(data.chunk.offsets), tuple(data.chunk.sizes)
+            if whole != first_whole:
+                differ = f"{_shape(*first_whole)} and {_shape(*whole)}"
+            elif pieces.setdefault(offset, sizes) != sizes:
+                differ = f"pieces at {list(offset)} of {list(pieces[offset])} and {list(sizes)} elements"
+            else:
+                continue
+            raise ValueError(f"ranks {first} and {rank} hold {item.index.fqn} otherwise ({differ}): every rank saves "
+                             "the same model, and these ranks' models differ")
+
+
+def _shape(size: tuple, dtype: torch.dtype) -> str:
+    return f"{str(dtype).removeprefix('torch.')}{list(size)}"
+
+
 def _slice(item: WriteItem, rows: range) -> WriteItem:
     """The write of `rows` of `item` (relative to its chunk): a chunk of its own, so a SHARD."""
     chunk = item.tensor_data.chunk
@@ -177,6 +205,7 @@ class DedupSavePlanner(DefaultSavePlanner):
                 self.summary = cache.summary
                 return [SavePlan([], usable=False)] * len(all_plans), cache.metadata
             all_plans = [p if p.usable else cached for p, cached in zip(all_plans, cache.all_local)]
+        _check_alike(all_plans)
         layout = layout_of(all_plans)
         assignment = self._assign(layout)
         plans = [apply_assignment(rank, plan, assignment) for rank, plan in enumerate(all_plans)]

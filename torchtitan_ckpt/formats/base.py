@@ -8,7 +8,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
 from ..config import Checkpoint
+from ..errors import CheckpointError
 from ..group import CheckpointGroup
 from ..io.filewriter import Sink
 from ..policy.schedule import SaveKind
@@ -62,6 +66,15 @@ class StepIndex:
 
     def keys(self) -> set[str]:
         return set(self.tensors) | set(self.values)
+
+    def require(self, path: str, state: dict[str, Any], hint: str = "was it saved from a different model?") -> None:
+        """A `CheckpointError` naming the tensors of `state` (a state dict to load, as DCP
+        flattens it) that the step at `path` does not hold, with `hint` on what differs (one
+        it holds as another kind of value is the format's to refuse)."""
+        flat, held = flatten_state_dict(state)[0], self.keys()
+        missing = [k for k, v in flat.items() if isinstance(v, torch.Tensor) and k not in held]
+        if missing:
+            raise CheckpointError(f"{path} lacks {len(missing)} tensors this job has, e.g. {missing[:3]}; {hint}")
 
 
 class StepFormat(ABC):

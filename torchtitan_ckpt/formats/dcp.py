@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from .. import faults
-from ..errors import CheckpointError, CorruptCheckpointError, RankFailed
+from ..errors import CorruptCheckpointError, RankFailed
 from ..group import CheckpointGroup
 from ..dcp import storage
 from ..dcp.planner import PlanCache
@@ -114,16 +114,10 @@ class DcpFormat(StepFormat):
 def _check_kinds(path: str, index: StepIndex, state: dict[str, Any]) -> None:
     """Every tensor of `state` is a tensor in the step, and every other value is not: DCP would
     put a saved value in a tensor's place, or fail reading a tensor into a value."""
-    missing, swapped = [], []
-    for key, value in flatten_state_dict(state)[0].items():
-        is_tensor = isinstance(value, torch.Tensor)
-        if is_tensor and key in index.values or not is_tensor and key in index.tensors:
-            swapped.append(key)
-        elif is_tensor and key not in index.tensors:
-            missing.append(key)
-    if missing:
-        raise CheckpointError(f"{path} lacks {len(missing)} tensors this job has, e.g. {missing[:3]}; "
-                              "was it saved from a different model?")
+    flat = flatten_state_dict(state)[0]
+    swapped = [key for key, value in flat.items()
+               if (key in index.values if isinstance(value, torch.Tensor) else key in index.tensors)]
+    index.require(path, flat)
     if swapped:
         raise CorruptCheckpointError(f"{path} holds a value where this job has a tensor, or the other way "
                                      f"round, for {swapped[:3]}; the step is damaged or was not saved by this job")

@@ -27,8 +27,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from ..dcp.storage import root_cause
 from ..io import durable, safe_open
 from .consolidate import OnePassPlan, clear_model_files, consolidate_safetensors, create_replacing, plan_one_pass
 from .consolidate import write_safetensors_one_pass
@@ -94,7 +96,10 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
             failed.reraise(f"preparing {out_dir}")
         shards = os.path.join(out_dir, SHARDS)
         writer = HuggingFaceStorageWriter(shards, save_distributed=True, fqn_to_index_mapping=mapping)
-        dcp.save(_whole_tensors(hf_sd), storage_writer=writer, process_group=group.pg)
+        try:
+            dcp.save(_whole_tensors(hf_sd), storage_writer=writer, process_group=group.pg)
+        except CheckpointException as e:  # a BaseException, past a training loop's `except Exception`
+            raise root_cause(e) from None
         consolidate_safetensors(shards, out_dir, mapping, process_group=group.pg, num_threads=num_threads,
                                 remove_shards=not keep_shards, all_ranks=mode == "all_ranks", progress=progress)
     if group.rank == 0:

@@ -10,24 +10,27 @@ from .. import commit, faults, layout
 from ..errors import CheckpointError, ConfigError, RankFailed
 from ..io import durable
 from ..group import CheckpointGroup
+from . import lock
 from .base import Store, warn_replacing
 
 _PROBE = ".probe-{token}-rank{rank}"
+LOCK_FILE = ".torchtitan_ckpt.lock"
+"""In the checkpoint folder: held by the job that saves there (`LocalStore._hold`)."""
 
 
 class LocalStore(Store):
     """A folder on a file system; every rank must see the same one (`check`)."""
 
     def __init__(self, folder: str):
-        self.url = os.path.abspath(folder)
-        self.root = folder
+        self.url = self.root = os.path.abspath(folder)  # a relative folder stays where it was made
+        self._lock: str | None = None  # the lock file, while this store holds the folder (`_hold`)
 
     def check(self, group: CheckpointGroup, write: bool = True) -> None:
         """With `write`, every rank writes a probe file into the folder (one that cannot be
         written fails now, not at the first save after hours of training), then looks for every
         other rank's: a folder that is not shared (a node-local disk) would otherwise give a step
         whose marker lists only rank 0's files, complete to look at and missing every other
-        node's shards."""
+        node's shards. Rank 0 then holds the folder for the job (`_hold`)."""
         if not write:
             return
         token = group.broadcast(uuid.uuid4().hex)
@@ -45,6 +48,25 @@ class LocalStore(Store):
                     "shared by every rank (a node-local disk?), and a step saved there would be spread over "
                     "the nodes with no node holding all of it. Use a file system every rank shares, or "
                     "object storage (checkpoint.folder = 's3://bucket/prefix', docs/storage.md)"))
+        try:
+            group.run(self._hold, coordinator_only=True)
+        except RankFailed as failed:
+            raise ConfigError("checkpoint.folder", self.root, str(failed.error or failed)) from None
+
+    def _hold(self) -> None:
+        """Hold the folder for this job until `close` (`lock.claim` on `LOCK_FILE` in it): a
+        second job saving into it (the same run started again while the first still runs)
+        would replace the first's step in flight, whose marker would then list the second's
+        files, and each would report its save done."""
+        held = os.path.join(self.root, LOCK_FILE)
+        lock.claim(held, f"{self.root} to save into", "one job saves into a folder at a time; stop that job first, "
+                   "or give this one a folder of its own")
+        self._lock = held
+
+    def close(self) -> None:
+        if self._lock is not None:
+            lock.release(self._lock)
+            self._lock = None
 
     def _write_probe(self, probe: str) -> None:
         os.makedirs(self.root, exist_ok=True)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import base64
 import collections
 import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -67,6 +66,7 @@ from ..io import posio, safe_open
 from ..io.checksum import crc32
 from ..io.untrusted import brief
 from ..progress import gb_per_s
+from . import lock
 from .base import Store, warn_replacing
 
 logger = logging.getLogger(__name__)
@@ -142,65 +142,6 @@ def private_staging_folder() -> str:
     return path
 
 
-_HOLDERS: dict[str, tuple[int, int]] = {}
-"""Staging folder (`S3Store.root`) -> the descriptor of the lock file by which this process
-holds it (-1 on a file system without locks), and how many stores of this process use it."""
-
-
-def _claim(root: str, url: str, rank: int) -> bool:
-    """Hold `root` for this process, by an exclusive `flock` on `root`.lock beside it (outside
-    what a fetch writes); True when no other store of this process held it. Held by another
-    process (a second job of this URL on this node, whose start would remove the first's staged
-    step mid-upload, and whose saves and fetches would meet the first's): an error naming it.
-    A file system without locks is used as before, unheld."""
-    if root in _HOLDERS:
-        fd, count = _HOLDERS[root]
-        _HOLDERS[root] = fd, count + 1
-        return False
-    fd = os.open(f"{root}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        os.close(fd)
-        if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
-            logger.info("%s: not locked (%s); one job per URL and node is assumed", root, e)
-            _HOLDERS[root] = -1, 1  # shared by this process's stores all the same
-            return True
-        raise CheckpointError(f"another process (pid {holder or 'unknown'}) on this node stages {url} for rank {rank} "
-                              f"in {root}: one job per URL and node; give this job a checkpoint.staging_folder of "
-                              "its own") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    _HOLDERS[root] = fd, 1
-    return True
-
-
-def _release(root: str) -> None:
-    """One store of this process stops using `root`; the last one unlocks it (a child forked
-    since, a data loader's worker, shares the lock until it is unlocked)."""
-    fd, count = _HOLDERS[root]
-    if count > 1:
-        _HOLDERS[root] = fd, count - 1
-        return
-    del _HOLDERS[root]
-    if fd >= 0:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-
-
-def _forget_holders() -> None:
-    """In a forked child: its copies of the lock files' descriptors are closed (the parent
-    still holds the locks), so that a child outliving its parent does not keep them."""
-    for fd, _ in _HOLDERS.values():
-        if fd >= 0:
-            os.close(fd)
-    _HOLDERS.clear()
-
-
-os.register_at_fork(after_in_child=_forget_holders)
-
-
 class S3Store(Store):
     """A checkpoint folder `s3://bucket/prefix`; each rank stages its files in
     `{staging_folder}/{url}/rank-N`."""
@@ -213,7 +154,7 @@ class S3Store(Store):
         self.bucket, self.prefix = split_url(self.url)
         self.rank = rank
         base = config.staging_folder or private_staging_folder()
-        self.root = os.path.join(base, _folder_name(self.url), f"rank-{rank}")
+        self.root = os.path.abspath(os.path.join(base, _folder_name(self.url), f"rank-{rank}"))  # as `LocalStore`'s
         self.part_size = parse_size(config.upload_part_size)
         self.parallel = config.upload_parallel_parts
         self.retries = config.storage_retries
@@ -222,7 +163,7 @@ class S3Store(Store):
         self._held: str | None = None  # the step folder fetched here
         self._whole = False  # with every object of it
         self._files: set[str] = set()  # the objects of it fetched whole
-        self._claimed = False  # whether this store counts in `_HOLDERS`
+        self._claimed = False  # whether this store holds `root` (`lock.claim`)
 
     # ------------------------------------------------------------------ names and requests
 
@@ -343,7 +284,7 @@ class S3Store(Store):
 
     def _probe_staging(self) -> None:
         """Every use stages files in `root` (a load too), which this process holds for this
-        rank and URL (`_claim`) until `close`. The step folders an earlier process left there
+        rank and URL (`lock.claim`) until `close`. The step folders an earlier process left there
         (killed during an upload, or a fetched step) are then removed: this rank's of this URL,
         staged or fetched by this package alone, each a rank's share of a step. The folders
         made for the URL and the rank are this user's alone, in any `staging_folder`."""
@@ -353,7 +294,9 @@ class S3Store(Store):
             pass
         if self._claimed:
             return
-        first = _claim(self.root, self.url, self.rank)
+        first = lock.claim(f"{self.root}.lock", f"{self.root}, where this node stages {self.url} for rank "
+                           f"{self.rank}", "one job per URL and node; give this job a checkpoint.staging_folder "
+                           "of its own")
         self._claimed = True
         if not first:
             return  # another store of this process uses it: what is there may be in flight
@@ -366,7 +309,7 @@ class S3Store(Store):
         self._pool.shutdown(wait=True)  # idle by now: the job's transfers are done
         if self._claimed:
             self._claimed = False
-            _release(self.root)
+            lock.release(f"{self.root}.lock")
 
     def _probe(self, write: bool) -> None:
         self._call("reaching the bucket of", self.prefix, self.client.head_bucket)
