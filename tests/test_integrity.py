@@ -11,8 +11,10 @@ import zlib
 import pytest
 import torch
 
-from torchtitan_ckpt import CheckpointManager, CheckpointSaveError, CorruptCheckpointError, cli, commit, layout
+from torchtitan_ckpt import (CheckpointManager, CheckpointSaveError, ConfigError, CorruptCheckpointError, cli, commit,
+                             layout)
 from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.storage.local import LOCK_FILE
 
 from .jobs import make_job
 
@@ -210,6 +212,7 @@ import sys
 from torch import nn
 from torchtitan_ckpt import CheckpointManager
 from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.storage.local import LOCK_FILE
 from torchtitan_ckpt.errors import ConfigError
 for load_only in (True, False):
     try:
@@ -246,3 +249,85 @@ def test_a_second_job_saving_into_a_folder_in_use_is_refused_at_start(tmp_path):
     first.close()
     ran = subprocess.run(second, capture_output=True, text=True, timeout=120, env=env)
     assert ran.returncode == 0 and ran.stdout.splitlines() == ["loaded True", "loaded True"], ran.stderr
+
+
+def test_a_folder_another_user_saved_into_is_held_by_the_next_users_job(tmp_path):
+    """A team folder: the lock file the first user's job made (0600 then) refused every other
+    user's job and `clean`, with a bare PermissionError. Another uid is stood for by root
+    without its power to override file modes."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv is not installed")
+    folder = str(tmp_path / "checkpoint")
+    os.mkdir(folder, 0o777)
+    os.chmod(folder, 0o2775)  # a team's folder
+    with CheckpointManager(Checkpoint(enable=True, folder=folder, interval=1), [torch.nn.Linear(2, 2)]) as manager:
+        manager.save(1)
+    held = os.path.join(folder, LOCK_FILE)
+    assert os.stat(held).st_mode & 0o777 == 0o664  # writable by the team, as the folder is
+    os.chown(held, 1000, 1000)  # and one the next user cannot write is held read-only
+    os.chmod(held, 0o644)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    other_user = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps", "-all"]
+    ran = subprocess.run([*other_user, sys.executable, "-c", _SECOND_JOB, folder], capture_output=True, text=True,
+                         timeout=120, env=env)
+    if "setpriv:" in ran.stderr:
+        pytest.skip(f"setpriv cannot drop capabilities here: {ran.stderr.strip()}")
+    assert ran.returncode == 0 and ran.stdout.splitlines() == ["loaded True", "loaded True"], ran.stderr
+    clean = subprocess.run([*other_user, sys.executable, "-m", "torchtitan_ckpt.cli", "clean", folder],
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert clean.returncode == 0, clean.stderr
+
+
+
+def test_the_hold_is_one_however_the_folder_is_named_and_lets_go_of_what_it_cannot_use(tmp_path):
+    """Two managers of one process over one folder, one through a link to it: the second was
+    refused as "another process" with this process's pid. A fifo where the lock file goes kept
+    its descriptor (and flock) open after a bare EINVAL. A forked child closing a manager died
+    of a KeyError (its copy of the hold is forgotten at the fork)."""
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (tmp_path / "link").symlink_to(folder)
+    first = CheckpointManager(Checkpoint(enable=True, folder=str(folder)), [torch.nn.Linear(2, 2)])
+    second = CheckpointManager(Checkpoint(enable=True, folder=str(tmp_path / "link")), [torch.nn.Linear(2, 2)])
+    pid = os.fork()
+    if pid == 0:  # the child closes its copies, and the parent's hold stays
+        code = 1
+        try:
+            first.close()
+            code = 0
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+    second.close()
+    first.close()
+    os.remove(folder / LOCK_FILE)
+    os.mkfifo(folder / LOCK_FILE)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ConfigError, match=rf"{LOCK_FILE} is not a regular file, so .* cannot be held by this job: "
+                                          "remove it"):
+        CheckpointManager(Checkpoint(enable=True, folder=str(folder)), [torch.nn.Linear(2, 2)])
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def _in_a_daemon(folder: str, env: dict) -> None:
+    try:  # a daemon process may start none: the writer process of async_with_pinned_mem fails the start
+        CheckpointManager(Checkpoint(enable=True, folder=folder, async_mode="async_with_pinned_mem"),
+                          [torch.nn.Linear(2, 2)])
+    except AssertionError as e:
+        assert "daemonic processes are not allowed to have children" in str(e)
+    else:
+        raise AssertionError("the manager started")
+    ran = subprocess.run([sys.executable, "-c", _SECOND_JOB, folder], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert ran.returncode == 0, ran.stdout + ran.stderr  # the failed start let go of the folder
+
+
+def test_a_manager_that_fails_to_start_after_holding_its_folder_lets_go_of_it(tmp_path):
+    import multiprocessing
+
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    daemon = multiprocessing.get_context("spawn").Process(target=_in_a_daemon, args=(str(tmp_path / "ck"), env),
+                                                          daemon=True)
+    daemon.start()
+    daemon.join(180)
+    assert daemon.exitcode == 0

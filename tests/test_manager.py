@@ -723,5 +723,5 @@ def test_a_layer_removed_since_the_save_is_said_when_it_is_not_loaded(tmp_path, 
     with CheckpointManager(Checkpoint(enable=True), [smaller], base_folder=str(tmp_path)) as manager:
         assert manager.load()
     assert torch.equal(smaller[0].weight, model[0].weight)
-    assert "step-1 holds 2 model tensors this job's model does not have, e.g. ['1.weight', '1.bias']: they are " \
+    assert "step-1 holds 2 model tensors this job's model does not have, e.g. ['1.bias', '1.weight']: they are " \
            "not loaded (a layer removed since the save?)" in caplog.text

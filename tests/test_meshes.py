@@ -117,12 +117,16 @@ def test_the_job_refuses_degrees_that_do_not_fit_its_ranks_at_start(tmp_path):
 
 @pytest.mark.multirank
 def test_the_job_trains_a_pipeline_of_tensor_parallel_stages(tmp_path):
-    """PP 2 x TP 2 through torchrun and the job's own start (device, group, meshes, schedule)."""
-    log = run_job(str(tmp_path), "--model.flavor", "debugmodel_mesh", "--parallelism.pipeline_parallel_degree", "2",
-                  "--parallelism.tensor_parallel_degree", "2", "--training.steps", "4", "--training.local_batch_size",
-                  "2", "--training.seq_len", "16", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only",
-                  "false", nproc=4)
-    assert "on 4 rank(s) (cpu)" in log and sorted(losses(log)) == [1, 2, 3, 4]
+    """PP 2 x TP 2 through torchrun and the job's own start (device, group, meshes, schedule),
+    stopped at step 2 and resumed there: every stage's tensors load on the ranks holding it
+    (rank 0's stage alone once took the others' for a layer removed since the save)."""
+    job = ("--model.flavor", "debugmodel_mesh", "--parallelism.pipeline_parallel_degree", "2",
+           "--parallelism.tensor_parallel_degree", "2", "--training.steps", "4", "--training.local_batch_size", "2",
+           "--training.seq_len", "16", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false")
+    first = run_job(str(tmp_path), *job, "--training.stop_at_step", "2", nproc=4)
+    assert "on 4 rank(s) (cpu)" in first and sorted(losses(first)) == [1, 2]
+    log = run_job(str(tmp_path), *job, nproc=4)
+    assert "loaded" in log and "model does not have" not in log and sorted(losses(log)) == [3, 4]
     assert layout.committed_steps(str(tmp_path / "checkpoint")) == [2, 4]
 
 

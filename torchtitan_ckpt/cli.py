@@ -392,12 +392,12 @@ def _no_job_saving(folder: str) -> Iterator[None]:
     if not os.path.lexists(held):  # no job of ours has saved here
         yield
         return
-    lock.claim(held, f"{folder} to save into", "clean removes partial steps, and that job's save in flight is "
-               "one: run it once the job has ended")
+    key, _ = lock.claim(held, f"{folder} to save into", "clean removes partial steps, and that job's save in flight "
+                        "is one: run it once the job has ended")
     try:
         yield
     finally:
-        lock.release(held)
+        lock.release(key)
 
 
 # ---------------------------------------------------------------------------------------------

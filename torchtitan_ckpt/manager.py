@@ -7,7 +7,9 @@ how saves overlap training in `staging`.
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -160,16 +162,21 @@ class CheckpointManager:
         self._initial = storage.open_store(initial, "checkpoint.initial_load_path", rank, config) if initial else None
         try:
             self._check_job()
-        except BaseException:  # no manager to close: let go of what the stores took
+            self._saves = make_strategy(config.async_mode, config.verify_staging, saves=not config.load_only)
+        except BaseException:  # no manager to close: let go of what the stores took (the folder's hold)
             self._close_stores()
             raise
-        self._saves = make_strategy(config.async_mode, config.verify_staging, saves=not config.load_only)
-        if optimizer := self._states.get("optimizer"):
-            self._hooks = [opt.register_step_pre_hook(self._before_optimizer_step) for opt in optimizer.optimizers]
-        self._deleter = (BackgroundDeleter(self._store.remove, self._store.describe)
-                         if self._group.is_coordinator else None)
-        context = Context(config, self._group, self._adapter, self._store.staged)
-        self._formats = {name: cls(context) for name, cls in FORMATS.items()}
+        self._deleter: BackgroundDeleter | None = None
+        try:
+            if optimizer := self._states.get("optimizer"):
+                self._hooks = [opt.register_step_pre_hook(self._before_optimizer_step) for opt in optimizer.optimizers]
+            if self._group.is_coordinator:
+                self._deleter = BackgroundDeleter(self._store.remove, self._store.describe)
+            context = Context(config, self._group, self._adapter, self._store.staged)
+            self._formats = {name: cls(context) for name, cls in FORMATS.items()}
+        except BaseException:
+            self.close()
+            raise
 
     def _check_job(self) -> None:
         """What the config asks of this job: an adapter for the Hugging Face format (and what an
@@ -505,6 +512,8 @@ class CheckpointManager:
         state undefined: `PartialLoadError` on every rank, and `save()` refuses until a load
         succeeds."""
         state = self._group.each(lambda: self._state_for_load(target), f"loading {target.path}")
+        if target.format.name == "dcp":  # its tensors are named as in the model
+            self._warn_unloaded(target, state)
         try:
             self._group.run(lambda: target.format.read(target.path, target.index, state, target.store,
                                                        lambda: self._check_loaded(state, target.path)))
@@ -819,8 +828,6 @@ class CheckpointManager:
     def _state_for_load(self, target: _LoadTarget) -> dict[str, Any]:
         state: dict[str, Any] = self._model.state_dict()
         self._model.check_materialised(state, "load()")
-        if self._group.is_coordinator and target.format.name == "dcp":  # named as in the model
-            self._warn_unloaded(target, state)
         if target.model_only:
             return state
         target.index.require(target.path, state)  # named before the optimizer misses the new parameters' state
@@ -852,12 +859,17 @@ class CheckpointManager:
                 state[name] = stateful.state_dict()  # filled in place; applied once every rank has read
         return state
 
-    def _warn_unloaded(self, target: _LoadTarget, model_state: dict[str, Any]) -> None:
-        """The step's model tensors that this job's model lacks (a layer removed since the save)
-        are not loaded, as DCP leaves them: said once, on rank 0."""
+    def _warn_unloaded(self, target: _LoadTarget, state: dict[str, Any]) -> None:
+        """The step's model tensors that no rank's model parts have (a layer removed since the
+        save) are not loaded, as DCP leaves them: said once, on rank 0. Each rank marks those
+        its parts have (a pipeline stage has its own layers) in a bitmap over the step's names,
+        the same on every rank, and one gather joins them."""
         states = {*BUILTIN_STATES, *self._states, *target.listed}
-        unloaded = [k for k in target.index.tensors if k.partition(".")[0] not in states and k not in model_state]
-        if unloaded:
+        names = sorted(k for k in target.index.tensors if k.partition(".")[0] not in states)
+        mine = sum(1 << i for i, name in enumerate(names) if name in state)
+        held = functools.reduce(operator.or_, self._group.all_gather(mine))
+        unloaded = [name for i, name in enumerate(names) if not held >> i & 1]
+        if unloaded and self._group.is_coordinator:
             logger.warning("%s holds %d model tensors this job's model does not have, e.g. %s: they are not loaded "
                            "(a layer removed since the save?)", target.path, len(unloaded), unloaded[:3])
 

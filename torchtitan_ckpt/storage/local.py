@@ -58,10 +58,9 @@ class LocalStore(Store):
         second job saving into it (the same run started again while the first still runs)
         would replace the first's step in flight, whose marker would then list the second's
         files, and each would report its save done."""
-        held = os.path.join(self.root, LOCK_FILE)
-        lock.claim(held, f"{self.root} to save into", "one job saves into a folder at a time; stop that job first, "
-                   "or give this one a folder of its own")
-        self._lock = held
+        self._lock, _ = lock.claim(os.path.join(self.root, LOCK_FILE), f"{self.root} to save into",
+                                   "one job saves into a folder at a time; stop that job first, or give this one a "
+                                   "folder of its own")
 
     def close(self) -> None:
         if self._lock is not None:
@@ -87,8 +86,6 @@ class LocalStore(Store):
                 raise CheckpointError(f"{path} exists and was not written by torchtitan_ckpt; it is "
                                       "never replaced: move it away or save into another folder")
             if _unmarked(path):
-                for name in os.listdir(path):
-                    os.remove(os.path.join(path, name))
                 os.rmdir(path)
             else:
                 if folder.status == layout.COMPLETE:
@@ -112,10 +109,7 @@ class LocalStore(Store):
 
 
 def _unmarked(path: str) -> bool:
-    """Whether `path` is a folder (not a link) that is empty or holds only the in-progress
-    marker's temporary file: what a save leaves when it stops between creating the step folder
-    and marking it (a full disk, a kill). Replacing it loses nothing."""
-    if os.path.islink(path) or not os.path.isdir(path):
-        return False
-    return all(entry.name == commit.IN_PROGRESS + durable.TMP_SUFFIX and entry.is_file(follow_symlinks=False)
-               for entry in os.scandir(path))
+    """Whether `path` is an empty folder (not a link): what a save leaves when it stops between
+    creating the step folder and writing its in-progress marker (a kill; one stopped while
+    writing it leaves a partial step, `layout.status_of`). Replacing it loses nothing."""
+    return not os.path.islink(path) and os.path.isdir(path) and not os.listdir(path)

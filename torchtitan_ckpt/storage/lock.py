@@ -8,6 +8,7 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 
 from ..errors import CheckpointError
 
@@ -17,44 +18,72 @@ _HOLDER_BYTES = 128
 """The holder's description (`pid N on HOST`) written in the lock file, at most."""
 
 _HOLDERS: dict[str, tuple[int, int]] = {}
-"""Lock file -> the descriptor by which this process holds it (-1 on a file system without
-locks), and how many stores of this process use it."""
+"""Lock file (its folder's real path) -> the descriptor by which this process holds it (-1 on a
+file system without locks), and how many stores of this process use it."""
 
 
-def claim(lock: str, what: str, remedy: str) -> bool:
-    """Hold the lock file `lock` (made if need be, never through a link) for this process; True
-    when no other store of this process held it. Held by another process: a `CheckpointError`
-    saying that process (its pid, written in the file) uses `what`, and the `remedy`. On a file
-    system without locks, `what` is used unheld, as before."""
-    if lock in _HOLDERS:
-        fd, count = _HOLDERS[lock]
-        _HOLDERS[lock] = fd, count + 1
-        return False
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+def _key(lock: str) -> str:
+    """One name for a lock file however its folder is reached (a link to it, `..`); the file's
+    own name is never resolved (a link there is refused when it is opened)."""
+    return os.path.join(os.path.realpath(os.path.dirname(lock)), os.path.basename(lock))
+
+
+def claim(lock: str, what: str, remedy: str) -> tuple[str, bool]:
+    """Hold the lock file `lock` (made if need be, never through a link) for this process;
+    returns its name to `release` it by, and True when no other store of this process held it.
+    Held by another process: a `CheckpointError` saying that process (its pid, written in the
+    file) uses `what`, and the `remedy`. The file is as writable as its folder (a team's folder:
+    by each user who may save there, whose exclusive lock NFS grants only on a file open for
+    writing); one this user cannot write is held all the same where the file system allows,
+    its holder's pid left as it was. On a file system without locks, `what` is used unheld, as
+    before."""
+    key = _key(lock)
+    if key in _HOLDERS:
+        fd, count = _HOLDERS[key]
+        _HOLDERS[key] = fd, count + 1
+        return key, False
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK  # a fifo in its place is opened without waiting, then refused
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        holder = os.pread(fd, _HOLDER_BYTES, 0).decode(errors="replace").strip()
+        fd = os.open(key, os.O_RDWR | os.O_CREAT | flags, 0o666)  # the umask decides who else may write it
+        writable = True
+    except PermissionError:
+        fd, writable = os.open(key, os.O_RDONLY | flags), False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{key} is not a regular file, so {what} cannot be held by this job: remove it")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                logger.info("%s: not locked (%s); one job at a time is assumed", what, e)
+                os.close(fd)
+                _HOLDERS[key] = -1, 1  # shared by this process's stores all the same
+                return key, True
+            holder = os.pread(fd, _HOLDER_BYTES, 0).decode(errors="replace").strip()
+            raise CheckpointError(f"another process ({holder or 'pid unknown'}) uses {what}: {remedy}") from None
+        if writable:
+            if os.fstat(fd).st_uid == os.geteuid():  # as writable as the folder: NFS locks only what one may write
+                os.fchmod(fd, stat.S_IMODE(os.stat(os.path.dirname(key)).st_mode) & 0o666)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode()[:_HOLDER_BYTES], 0)
+    except BaseException:
         os.close(fd)
-        if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
-            logger.info("%s: not locked (%s); one job at a time is assumed", what, e)
-            _HOLDERS[lock] = -1, 1  # shared by this process's stores all the same
-            return True
-        raise CheckpointError(f"another process ({holder or 'pid unknown'}) uses {what}: {remedy}") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode()[:_HOLDER_BYTES], 0)
-    _HOLDERS[lock] = fd, 1
-    return True
+        raise
+    _HOLDERS[key] = fd, 1
+    return key, True
 
 
-def release(lock: str) -> None:
-    """One store of this process stops using what `lock` holds; the last one unlocks it (a
-    child forked since, a data loader's worker, shares the lock until it is unlocked)."""
-    fd, count = _HOLDERS[lock]
-    if count > 1:
-        _HOLDERS[lock] = fd, count - 1
+def release(key: str) -> None:
+    """One store of this process stops using what the lock file `claim` named `key` holds; the
+    last one unlocks it (a child forked since, a data loader's worker, shares the lock until it
+    is unlocked). In a forked child, whose parent holds the lock (`_forget_holders`), nothing."""
+    if key not in _HOLDERS:
         return
-    del _HOLDERS[lock]
+    fd, count = _HOLDERS[key]
+    if count > 1:
+        _HOLDERS[key] = fd, count - 1
+        return
+    del _HOLDERS[key]
     if fd >= 0:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)

@@ -163,7 +163,7 @@ class S3Store(Store):
         self._held: str | None = None  # the step folder fetched here
         self._whole = False  # with every object of it
         self._files: set[str] = set()  # the objects of it fetched whole
-        self._claimed = False  # whether this store holds `root` (`lock.claim`)
+        self._lock: str | None = None  # while this store holds `root`: its lock file (`lock.claim`)
 
     # ------------------------------------------------------------------ names and requests
 
@@ -292,12 +292,11 @@ class S3Store(Store):
             os.makedirs(folder, mode=0o700, exist_ok=True)
         with tempfile.TemporaryFile(dir=self.root):
             pass
-        if self._claimed:
+        if self._lock is not None:
             return
-        first = lock.claim(f"{self.root}.lock", f"{self.root}, where this node stages {self.url} for rank "
-                           f"{self.rank}", "one job per URL and node; give this job a checkpoint.staging_folder "
-                           "of its own")
-        self._claimed = True
+        self._lock, first = lock.claim(f"{self.root}.lock", f"{self.root}, where this node stages {self.url} for "
+                                       f"rank {self.rank}", "one job per URL and node; give this job a "
+                                       "checkpoint.staging_folder of its own")
         if not first:
             return  # another store of this process uses it: what is there may be in flight
         for entry in os.scandir(self.root):
@@ -307,9 +306,9 @@ class S3Store(Store):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)  # idle by now: the job's transfers are done
-        if self._claimed:
-            self._claimed = False
-            lock.release(f"{self.root}.lock")
+        if self._lock is not None:
+            lock.release(self._lock)
+            self._lock = None
 
     def _probe(self, write: bool) -> None:
         self._call("reaching the bucket of", self.prefix, self.client.head_bucket)
