@@ -282,8 +282,9 @@ def test_a_folder_another_user_saved_into_is_held_by_the_next_users_job(tmp_path
 def test_the_hold_is_one_however_the_folder_is_named_and_lets_go_of_what_it_cannot_use(tmp_path):
     """Two managers of one process over one folder, one through a link to it: the second was
     refused as "another process" with this process's pid. A fifo where the lock file goes kept
-    its descriptor (and flock) open after a bare EINVAL. A forked child closing a manager died
-    of a KeyError (its copy of the hold is forgotten at the fork)."""
+    its descriptor (and flock) open after a bare EINVAL; a hard link there to a user's file would
+    have been truncated. A forked child closing a manager died of a KeyError (its copy of the
+    hold is forgotten at the fork)."""
     folder = tmp_path / "checkpoint"
     folder.mkdir()
     (tmp_path / "link").symlink_to(folder)
@@ -303,10 +304,17 @@ def test_the_hold_is_one_however_the_folder_is_named_and_lets_go_of_what_it_cann
     os.remove(folder / LOCK_FILE)
     os.mkfifo(folder / LOCK_FILE)
     fds = len(os.listdir("/proc/self/fd"))
-    with pytest.raises(ConfigError, match=rf"{LOCK_FILE} is not a regular file, so .* cannot be held by this job: "
-                                          "remove it"):
+    refused = rf"{LOCK_FILE} is not a regular file of its own \(a fifo, or a hard link\), so .* cannot be held by " \
+              "this job: remove it"
+    with pytest.raises(ConfigError, match=refused):
         CheckpointManager(Checkpoint(enable=True, folder=str(folder)), [torch.nn.Linear(2, 2)])
     assert len(os.listdir("/proc/self/fd")) == fds
+    os.remove(folder / LOCK_FILE)
+    (tmp_path / "notes.txt").write_text("the user's")
+    os.link(tmp_path / "notes.txt", folder / LOCK_FILE)  # holding would truncate the user's file
+    with pytest.raises(ConfigError, match=refused):
+        CheckpointManager(Checkpoint(enable=True, folder=str(folder)), [torch.nn.Linear(2, 2)])
+    assert (tmp_path / "notes.txt").read_text() == "the user's"
 
 
 def _in_a_daemon(folder: str, env: dict) -> None:

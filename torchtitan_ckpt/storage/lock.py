@@ -44,13 +44,15 @@ def claim(lock: str, what: str, remedy: str) -> tuple[str, bool]:
         return key, False
     flags = os.O_NOFOLLOW | os.O_NONBLOCK  # a fifo in its place is opened without waiting, then refused
     try:
-        fd = os.open(key, os.O_RDWR | os.O_CREAT | flags, 0o666)  # the umask decides who else may write it
+        fd = os.open(key, os.O_RDWR | os.O_CREAT | flags, 0o666)
         writable = True
     except PermissionError:
         fd, writable = os.open(key, os.O_RDONLY | flags), False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CheckpointError(f"{key} is not a regular file, so {what} cannot be held by this job: remove it")
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # a hard link's other name is not ours to write
+            raise CheckpointError(f"{key} is not a regular file of its own (a fifo, or a hard link), so {what} "
+                                  "cannot be held by this job: remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -62,7 +64,7 @@ def claim(lock: str, what: str, remedy: str) -> tuple[str, bool]:
             holder = os.pread(fd, _HOLDER_BYTES, 0).decode(errors="replace").strip()
             raise CheckpointError(f"another process ({holder or 'pid unknown'}) uses {what}: {remedy}") from None
         if writable:
-            if os.fstat(fd).st_uid == os.geteuid():  # as writable as the folder: NFS locks only what one may write
+            if info.st_uid == os.geteuid():  # as writable as the folder: NFS locks only what one may write
                 os.fchmod(fd, stat.S_IMODE(os.stat(os.path.dirname(key)).st_mode) & 0o666)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode()[:_HOLDER_BYTES], 0)
