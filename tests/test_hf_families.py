@@ -1,6 +1,7 @@
 """Real model families from `transformers`-made checkpoints: a Llama 3.1-shaped Llama (llama3 RoPE
-scaling, its own FFN width, head_dim != hidden / heads), a tied Qwen3 and a Qwen3-MoE with a dense
-layer among its expert layers; adapters built from config.json alone; bad configs refused."""
+scaling, its own FFN width, head_dim != hidden / heads), a Qwen2 (q/k/v biases), a tied Qwen3, a
+Qwen3-MoE with a dense layer among its expert layers and a Mixtral; adapters built from config.json
+alone; bad configs refused."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from safetensors.torch import load_file, save_file
 from tests.helpers import assert_same, logits, perturbed, read_checkpoint
 from torchtitan_ckpt.errors import AdapterMismatchError, CheckpointError, ConfigError, CorruptCheckpointError
 from torchtitan_ckpt.example.model import ROPE_LAYOUT, Transformer, args_from_hf_config, hf_adapter
-from torchtitan_ckpt.hf import (HFModelConfig, LlamaAdapter, Qwen3Adapter, Qwen3MoeAdapter, adapter_for_config,
-                                adapter_for_hf_dir, load_hf, save_hf)
+from torchtitan_ckpt.hf import (HFModelConfig, LlamaAdapter, MixtralAdapter, Qwen2Adapter, Qwen3Adapter,
+                                Qwen3MoeAdapter, adapter_for_config, adapter_for_hf_dir, load_hf, save_hf)
 from torchtitan_ckpt.hf.adapter import rope_row_order
 from torchtitan_ckpt.hf.convert import convert
 from torchtitan_ckpt.hf.files import RECORDED_CONFIG, RECORDED_LAYOUT
@@ -43,7 +44,18 @@ FAMILIES = {
         model_type="qwen3_moe", vocab_size=250, hidden_size=48, intermediate_size=80, moe_intermediate_size=20,
         num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1],
         num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
+    "qwen2": ("Qwen2ForCausalLM", dict(
+        model_type="qwen2", vocab_size=250, hidden_size=64, intermediate_size=72, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2)),
+    "mixtral": ("MixtralForCausalLM", dict(
+        model_type="mixtral", vocab_size=250, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=5, num_experts_per_tok=2)),
 }
+EXPERT_FILES = {"qwen3_moe": "model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight",
+                "mixtral": "model.layers.{layer}.block_sparse_moe.experts.{e}.{p}.weight"}
+"""How the Hub names one expert's tensors, by family: `p` one of `EXPERT_PARTS`' names."""
+EXPERT_PARTS = {"qwen3_moe": ("gate", "up", "down"), "mixtral": ("w1", "w3", "w2")}
+MOE_LAYERS = {"qwen3_moe": (0, 2), "mixtral": (0, 1)}
 TOKENS = torch.randint(0, 250, (2, 20), generator=torch.Generator().manual_seed(1))
 
 
@@ -74,7 +86,8 @@ def hf_folder(request, tmp_path_factory):
 
 
 def test_the_adapter_comes_from_model_type():
-    expected = {"llama31": LlamaAdapter, "qwen3": Qwen3Adapter, "qwen3_moe": Qwen3MoeAdapter}
+    expected = {"llama31": LlamaAdapter, "qwen3": Qwen3Adapter, "qwen3_moe": Qwen3MoeAdapter,
+                "qwen2": Qwen2Adapter, "mixtral": MixtralAdapter}
     for family, (_, config) in FAMILIES.items():
         assert type(adapter_for_config(config)) is expected[family]
     assert type(adapter_for_config({**FAMILIES["llama31"][1], "model_type": "mistral"})) is LlamaAdapter
@@ -86,7 +99,7 @@ def test_the_rope_layout_is_the_familys_as_torchtitan_models_it_unless_given():
     does (TorchTitan's Qwen3): each family's default is TorchTitan's model's."""
     permuted = {name: bool(adapter_for_config(config).sources["layers.0.attention.wq.weight"].row_order)
                 for name, (_, config) in FAMILIES.items()}
-    assert permuted == {"llama31": True, "qwen3": False, "qwen3_moe": False}
+    assert permuted == {"llama31": True, "qwen3": False, "qwen3_moe": False, "qwen2": True, "mixtral": True}
     qwen3 = adapter_for_config(FAMILIES["qwen3"][1], rope_layout=ROPE_LAYOUT)
     assert {name: bool(qwen3.sources[f"layers.0.attention.{name}.weight"].row_order)
             for name in ("wq", "wk", "wv", "q_norm", "k_norm")} == {
@@ -252,11 +265,13 @@ def test_native_to_hf_to_native_is_exact_and_transformers_reads_it(hf_folder, tm
     ours = Transformer(args)
     save_hf(ours.state_dict(), str(tmp_path), hf_adapter(args), max_shard_size="50KB")
     assert len(glob.glob(str(tmp_path / "*.safetensors"))) >= 3
-    if family == "qwen3_moe":  # the Hub's layout: one 2-D tensor per expert
+    if family in EXPERT_FILES:  # the Hub's layout: one 2-D tensor per expert
         with open(tmp_path / "model.safetensors.index.json") as f:
             names = json.load(f)["weight_map"]
-        assert {f"model.layers.0.mlp.experts.5.{p}_proj.weight" for p in ("gate", "up", "down")} <= set(names)
-        assert not any("layers.1.mlp.experts" in n for n in names)  # the dense layer
+        last = args.moe.num_experts - 1
+        assert {EXPERT_FILES[family].format(layer=layer, e=last, p=p)
+                for layer in MOE_LAYERS[family] for p in EXPERT_PARTS[family]} <= set(names)
+        assert not any("layers.1.mlp.experts" in n for n in names)  # Qwen3-MoE's dense layer
     hf, info = getattr(transformers, FAMILIES[family][0]).from_pretrained(str(tmp_path), output_loading_info=True)
     assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
     assert (logits_of(hf.eval()) - logits_of(ours)).abs().max() < 1e-5
@@ -343,17 +358,22 @@ MINIMAL = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=32, inte
     dict(model_type="llama", **MINIMAL),
     dict(model_type="mistral", **MINIMAL),
     dict(model_type="qwen3", **MINIMAL),
-    dict(model_type="qwen3_moe", moe_intermediate_size=8, num_experts_per_tok=2, **MINIMAL),
+    dict(model_type="qwen3_moe", moe_intermediate_size=8, **MINIMAL),
     dict(model_type="qwen3", num_key_value_heads=None, **MINIMAL),  # null: the heads, as transformers has it
-], ids=["llama", "mistral", "qwen3", "qwen3_moe", "qwen3_null_kv"])
+    dict(model_type="qwen2", **MINIMAL),
+    dict(model_type="mixtral", **MINIMAL),
+], ids=["llama", "mistral", "qwen3", "qwen3_moe", "qwen3_null_kv", "qwen2", "mixtral"])
 def test_keys_a_config_leaves_out_take_the_defaults_transformers_gives_its_family(config, tmp_path):
     """A config.json without `head_dim`, `num_key_value_heads` or `num_experts` gives the
     shapes transformers builds from it (Qwen3's head_dim is 128, not hidden / heads; Mistral's
-    8 key-value heads; Qwen3-MoE's 128 experts), so the export loads in transformers."""
+    8 key-value heads; Qwen3-MoE's 128 experts, 8 per token; Qwen2's 32 key-value heads;
+    Mixtral's 8 experts, 2 per token), so the export loads in transformers."""
     theirs = transformers.AutoConfig.for_model(**config)
     ours = HFModelConfig.parse(config)
     expected = {"head_dim": getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads,
-                "num_key_value_heads": theirs.num_key_value_heads, "num_experts": getattr(theirs, "num_experts", 0),
+                "num_key_value_heads": theirs.num_key_value_heads,
+                "num_experts": getattr(theirs, "num_experts", None) or getattr(theirs, "num_local_experts", 0),
+                "num_experts_per_tok": getattr(theirs, "num_experts_per_tok", 0),
                 "intermediate_size": theirs.intermediate_size, "tie_word_embeddings": theirs.tie_word_embeddings}
     assert {key: getattr(ours, key) for key in expected} == expected
     adapter = adapter_for_config(config)
@@ -361,7 +381,8 @@ def test_keys_a_config_leaves_out_take_the_defaults_transformers_gives_its_famil
     state = {name: torch.randn(shape) for name, shape in adapter.state_dict_shapes().items()}
     save_hf(state, str(tmp_path), adapter)
     cls = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-           "qwen3_moe": "Qwen3MoeForCausalLM"}[config["model_type"]]
+           "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2": "Qwen2ForCausalLM",
+           "mixtral": "MixtralForCausalLM"}[config["model_type"]]
     _, info = getattr(transformers, cls).from_pretrained(str(tmp_path), output_loading_info=True)
     assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
 
@@ -377,18 +398,19 @@ def test_a_default_that_does_not_fit_the_config_says_it_is_the_default():
 
 def test_an_unsupported_model_type_names_the_supported_ones():
     with pytest.raises(ConfigError, match=r"model_type = 'gpt2': no adapter for it; supported: llama, mistral, "
-                                          r"qwen3, qwen3_moe"):
+                                          r"mixtral, qwen2, qwen3, qwen3_moe"):
         adapter_for_config({**FAMILIES["qwen3"][1], "model_type": "gpt2"})
 
 
 def test_a_family_without_an_adapter_is_refused_for_its_model_type_not_for_a_key():
-    """Mixtral counts `num_local_experts` and gives no `moe_intermediate_size` (its experts are
-    `intermediate_size` wide), which Qwen3-MoE must give."""
-    mixtral = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
-    with pytest.raises(ConfigError, match=r"^config.json: model_type = 'mixtral': no adapter for it; supported: "
-                                          r"llama, mistral, qwen3, qwen3_moe$"):
-        adapter_for_config(mixtral.to_dict())
+    """OLMoE gives no `moe_intermediate_size` (its experts are `intermediate_size` wide), which
+    Qwen3-MoE must give."""
+    olmoe = transformers.OlmoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                     num_experts_per_tok=2)
+    with pytest.raises(ConfigError, match=r"^config.json: model_type = 'olmoe': no adapter for it; supported: "
+                                          r"llama, mistral, mixtral, qwen2, qwen3, qwen3_moe$"):
+        adapter_for_config(olmoe.to_dict())
     qwen3_moe = {k: v for k, v in FAMILIES["qwen3_moe"][1].items() if k != "moe_intermediate_size"}
     with pytest.raises(ConfigError, match=r"^config.json: moe_intermediate_size = None: required by the qwen3_moe "
                                           r"adapter: its experts' width, a positive integer$"):
@@ -399,11 +421,12 @@ def test_a_family_without_an_adapter_is_refused_for_its_model_type_not_for_a_key
 
 
 def test_the_qwen3_moe_adapter_requires_its_expert_width_of_any_config(tmp_path):
-    """The Qwen3-MoE adapter asked for by name of a Mixtral config (experts, no
+    """The Qwen3-MoE adapter asked for by name of an OLMoE config (experts, no
     `moe_intermediate_size`) refuses it, naming the file, rather than build experts of width 0."""
-    mixtral = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
-    (tmp_path / "config.json").write_text(json.dumps(mixtral.to_dict()))
+    olmoe = transformers.OlmoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                     num_experts_per_tok=2)
+    (tmp_path / "config.json").write_text(json.dumps(olmoe.to_dict()))
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(tmp_path))}/config.json: moe_intermediate_size = None: "
                                           r"required by the qwen3_moe adapter: its experts' width, a positive "
                                           r"integer$"):
@@ -438,13 +461,16 @@ def test_a_config_that_is_not_an_object_is_refused(tmp_path):
 
 def test_a_missing_expert_names_it(hf_folder, tmp_path):
     family, src, _ = hf_folder
-    if family != "qwen3_moe":
+    if family not in EXPERT_FILES:
         pytest.skip("experts only")
-    config = {**read_config(src), "num_experts": 7, "num_local_experts": 7}
+    config = read_config(src)
+    extra = config.get("num_experts") or config["num_local_experts"]
+    config.update(num_experts=extra + 1, num_local_experts=extra + 1)
     with pytest.raises(AdapterMismatchError) as e:
         load_hf(Transformer(args_from_hf_config(config)).state_dict(), src, adapter_for_config(config))
-    assert e.value.unknown == [] and e.value.missing == [
-        f"model.layers.{layer}.mlp.experts.6.{p}_proj.weight" for layer in (0, 2) for p in ("down", "gate", "up")]
+    assert e.value.unknown == [] and e.value.missing == sorted(
+        EXPERT_FILES[family].format(layer=layer, e=extra, p=p) for layer in MOE_LAYERS[family]
+        for p in EXPERT_PARTS[family])
 
 
 def test_a_shape_the_files_contradict_names_both(hf_folder):

@@ -1,6 +1,7 @@
 """The model families of test_hf_families on 2 real gloo ranks: FSDP-sharded dense models, and
-the Qwen3-MoE flavor with expert parallelism (EP = 2: experts `Shard(0)` on an `ep` mesh), whose
-import reads only the experts a rank holds and whose export writes each expert from its rank."""
+the Qwen3-MoE and Mixtral flavors with expert parallelism (EP = 2: experts `Shard(0)` on an `ep`
+mesh), whose import reads only the experts a rank holds and whose export writes each expert from
+its rank."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from tests.helpers import RecordedReads, spawn
-from tests.test_hf_families import FAMILIES, logits_of, make_hf_model, read_config
+from tests.test_hf_families import EXPERT_FILES, EXPERT_PARTS, FAMILIES, MOE_LAYERS, logits_of, make_hf_model, \
+    read_config
 from torchtitan_ckpt.example.model import ROPE_LAYOUT, Transformer, args_from_hf_config
 from torchtitan_ckpt.example.train import shard_model
 from torchtitan_ckpt.hf import adapter_for_hf_dir, load_hf, save_hf
@@ -50,7 +52,7 @@ def _experts_of(rank: int, world_size: int, experts: int) -> range:
     return range(rank * per, min(experts, (rank + 1) * per))
 
 
-def _moe_with_ep(rank: int, world_size: int, src: str, out: str, expected: torch.Tensor) -> None:
+def _moe_with_ep(rank: int, world_size: int, family: str, src: str, out: str, expected: torch.Tensor) -> None:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
     args = args_from_hf_config(read_config(src))
     torch.manual_seed(5)
@@ -60,9 +62,9 @@ def _moe_with_ep(rank: int, world_size: int, src: str, out: str, expected: torch
     with RecordedReads() as recorded:
         load_hf(sd, src, adapter)
     own = _experts_of(rank, world_size, args.moe.num_experts)
-    read_experts = {n for n in recorded.tensors(src) if ".mlp.experts." in n}
-    assert read_experts == {f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight"
-                            for layer in (0, 2) for e in own for p in ("gate", "up", "down")}
+    read_experts = {n for n in recorded.tensors(src) if ".experts." in n}
+    assert read_experts == {EXPERT_FILES[family].format(layer=layer, e=e, p=p)
+                            for layer in MOE_LAYERS[family] for e in own for p in EXPERT_PARTS[family]}
     held = sum(v.to_local().nbytes for v in sd.values())
     assert sum(n for _, _, n in recorded.reads) <= 1.1 * held
     plain = Transformer(args)
@@ -80,8 +82,8 @@ def _moe_with_ep(rank: int, world_size: int, src: str, out: str, expected: torch
 def _on_two_ranks(rank: int, world_size: int, folders: dict[str, str], logits: dict[str, torch.Tensor],
                   out: str) -> None:
     for family, src in folders.items():
-        if family == "qwen3_moe":
-            _moe_with_ep(rank, world_size, src, os.path.join(out, "moe_export"), logits[family])
+        if family in EXPERT_FILES:
+            _moe_with_ep(rank, world_size, family, src, os.path.join(out, family + "_export"), logits[family])
         else:
             _dense(rank, world_size, src, logits[family])
         # the CLI's path under torchrun: HF -> DCP -> HF, each rank holding half of every tensor

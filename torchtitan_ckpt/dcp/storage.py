@@ -356,11 +356,16 @@ def load_on_this_rank(state: dict[str, Any], storage_reader: SafeFileSystemReade
         dcp.load(state, storage_reader=storage_reader, planner=planner, no_dist=True)
 
 
-def root_cause(error: BaseException) -> BaseException:
+def root_cause(error: BaseException, rank: int | None = None) -> BaseException:
     """DCP wraps every rank's failure in one `CheckpointException` (a BaseException whose message
-    is a traceback dump); return the lowest failing rank's own exception instead."""
+    is a traceback dump); return the lowest failing rank's own exception instead. Given this
+    process's `rank`, another rank's failure comes as a RuntimeError naming that rank (a
+    background save failing on rank 1 read on rank 0 as if it were its own)."""
     if isinstance(error, CheckpointException) and error.failures:
-        exc, _trace = error.failures[min(error.failures)]
+        failed = min(error.failures)
+        exc, _trace = error.failures[failed]
+        if rank is not None and failed != rank:
+            return RuntimeError(f"rank {failed}: {type(exc).__name__}: {exc}")
         return exc
     return error
 

@@ -1,7 +1,7 @@
-"""A small decoder in the Llama 3 / Qwen3 / Qwen3-MoE families: RMSNorm, grouped-query attention
-(optionally with Qwen3's per-head q/k norms), RoPE (optionally Llama 3.1's scaling), and SwiGLU,
-or a mixture of experts (a router, experts stored as grouped 3-D weights as TorchTitan stores
-them, an optional shared expert).
+"""A small decoder in the Llama 3 / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral families: RMSNorm,
+grouped-query attention (optionally with Qwen2's q/k/v biases or Qwen3's per-head q/k norms), RoPE
+(optionally Llama 3.1's scaling), and SwiGLU, or a mixture of experts (a router, experts stored as
+grouped 3-D weights as TorchTitan stores them, an optional shared expert).
 
 RoPE follows TorchTitan's convention: frequencies as complex numbers, applied to *interleaved*
 pairs of a head's channels (0,1), (2,3), ... (Hugging Face uses the half-split layout; the HF
@@ -80,6 +80,8 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     qk_norm: bool = False
     """RMSNorm over each head of q and k before RoPE (Qwen3)."""
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2)."""
     moe: MoEArgs | None = None
 
     @property
@@ -95,8 +97,10 @@ class ModelArgs:
 
     @property
     def model_type(self) -> str:
-        """The HF family whose layout this model has."""
-        return "qwen3_moe" if self.moe else "qwen3" if self.qk_norm else "llama"
+        """The HF family whose layout this model has (checked by `hf_config`)."""
+        if self.moe:
+            return "qwen3_moe" if self.qk_norm else "mixtral"
+        return "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "llama"
 
     def is_moe_layer(self, layer: int) -> bool:
         moe = self.moe
@@ -128,30 +132,54 @@ FLAVORS = {
     "qwen3_moe_debug": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=96,
                                  head_size=16, norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True,
                                  moe=MoEArgs(num_experts=4, top_k=2, hidden=32)),
+    "qwen2_debug": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=96,
+                             norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True),
+    "mixtral_debug": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=48,
+                               rope_theta=1000000.0, moe=MoEArgs(num_experts=4, top_k=2, hidden=48)),
 }
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The `config.json` of the `transformers` model with the shapes and constants of `args`."""
-    if args.moe is not None and args.moe.shared_hidden:
-        raise ValueError("Qwen3-MoE has no shared expert; this model has one, so no HF family holds it")
+    family = args.model_type
+    if unfit := _unfit(args):
+        raise ValueError(f"{family} has {unfit}; this model has not, so no HF family holds it")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_scaling is not None:
         rope.update(vars(args.rope_scaling))
-    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
     config = {
         "architectures": [arch[args.model_type]], "model_type": args.model_type,
         "hidden_size": args.dim, "intermediate_size": args.ffn_dim, "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
         "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_parameters": rope,
         "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings,
-        "hidden_act": "silu", "attention_bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
+        "hidden_act": "silu", "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if args.moe is not None:
+    if family in ("llama", "qwen3", "qwen3_moe"):  # Qwen2 and Mixtral have no such key
+        config["attention_bias"] = False
+    if family == "mixtral":
+        config.update(num_local_experts=args.moe.num_experts, num_experts_per_tok=args.moe.top_k,
+                      intermediate_size=args.moe.hidden)
+    elif args.moe is not None:
         config.update(num_experts=args.moe.num_experts, num_experts_per_tok=args.moe.top_k,
                       moe_intermediate_size=args.moe.hidden, norm_topk_prob=args.moe.norm_topk_prob,
                       decoder_sparse_step=args.moe.every, mlp_only_layers=list(args.moe.dense_layers))
     return config
+
+
+def _unfit(args: ModelArgs) -> str:
+    """What the family `args.model_type` has that `args` has not (or the other way round), in
+    words; empty when it fits."""
+    moe, family = args.moe, args.model_type
+    if moe is not None and moe.shared_hidden:
+        return "no shared expert"
+    if args.qkv_bias and family != "qwen2":
+        return "no biases"
+    if family == "mixtral" and (moe.every != 1 or moe.dense_layers or not moe.norm_topk_prob):
+        return "experts in every layer, their top-k weights renormalised"
+    return ""
 
 
 ROPE_LAYOUT = "interleaved"
@@ -164,16 +192,20 @@ def hf_adapter(args: ModelArgs, hf_assets_path: str | None = None) -> StateDictA
                               rope_layout=ROPE_LAYOUT)
 
 
+FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+"""The HF `model_type`s whose models this one builds (`args_from_hf_config`)."""
+
+
 def args_from_hf_config(raw: Any, where: str = CONFIG_FILE) -> ModelArgs:
     """The `ModelArgs` of the model a parsed HF `config.json` describes. Raises `ConfigError`
     naming the key this model cannot express (biases, another activation, a RoPE type it does
     not implement)."""
     c = HFModelConfig.parse(raw, where)
-    if c.model_type not in ("llama", "mistral", "qwen3", "qwen3_moe"):
-        raise ConfigError(f"{where}: model_type", c.model_type, "expected llama, mistral, qwen3 or qwen3_moe")
+    if c.model_type not in FAMILIES:
+        raise ConfigError(f"{where}: model_type", c.model_type, f"expected one of {', '.join(FAMILIES)}")
     for key in ("attention_bias", "mlp_bias"):
         if raw.get(key):
-            raise ConfigError(f"{where}: {key}", raw[key], "the example model has no biases")
+            raise ConfigError(f"{where}: {key}", raw[key], "the example model has no biases but Qwen2's")
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act", raw["hidden_act"], "the example model uses silu")
     if raw.get("sliding_window") and raw.get("use_sliding_window", True):
@@ -189,7 +221,7 @@ def args_from_hf_config(raw: Any, where: str = CONFIG_FILE) -> ModelArgs:
         head_size=c.head_dim, norm_eps=positive_float(raw, "rms_norm_eps", 1e-6, where), rope_theta=theta,
         max_seq_len=int(positive_float(raw, "max_position_embeddings", 2048, where)),
         tie_embeddings=c.tie_word_embeddings, rope_scaling=_rope_scaling(rope, where),
-        qk_norm=c.model_type.startswith("qwen3"), moe=_moe_args(c, raw),
+        qk_norm=c.model_type.startswith("qwen3"), qkv_bias=c.model_type == "qwen2", moe=_moe_args(c),
     )
 
 
@@ -210,11 +242,11 @@ def _rope_scaling(rope: dict[str, Any], where: str) -> RopeScaling | None:
     return RopeScaling(kind, factor, low, high, original)
 
 
-def _moe_args(c: HFModelConfig, raw: dict[str, Any]) -> MoEArgs | None:
+def _moe_args(c: HFModelConfig) -> MoEArgs | None:
     if not c.num_experts:
         return None
     return MoEArgs(num_experts=c.num_experts, top_k=c.num_experts_per_tok, hidden=c.expert_width("the example model"),
-                   norm_topk_prob=bool(raw.get("norm_topk_prob", False)), every=c.decoder_sparse_step,
+                   norm_topk_prob=c.norm_topk_prob, every=c.decoder_sparse_step,
                    dense_layers=c.mlp_only_layers)
 
 
@@ -260,9 +292,9 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         if args.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
@@ -419,6 +451,9 @@ class Transformer(nn.Module):
             weights = [_weight(getattr(f, w)) for f in ffns for w in ("w1", "w2", "w3")]
             for w in (att.wq.weight, att.wk.weight, att.wv.weight, *weights[0::3]):
                 nn.init.trunc_normal_(w, std=0.02)
+            if self.args.qkv_bias:
+                for w in (att.wq.bias, att.wk.bias, att.wv.bias):
+                    nn.init.trunc_normal_(w, std=0.02)
             for w in (att.wo.weight, *weights[1::3], *weights[2::3]):
                 nn.init.trunc_normal_(w, std=std_out)
             if hasattr(block, "moe"):

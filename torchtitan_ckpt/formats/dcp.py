@@ -62,7 +62,7 @@ class DcpFormat(StepFormat):
         except (Exception, CheckpointException) as e:
             writer.wait_early()
             self._plan_caches.pop(kind, None)  # the save failed (on every rank, for dcp.save): all plan afresh
-            raise storage.root_cause(e) from None
+            raise storage.root_cause(e, group.rank) from None
         faults.hit("written", step)
         return Written(writer.durable, planner.summary_line() if group.is_coordinator else "")
 

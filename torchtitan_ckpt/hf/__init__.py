@@ -3,7 +3,7 @@ import and export."""
 
 from ..errors import AdapterMismatchError
 from .adapter import StateDictAdapter
-from .llama import LlamaAdapter, Qwen3Adapter, Qwen3MoeAdapter
+from .llama import LlamaAdapter, MixtralAdapter, Qwen2Adapter, Qwen3Adapter, Qwen3MoeAdapter
 from .load import load_hf
 from .model_config import HFModelConfig, read_hf_config
 from .planner import parse_size, plan_files
@@ -15,6 +15,8 @@ __all__ = [
     "AdapterMismatchError",
     "HFModelConfig",
     "LlamaAdapter",
+    "MixtralAdapter",
+    "Qwen2Adapter",
     "Qwen3Adapter",
     "Qwen3MoeAdapter",
     "StateDictAdapter",

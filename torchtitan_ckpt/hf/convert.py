@@ -1,7 +1,7 @@
 """DCP step folder <-> Hugging Face folder, on one rank or under torchrun (`convert`, which the
 `torchtitan-ckpt convert` command runs):
 
-    torchtitan-ckpt convert --to dcp HF_DIR OUT_DIR [--adapter llama|mistral|qwen3|qwen3_moe]
+    torchtitan-ckpt convert --to dcp HF_DIR OUT_DIR [--adapter llama|mistral|mixtral|qwen2|qwen3|qwen3_moe]
                                     [--rope-layout interleaved|halves]
     torchtitan-ckpt convert --to hf STEP_DIR OUT_DIR [--hf-assets DIR] [--dtype bfloat16]
                                     [--rope-layout interleaved|halves]

@@ -32,9 +32,12 @@ MAX_CONFIG_BYTES = 16 << 20
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"num_key_value_heads": 8},
+    "mixtral": {"num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2": {"num_key_value_heads": 32},
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128},
     # num_experts, which transformers 5 writes as num_local_experts: the default of either
-    "qwen3_moe": {"num_key_value_heads": 4, "num_local_experts": 128, "intermediate_size": 6144},
+    "qwen3_moe": {"num_key_value_heads": 4, "num_local_experts": 128, "num_experts_per_tok": 8,
+                  "intermediate_size": 6144},
 }
 """`model_type` -> the value `transformers` gives a key that a `config.json` leaves out, where
 it is not the one `HFModelConfig.parse` gives any family (`num_key_value_heads` = heads,
@@ -43,6 +46,14 @@ it is not the one `HFModelConfig.parse` gives any family (`num_key_value_heads` 
 `transformers` builds from it. A key given as null takes the value of any family, as in
 `transformers`. A key this module requires (`hidden_size`, `moe_intermediate_size`, ...) is
 required of every family: refused when missing, never guessed."""
+
+EXPERT_RULES: dict[str, dict[str, Any]] = {
+    "mixtral": {"width": "intermediate_size", "norm_topk_prob": True},
+}
+"""`model_type` -> what a family fixes about its experts that no key of its config says, where it
+differs from Qwen3-MoE's rule (experts `moe_intermediate_size` wide, top-k probabilities
+renormalised as `norm_topk_prob` says): Mixtral's experts are `intermediate_size` wide, and its
+router always renormalises them."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +71,10 @@ class HFModelConfig:
     tie_word_embeddings: bool
     num_experts: int = 0
     moe_intermediate_size: int = 0
+    """The experts' width (a Mixtral's is its `intermediate_size`: `EXPERT_RULES`)."""
     num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False
+    """The router renormalises a token's top-k probabilities to sum to 1."""
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -96,7 +110,7 @@ class HFModelConfig:
         if head_dim % 2:
             raise ConfigError(f"{where}: head_dim", head_dim, "must be even (RoPE rotates pairs of channels)")
         layers = get.int("num_hidden_layers", MAX_LAYERS)
-        moe = _expert_fields(get, layers)
+        moe = _expert_fields(get, layers, EXPERT_RULES.get(model_type, {}))
         return cls(
             model_type=model_type, hidden_size=hidden, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
@@ -163,18 +177,20 @@ class _Reader:
         return tuple(value)
 
 
-def _expert_fields(get: _Reader, layers: int) -> dict[str, Any]:
+def _expert_fields(get: _Reader, layers: int, rules: dict[str, Any]) -> dict[str, Any]:
     """The expert fields of a mixture-of-experts config (none of a dense one), as
-    `HFModelConfig` keeps them. `moe_intermediate_size` is 0 when not given: families name the
-    experts' width otherwise (Mixtral's are `intermediate_size` wide), so the adapter that sizes
-    experts by it requires it (`Qwen3MoeAdapter`), and a family no adapter maps is refused for
-    its `model_type`, not for a key."""
+    `HFModelConfig` keeps them, by its family's `rules` (`EXPERT_RULES`). The experts' width is
+    0 when not given, so that the adapter that sizes experts by it requires it
+    (`Qwen3MoeAdapter`), and a family no adapter maps is refused for its `model_type`, not for a
+    key."""
     experts = get.int("num_experts", MAX_EXPERTS, default=get.int("num_local_experts", MAX_EXPERTS, 0, low=0), low=0)
     if not experts:
         return {}
+    norm, width = rules.get("norm_topk_prob"), rules.get("width", "moe_intermediate_size")
     return dict(num_experts=experts,
-                moe_intermediate_size=get.int("moe_intermediate_size", MAX_FFN, default=0, low=0),
+                moe_intermediate_size=get.int(width, MAX_FFN, default=0, low=0),
                 num_experts_per_tok=get.int("num_experts_per_tok", experts),
+                norm_topk_prob=get.bool("norm_topk_prob", False) if norm is None else norm,
                 decoder_sparse_step=get.int("decoder_sparse_step", layers, default=1),
                 mlp_only_layers=get.layers("mlp_only_layers", layers))
 

@@ -8,12 +8,14 @@ from typing import Any
 from ..errors import ConfigError
 from .adapter import StateDictAdapter
 from .files import CONFIG_FILE
-from .llama import LlamaAdapter, Qwen3Adapter, Qwen3MoeAdapter
+from .llama import LlamaAdapter, MixtralAdapter, Qwen2Adapter, Qwen3Adapter, Qwen3MoeAdapter
 from .model_config import HFModelConfig, read_hf_config
 
 ADAPTERS: dict[str, type[StateDictAdapter]] = {
     "llama": LlamaAdapter,
     "mistral": LlamaAdapter,  # Llama's tensors; sliding-window attention changes no weight
+    "mixtral": MixtralAdapter,
+    "qwen2": Qwen2Adapter,
     "qwen3": Qwen3Adapter,
     "qwen3_moe": Qwen3MoeAdapter,
 }

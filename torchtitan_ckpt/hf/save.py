@@ -99,7 +99,7 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
         try:
             dcp.save(_whole_tensors(hf_sd), storage_writer=writer, process_group=group.pg)
         except CheckpointException as e:  # a BaseException, past a training loop's `except Exception`
-            raise root_cause(e) from None
+            raise root_cause(e, group.rank) from None
         consolidate_safetensors(shards, out_dir, mapping, process_group=group.pg, num_threads=num_threads,
                                 remove_shards=not keep_shards, all_ranks=mode == "all_ranks", progress=progress)
     if group.rank == 0:
