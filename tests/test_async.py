@@ -364,7 +364,9 @@ class _Position(NamedTuple):
 def test_a_value_pickled_whole_is_saved_as_it_is_in_every_mode(tmp_path, mode):
     """A tuple holding a tensor is one pickled value to DCP: staged as a view of the pinned
     buffer, it carried the whole buffer into the step (4 bytes became the model's size); a
-    tuple type that is not built from one iterable failed the async modes."""
+    tuple type that is not built from one iterable failed the async modes while staged (a
+    save of it now fails naming it, as no load reads a class of the job's own:
+    test_states)."""
     from torchtitan_ckpt import CheckpointManager
     from torchtitan_ckpt.config import Checkpoint
 
@@ -372,12 +374,17 @@ def test_a_value_pickled_whole_is_saved_as_it_is_in_every_mode(tmp_path, mode):
     states = {"rng": _ValueState((torch.arange(4, dtype=torch.uint8), 1)), "pos": _ValueState(_Position(3, 7))}
     config = Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0)
     with CheckpointManager(config, [model], states=states, base_folder=str(tmp_path)) as manager:
+        with pytest.raises(CheckpointSaveError, match=r"state value 'pos.value' \(tests.test_async._Position\) would "
+                                                      r"be refused by every load"):
+            manager.save(1)
+            manager.wait()
+        states["pos"].value = 7
         manager.save(1)
     step = layout.step_dir(os.path.join(tmp_path, "checkpoint"), 1)
     size = sum(os.path.getsize(os.path.join(step, f)) for f in os.listdir(step))
     params = sum(p.nbytes for p in model.parameters())
     assert size < params * 1.1, (size, params)
-    loaded = {"rng": _ValueState(None)}  # a class of the job's own is refused on load: it could run code
+    loaded = {"rng": _ValueState(None)}
     with CheckpointManager(config, [torch.nn.Linear(512, 512)], states=loaded, base_folder=str(tmp_path)) as manager:
         assert manager.load()
     assert torch.equal(loaded["rng"].value[0], torch.arange(4, dtype=torch.uint8)) and loaded["rng"].value[1] == 1
@@ -445,29 +452,42 @@ def test_the_writer_process_ignores_the_signals_a_terminal_sends_the_job(tmp_pat
 
 
 _EXITS_WITHOUT_CLOSE = """
-import gc, sys, torch
+import gc, sys, threading, torch
 from torchtitan_ckpt import CheckpointManager
 from torchtitan_ckpt.config import Checkpoint
 mode, how, folder = sys.argv[1:]
 config = Checkpoint(enable=True, interval=1, async_mode=mode, save_threads=2, keep_latest_k=0)
-manager = CheckpointManager(config, [torch.nn.Linear(1024, 1024)], base_folder=folder)
-manager.save(1)
-if how != "in_flight":
-    manager.wait()
+managers = []
+def train():
+    managers.append(CheckpointManager(config, [torch.nn.Linear(1024, 1024)], base_folder=folder))
+    managers[0].save(1)
+    if how == "in_a_thread":  # the writer process takes the second save (the first starts it)
+        managers[0].wait()
+        managers[0].save(2)
+if how == "in_a_thread":  # a notebook's, a service's: the thread that made the manager ends first
+    thread = threading.Thread(target=train)
+    thread.start()
+    thread.join()
+else:
+    train()
+if how not in ("in_flight", "in_a_thread"):
+    managers[0].wait()
 if how == "dropped":  # the manager is gone, its writer process is not
-    del manager
+    managers.clear()
     gc.collect()
 sys.exit(0)  # no close(): with "in_flight", the save is still in flight
 """
 
 
-@pytest.mark.parametrize("how", ["in_flight", "saved", "dropped"])
+@pytest.mark.parametrize("how", ["in_flight", "saved", "dropped", "in_a_thread"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_script_that_exits_with_a_save_in_flight_still_commits_it(tmp_path, mode, how):
     """The save is waited for at exit, before the interpreter's thread pools stop taking work
     (with two writer threads, the save was left partial and nothing said so), and the exit
     then stops the writer process (`multiprocessing`'s exit waited for it forever), that of a
-    manager dropped without `close()` too (its exit hook went with it)."""
+    manager dropped without `close()` too (its exit hook went with it). A manager made on a
+    thread that ended before the exit kept its writer process (the kernel killed it with that
+    thread, and the save in flight with it)."""
     import subprocess
     import sys
 
@@ -475,11 +495,12 @@ def test_a_script_that_exits_with_a_save_in_flight_still_commits_it(tmp_path, mo
     run = subprocess.run([sys.executable, "-c", _EXITS_WITHOUT_CLOSE, mode, how, str(tmp_path)], capture_output=True,
                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
     assert run.returncode == 0, run.stderr
-    if how == "in_flight" and staging._NO_THREADS_AT_EXIT:  # noqa: SLF001 - CPython gh-113964
+    if how in ("in_flight", "in_a_thread") and staging._NO_THREADS_AT_EXIT:  # noqa: SLF001 - CPython gh-113964
         assert "starts no thread at exit: close the CheckpointManager" in run.stderr
-        assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [], run.stderr
+        assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1][:how == "in_a_thread"], run.stderr
         return
-    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1], run.stderr
+    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1, 2][:1 + (how == "in_a_thread")], \
+        run.stderr
 
 
 _FORKS_WITH_A_SAVE_IN_FLIGHT = """
@@ -546,3 +567,70 @@ def test_a_step_queued_for_deletion_is_not_queued_again():
     deleter.submit([step_1])  # done: a later request is honoured
     deleter.close()
     assert removed == [1, 2, 1]
+
+
+_NO_SHARED_MEMORY = """
+import multiprocessing, sys, threading, torch
+from torchtitan_ckpt import CheckpointManager, ConfigError
+from torchtitan_ckpt.config import Checkpoint
+try:
+    CheckpointManager(Checkpoint(enable=True, async_mode="async_with_pinned_mem"), [torch.nn.Linear(2, 2)],
+                      base_folder=sys.argv[1])
+except ConfigError as e:
+    print(e)
+print("children", len(multiprocessing.active_children()), "threads", threading.active_count())
+"""
+
+
+def test_pinned_mode_without_shared_memory_is_refused_at_start_leaving_nothing_running(tmp_path):
+    """A read-only /dev/shm (a container's): the constructor failed with torch's raw error, and
+    left the writer process and its reply thread running, per attempt."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) to give the test a read-only /dev/shm")
+    shell = f"mount -t tmpfs -o ro tmpfs /dev/shm && exec {sys.executable} -c \"$0\" {tmp_path}"
+    run = subprocess.run(["unshare", "-m", "sh", "-c", shell, _NO_SHARED_MEMORY], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    if run.stderr.startswith(("unshare:", "mount:")):  # no mount namespace for this user or container
+        pytest.skip(f"cannot make a mount namespace here: {run.stderr.strip()[-200:]}")
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("checkpoint.async_mode = 'async_with_pinned_mem': needs shared memory, which this "
+                               "machine refuses"), run.stdout + run.stderr
+    assert lines[1] == "children 0 threads 1"
+
+
+_FORKED_CHILD_CLOSES = """
+import os, signal, sys, torch
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.config import Checkpoint
+mode, folder = sys.argv[1:]
+manager = CheckpointManager(Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0),
+                            [torch.nn.Linear(1024, 1024)], base_folder=folder)
+for step in (1, 2):
+    manager.save(step)  # in flight at the fork
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(30)  # a child still waiting then dies of SIGALRM
+        manager.close()
+        os._exit(0)
+    print("child", os.waitpid(pid, 0)[1], flush=True)
+manager.close()
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_forked_child_closing_its_copy_leaves_the_parents_saves_alone(tmp_path, mode):
+    """A child forked with a save in flight waited forever in `close()` for a save whose threads
+    are its parent's; in pinned mode it stopped its parent's writer process."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _FORKED_CHILD_CLOSES, mode, str(tmp_path)], capture_output=True,
+                         text=True, timeout=180, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["child", "0", "child", "0"], run.stderr[-3000:]
+    assert "writer process is gone" not in run.stderr
+    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1, 2]

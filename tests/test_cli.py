@@ -180,6 +180,21 @@ def test_inspect_a_step_without_our_marker(tmp_path, capsys):
     assert sections == ["[model]", "[optimizer]", "[lr_scheduler]", "[train_state]"]
 
 
+def test_inspect_shows_names_a_terminal_would_act_on_escaped(tmp_path, capsys):
+    """Tensor names are the checkpoint's: an escape code reached the terminal, a newline faked a
+    row, and a lone surrogate stopped the listing with an encoding error (exit 2)."""
+    names = ["\x1b[2Jwq", "nl\nfake   float32 [1] 4 B", "\ud800", "plain.weight"]
+    step = layout.step_dir(str(tmp_path), 1)
+    dcp.save({name: torch.ones(1) for name in names}, checkpoint_id=step)
+    out = subprocess.run([sys.executable, "-m", "torchtitan_ckpt.cli", "inspect", step], capture_output=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout.decode()
+    rows = [line.split()[0] for line in text.splitlines() if line.startswith("  ") and "total" not in line]
+    assert rows == ["'\\x1b[2Jwq'", "'nl\\nfake", "plain.weight", "'\\ud800'"]
+    assert "\x1b" not in text
+
+
 def test_inspect_hf_steps(tmp_path, capsys):
     """An HF step of ours (`last_save_in_hf`) and the same folder without our marker (a foreign
     HF export): the tensors are the safetensors files' own, all of the model."""

@@ -992,3 +992,36 @@ def test_save_and_load_take_a_torchtitan_adapter_as_it_is(tmp_path):
     back = {k: torch.zeros_like(v) for k, v in saved.items()}
     load_hf(back, str(tmp_path / "hf"), _Renamed(assets))
     assert_same(back, saved)
+
+
+_MANY_FILES = """
+import os, resource, sys
+import torch
+from torchtitan_ckpt.example.model import Transformer, args_from_hf_config, hf_adapter
+from torchtitan_ckpt.hf import load_hf, save_hf
+
+out, mode = sys.argv[1], sys.argv[2]
+args = args_from_hf_config({"model_type": "llama", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 150,
+                            "num_attention_heads": 2, "vocab_size": 16})
+torch.manual_seed(0)
+model = Transformer(args)
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+save_hf(model.state_dict(), out, hf_adapter(args), max_shard_size=1, mode=mode)
+back = Transformer(args)
+load_hf(back.state_dict(), out, hf_adapter(args))
+assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
+print(len([f for f in os.listdir(out) if f.endswith(".safetensors")]))
+"""
+
+
+@pytest.mark.parametrize("mode", ["one_pass", "all_ranks"])
+def test_an_export_of_more_files_than_the_open_file_limit_is_written(tmp_path, mode):
+    """Each copying thread held every file it wrote open to the end: 1102 files failed an export
+    under the common limit of 1024 descriptors (`OSError: Too many open files`)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _MANY_FILES, str(tmp_path / "out"), mode], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) == 152

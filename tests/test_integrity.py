@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -11,8 +12,8 @@ import zlib
 import pytest
 import torch
 
-from torchtitan_ckpt import (CheckpointManager, CheckpointSaveError, ConfigError, CorruptCheckpointError, cli, commit,
-                             layout)
+from torchtitan_ckpt import (CheckpointManager, CheckpointSaveError, ConfigError, CorruptCheckpointError,
+                             NewerVersionError, cli, commit, layout)
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.storage.local import LOCK_FILE
 
@@ -182,6 +183,42 @@ def test_a_save_stopped_while_marking_its_folder_leaves_a_partial_step(tmp_path)
     job.run_to(6, steps=10)
     job.manager.close()
     assert 3 not in [s.step for s in layout.scan(folder)]
+
+
+@pytest.mark.parametrize("extra", [{}, {"hash_algo": "sha256"}], ids=["same_fields", "a_new_field"])
+def test_a_step_of_a_newer_version_is_refused_never_passed_over_and_replaced(tmp_path, capsys, extra):
+    """A step a newer torchtitan_ckpt committed (a downgrade) is not damaged: `verify_fallback`
+    passed over it as corrupt, the job resumed at the step before, and its next save replaced
+    the newer one. With a field this version lacks, it read as damaged."""
+    folder = _saved(tmp_path, steps=6, last_save_model_only=False)
+    marker = os.path.join(layout.step_dir(folder, 6), commit.MARKER)
+    with open(marker) as f:
+        raw = json.load(f)
+    with open(marker, "w") as f:
+        json.dump({**raw, "version": commit.FORMAT_VERSION + 1, **extra}, f)
+    for verify in (False, True):
+        job = make_job(str(tmp_path), steps=10, interval=2, verify_on_load=verify)
+        with pytest.raises(NewerVersionError, match=rf"{marker} is of version {commit.FORMAT_VERSION + 1}, written by "
+                                                    r"a newer torchtitan_ckpt .* read it with that one"):
+            job.manager.load()
+        job.manager.close()
+    assert cli.main(["list", "--json", folder]) == 0
+    steps = json.loads(capsys.readouterr().out)["steps"]
+    assert [(s["step"], s["status"]) for s in steps] == [(2, "complete"), (4, "complete"), (6, "newer")]
+
+
+def test_a_step_an_older_version_left_while_committing_is_partial(tmp_path):
+    """Versions before the in-progress marker left a step killed while writing its commit marker
+    holding DCP's `.metadata`, the data files and the marker's temporary file: it read as
+    another program's finished step, and a load took it over the last complete one."""
+    folder = _saved(tmp_path, steps=6, last_save_model_only=False)
+    step6 = layout.step_dir(folder, 6)
+    os.rename(os.path.join(step6, commit.MARKER), os.path.join(step6, commit.MARKER + ".tmp"))
+    assert layout.status_of(step6) == layout.PARTIAL
+    job = make_job(str(tmp_path), steps=10, interval=2)
+    assert job.manager.load()
+    assert job.train_state.step == 4
+    job.manager.close()
 
 
 def _rank_1_never_saves(rank: int, world_size: int, folder: str) -> None:

@@ -88,6 +88,23 @@ def test_half_written_step_is_never_loaded_nor_counted(tmp_path):
     assert steps == {102: True, 104: True}
 
 
+def test_many_steps_passed_over_for_one_reason_are_one_warning(tmp_path, caplog):
+    """A job killed over and over left a partial step each time: one warning line apiece."""
+    job = make_job(str(tmp_path), steps=20, interval=2)
+    job.run_to(2, steps=20)
+    job.manager.close()
+    folder = _folder(tmp_path)
+    for step in range(3, 8):
+        os.mkdir(layout.step_dir(folder, step))
+        commit.mark_in_progress(layout.step_dir(folder, step))
+    fresh = make_job(str(tmp_path), steps=20, interval=2)
+    assert fresh.manager.load() and fresh.train_state.step == 2
+    fresh.manager.close()
+    assert [m for m in caplog.messages if m.startswith("ignoring")] == [
+        f"ignoring {layout.step_dir(folder, 3)}, {layout.step_dir(folder, 4)}, {layout.step_dir(folder, 5)} and 2 "
+        f"more: its save did not finish (no {commit.MARKER})"]
+
+
 def test_keep_latest_k_keeps_newest_complete_steps(tmp_path):
     job = make_job(str(tmp_path), steps=10, interval=1, keep_latest_k=3, last_save_model_only=False)
     job.run_to(10, steps=10)

@@ -9,7 +9,7 @@ import pytest
 
 from torchtitan_ckpt import commit, layout
 from torchtitan_ckpt.config import Checkpoint
-from torchtitan_ckpt.errors import CheckpointError, CorruptCheckpointError
+from torchtitan_ckpt.errors import CheckpointError, NewerVersionError
 from torchtitan_ckpt.layout import StepFolder
 from torchtitan_ckpt.policy.retention import newer_steps, steps_to_delete
 from torchtitan_ckpt.policy.schedule import SaveKind, save_kind
@@ -60,7 +60,7 @@ def test_retention_never_chooses_a_folder_it_did_not_write():
 def test_a_marker_of_a_newer_version_is_refused_as_such(tmp_path):
     """Version 99 was read as if it were this one's."""
     commit.write_marker(str(tmp_path), commit.CommitInfo(step=1, states=["model"], version=99))
-    with pytest.raises(CorruptCheckpointError, match=r"COMMITTED.json is of version 99, written by a newer "
+    with pytest.raises(NewerVersionError, match=r"COMMITTED.json is of version 99, written by a newer "
                                                      r"torchtitan_ckpt than this one \(version 2 and older\)"):
         commit.read_marker(str(tmp_path))
 

@@ -4,12 +4,18 @@ is other schedulers' (`ChainedScheduler`)."""
 
 from __future__ import annotations
 
+import collections
+import os
+
+import numpy as np
+import pytest
 import torch
 from torch import nn
 from torch.optim import lr_scheduler
 
-from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt import CheckpointManager, layout
 from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.errors import CheckpointError, CheckpointSaveError
 
 
 def _job(folder: str, seed: int, chained: bool = False):
@@ -158,3 +164,149 @@ def test_a_resume_from_a_save_before_an_optimizers_first_step_goes_on_as_the_run
             train(model, opts, step)
     for key, value in model.state_dict().items():
         assert torch.equal(value, want[key]), key
+
+
+# ------------------------------------------------- what a save takes is what a load reads back
+
+Point = collections.namedtuple("Point", "x y")
+
+
+class _Values:
+    """A job's own state holding `values`."""
+
+    def __init__(self, values):
+        self.values = values
+        self.loaded = None
+
+    def state_dict(self):
+        return self.values
+
+    def load_state_dict(self, sd):
+        self.loaded = sd
+
+
+class _Loader:
+    """A stateful data loader whose position holds `extra`."""
+
+    def __init__(self, extra):
+        self.extra = extra
+        self.loaded = None
+
+    def state_dict(self):
+        return {"pos": 5, "extra": self.extra}
+
+    def load_state_dict(self, sd):
+        self.loaded = sd
+
+
+def _manager(folder, mode="disabled", **states):
+    model = nn.Linear(2, 2)
+    return model, CheckpointManager(Checkpoint(enable=True, interval=1, async_mode=mode), [model],
+                                    states={k: v for k, v in states.items() if k != "dataloader"},
+                                    dataloader=states.get("dataloader"), base_folder=folder)
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
+@pytest.mark.parametrize("value, shown", [
+    (np.float32(1.5), "numpy.float32"),
+    (np.arange(3), "numpy.ndarray"),
+    (Point(1, 2), "Point"),
+    (collections.deque([1, 2]), "collections.deque"),
+])
+def test_a_value_no_load_reads_is_refused_by_the_save_naming_it(tmp_path, mode, value, shown):
+    """A NumPy value, a namedtuple, a deque: DCP saves them, and every load refused them (a load
+    runs no code from the checkpoint), so the job learnt at its resume that no step it wrote
+    loads. The save now fails, naming the key, and commits nothing."""
+    _, manager = _manager(str(tmp_path), mode, train_state=_Values({"ok": 1, "bad": value}))
+    with pytest.raises(CheckpointSaveError, match=rf"state value 'train_state.bad' \(.*{shown}\) would be refused "
+                                                  r"by every load .*store it as such"):
+        manager.save(1)
+        manager.wait()
+    manager.close()
+    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == []
+
+
+def test_a_value_past_the_loads_bounds_is_refused_by_the_save(tmp_path):
+    """A set of 5000 64-bit hashes (documents a pipeline has seen): a load bounds the keys whose
+    hashes a file can choose, so the step saved and every load called it damaged."""
+    _, manager = _manager(str(tmp_path), data=_Values({"seen": {2**62 + i for i in range(5000)}}))
+    with pytest.raises(CheckpointSaveError, match=r"state value 'data.seen' \(builtins.set\) would be refused by "
+                                                  r"every load: its pickle .* more than 4096 .*as a list or a tensor"):
+        manager.save(1)
+    manager.close()
+    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == []
+
+
+def test_a_value_nothing_pickles_is_named_by_the_save(tmp_path):
+    _, manager = _manager(str(tmp_path), train_state=_Values({"bad": lambda: None}))
+    with pytest.raises(CheckpointSaveError, match=r"state value 'train_state.bad' \(function\) cannot be saved"):
+        manager.save(1)
+    manager.close()
+
+
+@pytest.mark.parametrize("extra", [torch.bfloat16, torch.Size([4, 2]), 1 + 2j, torch.device("cpu")],
+                         ids=["dtype", "size", "complex", "device"])
+def test_a_loader_position_holding_torch_values_loads(tmp_path, extra):
+    """A loader's position is pickled with `pickle.dumps` (protocol 4 and above), which torch's
+    allow-list unpickler cannot read at all: a dtype or a complex in it was saved and refused at
+    every load."""
+    _, manager = _manager(str(tmp_path), dataloader=_Loader(extra))
+    manager.save(1)
+    manager.close()
+    loader = _Loader(None)
+    _, manager = _manager(str(tmp_path), dataloader=loader)
+    assert manager.load()
+    manager.close()
+    assert loader.loaded == {"pos": 5, "extra": extra}
+
+
+def test_a_loader_position_no_load_reads_is_refused_by_the_save(tmp_path):
+    _, manager = _manager(str(tmp_path), dataloader=_Loader(np.random.RandomState(0).get_state()))
+    with pytest.raises(CheckpointError, match=r"dataloader.dp_rank_0 .*found numpy.*a load would refuse this data "
+                                              r"loader's state, so it is not saved"):
+        manager.save(1)
+    manager.close()
+    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == []
+
+
+def test_a_state_of_empty_containers_loads_as_it_was_saved(tmp_path):
+    """An EMA before it starts (`{"shadow": {}}`) leaves no value in the step (DCP keeps no empty
+    dict): the load handed it `{}`, its own load failed after the model was loaded, and every
+    save was refused after that."""
+    _, manager = _manager(str(tmp_path), ema=_Values({"shadow": {}}))
+    manager.save(1)
+    manager.close()
+    ema = _Values({"shadow": {}})
+    _, manager = _manager(str(tmp_path), ema=ema)
+    assert manager.load()
+    assert ema.loaded == {"shadow": {}}
+    manager.save(2)
+    manager.close()
+
+
+def test_a_buffer_that_repeats_an_element_is_refused_by_save_and_load(tmp_path):
+    """An `expand()` buffer (stride 0): its step was saved, and every load failed after other
+    tensors were filled (no load can fill it in place). HF's `position_ids`, expanded along a
+    dimension of size 1, is fine."""
+    model = nn.Linear(2, 2)
+    model.register_buffer("ids", torch.arange(4).expand(1, -1))
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    model.register_buffer("ids", torch.arange(4).expand(2, -1))
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path)) as manager:
+        with pytest.raises(CheckpointError, match=r"load\(\): \['ids'\] repeat one element along a dimension"):
+            manager.load()
+        with pytest.raises(CheckpointError, match=r"save\(\): \['ids'\] repeat one element"):
+            manager.save(2)
+    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1]
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_named_before_its_first_step(tmp_path):
+    model = nn.Linear(2, 2)
+    opt = torch.optim.LBFGS(model.parameters())
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=opt,
+                           base_folder=str(tmp_path)) as manager:
+        with pytest.raises(CheckpointError, match=r"LBFGS has no state yet, and a step at learning rate 0 on zero "
+                                                  r"gradients, which makes it, failed \(TypeError: .*add 'optimizer' "
+                                                  r"to checkpoint.exclude_from_loading"):
+            manager.save(1)

@@ -7,6 +7,7 @@ from .errors import (
     CheckpointSaveError,
     ConfigError,
     CorruptCheckpointError,
+    NewerVersionError,
     PartialLoadError,
     StagingMismatchError,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "CheckpointSaveError",
     "ConfigError",
     "CorruptCheckpointError",
+    "NewerVersionError",
     "PartialLoadError",
     "StagingMismatchError",
     "load_config",

@@ -45,11 +45,12 @@ from .hf.files import INDEX_FILE, SINGLE_FILE
 from .hf.load import read_hf_layout
 from .config import BUILTIN_STATES, MAX_THREADS, Checkpoint
 from .group import CheckpointGroup, launched_group
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, RankFailed
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NewerVersionError, RankFailed
 from .hf.convert import convert
 from .hf.adapter import ROPE_LAYOUTS
 from .hf.registry import ADAPTERS
 from .io.dtypes import EXPORT_DTYPES
+from .io.untrusted import brief
 from .hf.planner import parse_size
 from .hf.save import MODES
 from .progress import DEFAULT_INTERVAL, Progress, fmt_bytes, this_rank_draws
@@ -109,6 +110,7 @@ def _opened(where: str, argument: str) -> Iterator[tuple[Store, str]]:
 
 
 CORRUPT = "corrupt"
+NEWER = "newer"
 """`list`'s status of a step whose `COMMITTED.json` is there but unreadable (truncated, not JSON,
 fields of the wrong shape): never counted as complete or loadable."""
 
@@ -123,6 +125,8 @@ def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any]:
             info = store.read_marker(s.path)
         except CorruptCheckpointError as e:
             status, problem = CORRUPT, str(e)
+        except NewerVersionError as e:
+            status, problem = NEWER, str(e)
     fmt = info.format if info else layout.foreign_format(s.path) if status == layout.FOREIGN else None
     return {"step": s.step, "path": where, "status": status, "bytes": store.size(s.path),
             "format": fmt, "states": info.states if info else None,
@@ -135,6 +139,8 @@ def _contents(s: dict[str, Any]) -> str:
             layout.PARTIAL: f"no {commit.MARKER}: a save of ours that did not finish; never loaded",
             layout.FOREIGN: f"{s['format']}: not written here; loadable, unverified, never deleted",
             CORRUPT: f"{commit.MARKER} unreadable (list --json: problem): not loadable, a load() of it fails",
+            NEWER: "written by a newer torchtitan_ckpt (list --json: problem): a load() of it fails; read it "
+                   "with that one",
             }.get(s["status"], "not ours (no marker of ours, or one that is no file), not told finished: "
                                "never loaded from the run folder, never deleted")
 
@@ -226,6 +232,13 @@ def _describe(path: str, where: str, listed: str | None) -> dict[str, Any]:
             "tensor_bytes": sum(t["bytes"] for t in tensors), "tensors": tensors, "objects": objects}
 
 
+def _shown(name: str) -> str:
+    """A name read from a checkpoint as a terminal may show it: as it is when printable, else
+    quoted with escapes (an escape code, a newline faking a row, a lone surrogate no encoding
+    takes)."""
+    return name if name.isprintable() else brief(name)
+
+
 def _print_inspect(doc: dict[str, Any]) -> None:
     status = (f"complete, step {doc['step']}, saved by {doc['world_size']} rank(s)"
               if doc["status"] == layout.COMPLETE else f"{doc['status']}, no commit marker")
@@ -237,9 +250,9 @@ def _print_inspect(doc: dict[str, Any]) -> None:
             continue
         print(f"\n[{state}]")
         for t in tensors:
-            print(f"  {t['key']:<60} {t['dtype']:<9} {str(t['shape']):<16} {fmt_bytes(t['bytes']):>10}")
+            print(f"  {_shown(t['key']):<60} {t['dtype']:<9} {str(t['shape']):<16} {fmt_bytes(t['bytes']):>10}")
         for o in objects:
-            print(f"  {o['key']:<60} {'object':<9}")
+            print(f"  {_shown(o['key']):<60} {'object':<9}")
         total = sum(t["bytes"] for t in tensors)
         print(f"  {'total tensor bytes':<60} {'':<9} {'':<16} {fmt_bytes(total):>10}")
 

@@ -28,7 +28,7 @@ from .io import durable, safe_open
 from .io.untrusted import brief
 from . import faults
 from .io.checksum import file_crc32, stream_crc32
-from .errors import CheckpointError, ConfigError, CorruptCheckpointError
+from .errors import CheckpointError, ConfigError, CorruptCheckpointError, NewerVersionError
 
 MARKER = "COMMITTED.json"
 IN_PROGRESS = "IN_PROGRESS.json"
@@ -73,21 +73,23 @@ def mark_in_progress(path: str) -> None:
 
 def read_marker(path: str) -> CommitInfo:
     """The commit record of a step folder, every field checked; `CorruptCheckpointError` naming
-    the marker if it is unreadable or of the wrong shape."""
+    the marker if it is unreadable or of the wrong shape, `NewerVersionError` if a newer version
+    of this package wrote it (whatever fields that version gives it)."""
     marker = os.path.join(path, MARKER)
     try:
         raw = json.loads(safe_open.read_bounded(marker, "the commit marker", MAX_MARKER_BYTES))
+        version = raw.get("version") if isinstance(raw, dict) else None
+        if type(version) is int and FORMAT_VERSION < version <= MAX_COUNT:
+            raise NewerVersionError(f"{marker} is of version {version}, written by a newer torchtitan_ckpt than "
+                                    f"this one (version {FORMAT_VERSION} and older): read it with that one")
         info = CommitInfo(**raw)
-    except CorruptCheckpointError:
+    except CheckpointError:
         raise
     except (OSError, ValueError, TypeError, RecursionError) as e:
         raise CorruptCheckpointError(f"{marker} is not a valid commit marker: {type(e).__name__}: {e}") from e
     if problem := _marker_problem(info, path):
         raise CorruptCheckpointError(f"{marker} is not a valid commit marker: {problem}; the step is damaged "
                                      "or was not written by torchtitan_ckpt: load another step")
-    if info.version > FORMAT_VERSION:
-        raise CorruptCheckpointError(f"{marker} is of version {info.version}, written by a newer torchtitan_ckpt "
-                                     f"than this one (version {FORMAT_VERSION} and older): read it with that one")
     return info
 
 

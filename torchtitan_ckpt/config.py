@@ -107,7 +107,8 @@ class Checkpoint:
     is (needs `last_save_model_only`); `export_dtype` applies."""
 
     export_dtype: ExportDtype = "float32"
-    """Dtype of floating tensors in a model-only last-step save."""
+    """Dtype of floating tensors in a model-only last-step save, float32 included (TorchTitan
+    casts only to another)."""
 
     async_mode: AsyncMode = "disabled"
     """How saves overlap training: `disabled`, `async` or `async_with_pinned_mem`, in any case (as

@@ -47,6 +47,11 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint's files exist but cannot be trusted: bad marker, bad metadata, unsafe content."""
 
 
+class NewerVersionError(CheckpointError):
+    """A step of a newer torchtitan_ckpt (its commit marker's version is above this one's): not
+    damaged, so never passed over as a corrupt one (`verify_fallback`) for a save to replace."""
+
+
 class PartialLoadError(CheckpointError):
     """A load failed after it had begun changing the job's state in place: the storage failed (an
     I/O error) or a file changed while it was read, or a state refused what was read. What this

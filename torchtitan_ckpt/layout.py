@@ -106,9 +106,15 @@ def status_of(path: str) -> str:
         return UNKNOWN  # ours are files (or links to files: a hub cache's snapshot), never a folder or a fifo
     if kinds[0] is not None:
         return COMPLETE
-    if kinds[1] is not None or _marking(path):
+    if kinds[1] is not None or _marking(path) or _kind(os.path.join(path, COMMITTING)) == stat.S_IFREG:
         return PARTIAL  # ours: started
     return FOREIGN if foreign_format(path) else UNKNOWN
+
+
+COMMITTING = commit.MARKER + durable.TMP_SUFFIX
+"""The commit marker's temporary file: a folder holding it without the marker is a save of ours
+killed while committing. Versions before the in-progress marker left no other sign of theirs: a
+folder of theirs with DCP's `.metadata` read as another program's finished step, and loaded."""
 
 
 def _marking(path: str) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import commit, gc_pause, layout, storage
@@ -141,6 +142,8 @@ class CheckpointManager:
         self._model = ModelState(parts)
         self._parameters = self._model.parameter_names()
         self._closed = False
+        self._pid = os.getpid()
+        """The process that made the manager: a forked child's copy owns none of its threads."""
         self._half_loaded: PartialLoadError | None = None
         """Set by a load that failed once it had begun changing the job's state; saves refuse."""
         self._hooks: list = []
@@ -275,6 +278,8 @@ class CheckpointManager:
         self._closed = True
         for hook in self._hooks:
             hook.remove()
+        if os.getpid() != self._pid:  # a forked child's copy: the saves, the writer and the deleter are
+            return  # the parent's (its save in flight was waited for forever; the parent's writer stopped)
         try:
             self._saves.close()
         finally:
@@ -555,9 +560,13 @@ class CheckpointManager:
             return self._explicit_step(folders, step)
         loadable = [f for f in folders if f.loadable]
         newest_step = loadable[-1].step if loadable else -1
+        ignored: dict[str, list[str]] = {}  # one line per reason: a crashed job may leave a thousand
         for f in folders:
-            if not f.loadable and f.step > newest_step and self._group.is_coordinator:
-                logger.warning("ignoring %s: %s", self._store.describe(f.path), _not_loadable(f))
+            if not f.loadable and f.step > newest_step:
+                ignored.setdefault(_not_loadable(f), []).append(self._store.describe(f.path))
+        for why, paths in ignored.items() if self._group.is_coordinator else ():
+            more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+            logger.warning("ignoring %s%s: %s", ", ".join(paths[:3]), more, why)
         if loadable:
             if self.config.initial_load_path:
                 logger.info("%s has loadable steps; ignoring initial_load_path", self.folder)
@@ -842,7 +851,10 @@ class CheckpointManager:
                     raise CheckpointError(
                         f"{target.path} has no state '{name}'; add '{name}' to "
                         "checkpoint.exclude_from_loading to start it fresh")
-                state[name] = {}  # saved with no keys (an EMA before it starts): loaded as empty
+                # saved with no values (an EMA before it starts, `{"shadow": {}}`), which DCP keeps no
+                # trace of: the job's own empty containers, if they are that, else nothing
+                template = stateful.state_dict()
+                state[name] = template if not flatten_state_dict(template)[0] else {}
                 continue
             relative = {k[len(prefix):] for k in saved}
             if isinstance(stateful, DataLoaderState) and not self._dataloader_fits(stateful, relative):

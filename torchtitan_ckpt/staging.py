@@ -49,7 +49,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import faults, gc_pause
-from .errors import StagingMismatchError
+from .errors import ConfigError, StagingMismatchError
 from .io.filewriter import CountWait, Sink, write_files
 from .io.writer_process import WriterProcess
 
@@ -480,13 +480,17 @@ class BackgroundSaves:
         self._check: list[tuple[tuple, torch.Tensor, torch.Tensor]] = []
         """(path, live tensor, its staged copy) for each deferred tensor, with `verify`."""
         self._pinned = reuse_buffer
+        try:
+            self._count = torch.zeros(1, dtype=torch.int64).share_memory_() if reuse_buffer else None
+            """The copies made of the save being staged, in shared memory, so that the writer
+            process starts on each tensor as soon as its copy is made (`Copies`)."""
+        except RuntimeError as e:  # first: nothing is started yet that a failure would leave behind
+            raise ConfigError("checkpoint.async_mode", "async_with_pinned_mem", "needs shared memory, which "
+                              f"this machine refuses ({e}); use async, which needs none") from e
         self.writer: WriterProcess | None = WriterProcess() if reuse_buffer and saves else None
         """`async_with_pinned_mem`'s writer process: started now, so that it is up by the first
         save (it takes seconds to import torch) when the job `saves`, else never (by the first
         save, should one come)."""
-        self._count = torch.zeros(1, dtype=torch.int64).share_memory_() if reuse_buffer else None
-        """The copies made of the save being staged, in shared memory, so that the writer
-        process starts on each tensor as soon as its copy is made (`Copies`)."""
         _wait_at_exit(weakref.ref(self))
 
     def submit(self, state: dict[str, Any], job: SaveJob, deferred: Deferred = _nothing_deferred) -> None:

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .errors import CheckpointError, CorruptCheckpointError
-from .io.torch_archive import load_plain_pickle
+from .io.torch_archive import load_plain_pickle, refusal
 from .io.untrusted import brief
 
 
@@ -70,13 +70,22 @@ class ModelState(CheckedState):
         """A `CheckpointError` unless every tensor of `state` (this model's `state_dict()`) has
         memory: one on the meta device (a model built there, not yet `to_empty`-ed and
         initialised) or a lazy module's parameter (not yet shaped by a forward pass) would make
-        `load()` fill nothing and report success, or `save()` fail after making the step folder."""
+        `load()` fill nothing and report success, or `save()` fail after making the step folder.
+        Nor may one repeat an element (an `expand()` view): its step would be saved, and every
+        load of it fail once other tensors were filled."""
         empty = [k for k, v in state.items()
                  if isinstance(v, torch.Tensor) and (v.is_meta or nn.parameter.is_lazy(v))]
         if empty:
             raise CheckpointError(f"{call}: {len(empty)} of the model's tensors have no memory yet, e.g. {empty[:3]} "
                                   "(on the meta device, or a lazy module's before its first forward pass): "
                                   "materialise the model first (model.to_empty(device=...), then its init)")
+        # a load fills each tensor in place, which one whose elements share memory cannot take
+        shared = [k for k, v in state.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
+                  and any(stride == 0 and size > 1 for stride, size in zip(v.stride(), v.shape))]
+        if shared:
+            raise CheckpointError(f"{call}: {shared[:3]} repeat one element along a dimension (an expand() "
+                                  "view, stride 0): no load can fill such a tensor in place; register it with "
+                                  "persistent=False if it is derived, or store it as .contiguous()")
 
     def parameter_names(self) -> set[str]:
         """The keys of `state_dict()` that are parameters (both names of a tied one)."""
@@ -122,14 +131,14 @@ class OptimizerState(CheckedState):
     def named(self) -> list[tuple[torch.optim.Optimizer, list[str]]]:
         """Each optimizer with the canonical names of its parameters, by their index in its state
         dict: named at each use, as its parameters may change (`add_param_group`)."""
-        return [(opt, _parameter_names(self.parts, opt)) for opt in self.optimizers]
+        names = {id(p): canonical_name(n) for part in self.parts for n, p in part.named_parameters()}
+        return [(opt, _parameter_names(names, opt)) for opt in self.optimizers]
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {}
         groups: dict[str, Any] = {}
         for opt, names in self.named:
-            with _hooks_aside(opt):  # a save is no step to an EMA or a step count
-                _init_optim_state(opt)  # TorchTitan's manager expects the state of every parameter
+            _make_state(opt)  # TorchTitan's manager expects the state of every parameter
             saved = opt.state_dict()
             for index, values in saved["state"].items():
                 state[names[index]] = values
@@ -210,14 +219,27 @@ def _made_state(opt: torch.optim.Optimizer, names: list[str], wanted: Collection
     try:
         for p in mine:
             p.grad = None
-        with _hooks_aside(opt):
-            _init_optim_state(opt)
+        _make_state(opt)
         made = opt.state_dict()["state"]
     finally:
         opt.state, opt.param_groups = held[0], held[1]
         for p, grad in zip(mine, held[2]):
             p.grad = grad
     return {name_of[id(mine[index])]: values for index, values in made.items()}
+
+
+def _make_state(opt: torch.optim.Optimizer) -> None:
+    """`opt`'s first state made by a step at learning rate 0 on zero gradients, unless it has
+    state, its step hooks set aside (a save is no step to an EMA or a step count). An optimizer
+    whose step cannot be taken so (LBFGS's needs a closure) is named, with what to do."""
+    try:
+        with _hooks_aside(opt):
+            _init_optim_state(opt)
+    except Exception as e:
+        raise CheckpointError(
+            f"{type(opt).__name__} has no state yet, and a step at learning rate 0 on zero gradients, which "
+            f"makes it, failed ({type(e).__name__}: {e}): it is saved or loaded once it has taken a step of its "
+            "own; to load the rest without it, add 'optimizer' to checkpoint.exclude_from_loading") from e
 
 
 @contextlib.contextmanager
@@ -263,9 +285,10 @@ def _number(value: Any) -> bool:
             or isinstance(value, torch.Tensor) and value.numel() == 1)
 
 
-def _parameter_names(parts: Sequence[nn.Module], opt: torch.optim.Optimizer) -> list[str]:
-    """The canonical name of each of `opt`'s parameters, by their index in its state dict."""
-    names = {id(p): canonical_name(n) for part in parts for n, p in part.named_parameters()}
+def _parameter_names(names: dict[int, str], opt: torch.optim.Optimizer) -> list[str]:
+    """The canonical name of each of `opt`'s parameters, by their index in its state dict, from
+    the names of the model parts' parameters by their id (made once for every optimizer: an
+    optimizer per parameter, as with TorchTitan's optimizer in backward, made it quadratic)."""
     params = [p for group in opt.param_groups for p in group["params"]]
     unknown = [i for i, p in enumerate(params) if id(p) not in names]
     if unknown:
@@ -360,9 +383,17 @@ class DataLoaderState(CheckedState):
         return f"{DP_RANK_PREFIX}{self.dp_rank}"
 
     def state_dict(self) -> dict[str, Any]:
-        if self.own_layout:
-            return self.dataloader.state_dict()
-        return {self.key: pickle.dumps(self.dataloader.state_dict()), "world_size": self.dp_world_size}
+        """Checked as a load reads it (`_position`): a position holding a value that no load
+        reads without running code (a NumPy RNG state) is refused now, not at the resume."""
+        sd = self.dataloader.state_dict() if self.own_layout else {
+            self.key: pickle.dumps(self.dataloader.state_dict()), "world_size": self.dp_world_size}
+        try:
+            self._position(sd)
+        except CorruptCheckpointError as e:
+            raise CheckpointError(f"{e}: a load would refuse this data loader's state, so it is not saved; "
+                                  "keep plain data in its state_dict() (a NumPy RNG state as lists and ints, "
+                                  "say)") from None
+        return sd
 
     def check_loaded(self, state_dict: dict[str, Any]) -> None:
         self._position(state_dict)
@@ -383,7 +414,7 @@ class DataLoaderState(CheckedState):
             return load_plain_pickle(data)
         except pickle.UnpicklingError as e:
             raise CorruptCheckpointError(f"dataloader.{self.key} is not plain data and loading it could "
-                                         f"run code; refused ({e})") from None
+                                         f"run code; refused ({refusal(e)})") from None
 
 
 DP_RANK_PREFIX = "dp_rank_"

@@ -14,7 +14,7 @@ import pickle
 from dataclasses import dataclass
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's own keys, as its planner
@@ -23,6 +23,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from ..errors import CheckpointError
+from ..io import torch_archive
+from ..io.untrusted import UnsafePickleError
 from ..policy.dedup import Assignment, DedupSummary, Item, Key, Write, make_policy, summarize
 
 logger = logging.getLogger(__name__)
@@ -228,11 +231,13 @@ class DedupSavePlanner(DefaultSavePlanner):
         return super().finish_plan(new_plan)
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        """The data of a write: what DCP's planner returns, or the rows of a slice."""
+        """The data of a write: what DCP's planner returns, or the rows of a slice. A value
+        (not a tensor) that a load would refuse is refused here, before the step is committed."""
         if write_item.type == WriteItemType.BYTE_IO:
             value = self.lookup_object(write_item.index)
             if not _scalar(value):
-                return super().resolve_data(write_item)
+                save = functools.partial(DefaultSavePlanner.resolve_data, self, write_item)
+                return _loadable(write_item.index.fqn, value, save)
             return io.BytesIO(_saved_scalar(pickle.dumps(value, protocol=2)))
         chunk = write_item.tensor_data.chunk
         source = self._source_of(write_item.index.fqn, chunk)
@@ -267,6 +272,32 @@ def _scalar(value: object) -> bool:
     if type(value) is tuple:
         return all(type(v) in _SCALARS for v in value)
     return type(value) in _SCALARS
+
+
+def _loadable(fqn: str, value: object, save: Callable[[], io.BytesIO]) -> io.BytesIO:
+    """`save()` (DCP's `torch.save` of `value`), once the load's own reader (`load_plain`: no
+    code from the file runs) reads it back: a NumPy value, a namedtuple or any other object a
+    load refuses would commit a step that no load takes."""
+    try:
+        data = save()
+    except Exception as e:  # a lambda, a lock: nothing pickles it
+        raise CheckpointError(f"state value '{fqn}' ({type(value).__name__}) cannot be saved: "
+                              f"{type(e).__name__}: {e}") from None
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    try:
+        torch_archive.load_plain(data.getvalue())
+    except UnsafePickleError as e:
+        raise CheckpointError(
+            f"state value '{fqn}' ({kind}) would be refused by every load: its pickle {e.problem}, which a "
+            "load bounds as a crafted file could make it take time out of proportion to its size "
+            "(docs/reliability.md); store it otherwise (many numbers as a list or a tensor)") from None
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"state value '{fqn}' ({kind}) would be refused by "
+            f"every load ({torch_archive.refusal(e)}): a load runs no code from a checkpoint, so it reads plain "
+            "data only (numbers, strings, bytes, lists, tuples, dicts, sets, tensors, dtypes, devices); store it "
+            "as such (a NumPy value as .item() or .tolist(), a NumPy array as torch.from_numpy(...))") from None
+    return data
 
 
 @functools.lru_cache(maxsize=4096)

@@ -330,7 +330,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         except pickle.UnpicklingError as e:
             raise CorruptCheckpointError(
                 f"checkpoint value '{read_item.dest_index.fqn}' is not plain data and loading it "
-                f"could run code; refused ({str(e).splitlines()[-3].strip()})"
+                f"could run code; refused ({torch_archive.refusal(e)})"
             ) from None
         if self.flatten_state_dict:
             # the flattened key maps back to a path of keys into the caller's nested dict

@@ -32,6 +32,7 @@ them; an export that did not finish has no `model.safetensors.index.json`.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -69,6 +70,9 @@ PrepareFn = Callable[[], list[str]]
 returns the paths of the files it wrote, which rank 0 fsyncs before the index is written."""
 
 CHUNK_BYTES = 16 << 20
+OPEN_PER_THREAD = 16
+"""Files a copying thread holds open at once (outputs and shard files): its tasks run file after
+file, so few are reopened, and thousands of files fit any limit of open descriptors."""
 HEADER_ALIGN = 8
 _SHARDING_KEY = "DCP_SHARDING_INFO"
 
@@ -370,6 +374,12 @@ def _span(runs: Runs, pos: int, n: int) -> tuple[int, int]:
     return lo, runs.dst(last // runs.run_bytes) + last % runs.run_bytes + 1 - lo
 
 
+def _close(fd: int, out: Writeback | None) -> None:
+    if out is not None:
+        out.close()  # its queued starts act on `fd`
+    os.close(fd)
+
+
 class _Writer:
     """Runs one rank's tasks on `num_threads` threads, each with its own file handles (and, for
     file sources, its own CHUNK_BYTES buffer). `memory` holds each in-memory block's bytes by
@@ -407,25 +417,32 @@ class _Writer:
             errors.append(e)
 
     def _copy(self, tasks: list[Task]) -> None:
-        fds: dict[str, int] = {}
-        outs: dict[str, Writeback] = {}
+        held: collections.OrderedDict[str, tuple[int, Writeback | None]] = collections.OrderedDict()
+
+        def opened(path: str, output: bool) -> tuple[int, Writeback | None]:
+            """`path` open (for writing if `output`), the least recently used file closed when
+            `OPEN_PER_THREAD` are: an export of thousands of files ran out of descriptors."""
+            if path in held:
+                held.move_to_end(path)
+                return held[path]
+            while len(held) >= OPEN_PER_THREAD:
+                _close(*held.popitem(last=False)[1])
+            fd = os.open(path, os.O_WRONLY if output else os.O_RDONLY)
+            held[path] = (fd, Writeback(fd, enabled=self.writeback) if output else None)
+            return held[path]
+
         buf = memoryview(bytearray(CHUNK_BYTES)) if not self.memory else None
         try:
             for task in tasks:
                 b = task.block
                 name, start = self.where[b.fqn]
-                if name not in fds:
-                    fds[name] = os.open(os.path.join(self.output_dir, name), os.O_WRONLY)
-                    outs[name] = Writeback(fds[name], enabled=self.writeback)
                 runs = block_runs(b, self.specs[b.fqn].shape, start)
-                if b.src and b.src not in fds:
-                    fds[b.src] = os.open(b.src, os.O_RDONLY)
-                self._copy_task(task, runs, fds.get(b.src, -1), fds[name], outs[name], buf)
+                src = opened(b.src, False)[0] if b.src else -1
+                dst, out = opened(os.path.join(self.output_dir, name), True)
+                self._copy_task(task, runs, src, dst, out, buf)
         finally:
-            for out in outs.values():
-                out.close()
-            for fd in fds.values():
-                os.close(fd)
+            for fd, out in held.values():
+                _close(fd, out)
 
     def _copy_task(self, task: Task, runs: Runs, src: int, dst: int, out: Writeback, buf: memoryview | None) -> None:
         """Copy the task's bytes CHUNK_BYTES at a time (from its shard file through `buf`, or

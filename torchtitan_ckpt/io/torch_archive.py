@@ -29,6 +29,7 @@ import io
 import pickle
 import re
 import struct
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -360,6 +361,16 @@ def torch_load(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
+def refusal(error: pickle.UnpicklingError) -> str:
+    """What an allow-list unpickler refused, in a line (torch's message is a page of advice to
+    load the file with `weights_only=False`, which would run its code)."""
+    text = str(error)
+    if found := re.search(r"Unsupported global: GLOBAL (\S+)", text):
+        return f"it needs {found.group(1)}"
+    lines = [line.strip() for line in text.splitlines() if "WeightsUnpickler error:" in line] or [text.strip()]
+    return brief(lines[0].removeprefix("WeightsUnpickler error: "))
+
+
 def load_plain_pickle(data: bytes) -> Any:
     """A plain pickle (`pickle.dumps`, not a `torch.save` archive), read without running code:
     plain data and CPU tensors here (`_TensorValueUnpickler`), else with the globals
@@ -368,8 +379,13 @@ def load_plain_pickle(data: bytes) -> Any:
     it)."""
     try:
         return unpickle(_TensorValueUnpickler, data)
-    except Unrecognised:
-        return _weights_only_unpickler.load(io.BytesIO(data), encoding="utf-8")
+    except Unrecognised as ours:
+        try:
+            with warnings.catch_warnings():  # that it may not read protocol 4: it says why if it does not
+                warnings.filterwarnings("ignore", message="Detected pickle protocol")
+                return _weights_only_unpickler.load(io.BytesIO(data), encoding="utf-8")
+        except pickle.UnpicklingError as e:  # torch's names an opcode of protocol 4 where ours names what it met
+            raise pickle.UnpicklingError(f"found {ours}") from e
 
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -423,8 +439,9 @@ def _plain_tensor(storage, storage_offset, size, stride, requires_grad, hooks, m
     if not isinstance(storage, torch.storage.TypedStorage) or hooks or metadata or not isinstance(requires_grad, bool):
         raise Unrecognised("a tensor with hooks or metadata")
     t = torch.empty((0,), dtype=storage.dtype).set_(storage._untyped_storage, storage_offset, size, stride)
-    if t.numel() > storage.size():
-        raise Unrecognised(f"a view of {t.numel()} elements of a storage of {storage.size()}")
+    held = storage._untyped_storage.nbytes() // storage.dtype.itemsize  # its size(), which warns of TypedStorage
+    if t.numel() > held:
+        raise Unrecognised(f"a view of {t.numel()} elements of a storage of {held}")
     return t.requires_grad_(requires_grad)
 
 
@@ -447,10 +464,21 @@ class _TensorValueUnpickler(_PlainUnpickler):
     def find_class(self, module: str, name: str) -> Any:
         found = {("torch._utils", "_rebuild_tensor_v2"): _plain_tensor,
                  ("torch.storage", "_load_from_bytes"): self._storage,
-                 ("collections", "OrderedDict"): collections.OrderedDict}.get((module, name))
+                 ("collections", "OrderedDict"): collections.OrderedDict,
+                 **_PLAIN_TORCH_VALUES}.get((module, name))
+        if found is None and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            found = getattr(torch, name)
         if found is None:
             raise Unrecognised(f"{module[:100]}.{name[:100]}")
         return found
+
+
+_PLAIN_TORCH_VALUES: dict[tuple[str, str], Any] = {
+    ("torch", "Size"): torch.Size, ("torch", "device"): torch.device, ("builtins", "complex"): complex}
+"""Values that `torch.load(weights_only=True)` reads in a `torch.save` archive, built by their
+own constructors (no code of the file's), for the plain pickles of `pickle.dumps` too: torch's
+allow-list unpickler, the fallback, reads no pickle of protocol 4 or above, which `pickle.dumps`
+writes (a data loader's state holding a dtype or a complex was refused at every load)."""
 
 
 # ---------------------------------------------------------------- framing a tensor's archive

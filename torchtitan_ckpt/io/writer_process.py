@@ -12,7 +12,8 @@ waits for each tensor's copy on a shared-memory count (`filewriter.CountWait`) a
 is handed in order, and a thread of the training process receives the replies.
 
 The writer dies with its rank: it asks the kernel for SIGKILL when the thread that started it
-exits (Linux), and exits when the pipe closes. A fail point it reaches kills its rank as well,
+exits (Linux), which is one thread of this module's that lives as long as the process
+(`_on_launcher`), and exits when the pipe closes. A fail point it reaches kills its rank as well,
 so crash tests see what a killed rank would leave.
 """
 
@@ -24,11 +25,12 @@ import ctypes.util
 import logging
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from itertools import count
@@ -55,8 +57,8 @@ class WriterProcess:
     """The training side of one rank's writer process; calling it is a `filewriter.Sink`, and
     `start` hands it files to write while the caller goes on.
 
-    Start it from the training loop's thread (it is tied to that thread's life); it may be
-    called from any one thread at a time (the background save thread). The process writes what
+    It may be made on any thread (one that ends, too: a notebook's, a service's), and called from
+    any one thread at a time (the background save thread). The process writes what
     it is handed in order; a thread of this process receives its replies, in the same order."""
 
     def __init__(self) -> None:
@@ -64,8 +66,7 @@ class WriterProcess:
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child_conn, os.getpid()), daemon=True,
                                  name="ckpt-writer")
-        with _main_hidden():
-            self._proc.start()
+        _on_launcher(self._start)
         child_conn.close()
         self._ids = count()
         self._registered: dict[tuple[int, int], tuple[int, torch.UntypedStorage]] = {}
@@ -83,6 +84,10 @@ class WriterProcess:
         self._replies = threading.Thread(target=self._receive, name="ckpt-writer-replies", daemon=True)
         self._replies.start()
         _OPEN[self] = os.getpid()
+
+    def _start(self) -> None:
+        with _main_hidden():
+            self._proc.start()
 
     def __call__(self, jobs: list[FileJob], step: int | None = None, sync: bool = True) -> list[WrittenFile]:
         """Write `jobs` in the writer process; returns once they are durable there. The shared
@@ -263,6 +268,42 @@ def _main_hidden() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
+_launcher: tuple[int, queue.SimpleQueue] | None = None
+"""(this process's id, the queue of its launcher thread): a forked child makes its own."""
+_launcher_lock = threading.Lock()
+
+
+def _on_launcher(fn: Callable[[], None]) -> None:
+    """Run `fn` (a writer's start) on the one thread of this process that starts writers, and
+    wait for it. The kernel's death signal fires when the thread that started a child exits,
+    not its process: a writer started by a thread that then ended (training run in a thread
+    that returns, the main thread left to exit) was killed, and the save in flight lost. This
+    thread lives as long as the process (a daemon, never joined: not before the exit's wait for
+    the save in flight either)."""
+    global _launcher
+    with _launcher_lock:
+        if _launcher is None or _launcher[0] != os.getpid():
+            jobs: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=_launch, args=(jobs,), name="ckpt-writer-launcher", daemon=True).start()
+            _launcher = (os.getpid(), jobs)
+        jobs = _launcher[1]
+    done: Future = Future()
+    jobs.put((fn, done))
+    done.result()
+
+
+def _launch(jobs: queue.SimpleQueue) -> None:
+    # a writer inherits this thread's blocked signals across its exec: those it ignores cannot
+    # kill it while it starts (importing torch takes seconds), before `_serve` can ignore them
+    signal.pthread_sigmask(signal.SIG_BLOCK, _ignored_signals())
+    while True:
+        fn, done = jobs.get()
+        try:
+            done.set_result(fn())
+        except BaseException as e:  # handed to the caller waiting for it
+            done.set_exception(e)
+
+
 def _die_with_parent(parent: int) -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -277,11 +318,15 @@ them, so that the save in flight ends as the rank decides (a rank that handles o
 save); it dies with its rank (`_die_with_parent`)."""
 
 
+def _ignored_signals() -> list[signal.Signals]:
+    return [getattr(signal, name) for name in _LEFT_TO_THE_RANK if hasattr(signal, name)]
+
+
 def _serve(conn, parent: int) -> None:
     """The writer's loop: write what each message lists, answer with the results or the error."""
-    for name in _LEFT_TO_THE_RANK:
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    for sig in _ignored_signals():
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _ignored_signals())  # blocked since its start: see `_launch`
     _die_with_parent(parent)
     faults.kill_also(parent)
     torch.set_num_threads(1)
