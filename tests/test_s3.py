@@ -34,7 +34,7 @@ from torch.multiprocessing import ProcessExitedException
 from torchtitan_ckpt import CheckpointManager, cli, commit, faults, layout
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.errors import (CheckpointError, CheckpointNotFoundError, CheckpointSaveError, ConfigError,
-                                    CorruptCheckpointError, StorageError)
+                                    CorruptCheckpointError, NewerVersionError, StorageError)
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.model import hf_adapter
 from torchtitan_ckpt.example.train import build_model, shard_model
@@ -982,6 +982,10 @@ def test_a_damaged_marker_is_named_by_its_url_not_its_downloaded_copy(bucket, tm
     boto3.client("s3").put_object(Bucket=bucket, Key="run/step-1/COMMITTED.json", Body=b'{"step": 1, "states": 5}')
     with CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path / "b")), [model], opt) as manager:
         with pytest.raises(CorruptCheckpointError, match=rf"^s3://{bucket}/run/step-1/COMMITTED.json is not a valid"):
+            manager.load()
+    boto3.client("s3").put_object(Bucket=bucket, Key="run/step-1/COMMITTED.json", Body=b'{"version": 99}')
+    with CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path / "c")), [model], opt) as manager:
+        with pytest.raises(NewerVersionError, match=rf"^s3://{bucket}/run/step-1/COMMITTED.json is of version 99"):
             manager.load()
 
 

@@ -138,13 +138,17 @@ def _device_types(group: dist.ProcessGroup) -> list[str]:
 @contextlib.contextmanager
 def launched_group(backend: str = "gloo") -> Iterator[None]:
     """The default process group a launcher (torchrun) asks for through `WORLD_SIZE`, initialised
-    for the duration of the block and destroyed after it; nothing when not launched so, or when
-    the caller initialised one already."""
+    for the duration of the block and destroyed after it, once every rank is through the block
+    when it ends well (a rank tearing its connections down while a peer still has work on them
+    aborted that peer now and then, "terminate called without an active exception"); nothing
+    when not launched so, or when the caller initialised one already."""
     launched = "WORLD_SIZE" in os.environ and not dist.is_initialized()
     if launched:
         dist.init_process_group(backend)
     try:
         yield
+        if launched:
+            dist.barrier()
     finally:
         if launched:
             dist.destroy_process_group()

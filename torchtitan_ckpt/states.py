@@ -388,7 +388,8 @@ class DataLoaderState(CheckedState):
         sd = self.dataloader.state_dict() if self.own_layout else {
             self.key: pickle.dumps(self.dataloader.state_dict()), "world_size": self.dp_world_size}
         try:
-            self._position(sd)
+            if self.key in sd:  # a loader of its own layout may hold it otherwise: left to its own load
+                self._position(sd)
         except CorruptCheckpointError as e:
             raise CheckpointError(f"{e}: a load would refuse this data loader's state, so it is not saved; "
                                   "keep plain data in its state_dict() (a NumPy RNG state as lists and ints, "

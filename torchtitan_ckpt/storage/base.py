@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from .. import commit
 from ..commit import CommitInfo
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, NewerVersionError
 from ..group import CheckpointGroup
 from ..layout import StepFolder, folder_bytes
 
@@ -95,14 +95,15 @@ class Store(ABC):
 
     def read_marker(self, path: str) -> CommitInfo:
         """The commit marker of the step of ours at `path`, fetched (`commit.read_marker`); a
-        damaged one is a `CorruptCheckpointError` naming the step as the user does (`describe`),
-        not a downloaded copy."""
+        damaged one (or a newer version's) is refused naming the step as the user does
+        (`describe`), not a downloaded copy."""
         try:
             return commit.read_marker(self.fetch(path, [commit.MARKER]))
-        except CorruptCheckpointError as e:
+        except (CorruptCheckpointError, NewerVersionError) as e:
             if (where := self.describe(path)) == path:
                 raise
-            raise CorruptCheckpointError(str(e).replace(path, where)) from e
+            kind = NewerVersionError if isinstance(e, NewerVersionError) else CorruptCheckpointError
+            raise kind(str(e).replace(path, where)) from e
 
     def fetch_ranges(self, path: str, ranges: Mapping[str, Sequence[tuple[int, int]]]) -> None:
         """Every rank, before reading byte ranges of files of `path` ({file relative to `path`:
