@@ -81,6 +81,7 @@ class ModelState(CheckedState):
                                   "materialise the model first (model.to_empty(device=...), then its init)")
         # a load fills each tensor in place, which one whose elements share memory cannot take
         shared = [k for k, v in state.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
+                  and v.layout == torch.strided
                   and any(stride == 0 and size > 1 for stride, size in zip(v.stride(), v.shape))]
         if shared:
             raise CheckpointError(f"{call}: {shared[:3]} repeat one element along a dimension (an expand() "
