@@ -206,6 +206,16 @@ def _manager(folder, mode="disabled", **states):
                                     dataloader=states.get("dataloader"), base_folder=folder)
 
 
+def _save_refused(folder, manager, error, match) -> None:
+    """`manager.save(1)` (in the background too: the wait for it) fails with `error` matching
+    `match`, and commits nothing."""
+    with pytest.raises(error, match=match):
+        manager.save(1)
+        manager.wait()
+    manager.close()
+    assert layout.committed_steps(os.path.join(folder, "checkpoint")) == []
+
+
 @pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
 @pytest.mark.parametrize("value, shown", [
     (np.float32(1.5), "numpy.float32"),
@@ -218,23 +228,16 @@ def test_a_value_no_load_reads_is_refused_by_the_save_naming_it(tmp_path, mode, 
     runs no code from the checkpoint), so the job learnt at its resume that no step it wrote
     loads. The save now fails, naming the key, and commits nothing."""
     _, manager = _manager(str(tmp_path), mode, train_state=_Values({"ok": 1, "bad": value}))
-    with pytest.raises(CheckpointSaveError, match=rf"state value 'train_state.bad' \(.*{shown}\) would be refused "
-                                                  r"by every load .*store it as such"):
-        manager.save(1)
-        manager.wait()
-    manager.close()
-    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == []
+    _save_refused(tmp_path, manager, CheckpointSaveError,
+                  rf"state value 'train_state.bad' \(.*{shown}\) would be refused by every load .*store it as such")
 
 
 def test_a_value_past_the_loads_bounds_is_refused_by_the_save(tmp_path):
     """A set of 5000 64-bit hashes (documents a pipeline has seen): a load bounds the keys whose
     hashes a file can choose, so the step saved and every load called it damaged."""
     _, manager = _manager(str(tmp_path), data=_Values({"seen": {2**62 + i for i in range(5000)}}))
-    with pytest.raises(CheckpointSaveError, match=r"state value 'data.seen' \(builtins.set\) would be refused by "
-                                                  r"every load: its pickle .* more than 4096 .*as a list or a tensor"):
-        manager.save(1)
-    manager.close()
-    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == []
+    _save_refused(tmp_path, manager, CheckpointSaveError, r"state value 'data.seen' \(builtins.set\) would be "
+                  r"refused by every load: its pickle .* more than 4096 .*as a list or a tensor")
 
 
 def test_a_value_nothing_pickles_is_named_by_the_save(tmp_path):
@@ -262,11 +265,8 @@ def test_a_loader_position_holding_torch_values_loads(tmp_path, extra):
 
 def test_a_loader_position_no_load_reads_is_refused_by_the_save(tmp_path):
     _, manager = _manager(str(tmp_path), dataloader=_Loader(np.random.RandomState(0).get_state()))
-    with pytest.raises(CheckpointError, match=r"dataloader.dp_rank_0 .*found numpy.*a load would refuse this data "
-                                              r"loader's state, so it is not saved"):
-        manager.save(1)
-    manager.close()
-    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == []
+    _save_refused(tmp_path, manager, CheckpointError, r"dataloader.dp_rank_0 .*found numpy.*a load would refuse "
+                  r"this data loader's state, so it is not saved")
 
 
 def test_a_state_of_empty_containers_loads_as_it_was_saved(tmp_path):
