@@ -215,6 +215,12 @@ def test_a_step_an_older_version_left_while_committing_is_partial(tmp_path):
     step6 = layout.step_dir(folder, 6)
     os.rename(os.path.join(step6, commit.MARKER), os.path.join(step6, commit.MARKER + ".tmp"))
     assert layout.status_of(step6) == layout.PARTIAL
+    linked = layout.step_dir(folder, 5)  # a link by that name is none of ours: another program's step
+    shutil.copytree(step6, linked)
+    os.remove(os.path.join(linked, commit.MARKER + ".tmp"))
+    os.symlink(os.path.join(step6, commit.MARKER + ".tmp"), os.path.join(linked, commit.MARKER + ".tmp"))
+    assert layout.status_of(linked) == layout.FOREIGN
+    shutil.rmtree(linked)
     job = make_job(str(tmp_path), steps=10, interval=2)
     assert job.manager.load()
     assert job.train_state.step == 4

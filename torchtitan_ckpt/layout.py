@@ -106,7 +106,7 @@ def status_of(path: str) -> str:
         return UNKNOWN  # ours are files (or links to files: a hub cache's snapshot), never a folder or a fifo
     if kinds[0] is not None:
         return COMPLETE
-    if kinds[1] is not None or _marking(path) or _kind(os.path.join(path, COMMITTING)) == stat.S_IFREG:
+    if kinds[1] is not None or _marking(path) or _committing(path):
         return PARTIAL  # ours: started
     return FOREIGN if foreign_format(path) else UNKNOWN
 
@@ -115,6 +115,15 @@ COMMITTING = commit.MARKER + durable.TMP_SUFFIX
 """The commit marker's temporary file: a folder holding it without the marker is a save of ours
 killed while committing. Versions before the in-progress marker left no other sign of theirs: a
 folder of theirs with DCP's `.metadata` read as another program's finished step, and loaded."""
+
+
+def _committing(path: str) -> bool:
+    """Whether `path` holds the commit marker's temporary file, a file of its own (never a link:
+    this package writes none there)."""
+    try:
+        return stat.S_ISREG(os.lstat(os.path.join(path, COMMITTING)).st_mode)
+    except OSError:
+        return False
 
 
 def _marking(path: str) -> bool:
