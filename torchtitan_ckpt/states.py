@@ -72,13 +72,20 @@ class ModelState(CheckedState):
         initialised) or a lazy module's parameter (not yet shaped by a forward pass) would make
         `load()` fill nothing and report success, or `save()` fail after making the step folder.
         Nor may one repeat an element (an `expand()` view): its step would be saved, and every
-        load of it fail once other tensors were filled."""
+        load of it fail once other tensors were filled. Sparse, quantized and nested tensors are
+        refused here too, before the step folder is made: DCP's writer fails on each."""
         empty = [k for k, v in state.items()
                  if isinstance(v, torch.Tensor) and (v.is_meta or nn.parameter.is_lazy(v))]
         if empty:
             raise CheckpointError(f"{call}: {len(empty)} of the model's tensors have no memory yet, e.g. {empty[:3]} "
                                   "(on the meta device, or a lazy module's before its first forward pass): "
                                   "materialise the model first (model.to_empty(device=...), then its init)")
+        unusual = [k for k, v in state.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
+                   and (v.layout != torch.strided or v.is_quantized or v.is_nested)]
+        if unusual:
+            raise CheckpointError(f"{call}: {unusual[:3]} are sparse, quantized or nested tensors, which DCP can "
+                                  "neither write nor fill in place: store them dense (.to_dense(), .dequantize()), "
+                                  "or register them with persistent=False if they are derived")
         # a load fills each tensor in place, which one whose elements share memory cannot take
         shared = [k for k, v in state.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
                   and v.layout == torch.strided
