@@ -635,3 +635,16 @@ def test_the_example_job_reports_a_checkpoint_error_without_a_traceback(tmp_path
     assert "Traceback" not in log, log
     assert log.endswith(f"checkpoint error: checkpoint.load_step = 99: {tmp_path}/checkpoint/step-99 does not "
                         "exist; loadable steps: []\n"), log
+
+
+def test_convert_of_a_dtype_safetensors_cannot_hold_is_an_input_error(tmp_path, capsys):
+    """complex128 weights: a traceback and exit 1 (a TypeError the CLI did not catch)."""
+    path = str(tmp_path / "step-1")
+    dcp.save({k: v.to(torch.complex128) for k, v in Transformer(FLAVORS["debugmodel"]).state_dict().items()},
+             checkpoint_id=path)
+    with open(os.path.join(path, RECORDED_CONFIG), "w") as f:
+        json.dump(hf_config(FLAVORS["debugmodel"]), f)
+    out = str(tmp_path / "hf")
+    assert cli.main(["convert", "--to", "hf", path, out, "-q"]) == cli.EXIT_INPUT
+    assert "has dtype torch.complex128, which safetensors cannot hold" in capsys.readouterr().err
+    assert not os.path.exists(out)

@@ -326,7 +326,7 @@ def test_one_pass_export_single_process(tmp_path):
     C.write_safetensors_one_pass(state, str(tmp_path / "hf"), MAPPING)
     assert_identical(read_output(str(tmp_path / "hf")), state)
     assert_aligned(os.path.join(tmp_path, "hf", model_file_name(1, 3)))
-    with pytest.raises(TypeError, match="'step' is a int"):
+    with pytest.raises(ValueError, match="'step' is a int"):
         C.write_safetensors_one_pass({"step": 3}, str(tmp_path / "x"))
 
 

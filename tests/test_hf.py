@@ -1025,3 +1025,19 @@ def test_an_export_of_more_files_than_the_open_file_limit_is_written(tmp_path, m
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.split()[-1]) == 152
+
+
+def test_float8_fnuz_files_are_read_and_written(tmp_path):
+    """The `safetensors` library writes and reads F8_E4M3FNUZ and F8_E5M2FNUZ: an import refused
+    such a file as unreadable, and an export said safetensors could not hold them."""
+    sd = {k: v.detach() for k, v in Transformer(ARGS).state_dict().items()}
+    adapter = hf_adapter(ARGS)
+    for dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+        out = tmp_path / str(dtype)
+        save_hf({k: v.to(dtype) for k, v in sd.items()}, str(out), adapter)
+        written = load_file(str(out / "model-00001-of-00001.safetensors"))
+        assert {v.dtype for v in written.values()} == {dtype}
+        back = {k: torch.zeros_like(v, dtype=dtype) for k, v in sd.items()}
+        load_hf(back, str(out), adapter)
+        for k, v in sd.items():
+            assert torch.equal(back[k].view(torch.uint8), v.to(dtype).view(torch.uint8)), k

@@ -332,3 +332,18 @@ def test_an_optimizer_whose_step_needs_a_closure_is_named_before_its_first_step(
                                                   r"gradients, which makes it, failed \(TypeError: .*add 'optimizer' "
                                                   r"to checkpoint.exclude_from_loading"):
             manager.save(1)
+
+
+def test_a_lazily_conjugated_buffer_loads(tmp_path):
+    """A complex buffer held as a `conj()` view: the fast reader asked torch for its bytes, which
+    it refuses for such a view, after other tensors were filled (PartialLoadError)."""
+    model = nn.Linear(2, 2)
+    model.register_buffer("phase", torch.complex(torch.rand(3), torch.rand(3)).conj())
+    saved = model.phase.resolve_conj().clone()
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    with torch.no_grad():
+        model.phase.zero_()
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert model.phase.is_conj() and torch.equal(model.phase.resolve_conj(), saved)

@@ -18,7 +18,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-_lock = threading.Lock()
+_lock = threading.RLock()
+"""Re-entrant: a signal handler may pause from inside a pause being entered on its thread."""
 _holders = 0
 _resume = False
 """Whether the collector was enabled when the first holder paused it (a program that disabled
@@ -53,7 +54,7 @@ def _after_fork_in_child() -> None:
     runs) holds none of its holders, which stay in the parent: it starts unpaused, with a fresh
     lock (the parent's may have been held by another thread at the fork)."""
     global _lock, _holders
-    _lock = threading.Lock()
+    _lock = threading.RLock()
     if _holders and _resume:
         gc.enable()
     _holders = 0

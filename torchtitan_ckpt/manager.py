@@ -11,6 +11,7 @@ import functools
 import logging
 import operator
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -146,6 +147,13 @@ class CheckpointManager:
         """The process that made the manager: a forked child's copy owns none of its threads."""
         self._half_loaded: PartialLoadError | None = None
         """Set by a load that failed once it had begun changing the job's state; saves refuse."""
+        self._calls = threading.RLock()
+        """Held by `save()`, `load()`, `close()` and `wait()`: a call from another thread waits
+        for the one in progress (two threads' saves interleaved their steps' files)."""
+        self._in_call: str | None = None
+        """The call in progress, seen by a call re-entering it on its own thread (`_one_call`)."""
+        self._close_pending = False
+        """`close()` was called from inside another call on its thread; that call closes as it ends."""
         self._hooks: list = []
         self._group = CheckpointGroup(process_group, config.collective_timeout_s) if config.enable else None
         rank, world_size = (self._group.rank, self._group.world_size) if self._group else (0, 1)
@@ -263,15 +271,45 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ lifecycle
 
+    @staticmethod
+    def _one_call(method: Callable) -> Callable:
+        """One public call at a time. Another thread's waits; one re-entering the call in
+        progress on its own thread (a signal handler, run between two bytecodes of a save) is
+        refused before it touches anything: a SIGTERM handler saving the step being saved
+        committed that step, which the interrupted save then rewrote in place. `close()` there
+        is deferred to the end of the interrupted call instead."""
+        @functools.wraps(method)
+        def call(self, *args: Any, **kwargs: Any) -> Any:
+            if os.getpid() != self._pid:  # a forked child's copy: its lock may have been held at the fork
+                return method(self, *args, **kwargs)
+            with self._calls:
+                if self._in_call is not None:
+                    if method.__name__ == "close":
+                        self._close_pending = True
+                        return None
+                    raise CheckpointError(f"{method.__name__}() called while {self._in_call}() is in progress on "
+                                          "the same thread (from a signal handler?): set a flag there and call "
+                                          f"{method.__name__}() from the training loop")
+                self._in_call = method.__name__
+                try:
+                    return method(self, *args, **kwargs)
+                finally:
+                    self._in_call = None
+                    if self._close_pending and method.__name__ != "close":
+                        self._close_pending = False
+                        self.close()
+        return call
+
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @_one_call
     def close(self) -> None:
         """Wait for any save in flight and for pending deletions, then let go of the stores.
-        Safe to call twice."""
+        Safe to call twice, and from a signal handler (it then runs as the interrupted call ends)."""
         if self._closed or not self.config.enable:
             self._closed = True
             return
@@ -293,6 +331,7 @@ class CheckpointManager:
             if store is not None:
                 store.close()
 
+    @_one_call
     def wait(self) -> None:
         """Block until every save submitted so far is committed (or raise its failure)."""
         if self.config.enable:
@@ -300,6 +339,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ saving
 
+    @_one_call
     @gc_pause.paused()
     def save(self, curr_step: int, last_step: bool = False) -> bool:
         """Save `curr_step` if the schedule says so; returns True when a save was made (or, with
@@ -466,6 +506,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ loading
 
+    @_one_call
     @gc_pause.paused()
     def load(self, step: int = -1) -> bool:
         """Restore `step` (when >= 0, else `load_step`), or else the newest loadable step, else
@@ -530,6 +571,10 @@ class CheckpointManager:
             own = failed.error if isinstance(failed.error, PartialLoadError) else None
             self._half_loaded = own or PartialLoadError(target.path, failed)
             raise self._half_loaded from failed.error
+        except BaseException as e:  # Ctrl-C, or a handler's exit, may land once tensors are being filled
+            if not isinstance(e, Exception):
+                self._half_loaded = PartialLoadError(target.path, e)
+            raise
 
     def _check_loaded(self, state: dict[str, Any], path: str) -> None:
         """Whether each state takes the values read for it, before any of the load is applied."""

@@ -716,9 +716,9 @@ def _dtype_name(fqn: str, t: Any) -> str:
     if isinstance(t, (RowOf, PermutedRows)):
         t = t.tensor
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fqn!r} is a {type(t).__name__}; safetensors holds tensors only")
+        raise ValueError(f"{fqn!r} is a {type(t).__name__}; safetensors holds tensors only")
     if t.dtype not in DTYPE_NAMES:
-        raise TypeError(f"{fqn!r} has dtype {t.dtype}, which safetensors cannot hold")
+        raise ValueError(f"{fqn!r} has dtype {t.dtype}, which safetensors cannot hold")
     return DTYPE_NAMES[t.dtype]
 
 

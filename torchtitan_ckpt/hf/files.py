@@ -45,6 +45,7 @@ MAX_HEADER_BYTES = 100_000_000
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8,
     "F8_E5M2": torch.float8_e5m2, "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
     "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16, "BF16": torch.bfloat16,
     "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
     "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64, "C64": torch.complex64,

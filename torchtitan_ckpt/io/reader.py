@@ -524,9 +524,11 @@ class ItemReader:
 def _direct(p: _Planned) -> bool:
     """Whether the tensor's bytes are read straight into its destination: its region is one
     contiguous stretch of the record, of the destination's dtype, and the destination a
-    contiguous CPU tensor."""
+    contiguous CPU tensor whose memory holds its values as they are (not a lazy `conj()` or
+    negated view, whose bytes torch will not hand out)."""
     return (p.located is not None and p.region.contiguous and p.dest.is_contiguous()
-            and p.dest.dtype == p.located.saved.dtype and p.dest.device.type == "cpu")
+            and p.dest.dtype == p.located.saved.dtype and p.dest.device.type == "cpu"
+            and not p.dest.is_conj() and not p.dest.is_neg())
 
 
 def _start(p: _Planned) -> int:
