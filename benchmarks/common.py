@@ -1,4 +1,5 @@
-"""What every benchmark needs: real gloo ranks on the CPU, and a dict their rank 0 fills in."""
+"""What every benchmark needs: real ranks (gloo on the CPU; on CUDA one GPU per rank, NCCL beside
+gloo), and a dict their rank 0 fills in."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ import torch.multiprocessing as mp
 Bench = Callable[[int, int, Any, dict], None]
 
 
-def _rank_main(rank: int, world: int, init: str, bench: Bench, args: Any, results: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+def _rank_main(rank: int, world: int, init: str, bench: Bench, args: Any, results: dict, device: str) -> None:
+    backend = "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
         bench(rank, world, args, results)
@@ -22,10 +27,12 @@ def _rank_main(rank: int, world: int, init: str, bench: Bench, args: Any, result
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, bench: Bench, args: Any, rdzv_dir: str, results: dict | None = None) -> dict:
-    """Run `bench(rank, world, args, results)` on `world` processes joined by gloo; return
-    `results` (a shared dict the ranks write into), created when not given."""
+def run_ranks(world: int, bench: Bench, args: Any, rdzv_dir: str, results: dict | None = None,
+              device: str = "cpu") -> dict:
+    """Run `bench(rank, world, args, results)` on `world` processes joined by gloo (`device` "cpu")
+    or, with `device` "cuda", each on GPU `rank` with NCCL for CUDA tensors; return `results` (a
+    shared dict the ranks write into), created when not given."""
     results = mp.Manager().dict() if results is None else results
     init = os.path.join(rdzv_dir, f"rdzv-{world}")
-    mp.spawn(_rank_main, args=(world, init, bench, args, results), nprocs=world)
+    mp.spawn(_rank_main, args=(world, init, bench, args, results, device), nprocs=world)
     return results

@@ -2,12 +2,13 @@
 every `--every` steps through each path, side by side, in paired rounds.
 
     python -m benchmarks.overhead [--ranks 2] [--flavor bench] [--saves 3] [--every 4] [--rounds 6]
-                                  [--dir /tmp/bench]
+                                  [--device cpu|cuda] [--batch 1] [--seq 64] [--dir /tmp/bench]
                                   [--paths disabled,async,async_with_pinned_mem,torch_checkpointing,dcp]
 
 The example model (flavor `bench`: ~128M parameters, ~1.5 GB with AdamW state), FSDP-sharded over
-gloo ranks on the CPU, trains `(saves + 1) * every` steps after a warm-up save (writer processes
-and buffers are made once per job). Paths:
+gloo ranks on the CPU (or, with `--device cuda`, one GPU per rank with NCCL), trains
+`(saves + 1) * every` steps after a warm-up save (writer processes and buffers are made once per
+job). Paths:
 
 - ours: `async_mode` `disabled`, `async`, `async_with_pinned_mem` (the optimizer's step waits for
   staging through the manager's step pre-hook: the loop calls nothing extra);
@@ -80,11 +81,19 @@ def _timed(step: int, args) -> bool:
     return step % args.every == 0 and args.every < step <= args.every * (args.saves + 1)
 
 
+def _synchronize() -> None:
+    """Wait for the GPU's queued work (nothing on a CPU job), as a loop logging its loss does."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _train(model, opt, tokens, args, save: Callable[[int, float], bool], step_guard) -> Run:
     """The timed steps (after the warm-up save's), `save(step)` after each; the optimizer's step runs under
     `step_guard()` (what a path asks a loop to do before changing the state it stages);
-    `save(step, wall-clock time)` says whether it saved."""
+    `save(step, wall-clock time)` says whether it saved. On a GPU each step ends with its work done
+    (as a loop reading its loss ends), so `save()`'s time is its own."""
     run, start_rss = Run(), _rss()
+    _synchronize()
     dist.barrier()
     t0 = time.perf_counter()
     for step in range(args.every + 1, args.every * (args.saves + 2) + 1):
@@ -92,11 +101,13 @@ def _train(model, opt, tokens, args, save: Callable[[int, float], bool], step_gu
         with step_guard():
             opt.step()
         opt.zero_grad()
+        _synchronize()
         before = time.perf_counter()
         wall = time.time()
         if save(step, wall):
             run.blocks.append(time.perf_counter() - before)
         run.extra_rss = max(run.extra_rss, _rss() - start_rss)
+    _synchronize()
     dist.barrier()
     run.seconds = time.perf_counter() - t0
     return run
@@ -231,10 +242,10 @@ def _run(path: str, model, opt, tokens, args) -> Run:
 
 def _bench(rank: int, world: int, args, results: dict) -> None:
     config = load_job_config(None, ["--model.flavor", args.flavor])
-    model = build_model(config)
+    model = build_model(config).to(args.device)
     shard_model(model, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-    tokens = torch.randint(0, model.args.vocab_size, (1, args.seq))
+    tokens = torch.randint(0, model.args.vocab_size, (args.batch, args.seq), device=args.device)
     F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()  # optimizer state exists
     opt.step()
     opt.zero_grad()
@@ -283,7 +294,9 @@ def print_table(results: dict, args) -> None:
     paths = [p for p in PATHS if p in rounds[0]]
     figures = {p: [per_round(r, p, args.saves) for r in rounds] for p in paths}
     sync = [f["sync"] for f in figures["disabled"]]
-    print(f"\ncheckpoint cost to training: {args.flavor} on {args.ranks} ranks, a save every {args.every} steps, "
+    where = f"{args.ranks} GPUs ({torch.cuda.get_device_name()})" if args.device == "cuda" else f"{args.ranks} ranks"
+    print(f"\ncheckpoint cost to training: {args.flavor} on {where}, {args.batch} x {args.seq} tokens a step, "
+          f"a save every {args.every} steps, "
           f"{args.saves} saves per run, {len(rounds)} rounds; run with no checkpointing "
           f"{_cell([f['base'] for f in figures['disabled']], '.1f')} s, synchronous save {_cell(sync, '.2f')} s "
           "(median over rounds, 95% interval)\n")
@@ -294,13 +307,22 @@ def print_table(results: dict, args) -> None:
         cells = [_cell([x[key] * scale for x in f], fmt) for key, fmt, scale in _COLUMNS]
         print(f"| {path} | {cells[0]} s | {cells[1]} | {cells[2]}% | {cells[3]} ms | {cells[4]} | {cells[5]} s | "
               f"{cells[6]} | {max(x['rss'] for x in f) / 1e9:.2f} GB |")
+    between = statistics.median(f["base"] for f in figures["disabled"]) / (args.saves + 1)
+    if args.saves > 1 and (overlapped := [p for p, f in figures.items()
+                                          if statistics.median(x["durable"] for x in f) > between]):
+        print(f"\nnote: {', '.join(overlapped)} took longer to be durable than the {between:.2f} s of training "
+              f"between saves: a save waited for the one before it (one save in flight on every path), and "
+              f"that wait is in its figures; a larger --every shows the overlap alone")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--flavor", default="bench")
-    parser.add_argument("--seq", type=int, default=64, help="tokens per step (sets a step's compute)")
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (sets a step's compute)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the model trains: cuda puts rank r on GPU r (NCCL)")
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--every", type=int, default=4, help="steps between saves")
     parser.add_argument("--rounds", type=int, default=6, help="rounds of paired runs (the interval needs 6)")
@@ -315,7 +337,7 @@ def main() -> None:
         print("torch_checkpointing is not installed (pip install -e .[bench]): its row is skipped")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         args.dir = tmp
-        print_table(dict(run_ranks(args.ranks, _bench, args, tmp)), args)
+        print_table(dict(run_ranks(args.ranks, _bench, args, tmp, device=args.device)), args)
 
 
 if __name__ == "__main__":

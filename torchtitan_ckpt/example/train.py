@@ -68,9 +68,11 @@ def build_model(config: JobConfig) -> Transformer:
 
 def shard_model(model: Transformer, world_size: int, replicate: int = 1) -> None:
     """FSDP over all ranks, or HSDP when `replicate` > 1: a ("dp_replicate", "dp_shard") mesh of
-    `replicate` x `world_size // replicate` ranks, each replica holding a sharded full copy."""
+    `replicate` x `world_size // replicate` ranks, each replica holding a sharded full copy; a
+    CUDA mesh for a model on a GPU, else a CPU one (a model still on the meta device included)."""
     dims = ParallelDims(dp_replicate=replicate, dp_shard=world_size // replicate)
-    parallelize(model, dims, build_meshes(dims, torch.device("cpu")))
+    cuda = next(model.parameters()).is_cuda
+    parallelize(model, dims, build_meshes(dims, torch.device("cuda" if cuda else "cpu")))
 
 
 @dataclass
