@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from torchtitan_ckpt.errors import RankFailed
+from torchtitan_ckpt.errors import CollectiveError, RankFailed
 from torchtitan_ckpt.group import CheckpointGroup
 
 from .helpers import spawn
@@ -35,6 +37,51 @@ def _failing(rank: int, world_size: int) -> None:
 
 def test_every_rank_gets_the_kinds_of_every_failure():
     spawn(2, _failing)
+
+
+def _interrupted_and_out_of_step(rank: int, world_size: int) -> None:
+    group = CheckpointGroup()
+
+    def fn() -> int:
+        if rank == 0:
+            raise KeyboardInterrupt  # a SIGINT (or a handler's sys.exit) inside the round
+        return rank
+
+    if rank == 0:  # the interrupt is raised on its rank after the round, which the others hear of
+        with pytest.raises(KeyboardInterrupt):
+            group.run(fn)
+    else:
+        with pytest.raises(RankFailed, match="rank 0: KeyboardInterrupt"):
+            group.run(fn)
+    assert group.run(lambda: rank) == [0, 1]  # still in step
+    if rank == 0:
+        group._rounds += 1  # as a rank that left a round before its gather (a signal between the two)
+    with pytest.raises(CollectiveError, match=r"out of step: .* rounds are \[4, 3\]"):
+        group.run(lambda: rank)
+
+
+def test_an_interrupted_rank_fails_the_round_on_every_rank_and_ranks_out_of_step_are_named():
+    """A rank leaving a round without its gather paired its next round with the others' (a save
+    on rank 1 returned as committed when rank 0, interrupted in its commit, went on to close())."""
+    spawn(2, _interrupted_and_out_of_step)
+
+
+def _own_failure_kept(rank: int, world_size: int) -> None:
+    group = CheckpointGroup(timeout_s=2)
+    if rank == 1:
+        time.sleep(6)  # never joins the round
+        return
+
+    def fn() -> None:
+        raise OSError("the disk is gone")
+
+    with pytest.raises(CollectiveError, match=r"within checkpoint.collective_timeout_s = 2 s.* \(this rank had "
+                                              r"failed first: OSError: the disk is gone\)"):
+        group.run(fn)
+
+
+def test_a_rank_own_failure_is_kept_when_the_round_times_out():
+    spawn(2, _own_failure_kept)
 
 
 def test_a_group_without_a_cpu_backend_is_refused_at_start(tmp_path):

@@ -61,6 +61,36 @@ def test_background_saves_equal_synchronous_ones(two_rank_runs, tmp_path):
         assert_same(read_checkpoint(layout.step_dir(straight, step)), read_checkpoint(layout.step_dir(folder, step)))
 
 
+def _commit_interrupted_on_rank_0(rank: int, world_size: int, folder: str) -> None:
+    from torchtitan_ckpt.errors import CheckpointSaveError
+    from torchtitan_ckpt.storage.local import LocalStore
+
+    model = build_model(load_job_config(None, []))
+    shard_model(model, world_size)
+    config = Checkpoint(enable=True, interval=1, keep_latest_k=0, collective_timeout_s=30)  # bounded if it fails
+    manager = CheckpointManager(config, [model], base_folder=folder)
+    manager.save(1)
+    if rank == 0:
+        def interrupted(*_args, **_kwargs):
+            raise KeyboardInterrupt  # a SIGINT arriving while rank 0 writes the commit marker
+
+        real, LocalStore.commit = LocalStore.commit, interrupted
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                manager.save(2)
+        finally:
+            LocalStore.commit = real
+    else:
+        with pytest.raises(CheckpointSaveError, match="rank 0: KeyboardInterrupt"):
+            manager.save(2)
+    manager.close()  # rank 0's next rounds (a job's `finally`) are not taken for its commit's
+    assert layout.committed_steps(os.path.join(folder, "checkpoint")) == [1]
+
+
+def test_a_rank_interrupted_in_its_commit_fails_the_save_on_every_rank(tmp_path):
+    spawn(2, _commit_interrupted_on_rank_0, str(tmp_path))
+
+
 def _load_sharded(rank: int, world_size: int, dump_folder: str, load_step: int, out: str) -> None:
     config = load_job_config(DEBUG_CONFIG, ["--job.dump_folder", dump_folder, "--training.seed", "1234",
                                             "--checkpoint.load_step", str(load_step)])

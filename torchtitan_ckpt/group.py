@@ -26,6 +26,9 @@ class CheckpointGroup:
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, timeout_s: float = 600.0):
+        self._rounds = 0
+        """Rounds of `run` this rank has entered: shared in each round, so ranks that are not in
+        the same round (one left a round without gathering) fail instead of pairing up wrongly."""
         if dist.is_available() and dist.is_initialized():
             devices = _device_types(process_group) if process_group is not None else ["cpu"]
             if "cpu" not in devices:  # an NCCL-only group: its collectives would take tensors on a GPU
@@ -73,22 +76,43 @@ class CheckpointGroup:
         """Run `fn` on every rank (or on rank 0 only), then share results and failures: returns
         every rank's result in rank order, or raises `RankFailed` on every rank if any rank
         failed (describing this rank's own failure first, else the lowest failing rank's; its
-        `kinds` are those of every rank's failure, so every rank decides alike)."""
-        result, error = None, None
+        `kinds` are those of every rank's failure, so every rank decides alike). A KeyboardInterrupt
+        or SystemExit in `fn` (a signal's handler) is shared as a failure, then raised on its rank
+        after the round; ranks found in different rounds raise `CollectiveError`."""
+        result, error, interrupted = None, None, None
+        self._rounds += 1
         if not coordinator_only or self.is_coordinator:
             try:
                 result = fn()
             except Exception as e:  # every rank must hear of it before anyone raises
                 error = e
+            except BaseException as e:  # KeyboardInterrupt, a signal handler's exit: raised after the round
+                error = interrupted = e
         mine = None if error is None else (f"{type(error).__name__}: {error}",
                                            tuple(c.__name__ for c in type(error).__mro__))
-        gathered = self.all_gather((result, mine))
-        failed = [(r, f) for r, (_, f) in enumerate(gathered) if f is not None]
+        try:
+            gathered = self.all_gather((self._rounds, result, mine))
+        except CollectiveError as e:
+            if interrupted is not None:
+                raise interrupted from e
+            if error is not None:  # this rank's own failure, which its peers never heard of
+                raise CollectiveError(f"{e} (this rank had failed first: {mine[0]})") from error
+            raise
+        if interrupted is not None:
+            raise interrupted
+        rounds = [r for r, _, _ in gathered]
+        if len(set(rounds)) > 1:
+            raise CollectiveError(
+                f"the checkpoint's ranks are out of step: rank {self.rank} is in its round {self._rounds} of "
+                f"checkpoint collectives, the ranks' rounds are {rounds}; a rank left a save(), load() or close() "
+                "part-way (interrupted by a signal, or an error outside them) and the others cannot pair their "
+                "collectives with it any more. Restart the job: the last committed step is intact")
+        failed = [(r, f) for r, (_, _, f) in enumerate(gathered) if f is not None]
         if failed:
             rank, (message, _) = next(((r, f) for r, f in failed if r == self.rank), failed[0])
             kinds = tuple(dict.fromkeys(kind for _, (_, ks) in failed for kind in ks))
             raise RankFailed(rank, message, kinds, error) from error
-        return [r for r, _ in gathered]
+        return [r for _, r, _ in gathered]
 
     def each(self, fn: Callable[[], T], what: str) -> T:
         """`fn()` on every rank in a round of its own, this rank's result returned (not shared).
