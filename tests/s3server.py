@@ -29,8 +29,9 @@ def start_moto() -> tuple[ThreadedMotoServer, str]:
 class FaultProxy:
     """Forwards every request to `upstream`; `plan(n, method, path)` (n counts requests from 1)
     returns None to forward it, "whole" to forward it without its `Range` header (a server that
-    ignores ranges), "slowdown" / "internal" to answer S3's 503 / 500 error instead, or "reset"
-    to close the connection without an answer. `edit(path, body)`, when given, returns the body
+    ignores ranges), "slowdown" / "internal" to answer S3's 503 / 500 error instead, "reset"
+    to close the connection without an answer, or "cut" to forward it and close the connection
+    half-way through the answer's body (its headers declare the whole). `edit(path, body)`, when given, returns the body
     to answer for a successful request in place of the server's (a server answering nonsense).
     `injected` counts what was done, `served` the body bytes of successful GETs by path."""
 
@@ -81,7 +82,7 @@ class FaultProxy:
                 if fault == "reset":
                     self.close_connection = True
                     return
-                if fault and fault != "whole":
+                if fault and fault not in ("whole", "cut"):
                     status, code, message = _ERRORS[fault]
                     self._answer(status, [("Content-Type", "application/xml")],
                                  f"<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode())
@@ -98,9 +99,9 @@ class FaultProxy:
                 if self.command == "GET" and reply.status < 300:
                     with proxy._lock:
                         proxy.served[self.path.split("?")[0]] += len(data)
-                self._answer(reply.status, reply.getheaders(), data)
+                self._answer(reply.status, reply.getheaders(), data, cut=fault == "cut")
 
-            def _answer(self, status: int, headers, data: bytes) -> None:
+            def _answer(self, status: int, headers, data: bytes, cut: bool = False) -> None:
                 self.send_response(status)
                 for k, v in headers:
                     if k.lower() not in ("content-length", "transfer-encoding", "connection", "server", "date"):
@@ -108,7 +109,10 @@ class FaultProxy:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
-                    self.wfile.write(data)
+                    self.wfile.write(data[:len(data) // 2] if cut else data)
+                if cut:  # a clean close (FIN) before the declared length
+                    self.wfile.flush()
+                    self.close_connection = True
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 

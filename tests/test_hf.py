@@ -273,6 +273,23 @@ def test_an_export_refuses_assets_whose_config_is_another_models(tmp_path, ours,
     assert {name: (tmp_path / "out" / name).read_bytes() for name in os.listdir(tmp_path / "out")} == before
 
 
+@pytest.mark.parametrize("mode", ["one_pass", "all_ranks", "rank0"])
+def test_a_transposed_tensor_exports_in_every_mode(tmp_path, mode):
+    """A weight held transposed (a view, not contiguous): the two-phase modes' DCP writer failed
+    on it with PyTorch's raw error, after the folder was made."""
+    model = our_model()
+    sd = model.state_dict()
+    key = next(k for k in sd if k.endswith("feed_forward.w2.weight"))
+    sd[key] = sd[key].t().contiguous().t()
+    assert not sd[key].is_contiguous()
+    save_hf(sd, str(tmp_path / "out"), hf_adapter(ARGS), mode=mode)
+    save_hf(model.state_dict(), str(tmp_path / "expected"), hf_adapter(ARGS), mode=mode)
+    got, expected = (tensors_by_file(str(tmp_path / d)) for d in ("out", "expected"))
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        assert_same(got[name], expected[name])
+
+
 @pytest.mark.parametrize("mode", ["one_pass", "rank0"])
 def test_an_export_replaces_a_config_json_link_instead_of_writing_through_it(tmp_path, mode):
     """A folder of the hub cache links its config.json to a blob that other revisions share;

@@ -201,16 +201,37 @@ def _flaky():
     return plan
 
 
-def test_throttling_5xx_and_resets_are_retried(bucket, tmp_path, monkeypatch, moto_url):
-    proxy = FaultProxy(moto_url, _flaky())
+def _save_then_resume_through(plan, bucket, tmp_path, monkeypatch, moto_url) -> FaultProxy:
+    """`_save_then_resume` on 2 ranks through a `FaultProxy` following `plan`; the proxy, closed."""
+    proxy = FaultProxy(moto_url, plan)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     try:
         spawn(2, _save_then_resume, f"s3://{bucket}/run", str(tmp_path), "disabled")
     finally:
         proxy.close()
         monkeypatch.setenv("AWS_ENDPOINT_URL", moto_url)
+    return proxy
+
+
+def test_throttling_5xx_and_resets_are_retried(bucket, tmp_path, monkeypatch, moto_url):
+    proxy = _save_then_resume_through(_flaky(), bucket, tmp_path, monkeypatch, moto_url)
     assert min(proxy.injected[k] for k in ("slowdown", "internal", "reset")) >= 3, proxy.injected
     assert "run/step-2/COMMITTED.json" in _objects(bucket)
+
+
+def test_a_download_cut_short_is_retried(bucket, tmp_path, monkeypatch, moto_url):
+    """The first answer to each ranged GET closes the connection half-way through its body (a clean
+    close: botocore's `read(n)` returns what came): it was reported as a short object, not retried."""
+    seen: set = set()
+
+    def plan(n: int, method: str, path: str) -> str | None:
+        if method != "GET" or "?" in path or path in seen:  # object reads, not listings
+            return None
+        seen.add(path)
+        return "cut"
+
+    proxy = _save_then_resume_through(plan, bucket, tmp_path, monkeypatch, moto_url)
+    assert proxy.injected["cut"] >= 4, proxy.injected
 
 
 def _save_fails(rank, world_size, url, staging):
@@ -233,6 +254,37 @@ def test_a_store_that_keeps_failing_fails_the_save_on_every_rank(bucket, tmp_pat
     assert proxy.injected["slowdown"] == 2, [s for s in proxy.seen if s[2]]  # the first try and one retry
     assert "run/step-1/COMMITTED.json" not in _objects(bucket)
     assert not glob.glob(os.path.join(tmp_path, "*", "rank-*", "step-1"))  # no staged copy left behind
+
+
+def test_a_step_whose_in_progress_marker_cannot_be_deleted_is_saved(bucket, tmp_path, monkeypatch, moto_url, caplog):
+    """The commit marker is stored, then deleting the in-progress one keeps failing: the step is
+    committed (its marker decides), so the save succeeds and says what is left over; it was a
+    failed save of a step that every load then took."""
+    url = f"s3://{bucket}/run"
+    committed = []
+
+    def plan(n: int, method: str, path: str) -> str | None:  # every delete after the marker's upload fails
+        if method == "PUT" and path.split("?")[0].endswith("/step-1/COMMITTED.json"):
+            committed.append(n)
+        return "internal" if committed and method == "POST" and "delete" in path else None
+
+    proxy = FaultProxy(moto_url, plan)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    model, opt = _job()
+    try:
+        with CheckpointManager(_config(url, str(tmp_path / "a"), storage_retries=0, keep_latest_k=0), [model],
+                               opt) as manager:
+            manager.save(1)
+    finally:
+        proxy.close()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", moto_url)
+    assert proxy.injected["internal"] >= 1
+    assert {"run/step-1/COMMITTED.json", "run/step-1/IN_PROGRESS.json"} <= set(_objects(bucket))
+    assert "step-1 is committed, but its in-progress marker is left over" in caplog.text
+    fresh, fresh_opt = _job(seed=1)
+    with CheckpointManager(_config(url, str(tmp_path / "b"), load_only=True), [fresh], fresh_opt) as manager:
+        assert manager.load()
+    _assert_equal(_snapshot(fresh, fresh_opt), _snapshot(model, opt))
 
 
 def _load_fails_on_one_rank(rank, world_size, url, staging, proxy_url, what):

@@ -18,6 +18,8 @@ from torchtitan_ckpt import CheckpointManager, layout
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.errors import CheckpointError, CheckpointSaveError
 
+from .helpers import read_checkpoint, spawn
+
 
 def _job(folder: str, seed: int, chained: bool = False):
     torch.manual_seed(seed)
@@ -131,6 +133,62 @@ def test_a_sequential_schedulers_last_rates_come_back_as_saved(tmp_path):
                            base_folder=str(tmp_path)) as manager:
         assert manager.load()
     assert [[float(lr) for lr in s._last_lr] for s in (sched, *sched._schedulers)] == want
+
+
+def _two_optimizers(seed: int):
+    """SGD on `a` and AdamW on `b`, each with a warm-up then decay (`SequentialLR`) of its own settings."""
+    torch.manual_seed(seed)
+    model = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)})
+    sgd = torch.optim.SGD(model["a"].parameters(), lr=1.0)
+    adam = torch.optim.AdamW(model["b"].parameters(), lr=0.01)
+    scheds = [lr_scheduler.SequentialLR(sgd, [lr_scheduler.LinearLR(sgd, 0.5, total_iters=2),
+                                              lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)], milestones=[2]),
+              lr_scheduler.SequentialLR(adam, [lr_scheduler.LinearLR(adam, 0.1, total_iters=3),
+                                               lr_scheduler.StepLR(adam, step_size=3, gamma=0.1)], milestones=[3])]
+    return model, [sgd, adam], scheds
+
+
+def _rates(model, opts, scheds, steps: int) -> list[list[float]]:
+    rates = []
+    for _ in range(steps):
+        _train(model, opts[0], scheds[0])  # steps both optimizers; the second scheduler steps below
+        opts[1].step()
+        opts[1].zero_grad()
+        scheds[1].step()
+        rates.append([o.param_groups[0]["lr"] for o in opts])
+    return rates
+
+
+def test_schedulers_of_other_kinds_and_settings_each_resume_their_own(tmp_path):
+    """TorchTitan's layout saves the first scheduler's state for all of them: a second one of
+    another kind or settings took the first's and its rates went wrong after a resume (AdamW's
+    came back 66x too high beside SGD's `SequentialLR`). Each resumes its own now."""
+    model, opts, scheds = _two_optimizers(0)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=opts, lr_schedulers=scheds,
+                           base_folder=str(tmp_path)) as manager:
+        _rates(model, opts, scheds, 4)
+        manager.save(4)
+        expected = _rates(model, opts, scheds, 5)
+    model, opts, scheds = _two_optimizers(1)
+    with CheckpointManager(Checkpoint(enable=True), [model], optimizers=opts, lr_schedulers=scheds,
+                           base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert _rates(model, opts, scheds, 5) == expected
+
+
+def test_alike_schedulers_keep_torchtitans_layout(tmp_path):
+    """Schedulers built from one config (TorchTitan's pipeline stages) save the first one's state
+    alone, as TorchTitan does."""
+    torch.manual_seed(0)
+    parts = [nn.Linear(3, 3), nn.Linear(3, 3)]
+    opts = [torch.optim.AdamW(p.parameters(), lr=0.1) for p in parts]
+    scheds = [lr_scheduler.LinearLR(o, 0.1, 1.0, total_iters=5) for o in opts]
+    model = nn.ModuleDict({"a": parts[0], "b": parts[1]})
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=opts, lr_schedulers=scheds,
+                           base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    keys = [k for k in read_checkpoint(layout.step_dir(str(tmp_path / "checkpoint"), 1)) if "lr_scheduler" in k]
+    assert "lr_scheduler.last_epoch" in keys and not any("per_scheduler" in k for k in keys)
 
 
 def test_a_resume_from_a_save_before_an_optimizers_first_step_goes_on_as_the_run_did(tmp_path):
@@ -316,9 +374,9 @@ def test_a_tensor_dcp_cannot_write_is_refused_before_the_step_folder_is_made(tmp
         warnings.simplefilter("ignore")  # sparse CSR and nested tensors are beta: torch warns
         model.register_buffer("odd", make())
     with CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path)) as manager:
-        with pytest.raises(CheckpointError, match=r"load\(\): \['odd'\] are sparse, quantized or nested tensors"):
+        with pytest.raises(CheckpointError, match=r"load\(\): \['odd'\] are not dense tensors \(sparse, MKL-DNN"):
             manager.load()
-        with pytest.raises(CheckpointError, match=r"save\(\): \['odd'\] are sparse"):
+        with pytest.raises(CheckpointError, match=r"save\(\): \['odd'\] are not dense tensors"):
             manager.save(2)
     assert sorted(os.listdir(os.path.join(tmp_path, "checkpoint"))) == [".torchtitan_ckpt.lock", "step-1"]
 
@@ -347,3 +405,61 @@ def test_a_lazily_conjugated_buffer_loads(tmp_path):
     with CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path)) as manager:
         assert manager.load()
     assert model.phase.is_conj() and torch.equal(model.phase.resolve_conj(), saved)
+
+
+def _fsdp1_refused(rank: int, world_size: int, folder: str) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = nn.ModuleDict({"emb": nn.Embedding(8, 4), "inner": nn.Linear(4, 4)})
+    model["inner"] = FullyShardedDataParallel(model["inner"], device_id=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(TypeError, match=r"model part 0 at 'inner' is wrapped in FullyShardedDataParallel \(FSDP1\)"
+                                        r".*fully_shard \(FSDP2\)"):
+        CheckpointManager(Checkpoint(enable=True), [model], optimizers=opt, base_folder=folder)
+    assert not os.path.exists(os.path.join(folder, "checkpoint"))
+
+
+@pytest.mark.multirank
+def test_fsdp1_modules_are_refused_before_anything_is_saved(tmp_path):
+    """FSDP1's flat optimizer shards were saved under one key by every rank and loaded into the
+    wrong rank (silently); `fully_shard` (FSDP2) is what TorchTitan and this package shard with."""
+
+    spawn(2, _fsdp1_refused, str(tmp_path))
+
+
+class _Rotary(nn.Module):
+    """A derived buffer (not saved) recomputed from the weight whenever the module is loaded."""
+
+    def __init__(self, hook: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+        self.register_buffer("derived", self.weight.detach() * 2, persistent=False)
+        if hook == "post":
+            self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh())
+
+    def refresh(self) -> None:
+        self.derived.copy_(self.weight.detach() * 2)
+
+
+class _OwnLoad(_Rotary):
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.refresh()
+
+
+@pytest.mark.parametrize("kind", ["post", "own"])
+def test_a_modules_load_hooks_run_when_every_tensor_is_read_in_place(tmp_path, kind):
+    """DCP fills the weights in place, so no value was left to hand to `load_state_dict` and the
+    module's hooks never ran: its derived buffer kept the values of before the load."""
+    def model(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(_Rotary("post") if kind == "post" else _OwnLoad("none"))
+
+    saved = model(0)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [saved], base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    loaded = model(1)
+    with CheckpointManager(Checkpoint(enable=True), [loaded], base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert torch.equal(loaded[0].weight, saved[0].weight)
+    assert torch.equal(loaded[0].derived, saved[0].weight.detach() * 2)

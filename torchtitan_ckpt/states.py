@@ -24,14 +24,19 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.checkpoint.stateful import Stateful
 
+try:  # FSDP1, deprecated: refused (`_refuse_fsdp1`) where this torch still has it
+    from torch.distributed.fsdp import FullyShardedDataParallel as _FSDP1
+except ImportError:
+    _FSDP1 = None
+
 from .errors import CheckpointError, CorruptCheckpointError
 from .io.torch_archive import load_plain_pickle, refusal
 from .io.untrusted import brief
 
 
-_WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
-"""Name segments that activation checkpointing, `torch.compile` and FSDP1 insert in a module's
-names; a key in a checkpoint never carries one (TorchTitan's `ModelWrapper` guarantees the same)."""
+_WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
+"""Name segments that activation checkpointing and `torch.compile` insert in a module's names; a
+key in a checkpoint never carries one (TorchTitan's `ModelWrapper` guarantees the same)."""
 
 
 def canonical_name(name: str) -> str:
@@ -54,6 +59,7 @@ class ModelState(CheckedState):
 
     def __init__(self, parts: Sequence[nn.Module]):
         self.parts = list(parts)
+        _refuse_fsdp1(self.parts)
         owner: dict[str, int] = {}
         for index, part in enumerate(self.parts):
             for key in map(canonical_name, part.state_dict()):
@@ -83,9 +89,10 @@ class ModelState(CheckedState):
         unusual = [k for k, v in state.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
                    and (v.layout != torch.strided or v.is_quantized or v.is_nested)]
         if unusual:
-            raise CheckpointError(f"{call}: {unusual[:3]} are sparse, quantized or nested tensors, which DCP can "
-                                  "neither write nor fill in place: store them dense (.to_dense(), .dequantize()), "
-                                  "or register them with persistent=False if they are derived")
+            raise CheckpointError(f"{call}: {unusual[:3]} are not dense tensors (sparse, MKL-DNN, quantized or "
+                                  "nested), which DCP can neither write nor fill in place: store them dense "
+                                  "(.to_dense(), .dequantize()), or register them with persistent=False if they "
+                                  "are derived")
         # a load fills each tensor in place, which one whose elements share memory cannot take
         shared = [k for k, v in state.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
                   and v.layout == torch.strided
@@ -104,19 +111,58 @@ class ModelState(CheckedState):
         requested key was in the checkpoint), under the names its `load_state_dict` expects.
         Values that already are a parameter's or buffer's own memory (DCP loads a
         `state_dict()` in place) are not copied onto themselves: that copy would be a second
-        pass over every weight of a cold load."""
+        pass over every weight of a cold load. A module with load hooks of its own (a
+        `load_state_dict` pre- or post-hook, a `_load_from_state_dict` of the user's, e.g. one
+        that recomputes a derived buffer) is given every value under it, so its hooks see the
+        load."""
         for part in self.parts:
             live = {_memory(t) for t in itertools.chain(part.parameters(), part.buffers())}
+            hooked = _hooked_prefixes(part)
             mine = {k: state_dict[canonical_name(k)] for k in part.state_dict() if canonical_name(k) in state_dict}
-            rest = {k: v for k, v in mine.items() if not (isinstance(v, torch.Tensor) and _memory(v) in live)}
+            rest = {k: v for k, v in mine.items() if not (isinstance(v, torch.Tensor) and _memory(v) in live)
+                    or any(k.startswith(prefix) for prefix in hooked)}
             if rest:
                 part.load_state_dict(rest, strict=False)
+
+
+def _hooked_prefixes(part: nn.Module) -> list[str]:
+    """The key prefixes ("" for the whole part) of the modules of `part` that run code of their
+    own when loaded: a load hook or a `_load_from_state_dict` that is not PyTorch's (PyTorch's
+    rename keys, as activation checkpointing's wrapper does, or convert old versions' keys,
+    and need no values)."""
+    return [f"{name}." if name else "" for name, m in part.named_modules()
+            if any(not _pytorchs(hook) for hook in (*m._load_state_dict_pre_hooks.values(),
+                                                    *m._load_state_dict_post_hooks.values()))
+            or not _pytorchs(type(m)._load_from_state_dict)]
+
+
+def _pytorchs(fn: Any) -> bool:
+    """Whether a hook or method is PyTorch's own code (through the wrappers hooks are kept in)."""
+    for attribute in ("hook", "func", "__func__"):  # a registered hook's wrapper, a partial, a bound method
+        fn = getattr(fn, attribute, fn)
+    return getattr(fn, "__module__", None) is not None and fn.__module__.split(".")[0] == "torch"
 
 
 def _memory(t: torch.Tensor) -> tuple:
     """Where a tensor's values live: two tensors with equal `_memory` hold the same values."""
     local = t.to_local() if isinstance(t, DTensor) else t
     return local.device, local.dtype, local.data_ptr(), tuple(local.shape), local.stride()
+
+
+def _refuse_fsdp1(parts: list[nn.Module]) -> None:
+    """A `TypeError` naming the first `FullyShardedDataParallel` (FSDP1) module of `parts`: its
+    parameters are flat, per-rank shards that no name tells apart (each rank's optimizer state
+    would be saved under one key and loaded into the wrong rank), and its `state_dict()` is a
+    collective. Checked before anything calls it."""
+    if _FSDP1 is None:
+        return
+    for index, part in enumerate(parts):
+        for name, module in part.named_modules():
+            if isinstance(module, _FSDP1):
+                where = f"model part {index}" + (f" at {canonical_name(name)!r}" if name else "")
+                raise TypeError(f"{where} is wrapped in FullyShardedDataParallel (FSDP1), whose flat per-rank "
+                                "parameter and optimizer shards cannot be saved by name; shard it with "
+                                "torch.distributed.fsdp.fully_shard (FSDP2), as TorchTitan does")
 
 
 class OptimizerState(CheckedState):
@@ -312,13 +358,23 @@ class LRSchedulerState(CheckedState):
 
     Loading takes whichever of those keys the checkpoint has (0.3.0 saves `last_epoch` alone)
     over each scheduler's own state; each scheduler keeps its own `base_lrs` when there are
-    several, and its last learning rates are its optimizer's, which load before it."""
+    several, and its last learning rates are its optimizer's, which load before it.
+
+    TorchTitan's layout assumes the schedulers alike (built from one config). Where a later one's
+    state differs from the first's in more than those (another kind, other settings), every
+    scheduler's own state is saved besides, under `per_scheduler.<i>`, and each loads its own:
+    the first one's settings would otherwise overwrite theirs. Readers of TorchTitan's layout
+    ignore that entry."""
 
     def __init__(self, schedulers: Sequence[Any]):
         self.schedulers = list(schedulers)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.schedulers[0].state_dict()
+        first = self.schedulers[0].state_dict()
+        states = [first, *(s.state_dict() for s in self.schedulers[1:])]
+        if any(not _same_settings(first, other) for other in states[1:]):
+            return {**first, _EACH: {str(i): state for i, state in enumerate(states)}}
+        return first
 
     def state_dict_to_load(self, saved_keys: Collection[str]) -> dict[str, Any]:
         """The entries of this state the checkpoint holds (`saved_keys` relative to it). It must
@@ -332,17 +388,25 @@ class LRSchedulerState(CheckedState):
             has = f"it has lr_scheduler.{min(saved_keys)}, ..." if saved_keys else "it has no lr_scheduler entry"
             raise CheckpointError(f"the checkpoint has no lr_scheduler.{missing[0]} ({has}); add 'lr_scheduler' to "
                                   "checkpoint.exclude_from_loading to start it fresh")
-        return _unshared({k: live[k] for k in held}, set())
+        wanted = {k: live[k] for k in held}
+        if _EACH in wanted:  # the schedulers the checkpoint has a state of (a resume may have more or fewer)
+            wanted[_EACH] = {i: state for i, state in wanted[_EACH].items()
+                             if any(k.startswith(f"{_EACH}.{i}.") for k in saved_keys)}
+        return _unshared(wanted, set())
 
     def check_loaded(self, state_dict: dict[str, Any]) -> None:
-        for key in ("last_epoch", "_step_count"):
-            if key in state_dict and type(state_dict[key]) is not int:
-                raise CorruptCheckpointError(f"lr_scheduler.{key} is {state_dict[key]!r}, not a step count")
+        each = state_dict.get(_EACH, {})
+        for where, state in [("", state_dict), *((f"{_EACH}.{i}.", s) for i, s in each.items())]:
+            for key in ("last_epoch", "_step_count"):
+                if key in state and type(state[key]) is not int:
+                    raise CorruptCheckpointError(f"lr_scheduler.{where}{key} is {state[key]!r}, not a step count")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for scheduler in self.schedulers:
+        each = state_dict.get(_EACH, {})
+        for i, scheduler in enumerate(self.schedulers):
             own = scheduler.state_dict()
-            shared = {k: v for k, v in state_dict.items() if len(self.schedulers) == 1 or k not in _PER_SCHEDULER}
+            shared = each.get(str(i)) or {k: v for k, v in state_dict.items() if k != _EACH and (
+                len(self.schedulers) == 1 or k not in _PER_SCHEDULER)}
             scheduler.load_state_dict(copy.deepcopy({**own, **shared}))
             if "_step_count" not in state_dict and hasattr(scheduler, "last_epoch"):
                 scheduler._step_count = scheduler.last_epoch + 1  # what step() would have counted
@@ -351,6 +415,21 @@ class LRSchedulerState(CheckedState):
 
 
 _PER_SCHEDULER = ("base_lrs", "_last_lr")
+_EACH = "per_scheduler"
+"""The entry holding every scheduler's own state, where they differ (`LRSchedulerState`)."""
+
+
+def _same_settings(a: Any, b: Any, top: bool = True) -> bool:
+    """Whether two schedulers' states agree on everything but their own rates (`_PER_SCHEDULER`)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = [k for k in {*a, *b} if not (top and k in _PER_SCHEDULER)]
+        return all(k in a and k in b and _same_settings(a[k], b[k], False) for k in keys)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_settings(x, y, False) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and \
+            bool(torch.equal(a, b))
+    return type(a) is type(b) and a == b
 
 
 def _unshared(value: Any, seen: set[int]) -> Any:

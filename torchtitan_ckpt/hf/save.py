@@ -134,7 +134,8 @@ def _cast_all(state_dict: dict[str, Any], dtype: torch.dtype | None) -> dict[str
 def _whole_tensors(hf_sd: dict[str, Any]) -> dict[str, Any]:
     """`RowOf` experts and `PermutedRows` as tensors, for the two-phase modes' DCP save: a sharded
     grouped weight is gathered (once) on every rank, as is a q/k projection whose shards cut a
-    head, which `one_pass`, writing each expert and each row from the rank that holds it, avoids."""
+    head, which `one_pass`, writing each expert and each row from the rank that holds it, avoids.
+    A tensor that is not contiguous is packed: PyTorch's safetensors writer refuses it."""
     full: dict[int, torch.Tensor] = {}
     out = {}
     for name, value in hf_sd.items():
@@ -145,6 +146,8 @@ def _whole_tensors(hf_sd: dict[str, Any]) -> dict[str, Any]:
                 t = value.tensor
                 full[id(t)] = t.full_tensor() if isinstance(t, DTensor) else t
             value = full[id(value.tensor)][value.index]
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and not value.is_contiguous():
+            value = value.contiguous()
         out[name] = value
     return out
 

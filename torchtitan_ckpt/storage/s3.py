@@ -427,7 +427,11 @@ class S3Store(Store):
         info.created = time.time()
         faults.hit("commit", info.step)
         self._put(f"{key}/{commit.MARKER}", json.dumps(asdict(info), indent=1, sort_keys=True).encode())
-        self._delete([f"{key}/{commit.IN_PROGRESS}"])
+        try:
+            self._delete([f"{key}/{commit.IN_PROGRESS}"])
+        except StorageError as e:  # committed all the same: the commit marker decides a step's status
+            logger.warning("%s is committed, but its in-progress marker is left over (%s); it is harmless, and goes "
+                           "with the step", self.where(key), e)
         return info
 
     def fetch(self, path: str, names: Sequence[str] | None = None) -> str:
@@ -633,6 +637,10 @@ class S3Store(Store):
                                Range=f"bytes={offset}-{offset + length - 1}")
             try:  # one byte more than asked at most: a server that ignores the range sends all of it
                 data = reply["Body"].read(length + 1)
+                declared = reply.get("ContentLength")
+                if len(data) < length and isinstance(declared, int) and declared > len(data):
+                    # the connection closed before the body its answer declared: cut in transit
+                    raise IncompleteReadError(actual_bytes=len(data), expected_bytes=declared)
             except (IncompleteReadError, ReadTimeoutError, ResponseStreamingError) as e:  # the body broke or stalled
                 if attempt == self.retries:
                     raise StorageError(f"downloading {self.where(key)} failed after {attempt} retries: {e}") from e
