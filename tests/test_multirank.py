@@ -91,6 +91,42 @@ def test_a_rank_interrupted_in_its_commit_fails_the_save_on_every_rank(tmp_path)
     spawn(2, _commit_interrupted_on_rank_0, str(tmp_path))
 
 
+def _load_interrupted_on_rank_0(rank: int, world_size: int, folder: str) -> None:
+    from torchtitan_ckpt.errors import CheckpointError, PartialLoadError
+    from torchtitan_ckpt.io import reader
+
+    config = Checkpoint(enable=True, interval=1, keep_latest_k=0, collective_timeout_s=30)
+    model = build_model(load_job_config(None, []))
+    shard_model(model, world_size)
+    with CheckpointManager(config, [model], optimizers=torch.optim.AdamW(model.parameters()),
+                           base_folder=folder) as manager:
+        manager.save(1)
+    fresh = build_model(load_job_config(None, ["--training.seed", "7"]))
+    shard_model(fresh, world_size)
+    with CheckpointManager(config, [fresh], optimizers=torch.optim.AdamW(fresh.parameters()),
+                           base_folder=folder) as manager:
+        if rank == 0:
+            def interrupted(self, planner):
+                real(self, planner)
+                raise KeyboardInterrupt  # a SIGINT as rank 0's tensors are filled
+
+            real, reader.ItemReader.fill = reader.ItemReader.fill, interrupted
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    manager.load()
+            finally:
+                reader.ItemReader.fill = real
+        else:  # its tensors are filled too, its optimizer not: half loaded as well
+            with pytest.raises(PartialLoadError, match="KeyboardInterrupt"):
+                manager.load()
+        with pytest.raises(CheckpointError, match=r"save\(2\) refused: the job's state is not one step's"):
+            manager.save(2)
+
+
+def test_a_rank_interrupted_while_loading_leaves_every_rank_refusing_to_save(tmp_path):
+    spawn(2, _load_interrupted_on_rank_0, str(tmp_path))
+
+
 def _load_sharded(rank: int, world_size: int, dump_folder: str, load_step: int, out: str) -> None:
     config = load_job_config(DEBUG_CONFIG, ["--job.dump_folder", dump_folder, "--training.seed", "1234",
                                             "--checkpoint.load_step", str(load_step)])

@@ -176,6 +176,47 @@ def test_schedulers_of_other_kinds_and_settings_each_resume_their_own(tmp_path):
     assert _rates(model, opts, scheds, 5) == expected
 
 
+def test_a_scheduler_field_the_step_lacks_keeps_its_value(tmp_path):
+    """Each scheduler's own state is read as the top level is: a field the step lacks (one a
+    newer PyTorch added) keeps the live value instead of failing the load in DCP."""
+    model, opts, scheds = _two_optimizers(0)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=opts, lr_schedulers=scheds,
+                           base_folder=str(tmp_path)) as manager:
+        _rates(model, opts, scheds, 2)
+        manager.save(2)
+    model, opts, scheds = _two_optimizers(1)
+    scheds[1].added_later = 3
+    with CheckpointManager(Checkpoint(enable=True), [model], optimizers=opts, lr_schedulers=scheds,
+                           base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert scheds[1].added_later == 3 and scheds[1].last_epoch == 2
+
+
+def _chained(opt, gamma: float):
+    return lr_scheduler.ChainedScheduler([lr_scheduler.LinearLR(opt, 0.1, 1.0, total_iters=5),
+                                          lr_scheduler.ExponentialLR(opt, gamma)])
+
+
+def test_differing_chained_schedulers_load_a_step_saved_without_their_own_states(tmp_path):
+    """A step saved with alike schedulers (or before each one's state was saved) holds no
+    `per_scheduler` entry; schedulers with no `last_epoch` (`ChainedScheduler`) that now differ
+    asked for it, and the load was refused."""
+    def job(gammas):
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)})
+        opts = [torch.optim.AdamW(model[n].parameters(), lr=0.1) for n in ("a", "b")]
+        return model, opts, [_chained(o, g) for o, g in zip(opts, gammas)]
+
+    model, opts, scheds = job((0.9, 0.9))
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=opts, lr_schedulers=scheds,
+                           base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    model, opts, scheds = job((0.9, 0.5))
+    with CheckpointManager(Checkpoint(enable=True), [model], optimizers=opts, lr_schedulers=scheds,
+                           base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+
+
 def test_alike_schedulers_keep_torchtitans_layout(tmp_path):
     """Schedulers built from one config (TorchTitan's pipeline stages) save the first one's state
     alone, as TorchTitan does."""
@@ -447,13 +488,20 @@ class _OwnLoad(_Rotary):
         self.refresh()
 
 
-@pytest.mark.parametrize("kind", ["post", "own"])
+@pytest.mark.parametrize("kind", ["post", "own", "post-in-activation-checkpointing"])
 def test_a_modules_load_hooks_run_when_every_tensor_is_read_in_place(tmp_path, kind):
     """DCP fills the weights in place, so no value was left to hand to `load_state_dict` and the
-    module's hooks never ran: its derived buffer kept the values of before the load."""
+    module's hooks never ran: its derived buffer kept the values of before the load (also under
+    activation checkpointing's wrapper, whose name segment the keys lack)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
     def model(seed):
         torch.manual_seed(seed)
-        return nn.Sequential(_Rotary("post") if kind == "post" else _OwnLoad("none"))
+        inner = _OwnLoad("none") if kind == "own" else _Rotary("post")
+        return nn.Sequential(checkpoint_wrapper(inner) if kind.endswith("checkpointing") else inner)
+
+    def inner(m):
+        return getattr(m[0], "_checkpoint_wrapped_module", m[0])
 
     saved = model(0)
     with CheckpointManager(Checkpoint(enable=True, interval=1), [saved], base_folder=str(tmp_path)) as manager:
@@ -461,5 +509,5 @@ def test_a_modules_load_hooks_run_when_every_tensor_is_read_in_place(tmp_path, k
     loaded = model(1)
     with CheckpointManager(Checkpoint(enable=True), [loaded], base_folder=str(tmp_path)) as manager:
         assert manager.load()
-    assert torch.equal(loaded[0].weight, saved[0].weight)
-    assert torch.equal(loaded[0].derived, saved[0].weight.detach() * 2)
+    assert torch.equal(inner(loaded).weight, inner(saved).weight)
+    assert torch.equal(inner(loaded).derived, inner(saved).weight.detach() * 2)

@@ -566,7 +566,9 @@ class CheckpointManager:
             self._group.run(lambda: self._apply(state, target.path))
             self._half_loaded = None  # only a load that succeeded clears it: a refused one changed nothing
         except RankFailed as failed:
-            if PartialLoadError.__name__ not in failed.kinds:
+            # a rank interrupted mid-read (Ctrl-C, a handler's exit) may have left any rank's tensors half filled
+            interrupted = not {"KeyboardInterrupt", "SystemExit"}.isdisjoint(failed.kinds)
+            if PartialLoadError.__name__ not in failed.kinds and not interrupted:
                 failed.reraise(f"loading {target.path}")
             own = failed.error if isinstance(failed.error, PartialLoadError) else None
             self._half_loaded = own or PartialLoadError(target.path, failed)

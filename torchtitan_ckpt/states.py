@@ -120,17 +120,17 @@ class ModelState(CheckedState):
             hooked = _hooked_prefixes(part)
             mine = {k: state_dict[canonical_name(k)] for k in part.state_dict() if canonical_name(k) in state_dict}
             rest = {k: v for k, v in mine.items() if not (isinstance(v, torch.Tensor) and _memory(v) in live)
-                    or any(k.startswith(prefix) for prefix in hooked)}
+                    or any(canonical_name(k).startswith(prefix) for prefix in hooked)}
             if rest:
                 part.load_state_dict(rest, strict=False)
 
 
 def _hooked_prefixes(part: nn.Module) -> list[str]:
-    """The key prefixes ("" for the whole part) of the modules of `part` that run code of their
-    own when loaded: a load hook or a `_load_from_state_dict` that is not PyTorch's (PyTorch's
-    rename keys, as activation checkpointing's wrapper does, or convert old versions' keys,
-    and need no values)."""
-    return [f"{name}." if name else "" for name, m in part.named_modules()
+    """The key prefixes, without wrapper segments ("" for the whole part), of the modules of
+    `part` that run code of their own when loaded: a load hook or a `_load_from_state_dict` that
+    is not PyTorch's (PyTorch's rename keys, as activation checkpointing's wrapper does, or
+    convert old versions' keys, and need no values)."""
+    return [f"{name}." if name else "" for name, m in ((canonical_name(n), m) for n, m in part.named_modules())
             if any(not _pytorchs(hook) for hook in (*m._load_state_dict_pre_hooks.values(),
                                                     *m._load_state_dict_post_hooks.values()))
             or not _pytorchs(type(m)._load_from_state_dict)]
@@ -381,17 +381,18 @@ class LRSchedulerState(CheckedState):
         hold `last_epoch`, or, for a scheduler without one (`ChainedScheduler`, whose state is
         its schedulers'), every entry of the scheduler's own state but its last rates."""
         live = self.state_dict()
-        needed = ["last_epoch"] if "last_epoch" in live else [k for k in live if k not in _PER_SCHEDULER]
-        held = [k for k in live if any(s == k or s.startswith(k + ".") for s in saved_keys)]
+        needed = ["last_epoch"] if "last_epoch" in live else [k for k in live if k not in (*_PER_SCHEDULER, _EACH)]
+        held = [k for k in live if _held(k, saved_keys)]
         missing = [k for k in needed if k not in held]
         if missing:
             has = f"it has lr_scheduler.{min(saved_keys)}, ..." if saved_keys else "it has no lr_scheduler entry"
             raise CheckpointError(f"the checkpoint has no lr_scheduler.{missing[0]} ({has}); add 'lr_scheduler' to "
                                   "checkpoint.exclude_from_loading to start it fresh")
         wanted = {k: live[k] for k in held}
-        if _EACH in wanted:  # the schedulers the checkpoint has a state of (a resume may have more or fewer)
-            wanted[_EACH] = {i: state for i, state in wanted[_EACH].items()
-                             if any(k.startswith(f"{_EACH}.{i}.") for k in saved_keys)}
+        if _EACH in wanted:  # the entries the checkpoint has of each scheduler (a resume may have more or fewer)
+            each = {i: {k: v for k, v in state.items() if _held(f"{_EACH}.{i}.{k}", saved_keys)}
+                    for i, state in wanted[_EACH].items()}
+            wanted[_EACH] = {i: state for i, state in each.items() if state}
         return _unshared(wanted, set())
 
     def check_loaded(self, state_dict: dict[str, Any]) -> None:
@@ -417,6 +418,11 @@ class LRSchedulerState(CheckedState):
 _PER_SCHEDULER = ("base_lrs", "_last_lr")
 _EACH = "per_scheduler"
 """The entry holding every scheduler's own state, where they differ (`LRSchedulerState`)."""
+
+
+def _held(key: str, saved_keys: Collection[str]) -> bool:
+    """Whether the checkpoint's `saved_keys` hold the entry `key` (or entries under it)."""
+    return any(s == key or s.startswith(key + ".") for s in saved_keys)
 
 
 def _same_settings(a: Any, b: Any, top: bool = True) -> bool:
