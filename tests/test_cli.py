@@ -25,7 +25,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from tqdm import tqdm
 
-from torchtitan_ckpt import Checkpoint, CheckpointManager, cli, commit, layout
+from torchtitan_ckpt import Checkpoint, CheckpointError, CheckpointManager, cli, commit, layout
 from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_adapter, hf_config
 from torchtitan_ckpt.hf import save_hf
 from torchtitan_ckpt.hf.files import RECORDED_CONFIG
@@ -300,6 +300,26 @@ def test_clean_reports_bytes_removed(folder, tmp_path, capsys):
     assert layout.committed_steps(work) == [2, 4] and len(layout.scan(work)) == 2
 
 
+def test_clean_goes_on_past_a_step_it_cannot_remove_and_exits_1(folder, tmp_path, capsys, monkeypatch):
+    """docs/cli.md: 1 when a partial step could not be removed, whatever the reason (files
+    appearing in it exited 2, a usage error's status)."""
+    work = shutil.copytree(folder, str(tmp_path / "c"))
+    os.makedirs(layout.step_dir(work, 5))
+    commit.mark_in_progress(layout.step_dir(work, 5))
+    real = commit.remove_step
+
+    def files_appear_in_3(path, removed=None):
+        if path == layout.step_dir(work, 3):
+            raise CheckpointError(f"{path}: files appeared in it while it was removed")
+        real(path, removed)
+
+    monkeypatch.setattr(commit, "remove_step", files_appear_in_3)
+    assert cli.main(["clean", work, "-q"]) == cli.EXIT_FAILED
+    out, err = capsys.readouterr()
+    assert f"error: {layout.step_dir(work, 3)}: files appeared" in err
+    assert f"removed {layout.step_dir(work, 5)} (partial)" in out and not os.path.exists(layout.step_dir(work, 5))
+
+
 def test_clean_of_object_storage_says_what_removes_partial_steps_there(capsys):
     """It said "is not a folder"; retention removes them (tests/test_s3.py)."""
     assert cli.main(["clean", "s3://bucket/run"]) == 2
@@ -367,6 +387,17 @@ def _closed_early(args: list[str]) -> subprocess.CompletedProcess:
 def test_a_closed_stdout_ends_the_command_quietly(folder, argv):
     done = _closed_early([a.format(f=folder) for a in argv])
     assert done.returncode == cli.EXIT_PIPE and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_descriptor_closed_from_the_start_ends_the_command_quietly(folder):
+    """`cmd >&-` crashed with AttributeError (stdout is None) and status 1; with stderr closed,
+    the error went to stdout, which `--json` keeps empty on an error."""
+    closed_out = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", *CMD, "list", folder], capture_output=False,
+                                stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT, timeout=120)
+    assert closed_out.returncode == cli.EXIT_PIPE and closed_out.stderr == ""
+    closed_err = subprocess.run(["sh", "-c", 'exec "$@" 2>&-', "sh", *CMD, "list", "--json", folder + "/nothing"],
+                                stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT, timeout=120)
+    assert closed_err.returncode == cli.EXIT_INPUT and closed_err.stdout == ""
 
 
 def test_piped_into_head(folder, tmp_path):
@@ -527,6 +558,46 @@ def test_convert_never_removes_a_partial_folder_it_did_not_make(small_step, tmp_
                           capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
     assert commit.verify(back) == [] and commit.IN_PROGRESS not in os.listdir(back)
+
+
+def test_convert_refuses_a_step_no_load_would_take(folder, tmp_path, capsys):
+    """A partial step (a save killed midway), a damaged or a newer commit marker: each was
+    exported without a word (exit 0)."""
+    out = str(tmp_path / "out")
+    assert cli.main(["convert", "--to", "hf", layout.step_dir(folder, 3), out, "-q"]) == cli.EXIT_INPUT
+    assert f"{layout.step_dir(folder, 3)} is a partial step (its save did not finish" in capsys.readouterr().err
+    for marker, problem in [("{", "is not a valid commit marker"), (None, "newer")]:
+        step = shutil.copytree(layout.step_dir(folder, 4), str(tmp_path / f"step-{len(problem)}"))
+        raw = json.loads(open(os.path.join(step, commit.MARKER)).read())
+        raw["version"] += 1
+        with open(os.path.join(step, commit.MARKER), "w") as f:
+            f.write(marker or json.dumps(raw))
+        assert cli.main(["convert", "--to", "hf", step, out, "-q"]) == cli.EXIT_INPUT
+        assert problem in capsys.readouterr().err
+    assert not os.path.lexists(out) and not os.path.lexists(out + cli.PARTIAL_SUFFIX)
+
+
+@pytest.mark.parametrize("command", ["convert", "consolidate"])
+def test_an_output_inside_a_step_folder_is_refused(folder, hf_folder, shards, tmp_path, capsys, command):
+    """A folder written into a committed step fails its `verify` (files not in the manifest)."""
+    step = shutil.copytree(layout.step_dir(folder, 4), str(tmp_path / "step-4"))
+    out = os.path.join(step, "hf", "out")
+    assert cli.main([*_writing(command, hf_folder, shards), out, "-q"]) == cli.EXIT_INPUT
+    assert capsys.readouterr().err == f"error: {out} is inside the step folder {step}; name a folder outside it\n"
+    assert commit.verify(step) == []
+
+
+@pytest.mark.parametrize("left", ["empty", "marking"])
+def test_a_partial_output_a_signal_left_while_it_was_made_is_replaced(hf_folder, tmp_path, capsys, left):
+    """A Ctrl-C or SIGTERM in the first milliseconds left `OUT.partial` empty or holding the
+    in-progress marker's temporary file; the next run refused it as not its own."""
+    out = str(tmp_path / "out")
+    os.makedirs(out + cli.PARTIAL_SUFFIX)
+    if left == "marking":
+        with open(os.path.join(out + cli.PARTIAL_SUFFIX, commit.IN_PROGRESS + ".tmp"), "w") as f:
+            f.write("{")
+    assert cli.main(["convert", "--to", "dcp", hf_folder, out, "-q"]) == cli.EXIT_OK, capsys.readouterr().err
+    assert commit.verify(out) == [] and not os.path.lexists(out + cli.PARTIAL_SUFFIX)
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,12 @@ def _error(argv, path=None) -> ConfigError:
     (["--checkpoint.intervall", "5"], "checkpoint.intervall", "did you mean 'interval'"),
     (["--checkpont.interval", "5"], "checkpont", "did you mean 'checkpoint'"),
     (["--checkpoint.interval", "five"], "checkpoint.interval", "expected an integer"),
+    (["--checkpoint.interval", "\u0663"], "checkpoint.interval", "expected an integer"),  # int() read an Arabic 3
+    (["--checkpoint.interval", "1_000"], "checkpoint.interval", "expected an integer"),
+    (["--checkpoint.interval", "2.0"], "checkpoint.interval", "expected an integer"),
+    (["--checkpoint.collective_timeout_s", "nan"], "checkpoint.collective_timeout_s", "expected a finite number"),
+    (["--checkpoint.keep_latest_k", "1", "--checkpoint.folderr", "x"], "checkpoint.folderr", "did you mean 'folder'"),
+    (["--checkpoint.zzz", "1"], "checkpoint.zzz", "unknown key; valid: "),
     (["--checkpoint.interval", "0"], "checkpoint.interval", "expected >= 1"),
     (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k", "expected >= 0"),
     (["--checkpoint.load_step", "-2"], "checkpoint.load_step", "expected >= -1"),

@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from tests.helpers import assert_same, hub_snapshot, logits, perturbed, read_checkpoint
 from torchtitan_ckpt import cli
-from torchtitan_ckpt.errors import AdapterMismatchError, CheckpointError, CorruptCheckpointError
+from torchtitan_ckpt.errors import AdapterMismatchError, CheckpointError, ConfigError, CorruptCheckpointError
 from torchtitan_ckpt.example.model import FLAVORS, Transformer, args_from_hf_config, hf_adapter, hf_config
 from torchtitan_ckpt.hf import HFModelConfig, LlamaAdapter, load_hf, parse_size, plan_files, read_hf_config, save_hf
 from torchtitan_ckpt.hf import shards
@@ -271,6 +271,32 @@ def test_an_export_refuses_assets_whose_config_is_another_models(tmp_path, ours,
             "config.json is its model's")):
         save_hf(model.state_dict(), str(tmp_path / "out"), hf_adapter(ours, hf_assets_path=folder), mode=mode)
     assert {name: (tmp_path / "out" / name).read_bytes() for name in os.listdir(tmp_path / "out")} == before
+
+
+def test_an_export_refuses_assets_of_another_family_of_the_same_shapes(tmp_path):
+    """A Qwen3 model exported beside a Llama's config.json of its sizes: transformers built a Llama,
+    dropped the q/k norms and gave other logits. Mistral's and Llama's stay interchangeable."""
+    from torchtitan_ckpt.hf import adapter_for_config
+
+    folder = _assets(tmp_path / "assets", ARGS)
+    qwen3 = adapter_for_config(hf_config(replace(ARGS, qk_norm=True)), hf_assets_path=folder)
+    with pytest.raises(CheckpointError, match=r"config.json does not describe the model the adapter converts "
+                                              r"\(model_type = \"llama\" there, \"qwen3\" in the adapter's\)"):
+        qwen3.export_config(torch.float32)
+    mistral = adapter_for_config({**hf_config(ARGS), "model_type": "mistral"}, hf_assets_path=folder)
+    assert mistral.export_config(torch.float32)["model_type"] == "llama"
+
+
+def test_the_example_refuses_assets_of_another_forward_pass(tmp_path):
+    """The example model built from a flavor of the right sizes for a Hub model of another RoPE and
+    norm epsilon trained with the flavor's, then exported under the Hub's config (logits off)."""
+    other = replace(ARGS, rope_theta=500000.0, norm_eps=1e-6)
+    with pytest.raises(ConfigError, match=r"model.hf_assets_path = .*: its config.json describes another model than "
+                                          r"the flavor \(norm_eps = 1e-06 there, 1e-05 in the flavor; rope_theta = "
+                                          r"500000.0 there, 10000.0 in the flavor\)"):
+        hf_adapter(ARGS, hf_assets_path=_assets(tmp_path / "assets", other))
+    rounded = _assets(tmp_path / "rounded", replace(ARGS, norm_eps=9.999999747378752e-06))  # 1e-5 in float32
+    assert hf_adapter(ARGS, hf_assets_path=rounded).hf_assets_path == rounded
 
 
 @pytest.mark.parametrize("mode", ["one_pass", "all_ranks", "rank0"])

@@ -127,6 +127,27 @@ def test_a_tied_config_refuses_to_drop_a_head_that_is_not_the_embedding(tmp_path
     assert not glob.glob(str(tmp_path / "out" / "*.safetensors"))
 
 
+def test_a_head_untied_from_the_embedding_is_refused_before_training_where_an_export_ties_them(tmp_path):
+    """A model materialised with `to_empty()` and a fresh init untied its head: it loaded, trained,
+    and only the last save's export failed, after the training."""
+    from torchtitan_ckpt import Checkpoint, CheckpointManager
+
+    args = args_from_hf_config(FAMILIES["qwen3"][1])
+    model = Transformer(args)
+    config = Checkpoint(enable=True, last_save_in_hf=True)
+    with CheckpointManager(config, [model], base_folder=str(tmp_path), state_dict_adapter=hf_adapter(args)) as manager:
+        assert model.output.weight is model.tok_embeddings.weight
+        model.output.weight = torch.nn.Parameter(model.tok_embeddings.weight.detach().clone())  # as to_empty() may
+        with pytest.raises(CheckpointError, match=r"^load\(\): the Hugging Face config ties output.weight to "
+                                                  r"tok_embeddings.weight .* the model's output.weight is a parameter"):
+            manager.load()
+    with pytest.raises(ConfigError, match=r"checkpoint.last_save_in_hf = True: the Hugging Face config ties"):
+        CheckpointManager(config, [model], base_folder=str(tmp_path), state_dict_adapter=hf_adapter(args))
+    untied = replace(args, tie_embeddings=False)
+    CheckpointManager(config, [Transformer(untied)], base_folder=str(tmp_path),
+                      state_dict_adapter=hf_adapter(untied)).close()
+
+
 def test_the_example_model_loaded_through_the_adapter_gives_the_transformers_logits(hf_folder):
     family, src, expected = hf_folder
     args = args_from_hf_config(read_config(src))

@@ -11,6 +11,7 @@ import torch
 
 from torchtitan_ckpt import ConfigError, commit, layout
 from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.hf.files import MAX_ASSET_BYTES
 
 from .helpers import assert_same, run_job
 from .jobs import make_job
@@ -105,6 +106,10 @@ def test_an_assets_file_split_is_checked_when_the_manager_starts(tmp_path):
         assert m.save(1, last_step=True)
     with open(os.path.join(layout.step_dir(_folder(tmp_path), 1), "model.safetensors.index.json")) as f:
         assert json.load(f)["weight_map"] == dict.fromkeys(names, "model-00001-of-00001.safetensors")
+    (assets / "tokenizer.json").write_bytes(b"\0" * (MAX_ASSET_BYTES + 1))  # known after the training, before
+    with pytest.raises(ConfigError, match=re.escape(
+            f"checkpoint.last_save_in_hf = True: {assets}/tokenizer.json: the assets' tokenizer.json is larger than")):
+        manager(dict.fromkeys(names, "model.safetensors"))
 
 
 @pytest.mark.multirank

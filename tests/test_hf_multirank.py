@@ -358,3 +358,31 @@ def test_a_copy_failing_on_one_rank_fails_the_export_on_every_rank_at_once(tmp_p
     """A rank whose cast or host copy fails raises in the step every rank shares, so the others
     raise too instead of waiting in the next collective until the group's timeout."""
     spawn(2, _one_rank_fails_to_copy, str(tmp_path / "hf"))
+
+
+def _tied_stages(rank: int, world_size: int, tmp: str, pipelined: bool) -> None:
+    """The embedding and the head tied on one rank's two stages (a V-shaped schedule), or held by
+    different ranks (a pipeline), under a config that ties them."""
+    from torch import nn
+
+    from torchtitan_ckpt import Checkpoint, CheckpointManager
+    from torchtitan_ckpt.errors import ConfigError
+
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256, tie_embeddings=True)
+    first, last = nn.Module(), nn.Module()
+    first.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+    last.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+    last.output.weight = first.tok_embeddings.weight
+    parts = ([first] if rank == 0 else [last]) if pipelined else [first, last]
+    config = Checkpoint(enable=True, last_save_in_hf=True)
+    make = lambda: CheckpointManager(config, parts, base_folder=tmp, state_dict_adapter=hf_adapter(args))  # noqa: E731
+    if not pipelined:
+        make().close()
+        return
+    with pytest.raises(ConfigError, match=r"the model's output.weight is a parameter of its own \(on rank 1\)"):
+        make()  # on every rank: the other one waited in the next collective until its timeout
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_tie_across_stages_is_judged_on_every_rank_alike(tmp_path, pipelined):
+    spawn(2, _tied_stages, str(tmp_path), pipelined)

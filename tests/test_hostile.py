@@ -127,6 +127,43 @@ def test_a_data_file_linked_outside_the_folder_is_refused(ckpt):
     _untouched(sentinel)
 
 
+def test_a_file_swapped_for_a_link_out_while_it_is_opened_is_never_read(tmp_path):
+    """Another writer of the folder swapping a file's name between the file and a link out of the
+    folder: the check of the name and the open saw different files (the outside file was read
+    115-340 times in 10 s of tries)."""
+    import threading
+
+    from torchtitan_ckpt.io import safe_open
+
+    root, outside = tmp_path / "step", tmp_path / "outside"
+    root.mkdir()
+    outside.write_bytes(SENTINEL)
+    (root / "real").write_bytes(b"ours")
+    name = str(root / "data")
+    stop = threading.Event()
+
+    def swap() -> None:
+        while not stop.is_set():
+            for target in (root / "real", outside):
+                os.symlink(target, name + ".new")
+                os.replace(name + ".new", name)
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    read, refused = set(), 0
+    try:
+        for _ in range(3000):
+            try:
+                with os.fdopen(safe_open.open_fd(str(root), "data", "the file"), "rb") as f:
+                    read.add(f.read())
+            except CorruptCheckpointError:
+                refused += 1
+    finally:
+        stop.set()
+        swapper.join()
+    assert read <= {b"ours"} and refused
+
+
 # ---------------------------------------------------------------- 2. a FIFO never blocks
 
 
@@ -292,6 +329,18 @@ def _text_as_last_epoch(state):
     state["lr_scheduler"]["last_epoch"] = "2"
 
 
+def _two_rate_functions(state):
+    state["lr_scheduler"]["lr_lambdas"] = [None, None]  # the job's LambdaLR has one param group
+
+
+def _text_as_base_rates(state):
+    state["lr_scheduler"]["base_lrs"] = "0.1"
+
+
+def _no_optimizer_entries(state):
+    state["optimizer"] = {}  # the marker still lists it
+
+
 def _value_as_moment(state):
     moments = next(iter(state["optimizer"]["state"].values()))
     moments["exp_avg"] = 0.5  # a number where the optimizer has a tensor
@@ -301,6 +350,9 @@ def _value_as_moment(state):
     (_garbled_loader_bytes, "dataloader.dp_rank_0 is not plain data"),
     (_five_as_param_groups, "no optimizer settings .* for 1 parameters, e.g. \\['tok_embeddings.weight'\\]"),
     (_text_as_last_epoch, "lr_scheduler.last_epoch is '2', not a step count"),
+    (_two_rate_functions, r"lr_scheduler.lr_lambdas is \[None, None\], where this job's scheduler has \[None\]"),
+    (_text_as_base_rates, r"lr_scheduler.base_lrs is '0.1', where this job's scheduler has \[0.01\]"),
+    (_no_optimizer_entries, r"no optimizer settings .* for \d+ parameters"),
     (_value_as_moment, "a value where this job has a tensor.*'optimizer.state.tok_embeddings.weight.exp_avg'"),
 ])
 def test_a_state_that_cannot_be_applied_is_refused_before_anything_changes(ckpt, pristine, edit, problem):
@@ -537,6 +589,7 @@ def test_a_metadata_pickle_bomb_is_refused_on_every_rank_from_rank_0s_scan(tmp_p
     ("files", {"../../outside.distcp": {"size": 1, "crc32": "00000000"}}, "outside the checkpoint folder"),
     ("files", {"/etc/passwd": {"size": 1, "crc32": "00000000"}}, "outside the checkpoint folder"),
     ("files", {"__0_0.distcp": {}}, r"files\['__0_0.distcp'\]"),
+    ("files", {".//__0_0.distcp": {"size": 1, "crc32": "00000000"}}, r"files names '\.//__0_0.distcp', not as"),
     ("files", None, "files is a NoneType"),
     ("states", [1], "states"),
     ("step", "2", "step"),
@@ -556,6 +609,28 @@ def test_a_crafted_marker_is_refused_by_verify_list_and_load(ckpt, capsys, field
     _listed_corrupt(step, capsys, problem)
     _refused(dump, f"{commit.MARKER}.*{problem}")
     _untouched(sentinel)
+
+
+def test_names_from_a_checkpoint_reach_the_terminal_escaped(ckpt, capsys):
+    """A manifest name with a newline and escape codes printed raw by `verify` faked an "ok" row;
+    an index naming such a file printed it raw in the error of `inspect`."""
+    _, step, _ = ckpt
+    path = os.path.join(step, commit.MARKER)
+    raw = json.loads(open(path).read())
+    raw["files"]["x\nok      /all/fine\x1b[2K\x1b[1A"] = {"size": 1, "crc32": "00000000"}
+    open(path, "w").write(json.dumps(raw))
+    hf = os.path.join(os.path.dirname(step), "hf")
+    os.makedirs(hf)
+    index = os.path.join(hf, "model.safetensors.index.json")
+    with within(30):
+        assert cli.main(["verify", step]) == 1
+        out = capsys.readouterr().out
+        open(index, "w").write(json.dumps({"weight_map": {"w": "gone\x1b[31m\nerror: injected"}}))
+        assert cli.main(["inspect", hf]) == 2
+    err = capsys.readouterr().err
+    assert "CORRUPT" in out and "\\nok      /all/fine\\x1b[2K" in out and "\x1b" not in out + err
+    assert [line for line in out.splitlines() if line.startswith("ok")] == []
+    assert "\\x1b[31m\\nerror: injected" in err and len(err.splitlines()) == 1
 
 
 def _listed_corrupt(step: str, capsys, problem: str) -> None:
@@ -598,6 +673,8 @@ def _set(attr_path: str, value):
     (_set("chunks", [ChunkStorageMetadata(torch.Size([0]), torch.Size([32]))]), "holding 32 of its 64"),
     (_set("chunks", [ChunkStorageMetadata(torch.Size([0]), torch.Size([32]))] * 2), "overlap"),
     (_set("chunks", [ChunkStorageMetadata(torch.Size([40]), torch.Size([32]))]), "outside its size"),
+    (_set("properties.dtype", torch.uint1), "'norm.weight' has the dtype torch.uint1, which no tensor DCP writes"),
+    (_set("properties.dtype", torch.qint8), "'norm.weight' has the dtype torch.qint8, which no tensor DCP writes"),
     (lambda md: setattr(md, "state_dict_metadata", None), "must be dicts"),
     (lambda md: md.state_dict_metadata.__setitem__(7, md.state_dict_metadata["norm.weight"]), "key 7"),
 ])
@@ -609,12 +686,22 @@ def test_malformed_metadata_is_refused_by_inspect_and_load(ckpt, capsys, edit, p
     _refused(dump, problem)
 
 
+def test_a_dtype_the_item_does_not_have_is_refused(ckpt):
+    """`convert` makes its tensors from `.metadata`'s dtypes: a float tensor declared bool was
+    read into bool tensors, cast silently, and exported."""
+    dump, step, _ = ckpt
+    _edit_metadata(step, _set("properties.dtype", torch.bool))
+    _refused(dump, "item 'norm.weight' .*holds torch.float32 values where the checkpoint's metadata says torch.bool")
+
+
 def test_a_byte_item_longer_than_its_file_is_refused_naming_it(ckpt):
     dump, step, _ = ckpt
 
-    def lengthen(md):
+    def lengthen(md):  # moved past the file's other items, so that it shares no bytes with one
         index = _storage_of(md, "train_state.step")
-        md.storage_data[index] = replace(md.storage_data[index], length=2**29)
+        info = md.storage_data[index]
+        end = max(i.offset + i.length for i in md.storage_data.values() if i.relative_path == info.relative_path)
+        md.storage_data[index] = replace(info, offset=end, length=2**29)
 
     _edit_metadata(step, lengthen)
     _refused(dump, "item 'train_state.step' .*cut short")
@@ -639,6 +726,41 @@ def test_an_item_longer_than_its_entry_can_hold_is_refused_before_it_is_read(ckp
 
     _edit_metadata(step, lengthen)
     _refused(dump, problem)
+
+
+def test_entries_sharing_bytes_are_refused_before_any_is_read(ckpt):
+    """Every value entry pointed at the bytes of one (each read once per entry): a 12 MB step with a
+    10 MB value peaked at 3.1 GB before a load failed."""
+    dump, step, _ = ckpt
+
+    def alias(md):
+        first, *rest = [i for i in md.storage_data if i.fqn.startswith("train_state.")]
+        for index in rest:
+            md.storage_data[index] = md.storage_data[first]
+
+    _edit_metadata(step, alias)
+    _refused(dump, r"storage entries 'train_state\..*' and 'train_state\..*' share bytes of '__0_\d.distcp'")
+
+
+@pytest.mark.parametrize("how", ["respelled", "linked"])
+def test_entries_sharing_bytes_under_another_name_are_refused(ckpt, how):
+    """`./x` or a link to `x` counted as another file, so the values all read one entry's bytes."""
+    dump, step, _ = ckpt
+    with open(os.path.join(step, storage.METADATA_FILE), "rb") as f:
+        first = min((i for i in pickle.load(f).storage_data if i.fqn.startswith("train_state.")), key=str)
+    if how == "linked":
+        with open(os.path.join(step, storage.METADATA_FILE), "rb") as f:
+            target = pickle.load(f).storage_data[first].relative_path
+        os.symlink(target, os.path.join(step, "alias.distcp"))
+
+    def alias(md):
+        info = md.storage_data[first]
+        other = "./" + info.relative_path if how == "respelled" else "alias.distcp"
+        md.storage_data[next(i for i in md.storage_data if i.fqn.startswith("train_state.") and i != first)] = \
+            replace(info, relative_path=other)
+
+    _edit_metadata(step, alias)
+    _refused(dump, r"not as DCP spells one" if how == "respelled" else r"share bytes of")
 
 
 def _bounded_load(rank: int, world_size: int, dump: str, problem: str, headroom: int) -> None:
@@ -1128,8 +1250,8 @@ def _chunks_metadata(size: list[int], chunks: list[tuple[list[int], list[int]]])
 
     boxes = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks]
     entry = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size), boxes)
-    return Metadata({"w": entry}, storage_data={MetadataIndex("w", b.offsets): _StorageInfo("__0_0.distcp", 0, 1)
-                                                 for b in boxes})
+    return Metadata({"w": entry}, storage_data={MetadataIndex("w", b.offsets): _StorageInfo("__0_0.distcp", i, 1)
+                                                 for i, b in enumerate(boxes)})
 
 
 def test_the_overlap_check_of_many_chunks_takes_about_their_number(tmp_path):
@@ -1291,10 +1413,13 @@ def test_convert_to_hf_checks_the_data_files_before_allocating(tmp_path, monkeyp
     with open(step / storage.METADATA_FILE, "wb") as f:
         pickle.dump(Metadata(entries, storage_data=places), f)
     monkeypatch.setattr(convert, "empty_state_dict", lambda *_: pytest.fail("tensors allocated before the check"))
-    problem = {"shorter than its chunk": r"the chunk of '.*' at \[0.*\] holds \d+ bytes, but its storage entry only 8",
-               "past the file's end": r"the storage entry of '.*' claims bytes \d+-\d+ of its 4096",
-               "over another entry": r"the storage entry of '.*' claims bytes of '.*' too"}[case]
-    with pytest.raises(CorruptCheckpointError, match=rf"{step}/__0_0.distcp: {problem}"), within(30):
+    data = f"{step}/__0_0.distcp: "
+    problem = {"shorter than its chunk": data + r"the chunk of '.*' at \[0.*\] holds \d+ bytes, but its storage "
+                                                r"entry only 8",
+               "past the file's end": data + r"the storage entry of '.*' claims bytes up to \d+ of its 4096",
+               "over another entry": rf"{step}/{storage.METADATA_FILE}: storage entries '.*' and '.*' share bytes of "
+                                     "'__0_0.distcp'"}[case]
+    with pytest.raises(CorruptCheckpointError, match=problem), within(30):
         convert.convert("hf", str(step), str(tmp_path / "out"))
 
 

@@ -261,6 +261,31 @@ def test_a_file_written_into_a_step_while_it_is_deleted_leaves_it_partial(tmp_pa
     assert not os.path.lexists(path)
 
 
+def test_a_subfolder_swapped_for_a_link_while_a_step_is_deleted_is_never_removed_through(tmp_path):
+    """Another writer of the checkpoint folder turning a step's subfolder into a link to a folder
+    of its own mid-deletion: the rest of the subfolder's files were removed through the link, from
+    that folder (names were joined to the path, resolved anew at each removal)."""
+    path = str(tmp_path / "step-3")
+    os.makedirs(os.path.join(path, "sub"))
+    outside = tmp_path / "theirs"
+    outside.mkdir()
+    for name in ("a", "b", "c"):
+        (outside / name).write_bytes(b"theirs")
+        with open(os.path.join(path, "sub", name), "wb") as f:
+            f.write(b"ours")
+    commit.write_marker(path, commit.CommitInfo(step=3, states=["model"], world_size=1))
+    moved = str(tmp_path / "moved")
+
+    def removed(nbytes: int) -> None:
+        if not os.path.lexists(moved):  # after the first file: swap the subfolder for a link
+            os.rename(os.path.join(path, "sub"), moved)
+            os.symlink(outside, os.path.join(path, "sub"))
+
+    commit.remove_step(path, removed)
+    assert not os.path.lexists(path)
+    assert sorted(p.name for p in outside.iterdir()) == ["a", "b", "c"]
+
+
 def test_a_commit_refuses_a_step_missing_a_file_its_writers_wrote(tmp_path):
     path = str(tmp_path / "step-3")
     os.makedirs(path)

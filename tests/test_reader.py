@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import io
 import mmap
+import dataclasses
 import os
 import pickle
 import resource
@@ -252,7 +253,18 @@ def test_an_item_of_fewer_dimensions_than_its_metadata_says_is_refused_naming_it
     with open(md_path, "rb") as f:
         md = pickle.load(f)  # our own test file: plain pickle is fine here
     index = {i.fqn: i for i in md.storage_data}
-    md.storage_data[index["f32"]] = md.storage_data[index["i64"]]
+
+    def copied(fqn: str):
+        """A copy of `fqn`'s item at the end of its file (entries never share bytes)."""
+        info = md.storage_data[index[fqn]]
+        with open(os.path.join(path, info.relative_path), "r+b") as f:
+            f.seek(info.offset)
+            item = f.read(info.length)
+            end = f.seek(0, os.SEEK_END)
+            f.write(item)
+        return dataclasses.replace(info, offset=end)
+
+    md.storage_data[index["f32"]] = copied("i64")
     with open(md_path, "wb") as f:
         pickle.dump(md, f)
     file = _item(path, "i64")[0]
@@ -260,7 +272,7 @@ def test_an_item_of_fewer_dimensions_than_its_metadata_says_is_refused_naming_it
         with pytest.raises(CorruptCheckpointError, match=rf"{file}: item 'f32' .*does not hold the region \[0, 0\] "
                                                          r"\+ \[64, 33\] .*\(it holds \[100\]\)"):
             _load(path, storage.make_storage_reader(path, fast=fast), storage.make_load_planner())
-    md.storage_data[index["f32"]] = md.storage_data[index["u16"]]  # an item read by torch.load
+    md.storage_data[index["f32"]] = copied("u16")  # an item read by torch.load
     with open(md_path, "wb") as f:
         pickle.dump(md, f)
     with pytest.raises(CorruptCheckpointError, match=rf"{file}: item 'f32' .*does not hold the region \[0, 0\] "

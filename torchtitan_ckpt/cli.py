@@ -239,6 +239,12 @@ def _shown(name: str) -> str:
     return name if name.isprintable() else brief(name)
 
 
+def _escaped(text: str) -> str:
+    """A message that may hold names read from a checkpoint, each character a terminal would
+    act on (a newline faking an "ok" row, an escape code) written as its escape."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _print_inspect(doc: dict[str, Any]) -> None:
     status = (f"complete, step {doc['step']}, saved by {doc['world_size']} rank(s)"
               if doc["status"] == layout.COMPLETE else f"{doc['status']}, no commit marker")
@@ -344,9 +350,9 @@ def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
     else:
         for f in files:
             if not f["ok"]:
-                print(f"CORRUPT {f['problem']}")
+                print(f"CORRUPT {_escaped(f['problem'])}")
             elif args.verbose:
-                print(f"ok      {os.path.join(path, f['file'])}")
+                print(f"ok      {_escaped(os.path.join(path, f['file']))}")
         if not failed:
             print(f"{path}: {len(files)} files, {fmt_bytes(info.total_bytes)}, all intact")
         else:
@@ -378,18 +384,21 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
         removed, freed, code = 0, 0, EXIT_OK
         with progress:
             for path, size in sizes.items():
+                done = [0]  # what a removal that fails midway freed
+
+                def gone(nbytes: int) -> None:
+                    done[0] += nbytes
+                    progress("removing", nbytes, total)
+
                 if layout.linked_in(path) or layout.status_of(path) != layout.PARTIAL:  # a job finished it since
                     print(f"kept {path} (no longer partial: a job is writing there?)")
                     continue
                 try:
-                    commit.remove_step(path, lambda n: progress("removing", n, total))
-                except CheckpointError as e:  # files appeared meanwhile: the others are still cleaned
-                    print(f"error: {e}", file=sys.stderr)
-                    code = EXIT_INPUT
-                    continue
-                except OSError as e:  # one that cannot be removed (permissions): the others are still cleaned
-                    print(f"error: {path} could not be removed: {e}", file=sys.stderr)
-                    code = max(code, EXIT_FAILED)
+                    commit.remove_step(path, gone)
+                except (CheckpointError, OSError) as e:  # files appeared, permissions: the others are still cleaned
+                    problem = str(e) if isinstance(e, CheckpointError) else f"{path} could not be removed: {e}"
+                    print(f"error: {_escaped(problem)}", file=sys.stderr)
+                    code, freed = EXIT_FAILED, freed + done[0]
                     continue
                 removed, freed = removed + 1, freed + size
                 print(f"removed {path} (partial)")
@@ -419,8 +428,8 @@ def _no_job_saving(folder: str) -> Iterator[None]:
 
 def _check_output(dst: str) -> None:
     """Refuse, before any work, an output folder the command cannot write: a URL (convert and
-    consolidate write local files and upload nothing) or a path to something else than a folder
-    (the finished output could not be renamed to it)."""
+    consolidate write local files and upload nothing), a path to something else than a folder
+    (the finished output could not be renamed to it), or one inside a step folder of ours."""
     if scheme_of(dst) is not None:
         raise CheckpointError(f"{dst}: OUT_DIR must be a local folder (this command uploads nothing); write "
                               "a local folder, then upload it with your own tool")
@@ -428,6 +437,11 @@ def _check_output(dst: str) -> None:
         raise CheckpointError(f"{dst} is a link; name the folder itself ({os.path.realpath(dst)})")
     if os.path.lexists(dst) and not os.path.isdir(dst):
         raise CheckpointError(f"{dst} exists and is not a folder; remove it or name a new folder")
+    parent = os.path.dirname(os.path.abspath(dst))
+    while parent != os.path.dirname(parent):  # a file added to a step fails its verify; a partial one is removed
+        if layout.status_of(parent) in (layout.COMPLETE, layout.PARTIAL):
+            raise CheckpointError(f"{dst} is inside the step folder {parent}; name a folder outside it")
+        parent = os.path.dirname(parent)
 
 
 @contextlib.contextmanager
@@ -444,6 +458,10 @@ def _staged(dst: str) -> Iterator[str]:
         CheckpointGroup().run(lambda: _new_partial(tmp), coordinator_only=True)
     except RankFailed as failed:
         failed.reraise(f"preparing {tmp}")
+    except KeyboardInterrupt:  # Ctrl-C or a signal while it was made
+        if rank0 and _left_by_us(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         yield tmp
         if rank0:
@@ -461,10 +479,10 @@ def _staged(dst: str) -> Iterator[str]:
 def _new_partial(tmp: str) -> None:
     """Make `tmp` afresh, marked in progress as a step folder being written is (so a later run
     knows it for ours, and a DCP output's commit leaves the mark out of its manifest): one an
-    interrupted run left is removed first; anything else by that name (a user's folder, a link)
-    is left alone and refused."""
+    interrupted run left (`_left_by_us`) is removed first; anything else by that name (a user's
+    folder, a link) is left alone and refused."""
     if os.path.lexists(tmp):
-        if os.path.islink(tmp) or not commit.is_in_progress(tmp):
+        if not _left_by_us(tmp):
             raise CheckpointError(f"{tmp} exists and was not left by an interrupted run of this command; "
                                   "it is never removed: move it away or name another output")
         shutil.rmtree(tmp)
@@ -472,17 +490,40 @@ def _new_partial(tmp: str) -> None:
     commit.mark_in_progress(tmp)
 
 
+def _left_by_us(tmp: str) -> bool:
+    """Whether `tmp` is a folder a run of this command made: marked in progress, or stopped while
+    marking it (`layout.PARTIAL`), or empty (stopped before)."""
+    return not os.path.islink(tmp) and os.path.isdir(tmp) and (
+        not os.listdir(tmp) or layout.status_of(tmp) == layout.PARTIAL)
+
+
 def cmd_convert(args: argparse.Namespace, progress: Progress) -> int:
     _check_output(args.dst)
     if os.path.isdir(args.dst) and os.listdir(args.dst):
         raise CheckpointError(f"{args.dst} exists and is not empty; remove it or name a new folder")
-    with launched_group(), _opened(args.src, "src") as (store, src), _staged(args.dst) as out, progress:
-        convert(args.to, store.fetch(src), out, args.adapter, hf_assets_path=args.hf_assets,
-                dtype=args.dtype, max_shard_size=args.max_shard_size, consolidation=args.consolidation,
-                threads=args.threads, progress=progress, rope_layout=args.rope_layout)
+    with launched_group(), _opened(args.src, "src") as (store, src):
+        local = store.fetch(src)
+        if args.to == "hf":
+            _check_exportable(local, args.src)
+        with _staged(args.dst) as out, progress:
+            convert(args.to, local, out, args.adapter, hf_assets_path=args.hf_assets,
+                    dtype=args.dtype, max_shard_size=args.max_shard_size, consolidation=args.consolidation,
+                    threads=args.threads, progress=progress, rope_layout=args.rope_layout)
     if this_rank_draws():
         print(f"converted {args.src} -> {args.dst} ({args.to})")
     return EXIT_OK
+
+
+def _check_exportable(path: str, shown: str) -> None:
+    """Refuse a step no load would take: a partial one (its save did not finish) or one whose
+    commit marker is damaged or a newer version's. Its files are not checksummed here (`verify`
+    does that)."""
+    status = layout.status_of(path)
+    if status == layout.PARTIAL:
+        raise CheckpointError(f"{shown} is a partial step (its save did not finish, or is still being written); "
+                              "convert a complete one (`torchtitan-ckpt list` shows them)")
+    if status == layout.COMPLETE:
+        commit.read_marker(path)
 
 
 def cmd_consolidate(args: argparse.Namespace, progress: Progress) -> int:
@@ -663,6 +704,10 @@ def _on_termination() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if sys.stdout is None:  # started with it closed (`>&-`): nothing could be said
+        return EXIT_PIPE
+    if sys.stderr is None:  # errors would go to stdout: they go nowhere, the status says it
+        sys.stderr = open(os.devnull, "w")
     args = build_parser().parse_args(argv)
     _setup_logging(args)
     with _on_termination():
@@ -680,12 +725,12 @@ def _run(args: argparse.Namespace) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     except (CheckpointError, OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_escaped(str(e))}", file=sys.stderr)
         return EXIT_INPUT
     except (KeyboardInterrupt, CheckpointException) as e:  # DCP wraps a Ctrl-C in its own exception
         cause = storage.root_cause(e)
         if not isinstance(cause, KeyboardInterrupt):
-            print(f"error: {type(cause).__name__}: {cause}", file=sys.stderr)
+            print(f"error: {type(cause).__name__}: {_escaped(str(cause))}", file=sys.stderr)
             return EXIT_INPUT
         print(f"torchtitan-ckpt {args.command}: interrupted", file=sys.stderr)
         return 128 + cause.signum if isinstance(cause, _Terminated) else EXIT_INTERRUPTED

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -112,6 +113,8 @@ def _marker_problem(info: CommitInfo, path: str) -> str | None:
         return f"files is a {type(info.files).__name__}, not a dict of file names"
     for rel, entry in info.files.items():
         safe_open.inside(path, rel, f"the file named in {MARKER}")
+        if os.path.normpath(rel) != rel:  # `./x` beside `x`: verify would read one file once per spelling
+            return f"files names {brief(rel)}, not as the step's listing spells it ({brief(os.path.normpath(rel))})"
         if (not isinstance(entry, dict) or set(entry) != {"size", "crc32"} or not count(entry["size"], 0)
                 or not isinstance(entry["crc32"], str)):
             return f"files[{brief(rel)}] = {brief(entry)} is not {{'size': bytes, 'crc32': hex}}"
@@ -137,28 +140,29 @@ def remove_step(path: str, removed: Callable[[int], None] | None = None) -> None
     marker, then the marker, then the folders. A crash at any point leaves a folder that reads
     as partial (ours, removed by the next cleaning), never data files with no marker, which
     would read as another program's checkpoint (and, with DCP's `.metadata` left, as loadable).
-    Links inside are removed, never followed. `removed(nbytes)` hears of each file removed."""
+    Links inside are removed, never followed, and every name is removed relative to its folder's
+    open descriptor: a folder swapped for a link meanwhile (by another writer of the checkpoint
+    folder) is never removed through. `removed(nbytes)` hears of each file removed."""
     uncommit(path)
     marker = os.path.join(path, IN_PROGRESS)
-    for root, folders, names in os.walk(path, topdown=False):
+    for root, folders, names, fd in os.fwalk(path, topdown=False):
         for name in names:
-            full = os.path.join(root, name)
-            if full != marker:
-                size = os.lstat(full).st_size
-                os.remove(full)
+            if os.path.join(root, name) != marker:
+                size = os.stat(name, dir_fd=fd, follow_symlinks=False).st_size
+                os.unlink(name, dir_fd=fd)
                 if removed is not None:
                     removed(size)
-        for name in folders:
-            full = os.path.join(root, name)
-            (os.remove if os.path.islink(full) else os.rmdir)(full)
+        for name in folders:  # a link to a folder is listed here, and was not walked into
+            is_link = stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+            (os.unlink if is_link else os.rmdir)(name, dir_fd=fd)
     if os.path.lexists(marker):
         os.remove(marker)
     try:
         os.rmdir(path)
-    except OSError as e:  # a file written meanwhile: the folder is marked ours again, partial
-        if e.errno != errno.ENOTEMPTY:
-            raise
+    except OSError as e:  # the folder is marked ours again, partial: removed by a later cleaning
         mark_in_progress(path)
+        if e.errno != errno.ENOTEMPTY:  # its parent is read-only, say
+            raise
         raise CheckpointError(f"{path}: files appeared in it while it was removed (a job is writing there?); it "
                               "is left partial, to be removed once nothing writes there") from None
     durable.fsync_path(os.path.dirname(os.path.abspath(path)))

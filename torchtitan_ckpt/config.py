@@ -16,6 +16,7 @@ import inspect
 import logging
 import math
 import os
+import re
 import sys
 import textwrap
 import types
@@ -577,8 +578,8 @@ off): such a key is left out with a log line, as `Checkpoint.from_torchtitan` le
 
 def _suggest(name: str, valid) -> str:
     close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    return f"{hint} Valid: {', '.join(sorted(valid))}"
+    hint = f"; did you mean '{close[0]}'?" if close else ";"
+    return f"{hint} valid: {', '.join(sorted(valid))}"
 
 
 def _convert(key: str, value: Any, tp: Any) -> Any:
@@ -614,7 +615,7 @@ def _convert_list(key: str, value: Any, inner: Any) -> list:
     if isinstance(value, _CliText):
         value = [_CliText(v.strip()) for v in value.split(",") if v.strip()]
     if not isinstance(value, (list, tuple)):
-        raise ConfigError(key, value, "expected a list (TOML array or comma-separated string)")
+        raise ConfigError(key, value, "expected a list (a TOML array; on the command line, a comma-separated string)")
     return [_convert(key, v, inner) for v in value]
 
 
@@ -626,14 +627,18 @@ def _convert_bool(key: str, value: Any) -> bool:
     return value
 
 
+_CLI_INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_CLI_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+"""A number on the command line, as TOML writes one (ASCII digits, no `_`); ints without a point."""
+
+
 def _convert_number(key: str, value: Any, kind: type) -> int | float:
     """An int within 64 bits, or a finite float (a TOML int is a valid float)."""
     what = "an integer within 64 bits" if kind is int else "a finite number"
     if isinstance(value, _CliText):
-        try:
-            value = kind(value)
-        except ValueError:
-            raise ConfigError(key, value, f"expected {what}") from None
+        if not (_CLI_INT if kind is int else _CLI_NUMBER).fullmatch(value):  # int() takes other digits and `_`
+            raise ConfigError(key, value, f"expected {what}")
+        value = kind(value)
     ok = (int,) if kind is int else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok):
         raise ConfigError(key, value, f"expected {what}")

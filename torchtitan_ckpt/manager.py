@@ -38,9 +38,9 @@ from .errors import (
 from .group import CheckpointGroup
 from .formats import FORMATS, Context, StepFormat, StepIndex, Written
 from .hf import StateDictAdapter
-from .hf.adapter import as_adapter
+from .hf.adapter import EMBEDDING, TIED_HEAD, as_adapter
 from .hf.files import RECORDED_LAYOUT
-from .hf.save import assets_file_split
+from .hf.save import assets_file_split, read_assets
 from .io.dtypes import EXPORT_DTYPES
 from .io.filewriter import Sink
 from .progress import gb_per_s
@@ -208,6 +208,8 @@ class CheckpointManager:
                 self._group.run(self._check_export, coordinator_only=True)
             except RankFailed as failed:
                 raise ConfigError(f"checkpoint.{export}", getattr(config, export), str(failed.error or failed)) from None
+            if problem := self._untied():
+                raise ConfigError(f"checkpoint.{export}", getattr(config, export), problem)
         if config.create_seed_checkpoint and self._group.world_size != 1:
             raise ConfigError("checkpoint.create_seed_checkpoint", True,
                               f"a seed checkpoint is written by a single process; this job has "
@@ -231,11 +233,31 @@ class CheckpointManager:
             store.check(self._group, write)  # a probe written: shared by every rank?
 
     def _check_export(self) -> None:
-        """The adapter's `config.json` to write; and, where the adapter knows the tensors it
-        exports (one of ours), that its assets' file split, if any, names each of them."""
+        """The adapter's `config.json` and its assets' other files to write; and, where the
+        adapter knows the tensors it exports (one of ours), that its assets' file split, if any,
+        names each of them."""
         self._adapter.export_config(EXPORT_DTYPES[self.config.export_dtype])
+        read_assets(self._adapter.hf_assets_path)
         if self._adapter.hf_names is not None:
             assets_file_split(self._adapter, self._adapter.hf_names, log=False)
+
+    def _untied(self) -> str | None:
+        """Why the model cannot be exported under the adapter's config, which ties the head to
+        the embedding, or None: a model whose head is a parameter of its own (built untied, or
+        untied by `to_empty()` or a copy) trains it apart, and the export after the training
+        would be refused (a pipeline stage holding the head without the embedding, too). Asked
+        where an HF export is configured, at construction and at load() (after the model is
+        materialised), of every rank's parts."""
+        if not getattr(self._adapter, "tied", False):
+            return None
+        held = self._group.run(lambda: self._model.one_parameter(TIED_HEAD, EMBEDDING))  # every rank hears it
+        if False not in held:
+            return None
+        where = f" (on rank {held.index(False)})" if len(held) > 1 else ""
+        return (f"the Hugging Face config ties {TIED_HEAD} to {EMBEDDING} (tie_word_embeddings = true), and the "
+                f"model's {TIED_HEAD} is a parameter of its own{where}, which training would take apart from the "
+                f"embedding: tie them (model.output.weight = model.tok_embeddings.weight, again after to_empty()), "
+                "or export with a config.json saying tie_word_embeddings = false (the adapter's hf_assets_path)")
 
     def _build_states(self, parts, optimizers, lr_schedulers, dataloader, extra, rank,
                       world_size) -> dict[str, Stateful]:
@@ -518,6 +540,8 @@ class CheckpointManager:
         if not self.config.enable:
             return False
         self._saves.wait()
+        if (self.config.last_save_in_hf or self.config.hf_export_interval) and (problem := self._untied()):
+            raise CheckpointError(f"load(): {problem}")
         # rank 0 deletes what retention chose: every rank scans once those deletions are done
         self._group.run(lambda: self._deleter.drain(), coordinator_only=True)
         start = time.perf_counter()
@@ -893,11 +917,11 @@ class CheckpointManager:
                 continue
             prefix = name + "."
             saved = [k for k in keys if k.startswith(prefix)]
-            if not saved:
-                if name not in target.listed:
-                    raise CheckpointError(
-                        f"{target.path} has no state '{name}'; add '{name}' to "
-                        "checkpoint.exclude_from_loading to start it fresh")
+            if not saved and name not in target.listed:
+                raise CheckpointError(f"{target.path} has no state '{name}'; add '{name}' to "
+                                      "checkpoint.exclude_from_loading to start it fresh")
+            checked = isinstance(stateful, (OptimizerState, LRSchedulerState))  # they say what they lack
+            if not saved and not checked:
                 # saved with no values (an EMA before it starts, `{"shadow": {}}`), which DCP keeps no
                 # trace of: the job's own empty containers, if they are that, else nothing
                 template = stateful.state_dict()
@@ -906,7 +930,7 @@ class CheckpointManager:
             relative = {k[len(prefix):] for k in saved}
             if isinstance(stateful, DataLoaderState) and not self._dataloader_fits(stateful, relative):
                 continue
-            if isinstance(stateful, (OptimizerState, LRSchedulerState)):
+            if checked:
                 try:
                     state[name] = stateful.state_dict_to_load(relative)
                 except CheckpointError as e:
@@ -925,9 +949,14 @@ class CheckpointManager:
         the same on every rank, and one gather joins them."""
         states = {*BUILTIN_STATES, *self._states, *target.listed}
         names = sorted(k for k in target.index.tensors if k.partition(".")[0] not in states)
-        mine = sum(1 << i for i, name in enumerate(names) if name in state)
-        held = functools.reduce(operator.or_, self._group.all_gather(mine))
-        unloaded = [name for i, name in enumerate(names) if not held >> i & 1]
+        mine = bytearray(len(names) + 7 >> 3)  # bytes: an int's shift per name would make it quadratic
+        for i, name in enumerate(names):
+            if name in state:
+                mine[i >> 3] |= 1 << (i & 7)
+        gathered = self._group.all_gather(bytes(mine))
+        held = functools.reduce(operator.or_, (int.from_bytes(b, "little") for b in gathered))
+        bits = held.to_bytes(len(mine), "little")
+        unloaded = [name for i, name in enumerate(names) if not bits[i >> 3] >> (i & 7) & 1]
         if unloaded and self._group.is_coordinator:
             logger.warning("%s holds %d model tensors this job's model does not have, e.g. %s: they are not loaded "
                            "(a layer removed since the save?)", target.path, len(unloaded), unloaded[:3])

@@ -30,6 +30,7 @@ except ImportError:
     _FSDP1 = None
 
 from .errors import CheckpointError, CorruptCheckpointError
+from .io.dtypes import storable
 from .io.torch_archive import load_plain_pickle, refusal
 from .io.untrusted import brief
 
@@ -79,7 +80,8 @@ class ModelState(CheckedState):
         `load()` fill nothing and report success, or `save()` fail after making the step folder.
         Nor may one repeat an element (an `expand()` view): its step would be saved, and every
         load of it fail once other tensors were filled. Sparse, quantized and nested tensors are
-        refused here too, before the step folder is made: DCP's writer fails on each."""
+        refused here too, before the step folder is made: DCP's writer fails on each, and on
+        tensors of sub-byte dtypes."""
         empty = [k for k, v in state.items()
                  if isinstance(v, torch.Tensor) and (v.is_meta or nn.parameter.is_lazy(v))]
         if empty:
@@ -93,6 +95,11 @@ class ModelState(CheckedState):
                                   "nested), which DCP can neither write nor fill in place: store them dense "
                                   "(.to_dense(), .dequantize()), or register them with persistent=False if they "
                                   "are derived")
+        odd = [f"{k} ({v.dtype})" for k, v in state.items() if isinstance(v, torch.Tensor) and not storable(v.dtype)]
+        if odd:
+            raise CheckpointError(f"{call}: {odd[:3]} are of dtypes DCP cannot write (sub-byte and bit dtypes): "
+                                  "store them packed in uint8 (.view(torch.uint8) where the layout allows), or "
+                                  "register them with persistent=False if they are derived")
         # a load fills each tensor in place, which one whose elements share memory cannot take
         shared = [k for k, v in state.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
                   and v.layout == torch.strided
@@ -101,6 +108,12 @@ class ModelState(CheckedState):
             raise CheckpointError(f"{call}: {shared[:3]} repeat one element along a dimension (an expand() "
                                   "view, stride 0): no load can fill such a tensor in place; register it with "
                                   "persistent=False if it is derived, or store it as .contiguous()")
+
+    def one_parameter(self, name: str, other: str) -> bool | None:
+        """Whether the parameter `name` of this rank's parts is the parameter `other` too (tied);
+        None when no part holds `name`."""
+        params = {canonical_name(n): p for part in self.parts for n, p in part.named_parameters(remove_duplicate=False)}
+        return None if name not in params else params.get(other) is params[name]
 
     def parameter_names(self) -> set[str]:
         """The keys of `state_dict()` that are parameters (both names of a tied one)."""
@@ -319,7 +332,7 @@ def _same_kind(saved: Any, live: Any) -> bool:
     """Whether an optimizer setting read from a checkpoint can stand where the job has `live`:
     None (an option left to its default) anywhere and anything where the job has None, a flag
     for a flag, a number (or a tensor holding one) for a number, a sequence of as many such for
-    a sequence, text for text."""
+    a sequence, text for text, a table whose shared keys are such for a table."""
     if saved is None or live is None:
         return True
     if isinstance(live, bool):
@@ -331,6 +344,8 @@ def _same_kind(saved: Any, live: Any) -> bool:
                 and all(_same_kind(s, v) for s, v in zip(saved, live)))
     if isinstance(live, str):
         return isinstance(saved, str)
+    if isinstance(live, dict):
+        return isinstance(saved, dict) and all(_same_kind(saved[k], live[k]) for k in saved.keys() & live.keys())
     return True
 
 
@@ -396,18 +411,33 @@ class LRSchedulerState(CheckedState):
         return _unshared(wanted, set())
 
     def check_loaded(self, state_dict: dict[str, Any]) -> None:
+        """Step counts are ints, and every entry read is of the kind (and length) the job's
+        scheduler has for it: a rate list of another length, or text for one, would load and
+        then fail the next step, or fail the load after the model was filled."""
         each = state_dict.get(_EACH, {})
         for where, state in [("", state_dict), *((f"{_EACH}.{i}.", s) for i, s in each.items())]:
             for key in ("last_epoch", "_step_count"):
                 if key in state and type(state[key]) is not int:
                     raise CorruptCheckpointError(f"lr_scheduler.{where}{key} is {state[key]!r}, not a step count")
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        each = state_dict.get(_EACH, {})
         for i, scheduler in enumerate(self.schedulers):
             own = scheduler.state_dict()
-            shared = each.get(str(i)) or {k: v for k, v in state_dict.items() if k != _EACH and (
-                len(self.schedulers) == 1 or k not in _PER_SCHEDULER)}
+            where, shared = self._shared(state_dict, i)
+            for key in shared.keys() & own.keys():
+                if not _same_kind(shared[key], own[key]):
+                    raise CorruptCheckpointError(f"lr_scheduler.{where}{key} is {brief(shared[key])}, where this "
+                                                 f"job's scheduler has {brief(own[key])}")
+
+    def _shared(self, state_dict: dict[str, Any], i: int) -> tuple[str, dict[str, Any]]:
+        """Where in `state_dict` the `i`-th scheduler's state is, and that state."""
+        if own := state_dict.get(_EACH, {}).get(str(i)):
+            return f"{_EACH}.{i}.", own
+        return "", {k: v for k, v in state_dict.items() if k != _EACH and (
+            len(self.schedulers) == 1 or k not in _PER_SCHEDULER)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for i, scheduler in enumerate(self.schedulers):
+            own = scheduler.state_dict()
+            shared = self._shared(state_dict, i)[1]
             scheduler.load_state_dict(copy.deepcopy({**own, **shared}))
             if "_step_count" not in state_dict and hasattr(scheduler, "last_epoch"):
                 scheduler._step_count = scheduler.last_epoch + 1  # what step() would have counted

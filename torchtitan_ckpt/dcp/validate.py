@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import CorruptCheckpointError
 from ..io import safe_open
+from ..io.dtypes import storable
 from ..io.untrusted import MAX_DIMS, brief
 
 MAX_INT = 2**62
@@ -87,6 +89,8 @@ def _entry_problem(key: str, md: Any, storage: dict) -> str | None:
     props = getattr(md, "properties", None)
     if not isinstance(props, TensorProperties) or not isinstance(getattr(props, "dtype", None), torch.dtype):
         return f"has properties {brief(props)} without a dtype"
+    if not storable(props.dtype):
+        return f"has the dtype {props.dtype}, which no tensor DCP writes has"
     size, chunks = getattr(md, "size", None), getattr(md, "chunks", None)
     if not _ints(size) or math.prod(size) > MAX_INT:
         return f"has size {brief(size)}, not a torch.Size of at most {MAX_DIMS} non-negative dimensions"
@@ -174,12 +178,15 @@ def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
 
 
 def _check_storage(storage: dict, root: str, path: str) -> None:
-    """Every storage entry: an offset and a length, a file inside `root`, no transform. DCP
+    """Every storage entry: an offset and a length, a file inside `root` named as DCP names one
+    (no `./`), no transform, and bytes no other entry's range covers in that file, under any of
+    its names (entries sharing bytes would make a reader read one value once per entry: a small
+    file costing many times its size). DCP
     stores an item through transforms (compression) only when asked to (`_extensions`), and
     this package never asks: reading one would mean reading it after the other items, past the
     checks, and decompressing it without bound, so such a checkpoint is refused before anything
     is read."""
-    files: set[str] = set()
+    files: dict[str, list[tuple[int, int, Any]]] = {}
     for index, info in storage.items():
         name = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
@@ -191,9 +198,27 @@ def _check_storage(storage: dict, root: str, path: str) -> None:
                        "does not read; load it with torch.distributed.checkpoint and save it again")
         elif not isinstance(name, str):
             problem = f"names the file {brief(name)}, not a file name"
+        elif os.path.normpath(name) != name:  # `./x` beside `x`: one file's bytes under two names
+            problem = f"names the file {brief(name)}, not as DCP spells one ({brief(os.path.normpath(name))})"
         else:
             if name not in files:
                 safe_open.inside(root, name, f"the storage entry {brief(index.fqn)} in {path}")
-                files.add(name)
+                files[name] = []
+            if length:
+                files[name].append((offset, offset + length, index))
             continue
         raise CorruptCheckpointError(f"{path}: storage entry {brief(getattr(index, 'fqn', index))} {problem}")
+    by_file: dict[Any, list[tuple[int, int, Any]]] = {}
+    for name, ranges in files.items():  # two names linked to one file are one file
+        try:
+            st = os.stat(os.path.join(root, name))
+            by_file.setdefault((st.st_dev, st.st_ino), []).extend((*r, name) for r in ranges)
+        except OSError:  # missing: its reader names it
+            by_file.setdefault(name, []).extend((*r, name) for r in ranges)
+    for ranges in by_file.values():
+        ranges.sort(key=lambda r: r[:2])
+        for (_, end, first, name), (start, _, second, _) in zip(ranges, ranges[1:]):
+            if start < end:
+                raise CorruptCheckpointError(
+                    f"{path}: storage entries {brief(first.fqn)} and {brief(second.fqn)} share bytes of {brief(name)} "
+                    "(every item is written to bytes of its own): the file is damaged or crafted")

@@ -10,8 +10,11 @@ adapters permute `wq`/`wk` rows, and q/k norm weights, between the two).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import ConfigError
 from ..hf import HFModelConfig, StateDictAdapter, adapter_for_config
 from ..hf.files import CONFIG_FILE
-from ..hf.model_config import positive_float
+from ..hf.model_config import positive_float, read_hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -186,14 +189,46 @@ ROPE_LAYOUT = "interleaved"
 """This model's RoPE rotates channel pairs (2i, 2i+1) of a head, for every family (`hf.adapter.ROPE_LAYOUTS`)."""
 
 
+_FORWARD = ("norm_eps", "rope_theta", "rope_scaling", "qk_norm", "qkv_bias", "moe")
+"""The `ModelArgs` that change the forward pass besides the weights' shapes (which the adapter
+compares): an export's `config.json` must give the model's."""
+
+
+def _as_float32(value: Any) -> Any:
+    """`value` (a number, or a dataclass of them) with its floats as the model computes with
+    them: a config's `rms_norm_eps` of 9.999999747378752e-06 (1e-5 rounded to float32, as
+    configs converted from GGUF give it) is the model's 1e-5."""
+    if isinstance(value, float):
+        return struct.unpack("f", struct.pack("f", value))[0]
+    if dataclasses.is_dataclass(value):
+        return tuple(_as_float32(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return value
+
+
 def hf_adapter(args: ModelArgs, hf_assets_path: str | None = None) -> StateDictAdapter:
-    """The HF adapter of a model with `args`, built from its `config.json` (`hf_config`)."""
+    """The HF adapter of a model with `args`, built from its `config.json` (`hf_config`). An
+    `hf_assets_path` whose `config.json` describes another forward pass (another RoPE, norm
+    epsilon or family: a flavor of the right sizes for another model) is a `ConfigError`: the
+    model would train with the flavor's and be exported under that config."""
+    path = os.path.join(hf_assets_path or "", CONFIG_FILE)
+    if hf_assets_path is not None and os.path.isfile(path):
+        theirs = args_from_hf_config(read_hf_config(path).raw, path)
+        if differ := [f"{f} = {getattr(theirs, f)} there, {getattr(args, f)} in the flavor" for f in _FORWARD
+                      if _as_float32(getattr(theirs, f)) != _as_float32(getattr(args, f))]:
+            raise ConfigError("model.hf_assets_path", hf_assets_path,
+                              f"its {CONFIG_FILE} describes another model than the flavor ({'; '.join(differ)}); "
+                              "pick the flavor of that model, or assets of this one")
     return adapter_for_config(hf_config(args), hf_assets_path, where=f"the {args.model_type} model's config",
                               rope_layout=ROPE_LAYOUT)
 
 
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 """The HF `model_type`s whose models this one builds (`args_from_hf_config`)."""
+
+
+_FORWARD_DEFAULTS = {"mixtral": (1e-5, 1e6)}
+"""`model_type` -> the `rms_norm_eps` and `rope_theta` `transformers` gives a config that leaves
+them out, where they are not every other family's (1e-6, 10000)."""
 
 
 def args_from_hf_config(raw: Any, where: str = CONFIG_FILE) -> ModelArgs:
@@ -214,11 +249,12 @@ def args_from_hf_config(raw: Any, where: str = CONFIG_FILE) -> ModelArgs:
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{where}: rope_parameters", rope, "expected an object")
-    theta = positive_float(raw, "rope_theta", positive_float(rope, "rope_theta", 10000.0, where), where)
+    eps, theta = _FORWARD_DEFAULTS.get(c.model_type, (1e-6, 10000.0))
+    theta = positive_float(raw, "rope_theta", positive_float(rope, "rope_theta", theta, where), where)
     return ModelArgs(
         dim=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
         n_kv_heads=c.num_key_value_heads, vocab_size=c.vocab_size, ffn_hidden=c.intermediate_size,
-        head_size=c.head_dim, norm_eps=positive_float(raw, "rms_norm_eps", 1e-6, where), rope_theta=theta,
+        head_size=c.head_dim, norm_eps=positive_float(raw, "rms_norm_eps", eps, where), rope_theta=theta,
         max_seq_len=int(positive_float(raw, "max_position_embeddings", 2048, where)),
         tie_embeddings=c.tie_word_embeddings, rope_scaling=_rope_scaling(rope, where),
         qk_norm=c.model_type.startswith("qwen3"), qkv_bias=c.model_type == "qwen2", moe=_moe_args(c),

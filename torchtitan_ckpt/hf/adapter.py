@@ -264,13 +264,22 @@ def _check_tied(head: Any, embedding: Any) -> None:
 
 
 def _check_describes(assets: HFModelConfig, ours: HFModelConfig) -> None:
-    """Raise `CheckpointError` unless the assets' config gives the adapter's shapes, experts and
-    tying (its `model_type` may differ: Mistral's and Llama's tensors are alike). An export
-    writes the adapter's tensors beside the assets' config, and `transformers` builds the model
-    from that config: a head it ties or initialises at random, other shapes, silently."""
+    """Raise `CheckpointError` unless the assets' config gives the adapter's family, shapes,
+    experts and tying (its `model_type` may differ where one adapter maps both: Mistral's and
+    Llama's tensors are alike). An export writes the adapter's tensors beside the assets'
+    config, and `transformers` builds the model from that config: a head it ties or initialises
+    at random, other shapes, another family's layers (a Qwen3's q/k norms dropped by a Llama),
+    silently."""
+    from .registry import ADAPTERS  # which imports this module
+
+    def family(model_type: str) -> Any:
+        return ADAPTERS.get(model_type, model_type)
+
     differ = [f"{f.name} = {_json(getattr(assets, f.name))} there, {_json(getattr(ours, f.name))} in the "
               "adapter's" for f in dataclasses.fields(HFModelConfig)
               if f.compare and f.name != "model_type" and getattr(assets, f.name) != getattr(ours, f.name)]
+    if family(assets.model_type) != family(ours.model_type):
+        differ.insert(0, f"model_type = {_json(assets.model_type)} there, {_json(ours.model_type)} in the adapter's")
     if differ:
         raise CheckpointError(
             f"{assets.where} does not describe the model the adapter converts ({'; '.join(differ)}): an export "

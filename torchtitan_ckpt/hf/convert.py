@@ -10,7 +10,8 @@
 No model is built: the adapter, picked by `config.json`'s `model_type`, gives the name and shape
 of every tensor, and the DCP side is those names -> tensors. `--to dcp` records the HF config in
 the step folder (`hf_config.json`) and the RoPE layout it permuted q/k for (`rope_layout.json`),
-so `--to hf` of that folder needs neither `--hf-assets` nor `--rope-layout`. With
+so `--to hf` of that folder needs neither `--hf-assets` nor `--rope-layout` for its weights and
+config; the tokenizer and generation files and the file split come only from `--hf-assets`. With
 several ranks every tensor is split by rows across them (a 1-D gloo mesh), so each rank reads
 and holds about 1/N of the model; the HF export then writes each rank's rows in place (one pass;
 the two-phase modes gather whole tensors).
@@ -164,9 +165,10 @@ def _dcp_tensors(path: str, adapter: StateDictAdapter) -> tuple[dict[str, tuple[
 def _check_stored(path: str, metadata: Metadata, keys: list[str]) -> None:
     """Raise `CorruptCheckpointError` naming the data file and the tensor unless every chunk of
     the tensors `keys` has a storage entry of at least the chunk's bytes that lies in its data
-    file, apart from the other entries there: the tensors allocated for them then take no more
-    memory than the folder's files hold, whatever sizes `.metadata` claims."""
-    places: dict[str, list[tuple[int, int, str]]] = {}
+    file (apart from the other entries there: `validate` checked that): the tensors allocated for
+    them then take no more memory than the folder's files hold, whatever sizes `.metadata`
+    claims."""
+    places: dict[str, list[tuple[int, str]]] = {}
     for key in keys:
         md = metadata.state_dict_metadata[key]
         for chunk in md.chunks:
@@ -176,16 +178,13 @@ def _check_stored(path: str, metadata: Metadata, keys: list[str]) -> None:
                 raise CorruptCheckpointError(
                     f"{os.path.join(path, info.relative_path)}: the chunk of '{key}' at {list(chunk.offsets)} holds "
                     f"{nbytes} bytes, but its storage entry only {info.length}; the checkpoint is damaged or crafted")
-            places.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length, key))
-    for name, spans in places.items():
+            places.setdefault(info.relative_path, []).append((info.offset + info.length, key))
+    for name, ends in places.items():
         size = safe_open.file_size(path, name, "a data file named in .metadata")
-        end, last = 0, None
-        for start, stop, key in sorted(spans):
-            if start < end or stop > size:
-                where = f"bytes {start}-{stop} of its {size}" if stop > size else f"bytes of '{last}' too"
-                raise CorruptCheckpointError(f"{os.path.join(path, name)}: the storage entry of '{key}' claims "
-                                             f"{where}; the checkpoint is damaged or crafted")
-            end, last = stop, key
+        stop, key = max(ends)
+        if stop > size:
+            raise CorruptCheckpointError(f"{os.path.join(path, name)}: the storage entry of '{key}' claims bytes "
+                                         f"up to {stop} of its {size}; the checkpoint is damaged or crafted")
 
 
 def empty_state_dict(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]) -> dict[str, Any]:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from .files import CONFIG_FILE
 from ..io import safe_open
 
@@ -123,6 +124,8 @@ def read_hf_config(path: str) -> HFModelConfig:
     """Read and check the `config.json` at `path`: a regular file (a FIFO or a device there is
     refused, never waited on) inside its folder (a link out of it is not followed) of at most
     `MAX_CONFIG_BYTES`."""
+    if not os.path.lexists(path):
+        raise CheckpointNotFoundError(f"{path} not found: the folder holds no Hugging Face model config")
     try:
         raw = json.loads(safe_open.read_bounded(path, "the model config", MAX_CONFIG_BYTES))
     except (OSError, ValueError, RecursionError) as e:

@@ -81,7 +81,7 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
 
     def prepare(sync: bool) -> list[str]:  # on rank 0; the config is read (and checked) before the folder is touched
         try:
-            config, assets = adapter.export_config(config_dtype), _read_assets(adapter.hf_assets_path)
+            config, assets = adapter.export_config(config_dtype), read_assets(adapter.hf_assets_path)
             return _clear_and_write_config(out_dir, config, assets, sync)
         except OSError as e:
             raise CheckpointError(f"preparing {out_dir} failed on rank 0: {type(e).__name__}: {e}") from e
@@ -172,7 +172,7 @@ def assets_file_split(adapter: Any, exported: Collection[str], log: bool = True)
     return {name: i for name, i in mapping.items() if name in exported}
 
 
-def _read_assets(hf_assets_path: str | None) -> dict[str, bytes]:
+def read_assets(hf_assets_path: str | None) -> dict[str, bytes]:
     """The assets' files of `ASSET_FILES` there are (a hub cache's links to its blobs followed),
     by name; each at most `MAX_ASSET_BYTES`."""
     if hf_assets_path is None:

@@ -1,8 +1,32 @@
-"""Names of dtypes as configs and files spell them, and the torch dtypes they mean."""
+"""Names of dtypes as configs and files spell them, the torch dtypes they mean, and which dtypes
+a checkpoint can hold."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 EXPORT_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 """`checkpoint.export_dtype` (and `convert --dtype`) -> the dtype floating tensors are cast to."""
+
+
+_QUANTIZED = frozenset(getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+                       if hasattr(torch, n))
+
+
+@functools.cache
+def storable(dtype: torch.dtype) -> bool:
+    """Whether DCP can write plain tensors of `dtype`. Quantized dtypes belong to quantized
+    tensors, which it cannot write; it sizes each tensor with `torch._utils._element_size`,
+    which fails on the sub-byte and bit dtypes (uint1-7, int1-7, bits8 and the like), and only
+    after the step folder is made. Asked here so that they are refused first (and a `.metadata`
+    naming one is refused as crafted), and so that a later torch that sizes them lets them
+    through."""
+    if dtype in _QUANTIZED:
+        return False
+    try:
+        torch._utils._element_size(dtype)
+    except (TypeError, RuntimeError):
+        return False
+    return True

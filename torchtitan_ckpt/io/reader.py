@@ -259,6 +259,16 @@ def _row_major(size: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _dtype_problem(planner: LoadPlanner, req: ReadItem, dtype: torch.dtype) -> str | None:
+    """Whether an item's own dtype differs from the one `.metadata` declares for its tensor: a
+    load into tensors made from the metadata (`convert`'s) would cast its values silently."""
+    entries = getattr(getattr(planner, "metadata", None), "state_dict_metadata", None) or {}
+    declared = getattr(getattr(entries.get(req.storage_index.fqn), "properties", None), "dtype", None)
+    if declared is not None and declared != dtype:
+        return f"holds {dtype} values where the checkpoint's metadata says {declared}"
+    return None
+
+
 @dataclass(frozen=True)
 class _Region:
     """The part of a saved tensor that one read request wants, in elements of its storage."""
@@ -474,6 +484,8 @@ class ItemReader:
                                 f"the checkpoint's metadata says (it holds {brief(list(saved.size))})")
             if dest.size() != region.size:
                 raise item.fail(f"holds {list(region.size)} where the destination is {list(dest.size())}")
+            if problem := _dtype_problem(planner, req, saved.dtype):
+                raise item.fail(problem)
             item.confirm(located)
         except Malformed as e:
             raise item.fail(str(e)) from None
@@ -481,7 +493,8 @@ class ItemReader:
             raise item.fail(f"has a header pickle that {e.problem}") from None
         except Unrecognised as e:  # not the archive it looked like: read it the slow way
             logger.debug("%s: item '%s' read with torch.load (%s)", item.cursor.path, item.what, e)
-            self._load_with_torch(item, req, dest)
+            if problem := _dtype_problem(planner, req, self._load_with_torch(item, req, dest).dtype):
+                raise item.fail(problem) from None
             return _Planned(item, req, dest)
         return _Planned(item, req, dest, located, region)
 

@@ -42,12 +42,18 @@ def _resolved_inside(root: str, name: object, what: str) -> str:
     """`inside`, and the path with its symlinks followed is inside `root` too, or a blob of the
     Hugging Face hub's cache (`_hub_blob`)."""
     path = inside(root, name, what)
-    real_root, real = os.path.realpath(root), os.path.realpath(path)
-    if os.path.commonpath([real_root, real]) != real_root and not _hub_blob(real_root, real):
+    real = os.path.realpath(path)
+    if not _allowed(root, real):
         raise CorruptCheckpointError(f"{path}: {what} is a link to {real}, outside the checkpoint folder; refusing "
                                      "to read it (if the link is meant, copy the folder with its links followed: "
                                      "`cp -rL`)")
     return path
+
+
+def _allowed(root: str, real: str) -> bool:
+    """Whether the resolved path `real` is inside `root` (resolved too), or a hub blob of it."""
+    real_root = os.path.realpath(root)
+    return os.path.commonpath([real_root, real]) == real_root or _hub_blob(real_root, real)
 
 
 def _hub_blob(real_root: str, real: str) -> bool:
@@ -73,6 +79,7 @@ def open_fd(root: str, name: object, what: str) -> int:
                                   f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}; raise `ulimit -n`)") from e
         raise CorruptCheckpointError(f"{path}: {what} cannot be opened: {e.strerror}") from e
     try:
+        _check_opened(fd, root, path, what)
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise CorruptCheckpointError(f"{path}: {what} is not a regular file (mode {stat.filemode(mode)}); "
@@ -82,6 +89,19 @@ def open_fd(root: str, name: object, what: str) -> int:
     except BaseException:
         os.close(fd)
         raise
+
+
+def _check_opened(fd: int, root: str, path: str, what: str) -> None:
+    """The file `fd` opened is inside `root` too: a name swapped for a link out of the folder
+    between `_resolved_inside`'s check and the open (by another writer of the folder) is refused.
+    Asked of the kernel (`/proc/self/fd`); without it, the check before the open stands alone."""
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return
+    if not _allowed(root, real.removesuffix(" (deleted)")):
+        raise CorruptCheckpointError(f"{path}: {what} became a link to {real} while it was opened, outside the "
+                                     "checkpoint folder; refusing to read it")
 
 
 def make_room(count: int, what: str) -> None:
