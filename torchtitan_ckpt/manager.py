@@ -864,7 +864,10 @@ class CheckpointManager:
             except CorruptCheckpointError as e:  # a problem like any other: `verify_fallback` applies
                 return [str(e)]
             share = names[self._group.rank :: self._group.world_size]
-            store.fetch(path, share)
+            try:
+                store.fetch(path, share)
+            except CorruptCheckpointError as e:  # objects that cannot be its files
+                return [str(e)]
             return commit.verify(path, share)
 
         try:  # a rank that cannot check its share (the store failing) fails every rank

@@ -73,6 +73,10 @@ logger = logging.getLogger(__name__)
 
 _MARKERS = (commit.MARKER, commit.IN_PROGRESS)
 
+MAX_EMPTY_PAGES = 100
+"""Listing pages in a row without an object, each saying more follow, taken before the listing
+is refused as one that would never end (S3 may answer a few such pages; a server answering
+them with fresh tokens forever made a load list without end)."""
 MAX_OBJECT_BYTES = 1 << 46
 """64 TiB: above the largest object S3 stores (50 TB). A listing that gives a size beyond it (or
 a negative one) is refused before the size reaches a download."""
@@ -199,14 +203,19 @@ class S3Store(Store):
 
     def _list(self, key: str) -> dict[str, int]:
         """Object name (relative to `key/`; the whole bucket for the empty key) -> size, for
-        every object under `key/`. A folder placeholder (an empty object whose name ends in `/`,
-        as the S3 console makes) is no object. An answer naming an object outside `key/` or one
-        listed before (a listing that repeats itself would never end), or of a size outside [0,
-        MAX_OBJECT_BYTES], or one that pages on without a continuation token or with one given
-        before, is a `StorageError`."""
-        prefix, found, token, seen = f"{key}/" if key else "", {}, {}, set()
+        every object under `key/`. An object whose name ends in `/` (a folder placeholder, as the
+        S3 console makes, or another program's) is no file of a checkpoint: passed over. An
+        answer naming an object outside `key/` or one listed before (a listing that repeats
+        itself would never end), or of a size outside [0, MAX_OBJECT_BYTES], or one that pages on
+        without a continuation token, with one given before, or with `MAX_EMPTY_PAGES` empty
+        pages in a row, is a `StorageError`."""
+        prefix, found, token, seen, empty = f"{key}/" if key else "", {}, {}, set(), 0
         while True:
             page = self._call("listing", prefix, self.client.list_objects_v2, Prefix=prefix, **token)
+            empty = 0 if page.get("Contents") else empty + 1
+            if empty > MAX_EMPTY_PAGES:
+                raise StorageError(f"listing {self.where(prefix)}: the server answered {empty} pages in a row "
+                                   "without an object, each saying more follow: the listing would never end")
             for o in page.get("Contents", []):
                 name, size = o.get("Key"), o.get("Size")
                 if not isinstance(name, str) or not name.startswith(prefix):
@@ -218,10 +227,7 @@ class S3Store(Store):
                 if type(size) is not int or not 0 <= size <= MAX_OBJECT_BYTES:
                     raise StorageError(f"listing {self.where(prefix)}: the server gives {self.where(name)} a size "
                                        f"of {size!r} bytes, not one in [0, {MAX_OBJECT_BYTES}]")
-                if name.endswith("/"):
-                    if size:
-                        raise StorageError(f"listing {self.where(prefix)}: {self.where(name)} is named as a folder "
-                                           f"and holds {size} bytes; no checkpoint file has that name")
+                if name.endswith("/"):  # no checkpoint file has such a name: another program's, passed over
                     continue
                 found[name[len(prefix):]] = size
             if not page.get("IsTruncated"):
@@ -450,8 +456,7 @@ class S3Store(Store):
                    {n: size for n, size in listed.items() if n in wanted})
         if names is None and not listed:
             raise CheckpointNotFoundError(f"{self.where(key)}: no objects there")
-        if names is None:
-            _check_as_files(self.where(key), listed)
+        _check_as_files(self.where(key), listed if names is None else objects)
         for name, size in objects.items():
             if wanted is not None and size > _FETCH_LIMITS.get(name, size):
                 raise CorruptCheckpointError(f"{self.where(f'{key}/{name}')} is {size} bytes, more than the "
@@ -657,8 +662,9 @@ class S3Store(Store):
 
 def _check_as_files(where: str, names: Mapping[str, int]) -> None:
     """The objects `names` (relative to the folder `where`) can be laid out as files: none is
-    also a folder of another (`x` and `x/y`) and no two are one file (`a//b` and `a/b`), which
-    S3 allows. A `CorruptCheckpointError` naming them otherwise, before anything is downloaded."""
+    also a folder of another (`x` and `x/y`), no two are one file (`a//b` and `a/b`), which S3
+    allows, and no name is longer than a file's. A `CorruptCheckpointError` naming them
+    otherwise, before anything is downloaded."""
     files: dict[str, str] = {}
     for name in names:
         local = os.path.normpath(name)
@@ -668,6 +674,9 @@ def _check_as_files(where: str, names: Mapping[str, int]) -> None:
         if local in files:
             raise CorruptCheckpointError(f"{where}: the objects {files[local]!r} and {name!r} would be one file; "
                                          "the folder is damaged or was not written as a checkpoint")
+        if any(len(os.fsencode(part)) > commit.NAME_MAX for part in local.split(os.sep)):
+            raise CorruptCheckpointError(f"{where}: the object {name!r} names a file longer than a file name can "
+                                         "be; the folder is damaged or was not written as a checkpoint")
         files[local] = name
     for local, name in files.items():
         parent = os.path.dirname(local)
