@@ -94,8 +94,6 @@ def read_marker(path: str) -> CommitInfo:
     return info
 
 
-NAME_MAX = 255
-"""Longest name of a file, in bytes, that a Linux file system holds."""
 MAX_COUNT = 2**62
 """The largest step, world size or version a marker may give (and so the largest step saved)."""
 
@@ -120,14 +118,11 @@ def _marker_problem(info: CommitInfo, path: str) -> str | None:
         if (not isinstance(entry, dict) or set(entry) != {"size", "crc32"} or not count(entry["size"], 0)
                 or not isinstance(entry["crc32"], str)):
             return f"files[{brief(rel)}] = {brief(entry)} is not {{'size': bytes, 'crc32': hex}}"
-    for rel in info.files:  # what no folder holds (a store's download of it would fail midway)
-        if any(len(os.fsencode(part)) > NAME_MAX for part in rel.split("/")):
-            return f"files names {brief(rel)}, longer than a file name can be"
-        parent = os.path.dirname(rel)
-        while parent:
-            if parent in info.files:
-                return f"files names {brief(parent)} both as a file and as the folder of {brief(rel)}"
-            parent = os.path.dirname(parent)
+    # what no folder holds (a store's download of it would fail midway)
+    if long := next((rel for rel in info.files if safe_open.too_long(rel)), None):
+        return f"files names {brief(long)}, longer than a file name can be"
+    if clash := safe_open.file_and_folder(info.files):
+        return f"files names {brief(clash[0])} both as a file and as the folder of {brief(clash[1])}"
     return None
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypeVar
 
 from .errors import ConfigError
+from .io.safe_open import NAME_MAX
 from .storage import check_location, scheme_of, under
 
 if sys.version_info >= (3, 11):
@@ -60,8 +61,9 @@ collectives and requests (a peer still planning its save, a connection still bei
 MAX_STORAGE_TIMEOUT_S = 3600.0
 """Upper bound of `storage_timeout_s`: a store silent for longer has failed."""
 
-NAME_MAX, PATH_MAX = 255, 4096
-"""The bytes of a file name and of a path a file system takes where `os.pathconf` does not say."""
+PATH_MAX = 4096
+"""The bytes of a path a file system takes where `os.pathconf` does not say (of a file name:
+`NAME_MAX`)."""
 
 FOLDER_ROOM, STAGING_ROOM = 128, 512
 """Bytes a local folder's path leaves below PATH_MAX for the names this package makes in it: in

@@ -952,14 +952,10 @@ class CheckpointManager:
         the same on every rank, and one gather joins them."""
         states = {*BUILTIN_STATES, *self._states, *target.listed}
         names = sorted(k for k in target.index.tensors if k.partition(".")[0] not in states)
-        mine = bytearray(len(names) + 7 >> 3)  # bytes: an int's shift per name would make it quadratic
-        for i, name in enumerate(names):
-            if name in state:
-                mine[i >> 3] |= 1 << (i & 7)
-        gathered = self._group.all_gather(bytes(mine))
-        held = functools.reduce(operator.or_, (int.from_bytes(b, "little") for b in gathered))
-        bits = held.to_bytes(len(mine), "little")
-        unloaded = [name for i, name in enumerate(names) if not bits[i >> 3] >> (i & 7) & 1]
+        # the bitmap made from and read as a string of digits: a shift per name would be quadratic
+        mine = int("".join("1" if name in state else "0" for name in reversed(names)) or "0", 2)
+        held = functools.reduce(operator.or_, self._group.all_gather(mine))
+        unloaded = [name for name, bit in zip(names, reversed(f"{held:0{len(names)}b}")) if bit == "0"]
         if unloaded and self._group.is_coordinator:
             logger.warning("%s holds %d model tensors this job's model does not have, e.g. %s: they are not loaded "
                            "(a layer removed since the save?)", target.path, len(unloaded), unloaded[:3])

@@ -179,9 +179,9 @@ def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
 
 def _check_storage(storage: dict, root: str, path: str) -> None:
     """Every storage entry: an offset and a length, a file inside `root` named as DCP names one
-    (no `./`), no transform, and bytes no other entry's range covers in that file, under any of
-    its names (entries sharing bytes would make a reader read one value once per entry: a small
-    file costing many times its size). DCP
+    (no `./`), no transform, and bytes no other entry's range covers in that file (entries
+    sharing bytes would make a reader read one value once per entry: a small file costing many
+    times its size). Checked by name, with no I/O: every rank checks every entry. DCP
     stores an item through transforms (compression) only when asked to (`_extensions`), and
     this package never asks: reading one would mean reading it after the other items, past the
     checks, and decompressing it without bound, so such a checkpoint is refused before anything
@@ -208,16 +208,9 @@ def _check_storage(storage: dict, root: str, path: str) -> None:
                 files[name].append((offset, offset + length, index))
             continue
         raise CorruptCheckpointError(f"{path}: storage entry {brief(getattr(index, 'fqn', index))} {problem}")
-    by_file: dict[Any, list[tuple[int, int, Any]]] = {}
-    for name, ranges in files.items():  # two names linked to one file are one file
-        try:
-            st = os.stat(os.path.join(root, name))
-            by_file.setdefault((st.st_dev, st.st_ino), []).extend((*r, name) for r in ranges)
-        except OSError:  # missing: its reader names it
-            by_file.setdefault(name, []).extend((*r, name) for r in ranges)
-    for ranges in by_file.values():
+    for name, ranges in files.items():  # two names of one file (a link): `io.reader` refuses them
         ranges.sort(key=lambda r: r[:2])
-        for (_, end, first, name), (start, _, second, _) in zip(ranges, ranges[1:]):
+        for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
             if start < end:
                 raise CorruptCheckpointError(
                     f"{path}: storage entries {brief(first.fqn)} and {brief(second.fqn)} share bytes of {brief(name)} "

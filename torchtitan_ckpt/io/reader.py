@@ -348,6 +348,8 @@ class ItemReader:
         self._failed = threading.Event()
         self._headers: dict[bytes, tuple[SavedTensor, int]] = {}
         self._fds: dict[str, int] = {}
+        self._names: dict[tuple[int, int], str] = {}
+        """(device, inode) of each file opened -> the name it was opened by."""
         self._checked: list[_Run] = []
         self._pool: ThreadPoolExecutor | None = None
 
@@ -403,9 +405,19 @@ class ItemReader:
 
     def _open(self, rel: str, run: list[ReadItem]) -> _Cursor:
         """A cursor for `run` of the file `rel`, on the file's one descriptor (opened here for
-        its first run): a rank reading the files of thousands of ranks holds one per file."""
+        its first run): a rank reading the files of thousands of ranks holds one per file. A
+        file opened by another name before (a link) is refused: `validate` found the entries of
+        each name apart, but not those of one file under two names."""
         if rel not in self._fds:
-            self._fds[rel] = safe_open.open_fd(self.root, rel, "a data file named in .metadata")
+            fd = safe_open.open_fd(self.root, rel, "a data file named in .metadata")
+            st = os.fstat(fd)
+            if (other := self._names.setdefault((st.st_dev, st.st_ino), rel)) != rel:
+                os.close(fd)
+                raise CorruptCheckpointError(
+                    f"{os.path.join(self.root, rel)}: the data files {brief(rel)} and {brief(other)} are one file (a "
+                    "link), so their storage entries share bytes of it (every item is written to bytes of its own, "
+                    "once): the checkpoint is damaged or crafted")
+            self._fds[rel] = fd
         return _Cursor(os.path.join(self.root, rel), self._fds[rel], self.storage_data[run[0].storage_index].offset)
 
     def _check_run(self, cursor: _Cursor, run: list[ReadItem], planner: LoadPlanner) -> _Run:

@@ -17,6 +17,7 @@ import logging
 import os
 import resource
 import stat
+from collections.abc import Collection
 
 from ..errors import CheckpointError, CorruptCheckpointError
 
@@ -36,6 +37,28 @@ def inside(root: str, name: object, what: str) -> str:
         raise CorruptCheckpointError(f"{root}: {what} names {name!r}, outside the checkpoint folder; "
                                      "refusing to read it (the checkpoint was crafted or damaged)")
     return os.path.join(root, name)
+
+
+NAME_MAX = 255
+"""Longest name of a file, in bytes, that a Linux file system holds (where `os.pathconf` does
+not say otherwise)."""
+
+
+def too_long(rel: str) -> bool:
+    """Whether a part of the relative path `rel` is longer than a file's name can be."""
+    return any(len(os.fsencode(part)) > NAME_MAX for part in rel.split(os.sep))
+
+
+def file_and_folder(rels: Collection[str]) -> tuple[str, str] | None:
+    """Two of the normalised relative paths `rels` that no folder can hold together, one the
+    folder of the other (`x`, `x/y`), as (folder, path); None when there are none."""
+    for rel in rels:
+        parent = os.path.dirname(rel)
+        while parent:
+            if parent in rels:
+                return parent, rel
+            parent = os.path.dirname(parent)
+    return None
 
 
 def _resolved_inside(root: str, name: object, what: str) -> str:

@@ -674,17 +674,13 @@ def _check_as_files(where: str, names: Mapping[str, int]) -> None:
         if local in files:
             raise CorruptCheckpointError(f"{where}: the objects {files[local]!r} and {name!r} would be one file; "
                                          "the folder is damaged or was not written as a checkpoint")
-        if any(len(os.fsencode(part)) > commit.NAME_MAX for part in local.split(os.sep)):
+        if safe_open.too_long(local):
             raise CorruptCheckpointError(f"{where}: the object {name!r} names a file longer than a file name can "
                                          "be; the folder is damaged or was not written as a checkpoint")
         files[local] = name
-    for local, name in files.items():
-        parent = os.path.dirname(local)
-        while parent:
-            if parent in files:
-                raise CorruptCheckpointError(f"{where}: {files[parent]!r} is an object and also a folder holding "
-                                             f"{name!r}; the folder is damaged or was not written as a checkpoint")
-            parent = os.path.dirname(parent)
+    if clash := safe_open.file_and_folder(files):
+        raise CorruptCheckpointError(f"{where}: {files[clash[0]]!r} is an object and also a folder holding "
+                                     f"{files[clash[1]]!r}; the folder is damaged or was not written as a checkpoint")
 
 
 def _crc_header(data: bytes | bytearray) -> str:
