@@ -634,3 +634,20 @@ def test_a_forked_child_closing_its_copy_leaves_the_parents_saves_alone(tmp_path
     assert run.stdout.split() == ["child", "0", "child", "0"], run.stderr[-3000:]
     assert "writer process is gone" not in run.stderr
     assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1, 2]
+
+
+def test_managers_made_one_after_another_share_one_exit_hook(tmp_path):
+    """Each async manager registered an exit hook of its own, kept after its `close()`: a process
+    making a manager per evaluation piled them up (128 after 125 managers)."""
+    import threading
+
+    from torchtitan_ckpt import Checkpoint, CheckpointManager
+
+    model = torch.nn.Linear(2, 2)
+    hooks = []
+    for step in range(1, 5):
+        with CheckpointManager(Checkpoint(enable=True, interval=1, async_mode="async"), [model],
+                               base_folder=str(tmp_path)) as manager:
+            manager.save(step)
+        hooks.append(len(threading._threading_atexits))
+    assert hooks[-1] == hooks[0], hooks

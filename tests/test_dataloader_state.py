@@ -13,7 +13,7 @@ import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt import CheckpointError, CheckpointManager
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.io import torch_archive
 
@@ -41,6 +41,40 @@ def test_a_shuffling_stateful_dataloader_resumes_at_its_next_batch(tmp_path):
     assert manager.load()
     assert next(iter(loader)).tolist() == expected
     manager.close()
+
+
+class _OlderLayout:
+    """A loader saving its position as an older torchtitan_ckpt did (`dataloader.rank_0`), not
+    per data-parallel rank as TorchTitan does."""
+
+    dp_rank, dp_world_size = 0, 1
+
+    def __init__(self, position: int):
+        self.position = position
+
+    def state_dict(self):
+        return {"rank_0": pickle.dumps({"position": self.position})}
+
+    def load_state_dict(self, state):
+        self.position = pickle.loads(state["rank_0"])["position"]
+
+
+def test_a_dataloader_state_of_another_layout_is_refused_not_dropped(tmp_path):
+    """It loaded with no error and the loader started from the beginning, with a warning that
+    0 data-parallel ranks had saved it."""
+    model = torch.nn.Linear(2, 2)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], dataloader=_OlderLayout(3),
+                           base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    fresh = _OlderLayout(0)
+    with CheckpointManager(Checkpoint(enable=True), [model], dataloader=fresh, base_folder=str(tmp_path)) as manager:
+        with pytest.raises(CheckpointError, match=r"its dataloader state \(dataloader.rank_0\) is not in TorchTitan's "
+                                                  r"layout .*checkpoint.exclude_from_loading"):
+            manager.load()
+    assert fresh.position == 0
+    with CheckpointManager(Checkpoint(enable=True, exclude_from_loading=["dataloader"]), [model], dataloader=fresh,
+                           base_folder=str(tmp_path)) as manager:
+        assert manager.load()
 
 
 class _Runs:

@@ -113,3 +113,48 @@ def test_one_off_calls_on_a_gpu_only_default_group_share_one_gloo_group(tmp_path
         assert CheckpointGroup(first).all_gather("x") == ["x"]
     finally:
         dist.destroy_process_group()
+
+
+def _managers_in_a_loop(rank: int, world_size: int, folder: str) -> None:
+    import os
+    import threading
+
+    import torch
+
+    from torchtitan_ckpt import Checkpoint, CheckpointManager
+
+    def held() -> tuple[int, int]:
+        return len(os.listdir("/proc/self/fd")), threading.active_count() + len(os.listdir("/proc/self/task"))
+
+    model = torch.nn.Linear(2, 2)
+    counts = []
+    for step in range(1, 7):  # an evaluation loop: a manager per checkpoint
+        with CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=folder) as manager:
+            manager.save(step)
+        counts.append(held())
+    assert counts[-1] <= counts[1], counts  # 4 managers more: +20 descriptors and +12 threads, each kept
+
+
+def test_managers_made_and_closed_in_a_loop_leave_no_group_behind(tmp_path):
+    """Each manager's own gloo group (sockets, pipes, threads) was kept until the process ended."""
+    spawn(2, _managers_in_a_loop, str(tmp_path))
+
+
+def test_a_manager_closed_after_the_world_was_made_again_closes(tmp_path):
+    """Its group went with the world it was made in (an elastic restart within the process):
+    `close()` raised destroying it."""
+    import torch
+    import torch.distributed as dist
+
+    from torchtitan_ckpt import Checkpoint, CheckpointManager
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'one'}", rank=0, world_size=1)
+    manager = CheckpointManager(Checkpoint(enable=True, interval=1), [torch.nn.Linear(2, 2)],
+                                base_folder=str(tmp_path))
+    manager.save(1)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'two'}", rank=0, world_size=1)
+    try:
+        manager.close()
+    finally:
+        dist.destroy_process_group()

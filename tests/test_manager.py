@@ -119,6 +119,70 @@ def test_keep_latest_k_one_keeps_the_newest(tmp_path):
     assert layout.committed_steps(_folder(tmp_path)) == [4, 5]  # the last save runs no retention
 
 
+def test_a_step_saved_again_while_retention_deletes_it_stays(tmp_path):
+    """A step counter gone back in the process (no load between): `save(38)` right after
+    `save(41)` queued the deletion of steps 1 to 40 on the background deleter. The deleter
+    removed step 38 after its new save had committed (5 of 5 tries with 60 steps)."""
+    model = torch.nn.Linear(2, 2)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path)) as manager:
+        for step in range(1, 41):
+            manager.save(step)
+    with CheckpointManager(Checkpoint(enable=True, interval=1, keep_latest_k=1), [model],
+                           base_folder=str(tmp_path)) as manager:
+        assert manager.save(41) and manager.save(38)
+    assert [(s.step, s.status) for s in layout.scan(_folder(tmp_path))][-2:] == [(38, "complete"), (41, "complete")]
+
+
+def test_a_preemptions_forced_save_is_the_step_a_resume_takes(tmp_path):
+    """The documented preemption pattern passed `last_step=True` at the preempted step: a
+    model-only save, which the resume passed over for the last interval's step (3 steps lost)."""
+    job = make_job(str(tmp_path), steps=20, interval=5)
+    while job.train_state.step < 8:
+        job.step()
+        job.manager.save(job.train_state.step, force=job.train_state.step == 8)
+    job.manager.close()
+    resumed = make_job(str(tmp_path), steps=20, interval=5)
+    assert resumed.manager.load() and resumed.train_state.step == 8
+    assert_same(resumed.opt.state_dict()["state"][0], job.opt.state_dict()["state"][0])
+    resumed.manager.close()
+
+
+class _Retention:
+    """A state whose `state_dict()`, which a load calls once it has chosen its step and read its
+    index, removes the newest complete step first (`commit.remove_step`, as the retention of a
+    job saving into the folder does), `times` times."""
+
+    def __init__(self, folder: str, times: int):
+        self.folder, self.times, self.removed = folder, times, []
+
+    def state_dict(self):
+        if len(self.removed) < self.times:
+            self.removed.append(layout.committed_steps(self.folder)[-1])
+            commit.remove_step(layout.step_dir(self.folder, self.removed[-1]))
+        return {"n": 1}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_a_step_removed_while_it_is_read_is_passed_over_for_the_newest(tmp_path, caplog):
+    """An evaluation job reading the folder of a training job that keeps one step: the step it
+    read was removed under it, and its load failed as a damaged checkpoint (47 of 76 loads)."""
+    job = make_job(str(tmp_path), steps=20, interval=1, extra_states={"other": _Retention("", 0)})
+    job.run_to(6, steps=20)
+    job.manager.close()
+    folder = _folder(tmp_path)
+    reader = make_job(str(tmp_path), steps=20, load_only=True, extra_states={"other": _Retention(folder, 2)})
+    assert reader.manager.load() and reader.train_state.step == 4
+    reader.manager.close()
+    assert f"{folder}: step 6 was removed while it was read" in caplog.text
+    reader = make_job(str(tmp_path), steps=20, load_only=True, extra_states={"other": _Retention(folder, 4)})
+    with pytest.raises(CheckpointNotFoundError, match=r"steps were removed while this job read them, 4 times "
+                                                      r"\(the last: step 1\): .*\(checkpoint.keep_latest_k\)"):
+        reader.manager.load()
+    reader.manager.close()
+
+
 def test_exclude_from_loading_leaves_those_states_fresh(tmp_path):
     job = make_job(str(tmp_path), steps=8, interval=3)
     job.run_to(3, steps=8)
@@ -417,6 +481,19 @@ def test_the_last_save_leaves_the_k_steps_before_it_as_torchtitan_does(tmp_path)
         job.run_to(7, steps=7)
         job.manager.close()
         assert layout.committed_steps(_folder(dump)) == [4, 6, 7]
+
+
+def test_a_run_gone_back_keeps_its_own_steps_over_those_it_left(tmp_path):
+    """A run reached step 8 (interval 4); another started from its step 4 (`load_step`) and saved
+    6 and 9 (interval 3, `keep_latest_k = 2`): retention kept the left run's 8 and removed 6."""
+    first = make_job(str(tmp_path), steps=20, interval=4, keep_latest_k=0)
+    first.run_to(8, steps=20)
+    first.manager.close()
+    back = make_job(str(tmp_path), steps=20, interval=3, keep_latest_k=2, load_step=4)
+    assert back.manager.load() and back.train_state.step == 4
+    back.run_to(9, steps=20)
+    back.manager.close()
+    assert layout.committed_steps(_folder(tmp_path)) == [6, 9]
 
 
 def test_saving_over_a_complete_step_says_so(tmp_path, caplog):

@@ -127,6 +127,47 @@ def test_a_rank_interrupted_while_loading_leaves_every_rank_refusing_to_save(tmp
     spawn(2, _load_interrupted_on_rank_0, str(tmp_path))
 
 
+class _RemovesTheNewest:
+    """A state whose `state_dict()`, which a load calls once it has chosen its step, removes the
+    newest complete step on rank 0 (as another job's retention would) the first time."""
+
+    def __init__(self, folder: str, rank: int):
+        self.folder, self.rank, self.done = folder, rank, False
+
+    def state_dict(self):
+        if self.rank == 0 and not self.done:
+            self.done = True
+            commit.remove_step(layout.step_dir(self.folder, layout.committed_steps(self.folder)[-1]))
+        return {"n": 1}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _load_while_the_step_is_removed(rank: int, world_size: int, folder: str) -> None:
+    config = Checkpoint(enable=True, interval=1, keep_latest_k=0, collective_timeout_s=30)
+    model = build_model(load_job_config(None, []))
+    shard_model(model, world_size)
+    with CheckpointManager(config, [model], states={"other": _RemovesTheNewest("", 1)}, base_folder=folder) as manager:
+        manager.save(1)
+        manager.save(2)
+    fresh = build_model(load_job_config(None, ["--training.seed", "7"]))
+    shard_model(fresh, world_size)
+    other = _RemovesTheNewest(os.path.join(folder, "checkpoint"), rank)
+    with CheckpointManager(Checkpoint(enable=True, load_only=True, collective_timeout_s=30), [fresh],
+                           states={"other": other}, base_folder=folder) as manager:
+        assert manager.load()
+    assert layout.committed_steps(os.path.join(folder, "checkpoint")) == [1]
+    expected = {k: v.full_tensor() for k, v in model.state_dict().items()}  # step 2 held the same weights
+    assert_same({k: v.full_tensor() for k, v in fresh.state_dict().items()}, expected)
+
+
+def test_every_rank_passes_over_a_step_removed_while_it_is_read(tmp_path):
+    """Rank 0 finds the step gone, rank 1 reads its share: every rank looks for the newest step
+    again, together, and loads step 1."""
+    spawn(2, _load_while_the_step_is_removed, str(tmp_path))
+
+
 def _load_sharded(rank: int, world_size: int, dump_folder: str, load_step: int, out: str) -> None:
     config = load_job_config(DEBUG_CONFIG, ["--job.dump_folder", dump_folder, "--training.seed", "1234",
                                             "--checkpoint.load_step", str(load_step)])

@@ -32,6 +32,10 @@ def test_schedule():
     assert _kinds(Checkpoint(enable=True, create_seed_checkpoint=True), 2) == {0: SaveKind.SEED, 2: M}
     assert _kinds(Checkpoint(enable=True, load_only=True, interval=1), 4) == {}
     assert _kinds(Checkpoint(enable=False, interval=1), 4) == {}
+    # a preemption's save: in full off the interval; the run's last save stays what its config says
+    assert save_kind(7, False, Checkpoint(enable=True, interval=5), force=True) is F
+    assert save_kind(7, True, Checkpoint(enable=True, interval=5), force=True) is M
+    assert save_kind(7, False, Checkpoint(enable=True, load_only=True), force=True) is None
 
 
 def _folders(committed: list[int], partial: list[int] = (), foreign: list[int] = (),
@@ -83,6 +87,16 @@ def test_retention_after_going_back_keeps_the_step_just_saved_and_leaves_the_new
     assert [f.step for f in steps_to_delete(folders, keep_latest_k=1, committed_now=210)] == [100, 150, 200]
     assert [f.step for f in newer_steps(folders, 210)] == [300]
     assert [f.step for f in steps_to_delete(folders, keep_latest_k=2, committed_now=210)] == [100, 150]
+
+
+def test_retention_passing_the_steps_of_the_run_left_behind_removes_them_not_its_own():
+    """`load_step = 4` in a folder of a run that had reached 8; this job saves 6, then 9. Step 8,
+    counted as one of the newest two, kept 8 and 9 and removed this job's 6: a damaged 9 then
+    fell back to the run left behind. It is neither counted nor kept once passed."""
+    folders = _folders([4, 6, 8, 9])
+    assert [f.step for f in steps_to_delete(folders, keep_latest_k=2, committed_now=6, left={8})] == []
+    assert [f.step for f in steps_to_delete(folders, keep_latest_k=2, committed_now=9, left={8})] == [4, 8]
+    assert steps_to_delete(folders, keep_latest_k=0, committed_now=9, left={8}) == []  # retention off: all kept
 
 
 def test_step_names():

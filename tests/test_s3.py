@@ -640,6 +640,8 @@ def test_the_cli_lists_inspects_and_verifies_steps_on_object_storage(bucket, tmp
     client.put_object(Bucket=bucket, Key=data, Body=bytes(body))
     code, doc = _cli_json(capsys, "verify", f"{url}/step-1")
     assert (code, [f["file"] for f in doc["files"] if not f["ok"]]) == (1, ["__0_0.distcp"])
+    problems = [f["problem"] for f in doc["files"] if not f["ok"]]
+    assert len(problems) == 1 and problems[0].startswith(f"s3://{bucket}/{data}: "), problems
 
     code, err = _cli_json(capsys, "list", "s3://no-such-bucket/run")
     assert code == 2 and "folder = 's3://no-such-bucket/run': the bucket cannot be used" in err
@@ -1218,6 +1220,30 @@ def test_a_marker_larger_than_any_is_refused_before_it_is_downloaded(bucket, tmp
         with CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path / "b")), [fresh], fresh_opt) as manager:
             manager.load()
     assert not [path for path in gets if "COMMITTED.json" in path]
+
+
+@pytest.mark.parametrize("damage, verify, message", [
+    (lambda body: b"garbage", False, r"^{url}/step-1/.metadata is not a DCP metadata file"),
+    (lambda body: bytes(len(body)), False, r"^{url}/step-1/__0_0.distcp: item .* is not a readable torch.save"),
+    (lambda body: bytes(len(body)), True, r"step 1 failed verification: {url}/step-1/__0_0.distcp: CRC-32"),
+], ids=["metadata", "data", "verified"])
+def test_a_damaged_step_on_object_storage_is_named_by_its_url(bucket, tmp_path, capsys, damage, verify, message):
+    """Readers name the files they read, which on object storage are the rank's staged copies:
+    the errors named a folder under the staging folder instead of the step's URL."""
+    url, client = f"s3://{bucket}/run", boto3.client("s3")
+    model, opt = _job()
+    with CheckpointManager(_config(url, str(tmp_path)), [model], opt) as manager:
+        manager.save(1)
+    key = "run/step-1/.metadata" if "metadata" in message else "run/step-1/__0_0.distcp"
+    client.put_object(Bucket=bucket, Key=key, Body=damage(client.get_object(Bucket=bucket, Key=key)["Body"].read()))
+    with CheckpointManager(_config(url, str(tmp_path), verify_on_load=verify, verify_fallback=False),
+                           *_job(seed=1)) as manager:
+        with pytest.raises(CorruptCheckpointError, match=message.format(url=url)) as refused:
+            manager.load()
+    assert str(tmp_path) not in str(refused.value)
+    if "metadata" in message:
+        code, err = _cli_json(capsys, "inspect", f"{url}/step-1")
+        assert code == 2 and err.startswith(f"error: {url}/step-1/.metadata is not a DCP metadata file"), err
 
 
 def test_verify_on_load_reads_the_files_it_verified_without_downloading_them_again(bucket, tmp_path, proxied):

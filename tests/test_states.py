@@ -5,6 +5,7 @@ is other schedulers' (`ChainedScheduler`)."""
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import warnings
 
@@ -215,6 +216,51 @@ def test_differing_chained_schedulers_load_a_step_saved_without_their_own_states
     with CheckpointManager(Checkpoint(enable=True), [model], optimizers=opts, lr_schedulers=scheds,
                            base_folder=str(tmp_path)) as manager:
         assert manager.load()
+
+
+def _half_decay(step: int) -> float:
+    return 0.5 ** step
+
+
+def _inverse(step: int, k: float) -> float:
+    return 1.0 / (1 + k * step)
+
+
+def test_a_lambda_scheduler_of_a_function_and_a_partial_resumes(tmp_path):
+    """`LambdaLR` saves `None` for a plain function and the `__dict__` of any other callable: a
+    function for one group and a `functools.partial` for another (`[None, {}]`) was saved as
+    `lr_lambdas.0` and asked for as `lr_lambdas` (DCP's load flattens it otherwise than its save)."""
+    def job(seed):
+        torch.manual_seed(seed)
+        model = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)})
+        opt = torch.optim.SGD([{"params": model[n].parameters()} for n in ("a", "b")], lr=0.1)
+        return model, opt, lr_scheduler.LambdaLR(opt, [_half_decay, functools.partial(_inverse, k=2.0)])
+
+    model, opt, sched = job(0)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=opt, lr_schedulers=sched,
+                           base_folder=str(tmp_path)) as manager:
+        for step in range(1, 4):
+            _train(model, opt, sched)
+            manager.save(step)
+        expected = sched.state_dict()
+    model, opt, sched = job(1)
+    with CheckpointManager(Checkpoint(enable=True), [model], optimizers=opt, lr_schedulers=sched,
+                           base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert sched.state_dict() == expected and [g["lr"] for g in opt.param_groups] == expected["_last_lr"]
+
+
+def test_a_list_holding_an_empty_container_loads_as_it_was_saved(tmp_path):
+    """A state's list holding an empty dict beside a value is saved by its indices; the load asked
+    for the list whole and was refused."""
+    _, manager = _manager(str(tmp_path), history=_Values({"seen": [3, {}]}))
+    manager.save(1)
+    manager.close()
+    history = _Values({"seen": [0, {}]})
+    _, manager = _manager(str(tmp_path), history=history)
+    assert manager.load()
+    assert history.loaded == {"seen": [3, {}]}
+    manager.close()
 
 
 def test_alike_schedulers_keep_torchtitans_layout(tmp_path):

@@ -224,6 +224,20 @@ def test_a_folder_of_no_known_format_a_save_would_meet_is_refused_and_an_empty_o
         os.remove(step10)
 
 
+def test_thousands_of_foreign_steps_ahead_are_counted_not_listed(tmp_path):
+    """A folder holding thousands of another run's unfinished steps made a refusal as long (3,000: 17,676
+    characters); ten are named, then their count."""
+    folder = _folder(tmp_path)
+    for step in range(5, 3005, 5):
+        os.makedirs(layout.step_dir(folder, step))
+        open(os.path.join(layout.step_dir(folder, step), "__0_0.distcp"), "wb").close()
+    job = make_job(str(tmp_path), steps=20, interval=5)
+    with pytest.raises(CheckpointError, match=r"step\(s\) 5, 10, .*, 50 and 590 more were not written") as refused:
+        job.manager.load()
+    job.manager.close()
+    assert len(str(refused.value)) < 1000
+
+
 def test_a_linked_step_a_save_would_meet_is_refused_before_training(tmp_path):
     """Step 10, a link to another run's step 10 (ours too), ahead of step 5 that `load_step`
     names: a run linked in is never changed, so its save at step 10 would fail after the training

@@ -45,10 +45,12 @@ from .hf.files import INDEX_FILE, SINGLE_FILE
 from .hf.load import read_hf_layout
 from .config import BUILTIN_STATES, MAX_THREADS, Checkpoint
 from .group import CheckpointGroup, launched_group
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NewerVersionError, RankFailed
+from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NewerVersionError, RankFailed,
+                     restate)
 from .hf.convert import convert
 from .hf.adapter import ROPE_LAYOUTS
 from .hf.registry import ADAPTERS
+from .io import safe_open
 from .io.dtypes import EXPORT_DTYPES
 from .io.untrusted import brief
 from .hf.planner import parse_size
@@ -101,6 +103,9 @@ def _opened(where: str, argument: str) -> Iterator[tuple[Store, str]]:
             store.reach(group, write=False)
             store.check(group, write=False)
             yield store, store.root
+        except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # readers name the files they read: the
+            restate(e, store.in_user_terms)  # staged copies; errors of the local disk stay as they are
+            raise
         finally:
             store.close()
 
@@ -141,6 +146,8 @@ def _contents(s: dict[str, Any]) -> str:
             CORRUPT: f"{commit.MARKER} unreadable (list --json: problem): not loadable, a load() of it fails",
             NEWER: "written by a newer torchtitan_ckpt (list --json: problem): a load() of it fails; read it "
                    "with that one",
+            layout.DENIED: "this user may not look into it: never loaded, replaced or deleted; a load() that "
+                           "would pick it fails",
             }.get(s["status"], "not ours (no marker of ours, or one that is no file), not told finished: "
                                "never loaded from the run folder, never deleted")
 
@@ -342,7 +349,8 @@ def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
         store.fetch(local)
         info = store.read_marker(local)
         with progress:
-            files = _verify_files(local, info, args.threads, progress)
+            files = [{**f, "problem": f["problem"] and store.in_user_terms(f["problem"])}
+                     for f in _verify_files(local, info, args.threads, progress)]
     failed = [f for f in files if not f["ok"]]
     if args.json:
         _print_json({"path": path, "step": info.step, "ok": not failed, "bytes": info.total_bytes,
@@ -396,7 +404,10 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
                 try:
                     commit.remove_step(path, gone)
                 except (CheckpointError, OSError) as e:  # files appeared, permissions: the others are still cleaned
-                    problem = str(e) if isinstance(e, CheckpointError) else f"{path} could not be removed: {e}"
+                    problem = (str(e) if isinstance(e, CheckpointError) else
+                               f"{path} could not be removed: "
+                               f"{safe_open.removal_denied(path) or safe_open.denied(path, e.strerror)}" if
+                               isinstance(e, PermissionError) else f"{path} could not be removed: {e}")
                     print(f"error: {_escaped(problem)}", file=sys.stderr)
                     code, freed = EXIT_FAILED, freed + done[0]
                     continue

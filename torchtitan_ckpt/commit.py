@@ -83,6 +83,11 @@ def read_marker(path: str) -> CommitInfo:
         if type(version) is int and FORMAT_VERSION < version <= MAX_COUNT:
             raise NewerVersionError(f"{marker} is of version {version}, written by a newer torchtitan_ckpt than "
                                     f"this one (version {FORMAT_VERSION} and older): read it with that one")
+        if type(version) is int and 0 <= version < FORMAT_VERSION:
+            raise CorruptCheckpointError(
+                f"{marker} is of version {version}, written by an older torchtitan_ckpt (before commit markers "
+                f"held each file's CRC-32, version {FORMAT_VERSION}), whose steps this one does not read: resume "
+                "from it with the version that wrote it, or move it out of the folder")
         info = CommitInfo(**raw)
     except CheckpointError:
         raise

@@ -7,6 +7,7 @@ import queue
 import threading
 from collections.abc import Callable
 
+from .io import safe_open
 from .layout import StepFolder
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,15 @@ class BackgroundDeleter:
         that is about to go)."""
         self._queue.join()
 
+    def settle(self, path: str) -> None:
+        """Wait for the deletions submitted so far when `path` is among them: a save about to
+        write a step folder that retention chose earlier (a step counter gone back) would
+        otherwise have it removed after the save."""
+        with self._lock:
+            pending = path in self._pending
+        if pending:
+            self.drain()
+
     def close(self) -> None:
         """Finish pending deletions and stop the thread."""
         self._queue.put(None)
@@ -53,7 +63,9 @@ class BackgroundDeleter:
                 self._remove(folder)
                 logger.info("deleted old checkpoint step %d (%s)", folder.step, self._describe(folder.path))
             except Exception as e:  # any failure: the thread keeps serving the next deletions
-                logger.warning("could not delete %s: %s: %s", self._describe(folder.path), type(e).__name__, e)
+                why = ((safe_open.removal_denied(folder.path) or safe_open.denied(folder.path, e.strerror))
+                       if isinstance(e, PermissionError) else f"{type(e).__name__}: {e}")  # whom to ask
+                logger.warning("could not delete %s: %s", self._describe(folder.path), why)
             finally:
                 with self._lock:
                     self._pending.discard(folder.path)

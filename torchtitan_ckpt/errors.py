@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import reprlib
+from collections.abc import Callable
 from typing import NoReturn
 
 
@@ -37,6 +38,17 @@ class ConfigError(CheckpointError, ValueError):
         self.value = value
         self.expected = expected
         super().__init__(f"{key} = {_value_repr(value)}: {expected}")
+
+
+def restate(error: BaseException, rename: Callable[[str], str]) -> None:
+    """Rewrite in place the message of `error` (and the path or place it keeps) with `rename`:
+    errors raised deep in a reader name the local copy a remote store staged, which `rename`
+    turns into the name the user gave. Done in place, the error keeps its type and traceback."""
+    if error.args and isinstance(error.args[0], str):
+        error.args = (rename(error.args[0]), *error.args[1:])
+    for field in ("path", "where"):
+        if isinstance(getattr(error, field, None), str):
+            setattr(error, field, rename(getattr(error, field)))
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):

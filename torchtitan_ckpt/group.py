@@ -42,10 +42,22 @@ class CheckpointGroup:
             with self._failing():  # made collectively: a rank that never comes times it out
                 self.pg: dist.ProcessGroup | None = process_group or dist.new_group(
                     backend="gloo", timeout=timedelta(seconds=timeout_s))
+            self._made = process_group is None
         else:
             if process_group is not None:
                 raise ValueError("a process_group was given but torch.distributed is not initialised")
-            self.pg, self.rank, self.world_size = None, 0, 1
+            self.pg, self.rank, self.world_size, self._made = None, 0, 1, False
+
+    def close(self) -> None:
+        """Destroy the group made here (its sockets, pipes and threads: about 5 descriptors and 3
+        threads a rank, which a process making a manager per evaluation ran out of), once this
+        rank is done with its collectives; a group the caller gave is the caller's."""
+        if self._made and dist.is_initialized():
+            try:
+                dist.destroy_process_group(self.pg)
+            except ValueError:  # gone with the world it was made in (re-initialised since: a restart in the process)
+                pass
+        self._made = False
 
     @property
     def is_coordinator(self) -> bool:

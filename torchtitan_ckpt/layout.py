@@ -11,7 +11,10 @@ marker, `commit.IN_PROGRESS`) until its commit marker replaces that mark, so a s
   `model.safetensors(.index.json)`. Loaded, unverified; never deleted;
 - unknown: not ours and neither of those (another program's save in flight, or not a
   checkpoint), a folder whose markers are not files (a folder or a fifo by their names), or a
-  file by a step's name (nothing this package writes). Never loaded, never deleted.
+  file by a step's name (nothing this package writes). Never loaded, never deleted;
+- denied: a folder this user may not look into (another user's, of a mode that keeps it out):
+  whose it is cannot be told. Never loaded, replaced or deleted; a load that would pick it (it
+  is newer than every step this user may read, or named) fails, naming its owner and mode.
 
 A step folder that is a link, or whose commit marker is one, is another's linked in: loaded
 from as its status says, never counted by retention, deleted or replaced.
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import commit
-from .io import durable
+from .io import durable, safe_open
 from .io.untrusted import brief
 from .formats import FORMATS
 
@@ -64,7 +67,7 @@ def parse_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-COMPLETE, PARTIAL, FOREIGN, UNKNOWN = "complete", "partial", "foreign", "unknown"
+COMPLETE, PARTIAL, FOREIGN, UNKNOWN, DENIED = "complete", "partial", "foreign", "unknown", "denied"
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class StepFolder:
     step: int
     path: str
     status: str
-    """COMPLETE, PARTIAL, FOREIGN or UNKNOWN (see the module docstring)."""
+    """COMPLETE, PARTIAL, FOREIGN, UNKNOWN or DENIED (see the module docstring)."""
     linked: bool = False
     """Another's step linked in (`linked_in`): loaded from, never changed or deleted."""
 
@@ -102,6 +105,8 @@ def foreign_format(path: str) -> str | None:
 def status_of(path: str) -> str:
     """Whose step folder `path` is, and whether it is finished (see the module docstring)."""
     kinds = [_kind(os.path.join(path, name)) for name in (commit.MARKER, commit.IN_PROGRESS)]
+    if _DENIED in kinds:
+        return DENIED
     if any(kind not in (None, stat.S_IFREG) for kind in kinds):
         return UNKNOWN  # ours are files (or links to files: a hub cache's snapshot), never a folder or a fifo
     if kinds[0] is not None:
@@ -137,15 +142,18 @@ def _marking(path: str) -> bool:
             and entries[0].is_file(follow_symlinks=False))
 
 
+_DENIED = -2
+
+
 def _kind(path: str) -> int | None:
-    """The type bits of what `path` leads to (None: nothing there, or a dangling link; -1: what
-    cannot be looked at, a folder not this user's to enter)."""
+    """The type bits of what `path` leads to (None: nothing there, or a dangling link; `_DENIED`:
+    what this user may not look at; -1: what cannot be looked at otherwise, a link loop)."""
     try:
         return stat.S_IFMT(os.stat(path).st_mode)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except OSError:
-        return -1
+    except OSError as e:
+        return _DENIED if e.errno in safe_open.PERMISSION else -1
 
 
 def linked_in(path: str) -> bool:

@@ -8,6 +8,7 @@ how saves overlap training in `staging`.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import operator
 import os
@@ -30,10 +31,12 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointSaveError,
+    CollectiveError,
     ConfigError,
     CorruptCheckpointError,
     PartialLoadError,
     RankFailed,
+    restate,
 )
 from .group import CheckpointGroup
 from .formats import FORMATS, Context, StepFormat, StepIndex, Written
@@ -42,17 +45,22 @@ from .hf.adapter import EMBEDDING, TIED_HEAD, as_adapter
 from .hf.files import RECORDED_LAYOUT
 from .hf.save import assets_file_split, read_assets
 from .io.dtypes import EXPORT_DTYPES
+from .io import safe_open
 from .io.filewriter import Sink
 from .progress import gb_per_s
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
 from .staging import SaveJob, Staged, make_strategy
-from .states import CheckedState, DataLoaderState, LRSchedulerState, ModelState, OptimizerState, saved_dp_degree
+from .states import (DP_RANK_PREFIX, CheckedState, DataLoaderState, LRSchedulerState, ModelState, OptimizerState,
+                     saved_dp_degree)
 from .storage.base import Store
 
 logger = logging.getLogger(__name__)
 
 HF_COPIES = "hf"
 """Subfolder of the checkpoint folder that holds the `hf_export_interval` copies."""
+
+_REMOVED_RETRIES = 3
+"""How many times `load()` looks for the newest step again when the one it read was removed."""
 
 
 @dataclass
@@ -147,6 +155,9 @@ class CheckpointManager:
         """The process that made the manager: a forked child's copy owns none of its threads."""
         self._half_loaded: PartialLoadError | None = None
         """Set by a load that failed once it had begun changing the job's state; saves refuse."""
+        self._left: set[int] = set()
+        """The complete steps of the folder newer than the one loaded: a run this job went back
+        from, whose steps retention neither counts nor keeps once this job's pass them."""
         self._calls = threading.RLock()
         """Held by `save()`, `load()`, `close()` and `wait()`: a call from another thread waits
         for the one in progress (two threads' saves interleaved their steps' files)."""
@@ -157,12 +168,17 @@ class CheckpointManager:
         self._hooks: list = []
         self._group = CheckpointGroup(process_group, config.collective_timeout_s) if config.enable else None
         rank, world_size = (self._group.rank, self._group.world_size) if self._group else (0, 1)
-        self._states = self._build_states(parts, optimizers, lr_schedulers, dataloader, states or {}, rank,
-                                          world_size)
-        if self._group is not None:
-            self._start(rank)
-        else:
-            logger.info("checkpointing is disabled (checkpoint.enable = false): save() and load() do nothing")
+        try:
+            self._states = self._build_states(parts, optimizers, lr_schedulers, dataloader, states or {}, rank,
+                                              world_size)
+            if self._group is not None:
+                self._start(rank)
+            else:
+                logger.info("checkpointing is disabled (checkpoint.enable = false): save() and load() do nothing")
+        except BaseException:  # no manager to close: the group made for it goes
+            if self._group is not None:
+                self._group.close()
+            raise
 
     def _start(self, rank: int) -> None:
         """Open the storage, check the job against the config, and start the strategies."""
@@ -235,11 +251,18 @@ class CheckpointManager:
     def _check_export(self) -> None:
         """The adapter's `config.json` and its assets' other files to write; and, where the
         adapter knows the tensors it exports (one of ours), that its assets' file split, if any,
-        names each of them."""
+        names each of them. The folder of the `hf_export_interval` copies, where it exists, is
+        one this user may write into (another user's, in a team's folder, failed the first copy
+        after the training up to it)."""
         self._adapter.export_config(EXPORT_DTYPES[self.config.export_dtype])
         read_assets(self._adapter.hf_assets_path)
         if self._adapter.hf_names is not None:
             assets_file_split(self._adapter, self._adapter.hf_names, log=False)
+        copies = os.path.join(self.folder, HF_COPIES)
+        if (self.config.hf_export_interval and not self.config.load_only and os.path.isdir(copies)
+                and not os.access(copies, os.W_OK | os.X_OK)):
+            raise CheckpointError(f"the copies go into {safe_open.denied(copies, 'not writable')}; ask its owner "
+                                  "to make it writable to you, or save into another checkpoint.folder")
 
     def _untied(self) -> str | None:
         """Why the model cannot be exported under the adapter's config, which ties the head to
@@ -346,6 +369,7 @@ class CheckpointManager:
             if self._deleter is not None:
                 self._deleter.close()
             self._close_stores()
+            self._group.close()
 
     def _close_stores(self) -> None:
         """Let go of what the stores hold on this node (`Store.close`)."""
@@ -363,11 +387,13 @@ class CheckpointManager:
 
     @_one_call
     @gc_pause.paused()
-    def save(self, curr_step: int, last_step: bool = False) -> bool:
+    def save(self, curr_step: int, last_step: bool = False, force: bool = False) -> bool:
         """Save `curr_step` if the schedule says so; returns True when a save was made (or, with
         `async_mode`, staged and handed to the background writer). The last step's save is
-        always waited for. Raises the failure of an earlier background save, if any. The
-        garbage collector is paused during the call (`gc_pause`)."""
+        always waited for. `force`: save the step in full off the schedule, for a resume from
+        it (a preemption's save; `last_step` is the run's end, whose save may hold only the
+        model). Raises the failure of an earlier background save, if any. The garbage
+        collector is paused during the call (`gc_pause`)."""
         if self._closed:
             raise CheckpointError("save() called after close()")
         step = layout.check_step(curr_step, "save")
@@ -375,7 +401,7 @@ class CheckpointManager:
             return False
         if self._half_loaded is not None:
             raise CheckpointError(f"save({step}) refused: the job's state is not one step's ({self._half_loaded})")
-        kind = save_kind(step, last_step, self.config)
+        kind = save_kind(step, last_step, self.config, force)
         fmt = save_format(kind, self.config)
         if kind is not None:
             self._submit(step, kind, self.folder, self._formats[fmt], last_step)
@@ -429,6 +455,16 @@ class CheckpointManager:
         if self.config.enable:
             self._saves.wait_for_staging()
 
+    def _prepare(self, path: str, step: int) -> None:
+        """Rank 0 makes the step folder ready for a save (`Store.prepare`), once retention's
+        pending deletion of it is done (`BackgroundDeleter.settle`). A step of a run left behind
+        (`_left`) replaced by it is this job's from then on, whether or not the save succeeds."""
+        if self._deleter is not None:
+            self._deleter.settle(path)
+        if path == layout.step_dir(self.folder, step):
+            self._left.discard(step)
+        self._store.prepare(path, step)
+
     def _save_job(self, step: int, kind: SaveKind, folder: str, fmt: StepFormat,
                   failure: Exception | None = None, last: bool = False) -> SaveJob:
         """The phases of one save into `{folder}/step-N` in format `fmt`, which the staging
@@ -448,7 +484,7 @@ class CheckpointManager:
                 raise CheckpointError(f"the ranks called save() otherwise: rank 0 {_described(calls[0])}, rank "
                                       f"{other} {_described(calls[other])}; every rank calls save(step, last_step) "
                                       "with the same arguments")
-            self._agree(step, path, lambda: self._store.prepare(path, step), coordinator_only=True)
+            self._agree(step, path, lambda: self._prepare(path, step), coordinator_only=True)
 
         def write(staged: Staged, sink: Sink) -> Written:
             try:
@@ -478,7 +514,8 @@ class CheckpointManager:
         """Rank 0, once `step` is committed: hand the steps retention drops to the deleter, and
         warn of steps newer than it."""
         folders = self._store.scan(folder)
-        self._deleter.submit(steps_to_delete(folders, self.config.keep_latest_k, step))
+        left = self._left if folder == self.folder else set()
+        self._deleter.submit(steps_to_delete(folders, self.config.keep_latest_k, step, left))
         if newer := newer_steps(folders, step):
             logger.warning("%s: steps %s are newer than step %d just saved (the job went back to an "
                            "older step) and are kept; a load without a step would pick step %d over "
@@ -542,24 +579,77 @@ class CheckpointManager:
         self._saves.wait()
         if (self.config.last_save_in_hf or self.config.hf_export_interval) and (problem := self._untied()):
             raise CheckpointError(f"load(): {problem}")
+        try:
+            return self._load(step)
+        except (CorruptCheckpointError, CheckpointNotFoundError, PartialLoadError) as e:
+            for store in filter(None, (self._store, self._initial)):  # a reader names the files it read: staged
+                restate(e, store.in_user_terms)  # copies; errors of the local disk (its space, its modes) stay
+            raise
+
+    def _load(self, step: int) -> bool:
+        """`load` once the job is ready for it. A step that another job's retention removed while
+        it was being read, before any tensor was written (an evaluation job beside the training
+        job saving into the folder), is passed over for the newest step again, up to
+        `_REMOVED_RETRIES` times."""
         # rank 0 deletes what retention chose: every rank scans once those deletions are done
         self._group.run(lambda: self._deleter.drain(), coordinator_only=True)
         start = time.perf_counter()
-        folders = self._agreed_steps(self._group.each(lambda: self._store.scan(self.folder),
-                                                      f"listing the steps of {self._store.describe(self.folder)}"))
-        target = self._find_load_target(folders, step if step >= 0 else self.config.load_step)
-        self._check_steps_ahead(folders, target)
-        if target is None:
-            logger.info("no checkpoint in %s and no initial_load_path: starting from scratch",
-                        self._store.describe(self.folder))
-            return False
-        self._read(target)
+        wanted = step if step >= 0 else self.config.load_step
+        for retry in itertools.count(1):
+            folders = self._agreed_steps(self._group.each(
+                lambda: self._store.scan(self.folder), f"listing the steps of {self._store.describe(self.folder)}"))
+            target = None
+            try:
+                target = self._find_load_target(folders, wanted)
+                self._check_steps_ahead(folders, target)
+                if target is None:
+                    logger.info("no checkpoint in %s and no initial_load_path: starting from scratch",
+                                self._store.describe(self.folder))
+                    return False
+                self._read(target)
+                self._left = self._steps_left(target, folders)
+                break
+            except CheckpointError as e:
+                # the step read: the target, or before it was chosen, the one asked for or the newest (read first)
+                read = (target.step if target is not None else wanted if wanted >= 0 else
+                        max((f.step for f in folders if f.loadable), default=None))
+                if isinstance(e, PartialLoadError) or read is None or read not in self._removed(folders):
+                    raise
+                if retry > _REMOVED_RETRIES:
+                    raise CheckpointNotFoundError(
+                        f"{self._store.describe(self.folder)}: steps were removed while this job read them, {retry} "
+                        f"times (the last: step {read}): a job saving there removes them faster than they are "
+                        "read; keep more of them there (checkpoint.keep_latest_k)") from e
+                if self._group.is_coordinator:
+                    logger.warning("%s: step %d was removed while it was read (by the retention of a job saving "
+                                   "there?): looking for the newest step again",
+                                   self._store.describe(self.folder), read)
         if self._group.is_coordinator:
             secs = time.perf_counter() - start
             nbytes = layout.folder_bytes(target.path, held=True)
             logger.info("loaded %s%s: %.3f GB in %.2f s, %.2f GB/s", target.store.describe(target.path),
                         " (model only)" if target.model_only else "", nbytes / 1e9, secs, gb_per_s(nbytes, secs))
         return True
+
+    def _steps_left(self, target: _LoadTarget, folders: list[layout.StepFolder]) -> set[int]:
+        """The complete steps of this job's folder newer than `target` once it is loaded: none
+        unless `target` is a step of that folder."""
+        if target.store is not self._store or target.step is None or \
+                target.path != layout.step_dir(self.folder, target.step):
+            return set()
+        return {f.step for f in newer_steps(folders, target.step)}
+
+    def _removed(self, folders: list[layout.StepFolder]) -> list[int]:
+        """The steps loadable in `folders` (the listing a load began with) that are no longer
+        loadable as rank 0 lists the folder again, on every rank."""
+        def gone() -> list[int]:
+            now = {f.step for f in self._store.scan(self.folder) if f.loadable}
+            return [f.step for f in folders if f.loadable and f.step not in now]
+        try:
+            found = self._group.run(gone, coordinator_only=True)[0]
+        except (RankFailed, CollectiveError):  # the listing failed: the load's own failure is the one to report
+            return []
+        return found if isinstance(found, list) else []  # a rank that failed alone met another round of rank 0's
 
     def _agreed_steps(self, mine: list[layout.StepFolder]) -> list[layout.StepFolder]:
         """Rank 0's view of the step folders, on every rank (with this rank's paths): ranks that
@@ -633,6 +723,9 @@ class CheckpointManager:
         newest_step = loadable[-1].step if loadable else -1
         ignored: dict[str, list[str]] = {}  # one line per reason: a crashed job may leave a thousand
         for f in folders:
+            if f.status == layout.DENIED and f.step > newest_step:  # it may be the newest step: never passed over
+                raise CheckpointError(f"{self._store.describe(f.path)}, newer than every step this job may read, "
+                                      f"{_not_loadable(f)}")
             if not f.loadable and f.step > newest_step:
                 ignored.setdefault(_not_loadable(f), []).append(self._store.describe(f.path))
         for why, paths in ignored.items() if self._group.is_coordinator else ():
@@ -667,13 +760,18 @@ class CheckpointManager:
         ahead = [f for f in kept if save_kind(f.step, False, self.config) is not None]
         if (off := [f.step for f in kept if f not in ahead]) and self._group.is_coordinator:
             logger.warning("%s: step(s) %s, ahead of step %d this job starts from, were not written by "
-                           "torchtitan_ckpt (or are links) and are never replaced: a last save at one of them (a "
+                           "torchtitan_ckpt (or are links, or this user may not remove them) and are never replaced: "
+                           "a last save at one of them (a "
                            "run ending there) would be refused after the training. Move them out of the folder if so",
-                           self._store.describe(self.folder), ", ".join(map(str, off)), start)
+                           self._store.describe(self.folder), _few(off), start)
         if not ahead:
             return
-        steps = ", ".join(str(f.step) for f in ahead)
-        whose = ("are links to folders elsewhere (a run linked in is never changed) or were not written by "
+        steps = _few([f.step for f in ahead])
+        denied = next(filter(None, (self._store.unremovable(f) for f in ahead
+                                    if not f.linked and (f.ours or f.status == layout.DENIED))), None)
+        whose = (f"include steps this user may not remove ({denied}; ask their owner, or save with umask 002 in a "
+                 "folder without the sticky bit)" if denied else
+                 "are links to folders elsewhere (a run linked in is never changed) or were not written by "
                  "torchtitan_ckpt" if any(f.linked for f in ahead) else
                  "were not written by torchtitan_ckpt (another program's, such as TorchTitan's last save)")
         restart = (f" (checkpoint.initial_load_path = {self._store.describe(target.path)!r} with "
@@ -682,7 +780,8 @@ class CheckpointManager:
         raise CheckpointError(
             f"{self._store.describe(self.folder)}: step(s) {steps} {whose} and this job, starting from step "
             f"{start}, saves step {ahead[0].step} (checkpoint.interval = {self.config.interval}); a save never "
-            f"replaces a folder it did not write, so that save would fail after the training up to it. Before "
+            f"replaces {'a folder it may not remove' if denied else 'a folder it did not write'}, so that save would "
+            "fail after the training up to it. Before "
             f"training, move "
             f"{self._store.describe(ahead[0].path)}{' and the others' if len(ahead) > 1 else ''} out of the folder, "
             f"or save into another checkpoint.folder{restart}")
@@ -754,7 +853,7 @@ class CheckpointManager:
         replace the earlier run's). Without a full step, such a step is refused."""
         if full is not None and not passed:
             return full
-        newer = ", ".join(str(f.step) for f in passed)
+        newer = _few([f.step for f in passed])
         if full is not None and not full.model_only:  # a seed step 0 holds only the model too
             if self._group.is_coordinator:
                 logger.warning("step(s) %s hold only the model (a finished run's last save): resuming from step %s, "
@@ -762,7 +861,7 @@ class CheckpointManager:
                                "step %s's model, set checkpoint.initial_load_path to it and use another folder",
                                newer, full.step, passed[0].step)
             return full
-        held = (f"the steps holding it ({', '.join(map(str, corrupt))}) failed verification" if corrupt else
+        held = (f"the steps holding it ({_few(corrupt)}) failed verification" if corrupt else
                 "no step after step 0 holds it")
         raise CheckpointError(
             f"{self._store.describe(self.folder)}: its newest step {passed[0].step} holds only the model (a finished "
@@ -868,7 +967,7 @@ class CheckpointManager:
                 store.fetch(path, share)
             except CorruptCheckpointError as e:  # objects that cannot be its files
                 return [str(e)]
-            return commit.verify(path, share)
+            return [store.in_user_terms(problem) for problem in commit.verify(path, share)]
 
         try:  # a rank that cannot check its share (the store failing) fails every rank
             found = self._group.run(mine)
@@ -931,7 +1030,7 @@ class CheckpointManager:
                 state[name] = template if not flatten_state_dict(template)[0] else {}
                 continue
             relative = {k[len(prefix):] for k in saved}
-            if isinstance(stateful, DataLoaderState) and not self._dataloader_fits(stateful, relative):
+            if isinstance(stateful, DataLoaderState) and not self._dataloader_fits(stateful, relative, target.path):
                 continue
             if checked:
                 try:
@@ -960,10 +1059,17 @@ class CheckpointManager:
             logger.warning("%s holds %d model tensors this job's model does not have, e.g. %s: they are not loaded "
                            "(a layer removed since the save?)", target.path, len(unloaded), unloaded[:3])
 
-    def _dataloader_fits(self, loader: DataLoaderState, saved: set[str]) -> bool:
+    def _dataloader_fits(self, loader: DataLoaderState, saved: set[str], path: str) -> bool:
         """TorchTitan refuses a dataloader state saved by another data-parallel degree; here the
-        dataloader starts from the beginning instead, and says so once."""
+        dataloader starts from the beginning instead, and says so once. A state of another
+        layout than TorchTitan's (an older torchtitan_ckpt's `rank_0`) is refused: it is no
+        other degree, and starting over would go unnoticed."""
         degree = saved_dp_degree(saved)
+        if not degree:
+            raise CheckpointError(
+                f"{path}: its dataloader state ({', '.join(f'dataloader.{k}' for k in sorted(saved)[:3])}) is not "
+                f"in TorchTitan's layout (dataloader.{DP_RANK_PREFIX}<rank>): saved by an older torchtitan_ckpt or "
+                "another program? Add 'dataloader' to checkpoint.exclude_from_loading to start it from the beginning")
         if degree == loader.dp_world_size and loader.key in saved:
             return True
         if self._group.is_coordinator:
@@ -978,9 +1084,19 @@ def _cannot_apply(path: str, name: str, error: Exception) -> CorruptCheckpointEr
         f"load another step, or add '{name}' to checkpoint.exclude_from_loading")
 
 
+def _few(steps: list[int]) -> str:
+    """`steps` for a message: the first ten, then how many more (a crashed job's folder, or a
+    run's copy, may hold thousands)."""
+    shown = ", ".join(map(str, steps[:10]))
+    return f"{shown} and {len(steps) - 10} more" if len(steps) > 10 else shown
+
+
 def _not_loadable(folder: layout.StepFolder) -> str:
     if folder.status == layout.PARTIAL:
         return f"its save did not finish (no {commit.MARKER})"
+    if folder.status == layout.DENIED:
+        return (f"cannot be read: {safe_open.denied(folder.path, 'Permission denied')}; ask its owner to make it "
+                "readable to you, or move it out of the folder")
     return ("not written by torchtitan_ckpt, and holding no finished checkpoint of a known format "
             f"({', '.join(FORMATS)}): its save did not finish, or it is not a checkpoint")
 

@@ -491,7 +491,7 @@ class BackgroundSaves:
         """`async_with_pinned_mem`'s writer process: started now, so that it is up by the first
         save (it takes seconds to import torch) when the job `saves`, else never (by the first
         save, should one come)."""
-        _wait_at_exit(weakref.ref(self))
+        _wait_at_exit(self)
 
     def submit(self, state: dict[str, Any], job: SaveJob, deferred: Deferred = _nothing_deferred) -> None:
         self.wait()
@@ -610,7 +610,15 @@ def _take(laid_out: Future, copies: list[Copies], frozen: dict[str, Any]) -> Sta
     return Staged(taken.staged, taken.ready, taken.done, taken.wait_across if taken.counted else None)
 
 
-def _wait_at_exit(saves: weakref.ref) -> None:
+_AT_EXIT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""The background saves the interpreter's exit finishes (`_wait_at_exit`), each with the pid of
+the process that made it: one exit hook per process serves them all (one per manager stayed
+registered after its `close()`)."""
+_HOOKED: set[int] = set()
+"""The processes whose exit hook is registered."""
+
+
+def _wait_at_exit(saves: Any) -> None:
     """Have the interpreter's exit finish `saves` (`finish_at_exit`) before `concurrent.futures`
     stops taking work (its exit hook is registered the same way, earlier, and runs later) and
     before any `atexit` function (`multiprocessing` joins its children in one):
@@ -619,10 +627,15 @@ def _wait_at_exit(saves: weakref.ref) -> None:
     if register is None:
         return
     pid = os.getpid()
+    _AT_EXIT[saves] = pid
+    if pid in _HOOKED:
+        return
+    _HOOKED.add(pid)
 
-    def finish() -> None:  # a forked child (a data loader's worker) inherits the hook, not the save's threads
-        if os.getpid() == pid and (alive := saves()) is not None:
-            alive.finish_at_exit()
+    def finish() -> None:  # a forked child (a data loader's worker) inherits the saves, not their threads
+        for alive, made_in in list(_AT_EXIT.items()):
+            if made_in == pid == os.getpid():
+                alive.finish_at_exit()
     register(finish)
 
 

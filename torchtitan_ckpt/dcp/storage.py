@@ -34,6 +34,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo  # the format's entry type
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's keys, as its planner makes them
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors  # as DCP's save planner
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -295,10 +296,18 @@ class _ReadOnlyRegularFiles(FileSystem):
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, but non-tensor values are unpickled without running code, and
-    put under the caller's own keys."""
+    put under the caller's own keys, and the state is flattened in the order DCP's save planner
+    flattens it (nested keys first, then sharded tensors). DCP's load planner does it the other
+    way round, and its sharded-tensor pass drops empty containers from lists: a `LambdaLR` with a
+    function for one group and a `functools.partial` for another (`lr_lambdas: [None, {}]`),
+    saved as `lr_lambdas.0`, was asked for as `lr_lambdas` and its load failed."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_sharded_tensors=False)
 
     def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
         super().set_up_planner(state_dict, *args, **kwargs)
+        self.state_dict = _flatten_sharded_tensors(self.state_dict)
         self._spellings: dict[int, dict[str, Any]] = {}
         """Per dict of the caller's (by id, for this load), its keys that are not text, by their text."""
 

@@ -26,7 +26,8 @@ class Job:
 @dataclass
 class Model:
     name: str = "llama3"
-    """Model family of the example job. Only `llama3` exists."""
+    """Name of the example model, logged at start beside the flavor; only `llama3` is accepted. The
+    model family follows `flavor` (`qwen3_debug` trains a Qwen3 model), whatever this name says."""
 
     flavor: str = "debugmodel"
     """Size preset of the example model, one of `torchtitan_ckpt.example.model.FLAVORS`."""

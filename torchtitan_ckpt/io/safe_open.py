@@ -7,7 +7,8 @@ so a crafted entry cannot read `/etc/passwd`, another checkpoint's tensors or `/
 opened with `O_NONBLOCK` and checked to be a regular file before anything is read, so a FIFO or a
 device in its place is refused instead of blocking the load forever. Anything else is a
 `CorruptCheckpointError` naming the entry, except running out of descriptors, which is this
-process's limit (`make_room` raises it ahead of a load that opens many files).
+process's limit (`make_room` raises it ahead of a load that opens many files), and a file this
+user may not read, named with its owner and mode.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import pwd
 import resource
 import stat
 from collections.abc import Collection
@@ -90,6 +92,50 @@ def _hub_blob(real_root: str, real: str) -> bool:
     return os.path.dirname(real) == os.path.join(os.path.dirname(os.path.dirname(real_root)), "blobs")
 
 
+def denied(path: str, why: str) -> str:
+    """What this user may not do with `path` (`why`: "Permission denied", "not writable"), for a
+    message: the user, and the owner and mode of the file or folder (the nearest one that can be
+    looked at), so that the user knows whom to ask."""
+    def name(uid: int) -> str:
+        try:
+            return pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return str(uid)
+
+    shown = path
+    while True:
+        try:
+            st = os.lstat(shown)
+            break
+        except OSError:
+            if os.path.dirname(shown) == shown:
+                return f"{path}: {why} for user {name(os.geteuid())}"
+            shown = os.path.dirname(shown)
+    return (f"{path}: {why} for user {name(os.geteuid())} ({shown} is owned by {name(st.st_uid)}, "
+            f"mode {stat.filemode(st.st_mode)})")
+
+
+PERMISSION = {errno.EACCES, errno.EPERM}
+"""The errors of a file or folder this user may not use: not the checkpoint's fault."""
+
+
+def removal_denied(path: str) -> str | None:
+    """Why this user may not remove the folder `path` and its files (another user's step in a
+    team's folder: its folder not writable to this user, or the parent's sticky bit), for a
+    message; None when it may. A save would fail over it after the training up to it."""
+    parent = os.path.dirname(path)
+    try:
+        st, up = os.lstat(path), os.stat(parent)
+    except OSError:
+        return None  # gone, or not looked into: the save's own errors say so
+    sticky = up.st_mode & stat.S_ISVTX and os.geteuid() not in (0, st.st_uid, up.st_uid)
+    for where, ok in ((parent, os.access(parent, os.W_OK | os.X_OK) and not sticky),
+                      (path, not stat.S_ISDIR(st.st_mode) or os.access(path, os.R_OK | os.W_OK | os.X_OK))):
+        if not ok:
+            return denied(where, "not removable")
+    return None
+
+
 def open_fd(root: str, name: object, what: str) -> int:
     """A read-only descriptor of the regular file `name` under `root` (see `inside`); never blocks
     on a FIFO. The caller closes it."""
@@ -100,6 +146,9 @@ def open_fd(root: str, name: object, what: str) -> int:
         if e.errno in _OUT_OF_DESCRIPTORS:  # this machine's limit, not the checkpoint's fault
             raise CheckpointError(f"{path}: {what} cannot be opened: {e.strerror} (this process may hold "
                                   f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}; raise `ulimit -n`)") from e
+        if e.errno in PERMISSION:  # not damaged: a verify passing over it would let a save replace it
+            raise CheckpointError(f"{what} cannot be opened: {denied(path, e.strerror)}; ask its owner to make it "
+                                  "readable to you") from e
         raise CorruptCheckpointError(f"{path}: {what} cannot be opened: {e.strerror}") from e
     try:
         _check_opened(fd, root, path, what)

@@ -16,14 +16,16 @@ class SaveKind(enum.Enum):
     """The freshly initialised model alone, as step 0, in its own dtype."""
 
 
-def save_kind(step: int, last_step: bool, config: Checkpoint) -> SaveKind | None:
-    """What `save(step, last_step)` writes, or None when this step is not saved."""
+def save_kind(step: int, last_step: bool, config: Checkpoint, force: bool = False) -> SaveKind | None:
+    """What `save(step, last_step, force)` writes, or None when this step is not saved."""
     if not config.enable or config.load_only:
         return None
     if step == 0:
         return SaveKind.SEED if config.create_seed_checkpoint else None
     if last_step:
         return SaveKind.MODEL_ONLY if config.last_save_model_only else SaveKind.FULL
+    if force:
+        return SaveKind.FULL
     if step == 1 and config.enable_first_step_checkpoint:
         return SaveKind.FULL
     return SaveKind.FULL if step % config.interval == 0 else None

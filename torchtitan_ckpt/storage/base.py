@@ -39,6 +39,11 @@ class Store(ABC):
         """A local path under `root` as the user knows it (the object's URL for a remote store)."""
         return path
 
+    def in_user_terms(self, text: str) -> str:
+        """`text` (an error, a problem found) with the local paths it names under any rank's
+        `root` as the user knows them (`describe`): readers name the files they read."""
+        return text
+
     def reach(self, group: CheckpointGroup, write: bool = True) -> None:
         """At start-up, before any store of the job makes anything (`check`): the storage answers
         (and, with `write`, takes a write), leaving nothing behind; a `ConfigError` naming the
@@ -65,6 +70,11 @@ class Store(ABC):
         """Whether `prepare` would replace `folder` rather than refuse it: a step of ours, not
         a link to one (a run linked in is loaded from, never changed)."""
         return folder.ours and not folder.linked
+
+    def unremovable(self, folder: StepFolder) -> str | None:
+        """Why this user may not remove `folder` (for a message), or None: a store where a step
+        is this user's to remove if it may write there has nothing to say."""
+        return None
 
     def close(self) -> None:
         """When the job is done with the store (the manager's `close`): let go of what it

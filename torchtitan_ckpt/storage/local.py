@@ -8,7 +8,7 @@ import uuid
 
 from .. import commit, faults, layout
 from ..errors import CheckpointError, ConfigError, RankFailed
-from ..io import durable
+from ..io import durable, safe_open
 from ..group import CheckpointGroup
 from . import lock
 from .base import Store, warn_replacing
@@ -82,6 +82,9 @@ class LocalStore(Store):
                 linked = path if os.path.islink(path) else os.path.join(path, commit.MARKER)
                 raise CheckpointError(f"{linked} is a link to {os.path.realpath(linked)}: a step folder linked in "
                                       "from elsewhere is never replaced; remove it or save into another folder")
+            if denied := self.unremovable(folder):
+                raise CheckpointError(f"{path} exists and this user may not remove it ({denied}): ask its owner, "
+                                      "or save into another folder")
             if not self.replaceable(folder):
                 raise CheckpointError(f"{path} exists and was not written by torchtitan_ckpt; it is "
                                       "never replaced: move it away or save into another folder")
@@ -96,8 +99,12 @@ class LocalStore(Store):
         faults.hit("prepare", step)
 
     def replaceable(self, folder: layout.StepFolder) -> bool:
-        """Also a folder a save stopped in before marking it (`_unmarked`)."""
-        return super().replaceable(folder) or _unmarked(folder.path)
+        """Also a folder a save stopped in before marking it (`_unmarked`); either, only where
+        this user may remove it (`unremovable`)."""
+        return (super().replaceable(folder) or _unmarked(folder.path)) and self.unremovable(folder) is None
+
+    def unremovable(self, folder: layout.StepFolder) -> str | None:
+        return safe_open.removal_denied(folder.path)
 
     def commit(self, path: str, info: commit.CommitInfo, checksums: dict[str, tuple[int, str]]) -> commit.CommitInfo:
         return commit.write_marker(path, info, checksums)
@@ -112,4 +119,8 @@ def _unmarked(path: str) -> bool:
     """Whether `path` is an empty folder (not a link): what a save leaves when it stops between
     creating the step folder and writing its in-progress marker (a kill; one stopped while
     writing it leaves a partial step, `layout.status_of`). Replacing it loses nothing."""
-    return not os.path.islink(path) and os.path.isdir(path) and not os.listdir(path)
+    try:
+        return not os.path.islink(path) and os.path.isdir(path) and not os.listdir(path)
+    except OSError:  # a folder this user may not list: not known to be empty
+        return False
+

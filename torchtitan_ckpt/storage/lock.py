@@ -11,6 +11,7 @@ import os
 import stat
 
 from ..errors import CheckpointError
+from ..io import safe_open
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,11 @@ def claim(lock: str, what: str, remedy: str) -> tuple[str, bool]:
         fd = os.open(key, os.O_RDWR | os.O_CREAT | flags, 0o666)
         writable = True
     except PermissionError:
-        fd, writable = os.open(key, os.O_RDONLY | flags), False
+        try:
+            fd, writable = os.open(key, os.O_RDONLY | flags), False
+        except PermissionError as e:  # another user's, of its mode: whom to ask
+            raise CheckpointError(f"{what} cannot be held by this job: {safe_open.denied(key, e.strerror)}; ask its "
+                                  "owner to make it readable to you (a team's folder wants umask 002)") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # a hard link's other name is not ours to write

@@ -1,0 +1,188 @@
+"""A team's folders: steps another user wrote, which this user may not read or remove. The suite
+runs as root, whom file modes do not stop: each check runs in a process that drops to `nobody`
+once everything it uses is imported (and, run by another user, as that user, with modes that
+stop an owner too)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from torchtitan_ckpt import Checkpoint, CheckpointManager, commit, layout
+
+from .helpers import ROOT
+from .jobs import make_job
+
+_PRELUDE = """
+import os, sys
+sys.path.insert(0, {root!r})
+import torch
+from torchtitan_ckpt import Checkpoint, CheckpointManager, errors
+from tests.jobs import make_job
+
+def model():
+    torch.manual_seed(1)
+    return torch.nn.Linear(4, 4)
+
+def refusal(make, call):
+    try:
+        call(make())
+    except errors.CheckpointError as e:
+        return f"{{type(e).__name__}}: {{e}}"
+    return "no error"
+
+{warm}
+if os.geteuid() == 0:  # as `nobody` from here on: modes stop it
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+"""
+
+
+def _as_another_user(folder: str, warm: str, code: str) -> str:
+    """Run `code` after `warm` (as the suite's user: it imports what `code` uses) as `nobody`;
+    its output."""
+    script = _PRELUDE.format(root=ROOT, warm=warm) + code
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=folder, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture
+def team_folder():
+    """A folder anyone may write into, outside pytest's own (which is its user's alone)."""
+    folder = tempfile.mkdtemp(prefix="team-", dir="/tmp")
+    os.chmod(folder, 0o777)
+    yield folder
+    for root, dirs, _ in os.walk(folder):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o755)
+    subprocess.run(["rm", "-rf", folder], check=True)
+
+
+def _save_steps(folder: str, steps: list[int], example: bool = False) -> str:
+    """Steps saved by the suite's user (a small `Linear`'s, or the example job's)."""
+    if example:
+        job = make_job(folder, steps=20, interval=2)
+        job.run_to(steps[-1], steps=20)
+        job.manager.close()
+    else:
+        torch.manual_seed(0)
+        with CheckpointManager(Checkpoint(enable=True, interval=1), [torch.nn.Linear(4, 4)], base_folder=folder) as m:
+            for step in steps:
+                m.save(step)
+    ckpt = os.path.join(folder, "checkpoint")
+    os.chmod(ckpt, 0o777)
+    os.remove(os.path.join(ckpt, ".torchtitan_ckpt.lock"))  # the saving job's, of its user's mode
+    return ckpt
+
+
+_LOAD = """
+print(refusal(lambda: CheckpointManager(Checkpoint(enable=True, load_only=True, verify_on_load={verify}), [model()],
+                                        base_folder={folder!r}), lambda m: m.load()))
+"""
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify_on_load"])
+def test_a_step_this_user_may_not_read_is_named_with_its_owner_not_passed_over(team_folder, verify):
+    """A data file of the newest step unreadable to this user was "damaged": with
+    `verify_on_load` passed over (and the job's next save replaced it, failing after the
+    training). A step folder it may not enter read as another program's: passed over, or with
+    no other step, the load returned False and the job started from scratch."""
+    ckpt = _save_steps(team_folder, [1, 2])
+    step2 = layout.step_dir(ckpt, 2)
+    load = _LOAD.format(folder=team_folder, verify=verify)
+    data = sorted(n for n in os.listdir(step2) if n.endswith(".distcp"))
+    for name in data:
+        os.chmod(os.path.join(step2, name), 0o000)
+    out = _as_another_user(team_folder, load, load).splitlines()[-1]
+    assert out.startswith("CheckpointError: ") and "cannot be opened: " in out, out
+    assert f"{step2}/{data[0]}: Permission denied for user " in out and "mode ----------); ask its owner" in out, out
+    os.chmod(step2, 0o000)
+    listing = """
+import contextlib, io, json
+from torchtitan_ckpt import cli
+listed = io.StringIO()
+with contextlib.redirect_stdout(listed):
+    status = cli.main(["list", "--json", {ckpt!r}])
+print(status, [(s["step"], s["status"]) for s in json.loads(listed.getvalue())["steps"]])
+""".format(ckpt=ckpt)
+    out = _as_another_user(team_folder, load, load + listing).splitlines()
+    assert out[-2].startswith(f"CheckpointError: {step2}, newer than every step this job may read, cannot be read: "
+                              f"{step2}: Permission denied for user ") and \
+        f"({step2} is owned by " in out[-2] and "mode d---------); ask its owner" in out[-2], out
+    assert out[-1] == "0 [(1, 'complete'), (2, 'denied')]", out
+
+
+_SAVER = """
+print(refusal(lambda: make_job({folder!r}, steps=20, interval=2, **{settings}), lambda job: job.manager.load()))
+"""
+
+
+def test_a_step_ahead_this_user_may_not_remove_is_refused_before_training(team_folder):
+    """Another user's unfinished step 4 (killed while saving) in the team's folder: the job
+    loaded step 2, trained, and its save of step 4 failed removing the old one."""
+    ckpt = _save_steps(team_folder, [2], example=True)
+    step4 = layout.step_dir(ckpt, 4)
+    os.makedirs(step4)
+    commit.mark_in_progress(step4)
+    os.chmod(step4, 0o555)
+    warm = "make_job({folder!r}, steps=20, load_only=True).manager.load()".format(folder=team_folder)
+    out = _as_another_user(team_folder, warm, _SAVER.format(folder=team_folder, settings={})).splitlines()[-1]
+    assert out.startswith(f"CheckpointError: {ckpt}: step(s) 4 include steps this user may not remove ({step4}: not "
+                          f"removable for user ") and "mode dr-xr-xr-x); ask their owner" in out, out
+    assert "a save never replaces a folder it may not remove" in out, out
+    assert os.path.isdir(step4) and os.listdir(step4) == [commit.IN_PROGRESS]
+
+
+def test_a_copies_folder_this_user_may_not_write_is_refused_at_construction(team_folder):
+    """`hf_export_interval` with the copies' folder of another user: the first copy failed, after
+    the training up to it."""
+    ckpt = _save_steps(team_folder, [2], example=True)
+    os.makedirs(os.path.join(ckpt, "hf"), mode=0o555)
+    os.chmod(os.path.join(ckpt, "hf"), 0o555)
+    warm = "make_job({folder!r}, steps=20, load_only=True).manager.load()".format(folder=team_folder)
+    code = _SAVER.format(folder=team_folder, settings={"hf_export_interval": 2})
+    out = _as_another_user(team_folder, warm, code).splitlines()[-1]
+    assert out.startswith(f"ConfigError: checkpoint.hf_export_interval = 2: the copies go into {ckpt}/hf: not "
+                          "writable for user ") and "mode dr-xr-xr-x); ask its owner" in out, out
+
+
+def test_clean_names_the_owner_of_a_step_it_may_not_remove(team_folder):
+    """It said "Permission denied: '__0_0.distcp'", a file named relative to a folder unnamed."""
+    ckpt = _save_steps(team_folder, [2])
+    step4 = layout.step_dir(ckpt, 4)
+    os.makedirs(step4)
+    commit.mark_in_progress(step4)
+    os.chmod(step4, 0o555)
+    code = f"""
+import contextlib, io
+from torchtitan_ckpt import cli
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    status = cli.main(["clean", {ckpt!r}, "--quiet"])
+print(status, err.getvalue().strip())
+"""
+    out = _as_another_user(team_folder, "from torchtitan_ckpt import cli", code).splitlines()[-1]
+    assert out.startswith(f"1 error: {step4} could not be removed: {step4}: not removable for user ") and \
+        "mode dr-xr-xr-x)" in out, out
+    assert os.listdir(step4) == [commit.IN_PROGRESS]
+
+
+def test_a_lock_file_this_user_may_not_open_is_named_with_its_owner(team_folder):
+    """It said "[Errno 13] Permission denied: .../.torchtitan_ckpt.lock"."""
+    ckpt = _save_steps(team_folder, [2], example=True)
+    lock = os.path.join(ckpt, ".torchtitan_ckpt.lock")
+    open(lock, "w").close()
+    os.chmod(lock, 0o000)
+    warm = "make_job({folder!r}, steps=20, load_only=True).manager.load()".format(folder=team_folder)
+    out = _as_another_user(team_folder, warm, _SAVER.format(folder=team_folder, settings={})).splitlines()[-1]
+    assert out.startswith(f"ConfigError: checkpoint.folder = {ckpt!r}: ") and \
+        f"cannot be held by this job: {lock}: Permission denied for user " in out and \
+        "mode ----------); ask its owner" in out, out
