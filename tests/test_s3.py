@@ -574,11 +574,11 @@ def _load_sharded(rank, world_size, url, staging):
     model = _hf_model(0, world_size)
     with CheckpointManager(_config(url, staging), [model]) as manager:
         assert manager.load()
+        here = os.listdir(os.path.join(staging, quote(url, safe=""), f"rank-{rank}", "step-1"))  # until close()
+    assert sorted(here) == sorted([".metadata", "COMMITTED.json", f"__{rank}_0.distcp"])  # not the other rank's
     saved = _hf_model(3, world_size).state_dict()
     for key, value in model.state_dict().items():
         assert torch.equal(value.to_local(), saved[key].to_local()), key
-    here = os.listdir(os.path.join(staging, quote(url, safe=""), f"rank-{rank}", "step-1"))
-    assert sorted(here) == sorted([".metadata", "COMMITTED.json", f"__{rank}_0.distcp"])  # not the other rank's
 
 
 def test_each_rank_downloads_only_the_bytes_its_load_plan_reads(bucket, tmp_path, monkeypatch, moto_url):
@@ -876,6 +876,19 @@ def test_a_step_an_earlier_run_left_staged_is_removed_at_start_up(bucket, tmp_pa
     os.symlink(str(tmp_path), os.path.join(rank0[0], "step-3"))  # not a folder we make: kept
     CheckpointManager(_config(url, str(tmp_path)), [model], opt).close()
     assert sorted(os.listdir(rank0[0])) == ["step-3"]
+
+
+def test_the_step_a_load_fetched_goes_with_the_manager(bucket, tmp_path):
+    """It stayed in the staging folder until the next process of the URL started."""
+    url = f"s3://{bucket}/run"
+    model, opt = _job()
+    with CheckpointManager(_config(url, str(tmp_path / "a")), [model], opt) as manager:
+        manager.save(1)
+    with CheckpointManager(_config(url, str(tmp_path / "b"), load_only=True), *_job(seed=1)) as manager:
+        assert manager.load()
+        staged = glob.glob(os.path.join(tmp_path, "b", "*", "rank-0"))[0]
+        assert os.listdir(staged) == ["step-1"]
+    assert os.listdir(staged) == []
 
 
 _SECOND_JOB = """

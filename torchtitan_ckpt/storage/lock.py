@@ -80,6 +80,11 @@ def claim(lock: str, what: str, remedy: str) -> tuple[str, bool]:
     return key, True
 
 
+def shared(key: str) -> bool:
+    """Whether another store of this process holds the lock file `claim` named `key` too."""
+    return _HOLDERS.get(key, (-1, 0))[1] > 1
+
+
 def release(key: str) -> None:
     """One store of this process stops using what the lock file `claim` named `key` holds; the
     last one unlocks it (a child forked since, a data loader's worker, shares the lock until it

@@ -316,8 +316,14 @@ class S3Store(Store):
                 logger.info("rank %d removed %s, left in its staging folder by an earlier run", self.rank, entry.path)
 
     def close(self) -> None:
+        """The step fetched for a load is removed from the staging folder while this store still
+        holds it (it stayed there until the next process of the URL started), unless another
+        store of this process uses the folder."""
         self._pool.shutdown(wait=True)  # idle by now: the job's transfers are done
         if self._lock is not None:
+            if self._held is not None and not lock.shared(self._lock):
+                shutil.rmtree(self._held, ignore_errors=True)
+                self._held = None
             lock.release(self._lock)
             self._lock = None
 
