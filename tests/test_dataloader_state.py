@@ -68,7 +68,7 @@ def test_a_dataloader_state_of_another_layout_is_refused_not_dropped(tmp_path):
         manager.save(1)
     fresh = _OlderLayout(0)
     with CheckpointManager(Checkpoint(enable=True), [model], dataloader=fresh, base_folder=str(tmp_path)) as manager:
-        with pytest.raises(CheckpointError, match=r"its dataloader state \(dataloader.rank_0\) is not in TorchTitan's "
+        with pytest.raises(CheckpointError, match=r"its dataloader state \('dataloader.rank_0'\) is not in TorchTitan's "
                                                   r"layout .*checkpoint.exclude_from_loading"):
             manager.load()
     assert fresh.position == 0

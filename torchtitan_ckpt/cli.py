@@ -404,10 +404,8 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
                 try:
                     commit.remove_step(path, gone)
                 except (CheckpointError, OSError) as e:  # files appeared, permissions: the others are still cleaned
-                    problem = (str(e) if isinstance(e, CheckpointError) else
-                               f"{path} could not be removed: "
-                               f"{safe_open.removal_denied(path) or safe_open.denied(path, e.strerror)}" if
-                               isinstance(e, PermissionError) else f"{path} could not be removed: {e}")
+                    why = safe_open.removal_refused(path, e) if isinstance(e, PermissionError) else e
+                    problem = str(e) if isinstance(e, CheckpointError) else f"{path} could not be removed: {why}"
                     print(f"error: {_escaped(problem)}", file=sys.stderr)
                     code, freed = EXIT_FAILED, freed + done[0]
                     continue

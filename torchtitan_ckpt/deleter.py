@@ -63,8 +63,8 @@ class BackgroundDeleter:
                 self._remove(folder)
                 logger.info("deleted old checkpoint step %d (%s)", folder.step, self._describe(folder.path))
             except Exception as e:  # any failure: the thread keeps serving the next deletions
-                why = ((safe_open.removal_denied(folder.path) or safe_open.denied(folder.path, e.strerror))
-                       if isinstance(e, PermissionError) else f"{type(e).__name__}: {e}")  # whom to ask
+                why = (safe_open.removal_refused(folder.path, e) if isinstance(e, PermissionError) else
+                       f"{type(e).__name__}: {e}")
                 logger.warning("could not delete %s: %s", self._describe(folder.path), why)
             finally:
                 with self._lock:

@@ -47,6 +47,7 @@ from .hf.save import assets_file_split, read_assets
 from .io.dtypes import EXPORT_DTYPES
 from .io import safe_open
 from .io.filewriter import Sink
+from .io.untrusted import brief
 from .progress import gb_per_s
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
 from .staging import SaveJob, Staged, make_strategy
@@ -729,8 +730,7 @@ class CheckpointManager:
             if not f.loadable and f.step > newest_step:
                 ignored.setdefault(_not_loadable(f), []).append(self._store.describe(f.path))
         for why, paths in ignored.items() if self._group.is_coordinator else ():
-            more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
-            logger.warning("ignoring %s%s: %s", ", ".join(paths[:3]), more, why)
+            logger.warning("ignoring %s: %s", _few(paths, 3), why)
         if loadable:
             if self.config.initial_load_path:
                 logger.info("%s has loadable steps; ignoring initial_load_path", self.folder)
@@ -1067,9 +1067,10 @@ class CheckpointManager:
         degree = saved_dp_degree(saved)
         if not degree:
             raise CheckpointError(
-                f"{path}: its dataloader state ({', '.join(f'dataloader.{k}' for k in sorted(saved)[:3])}) is not "
-                f"in TorchTitan's layout (dataloader.{DP_RANK_PREFIX}<rank>): saved by an older torchtitan_ckpt or "
-                "another program? Add 'dataloader' to checkpoint.exclude_from_loading to start it from the beginning")
+                f"{path}: its dataloader state ({', '.join(brief(f'dataloader.{k}') for k in sorted(saved)[:3])}) "
+                f"is not in TorchTitan's layout (dataloader.{DP_RANK_PREFIX}<rank>): saved by an older torchtitan_ckpt "
+                "or another program? Add 'dataloader' to checkpoint.exclude_from_loading to start it from the "
+                "beginning")
         if degree == loader.dp_world_size and loader.key in saved:
             return True
         if self._group.is_coordinator:
@@ -1084,11 +1085,11 @@ def _cannot_apply(path: str, name: str, error: Exception) -> CorruptCheckpointEr
         f"load another step, or add '{name}' to checkpoint.exclude_from_loading")
 
 
-def _few(steps: list[int]) -> str:
-    """`steps` for a message: the first ten, then how many more (a crashed job's folder, or a
-    run's copy, may hold thousands)."""
-    shown = ", ".join(map(str, steps[:10]))
-    return f"{shown} and {len(steps) - 10} more" if len(steps) > 10 else shown
+def _few(items: Sequence[object], shown: int = 10) -> str:
+    """`items` (steps, paths) for a message: the first `shown`, then how many more (a crashed
+    job's folder, or a run's copy, may hold thousands)."""
+    listed = ", ".join(map(str, items[:shown]))
+    return f"{listed} and {len(items) - shown} more" if len(items) > shown else listed
 
 
 def _not_loadable(folder: layout.StepFolder) -> str:

@@ -136,6 +136,12 @@ def removal_denied(path: str) -> str | None:
     return None
 
 
+def removal_refused(path: str, error: PermissionError) -> str:
+    """A removal of the folder `path` refused with `error`, for a message: whom to ask
+    (`removal_denied`, else the owner and mode of `path`)."""
+    return removal_denied(path) or denied(path, error.strerror)
+
+
 def open_fd(root: str, name: object, what: str) -> int:
     """A read-only descriptor of the regular file `name` under `root` (see `inside`); never blocks
     on a FIFO. The caller closes it."""

@@ -123,4 +123,3 @@ def _unmarked(path: str) -> bool:
         return not os.path.islink(path) and os.path.isdir(path) and not os.listdir(path)
     except OSError:  # a folder this user may not list: not known to be empty
         return False
-

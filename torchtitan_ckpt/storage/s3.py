@@ -182,8 +182,8 @@ class S3Store(Store):
 
     def in_user_terms(self, text: str) -> str:
         staging = re.escape(os.path.dirname(self.root))  # every rank's `root` is a `rank-N` in it
-        return re.sub(staging + r"/rank-[0-9]+(?=/|$|[\s'\":,;)\]])", lambda _: self.where(self.prefix).rstrip("/"),
-                      text)
+        url = self.where(self.prefix).rstrip("/")
+        return re.sub(staging + r"/rank-[0-9]+(?=/|$|[\s'\":,;)\]])", lambda _: url, text)
 
     def where(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
