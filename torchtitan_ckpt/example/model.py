@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -430,11 +429,52 @@ class MoE(nn.Module):
         them, and the sums go back to the tokens' ranks (an all-gather and a reduce-scatter, where
         TorchTitan uses an all-to-all: the same values, with simpler code)."""
         group = self.ep_group
-        all_flat, all_weights = (funcol.all_gather_tensor_autograd(t, 0, group) for t in (flat, weights))
-        all_chosen = funcol.all_gather_tensor(chosen, 0, group).wait()
+        all_flat, all_weights = (_GatherRows.apply(t, group) for t in (flat, weights))
         first = dist.get_rank(group) * (self.args.num_experts // dist.get_world_size(group))
-        out = self.experts(all_flat, all_chosen, all_weights, first)
-        return funcol.reduce_scatter_tensor_autograd(out, "sum", 0, group)
+        out = self.experts(all_flat, _gather_rows(chosen, group), all_weights, first)
+        return _SumScatterRows.apply(out, group)
+
+
+def _gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The ranks' `x` one after another along dim 0, in rank order."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _sum_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's block of rows of the ranks' sum of `x`: an all-reduce, then a slice. The
+    functional collectives' reduce-scatter on gloo (torch 2.13) now and then corrupted the heap
+    and crashed the expert-parallel job."""
+    total = x.contiguous().clone()
+    dist.all_reduce(total, group=group)
+    return total.chunk(dist.get_world_size(group))[dist.get_rank(group)].clone()
+
+
+class _GatherRows(torch.autograd.Function):
+    """`_gather_rows`, whose gradient is the sum-scatter of the output's."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _gather_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _sum_scatter_rows(grad, ctx.group), None
+
+
+class _SumScatterRows(torch.autograd.Function):
+    """`_sum_scatter_rows`, whose gradient is the gather of the output's."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _sum_scatter_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_rows(grad, ctx.group), None
 
 
 class TransformerBlock(nn.Module):
