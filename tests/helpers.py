@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import pathlib
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import shutil
 import tempfile
+import time
 from typing import Any
 
 import torch
@@ -74,6 +76,7 @@ def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 
 def _rank_main(rank: int, world_size: int, init_file: str, fn, args) -> None:
+    faulthandler.enable()  # a crash in C++ (gloo) prints where Python was
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
@@ -102,6 +105,25 @@ class TensorState:
         self.value.copy_(sd["value"])
 
 
+def stay_until(path: str, limit_s: float = 120) -> None:
+    """Keep this rank (and its groups) alive until another rank creates `path`: a rank that
+    never joins a collective must not leave before the others time out, or they fail on its
+    closed connections instead."""
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} was never created"
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def then_release(path: str):
+    """Create `path` when the block ends, however it ends (for `stay_until`)."""
+    try:
+        yield
+    finally:
+        open(path, "w").close()
+
+
 def spawn(world_size: int, fn, *args) -> None:
     """Run `fn(rank, world_size, *args)` on `world_size` real processes joined by gloo.
     An exception on any rank fails the caller with that rank's traceback."""
@@ -116,11 +138,13 @@ def run_job(dump_folder: str, *overrides: str, nproc: int = 1, config: str = DEB
     0 (or, with `expect_ok=False`, unless it fails)."""
     job = ["-m", "torchtitan_ckpt.example.train", "--config", config, "--job.dump_folder", dump_folder, *overrides]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
     proc = subprocess.run([sys.executable, *launcher, *job], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=300)
     log = proc.stdout + proc.stderr
-    assert (proc.returncode == 0) == expect_ok, log[-4000:]
+    crash = log.find("Fatal Python error")  # a rank's crash in C++, which the ranks' tracebacks bury
+    shown = (log[crash:crash + 3000] + "\n[...]\n" if crash >= 0 else "") + log[-4000:]
+    assert (proc.returncode == 0) == expect_ok, shown
     return log
 
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from torchtitan_ckpt.errors import CollectiveError, RankFailed
 from torchtitan_ckpt.group import CheckpointGroup
 
-from .helpers import spawn
+from .helpers import spawn, stay_until, then_release
 
 
 def _failing(rank: int, world_size: int) -> None:
@@ -66,22 +64,23 @@ def test_an_interrupted_rank_fails_the_round_on_every_rank_and_ranks_out_of_step
     spawn(2, _interrupted_and_out_of_step)
 
 
-def _own_failure_kept(rank: int, world_size: int) -> None:
-    group = CheckpointGroup(timeout_s=2)
+def _own_failure_kept(rank: int, world_size: int, done: str) -> None:
+    group = CheckpointGroup(timeout_s=10)
     if rank == 1:
-        time.sleep(6)  # never joins the round
+        stay_until(done)  # never joins the round
         return
 
     def fn() -> None:
         raise OSError("the disk is gone")
 
-    with pytest.raises(CollectiveError, match=r"within checkpoint.collective_timeout_s = 2 s.* \(this rank had "
-                                              r"failed first: OSError: the disk is gone\)"):
+    with then_release(done), pytest.raises(CollectiveError, match=r"within checkpoint.collective_timeout_s = 10 s.* "
+                                                                  r"\(this rank had failed first: OSError: the disk "
+                                                                  r"is gone\)"):
         group.run(fn)
 
 
-def test_a_rank_own_failure_is_kept_when_the_round_times_out():
-    spawn(2, _own_failure_kept)
+def test_a_rank_own_failure_is_kept_when_the_round_times_out(tmp_path):
+    spawn(2, _own_failure_kept, str(tmp_path / "done"))
 
 
 def test_a_group_without_a_cpu_backend_is_refused_at_start(tmp_path):

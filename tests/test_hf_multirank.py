@@ -335,7 +335,7 @@ class _HostCopyFails(_CopyFails):
 def _one_rank_fails_to_copy(rank: int, world_size: int, out: str) -> None:
     """Pipeline stages: rank 1 holds layer 1, the norm and the head, and its norm's copy fails
     when cast (before planning) or when copied to host memory (before writing)."""
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))  # not 30 min if a rank hangs
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))  # not 30 min if a rank hangs
     torch.manual_seed(0)
     sd = Transformer(MID_HEAD).state_dict()
     last = {k for k in sd if k.startswith("layers.1.") or k in ("norm.weight", "output.weight")}
@@ -349,7 +349,7 @@ def _one_rank_fails_to_copy(rank: int, world_size: int, out: str) -> None:
         with pytest.raises(MemoryError if rank == 1 else ConsolidationError,
                            match=re.escape(message if rank == 1 else f"{step} failed on rank 1: MemoryError: {message}")):
             save_hf(stage, out, hf_adapter(MID_HEAD), dtype=dtype, process_group=group)
-        assert time.perf_counter() - start < 10
+        assert time.perf_counter() - start < 30  # not the group's timeout
         assert not os.path.exists(os.path.join(out, "model.safetensors.index.json"))
         dist.barrier(group)
 

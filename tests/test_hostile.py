@@ -182,9 +182,9 @@ def test_a_fifo_as_the_marker_is_refused_without_blocking(ckpt, capsys):
     dump, step, _ = ckpt
     os.remove(os.path.join(step, commit.MARKER))
     os.mkfifo(os.path.join(step, commit.MARKER))
-    with pytest.raises(CorruptCheckpointError, match=f"{commit.MARKER}.* not a regular file"), within(10):
+    with pytest.raises(CorruptCheckpointError, match=f"{commit.MARKER}.* not a regular file"), within(30):
         commit.read_marker(step)
-    with within(10):
+    with within(30):
         assert cli.main(["list", os.path.dirname(step)]) == 1  # no complete step (docs/cli.md)
     assert "unknown" in capsys.readouterr().out  # a marker that is no regular file is not ours
     job = make_job(dump, steps=2, interval=2)
@@ -980,7 +980,7 @@ def test_an_hf_index_that_is_a_fifo_is_refused_without_blocking(tmp_path):
     from torchtitan_ckpt.hf.adapter import read_index
 
     os.mkfifo(tmp_path / "model.safetensors.index.json")
-    with pytest.raises(CorruptCheckpointError, match="model.safetensors.index.json.* not a regular file"), within(10):
+    with pytest.raises(CorruptCheckpointError, match="model.safetensors.index.json.* not a regular file"), within(30):
         read_index(str(tmp_path / "model.safetensors.index.json"))
 
 
@@ -996,7 +996,8 @@ def test_a_safetensors_file_that_is_a_fifo_or_a_link_out_is_refused(tmp_path, ki
     else:
         (tmp_path / "outside.safetensors").write_bytes(SENTINEL)
         os.symlink(tmp_path / "outside.safetensors", path)
-    with pytest.raises(CorruptCheckpointError, match=f"{path}.*(not a regular file|outside the checkpoint)"), within(10):
+    refused = f"{path}.*(not a regular file|outside the checkpoint)"
+    with pytest.raises(CorruptCheckpointError, match=refused), within(30):
         read_header(str(path))
 
 
@@ -1080,7 +1081,7 @@ def test_a_real_metadata_passes_the_pickle_check(tmp_path):
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "extra": {"step": 3, "name": "x"}}
     for name, writer in [("ours", storage.make_storage_writer), ("dcp", dcp.FileSystemWriter)]:
         dcp.save(state, storage_writer=writer(str(tmp_path / name)), no_dist=True)
-        with within(10):
+        with within(30):
             assert isinstance(storage.read_metadata(str(tmp_path / name / storage.METADATA_FILE)), Metadata)
 
 
@@ -1239,7 +1240,7 @@ def test_a_storage_reference_of_a_crafted_value_stays_short():
 
     from torchtitan_ckpt.io import torch_archive
 
-    with pytest.raises(torch_archive.Unrecognised, match=r"storage reference \[\[\[") as refused, within(5):
+    with pytest.raises(torch_archive.Unrecognised, match=r"storage reference \[\[\[") as refused, within(30):
         torch_archive.HeaderUnpickler(io.BytesIO(b"")).persistent_load(_shared_lists(40))
     assert len(str(refused.value)) < 1000
 
@@ -1263,11 +1264,11 @@ def test_the_overlap_check_of_many_chunks_takes_about_their_number(tmp_path):
 
     n = 20_000
     md = _chunks_metadata([1, n], [([0, i], [1, 1]) for i in range(n)])
-    with within(10):
+    with within(30):
         validate.check_metadata(md, str(tmp_path), "many/.metadata")
     md = _chunks_metadata([1, n], [([0, i], [1, 1]) for i in range(n - 2)] + [([0, n - 3], [1, 2])])
     with pytest.raises(CorruptCheckpointError, match=rf"'w' has chunks at \[0, {n - 3}\] and \[0, {n - 3}\] "
-                                                     "that overlap"), within(10):
+                                                     "that overlap"), within(30):
         validate.check_metadata(md, str(tmp_path), "many/.metadata")
 
 

@@ -19,7 +19,8 @@ from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.train import build_model, shard_model
 from torchtitan_ckpt.storage.local import LOCK_FILE
 
-from .helpers import DEBUG_CONFIG, ROOT, assert_same, losses, read_checkpoint, run_job, spawn
+from .helpers import (DEBUG_CONFIG, ROOT, assert_same, losses, read_checkpoint, run_job, spawn, stay_until,
+                      then_release)
 
 pytestmark = pytest.mark.multirank
 
@@ -324,7 +325,8 @@ def _save_otherwise(rank: int, world_size: int, folder: str, how: str) -> None:
 
     model = torch.nn.Linear(4, 4)
     config = Checkpoint(enable=True, folder=folder, interval=1, keep_latest_k=0, last_save_model_only=True,
-                        collective_timeout_s=3)
+                        collective_timeout_s=10)
+    done = folder + ".done"
     with CheckpointManager(config, [model]) as manager:
         manager.save(1)
         if how == "load" and rank == 0:  # rank 1 goes to a save without the load
@@ -340,11 +342,11 @@ def _save_otherwise(rank: int, world_size: int, folder: str, how: str) -> None:
         with pytest.raises(CheckpointSaveError, match=expected):
             manager.save(step, last_step=last)
         if how == "steps" and rank == 0:
-            time.sleep(6)  # rank 1 goes on alone to a save rank 0 never joins
+            stay_until(done)  # rank 1 goes on alone to a save rank 0 never joins
         elif how == "steps":
-            with pytest.raises(CheckpointSaveError, match=r"saving step 4 .* CollectiveError: a collective among the "
-                                                          r"checkpoint's 2 ranks failed on rank 1 .* within "
-                                                          r"checkpoint.collective_timeout_s = 3 s"):
+            alone = (r"saving step 4 .* CollectiveError: a collective among the checkpoint's 2 ranks failed on rank 1 "
+                     r".* within checkpoint.collective_timeout_s = 10 s")
+            with then_release(done), pytest.raises(CheckpointSaveError, match=alone):
                 manager.save(4)
 
 

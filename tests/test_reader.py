@@ -471,7 +471,7 @@ def _evict(path: str) -> None:
         start = ctypes.c_char.from_buffer(mapped)
         try:
             held = (ctypes.c_ubyte * (-(-size // page)))()
-            for _ in range(200):
+            for _ in range(2000):
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                 if libc.mincore(ctypes.c_void_p(ctypes.addressof(start)), ctypes.c_size_t(size), held) != 0:
                     raise OSError(ctypes.get_errno(), "mincore")
@@ -586,7 +586,7 @@ def test_a_cold_run_reads_its_first_tensor_bytes_ahead_before_the_fill(tmp_path,
         first, last = run.planned[0], run.planned[-1]
         head = (reader._start(first), reader._start(first) + (1 << 20))
         middle = reader._start(last) + (256 << 10), reader._start(last) + (768 << 10)
-        for _ in range(300):  # the kernel reads it in the background
+        for _ in range(3000):  # the kernel reads it in the background
             if _resident(first.item.cursor.path, *head):
                 break
             time.sleep(0.01)
