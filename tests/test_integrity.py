@@ -11,6 +11,7 @@ import zlib
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from torchtitan_ckpt import (CheckpointManager, CheckpointSaveError, ConfigError, CorruptCheckpointError,
                              NewerVersionError, cli, commit, layout)
@@ -148,6 +149,100 @@ def test_a_full_disk_fails_a_hugging_face_export_as_a_save_error(tiny_disk, cons
         job.manager.save(2, last_step=True)
     job.manager.close()
     assert layout.committed_steps(os.path.join(tiny_disk, "checkpoint")) == [1]
+
+
+def _fill(disk: str, leave: int = 0) -> None:
+    """Take all but `leave` bytes of the file system `disk` with a file of its own."""
+    free = os.statvfs(disk)
+    with open(os.path.join(disk, "filler"), "ab") as f:
+        f.write(b"\0" * (free.f_bavail * free.f_frsize - leave))
+
+
+def _linear_job(disk: str, **config) -> tuple[CheckpointManager, torch.nn.Module]:
+    """A manager of a 256 x 256 linear layer and its AdamW state (about 0.8 MB a step) in `disk`."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256, bias=False)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 256)).sum().backward()
+    opt.step()
+    config = Checkpoint(**{"enable": True, "interval": 1, "last_save_model_only": False, **config})
+    return CheckpointManager(config, [model], opt, base_folder=disk), model
+
+
+def test_a_step_is_deleted_on_a_disk_with_no_byte_free(tiny_disk):
+    """Deleting a step wrote its in-progress marker first: on a full disk that write failed, so
+    retention (and a save replacing a step) could never give the space back."""
+    manager, _ = _linear_job(tiny_disk, keep_latest_k=0)
+    manager.save(1)
+    manager.save(2)
+    manager.close()
+    _fill(tiny_disk)
+    assert os.statvfs(tiny_disk).f_bavail == 0
+    folder = os.path.join(tiny_disk, "checkpoint")
+    commit.remove_step(layout.step_dir(folder, 1))
+    assert layout.committed_steps(folder) == [2] and os.statvfs(tiny_disk).f_bavail > 0
+
+
+def test_a_restart_with_fewer_steps_kept_frees_a_full_disk(tiny_disk):
+    """Old steps went only after a save succeeded, and the failed save's folder held its space:
+    on a disk that held the steps kept but not one more, every save failed, and lowering
+    keep_latest_k for the restart changed nothing. The load now deletes what retention would
+    (and the failed save's folder) before the first save."""
+    manager, _ = _linear_job(tiny_disk, keep_latest_k=2)
+    manager.save(1)
+    manager.save(2)
+    _fill(tiny_disk, leave=300_000)  # less than a step
+    with pytest.raises(CheckpointSaveError, match=r"saving step 3 .*file system holding it is full: .* lower "
+                                                  r"checkpoint.keep_latest_k"):
+        manager.save(3)
+    manager.close()
+    folder = os.path.join(tiny_disk, "checkpoint")
+    assert [(f.step, f.status) for f in layout.scan(folder)] == [(1, "complete"), (2, "complete"), (3, "partial")]
+    manager, model = _linear_job(tiny_disk, keep_latest_k=1)
+    assert manager.load()
+    assert [(f.step, f.status) for f in layout.scan(folder)] == [(2, "complete")]
+    assert manager.save(3)
+    manager.close()
+    assert layout.committed_steps(folder) == [3]
+    loaded, _ = _linear_job(tiny_disk, keep_latest_k=1, load_only=True)
+    assert loaded.load()
+    loaded.close()
+
+
+def test_a_job_starts_on_a_full_disk(tiny_disk):
+    """The lock file's holder (a pid, for the message of another job) did not fit: the job
+    failed at start with a raw ENOSPC, and `clean`, the way to free the disk, with it."""
+    _fill(tiny_disk)
+    manager, _ = _linear_job(tiny_disk)
+    assert not manager.load()
+    manager.close()
+    assert os.path.getsize(os.path.join(tiny_disk, "checkpoint", LOCK_FILE)) == 0
+
+
+@pytest.mark.parametrize("free", [0, 8192])
+def test_a_conversion_into_a_full_disk_fails_as_such_and_leaves_nothing(tmp_path, tiny_disk, free, capsys):
+    """It ended with exit 2 ("input that is not what the command needs") and a bare "[Errno 28]"
+    naming no folder; with no byte free, the half-made `OUT.partial` stayed."""
+    from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_config
+    from torchtitan_ckpt.hf.files import RECORDED_CONFIG
+
+    step = str(tmp_path / "step-1")  # a DCP step that records its HF config, as the example job's with HF keys
+    dcp.save(Transformer(FLAVORS["debugmodel"]).state_dict(), checkpoint_id=step)
+    with open(os.path.join(step, RECORDED_CONFIG), "w") as f:
+        json.dump(hf_config(FLAVORS["debugmodel"]), f)
+    _fill(tiny_disk, leave=free)
+    out = os.path.join(tiny_disk, "hf")
+    assert cli.main(["convert", "--to", "hf", step, out, "-q"]) == cli.EXIT_FAILED
+    assert f"the file system holding {out} is full" in capsys.readouterr().err
+    assert sorted(os.listdir(tiny_disk)) == ["filler"]
+
+
+def test_verify_passes_over_the_in_progress_marker_temporary_file(tmp_path, capsys):
+    """A deletion stopped by a full disk (older versions) left `IN_PROGRESS.json.tmp` in a
+    complete step: verify called the step CORRUPT, a file added after the commit."""
+    folder = _saved(tmp_path)
+    open(os.path.join(layout.step_dir(folder, 2), commit.IN_PROGRESS + ".tmp"), "w").close()
+    assert cli.main(["verify", layout.step_dir(folder, 2)]) == 0, capsys.readouterr()
 
 
 def test_clean_goes_on_past_a_partial_step_it_cannot_remove(tmp_path, capsys):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -65,7 +66,8 @@ EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 14
 EXIT_CODES = """exit status:
   0    success
   1    verify: a file is missing, differs from the manifest or is not in it; list: no loadable step;
-       clean: a partial step could not be removed (named on stderr)
+       clean: a partial step could not be removed (named on stderr); convert, consolidate: the
+       output's file system is full (the unfinished output is removed)
   2    usage error, or input that is not what the command needs (named on stderr)
   130  interrupted (Ctrl-C); an unfinished convert/consolidate output is removed
   143  ended by SIGTERM (129: SIGHUP), cleaned up as after Ctrl-C
@@ -465,11 +467,11 @@ def _staged(dst: str) -> Iterator[str]:
     rank0 = this_rank_draws()
     try:
         CheckpointGroup().run(lambda: _new_partial(tmp), coordinator_only=True)
-    except RankFailed as failed:
-        failed.reraise(f"preparing {tmp}")
-    except KeyboardInterrupt:  # Ctrl-C or a signal while it was made
+    except BaseException as e:  # a full disk, Ctrl-C or a signal while it was made
         if rank0 and _left_by_us(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, RankFailed):
+            e.reraise(f"preparing {tmp}")
         raise
     try:
         yield tmp
@@ -734,15 +736,35 @@ def _run(args: argparse.Namespace) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     except (CheckpointError, OSError, ValueError) as e:
-        print(f"error: {_escaped(str(e))}", file=sys.stderr)
-        return EXIT_INPUT
+        print(f"error: {_escaped(str(e))}{_full(args, e)}", file=sys.stderr)
+        return EXIT_FAILED if _full(args, e) else EXIT_INPUT
     except (KeyboardInterrupt, CheckpointException) as e:  # DCP wraps a Ctrl-C in its own exception
         cause = storage.root_cause(e)
         if not isinstance(cause, KeyboardInterrupt):
-            print(f"error: {type(cause).__name__}: {_escaped(str(cause))}", file=sys.stderr)
-            return EXIT_INPUT
+            print(f"error: {type(cause).__name__}: {_escaped(str(cause))}{_full(args, cause)}", file=sys.stderr)
+            return EXIT_FAILED if _full(args, cause) else EXIT_INPUT
         print(f"torchtitan-ckpt {args.command}: interrupted", file=sys.stderr)
         return 128 + cause.signum if isinstance(cause, _Terminated) else EXIT_INTERRUPTED
+
+
+def _full(args: argparse.Namespace, error: BaseException) -> str:
+    """What to say of a failure that a full file system caused (its errno, or its cause's): a
+    failure of the machine's, not of the input, and what to do; "" for any other failure."""
+    for _ in range(8):  # the chain a wrapped failure carries
+        if error is None or getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+            break
+        error = error.__cause__ or error.__context__
+    else:
+        error = None
+    if error is None:
+        return ""
+    out = getattr(args, "dst", None) or getattr(args, "output_dir", None) or getattr(args, "folder", None) or "."
+    try:
+        fs = os.statvfs(out if os.path.exists(out) else os.path.dirname(os.path.abspath(out)))
+    except OSError:
+        return " (a file system is full: free space and run it again)"
+    return (f" (the file system holding {_escaped(out)} is full, {fs.f_bavail * fs.f_frsize} bytes free: free "
+            "space and run it again)")
 
 
 if __name__ == "__main__":

@@ -133,15 +133,16 @@ def _marker_problem(info: CommitInfo, path: str) -> str | None:
 
 def uncommit(path: str) -> None:
     """Make a step invisible before it is rewritten or deleted; a crash afterwards leaves it
-    partial, and still ours. A step folder that is a symlink (a run linked in from elsewhere) is
-    never acted on through."""
+    partial, and still ours. The commit marker is renamed the in-progress one (whose content
+    nothing reads), in one atomic step that needs no free space: on a full disk, deleting a
+    step must not need what only deleting it gives back. A step folder that is a symlink (a run
+    linked in from elsewhere) is never acted on through."""
     if os.path.islink(path):
         raise OSError(f"{path} is a symlink to {os.path.realpath(path)}, not a step folder this "
                       "checkpoint wrote; it is left alone")
     marker = os.path.join(path, MARKER)
-    if os.path.exists(marker):
-        mark_in_progress(path)
-        os.remove(marker)
+    if os.path.lexists(marker):
+        os.replace(marker, os.path.join(path, IN_PROGRESS))
         durable.fsync_path(path)
 
 
@@ -250,5 +251,5 @@ def manifest(path: str) -> dict[str, int]:
     return {rel: os.path.getsize(os.path.join(path, rel)) for rel in files_in(path)}
 
 
-_NOT_DATA = (MARKER, MARKER + durable.TMP_SUFFIX, IN_PROGRESS)
-"""The markers (and the commit marker's temporary name): never part of a step's manifest."""
+_NOT_DATA = (MARKER, MARKER + durable.TMP_SUFFIX, IN_PROGRESS, IN_PROGRESS + durable.TMP_SUFFIX)
+"""The markers (and their temporary names): never part of a step's manifest."""

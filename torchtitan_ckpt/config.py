@@ -140,8 +140,10 @@ class Checkpoint:
     keep_latest_k: int = 10
     """Keep this many newest complete steps and delete older ones in the background, after each
     save but the job's last (as TorchTitan: the k steps before the last save stay, and the
-    newest full one is where a run that goes on resumes); 0 keeps all. Only steps this package
-    wrote are counted or deleted; another program's, and a step folder that is a link, never are."""
+    newest full one is where a run that goes on resumes), and at `load()` in a job that saves
+    (a lower k for a restart applies before its first save); 0 keeps all. Only steps this
+    package wrote are counted or deleted; another program's, and a step folder that is a link,
+    never are."""
 
     load_step: int = -1
     """Step to load (a complete step of ours or, in a folder on a file system, another program's

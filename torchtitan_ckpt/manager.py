@@ -630,15 +630,36 @@ class CheckpointManager:
             nbytes = layout.folder_bytes(target.path, held=True)
             logger.info("loaded %s%s: %.3f GB in %.2f s, %.2f GB/s", target.store.describe(target.path),
                         " (model only)" if target.model_only else "", nbytes / 1e9, secs, gb_per_s(nbytes, secs))
+        self._retain_loaded(target, folders)
         return True
+
+    def _own_step(self, target: _LoadTarget) -> bool:
+        """Whether `target` is a step of this job's folder."""
+        return target.store is self._store and target.step is not None and \
+            target.path == layout.step_dir(self.folder, target.step)
 
     def _steps_left(self, target: _LoadTarget, folders: list[layout.StepFolder]) -> set[int]:
         """The complete steps of this job's folder newer than `target` once it is loaded: none
         unless `target` is a step of that folder."""
-        if target.store is not self._store or target.step is None or \
-                target.path != layout.step_dir(self.folder, target.step):
-            return set()
-        return {f.step for f in newer_steps(folders, target.step)}
+        return {f.step for f in newer_steps(folders, target.step)} if self._own_step(target) else set()
+
+    def _retain_loaded(self, target: _LoadTarget, folders: list[layout.StepFolder]) -> None:
+        """A job that saves, once it loaded a step of its folder: delete what retention would
+        after a save of that step (complete steps beyond `keep_latest_k`, set lower since, and
+        partial folders older than it) and the partial folders newer than it (saves that failed
+        or were killed: under this job's lock, nothing completes them), and wait for it, before
+        the job's first save. A disk that filled up (failed saves' folders holding the space, or
+        more steps kept than it holds beside a new one) is freed by the restart, not only by a
+        save that cannot succeed on it."""
+        if self.config.load_only or not self._own_step(target):
+            return
+        doomed = steps_to_delete(folders, self.config.keep_latest_k, target.step, self._left)
+        doomed += [f for f in folders if f.status == layout.PARTIAL and f.step > target.step and not f.linked]
+        if doomed:
+            def delete() -> None:
+                self._deleter.submit(doomed)
+                self._deleter.drain()
+            self._group.run(delete, coordinator_only=True)
 
     def _removed(self, folders: list[layout.StepFolder]) -> list[int]:
         """The steps loadable in `folders` (the listing a load began with) that are no longer
@@ -1103,13 +1124,21 @@ def _not_loadable(folder: layout.StepFolder) -> str:
 
 
 def _space_hint(path: str) -> str:
-    """A full disk often surfaces as an odd error from deep inside a writer; say so plainly."""
+    """A full disk often surfaces as an odd error from deep inside a writer; say so plainly, and
+    the way out: old steps go only once a newer one is saved, or at a job's `load()`."""
     try:
-        stat = os.statvfs(path)
+        stat = os.statvfs(path if os.path.exists(path) else os.path.dirname(path))
     except OSError:
         return ""
     free = stat.f_bavail * stat.f_frsize
-    return f" (the file system holding it is full: {free} bytes free)" if free < (1 << 20) else ""
+    if free < (1 << 20):
+        full = f"is full: {free} bytes free"
+    elif stat.f_files and not stat.f_favail:
+        full = "has no free inode left"
+    else:
+        return ""
+    return (f" (the file system holding it {full}; free space there, or lower checkpoint.keep_latest_k and "
+            "restart: a job's load() deletes the steps beyond it, and the folders of failed saves)")
 
 
 def _described(call: Any) -> str:

@@ -72,7 +72,10 @@ def claim(lock: str, what: str, remedy: str) -> tuple[str, bool]:
             if info.st_uid == os.geteuid():  # as writable as the folder: NFS locks only what one may write
                 os.fchmod(fd, stat.S_IMODE(os.stat(os.path.dirname(key)).st_mode) & 0o666)
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode()[:_HOLDER_BYTES], 0)
+            try:
+                os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode()[:_HOLDER_BYTES], 0)
+            except OSError as e:  # a full disk: the holder's name only informs, the lock holds without it
+                logger.info("%s: held, but its holder could not be written in %s (%s)", what, key, e.strerror)
     except BaseException:
         os.close(fd)
         raise
