@@ -131,7 +131,10 @@ def _managers_in_a_loop(rank: int, world_size: int, folder: str) -> None:
         with CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=folder) as manager:
             manager.save(step)
         counts.append(held())
-    assert counts[-1] <= counts[1], counts  # 4 managers more: +20 descriptors and +12 threads, each kept
+    # 4 managers more kept +20 descriptors and +12 threads; a loaded machine's lazily made threads
+    # (torch's pools, the allocator's) and descriptors come on top now and then, far fewer
+    (fds, threads), (first_fds, first_threads) = counts[-1], counts[1]
+    assert fds <= first_fds + 8 and threads <= first_threads + 6, counts
 
 
 def test_managers_made_and_closed_in_a_loop_leave_no_group_behind(tmp_path):

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan_ckpt import (CheckpointManager, CheckpointSaveError, ConfigError, CorruptCheckpointError,
-                             NewerVersionError, cli, commit, layout)
+from torchtitan_ckpt import (CheckpointError, CheckpointManager, CheckpointSaveError, ConfigError,
+                             CorruptCheckpointError, NewerVersionError, cli, commit, layout)
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.storage.local import LOCK_FILE
 
@@ -158,7 +158,7 @@ def _fill(disk: str, leave: int = 0) -> None:
         f.write(b"\0" * (free.f_bavail * free.f_frsize - leave))
 
 
-def _linear_job(disk: str, **config) -> tuple[CheckpointManager, torch.nn.Module]:
+def _linear_job(disk: str, **config) -> CheckpointManager:
     """A manager of a 256 x 256 linear layer and its AdamW state (about 0.8 MB a step) in `disk`."""
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256, bias=False)
@@ -166,13 +166,13 @@ def _linear_job(disk: str, **config) -> tuple[CheckpointManager, torch.nn.Module
     model(torch.ones(1, 256)).sum().backward()
     opt.step()
     config = Checkpoint(**{"enable": True, "interval": 1, "last_save_model_only": False, **config})
-    return CheckpointManager(config, [model], opt, base_folder=disk), model
+    return CheckpointManager(config, [model], opt, base_folder=disk)
 
 
 def test_a_step_is_deleted_on_a_disk_with_no_byte_free(tiny_disk):
     """Deleting a step wrote its in-progress marker first: on a full disk that write failed, so
     retention (and a save replacing a step) could never give the space back."""
-    manager, _ = _linear_job(tiny_disk, keep_latest_k=0)
+    manager = _linear_job(tiny_disk, keep_latest_k=0)
     manager.save(1)
     manager.save(2)
     manager.close()
@@ -188,7 +188,7 @@ def test_a_restart_with_fewer_steps_kept_frees_a_full_disk(tiny_disk):
     on a disk that held the steps kept but not one more, every save failed, and lowering
     keep_latest_k for the restart changed nothing. The load now deletes what retention would
     (and the failed save's folder) before the first save."""
-    manager, _ = _linear_job(tiny_disk, keep_latest_k=2)
+    manager = _linear_job(tiny_disk, keep_latest_k=2)
     manager.save(1)
     manager.save(2)
     _fill(tiny_disk, leave=300_000)  # less than a step
@@ -197,14 +197,19 @@ def test_a_restart_with_fewer_steps_kept_frees_a_full_disk(tiny_disk):
         manager.save(3)
     manager.close()
     folder = os.path.join(tiny_disk, "checkpoint")
-    assert [(f.step, f.status) for f in layout.scan(folder)] == [(1, "complete"), (2, "complete"), (3, "partial")]
-    manager, model = _linear_job(tiny_disk, keep_latest_k=1)
+    before = [(f.step, f.status) for f in layout.scan(folder)]
+    assert before == [(1, "complete"), (2, "complete"), (3, "partial")]
+    evaluation = _linear_job(tiny_disk, keep_latest_k=1, load_only=True)
+    assert evaluation.load()
+    evaluation.close()
+    assert [(f.step, f.status) for f in layout.scan(folder)] == before  # a job that only loads deletes nothing
+    manager = _linear_job(tiny_disk, keep_latest_k=1)
     assert manager.load()
     assert [(f.step, f.status) for f in layout.scan(folder)] == [(2, "complete")]
     assert manager.save(3)
     manager.close()
     assert layout.committed_steps(folder) == [3]
-    loaded, _ = _linear_job(tiny_disk, keep_latest_k=1, load_only=True)
+    loaded = _linear_job(tiny_disk, keep_latest_k=1, load_only=True)
     assert loaded.load()
     loaded.close()
 
@@ -213,7 +218,7 @@ def test_a_job_starts_on_a_full_disk(tiny_disk):
     """The lock file's holder (a pid, for the message of another job) did not fit: the job
     failed at start with a raw ENOSPC, and `clean`, the way to free the disk, with it."""
     _fill(tiny_disk)
-    manager, _ = _linear_job(tiny_disk)
+    manager = _linear_job(tiny_disk)
     assert not manager.load()
     manager.close()
     assert os.path.getsize(os.path.join(tiny_disk, "checkpoint", LOCK_FILE)) == 0
@@ -243,6 +248,20 @@ def test_verify_passes_over_the_in_progress_marker_temporary_file(tmp_path, caps
     folder = _saved(tmp_path)
     open(os.path.join(layout.step_dir(folder, 2), commit.IN_PROGRESS + ".tmp"), "w").close()
     assert cli.main(["verify", layout.step_dir(folder, 2)]) == 0, capsys.readouterr()
+
+
+def test_a_partial_step_chosen_for_deletion_and_committed_since_is_left_alone(tmp_path):
+    """Retention's choice is a listing's: a step listed partial (another writer's save in flight,
+    where the file system takes no locks) was uncommitted and deleted once that save finished."""
+    from torchtitan_ckpt.storage.local import LocalStore
+
+    folder = _saved(tmp_path)
+    listed = next(f for f in layout.scan(folder) if f.step == 4)
+    store = LocalStore(folder)
+    with pytest.raises(CheckpointError, match=r"step-4 was chosen as a partial step and is complete now: left alone"):
+        store.remove(layout.StepFolder(listed.step, listed.path, layout.PARTIAL, listed.linked))
+    assert layout.committed_steps(folder) == [2, 4]
+    assert commit.verify(layout.step_dir(folder, 4)) == []
 
 
 def test_clean_goes_on_past_a_partial_step_it_cannot_remove(tmp_path, capsys):

@@ -162,6 +162,26 @@ def _resume_step_1(rank, world_size, url, staging):
         manager.save(2)  # the leftover of the killed save is replaced
 
 
+def test_a_load_keeps_a_partial_step_newer_than_the_one_it_loaded(bucket, tmp_path):
+    """No lock tells that no other job is saving into a URL: a job that saves deletes at
+    `load()` what retention would after a save of the step it loaded (the older partial step),
+    but not a partial step newer than it, which a file system's locked folder would lose."""
+    url = f"s3://{bucket}/run"
+    s3 = boto3.client("s3")
+    model, opt = _job()
+    for step in (1, 3):
+        s3.put_object(Bucket=bucket, Key=f"run/step-{step + 1}/IN_PROGRESS.json", Body=b"{}")
+    with CheckpointManager(_config(url, str(tmp_path / "a"), keep_latest_k=2), [model], opt) as manager:
+        manager.save(3)
+    assert {k for k in _objects(bucket) if k.endswith(".json")} == {"run/step-3/COMMITTED.json",
+                                                                  "run/step-4/IN_PROGRESS.json"}
+    s3.put_object(Bucket=bucket, Key="run/step-2/IN_PROGRESS.json", Body=b"{}")
+    with CheckpointManager(_config(url, str(tmp_path / "b"), keep_latest_k=2), [model], opt) as manager:
+        assert manager.load()
+    assert {k for k in _objects(bucket) if k.endswith(".json")} == {"run/step-3/COMMITTED.json",
+                                                                  "run/step-4/IN_PROGRESS.json"}
+
+
 @pytest.mark.parametrize("failpoint", ["prepare@2", "write@2:1", "upload@2:1", "commit@2"])
 def test_a_kill_during_a_save_leaves_the_previous_step_loadable(bucket, tmp_path, failpoint):
     url = f"s3://{bucket}/run"

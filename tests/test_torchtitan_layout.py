@@ -131,13 +131,19 @@ def test_a_crashed_save_of_ours_is_partial_never_loaded_and_cleaned(tmp_path, ca
     assert sorted(os.listdir(crashed)) == sorted(set(os.listdir(layout.step_dir(folder, 2))) - {commit.MARKER}
                                                  | {commit.IN_PROGRESS})
     assert layout.status_of(crashed) == layout.PARTIAL
-    fresh = make_job(str(tmp_path), steps=20)
-    assert fresh.manager.load() and fresh.train_state.step == 2
-    fresh.manager.close()
+    evaluation = make_job(str(tmp_path), steps=20, load_only=True)
+    assert evaluation.manager.load() and evaluation.train_state.step == 2
+    evaluation.manager.close()
     with pytest.raises(CheckpointNotFoundError, match="its save did not finish"):
         make_job(str(tmp_path / "b"), steps=20, initial_load_path=crashed).manager.load()
     assert cli.main(["clean", folder]) == 0
     assert "1 partial step folder(s) removed" in capsys.readouterr().out
+    assert [s.step for s in layout.scan(folder)] == [2]
+    shutil.copytree(layout.step_dir(folder, 2), crashed)
+    commit.uncommit(crashed)
+    fresh = make_job(str(tmp_path), steps=20)  # a job that saves: the crashed save goes at its load
+    assert fresh.manager.load() and fresh.train_state.step == 2
+    fresh.manager.close()
     assert [s.step for s in layout.scan(folder)] == [2]
 
 

@@ -748,22 +748,25 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _full(args: argparse.Namespace, error: BaseException) -> str:
-    """What to say of a failure that a full file system caused (its errno, or its cause's): a
-    failure of the machine's, not of the input, and what to do; "" for any other failure."""
+    """What to say of a failure of `convert` or `consolidate` that a full file system caused
+    (its errno, or its cause's): a failure of the machine's, not of the input (exit 1), and
+    what to do; "" for any other failure, or command (whose exit 1 means a damaged step)."""
+    out = getattr(args, "dst", None) or getattr(args, "output_dir", None)
     for _ in range(8):  # the chain a wrapped failure carries
         if error is None or getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
             break
         error = error.__cause__ or error.__context__
     else:
         error = None
-    if error is None:
+    if out is None or error is None:
         return ""
-    out = getattr(args, "dst", None) or getattr(args, "output_dir", None) or getattr(args, "folder", None) or "."
+    named = getattr(error, "filename", None)
+    where = os.path.dirname(os.path.abspath(named)) if isinstance(named, str) else out
     try:
-        fs = os.statvfs(out if os.path.exists(out) else os.path.dirname(os.path.abspath(out)))
+        fs = os.statvfs(where if os.path.exists(where) else os.path.dirname(os.path.abspath(where)))
     except OSError:
         return " (a file system is full: free space and run it again)"
-    return (f" (the file system holding {_escaped(out)} is full, {fs.f_bavail * fs.f_frsize} bytes free: free "
+    return (f" (the file system holding {_escaped(where)} is full, {fs.f_bavail * fs.f_frsize} bytes free: free "
             "space and run it again)")
 
 

@@ -26,6 +26,8 @@ class BackgroundDeleter:
         """The folders queued or being deleted: retention picks a step again until it is gone,
         and a second removal would fail (FileNotFoundError) and warn about a step deleted fine."""
         self._lock = threading.Lock()
+        self._emptied = threading.Condition(self._lock)
+        """Notified as each deletion ends: `drain` waits on it until `_pending` is empty."""
         self._thread = threading.Thread(target=self._run, name="ckpt-deleter", daemon=True)
         self._thread.start()
 
@@ -38,10 +40,11 @@ class BackgroundDeleter:
                 self._pending.add(folder.path)
             self._queue.put(folder)
 
-    def drain(self) -> None:
+    def drain(self, timeout_s: float | None = None) -> bool:
         """Wait until every deletion submitted so far is done (a load must not pick a step
-        that is about to go)."""
-        self._queue.join()
+        that is about to go), at most `timeout_s`; whether they are."""
+        with self._lock:
+            return self._emptied.wait_for(lambda: not self._pending, timeout_s)
 
     def settle(self, path: str) -> None:
         """Wait for the deletions submitted so far when `path` is among them: a save about to
@@ -69,5 +72,4 @@ class BackgroundDeleter:
             finally:
                 with self._lock:
                     self._pending.discard(folder.path)
-                self._queue.task_done()
-        self._queue.task_done()  # the stop: a `drain()` after `close()` returns at once
+                    self._emptied.notify_all()

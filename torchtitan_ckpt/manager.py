@@ -494,7 +494,7 @@ class CheckpointManager:
             except CheckpointSaveError:
                 raise
             except Exception as e:
-                raise CheckpointSaveError(step, where, e, _space_hint(path)) from None
+                raise CheckpointSaveError(step, where, e, _space_hint(path, self._store.staged)) from None
 
         def commit_step(written: Written) -> None:
             info = self._commit(step, path, kind, fmt, written)
@@ -562,7 +562,7 @@ class CheckpointManager:
             return self._group.run(fn, coordinator_only)
         except RankFailed as failed:
             raise CheckpointSaveError(step, self._store.describe(path), failed.error or RuntimeError(str(failed)),
-                                      _space_hint(path)) from failed.error
+                                      _space_hint(path, self._store.staged)) from failed.error
 
     # ------------------------------------------------------------------ loading
 
@@ -646,20 +646,28 @@ class CheckpointManager:
     def _retain_loaded(self, target: _LoadTarget, folders: list[layout.StepFolder]) -> None:
         """A job that saves, once it loaded a step of its folder: delete what retention would
         after a save of that step (complete steps beyond `keep_latest_k`, set lower since, and
-        partial folders older than it) and the partial folders newer than it (saves that failed
-        or were killed: under this job's lock, nothing completes them), and wait for it, before
-        the job's first save. A disk that filled up (failed saves' folders holding the space, or
-        more steps kept than it holds beside a new one) is freed by the restart, not only by a
-        save that cannot succeed on it."""
+        partial folders older than it) and, where the job is the folder's only writer
+        (`Store.sole_writer`), the partial folders newer than it (saves that failed or were
+        killed), and wait for it (up to half the collective timeout the other ranks wait in),
+        before the job's first save. A disk that filled up (failed saves' folders holding the
+        space, or more steps kept than it holds beside a new one) is freed by the restart, not
+        only by a save that cannot succeed on it."""
         if self.config.load_only or not self._own_step(target):
             return
-        doomed = steps_to_delete(folders, self.config.keep_latest_k, target.step, self._left)
-        doomed += [f for f in folders if f.status == layout.PARTIAL and f.step > target.step and not f.linked]
-        if doomed:
-            def delete() -> None:
-                self._deleter.submit(doomed)
-                self._deleter.drain()
+
+        def delete() -> None:  # rank 0: it holds the lock, if any
+            doomed = steps_to_delete(folders, self.config.keep_latest_k, target.step, self._left)
+            if self._store.sole_writer:
+                doomed += [f for f in folders if f.status == layout.PARTIAL and f.step > target.step and not f.linked]
+            self._deleter.submit(doomed)
+            if not self._deleter.drain(self.config.collective_timeout_s / 2):
+                logger.info("deleting %d old step folder(s) goes on in the background", len(doomed))
+        try:
             self._group.run(delete, coordinator_only=True)
+        except RankFailed as failed:  # the step is loaded: retention failing fails no load
+            if self._group.is_coordinator:
+                logger.warning("step %d is loaded, but retention could not run: %s; older steps are kept until a "
+                               "later save", target.step, failed.error or failed)
 
     def _removed(self, folders: list[layout.StepFolder]) -> list[int]:
         """The steps loadable in `folders` (the listing a load began with) that are no longer
@@ -1123,9 +1131,10 @@ def _not_loadable(folder: layout.StepFolder) -> str:
             f"({', '.join(FORMATS)}): its save did not finish, or it is not a checkpoint")
 
 
-def _space_hint(path: str) -> str:
+def _space_hint(path: str, staged: bool) -> str:
     """A full disk often surfaces as an odd error from deep inside a writer; say so plainly, and
-    the way out: old steps go only once a newer one is saved, or at a job's `load()`."""
+    the way out: old steps go only once a newer one is saved, or at a job's `load()` (in the
+    checkpoint folder; a `staged` one holds one step of this job's at a time)."""
     try:
         stat = os.statvfs(path if os.path.exists(path) else os.path.dirname(path))
     except OSError:
@@ -1137,6 +1146,9 @@ def _space_hint(path: str) -> str:
         full = "has no free inode left"
     else:
         return ""
+    if staged:
+        return (f" (the file system of its local staging folder {full}; free space there, or set "
+                "checkpoint.staging_folder)")
     return (f" (the file system holding it {full}; free space there, or lower checkpoint.keep_latest_k and "
             "restart: a job's load() deletes the steps beyond it, and the folders of failed saves)")
 

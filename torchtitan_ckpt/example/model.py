@@ -426,7 +426,7 @@ class MoE(nn.Module):
 
     def _ep(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Expert parallel: every rank of the group applies its experts to the tokens of all of
-        them, and the sums go back to the tokens' ranks (an all-gather and a reduce-scatter, where
+        them, and the sums go back to the tokens' ranks (an all-gather and a sum-scatter, where
         TorchTitan uses an all-to-all: the same values, with simpler code)."""
         group = self.ep_group
         all_flat, all_weights = (_GatherRows.apply(t, group) for t in (flat, weights))

@@ -34,6 +34,10 @@ class Store(ABC):
     """Whether `root` is this rank's own local staging folder, which `publish` uploads from:
     its files need no fsync, and a file the ranks write jointly holds only this rank's bytes
     (`publish` combines them). Else every rank sees the same `root`, and it is the checkpoint."""
+    sole_writer: bool = False
+    """Whether a job that saves is the folder's only writer (it holds a lock on the folder): a
+    partial step folder there is then a save that stopped, whatever its step, never another
+    job's in flight (`CheckpointManager.load` removes it)."""
 
     def describe(self, path: str) -> str:
         """A local path under `root` as the user knows it (the object's URL for a remote store)."""

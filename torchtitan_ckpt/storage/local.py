@@ -21,6 +21,7 @@ LOCK_FILE = ".torchtitan_ckpt.lock"
 class LocalStore(Store):
     """A folder on a file system; every rank must see the same one (`check`)."""
 
+
     def __init__(self, folder: str):
         self.url = self.root = os.path.abspath(folder)  # a relative folder stays where it was made
         self._lock: str | None = None  # the lock file, while this store holds the folder (`_hold`)
@@ -61,6 +62,11 @@ class LocalStore(Store):
         self._lock, _ = lock.claim(os.path.join(self.root, LOCK_FILE), f"{self.root} to save into",
                                    "one job saves into a folder at a time; stop that job first, or give this one a "
                                    "folder of its own")
+
+    @property
+    def sole_writer(self) -> bool:
+        """On rank 0, which holds the lock (`_hold`), where the file system locks."""
+        return self._lock is not None and lock.held(self._lock)
 
     def close(self) -> None:
         if self._lock is not None:
@@ -110,6 +116,9 @@ class LocalStore(Store):
         return commit.write_marker(path, info, checksums)
 
     def remove(self, folder: layout.StepFolder) -> None:
+        if folder.status == layout.PARTIAL and (now := layout.status_of(folder.path)) != layout.PARTIAL:
+            raise CheckpointError(f"{folder.path} was chosen as a partial step and is {now} now: left alone (does "
+                                  "another job save into this folder?)")
         commit.uncommit(folder.path)  # a half-deleted folder must read as partial
         faults.hit("purge", folder.step)
         commit.remove_step(folder.path)

@@ -83,6 +83,12 @@ def claim(lock: str, what: str, remedy: str) -> tuple[str, bool]:
     return key, True
 
 
+def held(key: str) -> bool:
+    """Whether the lock file `claim` named `key` is locked by this process (not on a file system
+    without locks, where `claim` goes on unlocked)."""
+    return _HOLDERS.get(key, (-1, 0))[0] >= 0
+
+
 def shared(key: str) -> bool:
     """Whether another store of this process holds the lock file `claim` named `key` too."""
     return _HOLDERS.get(key, (-1, 0))[1] > 1

@@ -542,6 +542,9 @@ class S3Store(Store):
         (deleted by the next retention), never as another program's."""
         key = self._key(folder.path)
         names = list(self._list(key))
+        if folder.status == layout.PARTIAL and commit.MARKER in names:
+            raise CheckpointError(f"{self.describe(folder.path)} was chosen as a partial step and is committed now: "
+                                  "left alone (does another job save into this URL?)")
         self._mark_in_progress(key)
         if commit.MARKER in names:
             self._delete([f"{key}/{commit.MARKER}"])
