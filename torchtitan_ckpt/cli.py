@@ -736,13 +736,15 @@ def _run(args: argparse.Namespace) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     except (CheckpointError, OSError, ValueError) as e:
-        print(f"error: {_escaped(str(e))}{_full(args, e)}", file=sys.stderr)
-        return EXIT_FAILED if _full(args, e) else EXIT_INPUT
+        full = _full(args, e)
+        print(f"error: {_escaped(str(e))}{full}", file=sys.stderr)
+        return EXIT_FAILED if full else EXIT_INPUT
     except (KeyboardInterrupt, CheckpointException) as e:  # DCP wraps a Ctrl-C in its own exception
         cause = storage.root_cause(e)
         if not isinstance(cause, KeyboardInterrupt):
-            print(f"error: {type(cause).__name__}: {_escaped(str(cause))}{_full(args, cause)}", file=sys.stderr)
-            return EXIT_FAILED if _full(args, cause) else EXIT_INPUT
+            full = _full(args, cause)
+            print(f"error: {type(cause).__name__}: {_escaped(str(cause))}{full}", file=sys.stderr)
+            return EXIT_FAILED if full else EXIT_INPUT
         print(f"torchtitan-ckpt {args.command}: interrupted", file=sys.stderr)
         return 128 + cause.signum if isinstance(cause, _Terminated) else EXIT_INTERRUPTED
 

@@ -21,7 +21,6 @@ LOCK_FILE = ".torchtitan_ckpt.lock"
 class LocalStore(Store):
     """A folder on a file system; every rank must see the same one (`check`)."""
 
-
     def __init__(self, folder: str):
         self.url = self.root = os.path.abspath(folder)  # a relative folder stays where it was made
         self._lock: str | None = None  # the lock file, while this store holds the folder (`_hold`)
