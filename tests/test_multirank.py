@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -167,6 +169,28 @@ def test_every_rank_passes_over_a_step_removed_while_it_is_read(tmp_path):
     """Rank 0 finds the step gone, rank 1 reads its share: every rank looks for the newest step
     again, together, and loads step 1."""
     spawn(2, _load_while_the_step_is_removed, str(tmp_path))
+
+
+def _restart_keeping_fewer(rank: int, world_size: int, folder: str) -> None:
+    model = torch.nn.Linear(4, 4)
+    config = Checkpoint(enable=True, folder=folder, interval=1, keep_latest_k=3, last_save_model_only=False)
+    with CheckpointManager(config, [model]) as manager:
+        for step in (1, 2, 3):
+            manager.save(step)
+    if rank == 0:  # a save of step 5 killed: partial
+        shutil.copytree(layout.step_dir(folder, 3), layout.step_dir(folder, 5))
+        commit.uncommit(layout.step_dir(folder, 5))
+    with CheckpointManager(replace(config, keep_latest_k=1), [model]) as manager:
+        assert manager.load()  # rank 0 deletes steps 1, 2 and 5 while rank 1 waits in the round
+        assert [(f.step, f.status) for f in layout.scan(folder)] == [(3, "complete")]
+        manager.save(4)
+    if rank == 0:  # its close() finished the deletions retention queued after save(4)
+        assert layout.committed_steps(folder) == [4]
+
+
+def test_a_restart_with_fewer_steps_kept_deletes_them_on_rank_0_at_load(tmp_path):
+    """Retention at `load()` (a full disk's way out) runs on rank 0 in a round every rank joins."""
+    spawn(2, _restart_keeping_fewer, str(tmp_path / "checkpoint"))
 
 
 def _load_sharded(rank: int, world_size: int, dump_folder: str, load_step: int, out: str) -> None:
