@@ -142,9 +142,7 @@ def test_a_full_disk_fails_a_hugging_face_export_as_a_save_error(tiny_disk, cons
                    consolidation=consolidation)
     job.step()
     job.manager.save(1)
-    free = os.statvfs(tiny_disk)
-    with open(os.path.join(tiny_disk, "filler"), "wb") as f:  # 64 KB left: less than the export
-        f.write(b"\0" * (free.f_bavail * free.f_frsize - 65536))
+    _fill(tiny_disk, leave=65536)  # less than the export
     with pytest.raises(CheckpointSaveError, match=r"saving step 2 to .*step-2 failed: .*No space left on device"):
         job.manager.save(2, last_step=True)
     job.manager.close()
