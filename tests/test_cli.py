@@ -98,7 +98,7 @@ def test_list_json_exit_codes(tmp_path, capsys):
                                                                        "linked": False, "problem": None}]})
     assert cli.main(["list", str(tmp_path / "nope"), "--json"]) == 2
     out = capsys.readouterr()
-    assert out.out == "" and "nope is not a folder" in out.err
+    assert out.out == "" and "nope does not exist" in out.err
 
 
 def test_list_reports_a_corrupt_marker_and_goes_on(folder, tmp_path, capsys):
@@ -264,7 +264,26 @@ def test_verify_reports_files_the_manifest_does_not_list(folder, tmp_path, capsy
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 def test_a_missing_step_folder_is_named_as_missing(tmp_path, capsys, command):
     assert cli.main([command, str(tmp_path / "nope")]) == 2
-    assert capsys.readouterr().err == f"error: {tmp_path / 'nope'} is not a folder\n"
+    assert capsys.readouterr().err == f"error: {tmp_path / 'nope'} does not exist\n"
+    (tmp_path / "a_file").write_text("")
+    assert cli.main([command, str(tmp_path / "a_file")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'a_file'} is a file, not a folder\n"
+
+
+def test_a_folder_above_the_steps_is_named_with_where_they_are(tmp_path, capsys):
+    """`list` of a job's dump folder, `verify` of a checkpoint folder or a dump folder."""
+    folder = str(tmp_path / "checkpoint")
+    _save_step(folder, 2, _state(), ["model"])
+    _save_step(folder, 10, _state(), ["model"])
+    assert cli.main(["list", str(tmp_path)]) == 1
+    assert capsys.readouterr().out == f"{tmp_path}: no step folders; its subfolder {folder} holds some: name that one\n"
+    assert cli.main(["verify", folder]) == 2
+    assert capsys.readouterr().err == (f"error: {folder} has no {commit.MARKER}: not a complete step: it holds the "
+                                       "step folders step-2 to step-10; name one of them\n")
+    assert cli.main(["verify", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.endswith(f"not a complete step; its subfolder {folder} holds some: name that one\n")
+    assert cli.main(["list", str(tmp_path / "checkpoint" / "step-2")]) == 1
+    assert capsys.readouterr().out.endswith(": no step folders\n")
 
 
 def test_termination_is_raised_as_an_interruption_and_the_handler_put_back():

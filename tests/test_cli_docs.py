@@ -46,7 +46,7 @@ def test_list_and_inspect(tmp_path, capsys):
 
 def test_cli_errors_name_the_path(tmp_path, capsys):
     assert cli.main(["list", str(tmp_path / "nope")]) == 2
-    assert "nope is not a folder" in capsys.readouterr().err
+    assert "nope does not exist" in capsys.readouterr().err
     assert cli.main(["inspect", str(tmp_path)]) == 2
     assert capsys.readouterr().err.endswith(
         f"error: {tmp_path} holds no checkpoint: no .metadata (DCP), no model.safetensors.index.json or "

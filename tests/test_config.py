@@ -59,6 +59,8 @@ def _error(argv, path=None) -> ConfigError:
 
 @pytest.mark.parametrize("argv, key, text", [
     (["--checkpoint.intervall", "5"], "checkpoint.intervall", "did you mean 'interval'"),
+    (["--config", "job.toml"], "--config", "the TOML file is load_config's path"),
+    (["train.py", "--checkpoint.interval", "5"], "train.py", "no program name: sys.argv[1:]"),
     (["--checkpont.interval", "5"], "checkpont", "did you mean 'checkpoint'"),
     (["--checkpoint.interval", "five"], "checkpoint.interval", "expected an integer"),
     (["--checkpoint.interval", "\u0663"], "checkpoint.interval", "expected an integer"),  # int() read an Arabic 3

@@ -398,3 +398,33 @@ def test_a_mapping_file_is_read_from_an_hf_index_and_within_a_bound(tmp_path, mo
     monkeypatch.setattr(C, "MAX_INDEX_BYTES", 16)
     with pytest.raises(ValueError, match=r"index.json: larger than 16 bytes, far more than any file mapping"):
         C.load_mapping(str(tmp_path / "index.json"))
+
+
+def test_an_interrupted_export_stops_its_copy_threads_before_it_raises(tmp_path, monkeypatch):
+    """Ctrl-C reached the calling thread, which raised at once while the copy threads went on
+    writing (a `convert` run again into the same folder got the interrupted run's bytes)."""
+    import signal
+    import threading
+    import time
+
+    monkeypatch.setattr(C, "CHUNK_BYTES", 4096)
+    calls = []
+
+    def progress(nbytes, total):
+        calls.append(nbytes)
+        if len(calls) == 1:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.002)
+
+    before = threading.active_count()
+    state = {f"t{i}": torch.full((256, 64), float(i)) for i in range(16)}  # 256 chunks
+    # SIGINT as a terminal delivers it: a shell ignores it in what it starts in the background
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            C.write_safetensors_one_pass(state, str(tmp_path / "hf"), num_threads=2, progress=progress)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    seen = len(calls)
+    time.sleep(0.3)
+    assert threading.active_count() == before and len(calls) == seen < 256

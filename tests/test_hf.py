@@ -193,6 +193,20 @@ def test_a_pipeline_stage_with_a_tied_head_and_no_embedding_is_refused_saying_so
         hf_adapter(args).to_hf(last, complete=False)
 
 
+def test_a_tied_head_holding_a_nan_is_still_tied_and_an_untied_one_is_refused():
+    """A NaN in a tied embedding (a diverged fp16 run) made the head read as not tied, and the
+    run's last export failed."""
+    args = replace(ARGS, tie_embeddings=True)
+    sd = our_model(tie=True).state_dict()
+    sd["tok_embeddings.weight"][3, 1] = float("nan")
+    assert "lm_head.weight" not in hf_adapter(args).to_hf(sd)
+    sd["output.weight"] = sd["output.weight"].clone()  # the same values, held apart: still tied
+    hf_adapter(args).to_hf(sd)
+    sd["output.weight"][0, 0] += 1
+    with pytest.raises(CheckpointError, match="^output.weight is not tok_embeddings.weight: "):
+        hf_adapter(args).to_hf(sd)
+
+
 def test_model_args_from_the_config_we_write():
     for args in [*FLAVORS.values(), replace(ARGS, tie_embeddings=True, rope_theta=5e5)]:
         back = args_from_hf_config(hf_config(args, torch.bfloat16))
@@ -1084,3 +1098,17 @@ def test_float8_fnuz_files_are_read_and_written(tmp_path):
         load_hf(back, str(out), adapter)
         for k, v in sd.items():
             assert torch.equal(back[k].view(torch.uint8), v.to(dtype).view(torch.uint8)), k
+
+
+def test_a_model_file_named_in_place_of_its_folder_is_refused_naming_the_folder_to_give(tmp_path):
+    from torchtitan_ckpt.errors import CheckpointNotFoundError
+    from torchtitan_ckpt.hf.adapter import ForeignAdapter
+    from torchtitan_ckpt.hf.load import read_hf_layout
+
+    save_hf({"a": torch.ones(2)}, str(tmp_path / "hf"), ForeignAdapter(_Renamed(os.path.dirname(
+        _config_file(tmp_path / "assets", "{}")))))
+    file = str(tmp_path / "hf" / "model.safetensors.index.json")
+    with pytest.raises(CheckpointNotFoundError, match=rf"^{file} is a file: name the folder that holds it"):
+        read_hf_layout(file)
+    with pytest.raises(CheckpointNotFoundError, match=r"empty has neither model.safetensors.index.json nor "):
+        read_hf_layout(str(tmp_path / "empty"))

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from torchtitan_ckpt import ConfigError, commit, layout
+from torchtitan_ckpt import CheckpointManager, ConfigError, commit, layout
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.hf.files import MAX_ASSET_BYTES
 
@@ -72,8 +72,6 @@ def test_initial_load_in_hf(tmp_path):
 
 
 def test_hf_options_need_an_adapter(tmp_path):
-    from torchtitan_ckpt import CheckpointManager
-
     with pytest.raises(ConfigError, match="checkpoint.last_save_in_hf.*state_dict_adapter="):
         CheckpointManager(Checkpoint(enable=True, last_save_in_hf=True), [torch.nn.Linear(2, 2)],
                           base_folder=str(tmp_path))
@@ -84,7 +82,6 @@ def test_an_assets_file_split_is_checked_when_the_manager_starts(tmp_path):
     the training up to it: refused when the manager is built. One listing tensors the model does
     not export (an FP8 checkpoint's `weight_scale_inv`s) is no mismatch: the export leaves them
     out."""
-    from torchtitan_ckpt import CheckpointManager
     from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_adapter
 
     model = Transformer(FLAVORS["debugmodel"])
@@ -156,3 +153,40 @@ def test_an_export_into_a_folder_named_with_glob_characters_touches_only_its_own
     step2 = layout.step_dir(str(tmp_path / "run[1]" / "checkpoint"), 2)
     assert "model-00001-of-00001.safetensors" in commit.read_marker(step2).files
     assert commit.verify(step2) == []
+
+
+def test_a_transformers_model_comes_in_and_goes_out_through_an_adapter_that_renames_nothing(tmp_path):
+    """What docs/hf.md says for a model with Hugging Face's own names: an adapter of TorchTitan's
+    surface whose `to_hf` and `from_hf` change nothing; `transformers` loads the export."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(hf_config).save_pretrained(tmp_path / "hf")
+
+    class SameNames:
+        hf_assets_path = str(tmp_path / "hf")
+        fqn_to_index_mapping = None
+
+        def to_hf(self, state_dict):
+            return dict(state_dict)
+
+        def from_hf(self, hf_state_dict):
+            return dict(hf_state_dict)
+
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(hf_config)
+    config = Checkpoint(enable=True, interval=1, initial_load_path=str(tmp_path / "hf"), initial_load_in_hf=True,
+                        last_save_in_hf=True, export_dtype="float32")
+    with CheckpointManager(config, model, state_dict_adapter=SameNames(), base_folder=str(tmp_path / "run")) as manager:
+        assert manager.load()
+        assert_same(model.state_dict(), LlamaForCausalLM.from_pretrained(tmp_path / "hf").state_dict())
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.5)
+        manager.save(1, last_step=True)
+    back = LlamaForCausalLM.from_pretrained(layout.step_dir(_folder(tmp_path / "run"), 1))
+    tokens = torch.arange(12).reshape(2, 6)
+    with torch.no_grad():
+        assert torch.equal(back(tokens).logits, model(tokens).logits)

@@ -284,17 +284,20 @@ def test_clean_goes_on_past_a_partial_step_it_cannot_remove(tmp_path, capsys):
     assert [s.step for s in layout.scan(folder)] == [2, 4, 7]
 
 
-def test_a_save_stopped_while_marking_its_folder_leaves_a_partial_step(tmp_path):
+def test_a_save_stopped_while_marking_its_folder_leaves_a_partial_step(tmp_path, caplog):
     """A folder holding only the in-progress marker's temporary file (a full disk while it was
-    written) read as another program's: never removed by retention or clean."""
+    written) read as another program's: never removed by retention or clean. Its removal is
+    logged as an unfinished save's, not an old checkpoint's."""
     folder = _saved(tmp_path)
     os.mkdir(layout.step_dir(folder, 3))
     open(os.path.join(layout.step_dir(folder, 3), commit.IN_PROGRESS + ".tmp"), "w").close()
     assert layout.status_of(layout.step_dir(folder, 3)) == layout.PARTIAL
     job = make_job(str(tmp_path), steps=10, interval=2)
-    job.run_to(6, steps=10)
-    job.manager.close()
+    with caplog.at_level("INFO", logger="torchtitan_ckpt.deleter"):
+        job.run_to(6, steps=10)
+        job.manager.close()
     assert 3 not in [s.step for s in layout.scan(folder)]
+    assert f"deleted the unfinished save of step 3 ({layout.step_dir(folder, 3)})" in caplog.messages
 
 
 @pytest.mark.parametrize("extra", [{}, {"hash_algo": "sha256"}], ids=["same_fields", "a_new_field"])

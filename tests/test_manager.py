@@ -293,6 +293,10 @@ def test_initial_load_path_is_checked_when_it_is_used(tmp_path):
     empty = make_job(str(tmp_path / "d"), initial_load_path=str(tmp_path / "empty"))
     with pytest.raises(CheckpointNotFoundError, match=r"empty holds no finished checkpoint of a known format"):
         empty.manager.load()
+    (tmp_path / "c.txt").write_text("")
+    a_file = make_job(str(tmp_path / "e"), initial_load_path=str(tmp_path / "c.txt"))
+    with pytest.raises(CheckpointNotFoundError, match=r"c.txt is a file, not a step folder: name the folder "):
+        a_file.manager.load()
 
 
 def _optimizer_moments(opt: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
@@ -318,6 +322,7 @@ def test_a_finished_runs_model_only_step_is_not_where_a_run_resumes(tmp_path, ca
     assert_same(_optimizer_moments(extended.opt), at4[0])
     assert_same(extended.model.state_dict(), at4[1])
     assert "step(s) 6 hold only the model (a finished run's last save): resuming from step 4" in caplog.text
+    assert "this run's saves will replace them, or retention delete them once it saves past them" in caplog.text
     extended.manager.close()
 
     evaluation = make_job(str(tmp_path), steps=6, init_seed=5, load_only=True)  # saves nothing: the last model
@@ -438,6 +443,9 @@ def test_an_unwritable_folder_fails_at_construction_with_one_rank(tmp_path):
                                           r"NotADirectoryError"):
         make_job(str(tmp_path), folder=folder)
     make_job(str(tmp_path), folder=folder, load_only=True).manager.close()
+    with pytest.raises(ConfigError, match=r"cannot write there: rank 0: NotADirectoryError: .*afile is a file, not a "
+                                          r"folder$"):
+        make_job(str(tmp_path), folder=str(tmp_path / "afile"))
     job = make_job(str(tmp_path), folder="new/checkpoint")
     assert os.listdir(tmp_path / "new" / "checkpoint") == [LOCK_FILE]  # made, held, and the probe removed
     job.manager.close()

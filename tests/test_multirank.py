@@ -421,3 +421,40 @@ def test_ranks_whose_replicas_differ_fail_the_save(tmp_path, how):
     folder = str(tmp_path / "checkpoint")
     spawn(2, _replicas_that_differ, folder, how)
     assert layout.committed_steps(folder) == []
+
+
+def _ddp_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+
+def _save_under_ddp(rank: int, world_size: int, folder: str) -> None:
+    model = _ddp_model(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=0.1)
+    ddp(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [ddp], optimizers=opt, base_folder=folder) as manager:
+        manager.save(1)
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, os.path.join(folder, "saved.pt"))
+
+
+def test_a_model_trained_under_ddp_is_saved_under_its_own_names_and_resumes_without_ddp(tmp_path):
+    """DDP's `module.` prefix was saved in every key: the step loaded only into a DDP model."""
+    spawn(2, _save_under_ddp, str(tmp_path))
+    saved = read_checkpoint(layout.step_dir(str(tmp_path / "checkpoint"), 1))
+    assert sorted(k for k in saved if not k.startswith("optimizer.")) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert sorted(k for k in saved if k.startswith("optimizer.state."))[:3] == [
+        "optimizer.state.0.bias.exp_avg", "optimizer.state.0.bias.exp_avg_sq", "optimizer.state.0.bias.step"]
+    want = torch.load(tmp_path / "saved.pt")
+    fresh = _ddp_model(1)
+    opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    with CheckpointManager(Checkpoint(enable=True), [torch.compile(fresh)], optimizers=opt,
+                           base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert_same(fresh.state_dict(), want["model"])
+    got = opt.state_dict()["state"]
+    assert sorted(got) == sorted(want["optimizer"]["state"]) == [0, 1, 2, 3]
+    for index, values in want["optimizer"]["state"].items():
+        assert_same(got[index], values)

@@ -278,15 +278,17 @@ def test_alike_schedulers_keep_torchtitans_layout(tmp_path):
     assert "lr_scheduler.last_epoch" in keys and not any("per_scheduler" in k for k in keys)
 
 
-def test_a_resume_from_a_save_before_an_optimizers_first_step_goes_on_as_the_run_did(tmp_path):
-    """A module frozen for the first steps: its optimizer has no state at those saves. The state a
-    save makes for it (TorchTitan's layout wants some for every parameter) is the optimizer's
-    from then on, as it is the resumed run's: made apart, a resume counted one Adam step more."""
-    def job(seed):
+@pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.Rprop])
+def test_a_resume_from_a_save_before_an_optimizers_first_step_goes_on_as_the_run_did(tmp_path, kind):
+    """A module frozen for the first steps: its optimizer has no state at those saves. The saves
+    leave it so (they made its state by a step at learning rate 0, after which Adam counted one
+    step more and Rprop's step sizes started from 0: a run that saved trained otherwise than one
+    that did not), and a resume from one of them goes on as the run did."""
+    def job(seed, saves=True):
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-        opts = [torch.optim.AdamW(model[1].parameters(), lr=0.01), torch.optim.AdamW(model[0].parameters(), lr=0.01)]
-        manager = CheckpointManager(Checkpoint(enable=True, interval=1, keep_latest_k=0), [model], optimizers=opts,
+        opts = [kind(model[1].parameters(), lr=0.01), kind(model[0].parameters(), lr=0.01)]
+        manager = CheckpointManager(Checkpoint(enable=saves, interval=1, keep_latest_k=0), [model], optimizers=opts,
                                     base_folder=str(tmp_path))
         return model, opts, manager
 
@@ -297,12 +299,17 @@ def test_a_resume_from_a_save_before_an_optimizers_first_step_goes_on_as_the_run
             opt.step()
             opt.zero_grad()
 
+    model, opts, manager = job(0, saves=False)
+    for step in range(1, 7):
+        train(model, opts, step)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
     model, opts, manager = job(0)
     with manager:
         for step in range(1, 7):
             train(model, opts, step)
             manager.save(step)
-    want = {k: v.clone() for k, v in model.state_dict().items()}
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, want[key]), key
     model, opts, manager = job(1)
     with manager:
         assert manager.load(step=2)
@@ -476,15 +483,31 @@ def test_a_tensor_dcp_cannot_write_is_refused_before_the_step_folder_is_made(tmp
     assert sorted(os.listdir(os.path.join(tmp_path, "checkpoint"))) == [".torchtitan_ckpt.lock", "step-1"]
 
 
-def test_an_optimizer_whose_step_needs_a_closure_is_named_before_its_first_step(tmp_path):
+def test_an_optimizer_whose_step_needs_a_closure_is_saved_before_its_first_step_and_named_when_loaded_into(tmp_path):
+    """Saved before its first step, it holds no state; a step holding its state cannot be read
+    into one that has none (its state is made by a step, which needs a closure)."""
     model = nn.Linear(2, 2)
     opt = torch.optim.LBFGS(model.parameters())
-    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=opt,
-                           base_folder=str(tmp_path)) as manager:
+
+    def closure():
+        opt.zero_grad()
+        loss = model(torch.ones(1, 2)).sum()
+        loss.backward()
+        return loss
+
+    config = Checkpoint(enable=True, interval=1)
+    with CheckpointManager(config, [model], optimizers=opt, base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+        assert not opt.state
+        opt.step(closure)
+        manager.save(2)
+    fresh = torch.optim.LBFGS(model.parameters())
+    with CheckpointManager(config, [model], optimizers=fresh, base_folder=str(tmp_path)) as manager:
         with pytest.raises(CheckpointError, match=r"LBFGS has no state yet, and a step at learning rate 0 on zero "
                                                   r"gradients, which makes it, failed \(TypeError: .*add 'optimizer' "
                                                   r"to checkpoint.exclude_from_loading"):
-            manager.save(1)
+            manager.load()
+        assert manager.load(step=1) and not fresh.state
 
 
 def test_a_lazily_conjugated_buffer_loads(tmp_path):

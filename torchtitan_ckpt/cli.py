@@ -87,7 +87,26 @@ def _print_json(doc: dict[str, Any]) -> None:
 
 def _require_folder(folder: str) -> None:
     if not os.path.isdir(folder):
-        raise CheckpointNotFoundError(f"{folder} is not a folder")
+        raise CheckpointNotFoundError(f"{folder} is a file, not a folder" if os.path.exists(folder) else
+                                      f"{folder} does not exist")
+
+
+def _where_steps_are(folder: str) -> str:
+    """A hint for a local `folder` that holds no step where one was expected: the step folders
+    in it (a checkpoint folder named for a step), or the first of its subfolders holding some
+    (a job's dump folder named for its checkpoint folder); "" when neither."""
+    def steps_in(path: str) -> list[str]:
+        return sorted((n for n in os.listdir(path) if layout.parse_step(n) is not None), key=layout.parse_step)
+
+    try:
+        if steps := steps_in(folder):
+            return f": it holds the step folders {steps[0]} to {steps[-1]}; name one of them"
+        for sub in sorted(e.path for e in os.scandir(folder) if e.is_dir(follow_symlinks=False))[:64]:
+            if steps_in(sub):
+                return f"; its subfolder {sub} holds some: name that one"
+    except OSError:  # unreadable: no hint
+        pass
+    return ""
 
 
 @contextlib.contextmanager
@@ -170,7 +189,8 @@ def cmd_list(args: argparse.Namespace, progress: Progress) -> int:
         _print_json({"folder": args.folder, "latest_complete": _newest(steps, layout.COMPLETE),
                      "latest_loadable": loadable, "steps": steps})
     elif not steps:
-        print(f"{args.folder}: no step folders")
+        print(f"{args.folder}: no step folders" + (_where_steps_are(args.folder) if scheme_of(args.folder) is None
+                                                    else ""))
     else:
         print(f"{'step':>8}  {'status':<10}  {'size':>10}  contents")
         for s in steps:
@@ -347,7 +367,8 @@ def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
     with _opened(args.step_dir, "step_dir") as (store, local):
         path = args.step_dir
         if not commit.is_committed(store.fetch(local, [commit.MARKER])):
-            raise CheckpointNotFoundError(f"{path} has no {commit.MARKER}: not a complete step")
+            raise CheckpointNotFoundError(f"{path} has no {commit.MARKER}: not a complete step"
+                                          + (_where_steps_are(path) if scheme_of(path) is None else ""))
         store.fetch(local)
         info = store.read_marker(local)
         with progress:

@@ -515,7 +515,8 @@ def _parse_overrides(argv: list[str]) -> list[tuple[str, Any]]:
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or "." not in arg:
-            raise ConfigError(arg, arg, "expected an override of the form --section.key value")
+            raise ConfigError(arg, arg, "expected an override of the form --section.key value (the TOML file "
+                              "is load_config's path, and argv holds no program name: sys.argv[1:])")
         key, eq, value = arg[2:].partition("=")
         if eq:
             i += 1

@@ -64,7 +64,8 @@ class BackgroundDeleter:
         while (folder := self._queue.get()) is not None:
             try:
                 self._remove(folder)
-                logger.info("deleted old checkpoint step %d (%s)", folder.step, self._describe(folder.path))
+                logger.info("deleted %s %d (%s)", "old checkpoint step" if folder.loadable else
+                            "the unfinished save of step", folder.step, self._describe(folder.path))
             except Exception as e:  # any failure: the thread keeps serving the next deletions
                 why = (safe_open.removal_refused(folder.path, e) if isinstance(e, PermissionError) else
                        f"{type(e).__name__}: {e}")

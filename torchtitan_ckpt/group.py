@@ -177,13 +177,21 @@ def launched_group(backend: str = "gloo") -> Iterator[None]:
     for the duration of the block and destroyed after it, once every rank is through the block
     when it ends well (a rank tearing its connections down while a peer still has work on them
     aborted that peer now and then, "terminate called without an active exception"); nothing
-    when not launched so, or when the caller initialised one already."""
+    when not launched so, or when the caller initialised one already.
+
+    On gloo that wait is `monitored_barrier`, whose messages the calling thread sends and
+    receives: gloo's `barrier` is queued to its worker threads and holds on to the collectives
+    still finishing there, whose tensors it then frees on a worker thread as the process exits;
+    a Python object freed there during the interpreter's shutdown aborted the process with the
+    same message, now and then (the example's expert-parallel job, on a loaded machine)."""
     launched = "WORLD_SIZE" in os.environ and not dist.is_initialized()
     if launched:
         dist.init_process_group(backend)
     try:
         yield
-        if launched:
+        if launched and dist.get_backend() == "gloo":
+            dist.monitored_barrier()
+        elif launched:
             dist.barrier()
     finally:
         if launched:

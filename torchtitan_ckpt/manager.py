@@ -52,7 +52,7 @@ from .progress import gb_per_s
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
 from .staging import SaveJob, Staged, make_strategy
 from .states import (DP_RANK_PREFIX, CheckedState, DataLoaderState, LRSchedulerState, ModelState, OptimizerState,
-                     saved_dp_degree)
+                     saved_dp_degree, unwrapped)
 from .storage.base import Store
 
 logger = logging.getLogger(__name__)
@@ -145,8 +145,9 @@ class CheckpointManager:
         self.config = config
         self._adapter = as_adapter(state_dict_adapter)
         self.folder = config.folder_under(base_folder)
-        parts = _members(model_parts, "model_parts", "an nn.Module (the model, or a pipeline stage)",
+        given = _members(model_parts, "model_parts", "an nn.Module (the model, or a pipeline stage)",
                          lambda m: isinstance(m, nn.Module), many=False)
+        parts = [unwrapped(part) for part in given]
         if not parts:
             raise ValueError("model_parts is empty; pass the model (or its pipeline stages)")
         self._model = ModelState(parts)
@@ -886,8 +887,10 @@ class CheckpointManager:
         if full is not None and not full.model_only:  # a seed step 0 holds only the model too
             if self._group.is_coordinator:
                 logger.warning("step(s) %s hold only the model (a finished run's last save): resuming from step %s, "
-                               "the newest step holding the optimizer and the other states. To start a new run from "
-                               "step %s's model, set checkpoint.initial_load_path to it and use another folder",
+                               "the newest step holding the optimizer and the other states; this run's saves will "
+                               "replace them, or retention delete them once it saves past them. To keep them, copy "
+                               "them elsewhere first; to start a new run from step %s's model, set "
+                               "checkpoint.initial_load_path to it and use another folder",
                                newer, full.step, passed[0].step)
             return full
         held = (f"the steps holding it ({_few(corrupt)}) failed verification" if corrupt else
@@ -910,7 +913,9 @@ class CheckpointManager:
         status = self._group.broadcast(self._group.each(  # one decision (`_agreed_steps`)
             lambda: layout.status_of(path), f"looking at checkpoint.initial_load_path = {path}"))
         if status == layout.UNKNOWN:
-            found = "holds no finished checkpoint of a known format" if os.path.isdir(path) else "does not exist"
+            found = ("holds no finished checkpoint of a known format" if os.path.isdir(path) else
+                     "is a file, not a step folder: name the folder holding it" if os.path.exists(path) else
+                     "does not exist")
             if steps := [f.step for f in self._initial.scan(path) if f.loadable]:
                 found += f" (it holds the steps {steps}: name one of their folders)"
             raise CheckpointNotFoundError(

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.nn.parallel import DistributedDataParallel
 
 try:  # FSDP1, deprecated: refused (`_refuse_fsdp1`) where this torch still has it
     from torch.distributed.fsdp import FullyShardedDataParallel as _FSDP1
@@ -43,6 +44,20 @@ key in a checkpoint never carries one (TorchTitan's `ModelWrapper` guarantees th
 def canonical_name(name: str) -> str:
     """`layers.0._checkpoint_wrapped_module.attention.wq.weight` -> `layers.0.attention.wq.weight`."""
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+def unwrapped(part: nn.Module) -> nn.Module:
+    """The module that `DistributedDataParallel` and `torch.compile` wrappers around a model part
+    hold: their `module.` and `_orig_mod.` prefixes are no part of its keys (PyTorch's
+    `get_model_state_dict` leaves DDP's out too), so a step saved under DDP loads into the bare
+    model, on one rank or under FSDP, and the Hugging Face adapters see the model's names."""
+    while True:
+        if isinstance(part, DistributedDataParallel):
+            part = part.module
+        elif isinstance(getattr(part, "_orig_mod", None), nn.Module):
+            part = part._orig_mod
+        else:
+            return part
 
 
 class CheckedState(Stateful):
@@ -202,11 +217,15 @@ class OptimizerState(CheckedState):
         return [(opt, _parameter_names(names, opt)) for opt in self.optimizers]
 
     def state_dict(self) -> dict[str, Any]:
+        """The optimizers' state as it is: a parameter without state (its optimizer took no step
+        yet, or it had no gradient) is saved without, and the optimizer is left untouched. Made
+        for the save by a step at learning rate 0 (as DCP's `get_optimizer_state_dict` makes it),
+        it changed training: Adam counted one step more from then on, Rprop's step sizes started
+        from 0."""
         state: dict[str, Any] = {}
         groups: dict[str, Any] = {}
         for opt, names in self.named:
-            _make_state(opt)  # TorchTitan's manager expects the state of every parameter
-            saved = opt.state_dict()
+            saved = opt.state_dict()  # a parameter without state yet (no step taken) is saved without
             for index, values in saved["state"].items():
                 state[names[index]] = values
             for group in saved["param_groups"]:
@@ -221,17 +240,14 @@ class OptimizerState(CheckedState):
         state is made here to be read into and is given to it when the load is applied), so a
         load refused before then leaves it as it was; one that has state for some parameters
         only (others had no gradient yet) gets state made for the rest that the checkpoint has."""
-        fresh = [opt for opt in self.optimizers if not opt.state]
         sd = self.state_dict()
-        for opt in fresh:
-            opt.state.clear()
         # a parameter that had no state when saved (no gradient yet) has none after the load; one
         # that had state of other names (another optimizer) is still asked for its own, and refused
         held = {key[len("state."):] for key in saved_keys if key.startswith("state.")}
         prefixes = {key[:i] for key in held for i, ch in enumerate(key) if ch == "."}  # every `fqn` of `fqn.name...`
         for opt, names in self.named:
             lacking = {name for name in names if name in prefixes and name not in sd["state"]}
-            if lacking and opt.state:
+            if lacking:
                 sd["state"].update(_made_state(opt, names, lacking))
         sd["state"] = {fqn: values for fqn, values in sd["state"].items() if fqn in prefixes}
         sd["param_groups"] = {fqn: {k: v for k, v in settings.items() if f"param_groups.{fqn}.{k}" in saved_keys}
@@ -297,15 +313,16 @@ def _made_state(opt: torch.optim.Optimizer, names: list[str], wanted: Collection
 
 def _make_state(opt: torch.optim.Optimizer) -> None:
     """`opt`'s first state made by a step at learning rate 0 on zero gradients, unless it has
-    state, its step hooks set aside (a save is no step to an EMA or a step count). An optimizer
-    whose step cannot be taken so (LBFGS's needs a closure) is named, with what to do."""
+    state, its step hooks set aside (state made to read a load into is no step to an EMA or a
+    step count). An optimizer whose step cannot be taken so (LBFGS's needs a closure) is named,
+    with what to do."""
     try:
         with _hooks_aside(opt):
             _init_optim_state(opt)
     except Exception as e:
         raise CheckpointError(
             f"{type(opt).__name__} has no state yet, and a step at learning rate 0 on zero gradients, which "
-            f"makes it, failed ({type(e).__name__}: {e}): it is saved or loaded once it has taken a step of its "
+            f"makes it, failed ({type(e).__name__}: {e}): its state is loaded once it has taken a step of its "
             "own; to load the rest without it, add 'optimizer' to checkpoint.exclude_from_loading") from e
 
 

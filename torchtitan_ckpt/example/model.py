@@ -429,10 +429,10 @@ class MoE(nn.Module):
         them, and the sums go back to the tokens' ranks (an all-gather and a sum-scatter, where
         TorchTitan uses an all-to-all: the same values, with simpler code)."""
         group = self.ep_group
-        all_flat, all_weights = (_GatherRows.apply(t, group) for t in (flat, weights))
+        all_flat, all_weights = (_Rows.apply(t, group, True) for t in (flat, weights))
         first = dist.get_rank(group) * (self.args.num_experts // dist.get_world_size(group))
         out = self.experts(all_flat, _gather_rows(chosen, group), all_weights, first)
-        return _SumScatterRows.apply(out, group)
+        return _Rows.apply(out, group, False)
 
 
 def _gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -451,30 +451,17 @@ def _sum_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
     return total.chunk(dist.get_world_size(group))[dist.get_rank(group)].clone()
 
 
-class _GatherRows(torch.autograd.Function):
-    """`_gather_rows`, whose gradient is the sum-scatter of the output's."""
+class _Rows(torch.autograd.Function):
+    """`_gather_rows` (`gather` true) or `_sum_scatter_rows`, each the other's gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _gather_rows(x, group)
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, gather: bool) -> torch.Tensor:
+        ctx.group, ctx.gather = group, gather
+        return (_gather_rows if gather else _sum_scatter_rows)(x, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _sum_scatter_rows(grad, ctx.group), None
-
-
-class _SumScatterRows(torch.autograd.Function):
-    """`_sum_scatter_rows`, whose gradient is the gather of the output's."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _sum_scatter_rows(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather_rows(grad, ctx.group), None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (_sum_scatter_rows if ctx.gather else _gather_rows)(grad, ctx.group), None, None
 
 
 class TransformerBlock(nn.Module):

@@ -64,7 +64,7 @@ class DcpFormat(StepFormat):
             self._plan_caches.pop(kind, None)  # the save failed (on every rank, for dcp.save): all plan afresh
             raise storage.root_cause(e, group.rank) from None
         faults.hit("written", step)
-        return Written(writer.durable, planner.summary_line() if group.is_coordinator else "")
+        return Written(writer.durable, planner.summary_line() if group.is_coordinator and group.world_size > 1 else "")
 
     def index(self, path: str, store: Store) -> StepIndex:
         """With the RoPE layout a step `convert --to dcp` wrote records (fetched with the

@@ -242,6 +242,13 @@ class StateDictAdapter:
         return _for_export(dict(assets.raw), dtype, path)
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element for element, a NaN equal to a NaN (a tied weight holding one is still tied)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
+
+
 def _check_tied(head: Any, embedding: Any) -> None:
     """Raise unless the model's head holds its embedding's values (on this rank's block): an HF
     config that ties them makes an export write the embedding alone, and a head trained apart
@@ -253,7 +260,7 @@ def _check_tied(head: Any, embedding: Any) -> None:
         problem = (f"this part of the model (a pipeline stage) holds {TIED_HEAD} without {EMBEDDING}, so the "
                    "two cannot be tied")
     elif (getattr(head, "placements", None) == getattr(embedding, "placements", None)
-          and torch.equal(local(head), local(embedding))):
+          and _same_values(local(head), local(embedding))):
         return
     else:
         problem = f"{TIED_HEAD} is not {EMBEDDING}"

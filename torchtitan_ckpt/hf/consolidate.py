@@ -396,25 +396,39 @@ class _Writer:
         self.where = {fqn: (f.name, start) for f in files for fqn, start in f.starts.items()}
         self.specs = specs
         self.memory = memory or {}
+        self._stop = threading.Event()
+        """Set when the calling thread leaves `run` early (an interrupt): the copies end at their
+        next chunk. Left running, an interrupted command's copies went on writing into files that
+        a new run of it had made in their place."""
 
     def run(self, tasks: Sequence[Task], num_threads: int) -> None:
         self.total = sum(t.stop - t.start for t in tasks)
         shares = byte_ranges([t.stop - t.start for t in tasks], max(1, num_threads))
         shares = [[Task(tasks[i].block, tasks[i].start + a, tasks[i].start + z) for i, a, z in s] for s in shares]
         errors: list[BaseException] = []
-        threads = [threading.Thread(target=self._guarded, args=(s, errors)) for s in shares if s]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        shares = [s for s in shares if s]
+        ended = [threading.Event() for _ in shares]  # not join: after an interrupted one, 3.11's returns at once
+        threads = [threading.Thread(target=self._guarded, args=(s, errors, end)) for s, end in zip(shares, ended)]
+        try:
+            for t in threads:
+                t.start()
+            for end in ended:
+                end.wait()
+        finally:
+            self._stop.set()  # a thread not running yet copies nothing
+            for t, end in zip(threads, ended):
+                if t.is_alive():
+                    end.wait()
         if errors:
             raise errors[0]
 
-    def _guarded(self, tasks: list[Task], errors: list[BaseException]) -> None:
+    def _guarded(self, tasks: list[Task], errors: list[BaseException], ended: threading.Event) -> None:
         try:
             self._copy(tasks)
         except BaseException as e:  # handed to the calling thread, which raises it
             errors.append(e)
+        finally:
+            ended.set()
 
     def _copy(self, tasks: list[Task]) -> None:
         held: collections.OrderedDict[str, tuple[int, Writeback | None]] = collections.OrderedDict()
@@ -434,6 +448,8 @@ class _Writer:
         buf = memoryview(bytearray(CHUNK_BYTES)) if not self.memory else None
         try:
             for task in tasks:
+                if self._stop.is_set():
+                    return
                 b = task.block
                 name, start = self.where[b.fqn]
                 runs = block_runs(b, self.specs[b.fqn].shape, start)
@@ -449,7 +465,7 @@ class _Writer:
         from memory), starting the disk on each chunk as soon as it is written, so the fsync
         that follows waits for the last chunks only."""
         pos = task.start
-        while pos < task.stop:
+        while pos < task.stop and not self._stop.is_set():
             n = min(CHUNK_BYTES, task.stop - pos)
             if task.block.src:
                 view = buf[:n]

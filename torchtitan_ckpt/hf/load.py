@@ -69,6 +69,9 @@ def _weight_map(hf_dir: str) -> tuple[str, dict[str, str]]:
     if os.path.isfile(os.path.join(hf_dir, SINGLE_FILE)):
         index = os.path.join(hf_dir, SINGLE_FILE)
         return index, dict.fromkeys(read_header(index), SINGLE_FILE)
+    if os.path.isfile(hf_dir):
+        raise CheckpointNotFoundError(f"{hf_dir} is a file: name the folder that holds it (its {INDEX_FILE} or "
+                                      f"{SINGLE_FILE} and config.json)")
     raise CheckpointNotFoundError(f"{hf_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}")
 
 
