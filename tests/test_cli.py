@@ -268,6 +268,9 @@ def test_a_missing_step_folder_is_named_as_missing(tmp_path, capsys, command):
     (tmp_path / "a_file").write_text("")
     assert cli.main([command, str(tmp_path / "a_file")]) == 2
     assert capsys.readouterr().err == f"error: {tmp_path / 'a_file'} is a file, not a folder\n"
+    os.symlink(tmp_path / "gone", tmp_path / "a_link")
+    assert cli.main([command, str(tmp_path / "a_link")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'a_link'} does not exist (a link to a missing path)\n"
 
 
 def test_a_folder_above_the_steps_is_named_with_where_they_are(tmp_path, capsys):
@@ -276,12 +279,18 @@ def test_a_folder_above_the_steps_is_named_with_where_they_are(tmp_path, capsys)
     _save_step(folder, 2, _state(), ["model"])
     _save_step(folder, 10, _state(), ["model"])
     assert cli.main(["list", str(tmp_path)]) == 1
-    assert capsys.readouterr().out == f"{tmp_path}: no step folders; its subfolder {folder} holds some: name that one\n"
+    hint = f"; its subfolder {folder} holds step folders: name that one\n"
+    assert capsys.readouterr().out == f"{tmp_path}: no step folders{hint}"
     assert cli.main(["verify", folder]) == 2
     assert capsys.readouterr().err == (f"error: {folder} has no {commit.MARKER}: not a complete step: it holds the "
                                        "step folders step-2 to step-10; name one of them\n")
     assert cli.main(["verify", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.endswith(f"not a complete step; its subfolder {folder} holds some: name that one\n")
+    assert capsys.readouterr().err.endswith(f"not a complete step{hint}")
+    os.mkdir(tmp_path / "elsewhere")
+    os.rename(folder, tmp_path / "elsewhere" / "checkpoint")
+    os.symlink(tmp_path / "elsewhere" / "checkpoint", folder)  # a dump folder's checkpoint on other storage
+    assert cli.main(["list", str(tmp_path)]) == 1
+    assert capsys.readouterr().out == f"{tmp_path}: no step folders{hint}"
     assert cli.main(["list", str(tmp_path / "checkpoint" / "step-2")]) == 1
     assert capsys.readouterr().out.endswith(": no step folders\n")
 

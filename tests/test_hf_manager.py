@@ -155,38 +155,46 @@ def test_an_export_into_a_folder_named_with_glob_characters_touches_only_its_own
     assert commit.verify(step2) == []
 
 
-def test_a_transformers_model_comes_in_and_goes_out_through_an_adapter_that_renames_nothing(tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_transformers_model_comes_in_and_goes_out_through_an_adapter_that_renames_nothing(tmp_path, tied):
     """What docs/hf.md says for a model with Hugging Face's own names: an adapter of TorchTitan's
-    surface whose `to_hf` and `from_hf` change nothing; `transformers` loads the export."""
+    surface whose `to_hf` and `from_hf` change nothing but a tied head (which the files do not
+    hold); `transformers` loads the export."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=1)
+                            num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
     torch.manual_seed(0)
     LlamaForCausalLM(hf_config).save_pretrained(tmp_path / "hf")
 
-    class SameNames:
-        hf_assets_path = str(tmp_path / "hf")
-        fqn_to_index_mapping = None
+    class SameNames:  # docs/hf.md's
+        def __init__(self, hf_assets_path: str, tied: bool):
+            self.hf_assets_path = hf_assets_path
+            self.fqn_to_index_mapping = None
+            self.tied = tied
 
         def to_hf(self, state_dict):
-            return dict(state_dict)
+            return {k: v for k, v in state_dict.items() if not (self.tied and k == "lm_head.weight")}
 
         def from_hf(self, hf_state_dict):
-            return dict(hf_state_dict)
+            head = {"lm_head.weight": hf_state_dict["model.embed_tokens.weight"]} if self.tied else {}
+            return {**hf_state_dict, **head}
 
     torch.manual_seed(1)
     model = LlamaForCausalLM(hf_config)
     config = Checkpoint(enable=True, interval=1, initial_load_path=str(tmp_path / "hf"), initial_load_in_hf=True,
                         last_save_in_hf=True, export_dtype="float32")
-    with CheckpointManager(config, model, state_dict_adapter=SameNames(), base_folder=str(tmp_path / "run")) as manager:
+    adapter = SameNames(str(tmp_path / "hf"), model.config.tie_word_embeddings)
+    with CheckpointManager(config, model, state_dict_adapter=adapter, base_folder=str(tmp_path / "run")) as manager:
         assert manager.load()
         assert_same(model.state_dict(), LlamaForCausalLM.from_pretrained(tmp_path / "hf").state_dict())
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(1.5)
         manager.save(1, last_step=True)
-    back = LlamaForCausalLM.from_pretrained(layout.step_dir(_folder(tmp_path / "run"), 1))
+    exported = layout.step_dir(_folder(tmp_path / "run"), 1)
+    back = LlamaForCausalLM.from_pretrained(exported)
+    assert back.lm_head.weight is back.model.embed_tokens.weight if tied else not back.config.tie_word_embeddings
     tokens = torch.arange(12).reshape(2, 6)
     with torch.no_grad():
         assert torch.equal(back(tokens).logits, model(tokens).logits)

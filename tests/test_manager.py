@@ -322,7 +322,7 @@ def test_a_finished_runs_model_only_step_is_not_where_a_run_resumes(tmp_path, ca
     assert_same(_optimizer_moments(extended.opt), at4[0])
     assert_same(extended.model.state_dict(), at4[1])
     assert "step(s) 6 hold only the model (a finished run's last save): resuming from step 4" in caplog.text
-    assert "this run's saves will replace them, or retention delete them once it saves past them" in caplog.text
+    assert "this run's saves will replace them, or retention (keep_latest_k > 0) delete them" in caplog.text
     extended.manager.close()
 
     evaluation = make_job(str(tmp_path), steps=6, init_seed=5, load_only=True)  # saves nothing: the last model

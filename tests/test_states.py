@@ -588,3 +588,25 @@ def test_a_modules_load_hooks_run_when_every_tensor_is_read_in_place(tmp_path, k
         assert manager.load()
     assert torch.equal(inner(loaded).weight, inner(saved).weight)
     assert torch.equal(inner(loaded).derived, inner(saved).weight.detach() * 2)
+
+
+def test_a_module_with_a_child_named_like_compiles_wrapped_module_is_no_compiled_one(tmp_path):
+    """Only `torch.compile`'s wrapper is looked through: a model of the user's holding a child
+    named `_orig_mod` kept that child alone, and its other weights were never saved."""
+    model = nn.Module()
+    model._orig_mod, model.head = nn.Linear(2, 2), nn.Linear(2, 3)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    assert sorted(read_checkpoint(os.path.join(tmp_path, "checkpoint", "step-1"))) == [
+        "bias", "head.bias", "head.weight", "weight"]  # the segment is dropped from names, as compile's is
+
+
+def test_a_step_saved_with_ddps_prefix_by_an_earlier_version_is_named_so(tmp_path):
+    held = nn.Module()
+    held.module = nn.Linear(2, 2)  # the names DistributedDataParallel gave, which earlier saves kept
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [held], base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    with CheckpointManager(Checkpoint(enable=True), [nn.Linear(2, 2)], base_folder=str(tmp_path)) as manager:
+        with pytest.raises(CheckpointError, match=r"lacks 2 tensors this job has, e.g. \['weight', 'bias'\]; its names "
+                                                  r"carry DistributedDataParallel's 'module.' prefix"):
+            manager.load()

@@ -28,6 +28,7 @@ import math
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -86,9 +87,15 @@ def _print_json(doc: dict[str, Any]) -> None:
 
 
 def _require_folder(folder: str) -> None:
-    if not os.path.isdir(folder):
-        raise CheckpointNotFoundError(f"{folder} is a file, not a folder" if os.path.exists(folder) else
-                                      f"{folder} does not exist")
+    try:
+        is_folder = stat.S_ISDIR(os.stat(folder).st_mode)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{folder} does not exist" + (" (a link to a missing path)"
+                                                                   if os.path.islink(folder) else "")) from None
+    except OSError as e:
+        raise CheckpointNotFoundError(f"{folder} cannot be looked at: {e.strerror}") from None
+    if not is_folder:
+        raise CheckpointNotFoundError(f"{folder} is a file, not a folder")
 
 
 def _where_steps_are(folder: str) -> str:
@@ -96,17 +103,19 @@ def _where_steps_are(folder: str) -> str:
     in it (a checkpoint folder named for a step), or the first of its subfolders holding some
     (a job's dump folder named for its checkpoint folder); "" when neither."""
     def steps_in(path: str) -> list[str]:
-        return sorted((n for n in os.listdir(path) if layout.parse_step(n) is not None), key=layout.parse_step)
+        try:
+            return sorted((n for n in os.listdir(path) if layout.parse_step(n) is not None), key=layout.parse_step)
+        except OSError:  # unreadable: none seen
+            return []
 
+    if steps := steps_in(folder):
+        return f": it holds the step folders {steps[0]} to {steps[-1]}; name one of them"
     try:
-        if steps := steps_in(folder):
-            return f": it holds the step folders {steps[0]} to {steps[-1]}; name one of them"
-        for sub in sorted(e.path for e in os.scandir(folder) if e.is_dir(follow_symlinks=False))[:64]:
-            if steps_in(sub):
-                return f"; its subfolder {sub} holds some: name that one"
-    except OSError:  # unreadable: no hint
-        pass
-    return ""
+        subfolders = sorted(e.path for e in os.scandir(folder) if e.is_dir())[:64]
+    except OSError:
+        return ""
+    return next((f"; its subfolder {sub} holds step folders: name that one" for sub in subfolders if steps_in(sub)),
+                "")
 
 
 @contextlib.contextmanager

@@ -888,8 +888,8 @@ class CheckpointManager:
             if self._group.is_coordinator:
                 logger.warning("step(s) %s hold only the model (a finished run's last save): resuming from step %s, "
                                "the newest step holding the optimizer and the other states; this run's saves will "
-                               "replace them, or retention delete them once it saves past them. To keep them, copy "
-                               "them elsewhere first; to start a new run from step %s's model, set "
+                               "replace them, or retention (keep_latest_k > 0) delete them once it saves past them. "
+                               "To keep them, copy them elsewhere first; to start a new run from step %s's model, set "
                                "checkpoint.initial_load_path to it and use another folder",
                                newer, full.step, passed[0].step)
             return full

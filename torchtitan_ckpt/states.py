@@ -15,6 +15,7 @@ import contextlib
 import copy
 import itertools
 import pickle
+import sys
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
@@ -51,10 +52,11 @@ def unwrapped(part: nn.Module) -> nn.Module:
     hold: their `module.` and `_orig_mod.` prefixes are no part of its keys (PyTorch's
     `get_model_state_dict` leaves DDP's out too), so a step saved under DDP loads into the bare
     model, on one rank or under FSDP, and the Hugging Face adapters see the model's names."""
+    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", ())  # not imported: none
     while True:
         if isinstance(part, DistributedDataParallel):
             part = part.module
-        elif isinstance(getattr(part, "_orig_mod", None), nn.Module):
+        elif isinstance(part, compiled):
             part = part._orig_mod
         else:
             return part

@@ -73,6 +73,9 @@ class StepIndex:
         it holds as another kind of value is the format's to refuse)."""
         flat, held = flatten_state_dict(state)[0], self.keys()
         missing = [k for k, v in flat.items() if isinstance(v, torch.Tensor) and k not in held]
+        if missing and all(f"module.{k}" in held for k in missing):
+            hint = ("its names carry DistributedDataParallel's 'module.' prefix, which saves of torchtitan_ckpt "
+                    "before 2026-12-05 kept (now no step holds it): load it with that version")
         if missing:
             raise CheckpointError(f"{path} lacks {len(missing)} tensors this job has, e.g. {missing[:3]}; {hint}")
 

@@ -427,6 +427,7 @@ class _Writer:
             self._copy(tasks)
         except BaseException as e:  # handed to the calling thread, which raises it
             errors.append(e)
+            self._stop.set()  # the other threads' copies are of no use now
         finally:
             ended.set()
 
