@@ -181,9 +181,9 @@ def launched_group(backend: str = "gloo") -> Iterator[None]:
 
     On gloo that wait is `monitored_barrier`, whose messages the calling thread sends and
     receives: gloo's `barrier` is queued to its worker threads and holds on to the collectives
-    still finishing there, whose tensors it then frees on a worker thread as the process exits;
-    a Python object freed there during the interpreter's shutdown aborted the process with the
-    same message, now and then (the example's expert-parallel job, on a loaded machine)."""
+    still finishing there, whose tensors it then frees on a worker thread as the process exits,
+    where a Python object freed during the interpreter's shutdown aborts the process with the
+    same message (the example's entry point leaves without that shutdown: `train._leave`)."""
     launched = "WORLD_SIZE" in os.environ and not dist.is_initialized()
     if launched:
         dist.init_process_group(backend)
