@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from . import faults, gc_pause
 from .errors import ConfigError, StagingMismatchError
+from .io.dtypes import same_bytes
 from .io.filewriter import CountWait, Sink, write_files
 from .io.writer_process import WriterProcess
 
@@ -656,17 +657,11 @@ def _compare(check: list[tuple[tuple, torch.Tensor, torch.Tensor]], until: str) 
     """With `verify`: raise if a live tensor of `check` (path, live tensor, its staged copy)
     changed since `submit()`, `until` now (said in the message)."""
     for path, live, staged in check:
-        if not _same_bytes(live, staged):
+        if not same_bytes(live, staged):
             raise StagingMismatchError(
                 f"{'.'.join(map(str, path))} changed between save() and {until}; the checkpoint would "
                 "hold a mix of old and new values. Change the state only after the optimizer's step, "
                 "or call maybe_wait_for_staging() first")
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors of one shape and dtype hold the same bytes (NaNs included)."""
-    a, b = (_local(t).detach().cpu().reshape(-1).view(torch.uint8) for t in (a, b))
-    return torch.equal(a, b)
 
 
 def make_strategy(async_mode: str, verify: bool = False, saves: bool = True) -> SynchronousSaves | BackgroundSaves:

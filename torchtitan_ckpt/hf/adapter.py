@@ -28,6 +28,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..errors import AdapterMismatchError, CheckpointError, CorruptCheckpointError
 from ..io import safe_open
+from ..io.dtypes import same_bytes
 from .files import CONFIG_FILE, INDEX_FILE, MAX_INDEX_BYTES, file_number
 from .model_config import MAX_CONFIG_BYTES, HFModelConfig, read_hf_config
 
@@ -243,10 +244,9 @@ class StateDictAdapter:
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal element for element, a NaN equal to a NaN (a tied weight holding one is still tied)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
+    """Equal element for element, a NaN equal to itself (a tied weight holding one is still tied):
+    `torch.equal`, which a NaN fails, and for that case the bytes."""
+    return a.shape == b.shape and a.dtype == b.dtype and (torch.equal(a, b) or same_bytes(a, b))
 
 
 def _check_tied(head: Any, embedding: Any) -> None:

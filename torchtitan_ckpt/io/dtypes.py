@@ -1,11 +1,12 @@
-"""Names of dtypes as configs and files spell them, the torch dtypes they mean, and which dtypes
-a checkpoint can hold."""
+"""Names of dtypes as configs and files spell them, the torch dtypes they mean, which dtypes a
+checkpoint can hold, and whether two tensors hold the same bytes."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
+from torch.distributed.tensor import DTensor
 
 EXPORT_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 """`checkpoint.export_dtype` (and `convert --dtype`) -> the dtype floating tensors are cast to."""
@@ -30,3 +31,11 @@ def storable(dtype: torch.dtype) -> bool:
     except (TypeError, RuntimeError):
         return False
     return True
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape and dtype (DTensors: their local shards) hold the same
+    bytes, a NaN equal to itself, wherever each lives."""
+    a, b = ((t.to_local() if isinstance(t, DTensor) else t).detach().cpu().reshape(-1).view(torch.uint8)
+            for t in (a, b))
+    return torch.equal(a, b)
