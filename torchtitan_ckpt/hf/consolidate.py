@@ -404,9 +404,8 @@ class _Writer:
     def run(self, tasks: Sequence[Task], num_threads: int) -> None:
         self.total = sum(t.stop - t.start for t in tasks)
         shares = byte_ranges([t.stop - t.start for t in tasks], max(1, num_threads))
-        shares = [[Task(tasks[i].block, tasks[i].start + a, tasks[i].start + z) for i, a, z in s] for s in shares]
+        shares = [[Task(tasks[i].block, tasks[i].start + a, tasks[i].start + z) for i, a, z in s] for s in shares if s]
         errors: list[BaseException] = []
-        shares = [s for s in shares if s]
         ended = [threading.Event() for _ in shares]  # not join: after an interrupted one, 3.11's returns at once
         threads = [threading.Thread(target=self._guarded, args=(s, errors, end)) for s, end in zip(shares, ended)]
         try:
