@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from torchtitan_ckpt.errors import CollectiveError, RankFailed
@@ -160,3 +164,30 @@ def test_a_manager_closed_after_the_world_was_made_again_closes(tmp_path):
         manager.close()
     finally:
         dist.destroy_process_group()
+
+
+_LEAVING = """
+import atexit, logging, sys
+from torchtitan_ckpt.group import leave
+logging.basicConfig(filename=sys.argv[1], level=logging.INFO)
+atexit.register(lambda: print("atexit ran", file=sys.stderr))
+sys.stdout.write("no newline yet")
+logging.getLogger("job").info("done")
+leave(3)
+"""
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_leave_ends_a_launched_rank_without_teardown_once_its_output_is_flushed(tmp_path, launched):
+    """A rank torchrun launched skips the interpreter's teardown (where gloo's worker threads may
+    abort it), with its buffered output and logs written; any other process exits as usual."""
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    if launched:
+        env["WORLD_SIZE"] = "1"
+    log = tmp_path / "job.log"
+    done = subprocess.run([sys.executable, "-c", _LEAVING, str(log)], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 3
+    assert done.stdout == "no newline yet"
+    assert "INFO:job:done" in log.read_text()
+    assert ("atexit ran" in done.stderr) is not launched

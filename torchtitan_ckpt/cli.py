@@ -35,7 +35,7 @@ import threading
 import warnings
 from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NoReturn
 
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -46,7 +46,7 @@ from .hf.consolidate import consolidate_safetensors, load_mapping
 from .hf.files import INDEX_FILE, SINGLE_FILE
 from .hf.load import read_hf_layout
 from .config import BUILTIN_STATES, MAX_THREADS, Checkpoint
-from .group import CheckpointGroup, launched_group
+from .group import CheckpointGroup, launched_group, leave
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NewerVersionError, RankFailed,
                      restate)
 from .hf.convert import convert
@@ -755,6 +755,12 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
 
 
+def entry() -> NoReturn:
+    """The `torchtitan-ckpt` command: `main` with `sys.argv`, ended by `group.leave` (under
+    torchrun, `convert` and `consolidate` run collectives over gloo)."""
+    leave(main())
+
+
 def _run(args: argparse.Namespace) -> int:
     progress = Progress(args.command, enabled=not args.quiet and this_rank_draws(), interval=args.progress_every)
     try:
@@ -803,4 +809,4 @@ def _full(args: argparse.Namespace, error: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

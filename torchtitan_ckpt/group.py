@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 
@@ -183,7 +185,7 @@ def launched_group(backend: str = "gloo") -> Iterator[None]:
     receives: gloo's `barrier` is queued to its worker threads and holds on to the collectives
     still finishing there, whose tensors it then frees on a worker thread as the process exits,
     where a Python object freed during the interpreter's shutdown aborts the process with the
-    same message (the example's entry point leaves without that shutdown: `train._leave`)."""
+    same message (a launched rank's entry point leaves without that shutdown: `leave`)."""
     launched = "WORLD_SIZE" in os.environ and not dist.is_initialized()
     if launched:
         dist.init_process_group(backend)
@@ -196,3 +198,19 @@ def launched_group(backend: str = "gloo") -> Iterator[None]:
     finally:
         if launched:
             dist.destroy_process_group()
+
+
+def leave(code: int) -> NoReturn:
+    """End the process with exit status `code`. A rank torchrun launched (`WORLD_SIZE` set) ends
+    without the interpreter's teardown, once its logs and output are flushed: gloo's worker
+    threads may still be letting go of the tensors of finished collectives then, and one that
+    takes the GIL during finalization aborts the process after its work succeeded ("terminate
+    called without an active exception", pytorch/pytorch#179291). For the end of a program only:
+    its managers closed and its process group destroyed, as `atexit` handlers do not run."""
+    if "WORLD_SIZE" not in os.environ:
+        sys.exit(code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    os._exit(code)

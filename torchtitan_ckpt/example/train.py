@@ -21,7 +21,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from .. import layout
 from ..errors import CheckpointError, ConfigError
-from ..group import launched_group
+from ..group import launched_group, leave
 from ..manager import CheckpointManager
 from ..storage import scheme_of
 from .config import JobConfig, check_data, load_job_config
@@ -263,20 +263,5 @@ def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
-def _leave(code: int) -> None:
-    """Exit with `code`; a rank torchrun launched leaves without the interpreter's teardown, once
-    its output is flushed: gloo's worker threads may still be letting go of tensors of finished
-    collectives then, and one that takes the GIL during finalization aborts the process after
-    the job succeeded ("terminate called without an active exception", pytorch/pytorch#179291;
-    seen in the 4-rank expert-parallel job on a loaded machine). Nothing of the job is left to
-    finish: its manager is closed and its process group destroyed."""
-    if "WORLD_SIZE" not in os.environ:
-        sys.exit(code)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    _leave(main())
+    leave(main())
