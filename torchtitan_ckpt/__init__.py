@@ -2,27 +2,40 @@
 
 from .config import Checkpoint, load_config
 from .errors import (
+    AdapterMismatchError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointSaveError,
+    CollectiveError,
     ConfigError,
+    ConsolidationError,
     CorruptCheckpointError,
+    InvalidShardsError,
     NewerVersionError,
     PartialLoadError,
     StagingMismatchError,
+    StorageError,
 )
 from .manager import CheckpointManager
+from .states import ModelPart, StateLike
 
 __all__ = [
+    "AdapterMismatchError",
     "Checkpoint",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
+    "CollectiveError",
     "ConfigError",
+    "ConsolidationError",
     "CorruptCheckpointError",
+    "InvalidShardsError",
+    "ModelPart",
     "NewerVersionError",
     "PartialLoadError",
     "StagingMismatchError",
+    "StateLike",
+    "StorageError",
     "load_config",
 ]

@@ -276,7 +276,8 @@ class Checkpoint:
         its choices, a number, a flag, text, a list), then ranges and contradictions; raise the
         first `ConfigError` found, its key `prefix + name` (the section's place in the caller's
         config tree). Returns the section as `load_config` builds it, leaving this one as it is:
-        a section built in Python may give a path as `os.PathLike` and `async_mode` in any case."""
+        a section built in Python may give a path as `os.PathLike` and `async_mode` in any case
+        (type checkers, reading the fields' types, want `str` and lower case)."""
         hints = typing.get_type_hints(type(self))
         ck = dataclasses.replace(self, **{f.name: _convert(prefix + f.name, getattr(self, f.name), hints[f.name])
                                           for f in dataclasses.fields(self)})
@@ -285,7 +286,7 @@ class Checkpoint:
         _check_combinations(ck, prefix)
         return ck
 
-    def folder_under(self, base_folder: str | os.PathLike, base_key: str = "base_folder",
+    def folder_under(self, base_folder: str | os.PathLike[str], base_key: str = "base_folder",
                      prefix: str = "checkpoint.") -> str:
         """Where the step folders of this validated section are for a job whose outputs go under
         `base_folder` (a TorchTitan job's `job.dump_folder`, named `base_key` in errors): `folder`
@@ -451,7 +452,8 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def load_config(root: type[T], path: str | os.PathLike | None = None, argv: list[str] | None = None) -> T:
+def load_config(root: type[T], path: str | os.PathLike[str] | None = None,
+                argv: list[str] | tuple[str, ...] | None = None) -> T:
     """Build the config tree `root` (a dataclass whose dataclass-typed fields are TOML tables)
     from a TOML file (defaults when `path` is None) and `--section.key value` overrides in
     `argv`; convert every value to its field's type and validate every table that has a

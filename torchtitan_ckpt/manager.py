@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -51,14 +51,16 @@ from .io.untrusted import brief
 from .progress import gb_per_s
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
 from .staging import SaveJob, Staged, make_strategy
-from .states import (DP_RANK_PREFIX, CheckedState, DataLoaderState, LRSchedulerState, ModelState, OptimizerState,
-                     saved_dp_degree, unwrapped)
+from .states import (DP_RANK_PREFIX, CheckedState, DataLoaderState, LRSchedulerState, ModelPart, ModelState,
+                     OptimizerState, StateLike, saved_dp_degree, unwrapped)
 from .storage.base import Store
 
 logger = logging.getLogger(__name__)
 
 HF_COPIES = "hf"
 """Subfolder of the checkpoint folder that holds the `hf_export_interval` copies."""
+
+_Call = TypeVar("_Call", bound=Callable[..., Any])
 
 _REMOVED_RETRIES = 3
 """How many times `load()` looks for the newest step again when the one it read was removed."""
@@ -111,17 +113,17 @@ class CheckpointManager:
     def __init__(
         self,
         config: Checkpoint | None = None,
-        model_parts: Sequence[nn.Module] | nn.Module | None = None,
+        model_parts: Sequence[ModelPart] | ModelPart | None = None,
         optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer | None = None,
         lr_schedulers: Sequence[Any] | Any | None = None,
         dataloader: Any | None = None,
-        states: dict[str, Stateful] | None = None,
-        base_folder: str = "",
+        states: Mapping[str, StateLike] | None = None,
+        base_folder: str | os.PathLike[str] = "",
         process_group: Any | None = None,
-        state_dict_adapter: StateDictAdapter | None = None,
+        state_dict_adapter: StateDictAdapter | Any | None = None,
         *,
         checkpoint_config: Any | None = None,
-        sd_adapter: StateDictAdapter | None = None,
+        sd_adapter: StateDictAdapter | Any | None = None,
         ft_manager: Any | None = None,
     ):
         """TorchTitan's keyword arguments are taken as its trainer passes them: `checkpoint_config`
@@ -319,7 +321,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ lifecycle
 
     @staticmethod
-    def _one_call(method: Callable) -> Callable:
+    def _one_call(method: _Call) -> _Call:
         """One public call at a time. Another thread's waits; one re-entering the call in
         progress on its own thread (a signal handler, run between two bytecodes of a save) is
         refused before it touches anything: a SIGTERM handler saving the step being saved
@@ -345,7 +347,7 @@ class CheckpointManager:
                     if self._close_pending and method.__name__ != "close":
                         self._close_pending = False
                         self.close()
-        return call
+        return cast(_Call, call)  # the signature stays the method's, for type checkers too
 
     def __enter__(self) -> CheckpointManager:
         return self

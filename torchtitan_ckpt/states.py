@@ -16,8 +16,8 @@ import copy
 import itertools
 import pickle
 import sys
-from collections.abc import Collection, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 import torch
 from torch import nn
@@ -35,6 +35,23 @@ from .errors import CheckpointError, CorruptCheckpointError
 from .io.dtypes import storable
 from .io.torch_archive import load_plain_pickle, refusal
 from .io.untrusted import brief
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
+
+class StateLike(Protocol):
+    """What `CheckpointManager(states=...)` takes as a value: torch's `Stateful`, an `nn.Module`
+    (an EMA copy), or any object with these two methods, whatever `load_state_dict` returns."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> object: ...
+
+
+ModelPart = Union[nn.Module, "FSDPModule", Callable[..., Any]]
+"""A model part as users hold one: a module, the same module after `fully_shard` (typed
+`FSDPModule`), or what `torch.compile(module)` returns (typed as a callable)."""
 
 
 _WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})

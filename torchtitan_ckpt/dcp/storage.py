@@ -187,7 +187,7 @@ def _newer_class(error: Exception) -> str | None:
     return type(owner).__name__ if owner is not None else "metadata"
 
 
-def read_metadata(path: str, check: Callable[[bytes, str], None] = check_pickle) -> Metadata:
+def read_metadata(path: str, check: Callable[[bytes, str], object] = check_pickle) -> Metadata:
     """Read a DCP `.metadata` file without running code from it, its pickle checked first
     (`check(data, path)`: `check_pickle`, or a caller's way of having it done) and every field
     after (`validate.check_metadata`) against the folder it is in."""

@@ -24,7 +24,7 @@ from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundEr
 from ..errors import PartialLoadError, RankFailed
 from ..group import CheckpointGroup, cpu_world
 from ..progress import gb_per_s
-from .adapter import HFSource, StateDictAdapter, as_adapter, check_names, read_index
+from .adapter import ForeignAdapter, HFSource, StateDictAdapter, as_adapter, check_names, read_index
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, is_model_file, is_unused_tensor
 from .model_config import read_hf_config
 from ..io import safe_open
@@ -87,7 +87,7 @@ def _check_unlisted(hf_dir: str, index: str, listed: set[str]) -> None:
                     hf_dir, unlisted, os.path.basename(index))
 
 
-def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter | Any,
+def load_hf(state_dict: dict[str, Any], hf_dir: str | os.PathLike[str], adapter: StateDictAdapter | Any,
             process_group: Any | None = None, num_threads: int = 4,
             check: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Fill `state_dict` (our names; tensors or DTensors, read in place) from the HF folder
@@ -102,6 +102,7 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter |
     or any with TorchTitan's surface (`to_hf`, `from_hf`), which reads whole tensors."""
     if num_threads < 1:
         raise ValueError(f"load_hf: num_threads = {num_threads}; expected 1 or more")
+    hf_dir = os.fspath(hf_dir)
     adapter = as_adapter(adapter)
     start = time.perf_counter()
     group = CheckpointGroup(process_group or cpu_world())
@@ -128,7 +129,7 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter |
     return state_dict
 
 
-def _checked(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter, num_threads: int,
+def _checked(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter | ForeignAdapter, num_threads: int,
              every: dict[str, tuple[tuple[int, ...], torch.dtype]],
              log: bool = True) -> tuple[Callable[[], int], int]:
     """Check `hf_dir` against `state_dict` (this rank's part of the model whose names, shapes

@@ -101,23 +101,23 @@ class HFModelConfig:
         `where` and the key of the first bad value."""
         if not isinstance(raw, dict):
             raise ConfigError(where, type(raw).__name__, "a config.json must hold a JSON object")
-        model_type = _Reader(raw, where).str("model_type")
+        model_type = _Reader(raw, where).text("model_type")
         get = _Reader(raw, where, FAMILY_DEFAULTS.get(model_type, {}))
-        hidden, heads = get.int("hidden_size", MAX_HIDDEN), get.int("num_attention_heads", MAX_HEADS)
-        kv = get.int("num_key_value_heads", heads, default=heads)
+        hidden, heads = get.integer("hidden_size", MAX_HIDDEN), get.integer("num_attention_heads", MAX_HEADS)
+        kv = get.integer("num_key_value_heads", heads, default=heads)
         if heads % kv:
             raise ConfigError(f"{where}: num_key_value_heads", kv, f"must divide num_attention_heads ({heads})")
-        head_dim = get.int("head_dim", MAX_HIDDEN, default=hidden // heads)
+        head_dim = get.integer("head_dim", MAX_HIDDEN, default=hidden // heads)
         if head_dim % 2:
             raise ConfigError(f"{where}: head_dim", head_dim, "must be even (RoPE rotates pairs of channels)")
-        layers = get.int("num_hidden_layers", MAX_LAYERS)
+        layers = get.integer("num_hidden_layers", MAX_LAYERS)
         moe = _expert_fields(get, layers, EXPERT_RULES.get(model_type, {}))
         return cls(
             model_type=model_type, hidden_size=hidden, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-            intermediate_size=get.int("intermediate_size", MAX_FFN),
-            vocab_size=get.int("vocab_size", MAX_VOCAB),
-            tie_word_embeddings=get.bool("tie_word_embeddings", False), raw=raw, where=where, **moe)
+            intermediate_size=get.integer("intermediate_size", MAX_FFN),
+            vocab_size=get.integer("vocab_size", MAX_VOCAB),
+            tie_word_embeddings=get.flag("tie_word_embeddings", False), raw=raw, where=where, **moe)
 
 
 def read_hf_config(path: str) -> HFModelConfig:
@@ -152,7 +152,7 @@ class _Reader:
             return default
         return value
 
-    def int(self, key: str, high: int, default: Any = _MISSING, low: int = 1) -> int:
+    def integer(self, key: str, high: int, default: Any = _MISSING, low: int = 1) -> int:
         value = self._value(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             given = "" if key in self.raw or key not in self.family else \
@@ -160,13 +160,13 @@ class _Reader:
             raise ConfigError(f"{self.where}: {key}", value, f"expected an integer in [{low}, {high}]{given}")
         return value
 
-    def bool(self, key: str, default: bool) -> bool:
+    def flag(self, key: str, default: bool) -> bool:
         value = self._value(key, default)
         if not isinstance(value, bool):
             raise ConfigError(f"{self.where}: {key}", value, "expected true or false")
         return value
 
-    def str(self, key: str) -> str:
+    def text(self, key: str) -> str:
         value = self._value(key, _MISSING)
         if not isinstance(value, str):
             raise ConfigError(f"{self.where}: {key}", value, "expected a string")
@@ -186,15 +186,16 @@ def _expert_fields(get: _Reader, layers: int, rules: dict[str, Any]) -> dict[str
     0 when not given, so that the adapter that sizes experts by it requires it
     (`Qwen3MoeAdapter`), and a family no adapter maps is refused for its `model_type`, not for a
     key."""
-    experts = get.int("num_experts", MAX_EXPERTS, default=get.int("num_local_experts", MAX_EXPERTS, 0, low=0), low=0)
+    local = get.integer("num_local_experts", MAX_EXPERTS, 0, low=0)
+    experts = get.integer("num_experts", MAX_EXPERTS, default=local, low=0)
     if not experts:
         return {}
     norm, width = rules.get("norm_topk_prob"), rules.get("width", "moe_intermediate_size")
     return dict(num_experts=experts,
-                moe_intermediate_size=get.int(width, MAX_FFN, default=0, low=0),
-                num_experts_per_tok=get.int("num_experts_per_tok", experts),
-                norm_topk_prob=get.bool("norm_topk_prob", False) if norm is None else norm,
-                decoder_sparse_step=get.int("decoder_sparse_step", layers, default=1),
+                moe_intermediate_size=get.integer(width, MAX_FFN, default=0, low=0),
+                num_experts_per_tok=get.integer("num_experts_per_tok", experts),
+                norm_topk_prob=get.flag("norm_topk_prob", False) if norm is None else norm,
+                decoder_sparse_step=get.integer("decoder_sparse_step", layers, default=1),
                 mlp_only_layers=get.layers("mlp_only_layers", layers))
 
 

@@ -38,7 +38,7 @@ from ..errors import AdapterMismatchError, CheckpointError, RankFailed
 from ..config import Checkpoint, Consolidation
 from ..group import CheckpointGroup, cpu_world
 from ..progress import gb_per_s
-from .adapter import PermutedRows, RowOf, StateDictAdapter, as_adapter, check_names
+from .adapter import ForeignAdapter, PermutedRows, RowOf, StateDictAdapter, as_adapter, check_names
 from .files import ASSET_FILES, CONFIG_FILE, INDEX_FILE, MAX_ASSET_BYTES, SAFETENSORS_DTYPES, is_dcp_shard_file
 from .planner import parse_size, plan_files
 
@@ -49,7 +49,7 @@ SHARDS = "sharded"
 """Subfolder of the per-rank shard files in the two-phase modes (removed once consolidated)."""
 
 
-def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAdapter | Any, *,
+def save_hf(model_state_dict: dict[str, Any], out_dir: str | os.PathLike[str], adapter: StateDictAdapter | Any, *,
             dtype: torch.dtype | None = None, max_shard_size: str | int = Checkpoint.hf_max_shard_size,
             process_group: Any | None = None, mode: str = Checkpoint.consolidation, num_threads: int = 4,
             keep_shards: bool = False, progress: Callable[[int, int], None] | None = None,
@@ -68,6 +68,7 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
     if not shared and mode != "one_pass":
         raise ValueError(f"HF export mode {mode!r} needs a folder every rank shares; use one_pass")
     start = time.perf_counter()
+    out_dir = os.fspath(out_dir)
     adapter = as_adapter(adapter)
     group = CheckpointGroup(process_group or cpu_world())
     plan = _plan(group, adapter, model_state_dict, dtype)
@@ -109,7 +110,7 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str, adapter: StateDictAd
                     len(set(mapping.values())), total / 1e9, secs, gb_per_s(total, secs))
 
 
-def _plan(group: CheckpointGroup, adapter: StateDictAdapter, state_dict: dict[str, Any],
+def _plan(group: CheckpointGroup, adapter: StateDictAdapter | ForeignAdapter, state_dict: dict[str, Any],
           dtype: torch.dtype | None) -> OnePassPlan:
     """Every rank's tensors cast to `dtype`, converted to HF names and planned in one collective
     step (a pipeline stage's rank converts its part), so that a failure on one rank (a cast that
