@@ -333,6 +333,9 @@ def test_a_config_value_nested_a_thousand_deep_is_refused_with_a_short_message(t
     toml.write_text("[checkpoint]\nx" + ".x" * 1000 + " = 1\n")
     for path, argv in ((toml, []), (None, ["--checkpoint" + ".x" * 1000, "1"])):
         e = _error(argv, path)
+        if path is not None and e.key == "--config":  # tomli 2.5 (Python 3.10) refuses over 1000 parts itself
+            assert str(e) == f"--config = '{toml}': is nested too deeply to be a job config"
+            continue
         assert e.key == "checkpoint.x"
         assert str(e).startswith("checkpoint.x = {'x': {'x': {'x': {'x': {...}}}}}: unknown section")
     with pytest.raises(ConfigError, match=r"^checkpoint.interval = <an int of 16610 bits>: expected an integer"):
