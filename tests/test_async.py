@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import NamedTuple
 
 import pytest
@@ -175,6 +176,27 @@ def test_close_waits_for_the_save_in_flight(tmp_path):
     job.run_to(3, steps=10)
     job.manager.close()
     assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [3]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_saved_line_tells_the_wait_for_the_save_before_apart_from_the_save(tmp_path, mode, caplog):
+    """The clock of a save started before `save()` waited for the save in flight, so saves
+    coming faster than the disk took them read as slow saves, and the wait itself, which is
+    what training loses, was told nowhere."""
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    model = torch.nn.Linear(4096, 1024)  # 16 MB: its save is not done as save(2) is called
+    manager = CheckpointManager(Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0), [model],
+                                base_folder=str(tmp_path))
+    with caplog.at_level("INFO", logger="torchtitan_ckpt"):
+        manager.save(1)
+        manager.save(2)
+        manager.close()
+    saved = {int(r.getMessage().split()[2]): r.getMessage() for r in caplog.records
+             if r.getMessage().startswith("saved step")}
+    assert "waited" not in saved[1], saved[1]
+    assert re.search(r" GB/s; save\(\) first waited \d+\.\d\d s for the save before it$", saved[2]), saved[2]
 
 
 def _failing_rank_1(rank: int, world_size: int, folder: str, mode: str) -> None:
@@ -604,6 +626,41 @@ def test_pinned_mode_without_shared_memory_is_refused_at_start_leaving_nothing_r
     assert lines[0].startswith("checkpoint.async_mode = 'async_with_pinned_mem': needs shared memory, which this "
                                "machine refuses"), run.stdout + run.stderr
     assert lines[1] == "children 0 threads 1"
+
+
+_SMALL_SHARED_MEMORY = """
+import sys, torch
+from torchtitan_ckpt import CheckpointManager, CheckpointSaveError
+from torchtitan_ckpt.config import Checkpoint
+manager = CheckpointManager(Checkpoint(enable=True, interval=1, async_mode="async_with_pinned_mem"),
+                            [torch.nn.Linear(1024, 1024)], base_folder=sys.argv[1])
+manager.save(1)
+try:
+    manager.wait()
+except CheckpointSaveError as e:
+    print(e)
+manager.close()
+"""
+
+
+def test_pinned_mode_with_too_little_shared_memory_says_so_not_that_the_disk_is_full(tmp_path):
+    """A small /dev/shm (docker's default is 64 MB) failed the save with torch's "No space left
+    on device (28)" beside the checkpoint's path, which sends the reader to the wrong disk."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) to give the test a small /dev/shm")
+    shell = f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} -c \"$0\" {tmp_path}"
+    run = subprocess.run(["unshare", "-m", "sh", "-c", shell, _SMALL_SHARED_MEMORY], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    if run.stderr.startswith(("unshare:", "mount:")):  # no mount namespace for this user or container
+        pytest.skip(f"cannot make a mount namespace here: {run.stderr.strip()[-200:]}")
+    said = run.stdout.strip()
+    assert said.startswith("saving step 1 to "), run.stdout + run.stderr
+    assert "async_with_pinned_mem could not stage 0.004 GB in shared memory (" in said
+    assert "/dev/shm has 0.00" in said and "GB free of 0.001 GB: give the machine or container more" in said
 
 
 _FORKED_CHILD_CLOSES = """

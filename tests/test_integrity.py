@@ -7,6 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+import traceback
 import zlib
 
 import pytest
@@ -165,6 +167,41 @@ def _linear_job(disk: str, **config) -> CheckpointManager:
     opt.step()
     config = Checkpoint(**{"enable": True, "interval": 1, "last_save_model_only": False, **config})
     return CheckpointManager(config, [model], opt, base_folder=disk)
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_a_failed_background_save_is_told_when_it_fails_and_where(tiny_disk, mode, caplog):
+    """A background save that failed was heard of only at the next due save(), an interval
+    later, whose own step went unsaved without a word; the failing frame was dropped on the way
+    (`from None`, and the writer process's exception crossed its pipe without frames)."""
+    manager = _linear_job(tiny_disk, keep_latest_k=0, async_mode=mode)
+    manager.save(1)
+    manager.wait()
+    _fill(tiny_disk, leave=300_000)  # less than a step
+    manager.save(2)
+    deadline = time.monotonic() + 60
+    ours = lambda: [r.getMessage() for r in caplog.records  # noqa: E731 (DCP's own logger says it too)
+                    if r.levelname == "ERROR" and r.name.startswith("torchtitan_ckpt")]
+    while not ours() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    told = ours()
+    assert told and told[0].startswith("saving step 2 to ") and "No space left on device" in told[0], told
+    assert told[0].endswith("(in the background; the next save(), wait() or close() raises it)")
+    with pytest.raises(CheckpointSaveError) as failed:
+        manager.save(3)
+    assert failed.value.step == 2 and failed.value.unsaved == 3
+    assert str(failed.value).endswith("step 3 is not saved either: the save(3) raising this saved nothing")
+    chain, error = [], failed.value
+    while error is not None:
+        chain.append(error)
+        error = error.__cause__
+    where = "".join(str(e) for e in chain) + "".join(
+        "".join(traceback.format_tb(e.__traceback__)) for e in chain)
+    assert "filewriter.py" in where, where  # the frame that met the full disk, in this process or the writer's
+    os.remove(os.path.join(tiny_disk, "filler"))
+    manager.save(4)
+    manager.close()
+    assert layout.committed_steps(os.path.join(tiny_disk, "checkpoint")) == [1, 4]
 
 
 def test_a_step_is_deleted_on_a_disk_with_no_byte_free(tiny_disk):

@@ -304,6 +304,38 @@ def _optimizer_moments(opt: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
     return {i: opt.state[p]["exp_avg"].clone() for i, p in enumerate(params)}
 
 
+def test_saves_before_a_model_only_step_passed_over_are_not_warned_of_it(tmp_path, caplog):
+    """A job resuming from step 4 past a finished run's model-only step 6 was told at each save
+    before 6 that a load would pick step 6 over it, which the load passes over; and when its
+    save replaced step 6, that it had gone back to an older step."""
+    job = make_job(str(tmp_path), steps=6, interval=2, keep_latest_k=0)
+    job.run_to(6, steps=6)
+    job.manager.close()
+    extended = make_job(str(tmp_path), steps=10, interval=1, keep_latest_k=0, init_seed=5)
+    with caplog.at_level("WARNING", logger="torchtitan_ckpt"):
+        assert extended.manager.load() and extended.train_state.step == 4
+        extended.run_to(6, steps=10)
+    extended.manager.close()
+    assert "newer than step" not in caplog.text
+    assert (f"replacing {layout.step_dir(_folder(tmp_path), 6)}, a complete step saved before: the job's load "
+            "passed it over (it held only the model, or failed verification) or went back to an older step"
+            ) in caplog.text
+
+
+def test_a_job_gone_back_is_warned_of_the_newer_steps_once_not_at_every_save(tmp_path, caplog):
+    job = make_job(str(tmp_path), steps=8, interval=1, keep_latest_k=0, last_save_model_only=False)
+    job.run_to(8, steps=8)
+    job.manager.close()
+    back = make_job(str(tmp_path), steps=8, interval=1, keep_latest_k=0, load_step=2, last_save_model_only=False)
+    with caplog.at_level("WARNING", logger="torchtitan_ckpt"):
+        assert back.manager.load() and back.train_state.step == 2
+        back.manager.save(3, force=True)  # replaces step 3: the warning names 4 to 8 once
+        back.manager.save(4, force=True)
+    back.manager.close()
+    told = [r.getMessage() for r in caplog.records if "newer than step" in r.getMessage()]
+    assert len(told) == 1 and "steps [4, 5, 6, 7, 8] are newer than step 3 just saved" in told[0], told
+
+
 def test_a_finished_runs_model_only_step_is_not_where_a_run_resumes(tmp_path, caplog):
     """Steps 2 and 4 hold the whole state, the last step 6 the model only: a job launched again
     (or extended) resumes from step 4, not from step 6's model with its optimizer, schedule and

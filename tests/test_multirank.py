@@ -94,10 +94,9 @@ def test_a_rank_interrupted_in_its_commit_fails_the_save_on_every_rank(tmp_path)
     spawn(2, _commit_interrupted_on_rank_0, str(tmp_path))
 
 
-def _load_interrupted_on_rank_0(rank: int, world_size: int, folder: str) -> None:
-    from torchtitan_ckpt.errors import CheckpointError, PartialLoadError
-    from torchtitan_ckpt.io import reader
-
+def _saved_then_fresh(world_size: int, folder: str) -> CheckpointManager:
+    """Step 1 saved by a model sharded over the ranks, and a manager of another such model (its
+    seed another) to load it into."""
     config = Checkpoint(enable=True, interval=1, keep_latest_k=0, collective_timeout_s=30)
     model = build_model(load_job_config(None, []))
     shard_model(model, world_size)
@@ -106,8 +105,14 @@ def _load_interrupted_on_rank_0(rank: int, world_size: int, folder: str) -> None
         manager.save(1)
     fresh = build_model(load_job_config(None, ["--training.seed", "7"]))
     shard_model(fresh, world_size)
-    with CheckpointManager(config, [fresh], optimizers=torch.optim.AdamW(fresh.parameters()),
-                           base_folder=folder) as manager:
+    return CheckpointManager(config, [fresh], optimizers=torch.optim.AdamW(fresh.parameters()), base_folder=folder)
+
+
+def _load_interrupted_on_rank_0(rank: int, world_size: int, folder: str) -> None:
+    from torchtitan_ckpt.errors import CheckpointError, PartialLoadError
+    from torchtitan_ckpt.io import reader
+
+    with _saved_then_fresh(world_size, folder) as manager:
         if rank == 0:
             def interrupted(self, planner):
                 real(self, planner)
@@ -128,6 +133,33 @@ def _load_interrupted_on_rank_0(rank: int, world_size: int, folder: str) -> None
 
 def test_a_rank_interrupted_while_loading_leaves_every_rank_refusing_to_save(tmp_path):
     spawn(2, _load_interrupted_on_rank_0, str(tmp_path))
+
+
+def _load_failing_on_rank_1(rank: int, world_size: int, folder: str) -> None:
+    import errno
+
+    from torchtitan_ckpt.errors import PartialLoadError
+    from torchtitan_ckpt.io import reader
+
+    with _saved_then_fresh(world_size, folder) as manager:
+        if rank == 1:
+            def failing(self, planner):
+                real(self, planner)
+                raise OSError(errno.EIO, "Input/output error")  # the disk, once this rank's tensors are filled
+
+            real, reader.ItemReader.fill = reader.ItemReader.fill, failing
+        with pytest.raises(PartialLoadError) as failed:
+            manager.load()
+        step = os.path.join(folder, "checkpoint", "step-1")
+        says = f"loading {step} failed{' on rank 1' if rank == 0 else ''} after it had begun writing the job's " \
+               "tensors in place (OSError: [Errno 5] Input/output error); the model and optimizer"
+        assert str(failed.value).startswith(says), str(failed.value)
+        assert str(failed.value).count("loading") == 1 and "RankFailed" not in str(failed.value)
+
+
+def test_a_load_failing_on_one_rank_is_told_once_on_the_others_naming_the_rank(tmp_path):
+    """Rank 0 nested rank 1's whole message in its own, with an internal type's name."""
+    spawn(2, _load_failing_on_rank_1, str(tmp_path))
 
 
 class _RemovesTheNewest:

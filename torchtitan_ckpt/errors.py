@@ -72,13 +72,21 @@ class PartialLoadError(CheckpointError):
     memory are now part one step, part what they were: the manager refuses to save them until a
     load succeeds."""
 
+    _TEXT = ("loading {path} failed{where} after it had begun writing the job's tensors in place ({cause}); the "
+             "model and optimizer in memory are now part that step, part what they were: do not train or save "
+             "them; load a step again, or restart the job")
+
     def __init__(self, path: str, cause: BaseException):
         self.path = path
         self.cause = cause
-        super().__init__(f"loading {path} failed after it had begun writing the job's tensors in place "
-                         f"({type(cause).__name__}: {cause}); the model and optimizer in memory are now part "
-                         "that step, part what they were: do not train or save them; load a step again, or "
-                         "restart the job")
+        where, text = "", f"{type(cause).__name__}: {cause}"
+        if isinstance(cause, RankFailed):  # another rank's failure, as it described it: this text, once
+            where, text = f" on rank {cause.rank}", str(cause)[len(f"rank {cause.rank}: "):]
+            head, _, tail = self._TEXT.format(path=path, where="", cause="\0").partition("\0")
+            head = f"{PartialLoadError.__name__}: {head}"
+            if text.startswith(head) and text.endswith(tail):
+                text = text[len(head):len(text) - len(tail)]
+        super().__init__(self._TEXT.format(path=path, where=where, cause=text))
 
 
 class AdapterMismatchError(CheckpointError, KeyError):
@@ -105,7 +113,16 @@ class CheckpointSaveError(CheckpointError):
         self.step = step
         self.path = path
         self.cause = cause
+        self.unsaved: int | None = None
+        """The step of the `save()` that raised this failure of an earlier background save: it
+        saved nothing of its own."""
         super().__init__(f"saving step {step} to {path} failed: {type(cause).__name__}: {cause}{hint}")
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.unsaved is None or self.unsaved == self.step:
+            return text
+        return f"{text}; step {self.unsaved} is not saved either: the save({self.unsaved}) raising this saved nothing"
 
 
 class CollectiveError(CheckpointError, RuntimeError):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
@@ -61,6 +62,9 @@ HF_COPIES = "hf"
 """Subfolder of the checkpoint folder that holds the `hf_export_interval` copies."""
 
 _Call = TypeVar("_Call", bound=Callable[..., Any])
+
+_WAIT_TOLD_S = 0.01
+"""A wait of `save()` for the save before it that the saved line tells (shorter: scheduling noise)."""
 
 _REMOVED_RETRIES = 3
 """How many times `load()` looks for the newest step again when the one it read was removed."""
@@ -162,6 +166,15 @@ class CheckpointManager:
         self._left: set[int] = set()
         """The complete steps of the folder newer than the one loaded: a run this job went back
         from, whose steps retention neither counts nor keeps once this job's pass them."""
+        self._passed: set[int] = set()
+        """The steps the load passed over (holding only the model, or failing verification with
+        `verify_fallback`): a load passes them over again, so saves before them are not warned
+        of them as of steps a load would pick instead."""
+        self._told_newer: set[int] = set()
+        """The newer steps saves warned of: a save warns again only of a step not told before (the
+        steps a job that went back passes go one by one, and were told once)."""
+        self._told_summary = ""
+        """The dedup summary of the last save, logged at INFO again only when it changes."""
         self._calls = threading.RLock()
         """Held by `save()`, `load()`, `close()` and `wait()`: a call from another thread waits
         for the one in progress (two threads' saves interleaved their steps' files)."""
@@ -177,7 +190,7 @@ class CheckpointManager:
                                               world_size)
             if self._group is not None:
                 self._start(rank)
-            else:
+            elif not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
                 logger.info("checkpointing is disabled (checkpoint.enable = false): save() and load() do nothing")
         except BaseException:  # no manager to close: the group made for it goes
             if self._group is not None:
@@ -407,9 +420,10 @@ class CheckpointManager:
             raise CheckpointError(f"save({step}) refused: the job's state is not one step's ({self._half_loaded})")
         kind = save_kind(step, last_step, self.config, force)
         fmt = save_format(kind, self.config)
-        if kind is not None:
-            self._submit(step, kind, self.folder, self._formats[fmt], last_step)
         hf_copy = hf_copy_due(step, self.config) and not (kind is SaveKind.MODEL_ONLY and fmt == "hf")
+        waited = self._wait_for_earlier(step) if kind is not None or hf_copy else 0.0
+        if kind is not None:
+            self._submit(step, kind, self.folder, self._formats[fmt], last_step, waited)
         if hf_copy:
             self._submit(step, SaveKind.MODEL_ONLY, os.path.join(self.folder, HF_COPIES), self._formats["hf"],
                          last_step)
@@ -417,15 +431,29 @@ class CheckpointManager:
             self._saves.wait()
         return kind is not None or hf_copy
 
-    def _submit(self, step: int, kind: SaveKind, folder: str, fmt: StepFormat, last: bool = False) -> None:
+    def _wait_for_earlier(self, step: int) -> float:
+        """Wait for the background save in flight, before `step`'s save starts (and its clock):
+        returns the seconds waited, which training lost to saves coming faster than they are
+        written. Its failure is raised saying that `step` is not saved either."""
+        start = time.perf_counter()
+        try:
+            self._saves.wait()
+        except CheckpointSaveError as e:
+            e.unsaved = step
+            raise
+        return time.perf_counter() - start
+
+    def _submit(self, step: int, kind: SaveKind, folder: str, fmt: StepFormat, last: bool = False,
+                waited: float = 0.0) -> None:
         """Hand one save to the staging strategy, or run it here after the save in flight when
         the format must run on the training thread (the background save's collectives share
-        the checkpoint group). `last`: the job's last save, after which retention does not run."""
+        the checkpoint group). `last`: the job's last save, after which retention does not run;
+        `waited`: the seconds `save()` waited for the save before it, told in the saved line."""
         try:
             state, failure = self._state_for_save(kind), None
         except Exception as e:  # every rank hears of it in the save's first round, not left waiting there
             state, failure = {}, e
-        job = self._save_job(step, kind, folder, fmt, failure, last)
+        job = self._save_job(step, kind, folder, fmt, failure, last, waited)
         if fmt.on_training_thread:
             self._saves.wait()
             staged = Staged(state)
@@ -470,7 +498,7 @@ class CheckpointManager:
         self._store.prepare(path, step)
 
     def _save_job(self, step: int, kind: SaveKind, folder: str, fmt: StepFormat,
-                  failure: Exception | None = None, last: bool = False) -> SaveJob:
+                  failure: Exception | None = None, last: bool = False, waited: float = 0.0) -> SaveJob:
         """The phases of one save into `{folder}/step-N` in format `fmt`, which the staging
         strategy runs in order on every rank. `failure`: this rank could not gather its state;
         the first phase fails with it on every rank."""
@@ -497,12 +525,12 @@ class CheckpointManager:
             except CheckpointSaveError:
                 raise
             except Exception as e:
-                raise CheckpointSaveError(step, where, e, _space_hint(path, self._store.staged)) from None
+                raise CheckpointSaveError(step, where, e, _space_hint(path, self._store.staged)) from e
 
         def commit_step(written: Written) -> None:
             info = self._commit(step, path, kind, fmt, written)
             if self._group.is_coordinator:
-                self._log_saved(info, where, kind, time.perf_counter() - start, written.summary)
+                self._log_saved(info, where, kind, time.perf_counter() - start, written.summary, waited)
                 if last:  # as TorchTitan: the steps before the job's last save stay, its k newest full ones
                     return
                 try:  # rank 0 alone, and the step is committed: retention failing fails no save
@@ -520,11 +548,14 @@ class CheckpointManager:
         folders = self._store.scan(folder)
         left = self._left if folder == self.folder else set()
         self._deleter.submit(steps_to_delete(folders, self.config.keep_latest_k, step, left))
-        if newer := newer_steps(folders, step):
+        passed = self._passed if folder == self.folder else set()
+        newer = [f.step for f in newer_steps(folders, step) if f.step not in passed]
+        if not set(newer) <= self._told_newer:
             logger.warning("%s: steps %s are newer than step %d just saved (the job went back to an "
                            "older step) and are kept; a load without a step would pick step %d over "
                            "it: remove them if that run is abandoned", self._store.describe(folder),
-                           [f.step for f in newer], step, newer[-1].step)
+                           newer, step, newer[-1])
+        self._told_newer.update(newer)
 
     def _commit(self, step: int, path: str, kind: SaveKind, fmt: StepFormat, written: Written) -> commit.CommitInfo:
         """Wait until every rank's files are durable in the store, then write the marker on rank 0."""
@@ -539,12 +570,15 @@ class CheckpointManager:
         self._agree(step, path, lambda: self._store.commit(path, info, checksums), coordinator_only=True)
         return info
 
-    @staticmethod
-    def _log_saved(info: commit.CommitInfo, path: str, kind: SaveKind, secs: float, summary: str) -> None:
-        logger.info("saved step %d (%s, %s) to %s: %.3f GB in %.2f s, %.2f GB/s", info.step, kind.value,
-                    info.format, path, info.total_bytes / 1e9, secs, gb_per_s(info.total_bytes, secs))
-        if summary:
-            logger.info("step %d %s", info.step, summary)
+    def _log_saved(self, info: commit.CommitInfo, path: str, kind: SaveKind, secs: float, summary: str,
+                   waited: float) -> None:
+        behind = f"; save() first waited {waited:.2f} s for the save before it" if waited >= _WAIT_TOLD_S else ""
+        logger.info("saved step %d (%s, %s) to %s: %.3f GB in %.2f s, %.2f GB/s%s", info.step, kind.value,
+                    info.format, path, info.total_bytes / 1e9, secs, gb_per_s(info.total_bytes, secs), behind)
+        if summary:  # the same for every save of the same state: told when it changes
+            logger.log(logging.INFO if summary != self._told_summary else logging.DEBUG, "step %d %s", info.step,
+                       summary)
+            self._told_summary = summary
 
     def _state_for_save(self, kind: SaveKind) -> dict[str, Any]:
         """The state as of now: model tensors at the top level, every other state resolved to
@@ -607,8 +641,9 @@ class CheckpointManager:
                 target = self._find_load_target(folders, wanted)
                 self._check_steps_ahead(folders, target)
                 if target is None:
-                    logger.info("no checkpoint in %s and no initial_load_path: starting from scratch",
-                                self._store.describe(self.folder))
+                    if self._group.is_coordinator:
+                        logger.info("no checkpoint in %s and no initial_load_path: starting from scratch",
+                                    self._store.describe(self.folder))
                     return False
                 self._read(target)
                 self._left = self._steps_left(target, folders)
@@ -764,8 +799,8 @@ class CheckpointManager:
         for why, paths in ignored.items() if self._group.is_coordinator else ():
             logger.warning("ignoring %s: %s", _few(paths, 3), why)
         if loadable:
-            if self.config.initial_load_path:
-                logger.info("%s has loadable steps; ignoring initial_load_path", self.folder)
+            if self.config.initial_load_path and self._group.is_coordinator:
+                logger.info("%s has loadable steps; ignoring initial_load_path", self._store.describe(self.folder))
             return self._newest_target(loadable)
         if self.config.initial_load_in_hf:
             store = self._initial or storage.open_store(self._adapter.hf_assets_path, "hf_assets_path",
@@ -825,14 +860,17 @@ class CheckpointManager:
         verifying it."""
         passed: list[layout.StepFolder] = []  # model-only steps passed over, newest first
         corrupt: list[int] = []
+        self._passed = set()
         for newest in reversed(loadable):
             if self._only_the_model(newest):
                 passed.append(newest)
+                self._passed.add(newest.step)
                 continue
             if newest.status == layout.FOREIGN:
                 target = self._foreign_target(newest.path, newest.step, self._store)
                 if target.model_only and target.step and self._resumes():
                     passed.append(newest)
+                    self._passed.add(newest.step)
                     continue
                 return self._resume_point(target, passed, corrupt)
             problems = self._verify(newest.path, self._store)
@@ -841,6 +879,7 @@ class CheckpointManager:
                     logger.error("step %d is corrupt, trying the previous complete step: %s",
                                  newest.step, "; ".join(problems))
                 corrupt.append(newest.step)
+                self._passed.add(newest.step)
                 continue
             if problems:
                 raise CorruptCheckpointError(f"step {newest.step} failed verification: {'; '.join(problems)}")

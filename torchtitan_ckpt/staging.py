@@ -258,7 +258,10 @@ class Stager:
         for path, t in tensors.items():
             offsets[path] = size
             size += -(-_local(t).nbytes // _ALIGN) * _ALIGN
-        arena = torch.empty(size, dtype=torch.uint8).share_memory_()
+        try:
+            arena = torch.empty(size, dtype=torch.uint8).share_memory_()
+        except RuntimeError as e:
+            raise RuntimeError(_no_shared_memory(size, e)) from e
         device = next((_local(t).device for t in tensors.values() if _local(t).is_cuda), None)
         if device is not None:
             self._pin(arena, device)
@@ -501,6 +504,7 @@ class BackgroundSaves:
             frozen = freeze(state, deferred)
         except Exception as e:  # raised by the save's write, inside DCP's protocol, where every rank hears of it
             self._pending = self._pool.submit(job.run, functools.partial(_failed, e, {}))
+            self._pending.add_done_callback(_log_failure)
             return
         marks = self._copies.mark(frozen)
         laid_out: Future = Future()
@@ -512,6 +516,7 @@ class BackgroundSaves:
                 self._check = [(path, t, _at(copies[0].staged, path)) for path, t in _tensors(frozen, ())
                                if deferred(path)]
         self._pending = self._pool.submit(job.run, lambda: _take(laid_out, copies, frozen), sink)
+        self._pending.add_done_callback(_log_failure)
 
     def _stage(self, frozen: dict[str, Any], marks: dict, step: int, laid_out: Future, into: list[Copies]) -> None:
         """Lay the copies out (`laid_out` says when, or how it failed), then make them."""
@@ -638,6 +643,31 @@ def _wait_at_exit(saves: Any) -> None:
             if made_in == pid == os.getpid():
                 alive.finish_at_exit()
     register(finish)
+
+
+_SHARED_MEMORY = "/dev/shm"
+"""Where torch's shared memory lives on Linux: a tmpfs of its own, often small in containers."""
+
+
+def _no_shared_memory(size: int, error: Exception) -> str:
+    """Why `size` bytes of staging arena could not be had, in words that send the reader to
+    shared memory rather than to the checkpoint's disk, which the error's errno suggests."""
+    try:
+        stat = os.statvfs(_SHARED_MEMORY)
+        room = (f"; {_SHARED_MEMORY} has {stat.f_bavail * stat.f_frsize / 1e9:.3f} GB free of "
+                f"{stat.f_blocks * stat.f_frsize / 1e9:.3f} GB")
+    except OSError:
+        room = ""
+    return (f"async_with_pinned_mem could not stage {size / 1e9:.3f} GB in shared memory ({error}){room}: give "
+            f"the machine or container more (docker run --shm-size), or use checkpoint.async_mode = \"async\", "
+            "which stages in the process's own memory")
+
+
+def _log_failure(save: Future) -> None:
+    """Say at once that a background save failed: the training loop hears of it only at its
+    next `save()`, `wait()` or `close()`, which may be an interval of hours away."""
+    if not save.cancelled() and (error := save.exception()) is not None:
+        logger.error("%s (in the background; the next save(), wait() or close() raises it)", error)
 
 
 def _failed(error: Exception, state: dict[str, Any]) -> Staged:

@@ -62,7 +62,8 @@ class DcpFormat(StepFormat):
         except (Exception, CheckpointException) as e:
             writer.wait_early()
             self._plan_caches.pop(kind, None)  # the save failed (on every rank, for dcp.save): all plan afresh
-            raise storage.root_cause(e, group.rank) from None
+            root = storage.root_cause(e, group.rank)
+            raise root from root.__cause__  # DCP's wrapping left out, the failure's own cause kept
         faults.hit("written", step)
         return Written(writer.durable, planner.summary_line() if group.is_coordinator and group.world_size > 1 else "")
 

@@ -100,7 +100,8 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str | os.PathLike[str], a
         try:
             dcp.save(_whole_tensors(hf_sd), storage_writer=writer, process_group=group.pg)
         except CheckpointException as e:  # a BaseException, past a training loop's `except Exception`
-            raise root_cause(e, group.rank) from None
+            root = root_cause(e, group.rank)
+            raise root from root.__cause__  # DCP's wrapping left out, the failure's own cause kept
         consolidate_safetensors(shards, out_dir, mapping, process_group=group.pg, num_threads=num_threads,
                                 remove_shards=not keep_shards, all_ranks=mode == "all_ranks", progress=progress)
     if group.rank == 0:

@@ -29,6 +29,7 @@ import queue
 import signal
 import sys
 import threading
+import traceback
 import types
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -150,7 +151,9 @@ class WriterProcess:
                 with self._lock:
                     done = self._waiting.popleft()
                 if status == "error":
-                    done.set_exception(value)
+                    error, where = value
+                    error.__cause__ = InWriterProcess(where)
+                    done.set_exception(error)
                 else:
                     done.set_result([WrittenFile(size, places, lambda crc=crc: crc) for size, crc, places in value])
         except BaseException as e:
@@ -345,8 +348,8 @@ def _serve(conn, parent: int) -> None:
             jobs = [FileJob(path, [Entry(key, _resolve(ref, buffers), ready) for key, ref, ready in entries], direct)
                     for path, entries, direct in msg["files"]]
             reply = ("ok", [(w.size, w.durable(), w.places) for w in write_files(jobs, msg["step"], msg["sync"])])
-        except Exception as e:  # handed to the training process, which raises it
-            reply = ("error", _picklable(e))
+        except Exception as e:  # handed to the training process, which raises it, with where it was raised
+            reply = ("error", (_picklable(e), traceback.format_exc()))
         conn.send(reply)
 
 
@@ -355,6 +358,14 @@ def _resolve(ref: Any, buffers: dict[int, torch.Tensor]) -> Any:
         _, buffer_id, dtype, offset, size, stride = ref
         return torch.empty(0, dtype=dtype).set_(buffers[buffer_id].untyped_storage(), offset, size, stride)
     return ref
+
+
+class InWriterProcess(Exception):
+    """The writer process's traceback of a failure it handed over, as that failure's cause: a
+    pickled exception has no frames, and a bug report needs the place it was raised."""
+
+    def __str__(self) -> str:
+        return "\n\n" + self.args[0]
 
 
 def _picklable(e: Exception) -> Exception:

@@ -17,8 +17,8 @@ logger = logging.getLogger(__name__)
 
 def warn_replacing(where: str) -> None:
     """Say that a save replaces a complete step (by `Store.prepare`, on rank 0)."""
-    logger.warning("replacing %s, a complete step saved before (a run that went back to an older step saves "
-                   "over the steps after it)", where)
+    logger.warning("replacing %s, a complete step saved before: the job's load passed it over (it held only "
+                   "the model, or failed verification) or went back to an older step", where)
 
 
 class Store(ABC):
