@@ -179,16 +179,25 @@ def test_close_waits_for_the_save_in_flight(tmp_path):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_the_saved_line_tells_the_wait_for_the_save_before_apart_from_the_save(tmp_path, mode, caplog):
+def test_the_saved_line_tells_the_wait_for_the_save_before_apart_from_the_save(tmp_path, mode, caplog, monkeypatch):
     """The clock of a save started before `save()` waited for the save in flight, so saves
     coming faster than the disk took them read as slow saves, and the wait itself, which is
     what training loses, was told nowhere."""
+    import time
+
     from torchtitan_ckpt import CheckpointManager
     from torchtitan_ckpt.config import Checkpoint
 
-    model = torch.nn.Linear(4096, 1024)  # 16 MB: its save is not done as save(2) is called
-    manager = CheckpointManager(Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0), [model],
-                                base_folder=str(tmp_path))
+    commit = CheckpointManager._commit
+
+    def slow_first(self, step, *args):  # a disk slower than the interval: step 1 is in flight at save(2)
+        if step == 1:
+            time.sleep(0.5)
+        return commit(self, step, *args)
+
+    monkeypatch.setattr(CheckpointManager, "_commit", slow_first)
+    manager = CheckpointManager(Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0),
+                                [torch.nn.Linear(4, 4)], base_folder=str(tmp_path))
     with caplog.at_level("INFO", logger="torchtitan_ckpt"):
         manager.save(1)
         manager.save(2)

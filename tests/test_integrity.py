@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -186,7 +187,7 @@ def test_a_failed_background_save_is_told_when_it_fails_and_where(tiny_disk, mod
         time.sleep(0.05)
     told = ours()
     assert told and told[0].startswith("saving step 2 to ") and "No space left on device" in told[0], told
-    assert told[0].endswith("(in the background; the next save(), wait() or close() raises it)")
+    assert told[0].endswith("(in the background; the next save(), wait(), load() or close() raises it)")
     with pytest.raises(CheckpointSaveError) as failed:
         manager.save(3)
     assert failed.value.step == 2 and failed.value.unsaved == 3
@@ -197,7 +198,8 @@ def test_a_failed_background_save_is_told_when_it_fails_and_where(tiny_disk, mod
         error = error.__cause__
     where = "".join(str(e) for e in chain) + "".join(
         "".join(traceback.format_tb(e.__traceback__)) for e in chain)
-    assert "filewriter.py" in where, where  # the frame that met the full disk, in this process or the writer's
+    # the frame that met the full disk (a data file's or DCP's metadata), in this process or the writer's
+    assert re.search(r"torchtitan_ckpt/(io|dcp)/\w+\.py", where), where
     os.remove(os.path.join(tiny_disk, "filler"))
     manager.save(4)
     manager.close()
@@ -405,11 +407,22 @@ def _rank_1_never_saves(rank: int, world_size: int, folder: str) -> None:
     if rank == 1:
         stay_until(done)  # alive but gone astray: it never joins the save
         return
+    import logging
+
+    warned: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("torchtitan_ckpt.group").addHandler(handler)
     start = time.monotonic()
-    with then_release(done), pytest.raises(CheckpointSaveError, match=r"saving step 1 .* another rank did not join "
-                                                                      r"it within checkpoint.collective_timeout_s = "
-                                                                      r"10 s"):
+    with then_release(done), pytest.raises(CheckpointSaveError, match=r"saving step 1 .* rank\(s\) 1 had not "
+                                                                      r"entered it: stuck or in another call of the "
+                                                                      r"manager \(this rank waits "
+                                                                      r"checkpoint.collective_timeout_s = 10 s\)"):
         manager.save(1)
+    # while it waited, the lowest rank waiting named the rank that never came
+    assert warned == ["a checkpoint collective has waited 2.5 s (of checkpoint.collective_timeout_s = 10 s) for "
+                      "rank(s) 1, which have not entered it: stuck, or in another call of the manager (see their "
+                      "logs)"], warned
     assert time.monotonic() - start < 60  # the timeout, not a hang
     assert layout.committed_steps(os.path.join(folder, "checkpoint")) == []
 

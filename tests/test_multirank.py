@@ -386,7 +386,9 @@ def _save_otherwise(rank: int, world_size: int, folder: str, how: str) -> None:
     with CheckpointManager(config, [model]) as manager:
         manager.save(1)
         if how == "load" and rank == 0:  # rank 1 goes to a save without the load
-            with pytest.raises(CollectiveError, match="another rank did not join it within"):
+            # rank 1's save fails and it leaves: counted into fewer collectives than rank 0, or not
+            with pytest.raises(CollectiveError, match=r"rank\(s\) 1 had not entered it|another rank did not join it "
+                                                      r"within"):
                 manager.load()
             return
         step, last = (2 + rank, False) if how == "steps" else (2, rank == 0)
@@ -401,7 +403,7 @@ def _save_otherwise(rank: int, world_size: int, folder: str, how: str) -> None:
             stay_until(done)  # rank 1 goes on alone to a save rank 0 never joins
         elif how == "steps":
             alone = (r"saving step 4 .* CollectiveError: a collective among the checkpoint's 2 ranks failed on rank 1 "
-                     r".* within checkpoint.collective_timeout_s = 10 s")
+                     r".*: rank\(s\) 0 had not entered it: .* checkpoint.collective_timeout_s = 10 s")
             with then_release(done), pytest.raises(CheckpointSaveError, match=alone):
                 manager.save(4)
 

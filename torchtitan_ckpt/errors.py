@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import reprlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NoReturn
+
+
+def few(items: Sequence[object], shown: int = 10) -> str:
+    """`items` (steps, paths, ranks) for a message: the first `shown`, then how many more (a
+    crashed job's folder, or a run's copy, may hold thousands; a job, thousands of ranks)."""
+    listed = ", ".join(map(str, items[:shown]))
+    return f"{listed} and {len(items) - shown} more" if len(items) > shown else listed
 
 
 class CheckpointError(Exception):

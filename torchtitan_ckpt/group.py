@@ -6,15 +6,23 @@ import contextlib
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 
-from .errors import CollectiveError, RankFailed
+from .errors import CollectiveError, RankFailed, few
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+_WARN_AFTER = 0.25
+"""The share of the collective timeout after which a rank waiting in a checkpoint collective
+warns of the ranks that have not entered it."""
 
 
 class CheckpointGroup:
@@ -28,6 +36,8 @@ class CheckpointGroup:
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, timeout_s: float = 600.0):
+        self._arrivals: _Arrivals | None = None
+        self._timeout_s = timeout_s
         self._rounds = 0
         """Rounds of `run` this rank has entered: shared in each round, so ranks that are not in
         the same round (one left a round without gathering) fail instead of pairing up wrongly."""
@@ -45,6 +55,8 @@ class CheckpointGroup:
                 self.pg: dist.ProcessGroup | None = process_group or dist.new_group(
                     backend="gloo", timeout=timedelta(seconds=timeout_s))
             self._made = process_group is None
+            self._arrivals = _Arrivals.of(self.pg, self.rank, self.world_size, timeout_s * _WARN_AFTER,
+                                          self._warn_waiting)
         else:
             if process_group is not None:
                 raise ValueError("a process_group was given but torch.distributed is not initialised")
@@ -54,6 +66,9 @@ class CheckpointGroup:
         """Destroy the group made here (its sockets, pipes and threads: about 5 descriptors and 3
         threads a rank, which a process making a manager per evaluation ran out of), once this
         rank is done with its collectives; a group the caller gave is the caller's."""
+        if self._arrivals is not None and dist.is_initialized():
+            self._arrivals.close()
+        self._arrivals = None
         if self._made and dist.is_initialized():
             try:
                 dist.destroy_process_group(self.pg)
@@ -77,14 +92,33 @@ class CheckpointGroup:
     @contextlib.contextmanager
     def _failing(self) -> Iterator[None]:
         """A collective's failure (gloo's timeout, a peer's closed connection) as a
-        `CollectiveError` that says what to look for."""
+        `CollectiveError` that says what to look for: the ranks that had not entered it, where
+        the arrivals are counted. A wait past a share of the timeout is warned of, naming them."""
+        arrivals = self._arrivals
+        entered = arrivals.enter() if arrivals is not None else 0
         try:
             yield
         except RuntimeError as e:
+            behind = arrivals.behind(entered) if arrivals is not None else []
+            who = (f"rank(s) {few(behind)} had not entered it: stuck or in another call of the manager (this rank "
+                   f"waits {self._timeout}), or failed or died (see their logs)" if behind else
+                   f"another rank did not join it within {self._timeout}, or failed or died (see its log)")
             raise CollectiveError(
                 f"a collective among the checkpoint's {self.world_size} ranks failed on rank {self.rank} ({e}): "
-                f"another rank did not join it within {self._timeout}, or failed or died (see its log). Every "
-                "rank calls save(step, last_step), load() and close() alike, with the same arguments") from e
+                f"{who}. Every rank calls save(step, last_step), load() and close() alike, with the same "
+                "arguments") from e
+        finally:
+            if arrivals is not None:
+                arrivals.left()
+
+    def _warn_waiting(self, behind: list[int]) -> None:
+        """Called by the watch of a collective still waiting after a share of the timeout, with
+        the ranks that have not entered it: warned of on the lowest rank waiting only."""
+        waiting = [r for r in range(self.world_size) if r not in behind]
+        if behind and waiting and waiting[0] == self.rank:
+            logger.warning("a checkpoint collective has waited %g s (of %s) for rank(s) %s, which have not "
+                           "entered it: stuck, or in another call of the manager (see their logs)",
+                           self._timeout_s * _WARN_AFTER, self._timeout, few(behind))
 
     def run(self, fn: Callable[[], Any], coordinator_only: bool = False) -> list[Any]:
         """Run `fn` on every rank (or on rank 0 only), then share results and failures: returns
@@ -150,6 +184,104 @@ class CheckpointGroup:
         return box[0]
 
 
+class _Arrivals:
+    """How many checkpoint collectives each rank of a group has entered, one counter per rank in
+    the job's rendezvous store: gloo's timeout says only that this rank's wait ran out, where an
+    operator of many ranks needs the ones that never came (one store request per collective).
+    A thread of its own watches each collective: one still waiting after `warn_after_s` has
+    `warn` called with the ranks behind it. The thread ends once no collective came for
+    `_IDLE_S` (groups of one-off calls are never closed), and the next collective starts one."""
+
+    _IDLE_S = 30.0
+
+    _made: dict[str, int] = {}
+    """Counters made per group name in this process: every rank makes a group's in the same order
+    (checkpoint groups are made collectively), so the n-th of each rank share their keys."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, warn_after_s: float,
+                 warn: Callable[[list[int]], None]):
+        self._store, self._rank, self._world_size = store, rank, world_size
+        self._warn_after_s, self._warn = warn_after_s, warn
+        self.entered = 0
+        """The collectives this rank has entered."""
+        self._changed = threading.Condition()
+        self._waiting: tuple[float, int] | None = None
+        """(when to warn, `entered`) of the collective in progress, if any."""
+        self._watch: threading.Thread | None = None
+        self._closed = False
+
+    @classmethod
+    def of(cls, pg: dist.ProcessGroup, rank: int, world_size: int, warn_after_s: float,
+           warn: Callable[[list[int]], None]) -> _Arrivals | None:
+        """Counters for `pg` in the default group's store, apart from those of any earlier
+        checkpoint group over it; None where this torch has no such store to reach (arrivals
+        are then not told)."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            made = cls._made[pg.group_name] = cls._made.get(pg.group_name, 0) + 1
+            return cls(dist.PrefixStore(f"torchtitan_ckpt/arrivals/{pg.group_name}/{made}/", store), rank,
+                       world_size, warn_after_s, warn)
+        except (AttributeError, RuntimeError, ValueError):
+            return None
+
+    def enter(self) -> int:
+        """Count this rank into its next collective, and watch it; returns how many it has entered."""
+        self.entered += 1
+        try:
+            self._store.add(str(self._rank), 1)
+        except RuntimeError:  # the store is gone (its host died): the collective fails on its own
+            pass
+        with self._changed:
+            self._waiting = (time.monotonic() + self._warn_after_s, self.entered)
+            if self._watch is None or not self._watch.is_alive():  # ended idle, or in a forked child
+                self._watch = threading.Thread(target=self._watching, name="ckpt-collective-watch", daemon=True)
+                self._watch.start()
+            self._changed.notify()
+        return self.entered
+
+    def left(self) -> None:
+        with self._changed:
+            self._waiting = None
+
+    def _watching(self) -> None:
+        with self._changed:
+            while not self._closed:
+                if self._waiting is None:
+                    if not self._changed.wait(self._IDLE_S) and self._waiting is None:
+                        self._watch = None
+                        return
+                    continue
+                at, entered = self._waiting
+                if (wait := at - time.monotonic()) > 0:
+                    self._changed.wait(wait)
+                    continue
+                self._waiting = None  # warned of once
+                self._changed.release()
+                try:
+                    self._warn(self.behind(entered))
+                finally:
+                    self._changed.acquire()
+
+    def behind(self, entered: int) -> list[int]:
+        """The ranks that have entered fewer than `entered` collectives ([] if the store cannot
+        tell: it is gone with its host)."""
+        try:
+            return [r for r in range(self._world_size) if self._store.add(str(r), 0) < entered]
+        except RuntimeError:
+            return []
+
+    def close(self) -> None:
+        """Stop the watch, and remove this rank's counter from the store (a job making a manager
+        per evaluation would leave one per rank each time)."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify()
+        try:
+            self._store.delete_key(str(self._rank))
+        except RuntimeError:
+            pass
+
+
 _cpu_worlds: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
 """Default group (one that carries no CPU tensors) -> the gloo group over its ranks made for it."""
 
@@ -209,8 +341,11 @@ def leave(code: int) -> NoReturn:
     its managers closed and its process group destroyed, as `atexit` handlers do not run."""
     if "WORLD_SIZE" not in os.environ:
         sys.exit(code)
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        if stream is not None:
-            stream.flush()
+    try:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+    except (OSError, ValueError):  # a reader gone (a closed pipe): the status still says how the work ended
+        pass
     os._exit(code)

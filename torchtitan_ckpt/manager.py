@@ -37,6 +37,7 @@ from .errors import (
     CorruptCheckpointError,
     PartialLoadError,
     RankFailed,
+    few,
     restate,
 )
 from .group import CheckpointGroup
@@ -170,9 +171,9 @@ class CheckpointManager:
         """The steps the load passed over (holding only the model, or failing verification with
         `verify_fallback`): a load passes them over again, so saves before them are not warned
         of them as of steps a load would pick instead."""
-        self._told_newer: set[int] = set()
-        """The newer steps saves warned of: a save warns again only of a step not told before (the
-        steps a job that went back passes go one by one, and were told once)."""
+        self._told_newer: set[tuple[str, int]] = set()
+        """The newer steps (folder, step) saves warned of since the load: a save warns again only of
+        a step not told before (the steps a job that went back passes go one by one, told once)."""
         self._told_summary = ""
         """The dedup summary of the last save, logged at INFO again only when it changes."""
         self._calls = threading.RLock()
@@ -453,9 +454,12 @@ class CheckpointManager:
             state, failure = self._state_for_save(kind), None
         except Exception as e:  # every rank hears of it in the save's first round, not left waiting there
             state, failure = {}, e
+        if fmt.on_training_thread:  # after the save in flight (this step's own, for an HF copy): its clock after
+            start = time.perf_counter()
+            self._saves.wait()
+            waited += time.perf_counter() - start
         job = self._save_job(step, kind, folder, fmt, failure, last, waited)
         if fmt.on_training_thread:
-            self._saves.wait()
             staged = Staged(state)
             job.run(lambda: staged)
         else:
@@ -550,12 +554,12 @@ class CheckpointManager:
         self._deleter.submit(steps_to_delete(folders, self.config.keep_latest_k, step, left))
         passed = self._passed if folder == self.folder else set()
         newer = [f.step for f in newer_steps(folders, step) if f.step not in passed]
-        if not set(newer) <= self._told_newer:
+        if not {(folder, s) for s in newer} <= self._told_newer:
             logger.warning("%s: steps %s are newer than step %d just saved (the job went back to an "
                            "older step) and are kept; a load without a step would pick step %d over "
                            "it: remove them if that run is abandoned", self._store.describe(folder),
                            newer, step, newer[-1])
-        self._told_newer.update(newer)
+        self._told_newer.update((folder, s) for s in newer)
 
     def _commit(self, step: int, path: str, kind: SaveKind, fmt: StepFormat, written: Written) -> commit.CommitInfo:
         """Wait until every rank's files are durable in the store, then write the marker on rank 0."""
@@ -631,6 +635,7 @@ class CheckpointManager:
         `_REMOVED_RETRIES` times."""
         # rank 0 deletes what retention chose: every rank scans once those deletions are done
         self._group.run(lambda: self._deleter.drain(), coordinator_only=True)
+        self._passed, self._told_newer = set(), set()  # of the step this load picks
         start = time.perf_counter()
         wanted = step if step >= 0 else self.config.load_step
         for retry in itertools.count(1):
@@ -797,7 +802,7 @@ class CheckpointManager:
             if not f.loadable and f.step > newest_step:
                 ignored.setdefault(_not_loadable(f), []).append(self._store.describe(f.path))
         for why, paths in ignored.items() if self._group.is_coordinator else ():
-            logger.warning("ignoring %s: %s", _few(paths, 3), why)
+            logger.warning("ignoring %s: %s", few(paths, 3), why)
         if loadable:
             if self.config.initial_load_path and self._group.is_coordinator:
                 logger.info("%s has loadable steps; ignoring initial_load_path", self._store.describe(self.folder))
@@ -830,10 +835,10 @@ class CheckpointManager:
                            "torchtitan_ckpt (or are links, or this user may not remove them) and are never replaced: "
                            "a last save at one of them (a "
                            "run ending there) would be refused after the training. Move them out of the folder if so",
-                           self._store.describe(self.folder), _few(off), start)
+                           self._store.describe(self.folder), few(off), start)
         if not ahead:
             return
-        steps = _few([f.step for f in ahead])
+        steps = few([f.step for f in ahead])
         denied = next(filter(None, (self._store.unremovable(f) for f in ahead
                                     if not f.linked and (f.ours or f.status == layout.DENIED))), None)
         whose = (f"include steps this user may not remove ({denied}; ask their owner, or save with umask 002 in a "
@@ -860,7 +865,6 @@ class CheckpointManager:
         verifying it."""
         passed: list[layout.StepFolder] = []  # model-only steps passed over, newest first
         corrupt: list[int] = []
-        self._passed = set()
         for newest in reversed(loadable):
             if self._only_the_model(newest):
                 passed.append(newest)
@@ -924,7 +928,7 @@ class CheckpointManager:
         replace the earlier run's). Without a full step, such a step is refused."""
         if full is not None and not passed:
             return full
-        newer = _few([f.step for f in passed])
+        newer = few([f.step for f in passed])
         if full is not None and not full.model_only:  # a seed step 0 holds only the model too
             if self._group.is_coordinator:
                 logger.warning("step(s) %s hold only the model (a finished run's last save): resuming from step %s, "
@@ -934,7 +938,7 @@ class CheckpointManager:
                                "checkpoint.initial_load_path to it and use another folder",
                                newer, full.step, passed[0].step)
             return full
-        held = (f"the steps holding it ({_few(corrupt)}) failed verification" if corrupt else
+        held = (f"the steps holding it ({few(corrupt)}) failed verification" if corrupt else
                 "no step after step 0 holds it")
         raise CheckpointError(
             f"{self._store.describe(self.folder)}: its newest step {passed[0].step} holds only the model (a finished "
@@ -1158,13 +1162,6 @@ def _cannot_apply(path: str, name: str, error: Exception) -> CorruptCheckpointEr
     return CorruptCheckpointError(
         f"{path}: its '{name}' state cannot be applied to this job ({type(error).__name__}: {error}); "
         f"load another step, or add '{name}' to checkpoint.exclude_from_loading")
-
-
-def _few(items: Sequence[object], shown: int = 10) -> str:
-    """`items` (steps, paths) for a message: the first `shown`, then how many more (a crashed
-    job's folder, or a run's copy, may hold thousands)."""
-    listed = ", ".join(map(str, items[:shown]))
-    return f"{listed} and {len(items) - shown} more" if len(items) > shown else listed
 
 
 def _not_loadable(folder: layout.StepFolder) -> str:

@@ -261,6 +261,8 @@ class Stager:
         try:
             arena = torch.empty(size, dtype=torch.uint8).share_memory_()
         except RuntimeError as e:
+            if "shm" not in str(e) and "shared memory" not in str(e):  # not shared memory's (no memory at all)
+                raise
             raise RuntimeError(_no_shared_memory(size, e)) from e
         device = next((_local(t).device for t in tensors.values() if _local(t).is_cuda), None)
         if device is not None:
@@ -665,9 +667,11 @@ def _no_shared_memory(size: int, error: Exception) -> str:
 
 def _log_failure(save: Future) -> None:
     """Say at once that a background save failed: the training loop hears of it only at its
-    next `save()`, `wait()` or `close()`, which may be an interval of hours away."""
+    next `save()`, `wait()`, `load()` or `close()`, which may be an interval of hours away. Its
+    text as of now (the record keeps no reference to the failure, whose frames may hold the
+    staged state, nor sees what the raise adds to it later)."""
     if not save.cancelled() and (error := save.exception()) is not None:
-        logger.error("%s (in the background; the next save(), wait() or close() raises it)", error)
+        logger.error("%s (in the background; the next save(), wait(), load() or close() raises it)", str(error))
 
 
 def _failed(error: Exception, state: dict[str, Any]) -> Staged:

@@ -17,13 +17,14 @@ import itertools
 import pickle
 import sys
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, Union
+from typing import Any, Protocol, Union
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 try:  # FSDP1, deprecated: refused (`_refuse_fsdp1`) where this torch still has it
@@ -36,8 +37,6 @@ from .io.dtypes import storable
 from .io.torch_archive import load_plain_pickle, refusal
 from .io.untrusted import brief
 
-if TYPE_CHECKING:
-    from torch.distributed.fsdp import FSDPModule
 
 
 class StateLike(Protocol):
@@ -49,7 +48,7 @@ class StateLike(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any], /) -> object: ...
 
 
-ModelPart = Union[nn.Module, "FSDPModule", Callable[..., Any]]
+ModelPart = Union[nn.Module, FSDPModule, Callable[..., Any]]
 """A model part as users hold one: a module, the same module after `fully_shard` (typed
 `FSDPModule`), or what `torch.compile(module)` returns (typed as a callable)."""
 
