@@ -77,7 +77,7 @@ def _own_failure_kept(rank: int, world_size: int, done: str) -> None:
     def fn() -> None:
         raise OSError("the disk is gone")
 
-    with then_release(done), pytest.raises(CollectiveError, match=r"rank\(s\) 1 had not entered it: .*"
+    with then_release(done), pytest.raises(CollectiveError, match=r"rank\(s\) 1 had not entered it after .*"
                                                                   r"checkpoint.collective_timeout_s = 10 s.* "
                                                                   r"\(this rank had failed first: OSError: the disk "
                                                                   r"is gone\)"):
@@ -192,3 +192,51 @@ def test_leave_ends_a_launched_rank_without_teardown_once_its_output_is_flushed(
     assert done.stdout == "no newline yet"
     assert "INFO:job:done" in log.read_text()
     assert ("atexit ran" in done.stderr) is not launched
+
+
+def _late_after_the_other_gave_up(rank: int, world_size: int, folder: str) -> None:
+    """Rank 1 comes to save(2) after rank 0's wait ran out and rank 0 closed its manager."""
+    import time
+
+    import torch
+
+    from torchtitan_ckpt import Checkpoint, CheckpointManager, CheckpointSaveError
+
+    config = Checkpoint(enable=True, interval=1, keep_latest_k=0, collective_timeout_s=3)
+    with CheckpointManager(config, [torch.nn.Linear(2, 2)], base_folder=folder) as manager:
+        manager.save(1)
+        if rank == 1:
+            time.sleep(6)
+        with pytest.raises(CheckpointSaveError) as failed:
+            manager.save(2)
+    said = str(failed.value)
+    if rank == 0:  # it waited the timeout out: rank 1 never came
+        assert "rank(s) 1 had not entered it after" in said, said
+    else:  # its peer was gone as it came: nobody is named, least of all rank 0, which had come
+        assert "had not entered it" not in said and "another rank did not join it" in said, said
+
+
+def test_a_rank_that_comes_after_its_peer_gave_up_does_not_name_the_peer(tmp_path):
+    """The rank that gave up closed its counter (it was deleted, and read back as 0: the late
+    rank named as missing the rank that had waited for it)."""
+    spawn(2, _late_after_the_other_gave_up, str(tmp_path))
+
+
+def _rank_0_at_its_part_of_a_round(rank: int, world_size: int) -> None:
+    import logging
+    import time
+
+    warned: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("torchtitan_ckpt.group").addHandler(handler)
+    group = CheckpointGroup(timeout_s=8)
+    group.run(lambda: time.sleep(4), coordinator_only=True)  # past the warning's 2 s: rank 1 waits, rank 0 works
+    group.close()
+    assert warned == [], warned
+
+
+def test_a_rank_at_its_own_part_of_a_round_is_not_warned_of_as_stuck():
+    """Ranks were counted in at the gather, after their part of the round: rank 1 warned that
+    rank 0, deleting old steps for the round (a coordinator-only part), had not come."""
+    spawn(2, _rank_0_at_its_part_of_a_round)

@@ -403,7 +403,7 @@ def _save_otherwise(rank: int, world_size: int, folder: str, how: str) -> None:
             stay_until(done)  # rank 1 goes on alone to a save rank 0 never joins
         elif how == "steps":
             alone = (r"saving step 4 .* CollectiveError: a collective among the checkpoint's 2 ranks failed on rank 1 "
-                     r".*: rank\(s\) 0 had not entered it: .* checkpoint.collective_timeout_s = 10 s")
+                     r".*: rank\(s\) 0 had not entered it after .* checkpoint.collective_timeout_s = 10 s")
             with then_release(done), pytest.raises(CheckpointSaveError, match=alone):
                 manager.save(4)
 

@@ -55,8 +55,9 @@ class CheckpointGroup:
                 self.pg: dist.ProcessGroup | None = process_group or dist.new_group(
                     backend="gloo", timeout=timedelta(seconds=timeout_s))
             self._made = process_group is None
-            self._arrivals = _Arrivals.of(self.pg, self.rank, self.world_size, timeout_s * _WARN_AFTER,
-                                          self._warn_waiting)
+            if self._made:  # over every rank (its ranks are the job's), with the timeout it was made with
+                self._arrivals = _Arrivals.of(self.pg, self.rank, self.world_size, timeout_s * _WARN_AFTER,
+                                              self._warn_waiting)
         else:
             if process_group is not None:
                 raise ValueError("a process_group was given but torch.distributed is not initialised")
@@ -82,26 +83,38 @@ class CheckpointGroup:
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank."""
+        return self._all_gather(obj, self._arrive())
+
+    def _arrive(self) -> int:
+        """Count this rank into its next round of collectives (`_Arrivals`); 0 where not counted."""
+        return self._arrivals.enter() if self._arrivals is not None else 0
+
+    def _all_gather(self, obj: Any, entered: int) -> list[Any]:
         if self.pg is None:
             return [obj]
         found = [None] * self.world_size
-        with self._failing():
+        with self._failing(entered):
             dist.all_gather_object(found, obj, group=self.pg)
         return found
 
     @contextlib.contextmanager
-    def _failing(self) -> Iterator[None]:
+    def _failing(self, entered: int = 0) -> Iterator[None]:
         """A collective's failure (gloo's timeout, a peer's closed connection) as a
-        `CollectiveError` that says what to look for: the ranks that had not entered it, where
-        the arrivals are counted. A wait past a share of the timeout is warned of, naming them."""
-        arrivals = self._arrivals
-        entered = arrivals.enter() if arrivals is not None else 0
+        `CollectiveError` that says what to look for. With the round counted (`entered`), a wait
+        past a share of the timeout is warned of, and a failure after such a wait names the ranks
+        that had not entered the round (one that fails sooner is a peer's failure, not a wait:
+        ranks merely slower than this one are not named)."""
+        arrivals = self._arrivals if entered else None
+        start = time.monotonic()
+        if arrivals is not None:
+            arrivals.watch(entered)
         try:
             yield
         except RuntimeError as e:
-            behind = arrivals.behind(entered) if arrivals is not None else []
-            who = (f"rank(s) {few(behind)} had not entered it: stuck or in another call of the manager (this rank "
-                   f"waits {self._timeout}), or failed or died (see their logs)" if behind else
+            waited = time.monotonic() - start
+            behind = arrivals.behind(entered) if arrivals is not None and waited >= arrivals.warn_after_s else []
+            who = (f"rank(s) {few(behind)} had not entered it after {waited:.0f} s (this rank waits {self._timeout}): "
+                   "stuck, in another call of the manager, or gone (see their logs)" if behind else
                    f"another rank did not join it within {self._timeout}, or failed or died (see its log)")
             raise CollectiveError(
                 f"a collective among the checkpoint's {self.world_size} ranks failed on rank {self.rank} ({e}): "
@@ -109,13 +122,15 @@ class CheckpointGroup:
                 "arguments") from e
         finally:
             if arrivals is not None:
-                arrivals.left()
+                arrivals.unwatch()
 
-    def _warn_waiting(self, behind: list[int]) -> None:
-        """Called by the watch of a collective still waiting after a share of the timeout, with
-        the ranks that have not entered it: warned of on the lowest rank waiting only."""
-        waiting = [r for r in range(self.world_size) if r not in behind]
-        if behind and waiting and waiting[0] == self.rank:
+    def _warn_waiting(self, entered: int) -> None:
+        """Called by the watch of a round still waiting after a share of the timeout: the lowest
+        rank waiting (the first that has entered the round) warns of the ranks that have not."""
+        arrivals = self._arrivals
+        if arrivals is None or not arrivals.lowest_waiting(entered):
+            return
+        if behind := arrivals.behind(entered):
             logger.warning("a checkpoint collective has waited %g s (of %s) for rank(s) %s, which have not "
                            "entered it: stuck, or in another call of the manager (see their logs)",
                            self._timeout_s * _WARN_AFTER, self._timeout, few(behind))
@@ -129,6 +144,7 @@ class CheckpointGroup:
         after the round; ranks found in different rounds raise `CollectiveError`."""
         result, error, interrupted = None, None, None
         self._rounds += 1
+        entered = self._arrive()  # in the round from here: a rank at its part of it is not behind
         if not coordinator_only or self.is_coordinator:
             try:
                 result = fn()
@@ -139,7 +155,7 @@ class CheckpointGroup:
         mine = None if error is None else (f"{type(error).__name__}: {error}",
                                            tuple(c.__name__ for c in type(error).__mro__))
         try:
-            gathered = self.all_gather((self._rounds, result, mine))
+            gathered = self._all_gather((self._rounds, result, mine), entered)
         except CollectiveError as e:
             if interrupted is not None:
                 raise interrupted from e
@@ -179,67 +195,81 @@ class CheckpointGroup:
         if self.pg is None:
             return obj
         box = [obj]
-        with self._failing():
+        with self._failing(self._arrive()):
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
         return box[0]
 
 
 class _Arrivals:
-    """How many checkpoint collectives each rank of a group has entered, one counter per rank in
-    the job's rendezvous store: gloo's timeout says only that this rank's wait ran out, where an
-    operator of many ranks needs the ones that never came (one store request per collective).
-    A thread of its own watches each collective: one still waiting after `warn_after_s` has
-    `warn` called with the ranks behind it. The thread ends once no collective came for
-    `_IDLE_S` (groups of one-off calls are never closed), and the next collective starts one."""
+    """How many rounds of checkpoint collectives each rank of a group has entered, one counter
+    per rank in the job's rendezvous store: gloo's timeout says only that this rank's wait ran
+    out, where an operator of many ranks needs the ones that never came (one store request per
+    round). A counter holds 1 + the rounds entered (0, or missing: not known), and a huge value
+    once its rank closed the group (never behind). A thread of its own watches each wait: one
+    still waiting after `warn_after_s` has `warn(entered)` called. The thread ends once no round
+    came for `_IDLE_S` (groups of one-off calls are never closed); the next round starts one."""
 
     _IDLE_S = 30.0
+    _CLOSED = 1 << 40
 
     _made: dict[str, int] = {}
     """Counters made per group name in this process: every rank makes a group's in the same order
     (checkpoint groups are made collectively), so the n-th of each rank share their keys."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, warn_after_s: float,
-                 warn: Callable[[list[int]], None]):
+                 warn: Callable[[int], None]):
         self._store, self._rank, self._world_size = store, rank, world_size
-        self._warn_after_s, self._warn = warn_after_s, warn
+        self.warn_after_s, self._warn = warn_after_s, warn
         self.entered = 0
-        """The collectives this rank has entered."""
+        """The rounds this rank has entered."""
+        self._broken = False
+        """A store request failed: the counters may be off, so no rank is named any more."""
         self._changed = threading.Condition()
         self._waiting: tuple[float, int] | None = None
-        """(when to warn, `entered`) of the collective in progress, if any."""
-        self._watch: threading.Thread | None = None
+        """(when to warn, `entered`) of the wait in progress, if any."""
+        self._watcher: threading.Thread | None = None
         self._closed = False
 
     @classmethod
     def of(cls, pg: dist.ProcessGroup, rank: int, world_size: int, warn_after_s: float,
-           warn: Callable[[list[int]], None]) -> _Arrivals | None:
+           warn: Callable[[int], None]) -> _Arrivals | None:
         """Counters for `pg` in the default group's store, apart from those of any earlier
-        checkpoint group over it; None where this torch has no such store to reach (arrivals
-        are then not told)."""
+        checkpoint group of its name; None where this torch has no such store to reach (ranks
+        are then not named)."""
         try:
             store = dist.distributed_c10d._get_default_store()
             made = cls._made[pg.group_name] = cls._made.get(pg.group_name, 0) + 1
-            return cls(dist.PrefixStore(f"torchtitan_ckpt/arrivals/{pg.group_name}/{made}/", store), rank,
-                       world_size, warn_after_s, warn)
+            arrivals = cls(dist.PrefixStore(f"torchtitan_ckpt/arrivals/{pg.group_name}/{made}/", store), rank,
+                           world_size, warn_after_s, warn)
+            arrivals._store.add(str(rank), 1)
+            return arrivals
         except (AttributeError, RuntimeError, ValueError):
             return None
 
     def enter(self) -> int:
-        """Count this rank into its next collective, and watch it; returns how many it has entered."""
+        """Count this rank into its next round; returns how many it has entered."""
         self.entered += 1
-        try:
-            self._store.add(str(self._rank), 1)
-        except RuntimeError:  # the store is gone (its host died): the collective fails on its own
-            pass
-        with self._changed:
-            self._waiting = (time.monotonic() + self._warn_after_s, self.entered)
-            if self._watch is None or not self._watch.is_alive():  # ended idle, or in a forked child
-                self._watch = threading.Thread(target=self._watching, name="ckpt-collective-watch", daemon=True)
-                self._watch.start()
-            self._changed.notify()
+        if not self._broken:
+            try:
+                self._store.add(str(self._rank), 1)
+            except RuntimeError:  # the store is gone (its host died): the collective fails on its own
+                self._broken = True
         return self.entered
 
-    def left(self) -> None:
+    def watch(self, entered: int) -> None:
+        """Watch a wait in round `entered`, from now."""
+        with self._changed:
+            self._waiting = (time.monotonic() + self.warn_after_s, entered)
+            if self._watcher is None or not self._watcher.is_alive():  # ended idle, or in a forked child
+                try:
+                    self._watcher = threading.Thread(target=self._watching, name="ckpt-collective-watch",
+                                                     daemon=True)
+                    self._watcher.start()
+                except RuntimeError:  # no thread to be had: the wait goes unwatched, the collective as ever
+                    self._watcher = None
+            self._changed.notify()
+
+    def unwatch(self) -> None:
         with self._changed:
             self._waiting = None
 
@@ -248,7 +278,7 @@ class _Arrivals:
             while not self._closed:
                 if self._waiting is None:
                     if not self._changed.wait(self._IDLE_S) and self._waiting is None:
-                        self._watch = None
+                        self._watcher = None
                         return
                     continue
                 at, entered = self._waiting
@@ -258,28 +288,46 @@ class _Arrivals:
                 self._waiting = None  # warned of once
                 self._changed.release()
                 try:
-                    self._warn(self.behind(entered))
+                    self._warn(entered)
                 finally:
                     self._changed.acquire()
 
-    def behind(self, entered: int) -> list[int]:
-        """The ranks that have entered fewer than `entered` collectives ([] if the store cannot
-        tell: it is gone with its host)."""
+    def _rounds(self, ranks: list[int]) -> list[int] | None:
+        """The rounds `ranks` have entered (-1: not known; a huge number: closed), in one request;
+        None where the store cannot tell (a request failed, or a counter is missing)."""
+        keys = [str(r) for r in ranks]
         try:
-            return [r for r in range(self._world_size) if self._store.add(str(r), 0) < entered]
-        except RuntimeError:
-            return []
+            if self._broken or not self._store.check(keys):
+                return None
+            return [int(v) - 1 for v in self._store.multi_get(keys)]
+        except (RuntimeError, ValueError):
+            return None
+
+    def behind(self, entered: int) -> list[int]:
+        """The ranks known to have entered fewer than `entered` rounds ([] where not known)."""
+        rounds = self._rounds(list(range(self._world_size))) or []
+        return [r for r, n in enumerate(rounds) if 0 <= n < entered]
+
+    def lowest_waiting(self, entered: int) -> bool:
+        """Whether no lower rank has entered round `entered` (this rank warns, not every rank
+        waiting): the ranks below are asked one at a time, most often only rank 0."""
+        for r in range(self._rank):
+            rounds = self._rounds([r])
+            if rounds is None or rounds[0] >= entered or rounds[0] < 0:
+                return False
+        return True
 
     def close(self) -> None:
-        """Stop the watch, and remove this rank's counter from the store (a job making a manager
-        per evaluation would leave one per rank each time)."""
+        """Stop the watch, and mark this rank's counter closed: a peer still in a round, or
+        reporting one, does not take it for a rank that never came."""
         with self._changed:
             self._closed = True
             self._changed.notify()
-        try:
-            self._store.delete_key(str(self._rank))
-        except RuntimeError:
-            pass
+        if not self._broken:
+            try:
+                self._store.add(str(self._rank), self._CLOSED)
+            except RuntimeError:
+                pass
 
 
 _cpu_worlds: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
