@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 
 import pytest
@@ -858,3 +859,75 @@ def test_a_layer_removed_since_the_save_is_said_when_it_is_not_loaded(tmp_path, 
     assert torch.equal(smaller[0].weight, model[0].weight)
     assert "step-1 holds 2 model tensors this job's model does not have, e.g. ['1.bias', '1.weight']: they are " \
            "not loaded (a layer removed since the save?)" in caplog.text
+
+
+class _Nested(torch.nn.Module):
+    """A model whose names start with `model.`, as every transformers model's do."""
+
+    def __init__(self, layers: int):
+        super().__init__()
+        self.model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(layers)))
+
+
+def test_tensors_a_model_named_like_transformers_lacks_are_warned_of(tmp_path, caplog):
+    """The warning skipped every name starting with `model.` (taken for a state's), so a
+    transformers model that lost a layer since the save loaded without a word."""
+    config = Checkpoint(enable=True, interval=1, keep_latest_k=0, last_save_model_only=False)
+    with CheckpointManager(config, [_Nested(2)], base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    with caplog.at_level("WARNING", logger="torchtitan_ckpt.manager"), \
+            CheckpointManager(config, [_Nested(1)], base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert "holds 2 model tensors this job's model does not have, e.g. ['model.1.bias', 'model.1.weight']" \
+        in caplog.text
+
+
+def test_a_folder_nesting_the_model_under_a_prefix_is_named_for_it(tmp_path):
+    """accelerate's FSDP folders hold `model.` + each name, Lightning's `state_dict.` + ...: the
+    load said the tensors were missing and asked whether it was another model."""
+    source = _Nested(2)
+    for prefix in ("model.", "state_dict.model."):
+        path = str(tmp_path / prefix)
+        dcp.save({prefix + k: v for k, v in source.state_dict().items()}, checkpoint_id=path, no_dist=True)
+        config = Checkpoint(enable=True, initial_load_path=path)
+        with CheckpointManager(config, [_Nested(2)], base_folder=str(tmp_path / "run")) as manager, \
+                pytest.raises(CheckpointError, match=rf"lacks 4 tensors this job has, .*; it holds every one under "
+                                                      rf"the prefix '{re.escape(prefix)}': another framework's"):
+            manager.load()
+
+
+def test_a_model_only_folder_of_another_program_is_refused_where_the_job_asks_for_more(tmp_path):
+    """With initial_load_model_only = false, a folder holding only the model (an HF folder, a
+    Trainer's checkpoint) loaded its model and left the optimizer fresh without a word."""
+    model = torch.nn.Linear(4, 4)
+    path = str(tmp_path / "theirs")
+    dcp.save(model.state_dict(), checkpoint_id=path, no_dist=True)
+    fresh = torch.nn.Linear(4, 4)
+    config = Checkpoint(enable=True, initial_load_path=path, initial_load_model_only=False)
+    with CheckpointManager(config, [fresh], torch.optim.AdamW(fresh.parameters()),
+                           base_folder=str(tmp_path / "run")) as manager, \
+            pytest.raises(CheckpointError, match=r"holds only the model \(a dcp checkpoint of another program\) and "
+                                                 r"checkpoint.initial_load_model_only = false asks for this job's "
+                                                 r"optimizer state too: set it to true"):
+        manager.load()
+    assert not torch.equal(fresh.weight, model.weight)
+    config = Checkpoint(enable=True, initial_load_path=path)  # model only: as the folder is
+    with CheckpointManager(config, [fresh], torch.optim.AdamW(fresh.parameters()),
+                           base_folder=str(tmp_path / "run")) as manager:
+        assert manager.load()
+    assert torch.equal(fresh.weight, model.weight)
+
+
+def test_a_torch_save_file_as_initial_load_path_is_named_for_what_it_is(tmp_path):
+    """A `.pt` (or `pytorch_model.bin`, a Lightning `.ckpt`) was told to name the folder holding
+    it, which then held no checkpoint either: no way forward, nothing said of pickles."""
+    evidence = str(tmp_path / "pwned")
+    for name, legacy in (("model.pt", False), ("pytorch_model.bin", True)):
+        path = str(tmp_path / name)
+        torch.save({"weight": _RunsCode(evidence)}, path, _use_new_zipfile_serialization=not legacy)
+        config = Checkpoint(enable=True, initial_load_path=path)
+        with CheckpointManager(config, [torch.nn.Linear(4, 4)], base_folder=str(tmp_path / "run")) as manager, \
+                pytest.raises(CheckpointNotFoundError, match=r"is a torch.save file \(a pickle\), which "
+                                                             r"torchtitan_ckpt never loads .*safetensors"):
+            manager.load()
+    assert not os.path.exists(evidence)

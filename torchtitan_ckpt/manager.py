@@ -959,8 +959,7 @@ class CheckpointManager:
             lambda: layout.status_of(path), f"looking at checkpoint.initial_load_path = {path}"))
         if status == layout.UNKNOWN:
             found = ("holds no finished checkpoint of a known format" if os.path.isdir(path) else
-                     "is a file, not a step folder: name the folder holding it" if os.path.exists(path) else
-                     "does not exist")
+                     _a_file(path) if os.path.exists(path) else "does not exist")
             if steps := [f.step for f in self._initial.scan(path) if f.loadable]:
                 found += f" (it holds the steps {steps}: name one of their folders)"
             raise CheckpointNotFoundError(
@@ -971,7 +970,15 @@ class CheckpointManager:
             raise CheckpointNotFoundError(f"checkpoint.initial_load_path = {self.config.initial_load_path}: its save did not finish "
                                           f"(no {commit.MARKER}); it is never loaded")
         if status != layout.COMPLETE:
-            return self._foreign_target(path, None, self._initial, self.config.initial_load_model_only)
+            target = self._foreign_target(path, None, self._initial, self.config.initial_load_model_only)
+            if target.model_only and not self.config.initial_load_model_only and self._loaded_states():
+                raise CheckpointError(
+                    f"checkpoint.initial_load_path = {self.config.initial_load_path} holds only the model (a "
+                    f"{target.format.name} checkpoint of another program) and checkpoint.initial_load_model_only = "
+                    f"false asks for this job's {', '.join(self._loaded_states())} state too: set it to true to start "
+                    "from its model (another framework's optimizer files beside it, a Trainer's optimizer.pt say, "
+                    "are never read)")
+            return target
         if problems := self._verify(path, self._initial):
             raise CorruptCheckpointError(f"checkpoint.initial_load_path = {self.config.initial_load_path} failed "
                                          f"verification: {'; '.join(problems)}")
@@ -1128,7 +1135,8 @@ class CheckpointManager:
         save) are not loaded, as DCP leaves them: said once, on rank 0. Each rank marks those
         its parts have (a pipeline stage has its own layers) in a bitmap over the step's names,
         the same on every rank, and one gather joins them."""
-        states = {*BUILTIN_STATES, *self._states, *target.listed}
+        # model tensors are at the top level: one named "model.*" (transformers' names) is one of them
+        states = {*BUILTIN_STATES, *self._states, *target.listed} - {"model"}
         names = sorted(k for k in target.index.tensors if k.partition(".")[0] not in states)
         # the bitmap made from and read as a string of digits: a shift per name would be quadratic
         mine = int("".join("1" if name in state else "0" for name in reversed(names)) or "0", 2)
@@ -1162,6 +1170,26 @@ def _cannot_apply(path: str, name: str, error: Exception) -> CorruptCheckpointEr
     return CorruptCheckpointError(
         f"{path}: its '{name}' state cannot be applied to this job ({type(error).__name__}: {error}); "
         f"load another step, or add '{name}' to checkpoint.exclude_from_loading")
+
+
+_PICKLED = (b"PK\x03\x04", b"\x80")
+"""How a `torch.save` file starts: a zip archive (the format since torch 1.6), or a pickle."""
+
+
+def _a_file(path: str) -> str:
+    """What to say of `initial_load_path` naming the file `path`: a `torch.save` file (a `.pt`,
+    `pytorch_model.bin`, a Lightning `.ckpt`) is a pickle, which this package never loads."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        head = b""
+    if head.startswith(_PICKLED):
+        return ("is a torch.save file (a pickle), which torchtitan_ckpt never loads (unpickling runs code from "
+                "the file): save its tensors again as safetensors (safetensors.torch.save_file, or transformers' "
+                "save_pretrained) and load that folder with checkpoint.initial_load_in_hf and a state-dict adapter, "
+                "or as a DCP folder (torch.distributed.checkpoint.save)")
+    return "is a file, not a step folder: name the folder holding it"
 
 
 def _not_loadable(folder: layout.StepFolder) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -73,11 +73,30 @@ class StepIndex:
         it holds as another kind of value is the format's to refuse)."""
         flat, held = flatten_state_dict(state)[0], self.keys()
         missing = [k for k, v in flat.items() if isinstance(v, torch.Tensor) and k not in held]
-        if missing and all(f"module.{k}" in held for k in missing):
+        prefix = _nesting(missing, held)
+        if prefix == "module.":
             hint = ("its names carry DistributedDataParallel's 'module.' prefix, which saves of torchtitan_ckpt "
                     "before 2026-12-05 kept (now no step holds it): load it with that version")
+        elif prefix:
+            hint = (f"it holds every one under the prefix {prefix!r}: another framework's checkpoint, which nests "
+                    "the model (accelerate's FSDP folders under 'model.', Lightning's under 'state_dict.'); save its "
+                    f"tensors again without the prefix (dcp.load into a dict of '{prefix}' + name, dcp.save of the "
+                    "names alone) and load that")
         if missing:
             raise CheckpointError(f"{path} lacks {len(missing)} tensors this job has, e.g. {missing[:3]}; {hint}")
+
+
+def _nesting(missing: list[str], held: Collection[str]) -> str | None:
+    """The prefix under which `held` has every one of the `missing` names, if there is one."""
+    if not missing:
+        return None
+    first = "." + missing[0]
+    for name in held:
+        if name.endswith(first):
+            prefix = name[:len(name) - len(missing[0])]
+            if all(prefix + k in held for k in missing):
+                return prefix
+    return None
 
 
 class StepFormat(ABC):
