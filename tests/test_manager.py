@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torchtitan_ckpt import (Checkpoint, CheckpointError, CheckpointManager, CheckpointNotFoundError, ConfigError,
                              CorruptCheckpointError, commit, layout)
 from torchtitan_ckpt.dcp.storage import METADATA_FILE
+from torchtitan_ckpt.formats.base import _nesting
 from torchtitan_ckpt.storage.local import LOCK_FILE
 
 from .helpers import assert_same, data_file_use, read_checkpoint
@@ -882,7 +883,7 @@ def test_tensors_a_model_named_like_transformers_lacks_are_warned_of(tmp_path, c
         in caplog.text
 
 
-def test_a_folder_nesting_the_model_under_a_prefix_is_named_for_it(tmp_path):
+def test_a_folder_nesting_the_model_under_a_prefix_is_named_for_it(tmp_path, caplog):
     """accelerate's FSDP folders hold `model.` + each name, Lightning's `state_dict.` + ...: the
     load said the tensors were missing and asked whether it was another model."""
     source = _Nested(2)
@@ -890,10 +891,13 @@ def test_a_folder_nesting_the_model_under_a_prefix_is_named_for_it(tmp_path):
         path = str(tmp_path / prefix)
         dcp.save({prefix + k: v for k, v in source.state_dict().items()}, checkpoint_id=path, no_dist=True)
         config = Checkpoint(enable=True, initial_load_path=path)
-        with CheckpointManager(config, [_Nested(2)], base_folder=str(tmp_path / "run")) as manager, \
+        with caplog.at_level("WARNING", logger="torchtitan_ckpt"), \
+                CheckpointManager(config, [_Nested(2)], base_folder=str(tmp_path / "run")) as manager, \
                 pytest.raises(CheckpointError, match=rf"lacks 4 tensors this job has, .*; it holds every one under "
                                                       rf"the prefix '{re.escape(prefix)}': another framework's"):
             manager.load()
+    assert "model tensors this job's model does not have" not in caplog.text  # the refusal says why, alone
+    assert _nesting(["x"], {"_orig_mod.module.x", "module.x", "y"}) == "module."  # the shortest, on every rank
 
 
 def test_a_model_only_folder_of_another_program_is_refused_where_the_job_asks_for_more(tmp_path):
@@ -916,6 +920,12 @@ def test_a_model_only_folder_of_another_program_is_refused_where_the_job_asks_fo
                            base_folder=str(tmp_path / "run")) as manager:
         assert manager.load()
     assert torch.equal(fresh.weight, model.weight)
+    evaluation = torch.nn.Linear(4, 4)  # a job that only loads takes the model it asked for with the rest
+    config = Checkpoint(enable=True, initial_load_path=path, initial_load_model_only=False, load_only=True)
+    with CheckpointManager(config, [evaluation], torch.optim.AdamW(evaluation.parameters()),
+                           base_folder=str(tmp_path / "eval")) as manager:
+        assert manager.load()
+    assert torch.equal(evaluation.weight, model.weight)
 
 
 def test_a_torch_save_file_as_initial_load_path_is_named_for_what_it_is(tmp_path):
@@ -931,3 +941,11 @@ def test_a_torch_save_file_as_initial_load_path_is_named_for_what_it_is(tmp_path
                                                              r"torchtitan_ckpt never loads .*safetensors"):
             manager.load()
     assert not os.path.exists(evidence)
+    step = make_job(str(tmp_path / "src"), steps=2, interval=1)
+    step.run_to(1, steps=2)
+    step.manager.close()
+    metadata = os.path.join(layout.step_dir(_folder(tmp_path / "src"), 1), METADATA_FILE)  # a pickle too
+    config = Checkpoint(enable=True, initial_load_path=metadata)
+    with CheckpointManager(config, [torch.nn.Linear(4, 4)], base_folder=str(tmp_path / "run2")) as manager, \
+            pytest.raises(CheckpointNotFoundError, match=r"is a file, not a step folder: name the folder holding it"):
+        manager.load()

@@ -313,7 +313,9 @@ class _Arrivals:
         waiting): the ranks below are asked one at a time, most often only rank 0."""
         for r in range(self._rank):
             rounds = self._rounds([r])
-            if rounds is None or rounds[0] >= entered or rounds[0] < 0:
+            if rounds is None or rounds[0] < 0:
+                return False
+            if entered <= rounds[0] < self._CLOSED - 1:  # waiting too (a closed rank waits for nothing)
                 return False
         return True
 

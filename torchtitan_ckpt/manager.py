@@ -14,6 +14,7 @@ import operator
 import os
 import threading
 import time
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -971,7 +972,7 @@ class CheckpointManager:
                                           f"(no {commit.MARKER}); it is never loaded")
         if status != layout.COMPLETE:
             target = self._foreign_target(path, None, self._initial, self.config.initial_load_model_only)
-            if target.model_only and not self.config.initial_load_model_only and self._loaded_states():
+            if target.model_only and not self.config.initial_load_model_only and self._resumes():
                 raise CheckpointError(
                     f"checkpoint.initial_load_path = {self.config.initial_load_path} holds only the model (a "
                     f"{target.format.name} checkpoint of another program) and checkpoint.initial_load_model_only = "
@@ -1141,6 +1142,8 @@ class CheckpointManager:
         # the bitmap made from and read as a string of digits: a shift per name would be quadratic
         mine = int("".join("1" if name in state else "0" for name in reversed(names)) or "0", 2)
         held = functools.reduce(operator.or_, self._group.all_gather(mine))
+        if not held:  # none of its names is the model's (nested under a prefix?): the load's refusal says why
+            return
         unloaded = [name for name, bit in zip(names, reversed(f"{held:0{len(names)}b}")) if bit == "0"]
         if unloaded and self._group.is_coordinator:
             logger.warning("%s holds %d model tensors this job's model does not have, e.g. %s: they are not loaded "
@@ -1172,23 +1175,33 @@ def _cannot_apply(path: str, name: str, error: Exception) -> CorruptCheckpointEr
         f"load another step, or add '{name}' to checkpoint.exclude_from_loading")
 
 
-_PICKLED = (b"PK\x03\x04", b"\x80")
-"""How a `torch.save` file starts: a zip archive (the format since torch 1.6), or a pickle."""
+_LEGACY_TORCH_SAVE = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
+"""How a `torch.save` file of the format before torch 1.6 starts: a pickle of its magic number."""
+
+
+def _torch_save_file(path: str) -> bool:
+    """Whether `path` is a `torch.save` file: a zip archive holding a `data.pkl`, told from its
+    listing (nothing is unpickled), or the older format's magic number."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(_LEGACY_TORCH_SAVE)) == _LEGACY_TORCH_SAVE:
+                return True
+        with zipfile.ZipFile(path) as archive:
+            return any(name == "data.pkl" or name.endswith("/data.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
 
 
 def _a_file(path: str) -> str:
-    """What to say of `initial_load_path` naming the file `path`: a `torch.save` file (a `.pt`,
-    `pytorch_model.bin`, a Lightning `.ckpt`) is a pickle, which this package never loads."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError:
-        head = b""
-    if head.startswith(_PICKLED):
-        return ("is a torch.save file (a pickle), which torchtitan_ckpt never loads (unpickling runs code from "
-                "the file): save its tensors again as safetensors (safetensors.torch.save_file, or transformers' "
-                "save_pretrained) and load that folder with checkpoint.initial_load_in_hf and a state-dict adapter, "
-                "or as a DCP folder (torch.distributed.checkpoint.save)")
+    """What to say of `initial_load_path` naming the file `path`: one of a checkpoint folder's
+    files, or a `torch.save` file (a `.pt`, `pytorch_model.bin`, a Lightning `.ckpt`), a pickle,
+    which this package never loads."""
+    if not os.path.dirname(path) or layout.status_of(os.path.dirname(path)) == layout.UNKNOWN:
+        if _torch_save_file(path):
+            return ("is a torch.save file (a pickle), which torchtitan_ckpt never loads (unpickling runs code from "
+                    "the file): save its tensors again as safetensors (safetensors.torch.save_file, or "
+                    "transformers' save_pretrained) and load that folder with checkpoint.initial_load_in_hf and a "
+                    "state-dict adapter, or as a DCP folder (torch.distributed.checkpoint.save)")
     return "is a file, not a step folder: name the folder holding it"
 
 

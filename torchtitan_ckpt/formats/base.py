@@ -91,12 +91,9 @@ def _nesting(missing: list[str], held: Collection[str]) -> str | None:
     if not missing:
         return None
     first = "." + missing[0]
-    for name in held:
-        if name.endswith(first):
-            prefix = name[:len(name) - len(missing[0])]
-            if all(prefix + k in held for k in missing):
-                return prefix
-    return None
+    fitting = [prefix for name in held if name.endswith(first)
+               for prefix in [name[:len(name) - len(missing[0])]] if all(prefix + k in held for k in missing)]
+    return min(fitting, key=len, default=None)  # `module.` over `_orig_mod.module.`, on every rank alike
 
 
 class StepFormat(ABC):
