@@ -198,3 +198,11 @@ def test_a_transformers_model_comes_in_and_goes_out_through_an_adapter_that_rena
     tokens = torch.arange(12).reshape(2, 6)
     with torch.no_grad():
         assert torch.equal(back(tokens).logits, model(tokens).logits)
+
+    # the package's own adapter maps TorchTitan's names: for this model, it says to rename nothing
+    from torchtitan_ckpt.hf import AdapterMismatchError, adapter_for_hf_dir
+    with pytest.raises(AdapterMismatchError, match=r"the model's names are already the Hugging Face folder's, "
+                                                   r"which this adapter maps from TorchTitan's: .*'SameNames'"):
+        with CheckpointManager(config, model, state_dict_adapter=adapter_for_hf_dir(str(tmp_path / "hf")),
+                               base_folder=str(tmp_path / "run2")) as manager:
+            manager.load()

@@ -101,16 +101,17 @@ class AdapterMismatchError(CheckpointError, KeyError):
     names it does not know, names it expects and does not find, or shapes other than the model
     config's. `unknown` and `missing` list both sides."""
 
-    def __init__(self, where: str, unknown: list[str], missing: list[str]):
+    def __init__(self, where: str, unknown: list[str], missing: list[str],
+                 hint: str = "is the adapter (or the model config) the one this checkpoint was made for?"):
         self.where = where
         self.unknown = sorted(unknown)
         self.missing = sorted(missing)
+        self.hint = hint
         super().__init__(where, self.unknown, self.missing)
 
     def __str__(self) -> str:  # KeyError would print the repr of its args
         return (f"{self.where}: {len(self.unknown)} unknown name(s) {self.unknown} and "
-                f"{len(self.missing)} missing name(s) {self.missing}; is the adapter (or the "
-                "model config) the one this checkpoint was made for?")
+                f"{len(self.missing)} missing name(s) {self.missing}; {self.hint}")
 
 
 class CheckpointSaveError(CheckpointError):

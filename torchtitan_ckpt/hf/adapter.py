@@ -193,6 +193,11 @@ class StateDictAdapter:
         """Raise `AdapterMismatchError` unless `names` are the model's (the tied head may be
         there or not); with `complete=False`, unless they are some of them (a pipeline stage's)."""
         ours = set(names) - {TIED_HEAD} if self.tied else set(names)
+        if ours and not ours & set(self.sources) and ours <= {*self.hf_names, *self.tied_copies}:
+            raise AdapterMismatchError(  # a transformers model, say, trained as it is
+                "state dict -> HF", sorted(ours), sorted(self.sources),
+                "the model's names are already the Hugging Face folder's, which this adapter maps from TorchTitan's: "
+                "give the manager an adapter that renames nothing (docs/hf.md, 'SameNames')")
         check_names("state dict -> HF", ours, self.sources if complete else ours & set(self.sources))
 
     def to_hf(self, state_dict: dict[str, Any], complete: bool = True) -> dict[str, Any]:
