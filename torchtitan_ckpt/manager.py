@@ -456,9 +456,7 @@ class CheckpointManager:
         except Exception as e:  # every rank hears of it in the save's first round, not left waiting there
             state, failure = {}, e
         if fmt.on_training_thread:  # after the save in flight (this step's own, for an HF copy): its clock after
-            start = time.perf_counter()
-            self._saves.wait()
-            waited += time.perf_counter() - start
+            waited += self._wait_for_earlier(step)
         job = self._save_job(step, kind, folder, fmt, failure, last, waited)
         if fmt.on_training_thread:
             staged = Staged(state)

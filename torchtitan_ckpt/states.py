@@ -38,7 +38,6 @@ from .io.torch_archive import load_plain_pickle, refusal
 from .io.untrusted import brief
 
 
-
 class StateLike(Protocol):
     """What `CheckpointManager(states=...)` takes as a value: torch's `Stateful`, an `nn.Module`
     (an EMA copy), or any object with these two methods, whatever `load_state_dict` returns."""
