@@ -465,7 +465,8 @@ def test_a_second_job_saving_into_a_folder_in_use_is_refused_at_start(tmp_path):
         "loaded True",
         f"checkpoint.folder = {folder!r}: another process (pid {os.getpid()} on {os.uname().nodename}) uses {folder} "
         "to save into: one job saves into a folder at a time; stop that job first, or give this one a folder of "
-        "its own"]
+        "its own (where its host is down, NFSv3 keeps its lock until that host is up again: once sure no job saves "
+        "there, remove the lock file)"]
     assert layout.committed_steps(folder) == [1]
     clean = subprocess.run([sys.executable, "-m", "torchtitan_ckpt.cli", "clean", folder], capture_output=True,
                            text=True, timeout=120, env=env)

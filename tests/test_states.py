@@ -610,3 +610,122 @@ def test_a_step_saved_with_ddps_prefix_by_an_earlier_version_is_named_so(tmp_pat
         with pytest.raises(CheckpointError, match=r"lacks 2 tensors this job has, e.g. \['weight', 'bias'\]; its names "
                                                   r"carry DistributedDataParallel's 'module.' prefix"):
             manager.load()
+
+
+_SCHEDULES = {
+    "StepLR": lambda opt: lr_scheduler.StepLR(opt, 2, 0.5),
+    "warm-up and cosine": lambda opt: lr_scheduler.SequentialLR(
+        opt, [lr_scheduler.LinearLR(opt, 0.1, total_iters=3), lr_scheduler.CosineAnnealingLR(opt, 7)], [3]),
+    "LambdaLR": lambda opt: lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** (step // 2)),
+}
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True])
+@pytest.mark.parametrize("schedule", sorted(_SCHEDULES))
+def test_a_schedule_loaded_without_its_optimizer_goes_on_at_the_rates_it_reached(tmp_path, schedule, tensor_lr):
+    """docs/quickstart.md: after changing the optimizer, leave it out of the load. The schedule
+    loaded at step 4, and the new optimizer kept the rate it was built with: 4x the saved run's
+    for the rest of the run with StepLR, a tenth with the warm-up and cosine (chained schedules
+    go on from the optimizer's rate), LambdaLR's first step."""
+    def job(opt_kind, **config):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        lr = torch.tensor(0.1) if tensor_lr else 0.1
+        opt = opt_kind(model.parameters(), lr=lr)
+        sched = _SCHEDULES[schedule](opt)
+        return model, opt, sched, CheckpointManager(Checkpoint(enable=True, interval=1, keep_latest_k=0, **config),
+                                                    [model], optimizers=opt, lr_schedulers=sched,
+                                                    base_folder=str(tmp_path))
+
+    def rates(model, opt, sched, steps):
+        used = []
+        for _ in range(steps):
+            used.append(float(opt.param_groups[0]["lr"]))
+            _train_one(model, opt, sched)
+        return used
+
+    model, opt, sched, manager = job(functools.partial(torch.optim.SGD, momentum=0.9))
+    saved_rates = []
+    for step in range(1, 11):
+        saved_rates += rates(model, opt, sched, 1)
+        manager.save(step)
+    manager.close()
+    model, opt, sched, manager = job(torch.optim.Adam, load_only=True, exclude_from_loading=["optimizer"])
+    assert manager.load(4)
+    manager.close()
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor) == tensor_lr
+    assert sched.get_last_lr() == saved_rates[4:5]
+    assert rates(model, opt, sched, 6) == pytest.approx(saved_rates[4:], rel=1e-6)
+
+
+def _train_one(model, opt, sched) -> None:
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    sched.step()
+
+
+class _Rng:
+    def state_dict(self):
+        return {"cpu": torch.get_rng_state()}
+
+    def load_state_dict(self, state_dict):
+        torch.set_rng_state(state_dict["cpu"])
+
+
+class _Count:
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value, "as_tensor": torch.tensor([float(self.value)])}
+
+    def load_state_dict(self, state_dict):
+        self.value = state_dict["value"]
+
+
+def _save_per_rank_states(rank: int, world_size: int, folder: str) -> None:
+    import logging
+
+    torch.manual_seed(100 + rank)
+    handler = logging.FileHandler(os.path.join(folder, f"log-{rank}"))
+    logging.getLogger("torchtitan_ckpt").addHandler(handler)
+    states = {"rng": _Rng(), "alike": _Count(7), "own": _Count(rank)}
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [nn.Linear(2, 2)], states=states,
+                           base_folder=folder) as manager:
+        manager.save(1)
+        states["own"].value += 1
+        manager.save(2)
+    handler.close()
+
+
+def test_a_state_whose_values_differ_by_rank_is_warned_of_once(tmp_path):
+    """A state that is not a DTensor is saved as replicated: a rank's RNG state or its own
+    counter came back on every rank as one rank's, without a word (under `balanced`, rank 0's
+    RNG and rank 1's counter)."""
+    spawn(2, _save_per_rank_states, str(tmp_path))
+    said = (tmp_path / "log-0").read_text().splitlines()
+    warned = [line for line in said if "holds other values on rank(s) 1 than on rank 0" in line]
+    assert [line.split(" holds")[0] for line in warned] == ["states['rng']", "states['own']"]
+    assert "key its values by rank in the state (a dict of {f'rank{rank}': ...})" in warned[0]
+    assert not (tmp_path / "log-1").read_text()
+
+
+def test_parameters_saved_in_groups_of_other_settings_are_refused_in_one_group(tmp_path):
+    """Saved with layer a at lr 0.01 (weight decay 0.1) and b at 0.001 (none), resumed with one
+    group: the group took a's settings for both, b training at ten times its rate, silently."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)})
+    opt = torch.optim.AdamW([{"params": model["a"].parameters(), "lr": 1e-2, "weight_decay": 0.1},
+                             {"params": model["b"].parameters(), "lr": 1e-3, "weight_decay": 0.0}])
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=opt,
+                           base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    regrouped = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.05)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=regrouped,
+                           base_folder=str(tmp_path)) as manager:
+        with pytest.raises(CheckpointError, match=r"this job's optimizer has a.weight and b.weight in one param group, "
+                                                  r"and the step saved them with other settings \(lr 0.01 and 0.001, "
+                                                  r"weight_decay 0.1 and 0.0\): the group would take a.weight's"):
+            manager.load()
+    assert regrouped.param_groups[0]["lr"] == 5e-3 and regrouped.param_groups[0]["weight_decay"] == 0.05

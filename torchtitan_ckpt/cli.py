@@ -414,7 +414,7 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
         raise CheckpointError(f"{args.folder}: clean works on a local folder; on object storage the next save's "
                               "retention deletes the partial steps older than it (docs/storage.md)")
     _require_folder(args.folder)
-    with _no_job_saving(args.folder):
+    with _no_job_saving(args.folder, args.force):
         steps = layout.scan(args.folder)
         for s in steps:
             if not s.ours or s.linked:
@@ -448,9 +448,11 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
 
 
 @contextlib.contextmanager
-def _no_job_saving(folder: str) -> Iterator[None]:
+def _no_job_saving(folder: str, force: bool) -> Iterator[None]:
     """Hold `folder` as a job saving there does (`storage.local.LOCK_FILE`, where a job of this
-    package has saved), for the duration of the block: a job's save in flight is partial too."""
+    package has saved), for the duration of the block: a job's save in flight is partial too.
+    Where the file system does not lock (or its locks are node-local, unseen by a job on
+    another node), refused unless `force`."""
     held = os.path.join(folder, LOCK_FILE)
     if not os.path.lexists(held):  # no job of ours has saved here
         yield
@@ -458,6 +460,10 @@ def _no_job_saving(folder: str) -> Iterator[None]:
     key, _ = lock.claim(held, f"{folder} to save into", "clean removes partial steps, and that job's save in flight "
                         "is one: run it once the job has ended")
     try:
+        if not lock.held(key) and not force:
+            raise CheckpointError(f"{folder}: its file system did not lock {held}, so a job saving there now (on "
+                                  "another node, say) cannot be told from none, and its save in flight would be "
+                                  "removed as partial; once no job saves there, run clean --force")
         yield
     finally:
         lock.release(key)
@@ -647,6 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_threads, default=4, help="files checked at once")
     p = _add(sub, "clean", cmd_clean, "remove partial step folders (refused while a job saves there)")
     p.add_argument("folder")
+    p.add_argument("--force", action="store_true",
+                   help="clean where the file system cannot lock the folder (no job may be saving there)")
     _add_convert(sub)
     _add_consolidate(sub)
     return parser

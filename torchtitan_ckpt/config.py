@@ -156,7 +156,9 @@ class Checkpoint:
     files' bytes, in order, straight into the state's tensors)."""
 
     exclude_from_loading: list[str] = field(default_factory=list)
-    """States not restored on load, e.g. `["dataloader", "lr_scheduler"]`. `model` cannot be excluded."""
+    """States not restored on load, e.g. `["dataloader", "lr_scheduler"]`. `model` cannot be excluded.
+    With `optimizer` excluded and the schedulers loaded, the optimizers' learning rates are set
+    to those the loaded schedule reached."""
 
     enable_first_step_checkpoint: bool = False
     """Also save at step 1, to catch save problems early."""

@@ -14,6 +14,14 @@ def few(items: Sequence[object], shown: int = 10) -> str:
     return f"{listed} and {len(items) - shown} more" if len(items) > shown else listed
 
 
+def different_copies(what: str, ranks: Sequence[int]) -> str:
+    """What to say of `what` (a file or folder) read differently by `ranks` than by rank 0
+    (`CheckpointGroup.differing`)."""
+    return (f"{what} differs on rank(s) {few(ranks)} from rank 0's: the ranks would load different checkpoints. "
+            "Is the folder on node-local disks (a copy per node, not alike), or was it replaced while it was read? "
+            "Give every rank the same files (a file system they share) and load again")
+
+
 class CheckpointError(Exception):
     """Base class of every error this package raises deliberately."""
 

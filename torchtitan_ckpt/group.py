@@ -25,6 +25,13 @@ _WARN_AFTER = 0.25
 warns of the ranks that have not entered it."""
 
 
+_MADE_ALIKE = ("makes its CheckpointManager. Across nodes, gloo connects the ranks at the address each host's name "
+               "resolves to (127.0.1.1 on some hosts, which other nodes cannot reach) or on GLOO_SOCKET_IFNAME: set "
+               "that to the network interface the nodes reach each other on")
+"""What every rank does alike in making the group (`_failing`): a training job's NCCL finds its
+network itself, and gloo may not."""
+
+
 class CheckpointGroup:
     """Ranks that save and load together.
 
@@ -51,7 +58,7 @@ class CheckpointGroup:
             self._timeout = (f"checkpoint.collective_timeout_s = {timeout_s:g} s" if process_group is None else
                              "the process_group's timeout")
             self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
-            with self._failing():  # made collectively: a rank that never comes times it out
+            with self._failing(alike=_MADE_ALIKE):  # made collectively: a rank that never comes times it out
                 self.pg: dist.ProcessGroup | None = process_group or dist.new_group(
                     backend="gloo", timeout=timedelta(seconds=timeout_s))
             self._made = process_group is None
@@ -85,6 +92,13 @@ class CheckpointGroup:
         """Every rank's `obj`, in rank order, on every rank."""
         return self._all_gather(obj, self._arrive())
 
+    def differing(self, value: Any) -> list[int]:
+        """The ranks whose `value` (a digest of what each rank read) differs from rank 0's, on
+        every rank: ranks that would go on from different files (a folder on node-local disks,
+        a copy per node that differs) found before any of them acts on its own."""
+        found = self.all_gather(value)
+        return [rank for rank, theirs in enumerate(found) if theirs != found[0]]
+
     def _arrive(self) -> int:
         """Count this rank into its next round of collectives (`_Arrivals`); 0 where not counted."""
         return self._arrivals.enter() if self._arrivals is not None else 0
@@ -98,7 +112,8 @@ class CheckpointGroup:
         return found
 
     @contextlib.contextmanager
-    def _failing(self, entered: int = 0) -> Iterator[None]:
+    def _failing(self, entered: int = 0, alike: str = "calls save(step, last_step), load() and close() alike, "
+                 "with the same arguments") -> Iterator[None]:
         """A collective's failure (gloo's timeout, a peer's closed connection) as a
         `CollectiveError` that says what to look for. With the round counted (`entered`), a wait
         past a share of the timeout is warned of, and a failure after such a wait names the ranks
@@ -118,8 +133,7 @@ class CheckpointGroup:
                    f"another rank did not join it within {self._timeout}, or failed or died (see its log)")
             raise CollectiveError(
                 f"a collective among the checkpoint's {self.world_size} ranks failed on rank {self.rank} ({e}): "
-                f"{who}. Every rank calls save(step, last_step), load() and close() alike, with the same "
-                "arguments") from e
+                f"{who}. Every rank {alike}") from e
         finally:
             if arrivals is not None:
                 arrivals.unwatch()

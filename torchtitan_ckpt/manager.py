@@ -38,6 +38,7 @@ from .errors import (
     CorruptCheckpointError,
     PartialLoadError,
     RankFailed,
+    different_copies,
     few,
     restate,
 )
@@ -47,7 +48,7 @@ from .hf import StateDictAdapter
 from .hf.adapter import EMBEDDING, TIED_HEAD, as_adapter
 from .hf.files import RECORDED_LAYOUT
 from .hf.save import assets_file_split, read_assets
-from .io.dtypes import EXPORT_DTYPES
+from .io.dtypes import EXPORT_DTYPES, exported
 from .io import safe_open
 from .io.filewriter import Sink
 from .io.untrusted import brief
@@ -55,7 +56,7 @@ from .progress import gb_per_s
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
 from .staging import SaveJob, Staged, make_strategy
 from .states import (DP_RANK_PREFIX, CheckedState, DataLoaderState, LRSchedulerState, ModelPart, ModelState,
-                     OptimizerState, StateLike, saved_dp_degree, unwrapped)
+                     OptimizerState, StateLike, replicated_digest, saved_dp_degree, unwrapped)
 from .storage.base import Store
 
 logger = logging.getLogger(__name__)
@@ -177,6 +178,8 @@ class CheckpointManager:
         a step not told before (the steps a job that went back passes go one by one, told once)."""
         self._told_summary = ""
         """The dedup summary of the last save, logged at INFO again only when it changes."""
+        self._told_per_rank: set[str] = set()
+        """The states whose values differ by rank, warned of (`_warn_per_rank`)."""
         self._calls = threading.RLock()
         """Held by `save()`, `load()`, `close()` and `wait()`: a call from another thread waits
         for the one in progress (two threads' saves interleaved their steps' files)."""
@@ -309,7 +312,7 @@ class CheckpointManager:
             found["optimizer"] = OptimizerState(parts, opts)
         if scheds := _members(lr_schedulers, "lr_schedulers", "an LR scheduler (with state_dict() and "
                               "load_state_dict())", lambda s: isinstance(s, Stateful)):
-            found["lr_scheduler"] = LRSchedulerState(scheds)
+            found["lr_scheduler"] = LRSchedulerState(scheds, "optimizer" in self.config.exclude_from_loading)
         if dataloader is not None:
             if not isinstance(dataloader, Stateful):
                 raise TypeError(f"dataloader is a {type(dataloader).__name__}, which has no state_dict()/"
@@ -453,11 +456,12 @@ class CheckpointManager:
         `waited`: the seconds `save()` waited for the save before it, told in the saved line."""
         try:
             state, failure = self._state_for_save(kind), None
+            digests = {name: replicated_digest(state[name]) for name in self._per_rank_checked if name in state}
         except Exception as e:  # every rank hears of it in the save's first round, not left waiting there
-            state, failure = {}, e
+            state, failure, digests = {}, e, {}
         if fmt.on_training_thread:  # after the save in flight (this step's own, for an HF copy): its clock after
             waited += self._wait_for_earlier(step)
-        job = self._save_job(step, kind, folder, fmt, failure, last, waited)
+        job = self._save_job(step, kind, folder, fmt, failure, last, waited, digests)
         if fmt.on_training_thread:
             staged = Staged(state)
             job.run(lambda: staged)
@@ -490,6 +494,28 @@ class CheckpointManager:
         if self.config.enable:
             self._saves.wait_for_staging()
 
+    @property
+    def _per_rank_checked(self) -> list[str]:
+        """The states whose values a save compares among the ranks (`_warn_per_rank`): all but
+        the optimizer's (replicated or DTensors by training's own design) and the dataloader's
+        (saved per rank)."""
+        return [name for name, s in self._states.items() if not isinstance(s, (OptimizerState, DataLoaderState))]
+
+    def _warn_per_rank(self, digests: list[Mapping[str, bytes]]) -> None:
+        """Rank 0, once per state: warn of a state whose values differ by rank. A save keeps one
+        copy of whatever is not a DTensor, as replicated (DCP's rule), and a load gives every rank
+        that copy: a rank's RNG state, or its own counter, comes back as another rank's."""
+        if not self._group.is_coordinator:
+            return
+        for name in digests[0]:
+            differ = [r for r, theirs in enumerate(digests) if theirs.get(name) != digests[0][name]]
+            if differ and name not in self._told_per_rank:
+                self._told_per_rank.add(name)
+                logger.warning("states[%r] holds other values on rank(s) %s than on rank 0: a step keeps one copy "
+                               "of each value that is not a DTensor (as replicated), and a load gives every rank "
+                               "that copy. If each rank must get its own back, key its values by rank in the "
+                               "state (a dict of {f'rank{rank}': ...})", name, few(differ))
+
     def _prepare(self, path: str, step: int) -> None:
         """Rank 0 makes the step folder ready for a save (`Store.prepare`), once retention's
         pending deletion of it is done (`BackgroundDeleter.settle`). A step of a run left behind
@@ -501,10 +527,12 @@ class CheckpointManager:
         self._store.prepare(path, step)
 
     def _save_job(self, step: int, kind: SaveKind, folder: str, fmt: StepFormat,
-                  failure: Exception | None = None, last: bool = False, waited: float = 0.0) -> SaveJob:
+                  failure: Exception | None = None, last: bool = False, waited: float = 0.0,
+                  digests: Mapping[str, bytes] | None = None) -> SaveJob:
         """The phases of one save into `{folder}/step-N` in format `fmt`, which the staging
         strategy runs in order on every rank. `failure`: this rank could not gather its state;
-        the first phase fails with it on every rank."""
+        the first phase fails with it on every rank. `digests`: `replicated_digest` of each
+        state of `_per_rank_checked` as saved."""
         path = layout.step_dir(folder, step)
         where = self._store.describe(path)  # the step as the user names it, in messages
         start = time.perf_counter()
@@ -513,12 +541,14 @@ class CheckpointManager:
             def mine() -> tuple:
                 if failure is not None:
                     raise failure
-                return step, kind.value, fmt.name, last
-            calls = self._agree(step, path, mine)
+                return (step, kind.value, fmt.name, last), digests or {}
+            shared = self._agree(step, path, mine)
+            calls = [s[0] if isinstance(s, tuple) and len(s) == 2 else s for s in shared]  # or another round's
             if (other := next((r for r, call in enumerate(calls) if call != calls[0]), None)) is not None:
                 raise CheckpointError(f"the ranks called save() otherwise: rank 0 {_described(calls[0])}, rank "
                                       f"{other} {_described(calls[other])}; every rank calls save(step, last_step) "
                                       "with the same arguments")
+            self._warn_per_rank([s[1] for s in shared])
             self._agree(step, path, lambda: self._prepare(path, step), coordinator_only=True)
 
         def write(staged: Staged, sink: Sink) -> Written:
@@ -590,10 +620,10 @@ class CheckpointManager:
         self._model.check_materialised(model_sd, "save()")
         if kind is SaveKind.MODEL_ONLY:
             dtype = EXPORT_DTYPES[self.config.export_dtype]
-            return {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in model_sd.items()}
+            return {k: exported(v, dtype) for k, v in model_sd.items()}
         if kind is SaveKind.SEED:
             return model_sd
-        return {**model_sd, **{name: s.state_dict() for name, s in self._states.items()}}
+        return {**model_sd, **{name: _state_dict_of(name, s, "save()") for name, s in self._states.items()}}
 
     def _agree(self, step: int, path: str, fn: Callable[[], Any], coordinator_only: bool = False) -> list[Any]:
         """Run `fn` on every rank (or on rank 0) and return every rank's result; any rank's
@@ -734,6 +764,13 @@ class CheckpointManager:
             logger.warning("rank %d sees the steps of %s as %s, rank 0 as %s: rank 0's view is used",
                            self._group.rank, self._store.describe(self.folder),
                            [(f.step, f.status) for f in mine], [(f.step, f.status) for f in agreed])
+        if not any(f.loadable for f in agreed):  # every rank would start afresh, though some see a step
+            seeing = [r for r, some in enumerate(self._group.all_gather(any(f.loadable for f in mine))) if some]
+            if seeing:
+                raise CheckpointNotFoundError(
+                    f"rank 0 sees no loadable step in {self._store.describe(self.folder)}, and rank(s) {few(seeing)} "
+                    "see some: the ranks do not share the folder (node-local disks, a mount missing on rank 0's "
+                    "node?); every rank would start from scratch. Give every rank the same folder")
         return agreed
 
     def _read(self, target: _LoadTarget) -> None:
@@ -1090,6 +1127,8 @@ class CheckpointManager:
         """A step of ours, in the format and with the states its commit marker records."""
         info = self._group.each(lambda: store.read_marker(path),
                                 f"reading the marker of {store.describe(path)}")
+        if differ := self._group.differing(info.digest):
+            raise CorruptCheckpointError(different_copies(store.describe(os.path.join(path, commit.MARKER)), differ))
         return self._target(path, step, model_only or info.model_only, store, info.format, frozenset(info.states))
 
     def _state_for_load(self, target: _LoadTarget) -> dict[str, Any]:
@@ -1111,7 +1150,7 @@ class CheckpointManager:
             if not saved and not checked:
                 # saved with no values (an EMA before it starts, `{"shadow": {}}`), which DCP keeps no
                 # trace of: the job's own empty containers, if they are that, else nothing
-                template = stateful.state_dict()
+                template = _state_dict_of(name, stateful, "load()")
                 state[name] = template if not flatten_state_dict(template)[0] else {}
                 continue
             relative = {k[len(prefix):] for k in saved}
@@ -1126,7 +1165,7 @@ class CheckpointManager:
                     f"was it saved by another kind of {name.replace('_', ' ')}? add '{name}' to "
                     "checkpoint.exclude_from_loading to start it fresh"))
             else:
-                state[name] = stateful.state_dict()  # filled in place; applied once every rank has read
+                state[name] = _state_dict_of(name, stateful, "load()")  # filled in place; applied once all have read
         return state
 
     def _warn_unloaded(self, target: _LoadTarget, state: dict[str, Any]) -> None:
@@ -1165,6 +1204,18 @@ class CheckpointManager:
             logger.warning("the dataloader state was saved by %d data-parallel ranks and this job has %d; "
                            "the dataloader starts from the beginning", degree, loader.dp_world_size)
         return False
+
+
+def _state_dict_of(name: str, stateful: Stateful, call: str) -> Any:
+    """`stateful.state_dict()` (of `states[name]`), a dict whose tensors have memory and can be
+    filled in place (`ModelState.check_materialised`): a step saved otherwise never loads."""
+    state = stateful.state_dict()
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"{call}: states[{name!r}].state_dict() returned a {type(state).__name__}, where a "
+                              "load needs a dict to fill: return its values in a dict")
+    ModelState.check_materialised({f"{name}.{k}": v for k, v in flatten_state_dict(state)[0].items()}, call,
+                                  f"states[{name!r}]'s")
+    return state
 
 
 def _cannot_apply(path: str, name: str, error: Exception) -> CorruptCheckpointError:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import hashlib
 import itertools
+import logging
 import pickle
 import sys
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -22,6 +24,7 @@ from typing import Any, Protocol, Union
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FSDPModule
@@ -36,6 +39,8 @@ from .errors import CheckpointError, CorruptCheckpointError
 from .io.dtypes import storable
 from .io.torch_archive import load_plain_pickle, refusal
 from .io.untrusted import brief
+
+logger = logging.getLogger(__name__)
 
 
 class StateLike(Protocol):
@@ -105,7 +110,7 @@ class ModelState(CheckedState):
         return {canonical_name(k): v for part in self.parts for k, v in part.state_dict().items()}
 
     @staticmethod
-    def check_materialised(state: dict[str, Any], call: str) -> None:
+    def check_materialised(state: dict[str, Any], call: str, whose: str = "the model's") -> None:
         """A `CheckpointError` unless every tensor of `state` (this model's `state_dict()`) has
         memory: one on the meta device (a model built there, not yet `to_empty`-ed and
         initialised) or a lazy module's parameter (not yet shaped by a forward pass) would make
@@ -117,9 +122,15 @@ class ModelState(CheckedState):
         empty = [k for k, v in state.items()
                  if isinstance(v, torch.Tensor) and (v.is_meta or nn.parameter.is_lazy(v))]
         if empty:
-            raise CheckpointError(f"{call}: {len(empty)} of the model's tensors have no memory yet, e.g. {empty[:3]} "
+            raise CheckpointError(f"{call}: {len(empty)} of {whose} tensors have no memory yet, e.g. {empty[:3]} "
                                   "(on the meta device, or a lazy module's before its first forward pass): "
-                                  "materialise the model first (model.to_empty(device=...), then its init)")
+                                  "materialise them first (model.to_empty(device=...), then its init)")
+        subclassed = [f"{k} ({type(v).__name__})" for k, v in state.items() if isinstance(v, torch.Tensor)
+                      and not isinstance(v, DTensor) and type(v) not in (torch.Tensor, nn.Parameter)]
+        if subclassed:
+            raise CheckpointError(f"{call}: {subclassed[:3]} are tensor subclasses (a quantized weight's, say), "
+                                  "which DCP saves as pickles no load may read, as reading them would run their "
+                                  "code: save their plain tensors (dequantized, or the subclass's inner tensors)")
         unusual = [k for k, v in state.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
                    and (v.layout != torch.strided or v.is_quantized or v.is_nested)]
         if unusual:
@@ -278,14 +289,26 @@ class OptimizerState(CheckedState):
 
     def check_loaded(self, state_dict: dict[str, Any]) -> None:
         """Each setting read is of the kind the job's optimizer has for it (a number, a flag, a
-        pair of numbers, ...): one of another kind would load, then fail the next step."""
-        live = {}
+        pair of numbers, ...): one of another kind would load, then fail the next step. A param
+        group takes one parameter's settings: parameters saved with others (in groups of their
+        own then) are refused, as `Optimizer.load_state_dict` refuses groups that differ."""
+        live, saved = {}, state_dict.get("param_groups", {})
         for opt, names in self.named:
             at = 0
             for group in opt.param_groups:
-                for name in names[at:at + len(group["params"])]:
+                members = names[at:at + len(group["params"])]
+                for name in members:
                     live[name] = group
                 at += len(group["params"])
+                held = [name for name in members if name in saved]
+                if other := next((n for n in held[1:] if not _same_settings(saved[n], saved[held[0]], False)), None):
+                    differ = [f"{k} {brief(saved[held[0]].get(k))} and {brief(saved[other].get(k))}"
+                              for k in {*saved[held[0]], *saved[other]}
+                              if not _same_settings(saved[held[0]].get(k), saved[other].get(k), False)]
+                    raise CheckpointError(
+                        f"this job's optimizer has {held[0]} and {other} in one param group, and the step saved them "
+                        f"with other settings ({', '.join(sorted(differ))}): the group would take {held[0]}'s for "
+                        "both. Build the param groups as saved, or add 'optimizer' to checkpoint.exclude_from_loading")
         for fqn, settings in state_dict.get("param_groups", {}).items():
             for key, value in settings.items():
                 if fqn in live and key in live[fqn] and not _same_kind(value, live[fqn][key]):
@@ -415,8 +438,11 @@ class LRSchedulerState(CheckedState):
     the first one's settings would otherwise overwrite theirs. Readers of TorchTitan's layout
     ignore that entry."""
 
-    def __init__(self, schedulers: Sequence[Any]):
+    def __init__(self, schedulers: Sequence[Any], sets_rates: bool = False):
         self.schedulers = list(schedulers)
+        self.sets_rates = sets_rates
+        """The optimizers' states are not loaded (`exclude_from_loading`): a loaded schedule sets
+        its optimizer's learning rates (`_set_rates`)."""
 
     def state_dict(self) -> dict[str, Any]:
         first = self.schedulers[0].state_dict()
@@ -475,8 +501,60 @@ class LRSchedulerState(CheckedState):
             scheduler.load_state_dict(copy.deepcopy({**own, **shared}))
             if "_step_count" not in state_dict and hasattr(scheduler, "last_epoch"):
                 scheduler._step_count = scheduler.last_epoch + 1  # what step() would have counted
-            if "_last_lr" not in shared:
+            if self.sets_rates:
+                _set_rates(i, scheduler, "_last_lr" in shared)
+            elif "_last_lr" not in shared:
                 scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
+_DIGESTED_BYTES = 1 << 20
+"""Tensors of up to this many bytes are digested whole by `replicated_digest`; larger ones (an
+EMA's replicated weights) by their dtype and shape alone."""
+
+
+def replicated_digest(state: Any) -> bytes:
+    """SHA-256 of what a save keeps one copy of for every rank in `state` (a state dict): its
+    values and its tensors that are not DTensors, to tell a state whose values differ by rank."""
+    digest = hashlib.sha256()
+    for key, value in sorted(flatten_state_dict(state)[0].items()):
+        if isinstance(value, DTensor):
+            continue
+        digest.update(f"{key}\0".encode())
+        if not isinstance(value, torch.Tensor):
+            digest.update(repr(value).encode())
+            continue
+        digest.update(f"{value.dtype}{list(value.shape)}".encode())
+        if value.numel() * value.element_size() <= _DIGESTED_BYTES:
+            try:
+                digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            except (RuntimeError, TypeError, NotImplementedError):  # no bytes to read (meta, sparse, quantized)
+                pass
+    return digest.digest()
+
+
+def _set_rates(i: int, scheduler: Any, saved: bool) -> None:
+    """Set the learning rates of the optimizer of the loaded `scheduler` (the `i`-th) to those
+    its schedule reached: its last ones where saved, else those of its step as `LambdaLR` (or
+    a closed form) computes them. The optimizer's own are those it was built with, from which
+    a chained schedule (`StepLR`, `SequentialLR`'s warm-up and cosine) would go on for the rest
+    of the run."""
+    groups = scheduler.optimizer.param_groups
+    rates = (list(scheduler._last_lr) if saved else
+             [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+             if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) else
+             scheduler._get_closed_form_lr() if hasattr(scheduler, "_get_closed_form_lr") else None)
+    if rates is None or len(rates) != len(groups):
+        logger.warning("the optimizer is not loaded (checkpoint.exclude_from_loading) and the rates lr_scheduler %d "
+                       "reached cannot be known for its %d param group(s) (%s): its optimizer's learning rates stay "
+                       "those it was built with", i, len(groups), "not saved" if rates is None else
+                       f"{len(rates)} saved")
+        return
+    for group, rate in zip(groups, rates):
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(rate)
+        else:
+            group["lr"] = float(rate)
+    scheduler._last_lr = [float(rate) for rate in rates]
 
 
 _PER_SCHEDULER = ("base_lrs", "_last_lr")

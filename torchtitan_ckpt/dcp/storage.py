@@ -187,10 +187,9 @@ def _newer_class(error: Exception) -> str | None:
     return type(owner).__name__ if owner is not None else "metadata"
 
 
-def read_metadata(path: str, check: Callable[[bytes, str], object] = check_pickle) -> Metadata:
-    """Read a DCP `.metadata` file without running code from it, its pickle checked first
-    (`check(data, path)`: `check_pickle`, or a caller's way of having it done) and every field
-    after (`validate.check_metadata`) against the folder it is in."""
+def metadata_bytes(path: str) -> bytes:
+    """The bytes of the DCP `.metadata` file `path`, of a bounded size and starting as DCP's
+    pickle does."""
     with safe_open.open_path(path, "the DCP metadata file") as f:
         size = os.fstat(f.fileno()).st_size
         if size > MAX_METADATA_BYTES:
@@ -199,7 +198,17 @@ def read_metadata(path: str, check: Callable[[bytes, str], object] = check_pickl
         if (head := f.read(1)) != b"\x80":  # protocol 2 or later, as DCP writes: told before reading the rest
             raise CorruptCheckpointError(f"{path} is not a DCP metadata file: it starts with {head!r}, where a pickle "
                                          "of protocol 2 or later (DCP's) starts with b'\\x80'; the file is damaged")
-        data = head + f.read()
+        return head + f.read()
+
+
+def read_metadata(path: str, check: Callable[[bytes, str], object] = check_pickle,
+                  data: bytes | None = None) -> Metadata:
+    """Read a DCP `.metadata` file (or its `data`, read by `metadata_bytes`) without running
+    code from it, its pickle checked first (`check(data, path)`: `check_pickle`, or a caller's
+    way of having it done) and every field after (`validate.check_metadata`) against the
+    folder it is in."""
+    if data is None:
+        data = metadata_bytes(path)
     check(data, path)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data), path).load()

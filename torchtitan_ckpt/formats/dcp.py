@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from .. import faults
-from ..errors import CorruptCheckpointError, RankFailed
+from ..errors import CorruptCheckpointError, RankFailed, different_copies
 from ..group import CheckpointGroup
 from ..dcp import storage
 from ..dcp.planner import PlanCache
@@ -69,11 +69,18 @@ class DcpFormat(StepFormat):
 
     def index(self, path: str, store: Store) -> StepIndex:
         """With the RoPE layout a step `convert --to dcp` wrote records (fetched with the
-        `.metadata`, in one listing)."""
-        rope_layout = self.ctx.group.each(
-            lambda: recorded_rope_layout(store.fetch(path, [storage.METADATA_FILE, RECORDED_LAYOUT])),
-            f"fetching {store.describe(os.path.join(path, storage.METADATA_FILE))}")
-        metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE), self._scanned_once)
+        `.metadata`, in one listing). Each rank's reads and checks are a round of their own
+        (`CheckpointGroup.each`): a rank that cannot read the file fails every rank at once."""
+        group, where = self.ctx.group, os.path.join(path, storage.METADATA_FILE)
+        described = store.describe(where)
+
+        def fetch() -> tuple[str | None, bytes]:
+            rope = recorded_rope_layout(store.fetch(path, [storage.METADATA_FILE, RECORDED_LAYOUT]))
+            return rope, storage.metadata_bytes(where)
+
+        rope_layout, data = group.each(fetch, f"reading {described}")
+        self._scanned_once(data, described)
+        metadata = group.each(lambda: storage.read_metadata(where, lambda *_: None, data), f"reading {described}")
         tensors, values = {}, set()
         for key, md in metadata.state_dict_metadata.items():
             if isinstance(md, BytesStorageMetadata):
@@ -85,17 +92,16 @@ class DcpFormat(StepFormat):
     def _scanned_once(self, data: bytes, what: str) -> None:
         """`check_pickle` of the `.metadata` every rank has read, by rank 0 for all: the ranks
         read one file, and the scan is most of the cost of reading it (`docs/performance.md`).
-        A rank whose bytes differ from rank 0's (SHA-256) scans its own. Collective: every rank
-        indexes the same step."""
-        digest = hashlib.sha256(data).digest()
+        Ranks whose bytes differ from rank 0's (SHA-256) would load different checkpoints:
+        refused on every rank."""
+        if differ := self.ctx.group.differing(hashlib.sha256(data).digest()):
+            raise CorruptCheckpointError(different_copies(what, differ))
         try:
-            scanned = self.ctx.group.run(lambda: (check_pickle(data, what), digest)[1], coordinator_only=True)[0]
+            self.ctx.group.run(lambda: check_pickle(data, what), coordinator_only=True)
         except RankFailed as failed:
             if failed.error is None and CorruptCheckpointError.__name__ in failed.kinds:  # the same kind on every rank
                 raise CorruptCheckpointError(f"reading {what} failed on {failed}") from None
             failed.reraise(f"reading {what}")
-        if scanned != digest:
-            check_pickle(data, what)
 
     def read(self, path: str, index: StepIndex, state: dict[str, Any], store: Store,
              check: Callable[[], None]) -> None:

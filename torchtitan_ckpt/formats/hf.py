@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, different_copies
 from ..hf import load_hf, save_hf
 from ..hf.files import INDEX_FILE, SINGLE_FILE, is_model_file
 from ..io.dtypes import EXPORT_DTYPES
@@ -45,8 +45,13 @@ class HfFormat(StepFormat):
 
     def index(self, path: str, store: Store) -> StepIndex:
         """Names are the adapter's business (`read` checks them against the model): an HF step
-        holds the model and nothing else."""
+        holds the model and nothing else. In a folder every rank reads for itself (not object
+        storage's), the ranks agree on its files' names and sizes first."""
         self._adapter(path)
+        if not store.staged:
+            described = store.describe(path)
+            if differ := self.ctx.group.differing(self.ctx.group.each(lambda: _files(path), f"listing {described}")):
+                raise CorruptCheckpointError(different_copies(f"{described} (its safetensors files)", differ))
         return StepIndex()
 
     def read(self, path: str, index: StepIndex, state: dict[str, Any], store: Store,
@@ -57,3 +62,9 @@ class HfFormat(StepFormat):
         local = group.each(lambda: store.fetch(path), f"fetching {store.describe(path)}")
         load_hf(state, local, self._adapter(path), process_group=group.pg,
                 num_threads=self.ctx.config.load_threads, check=check)
+
+
+def _files(path: str) -> list[tuple[str, int]]:
+    """The names and sizes of the model's files in the folder `path`."""
+    with os.scandir(path) as entries:
+        return sorted((e.name, e.stat().st_size) for e in entries if e.name == INDEX_FILE or is_model_file(e.name))

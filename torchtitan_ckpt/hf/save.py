@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from ..dcp.storage import root_cause
 from ..io import durable, safe_open
+from ..io.dtypes import exported
 from .consolidate import OnePassPlan, clear_model_files, consolidate_safetensors, create_replacing, plan_one_pass
 from .consolidate import write_safetensors_one_pass
 from ..errors import AdapterMismatchError, CheckpointError, RankFailed
@@ -125,11 +126,12 @@ def _plan(group: CheckpointGroup, adapter: StateDictAdapter | ForeignAdapter, st
 
 
 def _cast_all(state_dict: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
-    """Floating tensors cast to `dtype`, each tensor once (tied weights are one tensor)."""
+    """Floating tensors cast to `dtype` (`io.dtypes.exported`), each tensor once (tied weights are
+    one tensor)."""
     cast: dict[int, Any] = {}
     for value in state_dict.values():
         if id(value) not in cast:
-            cast[id(value)] = value.to(dtype) if dtype is not None and torch.is_floating_point(value) else value
+            cast[id(value)] = exported(value, dtype)
     return {name: cast[id(value)] for name, value in state_dict.items()}
 
 

@@ -11,6 +11,15 @@ from torch.distributed.tensor import DTensor
 EXPORT_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 """`checkpoint.export_dtype` (and `convert --dtype`) -> the dtype floating tensors are cast to."""
 
+_CAST_ON_EXPORT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def exported(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`tensor` as an export in `dtype` holds it: cast where it is of the usual floating dtypes;
+    float8, float4 and scale dtypes (e8m0) are kept, which a cast would lose (float16 holds no
+    e8m0 scale above 2^15) or fail on (float4), and so is every other dtype."""
+    return tensor.to(dtype) if dtype is not None and tensor.dtype in _CAST_ON_EXPORT else tensor
+
 
 _QUANTIZED = frozenset(getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
                        if hasattr(torch, n))

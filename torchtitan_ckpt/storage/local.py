@@ -39,7 +39,10 @@ class LocalStore(Store):
             group.run(lambda: self._write_probe(probes[group.rank]))
         except RankFailed as failed:
             raise ConfigError("checkpoint.folder", self.root, f"cannot write there: {failed}") from None
-        unseen = group.all_gather([r for r, p in enumerate(probes) if not os.path.exists(p)])
+        # rank 0 looks for every rank's probe, the others for rank 0's: a rank and rank 0 that see
+        # each other's files share the folder, so every rank shares it, in O(ranks) lookups
+        looked = range(group.world_size) if group.is_coordinator else [0]
+        unseen = group.all_gather([r for r in looked if not os.path.exists(probes[r])])
         os.remove(probes[group.rank])
         for rank, missing in enumerate(unseen):
             if missing:
@@ -60,7 +63,8 @@ class LocalStore(Store):
         files, and each would report its save done."""
         self._lock, _ = lock.claim(os.path.join(self.root, LOCK_FILE), f"{self.root} to save into",
                                    "one job saves into a folder at a time; stop that job first, or give this one a "
-                                   "folder of its own")
+                                   "folder of its own (where its host is down, NFSv3 keeps its lock until that host "
+                                   "is up again: once sure no job saves there, remove the lock file)")
 
     @property
     def sole_writer(self) -> bool:
@@ -114,6 +118,14 @@ class LocalStore(Store):
         return safe_open.removal_denied(folder.path)
 
     def commit(self, path: str, info: commit.CommitInfo, checksums: dict[str, tuple[int, str]]) -> commit.CommitInfo:
+        """Not where another job has claimed the folder since (`lock.taken_over`): the two would
+        replace each other's steps in flight."""
+        if self._lock is not None and (other := lock.taken_over(self._lock)):
+            raise CheckpointError(
+                f"{self.root}: {other} claimed this folder after this job did (its {LOCK_FILE} names it): this file "
+                "system's locks hold only on each node (NFS mounted nolock or local_lock, Lustre's localflock, "
+                "FUSE), and two jobs saving there replace each other's steps; this step is not committed. Give "
+                "each job a folder of its own")
         return commit.write_marker(path, info, checksums)
 
     def remove(self, folder: layout.StepFolder) -> None:

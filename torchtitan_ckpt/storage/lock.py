@@ -22,6 +22,9 @@ _HOLDERS: dict[str, tuple[int, int]] = {}
 """Lock file (its folder's real path) -> the descriptor by which this process holds it (-1 on a
 file system without locks), and how many stores of this process use it."""
 
+_WRITTEN: dict[str, bytes] = {}
+"""Lock file -> the holder's description this process wrote in it (`taken_over`)."""
+
 
 def _key(lock: str) -> str:
     """One name for a lock file however its folder is reached (a link to it, `..`); the file's
@@ -62,7 +65,8 @@ def claim(lock: str, what: str, remedy: str) -> tuple[str, bool]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
-                logger.info("%s: not locked (%s); one job at a time is assumed", what, e)
+                logger.warning("%s: not locked (%s); one job at a time is assumed: a second job saving there "
+                               "would replace this one's steps in flight", what, e)
                 os.close(fd)
                 _HOLDERS[key] = -1, 1  # shared by this process's stores all the same
                 return key, True
@@ -73,7 +77,9 @@ def claim(lock: str, what: str, remedy: str) -> tuple[str, bool]:
                 os.fchmod(fd, stat.S_IMODE(os.stat(os.path.dirname(key)).st_mode) & 0o666)
             os.ftruncate(fd, 0)
             try:
-                os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode()[:_HOLDER_BYTES], 0)
+                holder = f"pid {os.getpid()} on {os.uname().nodename}".encode()[:_HOLDER_BYTES]
+                os.pwrite(fd, holder, 0)
+                _WRITTEN[key] = holder
             except OSError as e:  # a full disk: the holder's name only informs, the lock holds without it
                 logger.info("%s: held, but its holder could not be written in %s (%s)", what, key, e.strerror)
     except BaseException:
@@ -87,6 +93,28 @@ def held(key: str) -> bool:
     """Whether the lock file `claim` named `key` is locked by this process (not on a file system
     without locks, where `claim` goes on unlocked)."""
     return _HOLDERS.get(key, (-1, 0))[0] >= 0
+
+
+def taken_over(key: str) -> str | None:
+    """The holder the lock file `key`, which this process holds, names now, where that is not
+    this process: another process whose lock the file system granted too, on another node (its
+    locks hold only on each node: NFS mounted `nolock` or `local_lock`, Lustre's `localflock`,
+    FUSE). The file is opened anew, which on NFS reads what the server holds. None where this
+    process wrote no holder in it, or the file cannot be read now."""
+    mine = _WRITTEN.get(key)
+    if mine is None:
+        return None
+    try:
+        fd = os.open(key, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        now = os.pread(fd, _HOLDER_BYTES, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return None if now == mine else now.decode(errors="replace").strip() or "a process that wrote no name"
 
 
 def shared(key: str) -> bool:
@@ -105,6 +133,7 @@ def release(key: str) -> None:
         _HOLDERS[key] = fd, count - 1
         return
     del _HOLDERS[key]
+    _WRITTEN.pop(key, None)
     if fd >= 0:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
@@ -117,6 +146,7 @@ def _forget_holders() -> None:
         if fd >= 0:
             os.close(fd)
     _HOLDERS.clear()
+    _WRITTEN.clear()
 
 
 os.register_at_fork(after_in_child=_forget_holders)

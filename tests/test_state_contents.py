@@ -1,0 +1,94 @@
+"""What a job's model and states may hold, told at `save()` (or `load()`) where a step of it
+would never load back, and dtypes an export keeps as they are."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.errors import CheckpointError, CheckpointSaveError
+
+
+class _Tagged(torch.Tensor):  # as torchao's quantized weights are: a subclass of torch.Tensor
+    pass
+
+
+class _Holder:
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return self.value
+
+    def load_state_dict(self, state_dict):
+        self.value = state_dict
+
+
+def _save(tmp_path, model, **kwargs):
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path), **kwargs) as m:
+        m.save(1)
+
+
+def test_a_tensor_subclass_is_refused_at_save_not_saved_as_a_step_no_load_takes(tmp_path):
+    """It was saved, and every load refused the step as damaged ("not a plain tensor and loading
+    it could run code"), passing on torch's advice to turn weights_only off."""
+    model = nn.Linear(2, 2, bias=False)
+    model.weight = nn.Parameter(torch.Tensor._make_subclass(_Tagged, torch.ones(2, 2)))
+    with pytest.raises(CheckpointSaveError, match=r"\['weight \(_Tagged\)'\] are tensor subclasses .* save their "
+                                                  r"plain tensors"):
+        _save(tmp_path, model)
+    assert not list((tmp_path / "checkpoint").glob("step-*"))
+
+
+@pytest.mark.parametrize("value, said", [
+    ([1, 2], "states\\['extra'\\].state_dict\\(\\) returned a list, where a load needs a dict to fill"),
+    (torch.ones(3), "states\\['extra'\\].state_dict\\(\\) returned a Tensor"),
+    ({"shadow": torch.ones(1).expand(4)}, "\\['extra.shadow'\\] repeat one element along a dimension"),
+    ({"shadow": torch.empty(4, device="meta")},
+     "1 of states\\['extra'\\]'s tensors have no memory yet, e.g. \\['extra.shadow'\\]"),
+])
+def test_a_state_no_load_could_fill_is_refused_at_save(tmp_path, value, said):
+    """A state's `state_dict()` that is not a dict, or holds an expand() view, was saved, and
+    every load of the step failed (an expand() view once the model was filled, leaving save()
+    refused until a load succeeded); a state on the meta device failed with torch's error."""
+    with pytest.raises(CheckpointSaveError, match=said):
+        _save(tmp_path, nn.Linear(2, 2), states={"extra": _Holder(value)})
+    assert not list((tmp_path / "checkpoint").glob("step-*"))
+
+
+def test_a_state_on_the_meta_device_is_refused_at_load_not_left_there(tmp_path):
+    """An EMA module built on the meta device and not yet materialised: load() returned True
+    and left it there (with a process group; without one, torch's unrelated error)."""
+    _save(tmp_path, nn.Linear(2, 2), states={"ema": nn.Linear(2, 2)})
+    with torch.device("meta"):
+        ema = nn.Linear(2, 2)
+    with CheckpointManager(Checkpoint(enable=True, load_only=True), [nn.Linear(2, 2)], states={"ema": ema},
+                           base_folder=str(tmp_path)) as manager:
+        with pytest.raises(CheckpointError, match=r"load\(\): 2 of states\['ema'\]'s tensors have no memory yet, "
+                                                  r"e\.g\. \['ema\.weight', 'ema\.bias'\] \(on the meta device"):
+            manager.load()
+
+
+@pytest.mark.parametrize("dtype", ["float8_e8m0fnu", "float4_e2m1fn_x2", "float8_e4m3fn"])
+def test_the_last_model_only_save_keeps_low_bit_dtypes_as_they_are(tmp_path, dtype):
+    """The last save casts the model to export_dtype: float4 failed it ("copy_kernel" not
+    implemented), and MX scales (e8m0) above float16's range came back as NaN."""
+    raw = torch.tensor([127, 148, 107, 227], dtype=torch.uint8)
+
+    def model(values):
+        m = nn.Linear(2, 2)
+        m.register_buffer("scales", values.view(getattr(torch, dtype)))
+        return m
+
+    saved = model(raw)
+    with CheckpointManager(Checkpoint(enable=True, interval=10, export_dtype="float16"), [saved],
+                           base_folder=str(tmp_path)) as manager:
+        manager.save(1, last_step=True)
+    loaded = model(torch.zeros(4, dtype=torch.uint8))
+    with CheckpointManager(Checkpoint(enable=True, load_only=True), [loaded], base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert torch.equal(loaded.scales.view(torch.uint8), raw)
+    assert torch.equal(loaded.weight, saved.weight.half().float())  # float32 is cast, there and back
