@@ -235,6 +235,27 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tie):
     assert len(index["weight_map"]) == 2 + 9 * ARGS.n_layers + (not tie)
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_an_export_to_a_dtype_transformers_loads_no_model_in_is_refused_before_writing(tmp_path, dtype):
+    """int8 wrote the weights truncated to 0 with torch_dtype "int8", float8 a folder transformers
+    failed on (no quantization config): both refused by transformers, after the export."""
+    with pytest.raises(ValueError, match=rf"dtype = {dtype}: an export is cast to one of torch.float16, "
+                                         r"torch.bfloat16, torch.float32, torch.float64, or keeps the model's "
+                                         r"dtypes \(None\)"):
+        save_hf(our_model().state_dict(), str(tmp_path / "out"), hf_adapter(ARGS), dtype=dtype)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_fp8_models_export_in_bfloat16_is_widened_exactly(tmp_path):
+    """Float8 weights are cast where the export's dtype holds each of their values: the folder
+    then loads in transformers (float8 with no quantization config does not)."""
+    state = {k: v.to(torch.float8_e4m3fn) for k, v in our_model().state_dict().items()}
+    save_hf(state, str(tmp_path), hf_adapter(ARGS), dtype=torch.bfloat16)
+    exported = {k: v for f in glob.glob(str(tmp_path / "*.safetensors")) for k, v in load_file(f).items()}
+    assert {t.dtype for t in exported.values()} == {torch.bfloat16}
+    assert_same(exported, hf_adapter(ARGS).to_hf({k: v.to(torch.bfloat16) for k, v in state.items()}))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_export_dtype(tmp_path, dtype):
     model = our_model()

@@ -223,3 +223,15 @@ def test_a_folder_claimed_by_a_job_on_another_node_fails_the_commit_not_the_othe
                                                   "file system's locks hold only on each node"):
             manager.save(2)
     assert layout.committed_steps(str(tmp_path / "checkpoint")) == [1]
+
+
+def test_clean_leaves_the_lock_file_naming_the_job_that_saves_there(tmp_path):
+    """`clean` wrote itself in the lock file: where locks hold only on each node, the job saving
+    there from another node then failed each later commit, naming a `clean` long gone."""
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / LOCK_FILE).write_text("pid 4242 on node-b")
+    done = subprocess.run([sys.executable, "-m", "torchtitan_ckpt.cli", "clean", str(folder)], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (folder / LOCK_FILE).read_text() == "pid 4242 on node-b"

@@ -3,28 +3,22 @@ would never load back, and dtypes an export keeps as they are."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from torchtitan_ckpt import CheckpointManager
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.errors import CheckpointError, CheckpointSaveError
 
+from .helpers import Holder
+
 
 class _Tagged(torch.Tensor):  # as torchao's quantized weights are: a subclass of torch.Tensor
     pass
-
-
-class _Holder:
-    def __init__(self, value):
-        self.value = value
-
-    def state_dict(self):
-        return self.value
-
-    def load_state_dict(self, state_dict):
-        self.value = state_dict
 
 
 def _save(tmp_path, model, **kwargs):
@@ -44,18 +38,21 @@ def test_a_tensor_subclass_is_refused_at_save_not_saved_as_a_step_no_load_takes(
 
 
 @pytest.mark.parametrize("value, said", [
-    ([1, 2], "states\\['extra'\\].state_dict\\(\\) returned a list, where a load needs a dict to fill"),
-    (torch.ones(3), "states\\['extra'\\].state_dict\\(\\) returned a Tensor"),
+    (7, "states\\['extra'\\].state_dict\\(\\) returned a int, which DCP keeps as one value where a load needs "
+        "entries to fill"),
+    (torch.ones(3), "states\\['extra'\\].state_dict\\(\\) returned a Tensor, which DCP keeps as one value"),
+    ([1, 2], "states\\['extra'\\].state_dict\\(\\) returned a list, which DCP keeps as one value"),
+    ((torch.ones(1), torch.ones(2)), "states\\['extra'\\].state_dict\\(\\) returned a tuple, which DCP keeps"),
     ({"shadow": torch.ones(1).expand(4)}, "\\['extra.shadow'\\] repeat one element along a dimension"),
     ({"shadow": torch.empty(4, device="meta")},
      "1 of states\\['extra'\\]'s tensors have no memory yet, e.g. \\['extra.shadow'\\]"),
 ])
 def test_a_state_no_load_could_fill_is_refused_at_save(tmp_path, value, said):
-    """A state's `state_dict()` that is not a dict, or holds an expand() view, was saved, and
+    """A state's `state_dict()` that is not a container, or holds an expand() view, was saved, and
     every load of the step failed (an expand() view once the model was filled, leaving save()
     refused until a load succeeded); a state on the meta device failed with torch's error."""
     with pytest.raises(CheckpointSaveError, match=said):
-        _save(tmp_path, nn.Linear(2, 2), states={"extra": _Holder(value)})
+        _save(tmp_path, nn.Linear(2, 2), states={"extra": Holder(value)})
     assert not list((tmp_path / "checkpoint").glob("step-*"))
 
 
@@ -87,8 +84,56 @@ def test_the_last_model_only_save_keeps_low_bit_dtypes_as_they_are(tmp_path, dty
     with CheckpointManager(Checkpoint(enable=True, interval=10, export_dtype="float16"), [saved],
                            base_folder=str(tmp_path)) as manager:
         manager.save(1, last_step=True)
+    step = tmp_path / "checkpoint" / "step-1"
+    saved_as = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata["scales"].properties.dtype
+    assert saved_as == getattr(torch, dtype)  # not widened: four times the bytes in float32
     loaded = model(torch.zeros(4, dtype=torch.uint8))
     with CheckpointManager(Checkpoint(enable=True, load_only=True), [loaded], base_folder=str(tmp_path)) as manager:
         assert manager.load()
     assert torch.equal(loaded.scales.view(torch.uint8), raw)
     assert torch.equal(loaded.weight, saved.weight.half().float())  # float32 is cast, there and back
+
+
+class _Runs:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+@pytest.mark.parametrize("saved, said", [
+    ({"weight": torch.Tensor._make_subclass(_Tagged, torch.ones(2, 2)), "bias": torch.ones(2)},
+     r"item 'weight' .* is not a plain tensor and loading it could run code; refused \(it needs "
+     r"tests\.test_state_contents\._Tagged\)"),
+    ({"weight": torch.ones(2, 2), "bias": torch.ones(2), "extra": {"v": _Runs()}},
+     r"checkpoint value 'extra.v' is not plain data and loading it could run code; refused \(it needs "
+     r"(posix|nt)\.system\)"),
+])
+def test_a_foreign_step_whose_items_would_run_code_names_the_code_not_torch_s_advice(tmp_path, saved, said):
+    """torch's refusal is a page of advice to load with weights_only=False, which would run the
+    code; the refusal named what it needed only for some of torch's wordings."""
+    step = tmp_path / "checkpoint" / "step-5"
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(step)), no_dist=True)
+    extra = {"extra": Holder({"v": 0})} if "extra" in saved else {}
+    with CheckpointManager(Checkpoint(enable=True), [nn.Linear(2, 2)], states=extra,
+                           base_folder=str(tmp_path)) as manager:
+        with pytest.raises(CheckpointError, match=said) as refused:
+            manager.load()
+    assert "weights_only" not in str(refused.value)
+
+
+def test_a_state_holding_a_name_of_the_model_is_refused_one_beside_it_saves(tmp_path):
+    """states={"ema": ...} holding `weight` beside a model's `ema` submodule failed the save with
+    DCP's bare "duplicated flatten key ema.weight"."""
+    model = nn.ModuleDict({"ema": nn.Linear(2, 2), "head": nn.Linear(2, 2)})
+    with pytest.raises(CheckpointSaveError, match=r"save\(\): states\['ema'\] holds \['ema.weight'\], which are names "
+                                                  "of the model too: a step keeps one value per name"):
+        _save(tmp_path / "a", model, states={"ema": Holder({"weight": torch.ones(2, 2), "decay": 0.9})})
+    _save(tmp_path / "b", model, states={"ema": Holder({"decay": 0.9})})  # no name of the model's: as before
+
+
+def test_a_state_of_a_list_of_tensors_saves_and_loads(tmp_path):
+    _save(tmp_path, nn.Linear(2, 2), states={"extra": Holder([torch.full((2,), 3.0), torch.full((3,), 4.0)])})
+    loaded = Holder([torch.zeros(2), torch.zeros(3)])
+    with CheckpointManager(Checkpoint(enable=True, load_only=True), [nn.Linear(2, 2)], states={"extra": loaded},
+                           base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert [t.tolist() for t in loaded.value] == [[3.0, 3.0], [4.0, 4.0, 4.0]]

@@ -19,7 +19,7 @@ from torchtitan_ckpt import CheckpointManager, layout
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.errors import CheckpointError, CheckpointSaveError
 
-from .helpers import read_checkpoint, spawn
+from .helpers import Holder, read_checkpoint, spawn
 
 
 def _job(folder: str, seed: int, chained: bool = False):
@@ -690,7 +690,9 @@ def _save_per_rank_states(rank: int, world_size: int, folder: str) -> None:
     torch.manual_seed(100 + rank)
     handler = logging.FileHandler(os.path.join(folder, f"log-{rank}"))
     logging.getLogger("torchtitan_ckpt").addHandler(handler)
-    states = {"rng": _Rng(), "alike": _Count(7), "own": _Count(rank)}
+    keyed = Holder({f"rank{rank}": torch.full((2,), float(rank))})  # the way the warning says: saved apart
+    names = Holder({"names": {"alpha", "beta", "gamma", "delta"}})  # printed in another order by each process
+    states = {"rng": _Rng(), "alike": _Count(7), "own": _Count(rank), "keyed": keyed, "names": names}
     with CheckpointManager(Checkpoint(enable=True, interval=1), [nn.Linear(2, 2)], states=states,
                            base_folder=folder) as manager:
         manager.save(1)
@@ -729,3 +731,47 @@ def test_parameters_saved_in_groups_of_other_settings_are_refused_in_one_group(t
                                                   r"weight_decay 0.1 and 0.0\): the group would take a.weight's"):
             manager.load()
     assert regrouped.param_groups[0]["lr"] == 5e-3 and regrouped.param_groups[0]["weight_decay"] == 0.05
+
+
+@pytest.mark.parametrize("schedule, rates", [("warm-up and cosine", (0.1, 0.1)), ("LambdaLR", (0.1, 0.2))])
+def test_alike_schedulers_of_several_optimizers_loaded_without_them_go_on_at_the_rates_reached(tmp_path, schedule,
+                                                                                                rates):
+    """Schedulers alike (pipeline stages', one per optimizer) are saved as one, without each one's
+    last rates: a SequentialLR, which has no closed form, left the new optimizers at their built
+    rates; and the first one's rates are not another's of other base rates."""
+    def job(**config):
+        torch.manual_seed(0)
+        parts = [nn.ModuleDict({f"stage{i}": nn.Linear(3, 1)}) for i in range(2)]
+        opts = [torch.optim.SGD(p.parameters(), lr=lr) for p, lr in zip(parts, rates)]
+        scheds = [_SCHEDULES[schedule](o) for o in opts]
+        manager = CheckpointManager(Checkpoint(enable=True, interval=1, keep_latest_k=0, **config), parts,
+                                    optimizers=opts, lr_schedulers=scheds, base_folder=str(tmp_path))
+        return parts, opts, scheds, manager
+
+    parts, opts, scheds, manager = job()
+    for step in range(1, 5):
+        for i, (part, opt, sched) in enumerate(zip(parts, opts, scheds)):
+            _train_one(part[f"stage{i}"], opt, sched)
+        manager.save(step)
+    manager.close()
+    reached = [o.param_groups[0]["lr"] for o in opts]
+    parts, opts, scheds, manager = job(load_only=True, exclude_from_loading=["optimizer"])
+    assert manager.load()
+    manager.close()
+    assert [o.param_groups[0]["lr"] for o in opts] == pytest.approx(reached) and reached[0] != rates[0]
+
+
+def test_settings_equal_in_value_merge_into_one_group(tmp_path):
+    """SGD's default weight decay is the int 0: a group saved with 0.0 beside one saved with the
+    default was refused as another setting when the two were resumed as one group."""
+    model = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)})
+    opt = torch.optim.SGD([{"params": model["a"].parameters(), "weight_decay": 0.0},
+                           {"params": model["b"].parameters()}], lr=0.1)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=opt,
+                           base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    merged = torch.optim.SGD(model.parameters(), lr=0.5)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=merged,
+                           base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert merged.param_groups[0]["lr"] == 0.1

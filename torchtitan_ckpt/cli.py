@@ -451,14 +451,14 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
 def _no_job_saving(folder: str, force: bool) -> Iterator[None]:
     """Hold `folder` as a job saving there does (`storage.local.LOCK_FILE`, where a job of this
     package has saved), for the duration of the block: a job's save in flight is partial too.
-    Where the file system does not lock (or its locks are node-local, unseen by a job on
-    another node), refused unless `force`."""
+    Where the file system cannot lock it, refused unless `force` (where its locks hold only on
+    each node, a job on another node is not seen)."""
     held = os.path.join(folder, LOCK_FILE)
     if not os.path.lexists(held):  # no job of ours has saved here
         yield
         return
     key, _ = lock.claim(held, f"{folder} to save into", "clean removes partial steps, and that job's save in flight "
-                        "is one: run it once the job has ended")
+                        "is one: run it once the job has ended", named=False)
     try:
         if not lock.held(key) and not force:
             raise CheckpointError(f"{folder}: its file system did not lock {held}, so a job saving there now (on "

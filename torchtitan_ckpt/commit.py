@@ -187,11 +187,10 @@ def remove_step(path: str, removed: Callable[[int], None] | None = None) -> None
 
 def write_marker(path: str, info: CommitInfo,
                  checksums: dict[str, tuple[int, str]] | None = None) -> CommitInfo:
-    """Fsync the step's files its writers did not make durable, then atomically write the
-    marker. `checksums` holds (size, crc32) of the files as their writers computed them, once
-    durable (`Written.durable`); a file missing from it (written by a writer that does not
-    checksum) is read once to compute its CRC, and fsynced here. A file whose size on disk
-    differs from what its writer wrote fails the commit. Returns the completed info."""
+    """Fsync every file of the step, then atomically write the marker. `checksums` holds
+    (size, crc32) of the files as their writers computed them; a file missing from it (written
+    by a writer that does not checksum) is read once to compute its CRC. A file whose size on
+    disk differs from what its writer wrote fails the commit. Returns the completed info."""
     info.files = {}
     on_disk = manifest(path)
     for rel in set(checksums or {}) - set(on_disk):  # a listing cached by a network file system may lag
@@ -207,7 +206,7 @@ def write_marker(path: str, info: CommitInfo,
             raise OSError(f"{os.path.join(path, rel)} has {size} bytes on disk, its writer wrote {written[0]}")
         info.files[rel] = {"size": size, "crc32": written[1] if written else file_crc32(os.path.join(path, rel))}
     info.created = time.time()
-    for rel in info.files.keys() - (checksums or {}).keys():  # rank 0 alone: one file after another
+    for rel in info.files:
         durable.fsync_path(os.path.join(path, rel))
     durable.write_json(os.path.join(path, MARKER), asdict(info), indent=1, sort_keys=True,
                        before_replace=lambda: faults.hit("commit", info.step))

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import zipfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -456,7 +456,7 @@ class CheckpointManager:
         `waited`: the seconds `save()` waited for the save before it, told in the saved line."""
         try:
             state, failure = self._state_for_save(kind), None
-            digests = {name: replicated_digest(state[name]) for name in self._per_rank_checked if name in state}
+            digests = {name: replicated_digest({name: state[name]}) for name in self._per_rank_checked if name in state}
         except Exception as e:  # every rank hears of it in the save's first round, not left waiting there
             state, failure, digests = {}, e, {}
         if fmt.on_training_thread:  # after the save in flight (this step's own, for an HF copy): its clock after
@@ -501,14 +501,15 @@ class CheckpointManager:
         (saved per rank)."""
         return [name for name, s in self._states.items() if not isinstance(s, (OptimizerState, DataLoaderState))]
 
-    def _warn_per_rank(self, digests: list[Mapping[str, bytes]]) -> None:
+    def _warn_per_rank(self, digests: list[Mapping[str, tuple[bytes, bytes]]]) -> None:
         """Rank 0, once per state: warn of a state whose values differ by rank. A save keeps one
         copy of whatever is not a DTensor, as replicated (DCP's rule), and a load gives every rank
         that copy: a rank's RNG state, or its own counter, comes back as another rank's."""
         if not self._group.is_coordinator:
             return
-        for name in digests[0]:
-            differ = [r for r, theirs in enumerate(digests) if theirs.get(name) != digests[0][name]]
+        for name, (keys, values) in digests[0].items():
+            differ = [r for r, theirs in enumerate(digests) if theirs.get(name, (None,))[0] == keys and
+                      theirs[name][1] != values]
             if differ and name not in self._told_per_rank:
                 self._told_per_rank.add(name)
                 logger.warning("states[%r] holds other values on rank(s) %s than on rank 0: a step keeps one copy "
@@ -528,7 +529,7 @@ class CheckpointManager:
 
     def _save_job(self, step: int, kind: SaveKind, folder: str, fmt: StepFormat,
                   failure: Exception | None = None, last: bool = False, waited: float = 0.0,
-                  digests: Mapping[str, bytes] | None = None) -> SaveJob:
+                  digests: Mapping[str, tuple[bytes, bytes]] | None = None) -> SaveJob:
         """The phases of one save into `{folder}/step-N` in format `fmt`, which the staging
         strategy runs in order on every rank. `failure`: this rank could not gather its state;
         the first phase fails with it on every rank. `digests`: `replicated_digest` of each
@@ -623,7 +624,8 @@ class CheckpointManager:
             return {k: exported(v, dtype) for k, v in model_sd.items()}
         if kind is SaveKind.SEED:
             return model_sd
-        return {**model_sd, **{name: _state_dict_of(name, s, "save()") for name, s in self._states.items()}}
+        states = {name: _state_dict_of(name, s, "save()", model_sd) for name, s in self._states.items()}
+        return {**model_sd, **states}
 
     def _agree(self, step: int, path: str, fn: Callable[[], Any], coordinator_only: bool = False) -> list[Any]:
         """Run `fn` on every rank (or on rank 0) and return every rank's result; any rank's
@@ -1150,7 +1152,7 @@ class CheckpointManager:
             if not saved and not checked:
                 # saved with no values (an EMA before it starts, `{"shadow": {}}`), which DCP keeps no
                 # trace of: the job's own empty containers, if they are that, else nothing
-                template = _state_dict_of(name, stateful, "load()")
+                template = _state_dict_of(name, stateful, "load()", state)
                 state[name] = template if not flatten_state_dict(template)[0] else {}
                 continue
             relative = {k[len(prefix):] for k in saved}
@@ -1165,7 +1167,7 @@ class CheckpointManager:
                     f"was it saved by another kind of {name.replace('_', ' ')}? add '{name}' to "
                     "checkpoint.exclude_from_loading to start it fresh"))
             else:
-                state[name] = _state_dict_of(name, stateful, "load()")  # filled in place; applied once all have read
+                state[name] = _state_dict_of(name, stateful, "load()", state)  # filled in place; applied once read
         return state
 
     def _warn_unloaded(self, target: _LoadTarget, state: dict[str, Any]) -> None:
@@ -1206,15 +1208,19 @@ class CheckpointManager:
         return False
 
 
-def _state_dict_of(name: str, stateful: Stateful, call: str) -> Any:
-    """`stateful.state_dict()` (of `states[name]`), a dict whose tensors have memory and can be
-    filled in place (`ModelState.check_materialised`): a step saved otherwise never loads."""
+def _state_dict_of(name: str, stateful: Stateful, call: str, model: Collection[str]) -> Any:
+    """`stateful.state_dict()` (of `states[name]`): a container DCP saves entry by entry (a dict,
+    a list of tensors), whose names are not the `model`'s, and whose tensors have memory and can
+    be filled in place (`ModelState.check_materialised`): a step saved otherwise never loads."""
     state = stateful.state_dict()
-    if not isinstance(state, Mapping):
-        raise CheckpointError(f"{call}: states[{name!r}].state_dict() returned a {type(state).__name__}, where a "
-                              "load needs a dict to fill: return its values in a dict")
-    ModelState.check_materialised({f"{name}.{k}": v for k, v in flatten_state_dict(state)[0].items()}, call,
-                                  f"states[{name!r}]'s")
+    flat = flatten_state_dict({name: state})[0]
+    if name in flat:  # kept whole: no entries for a load to fill
+        raise CheckpointError(f"{call}: states[{name!r}].state_dict() returned a {type(state).__name__}, which DCP "
+                              "keeps as one value where a load needs entries to fill: return a dict")
+    if clash := sorted(k for k in flat if k in model):
+        raise CheckpointError(f"{call}: states[{name!r}] holds {clash[:3]}, which are names of the model too: a step "
+                              "keeps one value per name; name the state otherwise")
+    ModelState.check_materialised(flat, call, f"states[{name!r}]'s")
     return state
 
 

@@ -301,10 +301,10 @@ class OptimizerState(CheckedState):
                     live[name] = group
                 at += len(group["params"])
                 held = [name for name in members if name in saved]
-                if other := next((n for n in held[1:] if not _same_settings(saved[n], saved[held[0]], False)), None):
-                    differ = [f"{k} {brief(saved[held[0]].get(k))} and {brief(saved[other].get(k))}"
-                              for k in {*saved[held[0]], *saved[other]}
-                              if not _same_settings(saved[held[0]].get(k), saved[other].get(k), False)]
+                first = saved[held[0]] if held else {}
+                unlike = {n: _differing_settings(first, saved[n]) for n in held[1:]}
+                if other := next((n for n, keys in unlike.items() if keys), None):
+                    differ = [f"{k} {brief(first.get(k))} and {brief(saved[other].get(k))}" for k in unlike[other]]
                     raise CheckpointError(
                         f"this job's optimizer has {held[0]} and {other} in one param group, and the step saved them "
                         f"with other settings ({', '.join(sorted(differ))}): the group would take {held[0]}'s for "
@@ -411,6 +411,23 @@ def _number(value: Any) -> bool:
             or isinstance(value, torch.Tensor) and value.numel() == 1)
 
 
+def _differing_settings(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The settings two parameters were saved with that differ (or that one of them lacks)."""
+    return sorted(k for k in {*a, *b} if k not in a or k not in b or not _equal_setting(a[k], b[k]))
+
+
+def _equal_setting(a: Any, b: Any) -> bool:
+    """Whether two saved optimizer settings (or groups of them) are one: numbers by value (SGD's
+    default weight decay is the int 0, a group's own the float 0.0), containers item by item."""
+    if _number(a) and _number(b):
+        return float(a) == float(b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal_setting(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(_equal_setting, a, b))
+    return _same_settings(a, b, False)
+
+
 def _parameter_names(names: dict[int, str], opt: torch.optim.Optimizer) -> list[str]:
     """The canonical name of each of `opt`'s parameters, by their index in its state dict, from
     the names of the model parts' parameters by their id (made once for every optimizer: an
@@ -501,53 +518,72 @@ class LRSchedulerState(CheckedState):
             scheduler.load_state_dict(copy.deepcopy({**own, **shared}))
             if "_step_count" not in state_dict and hasattr(scheduler, "last_epoch"):
                 scheduler._step_count = scheduler.last_epoch + 1  # what step() would have counted
-            if self.sets_rates:
-                _set_rates(i, scheduler, "_last_lr" in shared)
-            elif "_last_lr" not in shared:
+            if self.sets_rates:  # the first scheduler's last rates are its own where base rates are too
+                alike = state_dict.get("base_lrs") == scheduler.state_dict().get("base_lrs")
+                _set_rates(i, scheduler, shared.get("_last_lr", state_dict.get("_last_lr") if alike else None))
+            elif "_last_lr" not in shared and hasattr(scheduler, "optimizer"):
                 scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 
 _DIGESTED_BYTES = 1 << 20
-"""Tensors of up to this many bytes are digested whole by `replicated_digest`; larger ones (an
-EMA's replicated weights) by their dtype and shape alone."""
+"""CPU tensors of up to this many bytes are digested whole by `replicated_digest`; others (an
+EMA's replicated weights, a tensor on a GPU: no copy on the training thread) by their dtype and
+shape alone."""
 
 
-def replicated_digest(state: Any) -> bytes:
-    """SHA-256 of what a save keeps one copy of for every rank in `state` (a state dict): its
-    values and its tensors that are not DTensors, to tell a state whose values differ by rank."""
-    digest = hashlib.sha256()
+def replicated_digest(state: Any) -> tuple[bytes, bytes]:
+    """Digests of the keys, and of the keys and values, of what a save keeps one copy of for
+    every rank in `state` (a state dict): its values and its tensors that are not DTensors. Ranks
+    with the same keys and other values hold a state whose values differ by rank; ranks with
+    other keys (a state keyed by rank) are saved apart."""
+    keys, values = hashlib.blake2b(digest_size=16), hashlib.blake2b(digest_size=16)
     for key, value in sorted(flatten_state_dict(state)[0].items()):
         if isinstance(value, DTensor):
             continue
-        digest.update(f"{key}\0".encode())
+        keys.update(f"{key}\0".encode())
+        values.update(f"{key}\0".encode())
         if not isinstance(value, torch.Tensor):
-            digest.update(repr(value).encode())
+            values.update(repr(_canonical(value)).encode())
             continue
-        digest.update(f"{value.dtype}{list(value.shape)}".encode())
-        if value.numel() * value.element_size() <= _DIGESTED_BYTES:
+        values.update(f"{value.dtype}{list(value.shape)}".encode())
+        if value.device.type == "cpu" and value.numel() * value.element_size() <= _DIGESTED_BYTES:
             try:
-                digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            except (RuntimeError, TypeError, NotImplementedError):  # no bytes to read (meta, sparse, quantized)
+                values.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            except (RuntimeError, TypeError):  # no bytes to read (sparse, quantized)
                 pass
-    return digest.digest()
+    return keys.digest(), values.digest()
 
 
-def _set_rates(i: int, scheduler: Any, saved: bool) -> None:
+def _canonical(value: Any) -> Any:
+    """`value` with its sets sorted (by their items' `repr`), which each process prints in an order
+    of its own (its string hashes' seed)."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(map(repr, map(_canonical, value)))
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if isinstance(value, dict):
+        return [(repr(k), _canonical(v)) for k, v in value.items()]
+    return value
+
+
+def _set_rates(i: int, scheduler: Any, saved: Any) -> None:
     """Set the learning rates of the optimizer of the loaded `scheduler` (the `i`-th) to those
-    its schedule reached: its last ones where saved, else those of its step as `LambdaLR` (or
-    a closed form) computes them. The optimizer's own are those it was built with, from which
-    a chained schedule (`StepLR`, `SequentialLR`'s warm-up and cosine) would go on for the rest
-    of the run."""
-    groups = scheduler.optimizer.param_groups
-    rates = (list(scheduler._last_lr) if saved else
+    its schedule reached: its last ones as `saved` (the first scheduler's, where several alike
+    of the same base rates are saved as one), else those of its step as `LambdaLR` (or a closed
+    form) computes them.
+    The optimizer's own are those it was built with, from which a chained schedule (`StepLR`,
+    `SequentialLR`'s warm-up and cosine) would go on for the rest of the run."""
+    groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", None)
+    if groups is None:  # a scheduler of the job's own making, without an optimizer
+        return
+    rates = (list(saved) if isinstance(saved, (list, tuple)) and len(saved) == len(groups) else
              [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
              if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) else
              scheduler._get_closed_form_lr() if hasattr(scheduler, "_get_closed_form_lr") else None)
     if rates is None or len(rates) != len(groups):
-        logger.warning("the optimizer is not loaded (checkpoint.exclude_from_loading) and the rates lr_scheduler %d "
-                       "reached cannot be known for its %d param group(s) (%s): its optimizer's learning rates stay "
-                       "those it was built with", i, len(groups), "not saved" if rates is None else
-                       f"{len(rates)} saved")
+        logger.warning("the optimizer is not loaded (checkpoint.exclude_from_loading), and the rates lr_scheduler %d "
+                       "reached are not in the step for its %d param group(s): its optimizer's learning rates stay "
+                       "those it was built with", i, len(groups))
         return
     for group, rate in zip(groups, rates):
         if isinstance(group["lr"], torch.Tensor):

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from ..dcp.storage import root_cause
 from ..io import durable, safe_open
-from ..io.dtypes import exported
+from ..io.dtypes import CAST_ON_EXPORT, exported
 from .consolidate import OnePassPlan, clear_model_files, consolidate_safetensors, create_replacing, plan_one_pass
 from .consolidate import write_safetensors_one_pass
 from ..errors import AdapterMismatchError, CheckpointError, RankFailed
@@ -68,6 +68,9 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str | os.PathLike[str], a
         raise ValueError(f"unknown HF export mode {mode!r}; expected one of {', '.join(MODES)}")
     if not shared and mode != "one_pass":
         raise ValueError(f"HF export mode {mode!r} needs a folder every rank shares; use one_pass")
+    if dtype is not None and dtype not in CAST_ON_EXPORT:
+        raise ValueError(f"dtype = {dtype}: an export is cast to one of {', '.join(map(str, CAST_ON_EXPORT))}, "
+                         "or keeps the model's dtypes (None)")
     start = time.perf_counter()
     out_dir = os.fspath(out_dir)
     adapter = as_adapter(adapter)
@@ -131,7 +134,7 @@ def _cast_all(state_dict: dict[str, Any], dtype: torch.dtype | None) -> dict[str
     cast: dict[int, Any] = {}
     for value in state_dict.values():
         if id(value) not in cast:
-            cast[id(value)] = exported(value, dtype)
+            cast[id(value)] = exported(value, dtype, widen=True)
     return {name: cast[id(value)] for name, value in state_dict.items()}
 
 

@@ -11,14 +11,31 @@ from torch.distributed.tensor import DTensor
 EXPORT_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 """`checkpoint.export_dtype` (and `convert --dtype`) -> the dtype floating tensors are cast to."""
 
-_CAST_ON_EXPORT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+CAST_ON_EXPORT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The dtypes an export casts to `export_dtype` whatever it loses, and those it may cast to
+(transformers loads models in them)."""
 
 
-def exported(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """`tensor` as an export in `dtype` holds it: cast where it is of the usual floating dtypes;
-    float8, float4 and scale dtypes (e8m0) are kept, which a cast would lose (float16 holds no
-    e8m0 scale above 2^15) or fail on (float4), and so is every other dtype."""
-    return tensor.to(dtype) if dtype is not None and tensor.dtype in _CAST_ON_EXPORT else tensor
+def exported(tensor: torch.Tensor, dtype: torch.dtype | None, widen: bool = False) -> torch.Tensor:
+    """`tensor` as an export in `dtype` holds it: cast where of a dtype of `CAST_ON_EXPORT`; with
+    `widen` (a Hugging Face export, which transformers loads in one dtype), also where of a
+    narrower floating dtype every value of which `dtype` holds (FP8 weights into bfloat16). Else
+    as it is: a model-only step keeps float8, float4 and scale (e8m0) tensors, which a cast would
+    make larger, lose (float16 holds no e8m0 scale above 2^15) or fail on (float4)."""
+    if dtype is None or not tensor.dtype.is_floating_point or tensor.dtype == dtype:
+        return tensor
+    cast = tensor.dtype in CAST_ON_EXPORT or widen and _holds(dtype, tensor.dtype)
+    return tensor.to(dtype) if cast else tensor
+
+
+@functools.cache
+def _holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    """Whether every value of the floating dtype `narrow` is one of `wide`'s."""
+    try:
+        w, n = torch.finfo(wide), torch.finfo(narrow)
+        return w.max >= n.max and w.eps <= n.eps and w.smallest_normal * w.eps <= n.smallest_normal * n.eps
+    except (TypeError, RuntimeError):  # no finfo (float4's fields raise NotImplementedError)
+        return False
 
 
 _QUANTIZED = frozenset(getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")

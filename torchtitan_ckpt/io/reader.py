@@ -37,8 +37,8 @@ from ..errors import CorruptCheckpointError
 from ..policy.split import in_order_runs, share
 from . import posio, safe_open
 from .torch_archive import (HeaderUnpickler, Malformed, SavedTensor, Unrecognised, check_header_record,
-                            check_small_records, header_pickle, local_record, torch_load, unpickle_header, zip_record,
-                            zip_records)
+                            check_small_records, header_pickle, local_record, refusal, torch_load, unpickle_header,
+                            zip_record, zip_records)
 from .untrusted import UnsafePickleError, brief
 
 logger = logging.getLogger(__name__)
@@ -528,7 +528,7 @@ class ItemReader:
         except UnsafePickleError as e:
             raise item.fail(f"has a pickle that {e.problem}") from None
         except pickle.UnpicklingError as e:
-            raise item.fail(f"is not a plain tensor and loading it could run code; refused ({e})") from None
+            raise item.fail(f"is not a plain tensor and loading it could run code; refused ({refusal(e)})") from None
         except Exception as e:
             raise item.fail(f"is not a readable torch.save archive ({type(e).__name__}: {e})") from None
         if not isinstance(tensor, torch.Tensor):

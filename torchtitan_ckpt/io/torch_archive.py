@@ -365,7 +365,7 @@ def refusal(error: pickle.UnpicklingError) -> str:
     """What an allow-list unpickler refused, in a line (torch's message is a page of advice to
     load the file with `weights_only=False`, which would run its code)."""
     text = str(error)
-    if found := re.search(r"Unsupported global: GLOBAL (\S+)", text):
+    if found := re.search(r"(?:Unsupported global: GLOBAL|Trying to load unsupported GLOBAL) (\S+)", text):
         return f"it needs {found.group(1)}"
     lines = [line.strip() for line in text.splitlines() if "WeightsUnpickler error:" in line] or [text.strip()]
     return brief(lines[0].removeprefix("WeightsUnpickler error: "))

@@ -32,15 +32,16 @@ def _key(lock: str) -> str:
     return os.path.join(os.path.realpath(os.path.dirname(lock)), os.path.basename(lock))
 
 
-def claim(lock: str, what: str, remedy: str) -> tuple[str, bool]:
+def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, bool]:
     """Hold the lock file `lock` (made if need be, never through a link) for this process;
     returns its name to `release` it by, and True when no other store of this process held it.
     Held by another process: a `CheckpointError` saying that process (its pid, written in the
     file) uses `what`, and the `remedy`. The file is as writable as its folder (a team's folder:
     by each user who may save there, whose exclusive lock NFS grants only on a file open for
     writing); one this user cannot write is held all the same where the file system allows,
-    its holder's pid left as it was. On a file system without locks, `what` is used unheld, as
-    before."""
+    its holder's pid left as it was, as it is without `named` (a short hold, `clean`'s, that a
+    job on another node seeing its lock file changed would take for a job's: `taken_over`). On
+    a file system without locks, `what` is used unheld, as before."""
     key = _key(lock)
     if key in _HOLDERS:
         fd, count = _HOLDERS[key]
@@ -72,14 +73,14 @@ def claim(lock: str, what: str, remedy: str) -> tuple[str, bool]:
                 return key, True
             holder = os.pread(fd, _HOLDER_BYTES, 0).decode(errors="replace").strip()
             raise CheckpointError(f"another process ({holder or 'pid unknown'}) uses {what}: {remedy}") from None
-        if writable:
+        if writable and named:
             if info.st_uid == os.geteuid():  # as writable as the folder: NFS locks only what one may write
                 os.fchmod(fd, stat.S_IMODE(os.stat(os.path.dirname(key)).st_mode) & 0o666)
             os.ftruncate(fd, 0)
             try:
-                holder = f"pid {os.getpid()} on {os.uname().nodename}".encode()[:_HOLDER_BYTES]
-                os.pwrite(fd, holder, 0)
-                _WRITTEN[key] = holder
+                mine = f"pid {os.getpid()} on {os.uname().nodename}".encode()[:_HOLDER_BYTES]
+                os.pwrite(fd, mine, 0)
+                _WRITTEN[key] = mine
             except OSError as e:  # a full disk: the holder's name only informs, the lock holds without it
                 logger.info("%s: held, but its holder could not be written in %s (%s)", what, key, e.strerror)
     except BaseException:
