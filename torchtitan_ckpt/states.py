@@ -570,9 +570,8 @@ def _set_rates(i: int, scheduler: Any, saved: Any) -> None:
     """Set the learning rates of the optimizer of the loaded `scheduler` (the `i`-th) to those
     its schedule reached: its last ones as `saved` (the first scheduler's, where several alike
     of the same base rates are saved as one), else those of its step as `LambdaLR` (or a closed
-    form) computes them.
-    The optimizer's own are those it was built with, from which a chained schedule (`StepLR`,
-    `SequentialLR`'s warm-up and cosine) would go on for the rest of the run."""
+    form) computes them. The optimizer's own are those it was built with, from which a chained
+    schedule (`StepLR`, `SequentialLR`'s warm-up and cosine) would go on for the rest of the run."""
     groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", None)
     if groups is None:  # a scheduler of the job's own making, without an optimizer
         return
