@@ -949,3 +949,9 @@ def test_a_torch_save_file_as_initial_load_path_is_named_for_what_it_is(tmp_path
     with CheckpointManager(config, [torch.nn.Linear(4, 4)], base_folder=str(tmp_path / "run2")) as manager, \
             pytest.raises(CheckpointNotFoundError, match=r"is a file, not a step folder: name the folder holding it"):
         manager.load()
+    fifo = str(tmp_path / "model.fifo")  # told apart without opening it to read: the open would wait for a writer
+    os.mkfifo(fifo)
+    config = Checkpoint(enable=True, initial_load_path=fifo)
+    with CheckpointManager(config, [torch.nn.Linear(4, 4)], base_folder=str(tmp_path / "run3")) as manager, \
+            pytest.raises(CheckpointNotFoundError, match=r"is a file, not a step folder"):
+        manager.load()

@@ -1236,14 +1236,16 @@ _LEGACY_TORCH_SAVE = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
 
 def _torch_save_file(path: str) -> bool:
     """Whether `path` is a `torch.save` file: a zip archive holding a `data.pkl`, told from its
-    listing (nothing is unpickled), or the older format's magic number."""
+    listing (nothing is unpickled), or the older format's magic number. Only a regular file is
+    opened (`safe_open`: a FIFO there would block the open)."""
     try:
-        with open(path, "rb") as f:
+        with safe_open.open_path(path, "checkpoint.initial_load_path") as f:
             if f.read(len(_LEGACY_TORCH_SAVE)) == _LEGACY_TORCH_SAVE:
                 return True
-        with zipfile.ZipFile(path) as archive:
-            return any(name == "data.pkl" or name.endswith("/data.pkl") for name in archive.namelist())
-    except (OSError, zipfile.BadZipFile, ValueError):
+            f.seek(0)
+            with zipfile.ZipFile(f) as archive:
+                return any(name == "data.pkl" or name.endswith("/data.pkl") for name in archive.namelist())
+    except (CheckpointError, OSError, zipfile.BadZipFile, ValueError):
         return False
 
 
