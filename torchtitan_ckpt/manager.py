@@ -624,7 +624,8 @@ class CheckpointManager:
             return {k: exported(v, dtype) for k, v in model_sd.items()}
         if kind is SaveKind.SEED:
             return model_sd
-        states = {name: _state_dict_of(name, s, "save()", model_sd) for name, s in self._states.items()}
+        states = {name: s.state_dict() if isinstance(s, CheckedState) else _state_dict_of(name, s, "save()", model_sd)
+                  for name, s in self._states.items()}  # ours build what a load fills: not checked at each save
         return {**model_sd, **states}
 
     def _agree(self, step: int, path: str, fn: Callable[[], Any], coordinator_only: bool = False) -> list[Any]:
@@ -1209,9 +1210,10 @@ class CheckpointManager:
 
 
 def _state_dict_of(name: str, stateful: Stateful, call: str, model: Collection[str]) -> Any:
-    """`stateful.state_dict()` (of `states[name]`): a container DCP saves entry by entry (a dict,
-    a list of tensors), whose names are not the `model`'s, and whose tensors have memory and can
-    be filled in place (`ModelState.check_materialised`): a step saved otherwise never loads."""
+    """`stateful.state_dict()` of a job's own `states[name]`: a container DCP saves entry by entry
+    (a dict, a list of tensors), whose names are not the `model`'s, and whose tensors have memory
+    and can be filled in place (`ModelState.check_materialised`): a step saved otherwise never
+    loads."""
     state = stateful.state_dict()
     flat = flatten_state_dict({name: state})[0]
     if name in flat:  # kept whole: no entries for a load to fill
