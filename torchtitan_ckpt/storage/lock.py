@@ -4,6 +4,7 @@ however it ends). Two jobs writing one folder would each replace the other's ste
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -18,12 +19,21 @@ logger = logging.getLogger(__name__)
 _HOLDER_BYTES = 128
 """The holder's description (`pid N on HOST`) written in the lock file, at most."""
 
-_HOLDERS: dict[str, tuple[int, int]] = {}
-"""Lock file (its folder's real path) -> the descriptor by which this process holds it (-1 on a
-file system without locks), and how many stores of this process use it."""
 
-_WRITTEN: dict[str, bytes] = {}
-"""Lock file -> the holder's description this process wrote in it (`taken_over`)."""
+@dataclasses.dataclass
+class _Hold:
+    """How this process holds one lock file."""
+
+    fd: int
+    """The descriptor it is locked by; -1 on a file system without locks."""
+    stores: int = 1
+    """How many stores of this process use it."""
+    written: bytes | None = None
+    """The holder's description this process wrote in it (`taken_over`); None where none was."""
+
+
+_HOLDERS: dict[str, _Hold] = {}
+"""Lock file (its folder's real path) -> how this process holds it."""
 
 
 def _key(lock: str) -> str:
@@ -44,8 +54,7 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
     a file system without locks, `what` is used unheld, as before."""
     key = _key(lock)
     if key in _HOLDERS:
-        fd, count = _HOLDERS[key]
-        _HOLDERS[key] = fd, count + 1
+        _HOLDERS[key].stores += 1
         return key, False
     flags = os.O_NOFOLLOW | os.O_NONBLOCK  # a fifo in its place is opened without waiting, then refused
     try:
@@ -69,10 +78,11 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
                 logger.warning("%s: not locked (%s); one job at a time is assumed: a second job saving there "
                                "would replace this one's steps in flight", what, e)
                 os.close(fd)
-                _HOLDERS[key] = -1, 1  # shared by this process's stores all the same
+                _HOLDERS[key] = _Hold(-1)  # shared by this process's stores all the same
                 return key, True
             holder = os.pread(fd, _HOLDER_BYTES, 0).decode(errors="replace").strip()
             raise CheckpointError(f"another process ({holder or 'pid unknown'}) uses {what}: {remedy}") from None
+        hold = _Hold(fd)
         if writable and named:
             if info.st_uid == os.geteuid():  # as writable as the folder: NFS locks only what one may write
                 os.fchmod(fd, stat.S_IMODE(os.stat(os.path.dirname(key)).st_mode) & 0o666)
@@ -80,20 +90,20 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
             try:
                 mine = f"pid {os.getpid()} on {os.uname().nodename}".encode()[:_HOLDER_BYTES]
                 os.pwrite(fd, mine, 0)
-                _WRITTEN[key] = mine
+                hold.written = mine
             except OSError as e:  # a full disk: the holder's name only informs, the lock holds without it
                 logger.info("%s: held, but its holder could not be written in %s (%s)", what, key, e.strerror)
     except BaseException:
         os.close(fd)
         raise
-    _HOLDERS[key] = fd, 1
+    _HOLDERS[key] = hold
     return key, True
 
 
 def held(key: str) -> bool:
     """Whether the lock file `claim` named `key` is locked by this process (not on a file system
     without locks, where `claim` goes on unlocked)."""
-    return _HOLDERS.get(key, (-1, 0))[0] >= 0
+    return key in _HOLDERS and _HOLDERS[key].fd >= 0
 
 
 def taken_over(key: str) -> str | None:
@@ -102,7 +112,7 @@ def taken_over(key: str) -> str | None:
     locks hold only on each node: NFS mounted `nolock` or `local_lock`, Lustre's `localflock`,
     FUSE). The file is opened anew, which on NFS reads what the server holds. None where this
     process wrote no holder in it, or the file cannot be read now."""
-    mine = _WRITTEN.get(key)
+    mine = _HOLDERS[key].written if key in _HOLDERS else None
     if mine is None:
         return None
     try:
@@ -120,7 +130,7 @@ def taken_over(key: str) -> str | None:
 
 def shared(key: str) -> bool:
     """Whether another store of this process holds the lock file `claim` named `key` too."""
-    return _HOLDERS.get(key, (-1, 0))[1] > 1
+    return key in _HOLDERS and _HOLDERS[key].stores > 1
 
 
 def release(key: str) -> None:
@@ -129,25 +139,23 @@ def release(key: str) -> None:
     is unlocked). In a forked child, whose parent holds the lock (`_forget_holders`), nothing."""
     if key not in _HOLDERS:
         return
-    fd, count = _HOLDERS[key]
-    if count > 1:
-        _HOLDERS[key] = fd, count - 1
+    hold = _HOLDERS[key]
+    if hold.stores > 1:
+        hold.stores -= 1
         return
     del _HOLDERS[key]
-    _WRITTEN.pop(key, None)
-    if fd >= 0:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+    if hold.fd >= 0:
+        fcntl.flock(hold.fd, fcntl.LOCK_UN)
+        os.close(hold.fd)
 
 
 def _forget_holders() -> None:
     """In a forked child: its copies of the lock files' descriptors are closed (the parent
     still holds the locks), so that a child outliving its parent does not keep them."""
-    for fd, _ in _HOLDERS.values():
-        if fd >= 0:
-            os.close(fd)
+    for hold in _HOLDERS.values():
+        if hold.fd >= 0:
+            os.close(hold.fd)
     _HOLDERS.clear()
-    _WRITTEN.clear()
 
 
 os.register_at_fork(after_in_child=_forget_holders)
