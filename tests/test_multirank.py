@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import logging
 import signal
 import subprocess
 import sys
@@ -492,3 +493,44 @@ def test_a_model_trained_under_ddp_is_saved_under_its_own_names_and_resumes_with
     assert sorted(got) == sorted(want["optimizer"]["state"]) == [0, 1, 2, 3]
     for index, values in want["optimizer"]["state"].items():
         assert_same(got[index], values)
+
+
+
+def _frozen_since_the_save(rank: int, world_size: int, folder: str) -> None:
+    """Each rank a pipeline stage of names of its own, its optimizer over its own parameters
+    but those `frozen` on rank 1. Rank 0 warns of optimizer state left unloaded after a load
+    with stage1.bias frozen, not after one with nothing frozen."""
+    def stage(frozen: tuple[str, ...]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(rank)
+        part = torch.nn.ModuleDict({f"stage{rank}": torch.nn.Linear(2, 2)})
+        params = [p for n, p in part.named_parameters() if rank == 0 or n not in frozen]
+        return part, torch.optim.AdamW(params, lr=0.1)
+
+    part, opt = stage(())
+    part[f"stage{rank}"](torch.ones(1, 2)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()["state"][0]["exp_avg"].clone()
+    config = Checkpoint(enable=True, folder=folder, interval=1, last_save_model_only=False)
+    with CheckpointManager(config, [part], optimizers=opt) as manager:
+        manager.save(1)
+    said: list[list[str]] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said[-1].append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchtitan_ckpt.manager").addHandler(handler)
+    for frozen in ((), ("stage1.bias",)):
+        said.append([])
+        part, opt = stage(frozen)
+        with CheckpointManager(config, [part], optimizers=opt) as manager:
+            assert manager.load()
+        assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], saved)  # the weight's, loaded
+    if rank == 0:
+        assert [[m for m in ms if "optimizer state" in m] for ms in said] == [[], [
+            f"{folder}/step-1 holds optimizer state for 1 parameters no optimizer of this job holds, e.g. "
+            "['stage1.bias']: it is not loaded, and their optimizer state starts anew if they are trained again "
+            "(frozen since the save, or left out of the optimizer by mistake?)"]]
+
+
+def test_optimizer_state_no_rank_holds_is_said_once(tmp_path):
+    """A parameter frozen since the save lost its optimizer state without a word; pipeline
+    stages, each holding its own parameters, are no such loss."""
+    spawn(2, _frozen_since_the_save, str(tmp_path / "checkpoint"))

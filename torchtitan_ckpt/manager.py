@@ -1172,22 +1172,32 @@ class CheckpointManager:
         return state
 
     def _warn_unloaded(self, target: _LoadTarget, state: dict[str, Any]) -> None:
-        """The step's model tensors that no rank's model parts have (a layer removed since the
-        save) are not loaded, as DCP leaves them: said once, on rank 0. Each rank marks those
-        its parts have (a pipeline stage has its own layers) in a bitmap over the step's names,
-        the same on every rank, and one gather joins them."""
+        """What the step holds and no rank loads, which DCP leaves unread, said once on rank 0:
+        model tensors that no rank's model parts have (a layer removed since the save), and the
+        optimizer state of parameters that no rank's optimizer holds (frozen since, or an
+        optimizer built over fewer parameters by mistake), whose moments are then lost. Each rank
+        marks what it holds (a pipeline stage has its own layers) in bitmaps over the step's
+        names, the same on every rank, and one gather joins them."""
         # model tensors are at the top level: one named "model.*" (transformers' names) is one of them
         states = {*BUILTIN_STATES, *self._states, *target.listed} - {"model"}
         names = sorted(k for k in target.index.tensors if k.partition(".")[0] not in states)
-        # the bitmap made from and read as a string of digits: a shift per name would be quadratic
-        mine = int("".join("1" if name in state else "0" for name in reversed(names)) or "0", 2)
-        held = functools.reduce(operator.or_, self._group.all_gather(mine))
-        if not held:  # none of its names is the model's (nested under a prefix?): the load's refusal says why
+        keys = target.index.keys() if "optimizer" in state else ()
+        params = sorted({_param_of(k) for k in keys if k.startswith(_SETTINGS)})
+        optimizer = self._states.get("optimizer")
+        mine = {n for _, named in optimizer.named for n in named} if isinstance(optimizer, OptimizerState) else set()
+        held_model, held_params = map(_joined, zip(*self._group.all_gather(
+            (_bitmap(names, state.__contains__), _bitmap(params, mine.__contains__)))))
+        if not self._group.is_coordinator:
             return
-        unloaded = [name for name, bit in zip(names, reversed(f"{held:0{len(names)}b}")) if bit == "0"]
-        if unloaded and self._group.is_coordinator:
+        # none of the model's names among the step's (nested under a prefix?): the load's refusal says why
+        if held_model and (unloaded := _unmarked(names, held_model)):
             logger.warning("%s holds %d model tensors this job's model does not have, e.g. %s: they are not loaded "
                            "(a layer removed since the save?)", target.path, len(unloaded), unloaded[:3])
+        if unheld := _unmarked(params, held_params):
+            logger.warning("%s holds optimizer state for %d parameters no optimizer of this job holds, e.g. %s: it "
+                           "is not loaded, and their optimizer state starts anew if they are trained again (frozen "
+                           "since the save, or left out of the optimizer by mistake?)",
+                           target.path, len(unheld), unheld[:3])
 
     def _dataloader_fits(self, loader: DataLoaderState, saved: set[str], path: str) -> bool:
         """TorchTitan refuses a dataloader state saved by another data-parallel degree; here the
@@ -1207,6 +1217,31 @@ class CheckpointManager:
             logger.warning("the dataloader state was saved by %d data-parallel ranks and this job has %d; "
                            "the dataloader starts from the beginning", degree, loader.dp_world_size)
         return False
+
+
+_SETTINGS = "optimizer.param_groups."
+"""Where a step keeps each parameter's optimizer settings (`OptimizerState`): one key per
+parameter and setting, `optimizer.param_groups.<fqn>.<setting>`."""
+
+
+def _param_of(setting: str) -> str:
+    """The parameter name of a `_SETTINGS` key."""
+    return setting[len(_SETTINGS):].rpartition(".")[0]
+
+
+def _bitmap(names: list[str], marked: Callable[[str], bool]) -> int:
+    """The names that are `marked`, as the bits of an int (bit i: `names[i]`)."""
+    # made from a string of digits: a shift per name would be quadratic
+    return int("".join("1" if marked(name) else "0" for name in reversed(names)) or "0", 2)
+
+
+def _joined(bitmaps: Sequence[int]) -> int:
+    return functools.reduce(operator.or_, bitmaps)
+
+
+def _unmarked(names: list[str], bitmap: int) -> list[str]:
+    """The names whose bit in `bitmap` is not set."""
+    return [name for name, bit in zip(names, reversed(f"{bitmap:0{len(names)}b}")) if bit == "0"]
 
 
 def _state_dict_of(name: str, stateful: Stateful, call: str, model: Collection[str]) -> Any:
