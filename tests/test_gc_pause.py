@@ -4,9 +4,11 @@ back as it was afterwards (`gc_pause`)."""
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import threading
 
+import pytest
 import torch
 
 from torchtitan_ckpt import CheckpointManager, gc_pause
@@ -90,3 +92,55 @@ def test_a_process_forked_during_a_pause_starts_with_the_collector_on():
         assert not gc.isenabled()  # the parent's pause is untouched
     assert os.waitstatus_to_exitcode(status) == 0
     assert gc.isenabled()
+
+
+def test_a_pause_lifted_lets_the_collector_run_unless_another_holds_it():
+    assert gc.isenabled()
+    with gc_pause.lifted():  # outside any pause: nothing to lift
+        assert gc.isenabled()
+    with gc_pause.paused():
+        with gc_pause.lifted():
+            assert gc.isenabled()
+        assert not gc.isenabled()
+        with gc_pause.paused(), gc_pause.lifted():
+            assert not gc.isenabled()  # this thread's other pause holds
+    assert gc.isenabled()
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with gc_pause.paused():
+            inside.set()
+            leave.wait(10)
+
+    other = threading.Thread(target=hold)
+    other.start()
+    inside.wait(10)
+    with gc_pause.lifted():
+        assert not gc.isenabled()  # another thread's pause is not this thread's to lift
+    leave.set()
+    other.join(10)
+    assert gc.isenabled()
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_a_background_save_lets_the_collector_run_while_it_waits_for_the_disk(tmp_path, mode):
+    """A background save paused the collector from its start to its commit: with a save at each
+    step, the training loop's cyclic garbage waited for every save (hundreds of MB in a review's
+    loop). Its commit, which waits until the data is durable, runs with the collector on."""
+    commits: list[bool] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: commits.append(gc.isenabled()) if record.msg.startswith("saved step") else None
+    logger = logging.getLogger("torchtitan_ckpt.manager")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        config = Checkpoint(enable=True, folder=str(tmp_path / "ck"), interval=1, async_mode=mode)
+        with CheckpointManager(config, [torch.nn.Linear(8, 8)]) as manager:
+            for step in (1, 2):
+                manager.save(step)
+                manager.wait()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert commits == [True, True]

@@ -130,6 +130,17 @@ def test_a_state_holding_a_name_of_the_model_is_refused_one_beside_it_saves(tmp_
     _save(tmp_path / "b", model, states={"ema": Holder({"decay": 0.9})})  # no name of the model's: as before
 
 
+def test_a_state_named_as_a_parameter_of_the_model_is_refused_not_put_in_its_place(tmp_path):
+    """states={"scale": ...} beside a model's top-level parameter `scale` replaced it in the
+    step: save() succeeded and every load failed on the missing parameter."""
+    model = nn.Module()
+    model.scale = nn.Parameter(torch.ones(2))
+    with pytest.raises(CheckpointSaveError, match=r"save\(\): states\['scale'\] has the name of the model's "
+                                                  r"'scale' \(a parameter or buffer of its top level\)"):
+        _save(tmp_path, model, states={"scale": Holder({"factor": torch.ones(1)})})
+    assert not list((tmp_path / "checkpoint").glob("step-*"))
+
+
 def test_a_state_of_a_list_of_tensors_saves_and_loads(tmp_path):
     _save(tmp_path, nn.Linear(2, 2), states={"extra": Holder([torch.full((2,), 3.0), torch.full((3,), 4.0)])})
     loaded = Holder([torch.zeros(2), torch.zeros(3)])

@@ -7,7 +7,9 @@ process holds hundreds of thousands (its modules, DTensor specs, plan caches), s
 collections can cost several times the work that triggered them (`docs/performance.md`).
 Reference counting still frees everything that is not in a cycle, and the collector runs as
 before once the last save or load in progress leaves. The pause is the process's: while a
-background save runs, the training thread's cyclic garbage waits for the save's end too.
+background save builds its objects, the training thread's cyclic garbage waits too, so a
+background save pauses only there, not while its bytes are written and made durable (most of
+its time, with saves back to back the whole run).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from contextlib import contextmanager
 _lock = threading.RLock()
 """Re-entrant: a signal handler may pause from inside a pause being entered on its thread."""
 _holders = 0
+_mine = threading.local()
+"""`held`: how many of the holders are this thread's."""
 _resume = False
 """Whether the collector was enabled when the first holder paused it (a program that disabled
 it itself keeps it disabled)."""
@@ -39,22 +43,49 @@ def paused() -> Iterator[None]:
                 _resume = gc.isenabled()
                 gc.disable()
             _holders += 1
+            _mine.held = getattr(_mine, "held", 0) + 1
             entered = True
         yield
     finally:
         if entered:
-            with _lock:
-                _holders -= 1
+            with _lock:  # at least 0: a forked child leaving a block its parent entered holds none
+                _holders = max(0, _holders - 1)
+                _mine.held = max(0, getattr(_mine, "held", 0) - 1)
                 if _holders == 0 and _resume:
                     gc.enable()
+
+
+@contextmanager
+def lifted() -> Iterator[None]:
+    """Inside a `paused()` block of this thread: one pause of this thread let go for the block
+    (the collector back on unless another holds it paused), and taken again after. Elsewhere,
+    nothing."""
+    if not getattr(_mine, "held", 0):
+        yield
+        return
+    global _holders, _resume
+    with _lock:
+        _holders -= 1
+        _mine.held -= 1
+        if _holders == 0 and _resume:
+            gc.enable()
+    try:
+        yield
+    finally:
+        with _lock:
+            if _holders == 0:
+                _resume = gc.isenabled()
+                gc.disable()
+            _holders += 1
+            _mine.held += 1
 
 
 def _after_fork_in_child() -> None:
     """A process forked during a pause (a data loader's worker forked while a background save
     runs) holds none of its holders, which stay in the parent: it starts unpaused, with a fresh
     lock (the parent's may have been held by another thread at the fork)."""
-    global _lock, _holders
-    _lock = threading.RLock()
+    global _lock, _holders, _mine
+    _lock, _mine = threading.RLock(), threading.local()
     if _holders and _resume:
         gc.enable()
     _holders = 0

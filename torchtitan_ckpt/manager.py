@@ -1246,9 +1246,12 @@ def _unmarked(names: list[str], bitmap: int) -> list[str]:
 
 def _state_dict_of(name: str, stateful: Stateful, call: str, model: Collection[str]) -> Any:
     """`stateful.state_dict()` of a job's own `states[name]`: a container DCP saves entry by entry
-    (a dict, a list of tensors), whose names are not the `model`'s, and whose tensors have memory
+    (a dict, a list of tensors), whose names (its own too) are not the `model`'s, and whose tensors have memory
     and can be filled in place (`ModelState.check_materialised`): a step saved otherwise never
     loads."""
+    if name in model:  # `{**model, **states}` would put the state in its place
+        raise CheckpointError(f"{call}: states[{name!r}] has the name of the model's {name!r} (a parameter or "
+                              "buffer of its top level): a step keeps one value per name; name the state otherwise")
     state = stateful.state_dict()
     flat = flatten_state_dict({name: state})[0]
     if name in flat:  # kept whole: no entries for a load to fill

@@ -126,10 +126,12 @@ class SaveJob:
     def run(self, state: Callable[[], Staged], sink: Sink = write_files) -> None:
         """Every phase, in order. `state()` is asked for once the step folder is prepared, so a
         background save prepares it while the state is still being staged. The garbage
-        collector is paused throughout (`gc_pause`)."""
+        collector is paused while the step's objects are built (`gc_pause`), not in the commit,
+        which waits for the data to be durable."""
         with gc_pause.paused():
             self.prepare()
-            self.commit(self.write(state(), sink))
+            written = self.write(state(), sink)
+        self.commit(written)
 
 
 class SynchronousSaves:

@@ -55,6 +55,7 @@ from torch.futures import Future
 from ..io import filewriter, reader, safe_open, torch_archive
 from ..io.untrusted import UnsafePickleError, brief, check_pickle
 from ..io.checksum import crc32
+from .. import gc_pause
 from ..config import Checkpoint
 from ..policy.split import balanced_groups
 from . import load_plan
@@ -541,7 +542,8 @@ class DataFileWriter(FileSystemWriter):
             concurrent.futures.wait([self._early.done])
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        self._staged()  # raised here, in DCP's protocol, a staging failure reaches every rank
+        with gc_pause.lifted():  # waiting for the staging copy, as for the bytes below
+            self._staged()  # raised here, in DCP's protocol, a staging failure reaches every rank
         results, rest = self._written_early(plan.items)
         buckets = balanced_groups(rest, self.thread_count, item_bytes) if rest or self._early is None else []
         jobs, names = [], []
@@ -549,7 +551,9 @@ class DataFileWriter(FileSystemWriter):
             names.append(_data_file(plan.storage_data.prefix, len(self._early_names) + i))
             entries = [filewriter.Entry(item.index, _resolve(planner, item)) for item in bucket]
             jobs.append(filewriter.FileJob(os.path.join(self.path, names[-1]), entries, self._direct))
-        for name, written in zip(names, self._sink(jobs, self._step, self.sync_files), strict=True):
+        with gc_pause.lifted():  # the bytes: few objects, and in a background save most of its time
+            files = self._sink(jobs, self._step, self.sync_files)
+        for name, written in zip(names, files, strict=True):
             self.fs.add(os.path.join(self.path, name), written)
             results += [WriteResult(index=key, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
                         for key, offset, length in written.places]
