@@ -658,6 +658,45 @@ def test_a_schedule_loaded_without_its_optimizer_goes_on_at_the_rates_it_reached
     assert rates(model, opt, sched, 6) == pytest.approx(saved_rates[4:], rel=1e-6)
 
 
+@pytest.mark.parametrize("saved_tensor_lr", [False, True])
+@pytest.mark.parametrize("schedule", sorted(_SCHEDULES))
+def test_a_resume_that_switches_between_float_and_tensor_rates_goes_on_in_its_own_kind(tmp_path, schedule,
+                                                                                      saved_tensor_lr):
+    """A job that compiles its optimizer step since (lr a tensor, so that a schedule changes it
+    without a recompile), or stops, was refused: "holds a value where this job has a tensor ...
+    the step is damaged", or "lacks lr_scheduler.base_lrs.0 ... another kind of lr scheduler?"."""
+    def job(tensor_lr):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.1) if tensor_lr else 0.1)
+        sched = _SCHEDULES[schedule](opt)
+        config = Checkpoint(enable=True, interval=1, keep_latest_k=0, last_save_model_only=False)
+        return model, opt, sched, CheckpointManager(config, [model], optimizers=opt, lr_schedulers=sched,
+                                                    base_folder=str(tmp_path))
+
+    model, opt, sched, manager = job(saved_tensor_lr)
+    for step in range(1, 5):
+        _train_one(model, opt, sched)
+        manager.save(step)
+    manager.close()
+    expected = [float(opt.param_groups[0]["lr"])]
+    for _ in range(3):
+        _train_one(model, opt, sched)
+        expected.append(float(opt.param_groups[0]["lr"]))
+    model, opt, sched, manager = job(not saved_tensor_lr)
+    with manager:
+        assert manager.load(4)
+    got = []
+    for step in range(4):
+        lr = opt.param_groups[0]["lr"]
+        assert isinstance(lr, torch.Tensor) != saved_tensor_lr
+        got.append(float(lr))  # now: a tensor rate changes in place
+        if step < 3:
+            _train_one(model, opt, sched)
+    assert got == pytest.approx(expected, rel=1e-6)
+    assert all(isinstance(lr, torch.Tensor) != saved_tensor_lr for lr in sched.get_last_lr())
+
+
 def _train_one(model, opt, sched) -> None:
     model(torch.ones(1, 3)).sum().backward()
     opt.step()

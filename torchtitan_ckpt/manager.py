@@ -56,7 +56,7 @@ from .progress import gb_per_s
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
 from .staging import SaveJob, Staged, make_strategy
 from .states import (DP_RANK_PREFIX, CheckedState, DataLoaderState, LRSchedulerState, ModelPart, ModelState,
-                     OptimizerState, StateLike, replicated_digest, saved_dp_degree, unwrapped)
+                     OptimizerState, StateLike, in_saved_kinds, replicated_digest, saved_dp_degree, unwrapped)
 from .storage.base import Store
 
 logger = logging.getLogger(__name__)
@@ -1161,7 +1161,8 @@ class CheckpointManager:
                 continue
             if checked:
                 try:
-                    state[name] = stateful.state_dict_to_load(relative)
+                    tensors = {k[len(prefix):]: v for k, v in target.index.tensors.items() if k.startswith(prefix)}
+                    state[name] = in_saved_kinds(stateful.state_dict_to_load(relative), tensors, relative - set(tensors))
                 except CheckpointError as e:
                     raise CheckpointError(f"{target.path}: {e}") from None
                 target.index.require(target.path, {name: state[name]}, (

@@ -18,7 +18,7 @@ import itertools
 import logging
 import pickle
 import sys
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, Protocol, Union
 
 import torch
@@ -319,8 +319,9 @@ class OptimizerState(CheckedState):
         for opt, names in self.named:
             current = opt.state_dict()
             state = {index: state_dict["state"][name] for index, name in enumerate(names) if name in state_dict["state"]}
-            groups = [{**group, **state_dict["param_groups"].get(names[group["params"][0]], {})} if group["params"]
-                      else group for group in current["param_groups"]]
+            groups = [{**group, **{k: as_live(v, group.get(k)) for k, v in
+                                   state_dict["param_groups"].get(names[group["params"][0]], {}).items()}}
+                      if group["params"] else group for group in current["param_groups"]]
             opt.load_state_dict({"state": state, "param_groups": groups})
 
 
@@ -404,6 +405,58 @@ def _same_kind(saved: Any, live: Any) -> bool:
     if isinstance(live, dict):
         return isinstance(saved, dict) and all(_same_kind(saved[k], live[k]) for k in saved.keys() & live.keys())
     return True
+
+
+def in_saved_kinds(state: Any, saved_tensors: Mapping[str, tuple[int, ...]], saved_values: Collection[str],
+                   key: str = "") -> Any:
+    """`state` (a checked state's entries to load, `key` its flattened name) with each number
+    that the step holds as a one-element tensor made a tensor of that shape to read it into,
+    and each one-element tensor it holds as a value made a number, in lists too (which DCP
+    keeps whole when they hold no tensor, entry by entry when they do: a scheduler's
+    `base_lrs`): learning rates saved as floats and resumed as tensors (an optimizer step
+    compiled since) or the other way round. `as_live` gives what is read the job's kinds back."""
+    if isinstance(state, dict):
+        return {k: in_saved_kinds(v, saved_tensors, saved_values, f"{key}.{k}" if key else str(k))
+                for k, v in state.items()}
+    if isinstance(state, list):
+        if key in saved_values:  # kept whole: no tensor in it
+            return _numbers(state)
+        return [in_saved_kinds(v, saved_tensors, saved_values, f"{key}.{i}") for i, v in enumerate(state)]
+    if _scalar_tensor(state) and key in saved_values:
+        return state.item()
+    if _plain_number(state) and key in saved_tensors:
+        return torch.zeros(saved_tensors[key], dtype=torch.float64)
+    return state
+
+
+def _numbers(value: Any) -> Any:
+    """`value` with each one-element tensor in it (in lists too) made its number."""
+    if isinstance(value, list):
+        return list(map(_numbers, value))
+    return value.item() if _scalar_tensor(value) else value
+
+
+def as_live(loaded: Any, live: Any) -> Any:
+    """`loaded` (a value read for an entry `in_saved_kinds` may have changed) in the kind of the
+    job's `live` one: a number where the job has a one-element tensor (on its device, of its
+    dtype), a tensor's number where the job has a number, entry by entry in lists and dicts."""
+    if _scalar_tensor(live) and _plain_number(loaded):
+        return torch.full_like(live, loaded)
+    if _plain_number(live) and _scalar_tensor(loaded):
+        return type(live)(loaded.item())
+    if isinstance(live, list) and isinstance(loaded, list) and len(live) == len(loaded):
+        return [as_live(a, b) for a, b in zip(loaded, live)]
+    if isinstance(live, dict) and isinstance(loaded, dict):
+        return {k: as_live(v, live.get(k)) for k, v in loaded.items()}
+    return loaded
+
+
+def _scalar_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.numel() == 1
+
+
+def _plain_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _number(value: Any) -> bool:
@@ -514,7 +567,7 @@ class LRSchedulerState(CheckedState):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for i, scheduler in enumerate(self.schedulers):
             own = scheduler.state_dict()
-            shared = self._shared(state_dict, i)[1]
+            shared = {k: as_live(v, own.get(k)) for k, v in self._shared(state_dict, i)[1].items()}
             scheduler.load_state_dict(copy.deepcopy({**own, **shared}))
             if "_step_count" not in state_dict and hasattr(scheduler, "last_epoch"):
                 scheduler._step_count = scheduler.last_epoch + 1  # what step() would have counted
