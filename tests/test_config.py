@@ -11,7 +11,7 @@ import torch
 
 from torchtitan_ckpt import CheckpointManager, ConfigError
 from torchtitan_ckpt.example.config import load_job_config
-from torchtitan_ckpt.config import Checkpoint, DedupPolicy, ExportDtype, field_docs
+from torchtitan_ckpt.config import Checkpoint, DedupPolicy, ExportDtype, field_docs, load_config
 from torchtitan_ckpt.io.dtypes import EXPORT_DTYPES
 from torchtitan_ckpt.policy.dedup import POLICIES
 from torchtitan_ckpt.example.config import JobConfig
@@ -111,6 +111,23 @@ def _error(argv, path=None) -> ConfigError:
     (["--model.flavor", "huge"], "model.flavor", "expected one of debugmodel"),
     (["--parallelism.data_parallel_shard_degree", "0"], "parallelism.data_parallel_shard_degree", "-1"),
     (["checkpoint.interval", "5"], "checkpoint.interval", "--section.key value"),
+    # settings that would do nothing, found out after the run (a review of the config as users write it)
+    (["--checkpoint.enable", "false", "--checkpoint.initial_load_path", "/ckpt/step-10"],
+     "checkpoint.initial_load_path", "needs checkpoint.enable = true: with checkpointing off nothing is loaded"),
+    (["--checkpoint.enable", "false", "--checkpoint.load_only"], "checkpoint.load_only", "needs checkpoint.enable"),
+    (["--checkpoint.enable", "false", "--checkpoint.load_step", "5"], "checkpoint.load_step", "needs checkpoint.enable"),
+    (["--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.hf_export_interval", "1"],
+     "checkpoint.hf_export_interval",
+     "a Hugging Face export is a save, and checkpoint.load_only = true never saves"),
+    (["--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.last_save_in_hf"], "checkpoint.last_save_in_hf",
+     "never saves"),
+    (["--checkpoint.folder", "~/ckpt"], "checkpoint.folder", "neither '~' nor an environment variable is expanded"),
+    (["--checkpoint.initial_load_path", "$SCRATCH/run/step-10"], "checkpoint.initial_load_path", "is expanded"),
+    (["--checkpoint.staging_folder", "/tmp/${USER}"], "checkpoint.staging_folder", "is expanded"),
+    (["--checkpoint.enable_ft_dataloader_checkpoints", "bogus"], "checkpoint.enable_ft_dataloader_checkpoints",
+     "expected a boolean"),
+    (["--checkpoint.upload_part_size", "5GiB", "--checkpoint.upload_parallel_parts", "256"],
+     "checkpoint.upload_parallel_parts", "hold 1280.0 GiB of part buffers, more than half of this machine's"),
 ])
 def test_validation_errors_name_the_key(argv, key, text):
     e = _error(argv)
@@ -163,6 +180,44 @@ def test_a_torchtitan_job_config_loads_as_torchtitan_reads_it(tmp_path, caplog):
     assert "checkpoint.enable_ft_dataloader_checkpoints = True: TorchTitan's setting, with no effect" in caplog.text
     assert "checkpoint.initial_load_in_hf_quantized = False: TorchTitan's setting, with no effect" in caplog.text
     assert _error(["--checkpoint.no_interval"], titan).key == "checkpoint.no_interval"  # not a flag: unknown
+    ck = load_job_config(titan, ["--checkpoint.no-enable-ft-dataloader-checkpoints",
+                                 "--checkpoint.no_initial_load_in_hf_quantized"]).checkpoint  # their flags' no- forms
+    assert ck.enable
+
+
+@pytest.mark.parametrize("argv, enabled", [
+    (["--checkpoint.no_enable", "--checkpoint.enable", "true"], True),
+    (["--checkpoint.enable", "true", "--checkpoint.no_enable"], False),
+    (["--checkpoint.no_enable", "--checkpoint.enable"], True),
+])
+def test_the_last_of_a_flag_and_its_no_form_wins(argv, enabled):
+    """A `no_` flag given before the key itself won, where the TOML holds the key (the debug
+    config's `enable = true`)."""
+    assert load_job_config(DEBUG_CONFIG, argv).checkpoint.enable is enabled
+
+
+@dataclasses.dataclass
+class _Trainer:
+    ckpt: Checkpoint = dataclasses.field(default_factory=Checkpoint)
+
+
+@dataclasses.dataclass
+class _Embedding:
+    trainer: _Trainer = dataclasses.field(default_factory=_Trainer)
+
+
+def test_torchtitans_keys_are_known_in_a_section_embedded_under_another_name(tmp_path, caplog):
+    """They were looked up as `checkpoint.<key>`: under `[trainer.ckpt]`, TorchFT's setting was
+    an unknown key ("did you mean 'enable_first_step_checkpoint'?") and the message of an earlier
+    name named `checkpoint.enable`."""
+    config = tmp_path / "job.toml"
+    config.write_text("[trainer.ckpt]\nenable = true\nenable_ft_dataloader_checkpoints = true\n")
+    with caplog.at_level("INFO", logger="torchtitan_ckpt.config"):
+        assert load_config(_Embedding, config, ["--trainer.ckpt.no-enable-ft-dataloader-checkpoints"]).trainer.ckpt.enable
+    assert "trainer.ckpt.enable_ft_dataloader_checkpoints = False: TorchTitan's setting" in caplog.text
+    with pytest.raises(ConfigError, match=r"^trainer.ckpt.enable_checkpoint = True: unknown key: TorchTitan's "
+                                          r"earlier name of trainer.ckpt.enable$"):
+        load_config(_Embedding, config, ["--trainer.ckpt.enable_checkpoint"])
 
 
 def test_every_field_has_a_docstring():
@@ -232,7 +287,7 @@ def test_a_section_built_in_python_is_converted_as_a_loaded_one(tmp_path):
     """Paths may be `os.PathLike`, async_mode is read in any case (TorchTitan lower-cases it), a
     tuple is a list: `validate()` returns the section as the loader builds it, leaving the
     caller's as it is."""
-    mine = Checkpoint(folder=tmp_path / "ck", initial_load_path=tmp_path / "init", async_mode="Disabled",
+    mine = Checkpoint(enable=True, folder=tmp_path / "ck", initial_load_path=tmp_path / "init", async_mode="Disabled",
                       exclude_from_loading=("dataloader",))
     ck = mine.validate()
     assert (ck.folder, ck.initial_load_path, ck.async_mode, ck.exclude_from_loading) == (

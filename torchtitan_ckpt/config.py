@@ -263,8 +263,8 @@ class Checkpoint:
             if dataclasses.is_dataclass(section) else dict(vars(section))
         ours = {f.name for f in dataclasses.fields(cls)}
         if theirs.get("initial_load_in_hf_quantized"):
-            key = "checkpoint.initial_load_in_hf_quantized"
-            raise ConfigError(key, True, _THEIR_KEYS[key].removeprefix(": "))
+            key = "initial_load_in_hf_quantized"
+            raise ConfigError("checkpoint." + key, True, _their_key(key, "checkpoint.").removeprefix(": "))
         dropped = sorted(set(theirs) - ours - {"initial_load_in_hf_quantized"})
         if dropped:
             logger.info("TorchTitan checkpoint settings with no equivalent here, left out: %s", ", ".join(dropped))
@@ -327,7 +327,21 @@ def _check_ranges(ck: Checkpoint, p: str) -> None:
     if not MIN_PART <= parse_size(ck.upload_part_size) <= MAX_PART:
         raise ConfigError(p + "upload_part_size", ck.upload_part_size,
                           "S3 takes multipart parts of 5MiB to 5GiB")
+    buffers, memory = parse_size(ck.upload_part_size) * ck.upload_parallel_parts, _physical_memory()
+    if memory and buffers > memory // 2:
+        raise ConfigError(p + "upload_parallel_parts", ck.upload_parallel_parts, (
+            f"with {p}upload_part_size = {ck.upload_part_size!r} a rank's object-storage transfers hold "
+            f"{buffers / 2**30:.1f} GiB of part buffers, more than half of this machine's {memory / 2**30:.1f} GiB: "
+            "lower one of them"))
     _check_exclusions(p + "exclude_from_loading", ck.exclude_from_loading)
+
+
+def _physical_memory() -> int:
+    """This machine's memory in bytes, or 0 where the system does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _check_paths(ck: Checkpoint, p: str) -> None:
@@ -394,6 +408,16 @@ def _path_limits(folder: str) -> tuple[int, int]:
 
 
 def _check_combinations(ck: Checkpoint, p: str) -> None:
+    asked = {"initial_load_path": ck.initial_load_path is not None, "load_only": ck.load_only,
+             "load_step": ck.load_step != -1}
+    if not ck.enable and (key := next((k for k, v in asked.items() if v), None)):
+        raise ConfigError(p + key, getattr(ck, key), f"needs {p}enable = true: with checkpointing off nothing is "
+                          "loaded and the job starts from its initial weights")
+    if ck.load_only and (key := next((k for k in ("last_save_in_hf", "hf_export_interval") if getattr(ck, k)), None)):
+        raise ConfigError(p + key, getattr(ck, key), f"a Hugging Face export is a save, and {p}load_only = true "
+                          "never saves: drop one of them")
+    if ck.load_only and ck.enable_first_step_checkpoint:
+        logger.warning("%senable_first_step_checkpoint = true does not apply: %sload_only = true never saves", p, p)
     if ck.initial_load_in_hf and not ck.initial_load_model_only:
         raise ConfigError(p + "initial_load_in_hf", True,
                           f"an HF checkpoint holds only the model; set {p}initial_load_model_only = true")
@@ -542,22 +566,29 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
         if not isinstance(node, dict):
             dotted = ".".join(tables[:depth])
             raise ConfigError(dotted, node, f"expected a TOML table [{dotted}]")
+    # the last of `flag` and a bare `no_flag` wins: each is set after the other's removal
+    twin = name[3:] if name.startswith("no_") else "no_" + name
+    if value is True and name.startswith("no_") or node.get(twin) is True:
+        node.pop(twin, None)
+    node.pop(name, None)
     node[name] = value
 
 
 def _build(cls: type[T], table: dict[str, Any], prefix: str) -> T:
     hints = typing.get_type_hints(cls)
     values = {}
+    theirs = cls is Checkpoint  # TorchTitan's keys, wherever the section is in the tree
     for key, value in table.items():
-        dotted = prefix + key
-        if key not in hints and key.startswith("no_") and hints.get(key[3:]) is bool and value is True:
+        flag = key.startswith("no_") and (hints.get(key[3:]) is bool or theirs and key[3:] in _LEFT_OUT)
+        if key not in hints and flag and value is True:
             key, value = key[3:], False  # a bare `--section.no_flag`, as TorchTitan's parser takes it
-        if key not in hints and dotted in _LEFT_OUT and _LEFT_OUT[dotted](dotted, value):
+        dotted = prefix + key
+        if key not in hints and theirs and key in _LEFT_OUT and _LEFT_OUT[key](dotted, value):
             logger.info("%s = %r: TorchTitan's setting, with no effect here; left out", dotted, value)
             continue
         if key not in hints:
             what = "unknown section" if isinstance(value, dict) else "unknown key"
-            raise ConfigError(dotted, value, what + (_THEIR_KEYS.get(dotted) or _suggest(key, hints)))
+            raise ConfigError(dotted, value, what + (theirs and _their_key(key, prefix) or _suggest(key, hints)))
         if dataclasses.is_dataclass(hints[key]):
             if not isinstance(value, dict):
                 raise ConfigError(dotted, value, f"expected a TOML table [{dotted}]")
@@ -568,17 +599,23 @@ def _build(cls: type[T], table: dict[str, Any], prefix: str) -> T:
 
 
 _THEIR_KEYS = {
-    "checkpoint.enable_checkpoint": ": TorchTitan's earlier name of checkpoint.enable",
-    "checkpoint.model_weights_only": ": TorchTitan's earlier name of checkpoint.last_save_model_only",
-    "checkpoint.initial_load_in_hf_quantized": (": quantized Hugging Face checkpoints are not read by torchtitan_ckpt; "
-                                                "load a dequantized copy with checkpoint.initial_load_in_hf"),
+    "enable_checkpoint": ": TorchTitan's earlier name of {p}enable",
+    "model_weights_only": ": TorchTitan's earlier name of {p}last_save_model_only",
+    "initial_load_in_hf_quantized": (": quantized Hugging Face checkpoints are not read by torchtitan_ckpt; "
+                                     "load a dequantized copy with {p}initial_load_in_hf"),
 }
 """TorchTitan's `[checkpoint]` keys this section does not have -> what to do instead (the
-closest name by spelling would point to a key of another meaning)."""
+closest name by spelling would point to a key of another meaning), `{p}` the section's place."""
+
+
+def _their_key(key: str, prefix: str) -> str:
+    """What `_THEIR_KEYS` says of `key` in the section at `prefix`, or ""."""
+    return _THEIR_KEYS.get(key, "").replace("{p}", prefix)
+
 
 _LEFT_OUT: dict[str, Callable[[str, Any], bool]] = {
-    "checkpoint.enable_ft_dataloader_checkpoints": lambda key, value: True,
-    "checkpoint.initial_load_in_hf_quantized": lambda key, value: not _convert_bool(key, value),
+    "enable_ft_dataloader_checkpoints": lambda key, value: _convert_bool(key, value) in (True, False),
+    "initial_load_in_hf_quantized": lambda key, value: not _convert_bool(key, value),
 }
 """TorchTitan's `[checkpoint]` keys this section does not have -> whether a value changes
 nothing here (TorchFT's setting, which this package does not run; a quantized import turned

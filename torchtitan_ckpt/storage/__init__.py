@@ -48,12 +48,17 @@ def check_url(key: str, url: str) -> None:
         raise ConfigError(key, url, f"expected {scheme}://bucket/prefix (no bucket given)")
 
 
+_VARIABLE = re.compile(r"\$(\{\w+\}|[A-Za-z_]\w*)")
+"""An environment variable as a shell names it in a path ($SCRATCH, ${USER})."""
+
+
 def check_location(key: str, value: str, local: bool = False) -> None:
     """A `ConfigError` naming `key` unless `value` is a URL `check_url` takes (none when `local`)
     or a path that is no mistyped URL. A path keeps what a URL would drop, so a mistyped one
     silently became a local folder: white space at either end (" s3://b/x"), or a scheme and a
     colon without `//` ("s3:/b/x", "s3:", "s3:b/x") where a URL of a supported store was meant
-    (another scheme-like name, "run:1" or "C:/x", is a local path as it always was)."""
+    (another scheme-like name, "run:1" or "C:/x", is a local path as it always was). A path is
+    refused where a shell would expand it (`~`, `$NAME`): it would be a folder of that name."""
     if value != value.strip():
         raise ConfigError(key, value, "starts or ends with white space, which a path keeps; remove it")
     m = _SCHEME.match(value)
@@ -63,6 +68,9 @@ def check_location(key: str, value: str, local: bool = False) -> None:
         raise ConfigError(key, value, f"expected a local folder, not a URL (for a folder of that name: ./{value})")
     if url:
         check_url(key, value)
+    elif value.startswith("~") or _VARIABLE.search(value):
+        raise ConfigError(key, value, "a path is read as it is written: neither '~' nor an environment variable "
+                          "is expanded (TorchTitan does not either); write the folder's path")
     elif mistyped:
         raise ConfigError(key, value, f"a mistyped URL ({m.group(0)} without //)? expected one of "
                           f"{', '.join(s + '://bucket/prefix' for s in STORES)}, or for a local folder of "
