@@ -56,7 +56,7 @@ from .progress import gb_per_s
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
 from .staging import SaveJob, Staged, make_strategy
 from .states import (DP_RANK_PREFIX, CheckedState, DataLoaderState, LRSchedulerState, ModelPart, ModelState,
-                     OptimizerState, StateLike, in_saved_kinds, replicated_digest, saved_dp_degree, unwrapped)
+                     OptimizerState, StateLike, replicated_digest, saved_dp_degree, unwrapped)
 from .storage.base import Store
 
 logger = logging.getLogger(__name__)
@@ -1162,7 +1162,7 @@ class CheckpointManager:
             if checked:
                 try:
                     tensors = {k[len(prefix):]: v for k, v in target.index.tensors.items() if k.startswith(prefix)}
-                    state[name] = in_saved_kinds(stateful.state_dict_to_load(relative), tensors, relative - set(tensors))
+                    state[name] = stateful.state_dict_to_load(relative, tensors)
                 except CheckpointError as e:
                     raise CheckpointError(f"{target.path}: {e}") from None
                 target.index.require(target.path, {name: state[name]}, (
@@ -1247,9 +1247,9 @@ def _unmarked(names: list[str], bitmap: int) -> list[str]:
 
 def _state_dict_of(name: str, stateful: Stateful, call: str, model: Collection[str]) -> Any:
     """`stateful.state_dict()` of a job's own `states[name]`: a container DCP saves entry by entry
-    (a dict, a list of tensors), whose names (its own too) are not the `model`'s, and whose tensors have memory
-    and can be filled in place (`ModelState.check_materialised`): a step saved otherwise never
-    loads."""
+    (a dict, a list of tensors), whose names (its own too) are not the `model`'s, and whose
+    tensors have memory and can be filled in place (`ModelState.check_materialised`): a step
+    saved otherwise never loads."""
     if name in model:  # `{**model, **states}` would put the state in its place
         raise CheckpointError(f"{call}: states[{name!r}] has the name of the model's {name!r} (a parameter or "
                               "buffer of its top level): a step keeps one value per name; name the state otherwise")

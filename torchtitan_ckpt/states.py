@@ -261,10 +261,13 @@ class OptimizerState(CheckedState):
                 groups.update({names[index]: dict(settings) for index in group["params"]})
         return {"state": state, "param_groups": groups}
 
-    def state_dict_to_load(self, saved_keys: Collection[str]) -> dict[str, Any]:
-        """What to load from a checkpoint holding `saved_keys` (relative to this state): the
-        state tensors of every parameter the checkpoint has state for, and the settings it has
-        (a setting a newer PyTorch added keeps its present value). An optimizer that has no state yet is left without one (its
+    def state_dict_to_load(self, saved_keys: Collection[str], saved_tensors: Mapping[str, tuple[int, ...]]
+                           ) -> dict[str, Any]:
+        """What to load from a checkpoint holding `saved_keys` (relative to this state), of which
+        `saved_tensors` are tensors (their shapes): the state tensors of every parameter the
+        checkpoint has state for, and the settings it has, in the kinds it holds them
+        (`in_saved_kinds`: a float or a tensor `lr`); a setting a newer PyTorch added keeps its
+        present value. An optimizer that has no state yet is left without one (its
         state is made here to be read into and is given to it when the load is applied), so a
         load refused before then leaves it as it was; one that has state for some parameters
         only (others had no gradient yet) gets state made for the rest that the checkpoint has."""
@@ -278,8 +281,10 @@ class OptimizerState(CheckedState):
             if lacking:
                 sd["state"].update(_made_state(opt, names, lacking))
         sd["state"] = {fqn: values for fqn, values in sd["state"].items() if fqn in prefixes}
-        sd["param_groups"] = {fqn: {k: v for k, v in settings.items() if f"param_groups.{fqn}.{k}" in saved_keys}
-                              for fqn, settings in sd["param_groups"].items()}
+        sd["param_groups"] = in_saved_kinds(
+            {fqn: {k: v for k, v in settings.items() if f"param_groups.{fqn}.{k}" in saved_keys}
+             for fqn, settings in sd["param_groups"].items()},
+            saved_tensors, set(saved_keys) - set(saved_tensors), "param_groups")
         bare = [fqn for fqn, settings in sd["param_groups"].items() if not settings]
         if bare:
             raise CheckpointError(f"the checkpoint has no optimizer settings (optimizer.param_groups.<fqn>.lr, "
@@ -521,8 +526,10 @@ class LRSchedulerState(CheckedState):
             return {**first, _EACH: {str(i): state for i, state in enumerate(states)}}
         return first
 
-    def state_dict_to_load(self, saved_keys: Collection[str]) -> dict[str, Any]:
-        """The entries of this state the checkpoint holds (`saved_keys` relative to it). It must
+    def state_dict_to_load(self, saved_keys: Collection[str], saved_tensors: Mapping[str, tuple[int, ...]]
+                           ) -> dict[str, Any]:
+        """The entries of this state the checkpoint holds (`saved_keys` relative to it, of which
+        `saved_tensors` are tensors), in the kinds it holds them (`in_saved_kinds`). It must
         hold `last_epoch`, or, for a scheduler without one (`ChainedScheduler`, whose state is
         its schedulers'), every entry of the scheduler's own state but its last rates."""
         live = self.state_dict()
@@ -538,7 +545,7 @@ class LRSchedulerState(CheckedState):
             each = {i: {k: v for k, v in state.items() if _held(f"{_EACH}.{i}.{k}", saved_keys)}
                     for i, state in wanted[_EACH].items()}
             wanted[_EACH] = {i: state for i, state in each.items() if state}
-        return _unshared(wanted, set())
+        return in_saved_kinds(_unshared(wanted, set()), saved_tensors, set(saved_keys) - set(saved_tensors))
 
     def check_loaded(self, state_dict: dict[str, Any]) -> None:
         """Step counts are ints, and every entry read is of the kind (and length) the job's
