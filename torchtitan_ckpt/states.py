@@ -18,7 +18,7 @@ import itertools
 import logging
 import pickle
 import sys
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, Union
 
 import torch
@@ -325,9 +325,23 @@ class OptimizerState(CheckedState):
             current = opt.state_dict()
             state = {index: state_dict["state"][name] for index, name in enumerate(names) if name in state_dict["state"]}
             groups = [{**group, **{k: as_live(v, group.get(k)) for k, v in
-                                   state_dict["param_groups"].get(names[group["params"][0]], {}).items()}}
-                      if group["params"] else group for group in current["param_groups"]]
+                                   state_dict["param_groups"].get(names[group["params"][0]], {}).items()},
+                       "params": _Indices(group["params"])} for group in current["param_groups"]]
             opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+class _Indices(list):
+    """A param group's parameter indices, for `Optimizer.load_state_dict`, whose `in` is a set
+    lookup: it asks, for each state tensor, whether its parameter's index is `in` each group's
+    list, which was quadratic in the parameters (a review measured 4.3 s at 16,000 parameters
+    and 17.7 s at 32,000, in one group)."""
+
+    def __init__(self, indices: Iterable[int]):
+        super().__init__(indices)
+        self._set = frozenset(self)
+
+    def __contains__(self, index: object) -> bool:
+        return index in self._set
 
 
 _NOT_SETTINGS = ("params", "param_names")
