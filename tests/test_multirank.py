@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from torchtitan_ckpt import CheckpointManager, commit, layout
 from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.errors import CheckpointError
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.train import build_model, shard_model
 from torchtitan_ckpt.storage.local import LOCK_FILE
@@ -534,3 +535,48 @@ def test_optimizer_state_no_rank_holds_is_said_once(tmp_path):
     """A parameter frozen since the save lost its optimizer state without a word; pipeline
     stages, each holding its own parameters, are no such loss."""
     spawn(2, _frozen_since_the_save, str(tmp_path / "checkpoint"))
+
+
+class _RanksTokens:
+    """A rank's count of tokens seen, keyed by rank as docs/quickstart.md says to key per-rank values."""
+
+    def __init__(self, rank: int, tokens: int):
+        self.rank, self.tokens = rank, torch.tensor(tokens)
+
+    def state_dict(self) -> dict:
+        return {f"rank_{self.rank}": self.tokens}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.tokens = state_dict[f"rank_{self.rank}"]
+
+
+def _per_rank_job(rank: int, world_size: int, folder: str, save: bool) -> None:
+    tokens = _RanksTokens(rank, 1000 * (rank + 1) if save else -1)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchtitan_ckpt.manager").addHandler(handler)
+    with CheckpointManager(Checkpoint(enable=True, folder=folder, interval=1, last_save_model_only=False),
+                           [torch.nn.Linear(2, 2)], states={"tokens": tokens}) as manager:
+        if save:
+            manager.save(1)
+        elif world_size == 1:  # after 2 ranks: rank 0's entry loads, rank 1's is said to be left
+            assert manager.load() and tokens.tokens.item() == 1000
+            assert f"{folder}/step-1 holds 1 entries of the job's own states that no rank loads, e.g. " \
+                   "['tokens.rank_1'] (saved by 2 ranks, this job has 1): they are not loaded" in " ".join(said)
+        else:  # after 1 rank: rank 1 has no entry, and the message says why (it blamed the model)
+            with pytest.raises(CheckpointError, match=r"lacks 1 entries of the state 'tokens' this job has, e\.g\. "
+                                                      r"\['tokens\.rank_1'\] \(saved by 1 ranks, this job has 2\): a "
+                                                      "state keyed by rank has none for the ranks added; add 'tokens' "
+                                                      "to checkpoint.exclude_from_loading"):
+                manager.load()
+
+
+def test_a_state_keyed_by_rank_resumed_at_another_world_size_is_said_so(tmp_path):
+    """A job rescheduled on fewer ranks dropped the other ranks' entries without a word; on more,
+    the load failed with "lacks ... tensors; was it saved from a different model?" (DCP's
+    "Missing key" for values that are not tensors)."""
+    spawn(2, _per_rank_job, str(tmp_path / "shrink"), True)
+    spawn(1, _per_rank_job, str(tmp_path / "shrink"), False)
+    spawn(1, _per_rank_job, str(tmp_path / "grow"), True)
+    spawn(2, _per_rank_job, str(tmp_path / "grow"), False)

@@ -83,6 +83,14 @@ class _LoadTarget:
     store: Store
     listed: frozenset[str] = frozenset()
     """The states the step's commit marker lists (none for another program's step)."""
+    world_size: int | None = None
+    """How many ranks saved the step, where its commit marker says."""
+
+    def resized(self, world_size: int) -> str:
+        """A note that the step was saved by another number of ranks than `world_size`, or ""."""
+        if self.world_size is None or self.world_size == world_size:
+            return ""
+        return f" (saved by {self.world_size} ranks, this job has {world_size})"
 
 
 def _one(name: str, value: Any, alias: str, other: Any) -> Any:
@@ -475,9 +483,12 @@ class CheckpointManager:
         change in the forward pass) and every other state's tensors are copied in `save()`."""
         return path[0] in self._parameters if len(path) == 1 else path[:2] == ("optimizer", "state")
 
+    @torch.compiler.disable
     def _before_optimizer_step(self, *_: Any) -> None:
         """Step pre-hook of every optimizer given to the manager: the step changes what a
-        background save may still be copying."""
+        background save may still be copying. Never compiled with an optimizer step compiled
+        by `torch.compile`: a wait on another thread, which Dynamo traced again and again (with
+        `verify_staging`, up to its recompile limit)."""
         self._saves.wait_for_staging()
 
     @property
@@ -1101,13 +1112,14 @@ class CheckpointManager:
         return list(dict.fromkeys(p for problems in found for p in problems))
 
     def _target(self, path: str, step: int | None, model_only: bool, store: Store,
-                fmt_name: str = "dcp", listed: frozenset[str] = frozenset()) -> _LoadTarget:
+                fmt_name: str = "dcp", listed: frozenset[str] = frozenset(),
+                world_size: int | None = None) -> _LoadTarget:
         fmt = self._formats.get(fmt_name)
         if fmt is None:
             raise CorruptCheckpointError(f"{path}: format {fmt_name!r} is not one of {', '.join(self._formats)}")
         index = fmt.index(path, store)
         self._check_rope_layout(path, index, store)
-        return _LoadTarget(path, step, model_only or not index.keys(), fmt, index, store, listed)
+        return _LoadTarget(path, step, model_only or not index.keys(), fmt, index, store, listed, world_size)
 
     def _check_rope_layout(self, path: str, index: StepIndex, store: Store) -> None:
         """A folder `convert --to dcp` wrote records the RoPE layout its q/k rows are in
@@ -1132,7 +1144,8 @@ class CheckpointManager:
                                 f"reading the marker of {store.describe(path)}")
         if differ := self._group.differing(info.digest):
             raise CorruptCheckpointError(different_copies(store.describe(os.path.join(path, commit.MARKER)), differ))
-        return self._target(path, step, model_only or info.model_only, store, info.format, frozenset(info.states))
+        return self._target(path, step, model_only or info.model_only, store, info.format, frozenset(info.states),
+                            info.world_size)
 
     def _state_for_load(self, target: _LoadTarget) -> dict[str, Any]:
         state: dict[str, Any] = self._model.state_dict()
@@ -1170,13 +1183,20 @@ class CheckpointManager:
                     "checkpoint.exclude_from_loading to start it fresh"))
             else:
                 state[name] = _state_dict_of(name, stateful, "load()", state)  # filled in place; applied once read
+                if lacking := [k for k in flatten_state_dict({name: state[name]})[0] if k not in keys]:
+                    resized = target.resized(self._group.world_size)
+                    why = f"{resized}: a state keyed by rank has none for the ranks added" if resized else ""
+                    raise CheckpointError(
+                        f"{target.path} lacks {len(lacking)} entries of the state '{name}' this job has, e.g. "
+                        f"{lacking[:3]}{why}; add '{name}' to checkpoint.exclude_from_loading to start it fresh")
         return state
 
     def _warn_unloaded(self, target: _LoadTarget, state: dict[str, Any]) -> None:
         """What the step holds and no rank loads, which DCP leaves unread, said once on rank 0:
-        model tensors that no rank's model parts have (a layer removed since the save), and the
+        model tensors that no rank's model parts have (a layer removed since the save), the
         optimizer state of parameters that no rank's optimizer holds (frozen since, or an
-        optimizer built over fewer parameters by mistake), whose moments are then lost. Each rank
+        optimizer built over fewer parameters by mistake), whose moments are then lost, and
+        entries of the job's own states none asks for (those of ranks gone, keyed by rank). Each rank
         marks what it holds (a pipeline stage has its own layers) in bitmaps over the step's
         names, the same on every rank, and one gather joins them."""
         # model tensors are at the top level: one named "model.*" (transformers' names) is one of them
@@ -1186,14 +1206,22 @@ class CheckpointManager:
         params = sorted({_param_of(k) for k in keys if k.startswith(_SETTINGS)})
         optimizer = self._states.get("optimizer")
         mine = {n for _, named in optimizer.named for n in named} if isinstance(optimizer, OptimizerState) else set()
-        held_model, held_params = map(_joined, zip(*self._group.all_gather(
-            (_bitmap(names, state.__contains__), _bitmap(params, mine.__contains__)))))
+        own = [n for n in self._states if n not in BUILTIN_STATES and n in state]  # the job's own, loaded
+        entries = sorted(k for k in target.index.keys() if k.partition(".")[0] in own)
+        asked = flatten_state_dict({n: state[n] for n in own})[0]
+        held_model, held_params, held_entries = map(_joined, zip(*self._group.all_gather((
+            _bitmap(names, state.__contains__), _bitmap(params, mine.__contains__),
+            _bitmap(entries, asked.__contains__)))))
         if not self._group.is_coordinator:
             return
         # none of the model's names among the step's (nested under a prefix?): the load's refusal says why
         if held_model and (unloaded := _unmarked(names, held_model)):
             logger.warning("%s holds %d model tensors this job's model does not have, e.g. %s: they are not loaded "
                            "(a layer removed since the save?)", target.path, len(unloaded), unloaded[:3])
+        if unasked := _unmarked(entries, held_entries):
+            logger.warning("%s holds %d entries of the job's own states that no rank loads, e.g. %s%s: they are not "
+                           "loaded (a state keyed by rank keeps the entries of the ranks a job has)", target.path,
+                           len(unasked), unasked[:3], target.resized(self._group.world_size))
         if unheld := _unmarked(params, held_params):
             logger.warning("%s holds optimizer state for %d parameters no optimizer of this job holds, e.g. %s: it "
                            "is not loaded, and their optimizer state starts anew if they are trained again (frozen "
