@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import enum
 import functools
+import hashlib
 import io
 import logging
 import os
@@ -52,7 +53,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # as DCP's own planning
 from torch.futures import Future
 
-from ..io import filewriter, reader, safe_open, torch_archive
+from ..io import filewriter, own_writes, reader, safe_open, torch_archive
 from ..io.untrusted import UnsafePickleError, brief, check_pickle
 from ..io.checksum import crc32
 from .. import gc_pause
@@ -390,16 +391,19 @@ def root_cause(error: BaseException, rank: int | None = None) -> BaseException:
 
 
 class _ChecksummedStream:
-    """A write-only file that computes the CRC-32 of what passes through it."""
+    """A write-only file that computes the CRC-32 and the SHA-256 of what passes through it."""
 
     def __init__(self, f):
         self._f = f
         self.crc = 0
         self.size = 0
+        self.sha256 = hashlib.sha256()
 
     def write(self, data) -> int:
         n = self._f.write(data)
-        self.crc = crc32(memoryview(data).cast("B")[:n], self.crc)
+        written = memoryview(data).cast("B")[:n]
+        self.crc = crc32(written, self.crc)
+        self.sha256.update(written)
         self.size += n
         return n
 
@@ -430,6 +434,8 @@ class ChecksummingFileSystem(FileSystem):
         self.root = os.path.abspath(root)
         self._checksums: dict[str, tuple[int, str]] = {}
         self._written: dict[str, filewriter.WrittenFile | Callable[[], filewriter.WrittenFile]] = {}
+        self._digests: dict[str, bytes] = {}
+        """SHA-256 of the files written through `create_stream` (DCP's `.metadata`), until renamed."""
         self._lock = threading.Lock()
 
     def _rel(self, path) -> str:
@@ -460,12 +466,16 @@ class ChecksummingFileSystem(FileSystem):
             yield stream
         with self._lock:
             self._checksums[self._rel(path)] = (stream.size, f"{stream.crc:08x}")
+            self._digests[self._rel(path)] = stream.sha256.digest()
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
         with self._lock:
             if (entry := self._checksums.pop(self._rel(path), None)) is not None:
                 self._checksums[self._rel(new_path)] = entry
+            digest = self._digests.pop(self._rel(path), None)
+        if digest is not None and os.path.basename(new_path) == METADATA_FILE:
+            own_writes.remember(digest)  # written whole by this process: a load of it need not scan it
 
 
 def _staged() -> None:

@@ -10,6 +10,7 @@ no code run on load) are the same.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -27,6 +28,7 @@ from ..dcp import storage
 from ..dcp.planner import PlanCache
 from ..hf.convert import recorded_rope_layout
 from ..hf.files import RECORDED_LAYOUT
+from ..io import own_writes
 from ..io.filewriter import Sink
 from ..io.untrusted import check_pickle
 from ..policy.schedule import SaveKind
@@ -35,6 +37,8 @@ from .base import StepFormat, StepIndex, Written
 if TYPE_CHECKING:  # storage.base imports layout, which imports the formats
     from ..staging import Staged
     from ..storage.base import Store
+
+logger = logging.getLogger(__name__)
 
 
 class DcpFormat(StepFormat):
@@ -91,13 +95,21 @@ class DcpFormat(StepFormat):
 
     def _scanned_once(self, data: bytes, what: str) -> None:
         """`check_pickle` of the `.metadata` every rank has read, by rank 0 for all: the ranks
-        read one file, and the scan is most of the cost of reading it (`docs/performance.md`).
-        Ranks whose bytes differ from rank 0's (SHA-256) would load different checkpoints:
-        refused on every rank."""
-        if differ := self.ctx.group.differing(hashlib.sha256(data).digest()):
+        read one file, and the scan is most of the cost of reading it (`docs/performance.md`);
+        not of one this user's save wrote (`own_writes`). Ranks whose bytes differ from rank
+        0's (SHA-256) would load different checkpoints: refused on every rank."""
+        digest = hashlib.sha256(data).digest()
+        if differ := self.ctx.group.differing(digest):
             raise CorruptCheckpointError(different_copies(what, differ))
+
+        def scan() -> None:
+            if own_writes.known(digest):
+                logger.debug("%s: not scanned, this user's save wrote it", what)
+            else:
+                check_pickle(data, what)
+
         try:
-            self.ctx.group.run(lambda: check_pickle(data, what), coordinator_only=True)
+            self.ctx.group.run(scan, coordinator_only=True)
         except RankFailed as failed:
             if failed.error is None and CorruptCheckpointError.__name__ in failed.kinds:  # the same kind on every rank
                 raise CorruptCheckpointError(f"reading {what} failed on {failed}") from None
