@@ -8,14 +8,18 @@ from __future__ import annotations
 import io
 import os
 import pickle
+from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan_ckpt import CheckpointError, CheckpointManager
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.io import torch_archive
+
+from .helpers import read_checkpoint
 
 _DATA = list(range(100))
 
@@ -43,36 +47,53 @@ def test_a_shuffling_stateful_dataloader_resumes_at_its_next_batch(tmp_path):
     manager.close()
 
 
-class _OlderLayout:
-    """A loader saving its position as an older torchtitan_ckpt did (`dataloader.rank_0`), not
-    per data-parallel rank as TorchTitan does."""
-
-    dp_rank, dp_world_size = 0, 1
+class _Position:
+    """A loader whose state is its position."""
 
     def __init__(self, position: int):
         self.position = position
 
     def state_dict(self):
-        return {"rank_0": pickle.dumps({"position": self.position})}
+        return {"position": self.position}
 
     def load_state_dict(self, state):
-        self.position = pickle.loads(state["rank_0"])["position"]
+        self.position = state["position"]
+
+
+def test_a_loader_told_its_data_parallel_rank_is_saved_at_it(tmp_path):
+    """A plain `StatefulDataLoader` given `dp_rank` and `dp_world_size` (ranks of one
+    data-parallel rank under tensor parallelism share its data) was taken for TorchTitan's
+    loader, its state saved as it was, and every load refused it as of another layout."""
+    config = Checkpoint(enable=True, interval=1, last_save_model_only=False)
+    saved = _Position(7)
+    saved.dp_rank, saved.dp_world_size = 0, 1
+    with CheckpointManager(config, [torch.nn.Linear(2, 2)], dataloader=saved, base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    assert set(read_checkpoint(str(tmp_path / "checkpoint" / "step-1"))) >= {"dataloader.dp_rank_0",
+                                                                           "dataloader.world_size"}
+    fresh = _Position(0)
+    fresh.dp_rank, fresh.dp_world_size = 0, 1
+    with CheckpointManager(config, [torch.nn.Linear(2, 2)], dataloader=fresh, base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert fresh.position == 7
 
 
 def test_a_dataloader_state_of_another_layout_is_refused_not_dropped(tmp_path):
     """It loaded with no error and the loader started from the beginning, with a warning that
-    0 data-parallel ranks had saved it."""
+    0 data-parallel ranks had saved it. The step holds it as an older torchtitan_ckpt saved it
+    (`dataloader.rank_0`), not per data-parallel rank as TorchTitan does."""
     model = torch.nn.Linear(2, 2)
-    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], dataloader=_OlderLayout(3),
-                           base_folder=str(tmp_path)) as manager:
-        manager.save(1)
-    fresh = _OlderLayout(0)
-    with CheckpointManager(Checkpoint(enable=True), [model], dataloader=fresh, base_folder=str(tmp_path)) as manager:
+    older = str(tmp_path / "older")
+    dcp.save({**model.state_dict(), "dataloader": {"rank_0": pickle.dumps({"position": 3})}}, checkpoint_id=older,
+             no_dist=True)
+    fresh = _Position(0)
+    config = Checkpoint(enable=True, initial_load_path=older, initial_load_model_only=False)
+    with CheckpointManager(config, [model], dataloader=fresh, base_folder=str(tmp_path)) as manager:
         with pytest.raises(CheckpointError, match=r"its dataloader state \('dataloader.rank_0'\) is not in TorchTitan's "
                                                   r"layout .*checkpoint.exclude_from_loading"):
             manager.load()
     assert fresh.position == 0
-    with CheckpointManager(Checkpoint(enable=True, exclude_from_loading=["dataloader"]), [model], dataloader=fresh,
+    with CheckpointManager(replace(config, exclude_from_loading=["dataloader"]), [model], dataloader=fresh,
                            base_folder=str(tmp_path)) as manager:
         assert manager.load()
 

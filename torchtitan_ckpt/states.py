@@ -712,15 +712,18 @@ class DataLoaderState(CheckedState):
     r's loader and `world_size` the data-parallel degree. Ranks that share a data-parallel rank
     (tensor parallel) save the same entry once. The pickle is read back without running code.
 
-    A loader with `dp_rank` and `dp_world_size` attributes (TorchTitan's) already saves this
-    layout; its state passes through as it is. Any other loader is at the checkpoint group's
-    rank, of its size."""
+    A loader is at the data-parallel rank and degree its `dp_rank` and `dp_world_size`
+    attributes say (TorchTitan's have them; set them on another, whose ranks under tensor or
+    pipeline parallelism share a data-parallel rank), else at the checkpoint group's rank, of
+    its size. One whose `state_dict()` already holds this layout (TorchTitan's) passes through
+    as it is."""
 
     def __init__(self, dataloader: Any, rank: int, world_size: int):
         self.dataloader = dataloader
-        self.own_layout = hasattr(dataloader, "dp_rank") and hasattr(dataloader, "dp_world_size")
-        self.dp_rank = dataloader.dp_rank if self.own_layout else rank
-        self.dp_world_size = dataloader.dp_world_size if self.own_layout else world_size
+        declared = hasattr(dataloader, "dp_rank") and hasattr(dataloader, "dp_world_size")
+        self.dp_rank = dataloader.dp_rank if declared else rank
+        self.dp_world_size = dataloader.dp_world_size if declared else world_size
+        self.own_layout = declared and self.key in dataloader.state_dict()
 
     @property
     def key(self) -> str:
