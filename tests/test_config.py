@@ -6,6 +6,7 @@ import dataclasses
 import os
 import typing
 
+import numpy as np
 import pytest
 import torch
 
@@ -126,6 +127,7 @@ def _error(argv, path=None) -> ConfigError:
     (["--checkpoint.staging_folder", "/tmp/${USER}"], "checkpoint.staging_folder", "is expanded"),
     (["--checkpoint.enable_ft_dataloader_checkpoints", "bogus"], "checkpoint.enable_ft_dataloader_checkpoints",
      "expected a boolean"),
+    (["--checkpoint.folder", "/"], "checkpoint.folder", "is the root folder: this package's files would be made there"),
     (["--checkpoint.upload_part_size", "5GiB", "--checkpoint.upload_parallel_parts", "256"],
      "checkpoint.upload_parallel_parts", "hold 1280.0 GiB of part buffers, more than half of this machine's"),
 ])
@@ -299,6 +301,10 @@ def test_a_section_built_in_python_is_converted_as_a_loaded_one(tmp_path):
     assert Checkpoint.from_torchtitan(_TitansSection(async_mode="ASYNC_WITH_PINNED_MEM")).async_mode == \
         "async_with_pinned_mem"
     assert load_job_config(None, ["--checkpoint.async_mode", "Async"]).checkpoint.async_mode == "async"
+    numpys = Checkpoint(interval=np.int64(5), collective_timeout_s=np.float32(30.0)).validate()  # a trainer's numbers
+    assert (type(numpys.interval), numpys.interval, type(numpys.collective_timeout_s)) == (int, 5, float)
+    with pytest.raises(ConfigError, match="checkpoint.interval = np.float64\\(5.0\\): expected an integer"):
+        Checkpoint(interval=np.float64(5.0)).validate()
 
 
 def test_the_config_names_what_the_registries_hold():

@@ -15,6 +15,7 @@ import difflib
 import inspect
 import logging
 import math
+import numbers
 import os
 import re
 import sys
@@ -383,6 +384,9 @@ def _check_local(key: str, value: str, folder: str, room: int, joined: str = "")
         name = max(map(len, os.fsencode(value).split(b"/")))
     except UnicodeEncodeError as e:
         raise ConfigError(key, value, f"is not a path this system can encode: {e.reason}") from None
+    if os.path.dirname(os.path.abspath(folder)) == os.path.abspath(folder):
+        raise ConfigError(key, value, f"is the root folder{joined}: this package's files would be made there; name "
+                          "a folder of their own")
     name_max, path_max = _path_limits(folder)
     if name > name_max:
         raise ConfigError(key, value, f"holds a name of {name} bytes; the file system takes at most {name_max}")
@@ -685,6 +689,8 @@ def _convert_number(key: str, value: Any, kind: type) -> int | float:
         if not (_CLI_INT if kind is int else _CLI_NUMBER).fullmatch(value):  # int() takes other digits and `_`
             raise ConfigError(key, value, f"expected {what}")
         value = kind(value)
+    if not isinstance(value, (bool, str)) and isinstance(value, numbers.Real):  # NumPy's too, as a trainer may give
+        value = int(value) if isinstance(value, numbers.Integral) else float(value) if kind is float else value
     ok = (int,) if kind is int else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok):
         raise ConfigError(key, value, f"expected {what}")
