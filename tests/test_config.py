@@ -113,10 +113,6 @@ def _error(argv, path=None) -> ConfigError:
     (["--parallelism.data_parallel_shard_degree", "0"], "parallelism.data_parallel_shard_degree", "-1"),
     (["checkpoint.interval", "5"], "checkpoint.interval", "--section.key value"),
     # settings that would do nothing, found out after the run (a review of the config as users write it)
-    (["--checkpoint.enable", "false", "--checkpoint.initial_load_path", "/ckpt/step-10"],
-     "checkpoint.initial_load_path", "needs checkpoint.enable = true: with checkpointing off nothing is loaded"),
-    (["--checkpoint.enable", "false", "--checkpoint.load_only"], "checkpoint.load_only", "needs checkpoint.enable"),
-    (["--checkpoint.enable", "false", "--checkpoint.load_step", "5"], "checkpoint.load_step", "needs checkpoint.enable"),
     (["--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.hf_export_interval", "1"],
      "checkpoint.hf_export_interval",
      "a Hugging Face export is a save, and checkpoint.load_only = true never saves"),
@@ -128,7 +124,8 @@ def _error(argv, path=None) -> ConfigError:
     (["--checkpoint.enable_ft_dataloader_checkpoints", "bogus"], "checkpoint.enable_ft_dataloader_checkpoints",
      "expected a boolean"),
     (["--checkpoint.folder", "/"], "checkpoint.folder", "is the root folder: this package's files would be made there"),
-    (["--checkpoint.upload_part_size", "5GiB", "--checkpoint.upload_parallel_parts", "256"],
+    (["--checkpoint.folder", "s3://bkt/ckpt", "--checkpoint.upload_part_size", "5GiB",
+      "--checkpoint.upload_parallel_parts", "256"],
      "checkpoint.upload_parallel_parts", "hold 1280.0 GiB of part buffers, more than half of this machine's"),
 ])
 def test_validation_errors_name_the_key(argv, key, text):
@@ -185,6 +182,23 @@ def test_a_torchtitan_job_config_loads_as_torchtitan_reads_it(tmp_path, caplog):
     ck = load_job_config(titan, ["--checkpoint.no-enable-ft-dataloader-checkpoints",
                                  "--checkpoint.no_initial_load_in_hf_quantized"]).checkpoint  # their flags' no- forms
     assert ck.enable
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["--checkpoint.initial_load_path", "/ckpt/step-10"], "initial_load_path = '/ckpt/step-10'"),
+    (["--checkpoint.load_only"], "load_only = True"),
+    (["--checkpoint.load_step", "5"], "load_step = 5"),
+])
+def test_loading_settings_with_checkpointing_off_are_warned_of(argv, key, caplog):
+    """The job trained from its initial weights with one INFO line saying checkpointing was off
+    (a refusal would stop a debug run's `--checkpoint.no_enable` over a production TOML)."""
+    with caplog.at_level("WARNING", logger="torchtitan_ckpt.config"):
+        assert not load_job_config(DEBUG_CONFIG, [*argv, "--checkpoint.no_enable"]).checkpoint.enable
+    assert f"checkpoint.{key} does not apply: with checkpoint.enable = false nothing is loaded, and the job " \
+           "starts from its initial weights" in caplog.text
+    assert "part buffers" not in caplog.text
+    load_job_config(DEBUG_CONFIG, ["--checkpoint.upload_part_size", "5GiB", "--checkpoint.upload_parallel_parts",
+                                   "256"])  # no object storage: its buffers are never made
 
 
 @pytest.mark.parametrize("argv, enabled", [

@@ -64,18 +64,26 @@ def test_a_loader_told_its_data_parallel_rank_is_saved_at_it(tmp_path):
     """A plain `StatefulDataLoader` given `dp_rank` and `dp_world_size` (ranks of one
     data-parallel rank under tensor parallelism share its data) was taken for TorchTitan's
     loader, its state saved as it was, and every load refused it as of another layout."""
-    config = Checkpoint(enable=True, interval=1, last_save_model_only=False)
-    saved = _Position(7)
-    saved.dp_rank, saved.dp_world_size = 0, 1
-    with CheckpointManager(config, [torch.nn.Linear(2, 2)], dataloader=saved, base_folder=str(tmp_path)) as manager:
-        manager.save(1)
-    assert set(read_checkpoint(str(tmp_path / "checkpoint" / "step-1"))) >= {"dataloader.dp_rank_0",
-                                                                           "dataloader.world_size"}
-    fresh = _Position(0)
-    fresh.dp_rank, fresh.dp_world_size = 0, 1
-    with CheckpointManager(config, [torch.nn.Linear(2, 2)], dataloader=fresh, base_folder=str(tmp_path)) as manager:
+    def job(seed: int) -> tuple[StatefulDataLoader, CheckpointManager]:
+        torch.manual_seed(seed)
+        loader = StatefulDataLoader(_DATA, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1234))
+        loader.dp_rank, loader.dp_world_size = 0, 1
+        return loader, CheckpointManager(Checkpoint(enable=True, interval=1, last_save_model_only=False),
+                                         [torch.nn.Linear(2, 2)], dataloader=loader, base_folder=str(tmp_path))
+
+    loader, manager = job(0)
+    batches = iter(loader)
+    for step in range(1, 4):
+        next(batches)
+        manager.save(step)
+    expected = next(batches).tolist()
+    manager.close()
+    assert {"dataloader.dp_rank_0", "dataloader.world_size"} <= set(
+        read_checkpoint(str(tmp_path / "checkpoint" / "step-3")))
+    loader, manager = job(1)
+    with manager:
         assert manager.load()
-    assert fresh.position == 7
+    assert next(iter(loader)).tolist() == expected
 
 
 def test_a_dataloader_state_of_another_layout_is_refused_not_dropped(tmp_path):

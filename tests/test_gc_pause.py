@@ -10,9 +10,12 @@ import threading
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from torchtitan_ckpt import CheckpointManager, gc_pause
 from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.dcp import storage
+from torchtitan_ckpt.io import filewriter
 
 
 def test_no_collection_runs_during_a_save_or_a_load(tmp_path):
@@ -144,3 +147,19 @@ def test_a_background_save_lets_the_collector_run_while_it_waits_for_the_disk(tm
         logger.removeHandler(handler)
         logger.setLevel(level)
     assert commits == [True, True]
+
+
+def test_a_writer_lets_the_collector_run_while_it_writes_its_bytes(tmp_path):
+    """Within a save's pause, the data files' bytes and the wait for the staging copy, most of a
+    background save's time, run with the collector on (`gc_pause.lifted`)."""
+    seen: list[bool] = []
+
+    def sink(jobs, step, sync):
+        seen.append(gc.isenabled())
+        return filewriter.write_files(jobs, step, sync)
+
+    writer = storage.DataFileWriter(str(tmp_path), sink, step=1, staged=lambda: seen.append(gc.isenabled()))
+    with gc_pause.paused():
+        dcp.save({"w": torch.ones(4)}, storage_writer=writer, no_dist=True)
+        assert not gc.isenabled()
+    assert seen == [True, True]

@@ -45,6 +45,10 @@ def test_the_list_is_read_only_where_no_one_else_could_have_written_it(tmp_path,
     own_writes.remember(hashlib.sha256(b"not written there").digest())
     assert listed.read_bytes().count(b"\n") == 1
     listed.chmod(0o600)
+    listed.parent.chmod(0o777)  # another user could put a file of theirs in its place
+    assert not own_writes.known(digest)
+    listed.parent.chmod(0o700)
+    assert own_writes.known(digest)
     os.rename(listed, tmp_path / "elsewhere")
     os.symlink(tmp_path / "elsewhere", listed)  # a link is not followed
     assert not own_writes.known(digest)

@@ -697,6 +697,28 @@ def test_a_resume_that_switches_between_float_and_tensor_rates_goes_on_in_its_ow
     assert all(isinstance(lr, torch.Tensor) != saved_tensor_lr for lr in sched.get_last_lr())
 
 
+def test_an_optimizer_with_an_empty_param_group_loads(tmp_path):
+    """torch takes a group without parameters (one filled later); its load failed once."""
+    def job():
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = torch.optim.AdamW([{"params": list(model.parameters())}, {"params": [], "lr": 0.5}], lr=0.1)
+        return model, opt, CheckpointManager(Checkpoint(enable=True, interval=1, last_save_model_only=False),
+                                             [model], optimizers=opt, base_folder=str(tmp_path))
+
+    model, opt, manager = job()
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    with manager:
+        manager.save(1)
+    saved = opt.state_dict()
+    model, opt, manager = job()
+    with manager:
+        assert manager.load()
+    assert opt.state_dict()["param_groups"] == saved["param_groups"]
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], saved["state"][0]["exp_avg"])
+
+
 def _train_one(model, opt, sched) -> None:
     model(torch.ones(1, 3)).sum().backward()
     opt.step()

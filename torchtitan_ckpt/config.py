@@ -329,7 +329,8 @@ def _check_ranges(ck: Checkpoint, p: str) -> None:
         raise ConfigError(p + "upload_part_size", ck.upload_part_size,
                           "S3 takes multipart parts of 5MiB to 5GiB")
     buffers, memory = parse_size(ck.upload_part_size) * ck.upload_parallel_parts, _physical_memory()
-    if memory and buffers > memory // 2:
+    remote = any(scheme_of(where) for where in (ck.folder, ck.initial_load_path or ""))
+    if remote and memory and buffers > memory // 2:
         raise ConfigError(p + "upload_parallel_parts", ck.upload_parallel_parts, (
             f"with {p}upload_part_size = {ck.upload_part_size!r} a rank's object-storage transfers hold "
             f"{buffers / 2**30:.1f} GiB of part buffers, more than half of this machine's {memory / 2**30:.1f} GiB: "
@@ -414,9 +415,9 @@ def _path_limits(folder: str) -> tuple[int, int]:
 def _check_combinations(ck: Checkpoint, p: str) -> None:
     asked = {"initial_load_path": ck.initial_load_path is not None, "load_only": ck.load_only,
              "load_step": ck.load_step != -1}
-    if not ck.enable and (key := next((k for k, v in asked.items() if v), None)):
-        raise ConfigError(p + key, getattr(ck, key), f"needs {p}enable = true: with checkpointing off nothing is "
-                          "loaded and the job starts from its initial weights")
+    if not ck.enable and (key := next((k for k, v in asked.items() if v), None)):  # a debug run's override, often
+        logger.warning("%s%s = %r does not apply: with %senable = false nothing is loaded, and the job starts from "
+                       "its initial weights", p, key, getattr(ck, key), p)
     if ck.load_only and (key := next((k for k in ("last_save_in_hf", "hf_export_interval") if getattr(ck, k)), None)):
         raise ConfigError(p + key, getattr(ck, key), f"a Hugging Face export is a save, and {p}load_only = true "
                           "never saves: drop one of them")

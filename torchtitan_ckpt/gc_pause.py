@@ -77,7 +77,7 @@ def lifted() -> Iterator[None]:
                 _resume = gc.isenabled()
                 gc.disable()
             _holders += 1
-            _mine.held += 1
+            _mine.held = getattr(_mine, "held", 0) + 1  # a fresh one in a child forked inside the block
 
 
 def _after_fork_in_child() -> None:

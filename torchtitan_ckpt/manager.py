@@ -226,7 +226,8 @@ class CheckpointManager:
         self._deleter: BackgroundDeleter | None = None
         try:
             if optimizer := self._states.get("optimizer"):
-                self._hooks = [opt.register_step_pre_hook(self._before_optimizer_step) for opt in optimizer.optimizers]
+                hook = torch.compiler.disable(self._before_optimizer_step)
+                self._hooks = [opt.register_step_pre_hook(hook) for opt in optimizer.optimizers]
             if self._group.is_coordinator:
                 self._deleter = BackgroundDeleter(self._store.remove, self._store.describe)
             context = Context(config, self._group, self._adapter, self._store.staged)
@@ -483,12 +484,11 @@ class CheckpointManager:
         change in the forward pass) and every other state's tensors are copied in `save()`."""
         return path[0] in self._parameters if len(path) == 1 else path[:2] == ("optimizer", "state")
 
-    @torch.compiler.disable
     def _before_optimizer_step(self, *_: Any) -> None:
         """Step pre-hook of every optimizer given to the manager: the step changes what a
-        background save may still be copying. Never compiled with an optimizer step compiled
-        by `torch.compile`: a wait on another thread, which Dynamo traced again and again (with
-        `verify_staging`, up to its recompile limit)."""
+        background save may still be copying. Registered never to be compiled with an optimizer
+        step compiled by `torch.compile`: a wait on another thread, which Dynamo traced again and
+        again (with `verify_staging`, up to its recompile limit)."""
         self._saves.wait_for_staging()
 
     @property
@@ -1219,9 +1219,10 @@ class CheckpointManager:
             logger.warning("%s holds %d model tensors this job's model does not have, e.g. %s: they are not loaded "
                            "(a layer removed since the save?)", target.path, len(unloaded), unloaded[:3])
         if unasked := _unmarked(entries, held_entries):
-            logger.warning("%s holds %d entries of the job's own states that no rank loads, e.g. %s%s: they are not "
-                           "loaded (a state keyed by rank keeps the entries of the ranks a job has)", target.path,
-                           len(unasked), unasked[:3], target.resized(self._group.world_size))
+            resized = target.resized(self._group.world_size)
+            why = f"{resized}: a state keyed by rank keeps the entries of the ranks a job has" if resized else ""
+            logger.warning("%s holds %d entries of the job's own states that no rank loads, e.g. %s%s; they are not "
+                           "loaded", target.path, len(unasked), unasked[:3], why)
         if unheld := _unmarked(params, held_params):
             logger.warning("%s holds optimizer state for %d parameters no optimizer of this job holds, e.g. %s: it "
                            "is not loaded, and their optimizer state starts anew if they are trained again (frozen "

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 try:  # FSDP1, deprecated: refused (`_refuse_fsdp1`) where this torch still has it
     from torch.distributed.fsdp import FullyShardedDataParallel as _FSDP1
@@ -325,8 +326,10 @@ class OptimizerState(CheckedState):
             current = opt.state_dict()
             state = {index: state_dict["state"][name] for index, name in enumerate(names) if name in state_dict["state"]}
             groups = [{**group, **{k: as_live(v, group.get(k)) for k, v in
-                                   state_dict["param_groups"].get(names[group["params"][0]], {}).items()},
-                       "params": _Indices(group["params"])} for group in current["param_groups"]]
+                                   state_dict["param_groups"].get(names[group["params"][0]], {}).items()}}
+                      if group["params"] else group for group in current["param_groups"]]
+            for group in groups:
+                group["params"] = _Indices(group["params"])
             opt.load_state_dict({"state": state, "param_groups": groups})
 
 
@@ -713,17 +716,20 @@ class DataLoaderState(CheckedState):
     (tensor parallel) save the same entry once. The pickle is read back without running code.
 
     A loader is at the data-parallel rank and degree its `dp_rank` and `dp_world_size`
-    attributes say (TorchTitan's have them; set them on another, whose ranks under tensor or
-    pipeline parallelism share a data-parallel rank), else at the checkpoint group's rank, of
-    its size. One whose `state_dict()` already holds this layout (TorchTitan's) passes through
-    as it is."""
+    attributes say, else at the checkpoint group's rank, of its size. A loader of its own class
+    with those attributes (TorchTitan's) saves this layout itself: its state passes through as
+    it is. Set them on a plain `StatefulDataLoader` whose ranks share a data-parallel rank
+    (tensor or pipeline parallelism)."""
 
     def __init__(self, dataloader: Any, rank: int, world_size: int):
         self.dataloader = dataloader
         declared = hasattr(dataloader, "dp_rank") and hasattr(dataloader, "dp_world_size")
         self.dp_rank = dataloader.dp_rank if declared else rank
         self.dp_world_size = dataloader.dp_world_size if declared else world_size
-        self.own_layout = declared and self.key in dataloader.state_dict()
+        # told by its class, not by a state_dict() call: a StatefulDataLoader's starts its workers
+        plain = isinstance(dataloader, StatefulDataLoader) and \
+            type(dataloader).state_dict is StatefulDataLoader.state_dict
+        self.own_layout = declared and not plain
 
     @property
     def key(self) -> str:

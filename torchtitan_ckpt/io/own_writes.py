@@ -38,6 +38,13 @@ def _ours(fd: int) -> bool:
     return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
 
 
+def _folder_ours(folder: str) -> bool:
+    """Whether `folder` is a folder of this user's that no one else may write (where another
+    could, they could put a file of theirs in the list's place between two opens)."""
+    info = os.lstat(folder)
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
+
+
 def remember(digest: bytes) -> None:
     """List `digest`, of a `.metadata` this process just wrote."""
     path = _file()
@@ -45,25 +52,25 @@ def remember(digest: bytes) -> None:
         return
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        if not _folder_ours(os.path.dirname(path)):
+            return
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
         try:
             if not _ours(fd):
                 return
             os.write(fd, digest.hex().encode() + b"\n")  # one short append: whole, beside other jobs' appends
             size = os.fstat(fd).st_size
+            if size > 2 * KEPT * _LINE:
+                _keep_newest(path, os.pread(fd, KEPT * _LINE, size - KEPT * _LINE))
         finally:
             os.close(fd)
-        if size > 2 * KEPT * _LINE:
-            _keep_newest(path)
     except OSError as e:
         logger.debug("%s: the digest of a .metadata this job wrote is not kept (%s); a load of it scans it", path, e)
 
 
-def _keep_newest(path: str) -> None:
-    """Rewrite the file with its newest `KEPT` digests (a file beside it, renamed over it)."""
-    with open(path, "rb") as f:
-        f.seek(-KEPT * _LINE, os.SEEK_END)
-        newest = f.read()
+def _keep_newest(path: str, newest: bytes) -> None:
+    """Replace the file by one of its `newest` bytes' whole lines (a file beside it, renamed
+    over it)."""
     newest = newest[newest.index(b"\n") + 1:] if b"\n" in newest else b""
     part = f"{path}.{os.getpid()}"
     fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -84,6 +91,8 @@ def known(digest: bytes) -> bool:
     if path is None:
         return False
     try:
+        if not _folder_ours(os.path.dirname(path)):
+            return False
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
