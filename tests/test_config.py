@@ -189,13 +189,17 @@ def test_a_torchtitan_job_config_loads_as_torchtitan_reads_it(tmp_path, caplog):
     (["--checkpoint.load_only"], "load_only = True"),
     (["--checkpoint.load_step", "5"], "load_step = 5"),
 ])
-def test_loading_settings_with_checkpointing_off_are_warned_of(argv, key, caplog):
+def test_loading_settings_with_checkpointing_off_are_warned_of(argv, key, caplog, monkeypatch):
     """The job trained from its initial weights with one INFO line saying checkpointing was off
-    (a refusal would stop a debug run's `--checkpoint.no_enable` over a production TOML)."""
+    (a refusal would stop a debug run's `--checkpoint.no_enable` over a production TOML). Said
+    once, though the manager checks the section again."""
+    monkeypatch.setattr("torchtitan_ckpt.config._TOLD", set())
     with caplog.at_level("WARNING", logger="torchtitan_ckpt.config"):
-        assert not load_job_config(DEBUG_CONFIG, [*argv, "--checkpoint.no_enable"]).checkpoint.enable
-    assert f"checkpoint.{key} does not apply: with checkpoint.enable = false nothing is loaded, and the job " \
-           "starts from its initial weights" in caplog.text
+        config = load_job_config(DEBUG_CONFIG, [*argv, "--checkpoint.no_enable"]).checkpoint
+        CheckpointManager(config, torch.nn.Linear(2, 2)).close()
+    assert not config.enable
+    assert caplog.text.count(f"checkpoint.{key} does not apply: with checkpoint.enable = false nothing is loaded, "
+                             "and the job starts from its initial weights") == 1
     assert "part buffers" not in caplog.text
     load_job_config(DEBUG_CONFIG, ["--checkpoint.upload_part_size", "5GiB", "--checkpoint.upload_parallel_parts",
                                    "256"])  # no object storage: its buffers are never made

@@ -416,13 +416,14 @@ def _check_combinations(ck: Checkpoint, p: str) -> None:
     asked = {"initial_load_path": ck.initial_load_path is not None, "load_only": ck.load_only,
              "load_step": ck.load_step != -1}
     if not ck.enable and (key := next((k for k, v in asked.items() if v), None)):  # a debug run's override, often
-        logger.warning("%s%s = %r does not apply: with %senable = false nothing is loaded, and the job starts from "
-                       "its initial weights", p, key, getattr(ck, key), p)
+        _once(logging.WARNING, "%s%s = %r does not apply: with %senable = false nothing is loaded, and the job "
+              "starts from its initial weights", p, key, getattr(ck, key), p)
     if ck.load_only and (key := next((k for k in ("last_save_in_hf", "hf_export_interval") if getattr(ck, k)), None)):
         raise ConfigError(p + key, getattr(ck, key), f"a Hugging Face export is a save, and {p}load_only = true "
                           "never saves: drop one of them")
     if ck.load_only and ck.enable_first_step_checkpoint:
-        logger.warning("%senable_first_step_checkpoint = true does not apply: %sload_only = true never saves", p, p)
+        _once(logging.WARNING, "%senable_first_step_checkpoint = true does not apply: %sload_only = true never saves",
+              p, p)
     if ck.initial_load_in_hf and not ck.initial_load_model_only:
         raise ConfigError(p + "initial_load_in_hf", True,
                           f"an HF checkpoint holds only the model; set {p}initial_load_model_only = true")
@@ -437,8 +438,20 @@ def _check_combinations(ck: Checkpoint, p: str) -> None:
         raise ConfigError(p + "verify_staging", True, f"checks the async modes' staging; set {p}async_mode "
                                                       '= "async" or "async_with_pinned_mem", or drop it')
     if ck.export_dtype != "float32" and not ck.last_save_model_only:
-        logger.info("%sexport_dtype = %r does not apply: the last save is a full checkpoint "
-                    "(%slast_save_model_only = false) and keeps the training dtype", p, ck.export_dtype, p)
+        _once(logging.INFO, "%sexport_dtype = %r does not apply: the last save is a full checkpoint "
+              "(%slast_save_model_only = false) and keeps the training dtype", p, ck.export_dtype, p)
+
+
+_TOLD: set[str] = set()
+"""What `_once` has logged: a section is checked when loaded and again by the manager it is given to
+(one built in Python is checked there only)."""
+
+
+def _once(level: int, message: str, *args: Any) -> None:
+    """Log `message % args` at `level`, once per process."""
+    if (text := message % args) not in _TOLD:
+        _TOLD.add(text)
+        logger.log(level, "%s", text)
 
 
 def _check_exclusions(key: str, names: list[str]) -> None:
