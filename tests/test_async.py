@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 from typing import NamedTuple
 
 import pytest
@@ -721,3 +722,28 @@ def test_managers_made_one_after_another_share_one_exit_hook(tmp_path):
             manager.save(step)
         hooks.append(len(threading._threading_atexits))
     assert hooks[-1] == hooks[0], hooks
+
+
+def test_a_manager_without_the_optimizer_copies_the_model_in_save(tmp_path):
+    """One model given to two managers, the optimizer to the first only (an evaluation copy's
+    folder beside the training one): the second deferred its parameters' copy, and no step of its
+    own waited for it, so its steps held values of later steps."""
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(3)))  # copies that take a while
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    config = Checkpoint(enable=True, interval=1, keep_latest_k=0, async_mode="async")
+    saved = {}
+    with CheckpointManager(replace(config, folder=str(tmp_path / "train")), [model], optimizers=opt) as train, \
+            CheckpointManager(replace(config, folder=str(tmp_path / "eval")), [model]) as evaluation:
+        for step in range(1, 5):
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()  # waits for the training manager's copy, never for the evaluation one's
+            saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            train.save(step)
+            evaluation.save(step)
+    for step, expected in saved.items():
+        assert_same(read_checkpoint(str(tmp_path / "eval" / f"step-{step}")), expected)

@@ -240,3 +240,36 @@ def test_a_rank_at_its_own_part_of_a_round_is_not_warned_of_as_stuck():
     """Ranks were counted in at the gather, after their part of the round: rank 1 warned that
     rank 0, deleting old steps for the round (a coordinator-only part), had not come."""
     spawn(2, _rank_0_at_its_part_of_a_round)
+
+
+def _one_group_two_managers(rank: int, world_size: int, folder: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    def manager(name: str, group) -> CheckpointManager:
+        config = Checkpoint(enable=True, folder=os.path.join(folder, name), interval=1, async_mode="async")
+        return CheckpointManager(config, [torch.nn.Linear(2, 2)], process_group=group)
+
+    group = dist.new_group(backend="gloo")
+    model = manager("model", group)
+    with pytest.raises(ValueError, match=r"the process_group given carries the collectives of the CheckpointManager "
+                                         r"of .*/model, which is not closed: two managers' background saves on one "
+                                         r"group would cross their collectives"):
+        manager("ema", group)
+    model.save(1)
+    model.close()
+    manager("ema", group).close()  # the group is free again
+    only_0 = dist.new_group(ranks=[0], backend="gloo")
+    if rank == 1:  # a rank the group leaves out
+        with pytest.raises(ValueError, match=r"this rank \(rank 1 of the world\) is not in it"):
+            manager("rank0", only_0)
+
+
+def test_a_group_carries_one_managers_collectives_at_a_time(tmp_path):
+    """One gloo group given to a model's manager and an EMA's: their background saves crossed
+    collectives and gloo aborted the process ("Received data size doesn't match"). A rank the
+    given group leaves out failed with an AttributeError."""
+    spawn(2, _one_group_two_managers, str(tmp_path))

@@ -32,6 +32,11 @@ _MADE_ALIKE = ("makes its CheckpointManager. Across nodes, gloo connects the ran
 network itself, and gloo may not."""
 
 
+_GIVEN: dict[dist.ProcessGroup, str] = {}
+"""Process groups given to a `CheckpointGroup` not closed yet -> whose (the manager of which
+folder): a group carries one manager's collectives at a time."""
+
+
 class CheckpointGroup:
     """Ranks that save and load together.
 
@@ -42,13 +47,26 @@ class CheckpointGroup:
     every collective is local.
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, timeout_s: float = 600.0):
+    def __init__(self, process_group: dist.ProcessGroup | None = None, timeout_s: float = 600.0,
+                 user: str = "another CheckpointManager"):
         self._arrivals: _Arrivals | None = None
+        self._given: dist.ProcessGroup | None = None
+        """The group given, while this group uses it (`_GIVEN`)."""
         self._timeout_s = timeout_s
         self._rounds = 0
         """Rounds of `run` this rank has entered: shared in each round, so ranks that are not in
         the same round (one left a round without gathering) fail instead of pairing up wrongly."""
         if dist.is_available() and dist.is_initialized():
+            if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+                raise ValueError(f"the process_group given is {process_group!r}, not a group: this rank (rank "
+                                 f"{dist.get_rank()} of the world) is not in it (dist.new_group gives the ranks it "
+                                 "leaves out GroupMember.NON_GROUP_MEMBER); make the CheckpointManager on the "
+                                 "group's ranks only")
+            if process_group is not None and process_group in _GIVEN:
+                raise ValueError(f"the process_group given carries the collectives of {_GIVEN[process_group]}, which "
+                                 "is not closed: two managers' background saves on one group would cross their "
+                                 "collectives (gloo aborts the process); pass none (each manager makes its own) or "
+                                 "a group of its own")
             devices = _device_types(process_group) if process_group is not None else ["cpu"]
             if "cpu" not in devices:  # an NCCL-only group: its collectives would take tensors on a GPU
                 raise ValueError(
@@ -62,6 +80,8 @@ class CheckpointGroup:
                 self.pg: dist.ProcessGroup | None = process_group or dist.new_group(
                     backend="gloo", timeout=timedelta(seconds=timeout_s))
             self._made = process_group is None
+            if process_group is not None:
+                _GIVEN[process_group], self._given = user, process_group
             if self._made:  # over every rank (its ranks are the job's), with the timeout it was made with
                 self._arrivals = _Arrivals.of(self.pg, self.rank, self.world_size, timeout_s * _WARN_AFTER,
                                               self._warn_waiting)
@@ -77,6 +97,9 @@ class CheckpointGroup:
         if self._arrivals is not None and dist.is_initialized():
             self._arrivals.close()
         self._arrivals = None
+        if self._given is not None:
+            _GIVEN.pop(self._given, None)
+            self._given = None
         if self._made and dist.is_initialized():
             try:
                 dist.destroy_process_group(self.pg)

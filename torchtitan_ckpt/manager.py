@@ -196,7 +196,8 @@ class CheckpointManager:
         self._close_pending = False
         """`close()` was called from inside another call on its thread; that call closes as it ends."""
         self._hooks: list = []
-        self._group = CheckpointGroup(process_group, config.collective_timeout_s) if config.enable else None
+        self._group = CheckpointGroup(process_group, config.collective_timeout_s,
+                                      f"the CheckpointManager of {self.folder}") if config.enable else None
         rank, world_size = (self._group.rank, self._group.world_size) if self._group else (0, 1)
         try:
             self._states = self._build_states(parts, optimizers, lr_schedulers, dataloader, states or {}, rank,
@@ -481,7 +482,11 @@ class CheckpointManager:
         """Whether a background save may copy the tensor at `path` of the state after `save()`
         returns: a parameter, or the optimizer's state of one, which only the optimizer's step
         changes (and it waits: `_before_optimizer_step`). Buffers (a norm's running statistics
-        change in the forward pass) and every other state's tensors are copied in `save()`."""
+        change in the forward pass) and every other state's tensors are copied in `save()`; so
+        is every tensor of a manager given no optimizer (an EMA's, or a model another manager's
+        optimizer steps: no step of its own would wait for the copy)."""
+        if not self._hooks:
+            return False
         return path[0] in self._parameters if len(path) == 1 else path[:2] == ("optimizer", "state")
 
     def _before_optimizer_step(self, *_: Any) -> None:

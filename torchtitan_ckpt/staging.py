@@ -483,6 +483,8 @@ class BackgroundSaves:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-save")  # staging, the rest
         self._pending: Future | None = None
         self._staging: Future | None = None
+        self._path = ""
+        """The step folder of the last save submitted, for the log."""
         self._copies = _CopyStream()
         self._verify = verify
         self._check: list[tuple[tuple, torch.Tensor, torch.Tensor]] = []
@@ -503,6 +505,7 @@ class BackgroundSaves:
 
     def submit(self, state: dict[str, Any], job: SaveJob, deferred: Deferred = _nothing_deferred) -> None:
         self.wait()
+        self._path = job.path
         try:
             sink = self._sink()
             frozen = freeze(state, deferred)
@@ -583,8 +586,8 @@ class BackgroundSaves:
         writer process is stopped, before `multiprocessing`'s exit joins it (it ignores the
         SIGTERM sent first, and would wait for the pipe this process holds: forever)."""
         if self.in_flight():
-            logger.warning("the interpreter is exiting with a save in flight: waiting for it (close the "
-                           "CheckpointManager to wait for it yourself)")
+            logger.warning("the interpreter is exiting with a save in flight (%s): waiting for it (close the "
+                           "CheckpointManager to wait for it yourself)", self._path)
             try:
                 self.wait()
             except Exception as e:

@@ -60,11 +60,17 @@ class LocalStore(Store):
         """Hold the folder for this job until `close` (`lock.claim` on `LOCK_FILE` in it): a
         second job saving into it (the same run started again while the first still runs)
         would replace the first's step in flight, whose marker would then list the second's
-        files, and each would report its save done."""
-        self._lock, _ = lock.claim(os.path.join(self.root, LOCK_FILE), f"{self.root} to save into",
-                                   "one job saves into a folder at a time; stop that job first, or give this one a "
-                                   "folder of its own (where its host is down, NFSv3 keeps its lock until that host "
-                                   "is up again: once sure no job saves there, remove the lock file)")
+        files, and each would report its save done. So would a second manager of this process."""
+        self._lock, first = lock.claim(os.path.join(self.root, LOCK_FILE), f"{self.root} to save into",
+                                       "one job saves into a folder at a time; stop that job first, or give this one "
+                                       "a folder of its own (where its host is down, NFSv3 keeps its lock until that "
+                                       "host is up again: once sure no job saves there, remove the lock file)")
+        if not first:  # its retention and its load would delete the other's steps, in flight too
+            lock.release(self._lock)
+            self._lock = None
+            raise CheckpointError(f"another CheckpointManager of this process saves into {self.root} and is not "
+                                  "closed: close() it first (a trainer building its manager again), or give each "
+                                  "manager a folder of its own")
 
     @property
     def sole_writer(self) -> bool:
