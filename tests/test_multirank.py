@@ -563,7 +563,8 @@ def _per_rank_job(rank: int, world_size: int, folder: str, save: bool) -> None:
         elif world_size == 1:  # after 2 ranks: rank 0's entry loads, rank 1's is said to be left
             assert manager.load() and tokens.tokens.item() == 1000
             assert f"{folder}/step-1 holds 1 entries of the job's own states that no rank loads, e.g. " \
-                   "['tokens.rank_1'] (saved by 2 ranks, this job has 1): they are not loaded" in " ".join(said)
+                   "['tokens.rank_1'] (saved by 2 ranks, this job has 1): a state keyed by rank keeps the entries " \
+                   "of the ranks a job has; they are not loaded" in " ".join(said)
         else:  # after 1 rank: rank 1 has no entry, and the message says why (it blamed the model)
             with pytest.raises(CheckpointError, match=r"lacks 1 entries of the state 'tokens' this job has, e\.g\. "
                                                       r"\['tokens\.rank_1'\] \(saved by 1 ranks, this job has 2\): a "

@@ -33,8 +33,9 @@ network itself, and gloo may not."""
 
 
 _GIVEN: dict[dist.ProcessGroup, str] = {}
-"""Process groups given to a `CheckpointGroup` not closed yet -> whose (the manager of which
-folder): a group carries one manager's collectives at a time."""
+"""Process groups given to a `CheckpointGroup` of a `user` (a manager, which runs collectives in
+the background) not closed yet -> that user: a group carries one manager's collectives at a
+time. The groups the package makes over a manager's group for one call are not counted."""
 
 
 class CheckpointGroup:
@@ -48,7 +49,7 @@ class CheckpointGroup:
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, timeout_s: float = 600.0,
-                 user: str = "another CheckpointManager"):
+                 user: str | None = None):
         self._arrivals: _Arrivals | None = None
         self._given: dist.ProcessGroup | None = None
         """The group given, while this group uses it (`_GIVEN`)."""
@@ -62,7 +63,7 @@ class CheckpointGroup:
                                  f"{dist.get_rank()} of the world) is not in it (dist.new_group gives the ranks it "
                                  "leaves out GroupMember.NON_GROUP_MEMBER); make the CheckpointManager on the "
                                  "group's ranks only")
-            if process_group is not None and process_group in _GIVEN:
+            if process_group is not None and user is not None and process_group in _GIVEN:
                 raise ValueError(f"the process_group given carries the collectives of {_GIVEN[process_group]}, which "
                                  "is not closed: two managers' background saves on one group would cross their "
                                  "collectives (gloo aborts the process); pass none (each manager makes its own) or "
@@ -80,7 +81,7 @@ class CheckpointGroup:
                 self.pg: dist.ProcessGroup | None = process_group or dist.new_group(
                     backend="gloo", timeout=timedelta(seconds=timeout_s))
             self._made = process_group is None
-            if process_group is not None:
+            if process_group is not None and user is not None:
                 _GIVEN[process_group], self._given = user, process_group
             if self._made:  # over every rank (its ranks are the job's), with the timeout it was made with
                 self._arrivals = _Arrivals.of(self.pg, self.rank, self.world_size, timeout_s * _WARN_AFTER,

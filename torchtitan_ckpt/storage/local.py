@@ -3,6 +3,7 @@ commit is `commit.write_marker`'s fsync-and-rename."""
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 
@@ -12,6 +13,8 @@ from ..io import durable, safe_open
 from ..group import CheckpointGroup
 from . import lock
 from .base import Store, warn_replacing
+
+logger = logging.getLogger(__name__)
 
 _PROBE = ".probe-{token}-rank{rank}"
 LOCK_FILE = ".torchtitan_ckpt.lock"
@@ -60,22 +63,23 @@ class LocalStore(Store):
         """Hold the folder for this job until `close` (`lock.claim` on `LOCK_FILE` in it): a
         second job saving into it (the same run started again while the first still runs)
         would replace the first's step in flight, whose marker would then list the second's
-        files, and each would report its save done. So would a second manager of this process."""
+        files, and each would report its save done. A second manager of this process shares the
+        hold, with a warning."""
         self._lock, first = lock.claim(os.path.join(self.root, LOCK_FILE), f"{self.root} to save into",
                                        "one job saves into a folder at a time; stop that job first, or give this one "
                                        "a folder of its own (where its host is down, NFSv3 keeps its lock until that "
                                        "host is up again: once sure no job saves there, remove the lock file)")
-        if not first:  # its retention and its load would delete the other's steps, in flight too
-            lock.release(self._lock)
-            self._lock = None
-            raise CheckpointError(f"another CheckpointManager of this process saves into {self.root} and is not "
-                                  "closed: close() it first (a trainer building its manager again), or give each "
-                                  "manager a folder of its own")
+        if not first:  # shared: neither deletes the other's steps in flight (`sole_writer`)
+            logger.warning("another CheckpointManager of this process saves into %s and is not closed: each one's "
+                           "saves replace the other's steps of the same number, and its retention counts them; "
+                           "close() the first (a trainer building its manager again), or give each manager a "
+                           "folder of its own", self.root)
 
     @property
     def sole_writer(self) -> bool:
-        """On rank 0, which holds the lock (`_hold`), where the file system locks."""
-        return self._lock is not None and lock.held(self._lock)
+        """On rank 0, which holds the lock (`_hold`), where the file system locks, and no other
+        store of this process holds it too (another manager's save may be in flight there)."""
+        return self._lock is not None and lock.held(self._lock) and not lock.shared(self._lock)
 
     def close(self) -> None:
         if self._lock is not None:
