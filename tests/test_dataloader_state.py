@@ -24,23 +24,32 @@ from .helpers import read_checkpoint
 _DATA = list(range(100))
 
 
-def _job(folder: str, seed: int) -> tuple[StatefulDataLoader, CheckpointManager]:
+def _job(folder: str, seed: int, told_dp: bool = False) -> tuple[StatefulDataLoader, CheckpointManager]:
+    """A shuffling loader (told its data-parallel rank, with `told_dp`) and a manager saving every
+    third step."""
     torch.manual_seed(seed)
     model = torch.nn.Linear(2, 2)
     loader = StatefulDataLoader(_DATA, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1234))
+    if told_dp:
+        loader.dp_rank, loader.dp_world_size = 0, 1
     return loader, CheckpointManager(Checkpoint(enable=True, interval=3), [model], dataloader=loader,
                                      base_folder=folder)
 
 
-def test_a_shuffling_stateful_dataloader_resumes_at_its_next_batch(tmp_path):
-    """Its state held a tensor, and every load refused it as code ("Unsupported operand 149")."""
-    loader, manager = _job(str(tmp_path), 0)
+def _next_batch_after_three_steps(folder: str, told_dp: bool = False) -> list[int]:
+    """The batch a job's loader gives after three, the third saved."""
+    loader, manager = _job(folder, 0, told_dp)
     batches = iter(loader)
     for step in range(1, 4):
         next(batches)
         manager.save(step)
-    expected = next(batches).tolist()
     manager.close()
+    return next(batches).tolist()
+
+
+def test_a_shuffling_stateful_dataloader_resumes_at_its_next_batch(tmp_path):
+    """Its state held a tensor, and every load refused it as code ("Unsupported operand 149")."""
+    expected = _next_batch_after_three_steps(str(tmp_path))
     loader, manager = _job(str(tmp_path), 1)
     assert manager.load()
     assert next(iter(loader)).tolist() == expected
@@ -64,23 +73,10 @@ def test_a_loader_told_its_data_parallel_rank_is_saved_at_it(tmp_path):
     """A plain `StatefulDataLoader` given `dp_rank` and `dp_world_size` (ranks of one
     data-parallel rank under tensor parallelism share its data) was taken for TorchTitan's
     loader, its state saved as it was, and every load refused it as of another layout."""
-    def job(seed: int) -> tuple[StatefulDataLoader, CheckpointManager]:
-        torch.manual_seed(seed)
-        loader = StatefulDataLoader(_DATA, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1234))
-        loader.dp_rank, loader.dp_world_size = 0, 1
-        return loader, CheckpointManager(Checkpoint(enable=True, interval=1, last_save_model_only=False),
-                                         [torch.nn.Linear(2, 2)], dataloader=loader, base_folder=str(tmp_path))
-
-    loader, manager = job(0)
-    batches = iter(loader)
-    for step in range(1, 4):
-        next(batches)
-        manager.save(step)
-    expected = next(batches).tolist()
-    manager.close()
+    expected = _next_batch_after_three_steps(str(tmp_path), told_dp=True)
     assert {"dataloader.dp_rank_0", "dataloader.world_size"} <= set(
         read_checkpoint(str(tmp_path / "checkpoint" / "step-3")))
-    loader, manager = job(1)
+    loader, manager = _job(str(tmp_path), 1, told_dp=True)
     with manager:
         assert manager.load()
     assert next(iter(loader)).tolist() == expected
