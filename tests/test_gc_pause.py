@@ -3,10 +3,12 @@ back as it was afterwards (`gc_pause`)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -53,8 +55,9 @@ def test_no_collection_runs_during_a_save_or_a_load(tmp_path):
     assert any(c[0] == "outside" for c in collections), "the collector never ran: nothing was measured"
 
 
-def test_the_collector_resumes_when_the_last_holder_leaves_and_stays_off_if_it_was():
-    assert gc.isenabled()
+@contextlib.contextmanager
+def _paused_on_another_thread() -> Iterator[None]:
+    """The block runs while another thread is inside a pause."""
     inside, leave = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -65,11 +68,19 @@ def test_the_collector_resumes_when_the_last_holder_leaves_and_stays_off_if_it_w
     other = threading.Thread(target=hold)
     other.start()
     inside.wait(10)
-    with gc_pause.paused():
-        assert not gc.isenabled()
-    assert not gc.isenabled()  # the other thread is still inside
-    leave.set()
-    other.join(10)
+    try:
+        yield
+    finally:
+        leave.set()
+        other.join(10)
+
+
+def test_the_collector_resumes_when_the_last_holder_leaves_and_stays_off_if_it_was():
+    assert gc.isenabled()
+    with _paused_on_another_thread():
+        with gc_pause.paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the other thread is still inside
     assert gc.isenabled()
     gc.disable()
     try:
@@ -108,20 +119,8 @@ def test_a_pause_lifted_lets_the_collector_run_unless_another_holds_it():
         with gc_pause.paused(), gc_pause.lifted():
             assert not gc.isenabled()  # this thread's other pause holds
     assert gc.isenabled()
-    inside, leave = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with gc_pause.paused():
-            inside.set()
-            leave.wait(10)
-
-    other = threading.Thread(target=hold)
-    other.start()
-    inside.wait(10)
-    with gc_pause.lifted():
+    with _paused_on_another_thread(), gc_pause.lifted():
         assert not gc.isenabled()  # another thread's pause is not this thread's to lift
-    leave.set()
-    other.join(10)
     assert gc.isenabled()
 
 

@@ -35,24 +35,16 @@ def paused() -> Iterator[None]:
     """No cyclic collection while any thread is inside (a background save and a load may
     overlap); the collector's own state is back once the last one leaves. A `gc.enable()` or
     `gc.disable()` made by the program while a pause is held is overridden when it ends."""
-    global _holders, _resume
     entered = False
     try:
         with _lock:
-            if _holders == 0:
-                _resume = gc.isenabled()
-                gc.disable()
-            _holders += 1
-            _mine.held = getattr(_mine, "held", 0) + 1
+            _take()
             entered = True
         yield
     finally:
         if entered:
-            with _lock:  # at least 0: a forked child leaving a block its parent entered holds none
-                _holders = max(0, _holders - 1)
-                _mine.held = max(0, getattr(_mine, "held", 0) - 1)
-                if _holders == 0 and _resume:
-                    gc.enable()
+            with _lock:
+                _let_go()
 
 
 @contextmanager
@@ -63,21 +55,33 @@ def lifted() -> Iterator[None]:
     if not getattr(_mine, "held", 0):
         yield
         return
-    global _holders, _resume
     with _lock:
-        _holders -= 1
-        _mine.held -= 1
-        if _holders == 0 and _resume:
-            gc.enable()
+        _let_go()
     try:
         yield
     finally:
         with _lock:
-            if _holders == 0:
-                _resume = gc.isenabled()
-                gc.disable()
-            _holders += 1
-            _mine.held = getattr(_mine, "held", 0) + 1  # a fresh one in a child forked inside the block
+            _take()
+
+
+def _take() -> None:
+    """One holder more, of this thread (`_lock` held): the first pauses the collector."""
+    global _holders, _resume
+    if _holders == 0:
+        _resume = gc.isenabled()
+        gc.disable()
+    _holders += 1
+    _mine.held = getattr(_mine, "held", 0) + 1  # a fresh count in a child forked inside a block
+
+
+def _let_go() -> None:
+    """One holder fewer, of this thread (`_lock` held): the last one resumes the collector. At
+    least 0: a forked child leaving a block its parent entered holds none."""
+    global _holders
+    _holders = max(0, _holders - 1)
+    _mine.held = max(0, getattr(_mine, "held", 0) - 1)
+    if _holders == 0 and _resume:
+        gc.enable()
 
 
 def _after_fork_in_child() -> None:

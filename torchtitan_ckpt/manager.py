@@ -1207,12 +1207,12 @@ class CheckpointManager:
         # model tensors are at the top level: one named "model.*" (transformers' names) is one of them
         states = {*BUILTIN_STATES, *self._states, *target.listed} - {"model"}
         names = sorted(k for k in target.index.tensors if k.partition(".")[0] not in states)
-        keys = target.index.keys() if "optimizer" in state else ()
-        params = sorted({_param_of(k) for k in keys if k.startswith(_SETTINGS)})
+        keys = target.index.keys()
+        params = sorted({_param_of(k) for k in keys if k.startswith(_SETTINGS)}) if "optimizer" in state else []
         optimizer = self._states.get("optimizer")
         mine = {n for _, named in optimizer.named for n in named} if isinstance(optimizer, OptimizerState) else set()
         own = [n for n in self._states if n not in BUILTIN_STATES and n in state]  # the job's own, loaded
-        entries = sorted(k for k in target.index.keys() if k.partition(".")[0] in own)
+        entries = sorted(k for k in keys if k.partition(".")[0] in own)
         asked = flatten_state_dict({n: state[n] for n in own})[0]
         held_model, held_params, held_entries = map(_joined, zip(*self._group.all_gather((
             _bitmap(names, state.__contains__), _bitmap(params, mine.__contains__),
