@@ -206,7 +206,11 @@ def test_the_saved_line_tells_the_wait_for_the_save_before_apart_from_the_save(t
     saved = {int(r.getMessage().split()[2]): r.getMessage() for r in caplog.records
              if r.getMessage().startswith("saved step")}
     assert "waited" not in saved[1], saved[1]
-    assert re.search(r" GB/s; save\(\) first waited \d+\.\d\d s for the save before it$", saved[2]), saved[2]
+    assert re.search(r" s on it\); save\(\) first waited \d+\.\d\d s for the save before it$", saved[2]), saved[2]
+    # and what of a background save's time the training spent: save() itself, not the commit's 0.5 s
+    spent = re.search(r"[0-9.]+ KB in ([0-9.]+) s, [0-9.]+ GB/s, in the background \(the training thread spent "
+                      r"([0-9.]+) s on it\)", saved[1])
+    assert spent and float(spent[2]) < 0.5 <= float(spent[1]), saved[1]
 
 
 def _failing_rank_1(rank: int, world_size: int, folder: str, mode: str) -> None:

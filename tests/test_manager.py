@@ -819,6 +819,80 @@ def test_a_model_changed_since_the_save_is_named_before_its_optimizer(tmp_path):
             manager.load()
 
 
+@pytest.mark.parametrize("model_only", [False, True], ids=["full", "model-only"])
+def test_a_model_of_other_sizes_is_named_with_each_shape_before_anything_is_read(tmp_path, model_only):
+    """A layer widened since the save: DCP's planning named its first tensor alone, in a
+    `ValueError` of its own ("Size mismatch between saved torch.Size([3, 2]) and current: ...")."""
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [torch.nn.Sequential(torch.nn.Linear(2, 3))],
+                           base_folder=str(tmp_path)) as manager:
+        manager.save(1, last_step=model_only)
+    wider = torch.nn.Sequential(torch.nn.Linear(2, 5))
+    before = {k: v.clone() for k, v in wider.state_dict().items()}
+    with CheckpointManager(Checkpoint(enable=True), [wider], base_folder=str(tmp_path)) as manager:
+        with pytest.raises(CheckpointError, match=r"step-1 holds 2 tensors of this job in other shapes, e.g. "
+                                                  r"0.weight \(5, 2\) saved as \(3, 2\); 0.bias \(5,\) saved as "
+                                                  r"\(3,\); was it saved from a different model\?"):
+            manager.load()
+    assert all(torch.equal(v, before[k]) for k, v in wider.state_dict().items())
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_job_of_one_process_saves_and_loads_without_dcps_warning_of_it(tmp_path, mode):
+    """DCP warns at each save outside a process group; a job of one rank (the documented resume
+    on one rank) printed it on a healthy run."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with CheckpointManager(Checkpoint(enable=True, interval=1, async_mode=mode), [torch.nn.Linear(2, 2)],
+                               base_folder=str(tmp_path)) as manager:
+            manager.save(1)
+            manager.wait()
+        with CheckpointManager(Checkpoint(enable=True), [torch.nn.Linear(2, 2)], base_folder=str(tmp_path)) as manager:
+            assert manager.load()
+        warnings.warn("a warning of the job's own")
+    assert [str(w.message) for w in caught] == ["a warning of the job's own"]
+
+
+@pytest.mark.parametrize("load_only, level", [(True, "WARNING"), (False, "INFO")])
+def test_a_job_that_only_loads_and_finds_nothing_is_warned(tmp_path, caplog, load_only, level):
+    """An evaluation job with a mistyped folder ran on its initial weights, said at INFO alone."""
+    model = torch.nn.Linear(2, 2)
+    with CheckpointManager(Checkpoint(enable=True, load_only=load_only), [model], base_folder=str(tmp_path)) as manager:
+        assert not manager.load()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "from scratch" in r.getMessage()]
+    assert said == [(level, f"no checkpoint in {_folder(tmp_path)} and no initial_load_path: starting from scratch"
+                            + (" (load_only: the model keeps the weights it was built with)" if load_only else ""))]
+
+
+def test_tensors_read_into_other_dtypes_are_told_and_warned_of_where_values_may_not_come_back(tmp_path, caplog):
+    """DCP casts what it reads to the job's dtypes without a word: an int64 counter read into
+    int32 wrapped, a float32 model read into bfloat16 was rounded."""
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("seen", torch.tensor([2**40 + 5]))
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+
+    def load(dtype, counter):
+        caplog.clear()
+        job = torch.nn.Linear(2, 2).to(dtype)
+        job.register_buffer("seen", torch.zeros(1, dtype=counter))
+        with CheckpointManager(Checkpoint(enable=True), [job], base_folder=str(tmp_path)) as manager:
+            assert manager.load()
+        return job, [(r.levelname, r.getMessage()) for r in caplog.records if "dtype" in r.getMessage()]
+
+    job, said = load(torch.float32, torch.int64)
+    assert said == [] and job.seen.item() == 2**40 + 5
+    job, said = load(torch.bfloat16, torch.int64)
+    assert said == [("INFO", f"{_folder(tmp_path)}/step-1: 2 tensors are read into other dtypes than saved, cast to "
+                             "the job's (e.g. weight float32 -> bfloat16; bias float32 -> bfloat16)")]
+    assert torch.equal(job.weight, model.weight.to(torch.bfloat16))
+    job, said = load(torch.float32, torch.int32)
+    assert said == [("WARNING", f"{_folder(tmp_path)}/step-1: 1 tensors are read into dtypes that may not hold their "
+                                "values (e.g. seen int64 -> int32): the load casts them as the job's tensors are; "
+                                "load into tensors of the saved dtypes to keep them")]
+
+
 @pytest.mark.parametrize("arguments, message", [
     ({"model_parts": {"a": torch.nn.Linear(2, 2)}}, "model_parts is a dict; expected an nn.Module"),
     ({"model_parts": torch.nn.Linear(2, 2).state_dict()}, "model_parts is a OrderedDict; expected an nn.Module"),

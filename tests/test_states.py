@@ -836,3 +836,61 @@ def test_settings_equal_in_value_merge_into_one_group(tmp_path):
                            base_folder=str(tmp_path)) as manager:
         assert manager.load()
     assert merged.param_groups[0]["lr"] == 0.1
+
+
+class _MasterWeights(torch.optim.Optimizer):
+    """SGD with momentum on float32 master weights and moments of bfloat16 parameters, as
+    mixed-precision optimizers keep them."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["master"] = p.float()
+                    state["momentum"] = torch.zeros_like(state["master"])
+                state["momentum"].mul_(0.9).add_(p.grad.float())
+                state["master"].add_(state["momentum"], alpha=-group["lr"])
+                p.copy_(state["master"])
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh-optimizer", "optimizer-with-state"])
+def test_an_optimizers_float32_state_of_bfloat16_parameters_resumes_in_float32(tmp_path, fresh):
+    """`Optimizer.load_state_dict` casts every state tensor to its parameter's dtype: the load
+    read the master weights in float32 and handed them over as bfloat16, and the resumed run
+    trained otherwise than the run that went on."""
+    def job(seed):
+        torch.manual_seed(seed)
+        model = nn.Linear(4, 4).to(torch.bfloat16)
+        opt = _MasterWeights(model.parameters())
+        return model, opt, CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=opt,
+                                             base_folder=str(tmp_path))
+
+    def train(model, opt, steps):
+        for step in steps:
+            model(torch.full((2, 4), step / 7, dtype=torch.bfloat16)).float().pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt, manager = job(0)
+    train(model, opt, range(1, 4))
+    manager.save(3)
+    manager.close()
+    saved = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    train(model, opt, range(4, 6))
+
+    model2, opt2, manager2 = job(1)
+    if not fresh:
+        train(model2, opt2, range(1, 2))
+    assert manager2.load()
+    for key, value in saved.items():
+        held = opt2.state[model2.weight][key]
+        assert held.dtype == torch.float32 and torch.equal(held, value), key
+    train(model2, opt2, range(4, 6))
+    assert torch.equal(model2.weight, model.weight) and torch.equal(opt2.state[model2.weight]["master"],
+                                                                  opt.state[model.weight]["master"])
+    manager2.close()

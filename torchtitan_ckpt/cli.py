@@ -76,9 +76,6 @@ EXIT_CODES = """exit status:
 """
 PARTIAL_SUFFIX = ".partial"
 """convert and consolidate write a new OUT_DIR as OUT_DIR.partial and rename it when done."""
-SINGLE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
-"""The start of the warning DCP gives on each save and load outside a process group: a command
-run without torchrun is one process on purpose, so the warning is not shown."""
 
 
 def _print_json(doc: dict[str, Any]) -> None:
@@ -773,7 +770,7 @@ def _run(args: argparse.Namespace) -> int:
     progress = Progress(args.command, enabled=not args.quiet and this_rank_draws(), interval=args.progress_every)
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", SINGLE_PROCESS_WARNING, UserWarning)
+            warnings.filterwarnings("ignore", storage.SINGLE_PROCESS_WARNING, UserWarning)
             code = args.run(args, progress)
         sys.stdout.flush()
         return code

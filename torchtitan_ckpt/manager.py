@@ -52,9 +52,9 @@ from .io.dtypes import EXPORT_DTYPES, exported
 from .io import safe_open
 from .io.filewriter import Sink
 from .io.untrusted import brief
-from .progress import gb_per_s
+from .progress import fmt_bytes, gb_per_s
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
-from .staging import SaveJob, Staged, make_strategy
+from .staging import BackgroundSaves, SaveJob, Staged, make_strategy
 from .states import (DP_RANK_PREFIX, CheckedState, DataLoaderState, LRSchedulerState, ModelPart, ModelState,
                      OptimizerState, StateLike, replicated_digest, saved_dp_degree, unwrapped)
 from .storage.base import Store
@@ -91,6 +91,14 @@ class _LoadTarget:
         if self.world_size is None or self.world_size == world_size:
             return ""
         return f" (saved by {self.world_size} ranks, this job has {world_size})"
+
+
+@dataclass
+class _TrainingWait:
+    """The training thread's seconds spent on one background save: in `save()` (the state
+    gathered, its copy started) and in optimizer steps waiting for the copy to finish."""
+
+    seconds: float = 0.0
 
 
 def _one(name: str, value: Any, alias: str, other: Any) -> Any:
@@ -196,6 +204,9 @@ class CheckpointManager:
         self._close_pending = False
         """`close()` was called from inside another call on its thread; that call closes as it ends."""
         self._hooks: list = []
+        self._waiting: _TrainingWait | None = None
+        """What the training thread spent on the last background save, counted on by the
+        optimizer's step pre-hook while the save's copy is in flight."""
         self._group = CheckpointGroup(process_group, config.collective_timeout_s,
                                       f"the CheckpointManager of {self.folder}") if config.enable else None
         rank, world_size = (self._group.rank, self._group.world_size) if self._group else (0, 1)
@@ -464,6 +475,7 @@ class CheckpointManager:
         the format must run on the training thread (the background save's collectives share
         the checkpoint group). `last`: the job's last save, after which retention does not run;
         `waited`: the seconds `save()` waited for the save before it, told in the saved line."""
+        start = time.perf_counter()
         try:
             state, failure = self._state_for_save(kind), None
             digests = {name: replicated_digest({name: state[name]}) for name in self._per_rank_checked if name in state}
@@ -471,12 +483,17 @@ class CheckpointManager:
             state, failure, digests = {}, e, {}
         if fmt.on_training_thread:  # after the save in flight (this step's own, for an HF copy): its clock after
             waited += self._wait_for_earlier(step)
-        job = self._save_job(step, kind, folder, fmt, failure, last, waited, digests)
+        background = not fmt.on_training_thread and isinstance(self._saves, BackgroundSaves)
+        held = _TrainingWait() if background else None
+        job = self._save_job(step, kind, folder, fmt, failure, last, waited, digests, held)
         if fmt.on_training_thread:
             staged = Staged(state)
             job.run(lambda: staged)
         else:
             self._saves.submit(state, job, self._deferred)
+        if held is not None:
+            held.seconds += time.perf_counter() - start
+            self._waiting = held
 
     def _deferred(self, path: tuple) -> bool:
         """Whether a background save may copy the tensor at `path` of the state after `save()`
@@ -493,8 +510,12 @@ class CheckpointManager:
         """Step pre-hook of every optimizer given to the manager: the step changes what a
         background save may still be copying. Registered never to be compiled with an optimizer
         step compiled by `torch.compile`: a wait on another thread, which Dynamo traced again and
-        again (with `verify_staging`, up to its recompile limit)."""
+        again (with `verify_staging`, up to its recompile limit). The wait counts as the
+        training's time spent on the save (`_TrainingWait`)."""
+        start = time.perf_counter()
         self._saves.wait_for_staging()
+        if self._waiting is not None:
+            self._waiting.seconds += time.perf_counter() - start
 
     @property
     def save_in_flight(self) -> bool:
@@ -545,11 +566,13 @@ class CheckpointManager:
 
     def _save_job(self, step: int, kind: SaveKind, folder: str, fmt: StepFormat,
                   failure: Exception | None = None, last: bool = False, waited: float = 0.0,
-                  digests: Mapping[str, tuple[bytes, bytes]] | None = None) -> SaveJob:
+                  digests: Mapping[str, tuple[bytes, bytes]] | None = None,
+                  held: _TrainingWait | None = None) -> SaveJob:
         """The phases of one save into `{folder}/step-N` in format `fmt`, which the staging
         strategy runs in order on every rank. `failure`: this rank could not gather its state;
         the first phase fails with it on every rank. `digests`: `replicated_digest` of each
-        state of `_per_rank_checked` as saved."""
+        state of `_per_rank_checked` as saved. `held`: a background save's time on the training
+        thread, told in the saved line."""
         path = layout.step_dir(folder, step)
         where = self._store.describe(path)  # the step as the user names it, in messages
         start = time.perf_counter()
@@ -580,7 +603,7 @@ class CheckpointManager:
         def commit_step(written: Written) -> None:
             info = self._commit(step, path, kind, fmt, written)
             if self._group.is_coordinator:
-                self._log_saved(info, where, kind, time.perf_counter() - start, written.summary, waited)
+                self._log_saved(info, where, kind, time.perf_counter() - start, written.summary, waited, held)
                 if last:  # as TorchTitan: the steps before the job's last save stay, its k newest full ones
                     return
                 try:  # rank 0 alone, and the step is committed: retention failing fails no save
@@ -621,10 +644,13 @@ class CheckpointManager:
         return info
 
     def _log_saved(self, info: commit.CommitInfo, path: str, kind: SaveKind, secs: float, summary: str,
-                   waited: float) -> None:
+                   waited: float, held: _TrainingWait | None) -> None:
+        """The saved line: `secs` from `save()` to the commit; for a background save, what of it
+        the training thread spent (the rest overlapped training)."""
         behind = f"; save() first waited {waited:.2f} s for the save before it" if waited >= _WAIT_TOLD_S else ""
-        logger.info("saved step %d (%s, %s) to %s: %.3f GB in %.2f s, %.2f GB/s%s", info.step, kind.value,
-                    info.format, path, info.total_bytes / 1e9, secs, gb_per_s(info.total_bytes, secs), behind)
+        aside = f", in the background (the training thread spent {held.seconds:.3f} s on it)" if held else ""
+        logger.info("saved step %d (%s, %s) to %s: %s in %.2f s, %.2f GB/s%s%s", info.step, kind.value, info.format,
+                    path, fmt_bytes(info.total_bytes), secs, gb_per_s(info.total_bytes, secs), aside, behind)
         if summary:  # the same for every save of the same state: told when it changes
             logger.log(logging.INFO if summary != self._told_summary else logging.DEBUG, "step %d %s", info.step,
                        summary)
@@ -694,9 +720,12 @@ class CheckpointManager:
                 target = self._find_load_target(folders, wanted)
                 self._check_steps_ahead(folders, target)
                 if target is None:
-                    if self._group.is_coordinator:
-                        logger.info("no checkpoint in %s and no initial_load_path: starting from scratch",
-                                    self._store.describe(self.folder))
+                    if self._group.is_coordinator:  # a job that only loads, and loaded nothing: a typo?
+                        logger.log(logging.WARNING if self.config.load_only else logging.INFO,
+                                   "no checkpoint in %s and no initial_load_path: starting from scratch%s",
+                                   self._store.describe(self.folder),
+                                   " (load_only: the model keeps the weights it was built with)"
+                                   if self.config.load_only else "")
                     return False
                 self._read(target)
                 self._left = self._steps_left(target, folders)
@@ -719,8 +748,8 @@ class CheckpointManager:
         if self._group.is_coordinator:
             secs = time.perf_counter() - start
             nbytes = layout.folder_bytes(target.path, held=True)
-            logger.info("loaded %s%s: %.3f GB in %.2f s, %.2f GB/s", target.store.describe(target.path),
-                        " (model only)" if target.model_only else "", nbytes / 1e9, secs, gb_per_s(nbytes, secs))
+            logger.info("loaded %s%s: %s in %.2f s, %.2f GB/s", target.store.describe(target.path),
+                        " (model only)" if target.model_only else "", fmt_bytes(nbytes), secs, gb_per_s(nbytes, secs))
         self._retain_loaded(target, folders)
         return True
 

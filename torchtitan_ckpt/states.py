@@ -331,6 +331,22 @@ class OptimizerState(CheckedState):
             for group in groups:
                 group["params"] = _Indices(group["params"])
             opt.load_state_dict({"state": state, "param_groups": groups})
+            _held_as_given(opt, state)
+
+
+def _held_as_given(opt: torch.optim.Optimizer, given: Mapping[int, Mapping[str, Any]]) -> None:
+    """Put back the state tensors `Optimizer.load_state_dict` cast to their parameter's dtype and
+    device: the ones given are the optimizer's own (or made by it, `_made_state`), read into in
+    place, so they are in the dtype and on the device it keeps them: fp32 master weights or
+    moments of bf16 parameters came back as bf16, state kept on the CPU moved to the GPU."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for index, values in given.items():
+        held = opt.state[params[index]]
+        for key, value in values.items():
+            now = held.get(key)
+            if isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor) and (
+                    now.dtype, now.device) != (value.dtype, value.device):
+                held[key] = value
 
 
 class _Indices(list):

@@ -363,6 +363,19 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+SINGLE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
+"""The start of the warning DCP's save and load give outside a process group, where one
+process is this package's intent (a job of one rank, the command line)."""
+
+
+def quiet_single_process() -> None:
+    """Leave out DCP's warning that a save runs outside a process group, from now on in this
+    process: a job of one rank saves so on purpose, and its background saves run on a thread
+    where `warnings.catch_warnings` (process-wide before Python 3.14) would race the training
+    thread's own filters. Adding the filter again replaces it."""
+    warnings.filterwarnings("ignore", SINGLE_PROCESS_WARNING, UserWarning)
+
+
 def load_on_this_rank(state: dict[str, Any], storage_reader: SafeFileSystemReader, planner: SafeLoadPlanner) -> None:
     """`dcp.load` of what this rank's `state` needs, without DCP's collectives.
 
@@ -372,7 +385,7 @@ def load_on_this_rank(state: dict[str, Any], storage_reader: SafeFileSystemReade
     a failure on one rank known to the others.
     """
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", SINGLE_PROCESS_WARNING, UserWarning)
         dcp.load(state, storage_reader=storage_reader, planner=planner, no_dist=True)
 
 

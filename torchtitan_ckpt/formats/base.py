@@ -58,6 +58,8 @@ class StepIndex:
     """Saved key -> the whole tensor's shape, for every tensor."""
     values: frozenset[str] = frozenset()
     """Saved keys of non-tensor values."""
+    dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
+    """Saved key -> the dtype it was saved in, for every tensor (where the format records one)."""
     native: Any = None
     """The format's own index (DCP's `Metadata`), passed back to `read`."""
     rope_layout: str | None = None
@@ -69,8 +71,9 @@ class StepIndex:
 
     def require(self, path: str, state: dict[str, Any], hint: str = "was it saved from a different model?") -> None:
         """A `CheckpointError` naming the tensors of `state` (a state dict to load, as DCP
-        flattens it) that the step at `path` does not hold, with `hint` on what differs (one
-        it holds as another kind of value is the format's to refuse)."""
+        flattens it) that the step at `path` does not hold, or holds in another shape (DCP names
+        the first it meets, deep in its planning), with `hint` on what differs (one it holds as
+        another kind of value is the format's to refuse)."""
         flat, held = flatten_state_dict(state)[0], self.keys()
         missing = [k for k, v in flat.items() if isinstance(v, torch.Tensor) and k not in held]
         prefix = _nesting(missing, held)
@@ -84,6 +87,11 @@ class StepIndex:
                     "names alone) and load that")
         if missing:
             raise CheckpointError(f"{path} lacks {len(missing)} tensors this job has, e.g. {missing[:3]}; {hint}")
+        resized = [f"{k} {tuple(v.shape)} saved as {self.tensors[k]}" for k, v in flat.items()
+                   if isinstance(v, torch.Tensor) and k in self.tensors and tuple(v.shape) != self.tensors[k]]
+        if resized:
+            raise CheckpointError(f"{path} holds {len(resized)} tensors of this job in other shapes, e.g. "
+                                  f"{'; '.join(resized[:3])}; {hint}")
 
 
 def _nesting(missing: list[str], held: Collection[str]) -> str | None:

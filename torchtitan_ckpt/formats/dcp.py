@@ -29,6 +29,7 @@ from ..dcp.planner import PlanCache
 from ..hf.convert import recorded_rope_layout
 from ..hf.files import RECORDED_LAYOUT
 from ..io import own_writes
+from ..io.dtypes import lossless
 from ..io.filewriter import Sink
 from ..io.untrusted import check_pickle
 from ..policy.schedule import SaveKind
@@ -49,6 +50,8 @@ class DcpFormat(StepFormat):
     def __init__(self, context):
         super().__init__(context)
         self._plan_caches: dict[SaveKind, PlanCache] = {}  # the last save plan of each kind
+        if context.group.pg is None:
+            storage.quiet_single_process()
 
     def write(self, path: str, step: int, kind: SaveKind, staged: Staged, sink: Sink) -> Written:
         """The tensors DCP's last plan (or any plan) gives this rank are written early, each as
@@ -85,13 +88,13 @@ class DcpFormat(StepFormat):
         rope_layout, data = group.each(fetch, f"reading {described}")
         self._scanned_once(data, described)
         metadata = group.each(lambda: storage.read_metadata(where, lambda *_: None, data), f"reading {described}")
-        tensors, values = {}, set()
+        tensors, values, dtypes = {}, set(), {}
         for key, md in metadata.state_dict_metadata.items():
             if isinstance(md, BytesStorageMetadata):
                 values.add(key)
             else:
-                tensors[key] = tuple(md.size)
-        return StepIndex(tensors, frozenset(values), metadata, rope_layout)
+                tensors[key], dtypes[key] = tuple(md.size), md.properties.dtype
+        return StepIndex(tensors, frozenset(values), dtypes, metadata, rope_layout)
 
     def _scanned_once(self, data: bytes, what: str) -> None:
         """`check_pickle` of the `.metadata` every rank has read, by rank 0 for all: the ranks
@@ -121,6 +124,8 @@ class DcpFormat(StepFormat):
         agreement = _Agreement(self.ctx.group, check, path)
         try:
             _check_kinds(path, index, state)
+            if self.ctx.group.is_coordinator:
+                _tell_casts(path, index, state)
             ck = self.ctx.config
             reader = storage.make_storage_reader(path, index.native, ck.load_threads, fast=ck.io_engine == "fast",
                                                  before_read=lambda ranges: store.fetch_ranges(path, ranges),
@@ -140,6 +145,26 @@ def _check_kinds(path: str, index: StepIndex, state: dict[str, Any]) -> None:
     if swapped:
         raise CorruptCheckpointError(f"{path} holds a value where this job has a tensor, or the other way "
                                      f"round, for {swapped[:3]}; the step is damaged or was not saved by this job")
+
+
+def _tell_casts(path: str, index: StepIndex, state: dict[str, Any]) -> None:
+    """Say which tensors are read into another dtype than saved, as DCP casts them without a
+    word: a line, as a model or optimizer in a narrower float is how a job asks for one, and a
+    warning where values may not come back (an integer that wraps, a complex that loses its
+    imaginary part, a float made an integer)."""
+    casts = [(key, index.dtypes[key], value.dtype) for key, value in flatten_state_dict(state)[0].items()
+             if isinstance(value, torch.Tensor) and key in index.dtypes and value.dtype != index.dtypes[key]]
+    lossy = [c for c in casts if not (c[1].is_floating_point and c[2].is_floating_point or lossless(c[1], c[2]))]
+
+    def shown(found: list[tuple[str, torch.dtype, torch.dtype]]) -> str:
+        return "; ".join(f"{key} {str(saved)[6:]} -> {str(live)[6:]}" for key, saved, live in found[:3])
+    if lossy:
+        logger.warning("%s: %d tensors are read into dtypes that may not hold their values (e.g. %s): the load "
+                       "casts them as the job's tensors are; load into tensors of the saved dtypes to keep them",
+                       path, len(lossy), shown(lossy))
+    elif casts:
+        logger.info("%s: %d tensors are read into other dtypes than saved, cast to the job's (e.g. %s)",
+                    path, len(casts), shown(casts))
 
 
 class _Agreement:

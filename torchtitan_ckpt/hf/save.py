@@ -111,7 +111,7 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str | os.PathLike[str], a
     if group.rank == 0:
         secs = time.perf_counter() - start
         total = sum(spec.nbytes for spec in plan.specs.values())
-        logger.info("exported %s (%s): %d file(s), %.3f GB in %.2f s, %.2f GB/s", out_dir, mode,
+        logger.debug("exported %s (%s): %d file(s), %.3f GB in %.2f s, %.2f GB/s", out_dir, mode,
                     len(set(mapping.values())), total / 1e9, secs, gb_per_s(total, secs))
 
 

@@ -4,6 +4,7 @@ checkpoint can hold, and whether two tensors hold the same bytes."""
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -35,6 +36,26 @@ def _holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
         w, n = torch.finfo(wide), torch.finfo(narrow)
         return w.max >= n.max and w.eps <= n.eps and w.smallest_normal * w.eps <= n.smallest_normal * n.eps
     except (TypeError, RuntimeError):  # no finfo (float4's fields raise NotImplementedError)
+        return False
+
+
+@functools.cache
+def lossless(saved: torch.dtype, live: torch.dtype) -> bool:
+    """Whether a value of dtype `saved` read into a tensor of dtype `live` comes back as it was."""
+    if saved == live or saved == torch.bool:
+        return True
+    if saved.is_floating_point and live.is_floating_point:
+        return _holds(live, saved)
+    if saved.is_complex or live.is_complex:
+        return saved.is_complex and live.is_complex and _holds(live.to_real(), saved.to_real())
+    try:
+        s = torch.iinfo(saved)
+        if live.is_floating_point:  # every integer up to 2**digits has a float
+            digits = 1 - round(math.log2(torch.finfo(live).eps))
+            return max(-s.min, s.max) <= min(2**digits, torch.finfo(live).max)
+        w = torch.iinfo(live)
+        return w.min <= s.min and w.max >= s.max
+    except (TypeError, RuntimeError):  # a float read into an integer, or a dtype without limits
         return False
 
 
