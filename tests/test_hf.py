@@ -758,7 +758,8 @@ def test_a_wrong_dtype_fails_naming_the_file_before_reading_data(hf_checkpoint, 
     tensors = load_file(folder / file)
     save_file({**tensors, name: tensors[name].to(torch.int32)}, folder / file, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=rf"{name}: torch.int32 in {file}, torch.float32 expected "
-                                              r"\(only floating-point dtypes are converted\)"):
+                                              r"\(floating-point dtypes are cast; others only into a dtype that "
+                                              r"holds each of their values\)"):
         load_hf(our_model(seed=1).state_dict(), str(folder), hf_adapter(ARGS))
 
 

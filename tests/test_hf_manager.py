@@ -206,3 +206,39 @@ def test_a_transformers_model_comes_in_and_goes_out_through_an_adapter_that_rena
         with CheckpointManager(config, model, state_dict_adapter=adapter_for_hf_dir(str(tmp_path / "hf")),
                                base_folder=str(tmp_path / "run2")) as manager:
             manager.load()
+
+
+@pytest.mark.parametrize("counter, fits", [(torch.int64, True), (torch.int32, False)])
+def test_an_adapter_of_the_users_gives_integers_read_into_narrower_ones_refused(tmp_path, counter, fits):
+    """An adapter of the user's own (read through whole tensors): its int64 values were cast into
+    the model's int32 buffer and wrapped, where the package's own adapters refused them."""
+    from safetensors.torch import save_file
+
+    from torchtitan_ckpt.errors import CheckpointError
+
+    os.makedirs(tmp_path / "hf")
+    save_file({"w": torch.ones(2, 2), "seen": torch.tensor([2**40 + 5])}, tmp_path / "hf" / "model.safetensors",
+              metadata={"format": "pt"})
+
+    class SameNames:
+        hf_assets_path, fqn_to_index_mapping = str(tmp_path / "hf"), None
+
+        def to_hf(self, state_dict):
+            return dict(state_dict)
+
+        def from_hf(self, hf_state_dict):
+            return dict(hf_state_dict)
+
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(2, 2))
+    model.register_buffer("seen", torch.zeros(1, dtype=counter))
+    config = Checkpoint(enable=True, initial_load_path=str(tmp_path / "hf"), initial_load_in_hf=True)
+    with CheckpointManager(config, model, state_dict_adapter=SameNames(), base_folder=str(tmp_path / "run")) as manager:
+        if fits:
+            assert manager.load() and model.seen.item() == 2**40 + 5 and torch.equal(model.w, torch.ones(2, 2))
+        else:
+            with pytest.raises(CheckpointError, match=r"does not fit this model: seen: torch.int64 from the adapter's "
+                                                      r"from_hf, torch.int32 expected \(floating-point dtypes are "
+                                                      "cast; others only into a dtype that holds each of their values"):
+                manager.load()
+            assert torch.equal(model.w, torch.zeros(2, 2))

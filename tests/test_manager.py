@@ -618,6 +618,11 @@ def test_load_step_picks_a_step_and_names_a_missing_one(tmp_path):
     missing = make_job(str(tmp_path), steps=8, load_step=5)
     with pytest.raises(CheckpointNotFoundError, match=r"checkpoint/step-5 does not exist; loadable steps: \[2, 4, 6\]"):
         missing.manager.load()
+    typo = make_job(str(tmp_path / "typo"), steps=8, load_step=5)  # a folder that holds no step: named so
+    with pytest.raises(CheckpointNotFoundError, match=r"typo/checkpoint/step-5 does not exist; \S+/typo/checkpoint "
+                                                      "holds no step: is it the folder the run saved into\?"):
+        typo.manager.load()
+    typo.manager.close()
     commit.uncommit(layout.step_dir(_folder(tmp_path), 6))  # as a save that crashed leaves it
     partial = make_job(str(tmp_path), steps=8, load_step=6)
     with pytest.raises(CheckpointNotFoundError, match=r"step-6 is not loadable \(its save did not finish"):

@@ -1096,8 +1096,9 @@ class CheckpointManager:
         match = [f for f in folders if f.step == step]
         loadable = [f.step for f in folders if f.loadable]
         if not match:
-            raise CheckpointNotFoundError(
-                f"checkpoint.load_step = {step}: {where} does not exist; loadable steps: {loadable}")
+            there = (f"loadable steps: {loadable}" if folders else
+                     f"{self._store.describe(self.folder)} holds no step: is it the folder the run saved into?")
+            raise CheckpointNotFoundError(f"checkpoint.load_step = {step}: {where} does not exist; {there}")
         if not match[0].loadable:
             raise CheckpointNotFoundError(
                 f"checkpoint.load_step = {step}: {where} is not loadable ({_not_loadable(match[0])}); "

@@ -29,7 +29,7 @@ from ..dcp.planner import PlanCache
 from ..hf.convert import recorded_rope_layout
 from ..hf.files import RECORDED_LAYOUT
 from ..io import own_writes
-from ..io.dtypes import lossless
+from ..io.dtypes import converts
 from ..io.filewriter import Sink
 from ..io.untrusted import check_pickle
 from ..policy.schedule import SaveKind
@@ -154,7 +154,7 @@ def _tell_casts(path: str, index: StepIndex, state: dict[str, Any]) -> None:
     imaginary part, a float made an integer)."""
     casts = [(key, index.dtypes[key], value.dtype) for key, value in flatten_state_dict(state)[0].items()
              if isinstance(value, torch.Tensor) and key in index.dtypes and value.dtype != index.dtypes[key]]
-    lossy = [c for c in casts if not (c[1].is_floating_point and c[2].is_floating_point or lossless(c[1], c[2]))]
+    lossy = [c for c in casts if not converts(c[1], c[2])]
 
     def shown(found: list[tuple[str, torch.dtype, torch.dtype]]) -> str:
         return "; ".join(f"{key} {str(saved)[6:]} -> {str(live)[6:]}" for key, saved, live in found[:3])

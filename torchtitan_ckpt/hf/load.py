@@ -28,6 +28,7 @@ from .adapter import ForeignAdapter, HFSource, StateDictAdapter, as_adapter, che
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, is_model_file, is_unused_tensor
 from .model_config import read_hf_config
 from ..io import safe_open
+from ..io.dtypes import converts
 from ..io.posio import tensor_bytes
 from .safetensors_io import TensorEntry, read_exact, read_header
 from .shards import plan_reads, read_all
@@ -202,7 +203,8 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
     the model's other tensors (TorchTitan 0.3.0's MoE `expert_bias_E`, which has no HF
     counterpart) keep their values, named in one log line. Each value to be copied must be a
     whole plain tensor of the model's shape, else `CheckpointError` names it, before any is
-    written. Returns that function and the bytes it reads."""
+    written; so must its dtype `converts` to the model's. Returns that function and the bytes it
+    reads."""
     named, wanted = _adapter_names(adapter, every)
     layout = _wanted_layout(hf_dir, wanted, log)
     ours = adapter.from_hf(_read_whole(layout))
@@ -228,6 +230,8 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
             not_whole.append(f"{name} ({type(value).__name__})")
         elif tuple(value.shape) != tuple(dest.shape):
             wrong.append(f"{name}: {tuple(value.shape)} in the checkpoint, {tuple(dest.shape)} expected")
+        elif not converts(value.dtype, dest.dtype):
+            wrong.append(f"{name}: {value.dtype} from the adapter's from_hf, {dest.dtype} expected {_CASTS}")
     if not_whole:
         raise CheckpointError(
             f"reading {hf_dir}: the adapter's from_hf gives {', '.join(not_whole)}, not a whole torch.Tensor; "
@@ -322,11 +326,14 @@ def _memory(t: torch.Tensor) -> tuple:
     return local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape)
 
 
+_CASTS = "(floating-point dtypes are cast; others only into a dtype that holds each of their values)"
+
+
 def _check_fit(hf_dir: str, state_dict: dict[str, Any], sources: dict[str, HFSource],
                layout: dict[str, TensorEntry]) -> None:
     """Every HF tensor has the shape of ours (of one row of ours for a grouped tensor), or
-    `AdapterMismatchError` names both shapes; and a dtype that converts to ours exactly or by a
-    floating-point cast, or `CheckpointError` names each one that does not."""
+    `AdapterMismatchError` names both shapes; and a dtype that `converts` to ours (an integer
+    that would wrap is refused), or `CheckpointError` names each one that does not."""
     shapes, wrong = ([], []), []
     for name, source in sorted(sources.items()):
         value = state_dict[name]
@@ -341,9 +348,8 @@ def _check_fit(hf_dir: str, state_dict: dict[str, Any], sources: dict[str, HFSou
             elif source.row_order and (not entry.shape or entry.shape[0] % source.block_rows):
                 wrong.append(f"{hf}: {tuple(entry.shape)} is not made of whole blocks of "
                              f"{source.block_rows} rows, which the adapter reorders")
-            elif entry.dtype != value.dtype and not (entry.dtype.is_floating_point and value.dtype.is_floating_point):
-                wrong.append(f"{hf}: {entry.dtype} in {os.path.basename(entry.path)}, {value.dtype} "
-                             "expected (only floating-point dtypes are converted)")
+            elif not converts(entry.dtype, value.dtype):
+                wrong.append(f"{hf}: {entry.dtype} in {os.path.basename(entry.path)}, {value.dtype} expected {_CASTS}")
     if shapes[1]:
         raise AdapterMismatchError(f"{hf_dir}: shapes in the checkpoint (unknown) vs this model's (missing)",
                                    sorted(set(shapes[0])), sorted(set(shapes[1])))

@@ -59,6 +59,13 @@ def lossless(saved: torch.dtype, live: torch.dtype) -> bool:
         return False
 
 
+def converts(saved: torch.dtype, live: torch.dtype) -> bool:
+    """Whether reading a value of dtype `saved` into a tensor of dtype `live` keeps its meaning:
+    a floating-point cast (to the job's precision), or a cast that changes no value (`lossless`).
+    An integer that wraps, a complex number made real, a float made an integer do not."""
+    return saved.is_floating_point and live.is_floating_point or lossless(saved, live)
+
+
 _QUANTIZED = frozenset(getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
                        if hasattr(torch, n))
 

@@ -182,7 +182,8 @@ class _Item:
     def fail(self, problem: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
             f"{self.cursor.path}: item '{self.what}' (bytes {self.offset}-{self.offset + self.length}) "
-            f"{problem}; the file is damaged or was not written by DCP: restore it or load another step")
+            f"{problem}; the file is damaged or was not written by DCP: restore it or load another step "
+            "(checkpoint.load_step; checkpoint.verify_on_load passes over a damaged newest step)")
 
     def read(self, at: int, n: int) -> bytes:
         data = self.cursor.read(self.offset + at, n)
