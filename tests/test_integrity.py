@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import fcntl
 import os
 import re
 import shutil
@@ -535,16 +536,27 @@ def test_the_hold_is_one_however_the_folder_is_named_and_lets_go_of_what_it_cann
     os.remove(folder / LOCK_FILE)
     os.mkfifo(folder / LOCK_FILE)
     fds = len(os.listdir("/proc/self/fd"))
-    refused = rf"{LOCK_FILE} is not a regular file of its own \(a fifo, or a hard link\), so .* cannot be held by " \
-              "this job: remove it"
-    with pytest.raises(ConfigError, match=refused):
+    with pytest.raises(ConfigError, match=rf"{LOCK_FILE} is not a regular file \(a fifo\?\), so .* cannot be held "
+                                          "by this job: remove it"):
         CheckpointManager(Checkpoint(enable=True, folder=str(folder)), [torch.nn.Linear(2, 2)])
     assert len(os.listdir("/proc/self/fd")) == fds
     os.remove(folder / LOCK_FILE)
     (tmp_path / "notes.txt").write_text("the user's")
     os.link(tmp_path / "notes.txt", folder / LOCK_FILE)  # holding would truncate the user's file
-    with pytest.raises(ConfigError, match=refused):
+    with pytest.raises(ConfigError, match=rf"{LOCK_FILE} is a hard link, its file shared with another name \(a `cp "
+                                          r"-al` snapshot of the folder\?\), so .* cannot be held by this job. No "
+                                          r"process holds it now: remove it \(the job makes its own\)"):
         CheckpointManager(Checkpoint(enable=True, folder=str(folder)), [torch.nn.Linear(2, 2)])
+    assert (tmp_path / "notes.txt").read_text() == "the user's"
+    # a snapshot's link to the lock of a job running there: that job is named, not the link (whose
+    # removal, as the message said, let a second job save beside the first)
+    running = os.open(folder / LOCK_FILE, os.O_RDWR)
+    fcntl.flock(running, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(ConfigError, match=r"another process \(the user's\) uses"):
+            CheckpointManager(Checkpoint(enable=True, folder=str(folder)), [torch.nn.Linear(2, 2)])
+    finally:
+        os.close(running)
     assert (tmp_path / "notes.txt").read_text() == "the user's"
 
 

@@ -477,7 +477,8 @@ def test_an_unwritable_folder_fails_at_construction_with_one_rank(tmp_path):
         make_job(str(tmp_path), folder=folder)
     make_job(str(tmp_path), folder=folder, load_only=True).manager.close()
     with pytest.raises(ConfigError, match=r"cannot write there: rank 0: NotADirectoryError: .*afile is a file, not a "
-                                          r"folder$"):
+                                          r"folder \(a job that only reads its steps sets checkpoint.load_only = "
+                                          r"true\)$"):
         make_job(str(tmp_path), folder=str(tmp_path / "afile"))
     job = make_job(str(tmp_path), folder="new/checkpoint")
     assert os.listdir(tmp_path / "new" / "checkpoint") == [LOCK_FILE]  # made, held, and the probe removed
@@ -608,6 +609,43 @@ def test_seed_checkpoint_is_model_only_step_zero(tmp_path):
     resumed.manager.close()
 
 
+def test_a_step_renamed_or_copied_in_under_another_steps_name_is_passed_over(tmp_path, caplog):
+    """`mv step-2 step-9`: the load took step-9 as the newest and restored step 2's state, the
+    job trained steps 3 to 8 again over the steps saved, and each restart did so again."""
+    import json
+    import subprocess
+    import sys
+
+    job = make_job(str(tmp_path), steps=8, interval=2, keep_latest_k=0)
+    job.run_to(6, steps=8)
+    job.manager.close()
+    folder = _folder(tmp_path)
+    os.rename(layout.step_dir(folder, 2), layout.step_dir(folder, 9))
+    resumed = make_job(str(tmp_path), steps=12, interval=2, keep_latest_k=0)
+    assert resumed.manager.load() and resumed.train_state.step == 6
+    assert (f"passing over {folder}/step-9 holds step 2 (its COMMITTED.json says so): renamed, or copied in under "
+            "another step's name." in caplog.text)
+    resumed.manager.close()
+    named = make_job(str(tmp_path), steps=12, load_step=9)
+    with pytest.raises(CorruptCheckpointError, match=r"step-9 holds step 2 .* name it step-2, or move it out"):
+        named.manager.load()
+    named.manager.close()
+    listed = subprocess.run([sys.executable, "-m", "torchtitan_ckpt.cli", "list", "--json", folder],
+                            capture_output=True, text=True, check=True)
+    doc = json.loads(listed.stdout)
+    assert [(s["step"], s["status"]) for s in doc["steps"]] == [(4, "complete"), (6, "complete"), (9, "misnamed")]
+    assert doc["latest_loadable"] == 6
+    # a step linked in by a relative link that leads nowhere in a copy of the run: said so, not
+    # "its save did not finish, or it is not a checkpoint"
+    os.symlink("../../archive/step-12", layout.step_dir(folder, 12))
+    caplog.clear()
+    reader = make_job(str(tmp_path), steps=12, load_only=True)
+    assert reader.manager.load() and reader.train_state.step == 6
+    assert (f"ignoring {folder}/step-12: a link to '../../archive/step-12', which leads nowhere (a copy of the "
+            "folder that kept a relative link?)" in caplog.text)
+    reader.manager.close()
+
+
 def test_load_step_picks_a_step_and_names_a_missing_one(tmp_path):
     job = make_job(str(tmp_path), steps=8, interval=2, keep_latest_k=0)
     job.run_to(6, steps=8)
@@ -620,7 +658,7 @@ def test_load_step_picks_a_step_and_names_a_missing_one(tmp_path):
         missing.manager.load()
     typo = make_job(str(tmp_path / "typo"), steps=8, load_step=5)  # a folder that holds no step: named so
     with pytest.raises(CheckpointNotFoundError, match=r"typo/checkpoint/step-5 does not exist; \S+/typo/checkpoint "
-                                                      "holds no step: is it the folder the run saved into\?"):
+                                                      r"holds no step: is it the folder the run saved into\?"):
         typo.manager.load()
     typo.manager.close()
     commit.uncommit(layout.step_dir(_folder(tmp_path), 6))  # as a save that crashed leaves it

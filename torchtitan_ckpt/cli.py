@@ -143,8 +143,10 @@ def _opened(where: str, argument: str) -> Iterator[tuple[Store, str]]:
 
 CORRUPT = "corrupt"
 NEWER = "newer"
-"""`list`'s status of a step whose `COMMITTED.json` is there but unreadable (truncated, not JSON,
-fields of the wrong shape): never counted as complete or loadable."""
+MISNAMED = "misnamed"
+"""`list`'s statuses of a step whose `COMMITTED.json` is there but unreadable (truncated, not
+JSON, fields of the wrong shape), written by a newer version, or naming another step than the
+folder's name: never counted as complete or loadable."""
 
 
 def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any]:
@@ -159,6 +161,8 @@ def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any]:
             status, problem = CORRUPT, str(e)
         except NewerVersionError as e:
             status, problem = NEWER, str(e)
+        if info is not None and info.step != s.step:
+            status, problem = MISNAMED, f"{where} holds step {info.step} (its {commit.MARKER} says so)"
     fmt = info.format if info else layout.foreign_format(s.path) if status == layout.FOREIGN else None
     return {"step": s.step, "path": where, "status": status, "bytes": store.size(s.path),
             "format": fmt, "states": info.states if info else None,
@@ -173,6 +177,8 @@ def _contents(s: dict[str, Any]) -> str:
             CORRUPT: f"{commit.MARKER} unreadable (list --json: problem): not loadable, a load() of it fails",
             NEWER: "written by a newer torchtitan_ckpt (list --json: problem): a load() of it fails; read it "
                    "with that one",
+            MISNAMED: f"{commit.MARKER} names another step (list --json: problem): renamed, or copied in under "
+                      "another step's name; a load() passes it over",
             layout.DENIED: "this user may not look into it: never loaded, replaced or deleted; a load() that "
                            "would pick it fails",
             }.get(s["status"], "not ours (no marker of ours, or one that is no file), not told finished: "

@@ -971,10 +971,18 @@ class CheckpointManager:
                 continue
             if problems:
                 raise CorruptCheckpointError(f"step {newest.step} failed verification: {'; '.join(problems)}")
-            return self._resume_point(self._committed_target(newest.path, newest.step, self._store), passed, corrupt)
+            try:
+                target = self._committed_target(newest.path, newest.step, self._store)
+            except _Misnamed as e:
+                if self._group.is_coordinator:
+                    logger.warning("passing over %s", e)
+                self._passed.add(newest.step)
+                continue
+            return self._resume_point(target, passed, corrupt)
         if passed:
             return self._resume_point(None, passed, corrupt)
-        raise CorruptCheckpointError(f"every complete step in {self._store.describe(self.folder)} failed verification")
+        raise CorruptCheckpointError(f"every complete step in {self._store.describe(self.folder)} failed verification "
+                                     "or holds another step than its folder's name (each is named above)")
 
     def _resumes(self) -> bool:
         """Whether this job goes on training from what it loads: it saves, and it restores
@@ -1174,11 +1182,16 @@ class CheckpointManager:
                 "OUT_DIR`")
 
     def _committed_target(self, path: str, step: int | None, store: Store, model_only: bool = False) -> _LoadTarget:
-        """A step of ours, in the format and with the states its commit marker records."""
+        """A step of ours, in the format and with the states its commit marker records. One in a
+        folder named for another `step` than the marker's is `_Misnamed`."""
         info = self._group.each(lambda: store.read_marker(path),
                                 f"reading the marker of {store.describe(path)}")
         if differ := self._group.differing(info.digest):
             raise CorruptCheckpointError(different_copies(store.describe(os.path.join(path, commit.MARKER)), differ))
+        if step is not None and info.step != step:
+            raise _Misnamed(f"{store.describe(path)} holds step {info.step} (its {commit.MARKER} says so): renamed, or "
+                            f"copied in under another step's name. Loaded as step {step}, the job would train steps "
+                            f"again and its saves replace newer ones; name it step-{info.step}, or move it out")
         return self._target(path, step, model_only or info.model_only, store, info.format, frozenset(info.states),
                             info.world_size)
 
@@ -1367,7 +1380,14 @@ def _a_file(path: str) -> str:
     return "is a file, not a step folder: name the folder holding it"
 
 
+class _Misnamed(CorruptCheckpointError):
+    """A step of ours in a folder named for another step (`_committed_target`)."""
+
+
 def _not_loadable(folder: layout.StepFolder) -> str:
+    if os.path.islink(folder.path) and not os.path.exists(folder.path):
+        return (f"a link to {os.readlink(folder.path)!r}, which leads nowhere (a copy of the folder that kept a "
+                "relative link?)")
     if folder.status == layout.PARTIAL:
         return f"its save did not finish (no {commit.MARKER})"
     if folder.status == layout.DENIED:

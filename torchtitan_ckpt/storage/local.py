@@ -41,7 +41,8 @@ class LocalStore(Store):
         try:
             group.run(lambda: self._write_probe(probes[group.rank]))
         except RankFailed as failed:
-            raise ConfigError("checkpoint.folder", self.root, f"cannot write there: {failed}") from None
+            raise ConfigError("checkpoint.folder", self.root, f"cannot write there: {failed} (a job that only reads "
+                              "its steps sets checkpoint.load_only = true)") from None
         # rank 0 looks for every rank's probe, the others for rank 0's: a rank and rank 0 that see
         # each other's files share the folder, so every rank shares it, in O(ranks) lookups
         looked = range(group.world_size) if group.is_coordinator else [0]

@@ -68,11 +68,16 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
                                   "owner to make it readable to you (a team's folder wants umask 002)") from None
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # a hard link's other name is not ours to write
-            raise CheckpointError(f"{key} is not a regular file of its own (a fifo, or a hard link), so {what} "
-                                  "cannot be held by this job: remove it")
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{key} is not a regular file (a fifo?), so {what} cannot be held by this job: "
+                                  "remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if info.st_nlink != 1:  # not locked by another: a hard link's other name is not ours to write
+                raise CheckpointError(
+                    f"{key} is a hard link, its file shared with another name (a `cp -al` snapshot of the folder?), "
+                    f"so {what} cannot be held by this job. No process holds it now: remove it (the job makes "
+                    "its own) and start again")
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 logger.warning("%s: not locked (%s); one job at a time is assumed: a second job saving there "
