@@ -181,9 +181,9 @@ class Checkpoint:
     """With `verify_on_load` and `load_step = -1`: a newest step that fails the check is reported
     and the newest intact step is loaded instead. False raises `CorruptCheckpointError`."""
 
-    hf_max_shard_size: str = "5GB"
+    hf_max_shard_size: str | int = "5GB"
     """Largest Hugging Face file of an export when the adapter's `hf_assets_path` gives no file split
-    (e.g. "5GB", "500MB"); a layer's tensors stay in one file."""
+    (e.g. "5GB", "500MB", or a number of bytes); a layer's tensors stay in one file."""
 
     hf_export_interval: int = 0
     """Also export a Hugging Face copy of the model every this many steps, to
@@ -228,8 +228,9 @@ class Checkpoint:
     saves). Empty: `torchtitan_ckpt-<uid>` in the system's temporary folder, made readable by this
     user alone (refused when it is a link, another user's, or open to others)."""
 
-    upload_part_size: str = "64MB"
-    """Object storage: the size of each part of a multipart upload and of each ranged download.
+    upload_part_size: str | int = "64MB"
+    """Object storage: the size of each part of a multipart upload and of each ranged download
+    (e.g. "64MB", "16MiB", or a number of bytes).
     A rank's upload holds `upload_part_size` x `upload_parallel_parts` bytes of part buffers,
     reused from part to part, and under 1 MiB besides (the rank assembling a Hugging Face file:
     one part more)."""
@@ -652,8 +653,16 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
     if origin in (typing.Union, types.UnionType) and type(None) in args:
         if value is None or value == "" or (isinstance(value, _CliText) and value.lower() == "none"):
             return None  # "" too: TorchTitan's "unset" for a path
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(key, value, inner)
+        inner = [a for a in args if a is not type(None)]
+        return _convert(key, value, inner[0] if len(inner) == 1 else typing.Union[tuple(inner)])
+    if origin in (typing.Union, types.UnionType):  # `str | int`: the first type the value is one of
+        refused = []
+        for arm in args:
+            try:
+                return _convert(key, value, arm)
+            except ConfigError as e:
+                refused.append(e.expected)
+        raise ConfigError(key, value, refused[0] + "".join(", or " + r.removeprefix("expected ") for r in refused[1:]))
     if origin is Literal:
         if tp in _ANY_CASE and isinstance(value, str):
             value = value.lower()

@@ -54,7 +54,7 @@ Progress = Callable[[str, int, int], None]
 
 
 def convert(to: str, src: str, dst: str, adapter_name: str | None = None, *, hf_assets_path: str | None = None,
-            dtype: str | None = None, max_shard_size: str = Checkpoint.hf_max_shard_size,
+            dtype: str | None = None, max_shard_size: str | int = Checkpoint.hf_max_shard_size,
             consolidation: str = Checkpoint.consolidation, threads: int = 4, progress: Progress | None = None,
             rope_layout: str | None = None) -> None:
     """Convert the model in `src` to format `to` ("hf" or "dcp") in `dst`; call on every rank.
