@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import filecmp
 import glob
+import logging
 import os
 
 import pytest
@@ -20,9 +21,10 @@ from tests.test_hf_families import EXPERT_FILES, EXPERT_PARTS, FAMILIES, MOE_LAY
 from torchtitan_ckpt.example.model import ROPE_LAYOUT, Transformer, args_from_hf_config
 from torchtitan_ckpt.example.train import shard_model
 from torchtitan_ckpt.hf import adapter_for_hf_dir, load_hf, save_hf
-from torchtitan_ckpt.hf.adapter import RowOf
+from torchtitan_ckpt.hf.adapter import PermutedRows, RowOf
 from torchtitan_ckpt.hf.consolidate import _local_block
 from torchtitan_ckpt.hf.convert import convert
+from torchtitan_ckpt.progress import fmt_bytes
 from torchtitan_ckpt.states import ModelState
 
 pytest.importorskip("transformers")
@@ -77,6 +79,21 @@ def _moe_with_ep(rank: int, world_size: int, family: str, src: str, out: str, ex
     save_hf(sd, out, adapter)
     if rank == 0:
         _same_files(src, out)
+    # a two-phase export gathers them on every rank, which rank 0 says, with the bytes each holds
+    said: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = said.append
+    logging.getLogger("torchtitan_ckpt.hf.save").addHandler(handler)
+    save_hf(sd, out + "_two_phase", adapter, mode="all_ranks")
+    views = adapter.to_hf(sd).values()  # each grouped weight once (a RowOf per expert), and the q/k rows cut
+    gathered = {id(v.tensor): v.tensor for v in views if isinstance(v, (RowOf, PermutedRows))}
+    experts = sum(t.numel() * t.element_size() for t in gathered.values())
+    told = [f"{out}_two_phase (all_ranks): every rank gathers the sharded weights it exports whole (experts, q/k "
+            f"projections whose shards cut a head), {fmt_bytes(experts)} held at once on each: consolidation = "
+            "'one_pass' writes them from the ranks holding them"]
+    assert [r.getMessage() for r in said] == (told if rank == 0 else []), [r.getMessage() for r in said]
+    if rank == 0:
+        _same_files(src, out + "_two_phase")
 
 
 def _on_two_ranks(rank: int, world_size: int, folders: dict[str, str], logits: dict[str, torch.Tensor],

@@ -193,7 +193,9 @@ class Checkpoint:
     """How Hugging Face exports write their files: `one_pass` (every rank writes its bytes at
     their final offsets, no intermediate files), `all_ranks` (DCP writes per-rank shards, then
     every rank consolidates a share of the bytes) or `rank0` (rank 0 consolidates alone). On
-    object storage, `one_pass` only (docs/storage.md)."""
+    object storage, `one_pass` only (docs/storage.md). The two-phase modes hold about a rank's
+    share of the model again while writing, and gather sharded expert weights whole on every
+    rank (a warning says how many bytes)."""
 
     consolidation_threads: int = 4
     """I/O threads per rank writing Hugging Face files."""

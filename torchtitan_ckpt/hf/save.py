@@ -38,7 +38,7 @@ from .consolidate import write_safetensors_one_pass
 from ..errors import AdapterMismatchError, CheckpointError, RankFailed
 from ..config import Checkpoint, Consolidation
 from ..group import CheckpointGroup, cpu_world
-from ..progress import gb_per_s
+from ..progress import fmt_bytes, gb_per_s
 from .adapter import ForeignAdapter, PermutedRows, RowOf, StateDictAdapter, as_adapter, check_names
 from .files import ASSET_FILES, CONFIG_FILE, INDEX_FILE, MAX_ASSET_BYTES, SAFETENSORS_DTYPES, is_dcp_shard_file
 from .planner import parse_size, plan_files
@@ -102,7 +102,13 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str | os.PathLike[str], a
         shards = os.path.join(out_dir, SHARDS)
         writer = HuggingFaceStorageWriter(shards, save_distributed=True, fqn_to_index_mapping=mapping)
         try:
-            dcp.save(_whole_tensors(hf_sd), storage_writer=writer, process_group=group.pg)
+            whole, gathered = _whole_tensors(hf_sd)
+            if gathered and group.rank == 0:
+                logger.warning("%s (%s): every rank gathers the sharded weights it exports whole (experts, q/k "
+                               "projections whose shards cut a head), %s held at once on each: consolidation = "
+                               "'one_pass' writes them from the ranks holding them", out_dir, mode,
+                               fmt_bytes(gathered))
+            dcp.save(whole, storage_writer=writer, process_group=group.pg)
         except CheckpointException as e:  # a BaseException, past a training loop's `except Exception`
             root = root_cause(e, group.rank)
             raise root from root.__cause__  # DCP's wrapping left out, the failure's own cause kept
@@ -138,25 +144,28 @@ def _cast_all(state_dict: dict[str, Any], dtype: torch.dtype | None) -> dict[str
     return {name: cast[id(value)] for name, value in state_dict.items()}
 
 
-def _whole_tensors(hf_sd: dict[str, Any]) -> dict[str, Any]:
+def _whole_tensors(hf_sd: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """`RowOf` experts and `PermutedRows` as tensors, for the two-phase modes' DCP save: a sharded
     grouped weight is gathered (once) on every rank, as is a q/k projection whose shards cut a
-    head, which `one_pass`, writing each expert and each row from the rank that holds it, avoids.
-    A tensor that is not contiguous is packed: PyTorch's safetensors writer refuses it."""
+    head, which `one_pass`, writing each expert and each row from the rank that holds it, avoids;
+    with the bytes so gathered, all held until the save ends. A tensor that is not contiguous is
+    packed: PyTorch's safetensors writer refuses it."""
     full: dict[int, torch.Tensor] = {}
-    out = {}
+    out, gathered = {}, 0
     for name, value in hf_sd.items():
         if isinstance(value, PermutedRows):
             value = value.full()
+            gathered += value.numel() * value.element_size()
         elif isinstance(value, RowOf):
             if id(value.tensor) not in full:
                 t = value.tensor
                 full[id(t)] = t.full_tensor() if isinstance(t, DTensor) else t
+                gathered += t.numel() * t.element_size() if isinstance(t, DTensor) else 0
             value = full[id(value.tensor)][value.index]
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and not value.is_contiguous():
             value = value.contiguous()
         out[name] = value
-    return out
+    return out, gathered
 
 
 def assets_file_split(adapter: Any, exported: Collection[str], log: bool = True) -> dict[str, int] | None:
