@@ -487,6 +487,35 @@ def test_the_writer_process_ignores_the_signals_a_terminal_sends_the_job(tmp_pat
     assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1, 2]
 
 
+_SIGNALS_AS_THE_WRITER_STARTS = """
+import os, signal, sys, torch
+from torchtitan_ckpt import CheckpointManager, layout
+from torchtitan_ckpt.config import Checkpoint
+config = Checkpoint(enable=True, interval=1, async_mode="async_with_pinned_mem")
+with CheckpointManager(config, [torch.nn.Linear(4, 4)], base_folder=sys.argv[1]) as manager:
+    manager.save(1)  # the first save starts the writer, which imports torch for seconds
+    writer = manager._saves.writer._proc.pid
+    os.kill(writer, signal.SIGINT)  # as a terminal's Ctrl-C reaches every process of the job
+    os.kill(writer, signal.SIGTERM)
+    manager.wait()
+print(layout.committed_steps(os.path.join(sys.argv[1], "checkpoint")))
+"""
+
+
+def test_the_writer_process_ignores_the_signals_of_the_job_from_its_start(tmp_path):
+    """multiprocessing's resource tracker, started by the process's first spawn, unblocked SIGINT
+    and SIGTERM on the thread that starts writers: a Ctrl-C killed the first writer while it
+    imported torch, and the save in flight (a preemption's) with it. A process of its own: the
+    tracker starts once per process."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _SIGNALS_AS_THE_WRITER_STARTS, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert run.returncode == 0 and run.stdout.splitlines() == ["[1]"], run.stderr[-3000:]
+
+
 _EXITS_WITHOUT_CLOSE = """
 import gc, sys, threading, torch
 from torchtitan_ckpt import CheckpointManager

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from itertools import count
-from multiprocessing import connection
+from multiprocessing import connection, resource_tracker
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -297,11 +297,15 @@ def _on_launcher(fn: Callable[[], None]) -> None:
 
 def _launch(jobs: queue.SimpleQueue) -> None:
     # a writer inherits this thread's blocked signals across its exec: those it ignores cannot
-    # kill it while it starts (importing torch takes seconds), before `_serve` can ignore them
-    signal.pthread_sigmask(signal.SIG_BLOCK, _ignored_signals())
+    # kill it while it starts (importing torch takes seconds), before `_serve` can ignore them.
+    # multiprocessing's resource tracker, started by a process's first spawn, unblocks SIGINT and
+    # SIGTERM on the thread that starts it (a Ctrl-C then killed the first writer as it started,
+    # and the save in flight with it): started first, then the signals blocked before each start
     while True:
         fn, done = jobs.get()
         try:
+            resource_tracker.ensure_running()
+            signal.pthread_sigmask(signal.SIG_BLOCK, _ignored_signals())
             done.set_result(fn())
         except BaseException as e:  # handed to the caller waiting for it
             done.set_exception(e)
