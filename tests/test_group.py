@@ -68,6 +68,47 @@ def test_an_interrupted_rank_fails_the_round_on_every_rank_and_ranks_out_of_step
     spawn(2, _interrupted_and_out_of_step)
 
 
+def _interrupted_inside_a_collective(rank: int, world_size: int, folder: str) -> None:
+    import signal
+    import time
+
+    import torch
+
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+    from torchtitan_ckpt.errors import CheckpointError
+
+    config = Checkpoint(enable=True, interval=1, collective_timeout_s=5, keep_latest_k=0)
+    manager = CheckpointManager(config, [torch.nn.Linear(2, 2)], base_folder=folder)
+    manager.save(1)
+    if rank == 1:  # interrupted while it waits for rank 0 in the first exchange of save(2)'s first gather
+        def interrupt(*_):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(KeyboardInterrupt):
+            manager.save(2)
+        start = time.monotonic()
+        with pytest.raises(CheckpointError, match=r"rank 1 was interrupted \(KeyboardInterrupt\) inside a collective "
+                                                  r"among the checkpoint's 2 ranks, which cannot pair their later "
+                                                  r"collectives with its own any more: restart the job"):
+            manager.save(3)  # at once: no collective entered
+        assert time.monotonic() - start < 1
+    else:
+        time.sleep(2)
+        with pytest.raises(CheckpointError, match="CollectiveError: a collective among the checkpoint's 2 ranks "
+                                                  "failed on rank 0"):
+            manager.save(2)  # its partner gone, not garbage unpickled
+    manager.close()
+
+
+def test_a_rank_interrupted_inside_a_collective_enters_no_other(tmp_path):
+    """A KeyboardInterrupt between the two exchanges of an object all-gather: the rank's next
+    collective paired with the rest of that one on rank 0, which unpickled garbage, and gloo
+    aborted the interrupted rank (SIGABRT)."""
+    spawn(2, _interrupted_inside_a_collective, str(tmp_path))
+
+
 def _own_failure_kept(rank: int, world_size: int, done: str) -> None:
     group = CheckpointGroup(timeout_s=10)
     if rank == 1:

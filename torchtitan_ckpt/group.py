@@ -57,6 +57,11 @@ class CheckpointGroup:
         self._rounds = 0
         """Rounds of `run` this rank has entered: shared in each round, so ranks that are not in
         the same round (one left a round without gathering) fail instead of pairing up wrongly."""
+        self._broken: str | None = None
+        """Why this rank may not enter another collective: it was interrupted inside one (a
+        KeyboardInterrupt between the two exchanges of an object all-gather), so its next
+        collective would pair with the rest of that one on the other ranks (garbage unpickled,
+        or gloo aborting the process)."""
         if dist.is_available() and dist.is_initialized():
             if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
                 raise ValueError(f"the process_group given is {process_group!r}, not a group: this rank (rank "
@@ -142,7 +147,10 @@ class CheckpointGroup:
         `CollectiveError` that says what to look for. With the round counted (`entered`), a wait
         past a share of the timeout is warned of, and a failure after such a wait names the ranks
         that had not entered the round (one that fails sooner is a peer's failure, not a wait:
-        ranks merely slower than this one are not named)."""
+        ranks merely slower than this one are not named). A rank interrupted inside one refuses
+        every later one (`_broken`)."""
+        if self._broken is not None:
+            raise CollectiveError(self._broken)
         arrivals = self._arrivals if entered else None
         start = time.monotonic()
         if arrivals is not None:
@@ -158,6 +166,13 @@ class CheckpointGroup:
             raise CollectiveError(
                 f"a collective among the checkpoint's {self.world_size} ranks failed on rank {self.rank} ({e}): "
                 f"{who}. Every rank {alike}") from e
+        except Exception:
+            raise
+        except BaseException as e:  # KeyboardInterrupt, a signal handler's SystemExit: part-way, maybe
+            self._broken = (f"rank {self.rank} was interrupted ({type(e).__name__}) inside a collective among the "
+                            f"checkpoint's {self.world_size} ranks, which cannot pair their later collectives with its "
+                            "own any more: restart the job (the last committed step is intact)")
+            raise
         finally:
             if arrivals is not None:
                 arrivals.unwatch()
