@@ -508,7 +508,7 @@ def _staged(dst: str) -> Iterator[str]:
         CheckpointGroup().run(lambda: _new_partial(tmp), coordinator_only=True)
     except BaseException as e:  # a full disk, Ctrl-C or a signal while it was made
         if rank0 and _left_by_us(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+            _removed(tmp)
         if isinstance(e, RankFailed):
             e.reraise(f"preparing {tmp}")
         raise
@@ -522,8 +522,28 @@ def _staged(dst: str) -> Iterator[str]:
             os.rename(tmp, dst)
     except BaseException:
         if rank0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _removed(tmp)
         raise
+
+
+def _removed(tmp: str) -> None:
+    """Remove the unfinished output `tmp`, the job's signals held until it is gone: a second
+    Ctrl-C, or the SIGTERM torchrun sends right after the SIGINT it passes on, stopped the
+    removal part-way and left it. A signal held is raised once it is removed (on the main thread,
+    where handlers are set; elsewhere the removal is not held)."""
+    got: list[int] = []
+    held = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(signum) is not None:  # None: a handler set outside Python, left as it is
+                held[signum] = signal.signal(signum, lambda signum, _frame: got.append(signum))
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
+        if got:
+            signal.raise_signal(got[0])
 
 
 def _new_partial(tmp: str) -> None:
@@ -734,25 +754,43 @@ class _Terminated(KeyboardInterrupt):
         return _Terminated, (self.signum,)
 
 
+_STOPPED_BY: list[int] = []
+"""The signals that stopped the command run now, in order (`_on_termination`)."""
+
+
 def _raise_terminated(signum: int, frame: Any) -> None:
+    _STOPPED_BY.append(signum)
     raise _Terminated(signum)
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    _STOPPED_BY.append(signum)
+    raise KeyboardInterrupt
+
+
+def _interruption(signum: int) -> KeyboardInterrupt:
+    return KeyboardInterrupt() if signum == signal.SIGINT else _Terminated(signum)
 
 
 @contextlib.contextmanager
 def _on_termination() -> Iterator[None]:
     """Raise `_Terminated` on SIGTERM and SIGHUP while the command runs, unless the host process
-    handles them (a caller's own handler, or `main` called off the main thread)."""
-    taken = []
+    handles them (a caller's own handler, or `main` called off the main thread); SIGINT, left to
+    Python's handler, is counted too (`_STOPPED_BY`)."""
+    taken = {}
+    _STOPPED_BY.clear()
     if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(signum) is signal.SIG_DFL:
-                signal.signal(signum, _raise_terminated)
-                taken.append(signum)
+        for signum, was, handler in ((signal.SIGTERM, signal.SIG_DFL, _raise_terminated),
+                                     (signal.SIGHUP, signal.SIG_DFL, _raise_terminated),
+                                     (signal.SIGINT, signal.default_int_handler, _raise_interrupted)):
+            if signal.getsignal(signum) is was:
+                signal.signal(signum, handler)
+                taken[signum] = was
     try:
         yield
     finally:
-        for signum in taken:
-            signal.signal(signum, signal.SIG_DFL)
+        for signum, was in taken.items():
+            signal.signal(signum, was)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -786,8 +824,12 @@ def _run(args: argparse.Namespace) -> int:
         full = _full(args, e)
         print(f"error: {_escaped(str(e))}{full}", file=sys.stderr)
         return EXIT_FAILED if full else EXIT_INPUT
-    except (KeyboardInterrupt, CheckpointException) as e:  # DCP wraps a Ctrl-C in its own exception
+    except (KeyboardInterrupt, CheckpointException, RuntimeError) as e:  # DCP wraps a Ctrl-C in its own exception
+        if isinstance(e, RuntimeError) and not _STOPPED_BY:
+            raise
         cause = storage.root_cause(e)
+        if not isinstance(cause, KeyboardInterrupt) and _STOPPED_BY:  # a signal's interrupt made another error
+            cause = _interruption(_STOPPED_BY[0])  # on its way (a second signal in `Condition.wait`: its lock)
         if not isinstance(cause, KeyboardInterrupt):
             full = _full(args, cause)
             print(f"error: {type(cause).__name__}: {_escaped(str(cause))}{full}", file=sys.stderr)
