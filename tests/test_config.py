@@ -441,7 +441,8 @@ def test_sizes_are_taken_as_a_number_of_bytes_too(tmp_path):
     toml.write_text("[checkpoint]\nhf_max_shard_size = 2000000000\nupload_part_size = 16777216\n")
     ck = load_job_config(str(toml), []).checkpoint
     assert (ck.hf_max_shard_size, ck.upload_part_size) == (2000000000, 16777216)
-    assert load_job_config(str(toml), ["--checkpoint.hf_max_shard_size", "300MB"]).checkpoint.hf_max_shard_size == "300MB"
+    given = load_job_config(str(toml), ["--checkpoint.hf_max_shard_size", "300MB"]).checkpoint
+    assert given.hf_max_shard_size == "300MB"
     toml.write_text("[checkpoint]\nhf_max_shard_size = true\n")
     with pytest.raises(ConfigError, match=r"^checkpoint.hf_max_shard_size = True: expected a string \(without NUL "
                                           r"characters\), or an integer within 64 bits$"):
