@@ -894,3 +894,32 @@ def test_an_optimizers_float32_state_of_bfloat16_parameters_resumes_in_float32(t
     assert torch.equal(model2.weight, model.weight) and torch.equal(opt2.state[model2.weight]["master"],
                                                                   opt.state[model.weight]["master"])
     manager2.close()
+
+
+def test_an_optimizer_that_saves_its_state_widened_loads_it_in_its_own_dtype(tmp_path):
+    """A state-dict hook of the optimizer's saves bf16 moments as fp32 copies: the load reads into
+    those copies, and its state is the optimizer's as it makes it (bf16), not the copies' fp32."""
+    def widened(_opt, state_dict):
+        for values in state_dict["state"].values():
+            values.update({k: v.float() for k, v in values.items() if k != "step"})
+        return state_dict
+
+    def job(seed):
+        torch.manual_seed(seed)
+        model = nn.Linear(4, 4).to(torch.bfloat16)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        opt.register_state_dict_post_hook(widened)
+        return model, opt, CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=opt,
+                                             base_folder=str(tmp_path))
+
+    model, opt, manager = job(0)
+    model(torch.ones(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    manager.save(1)
+    manager.close()
+    model2, opt2, manager2 = job(1)
+    assert manager2.load()
+    for key in ("exp_avg", "exp_avg_sq"):
+        held = opt2.state[model2.weight][key]
+        assert held.dtype == torch.bfloat16 and torch.equal(held, opt.state[model.weight][key]), key
+    manager2.close()

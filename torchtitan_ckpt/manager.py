@@ -483,7 +483,7 @@ class CheckpointManager:
             state, failure, digests = {}, e, {}
         if fmt.on_training_thread:  # after the save in flight (this step's own, for an HF copy): its clock after
             waited += self._wait_for_earlier(step)
-        background = not fmt.on_training_thread and isinstance(self._saves, BackgroundSaves)
+        background = not (fmt.on_training_thread or last) and isinstance(self._saves, BackgroundSaves)  # the last: waited for
         held = _TrainingWait() if background else None
         job = self._save_job(step, kind, folder, fmt, failure, last, waited, digests, held)
         if fmt.on_training_thread:
@@ -1190,8 +1190,9 @@ class CheckpointManager:
             raise CorruptCheckpointError(different_copies(store.describe(os.path.join(path, commit.MARKER)), differ))
         if step is not None and info.step != step:
             raise _Misnamed(f"{store.describe(path)} holds step {info.step} (its {commit.MARKER} says so): renamed, or "
-                            f"copied in under another step's name. Loaded as step {step}, the job would train steps "
-                            f"again and its saves replace newer ones; name it step-{info.step}, or move it out")
+                            f"copied in under another step's name. Loaded as step {step}, the job would go on from "
+                            f"another step than it counts (and its saves replace the steps between); name it "
+                            f"step-{info.step}, or move it out")
         return self._target(path, step, model_only or info.model_only, store, info.format, frozenset(info.states),
                             info.world_size)
 

@@ -237,6 +237,9 @@ class OptimizerState(CheckedState):
         self.parts = list(parts)
         self.optimizers = list(optimizers)
         self.named  # every optimizer's parameters are in the parts, checked now
+        self._made_kinds: dict[str, dict[str, tuple[torch.dtype, torch.device]]] = {}
+        """The dtype and device of each state tensor `state_dict_to_load` made (`_made_state`),
+        by parameter name and state key, as the optimizer holds them (`_held_as_made`)."""
 
     @property
     def named(self) -> list[tuple[torch.optim.Optimizer, list[str]]]:
@@ -272,7 +275,7 @@ class OptimizerState(CheckedState):
         state is made here to be read into and is given to it when the load is applied), so a
         load refused before then leaves it as it was; one that has state for some parameters
         only (others had no gradient yet) gets state made for the rest that the checkpoint has."""
-        sd = self.state_dict()
+        sd, self._made_kinds = self.state_dict(), {}
         # a parameter that had no state when saved (no gradient yet) has none after the load; one
         # that had state of other names (another optimizer) is still asked for its own, and refused
         held = {key[len("state."):] for key in saved_keys if key.startswith("state.")}
@@ -280,7 +283,7 @@ class OptimizerState(CheckedState):
         for opt, names in self.named:
             lacking = {name for name in names if name in prefixes and name not in sd["state"]}
             if lacking:
-                sd["state"].update(_made_state(opt, names, lacking))
+                sd["state"].update(_made_state(opt, names, lacking, self._made_kinds))
         sd["state"] = {fqn: values for fqn, values in sd["state"].items() if fqn in prefixes}
         sd["param_groups"] = in_saved_kinds(
             {fqn: {k: v for k, v in settings.items() if f"param_groups.{fqn}.{k}" in saved_keys}
@@ -330,23 +333,31 @@ class OptimizerState(CheckedState):
                       if group["params"] else group for group in current["param_groups"]]
             for group in groups:
                 group["params"] = _Indices(group["params"])
+            params = [p for group in opt.param_groups for p in group["params"]]
+            kinds = {index: {**self._made_kinds.get(names[index], {}), **_kinds(opt.state.get(params[index], {}))}
+                     for index in state}  # before the load: the optimizer's own, or made by it
             opt.load_state_dict({"state": state, "param_groups": groups})
-            _held_as_given(opt, state)
+            _held_as_made(opt, params, state, kinds)
+        self._made_kinds = {}
 
 
-def _held_as_given(opt: torch.optim.Optimizer, given: Mapping[int, Mapping[str, Any]]) -> None:
-    """Put back the state tensors `Optimizer.load_state_dict` cast to their parameter's dtype and
-    device: the ones given are the optimizer's own (or made by it, `_made_state`), read into in
-    place, so they are in the dtype and on the device it keeps them: fp32 master weights or
-    moments of bf16 parameters came back as bf16, state kept on the CPU moved to the GPU."""
-    params = [p for group in opt.param_groups for p in group["params"]]
+def _kinds(values: Mapping[str, Any]) -> dict[str, tuple[torch.dtype, torch.device]]:
+    return {key: (v.dtype, v.device) for key, v in values.items() if isinstance(v, torch.Tensor)}
+
+
+def _held_as_made(opt: torch.optim.Optimizer, params: list[torch.Tensor], given: Mapping[int, Mapping[str, Any]],
+                  kinds: Mapping[int, Mapping[str, tuple[torch.dtype, torch.device]]]) -> None:
+    """Put back, in the dtype and on the device the optimizer made it (`kinds`), each state
+    tensor `Optimizer.load_state_dict` cast to its parameter's: fp32 master weights or moments of
+    bf16 parameters came back as bf16, state kept on the CPU moved to the GPU. Put back from the
+    tensor read (`given`), not from the cast, which lost its precision."""
     for index, values in given.items():
         held = opt.state[params[index]]
         for key, value in values.items():
-            now = held.get(key)
-            if isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor) and (
-                    now.dtype, now.device) != (value.dtype, value.device):
-                held[key] = value
+            kind, now = kinds[index].get(key), held.get(key)
+            if kind is not None and isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor) and (
+                    now.dtype, now.device) != kind:
+                held[key] = value.to(dtype=kind[0], device=kind[1])
 
 
 class _Indices(list):
@@ -366,12 +377,15 @@ class _Indices(list):
 _NOT_SETTINGS = ("params", "param_names")
 
 
-def _made_state(opt: torch.optim.Optimizer, names: list[str], wanted: Collection[str]) -> dict[str, Any]:
+def _made_state(opt: torch.optim.Optimizer, names: list[str], wanted: Collection[str],
+                kinds: dict[str, dict[str, tuple[torch.dtype, torch.device]]]) -> dict[str, Any]:
     """State for `opt`'s parameters named in `wanted`, to read a checkpoint's into, made as an
     optimizer's first state is (a step at learning rate 0 on zero gradients, which leaves the
     parameters as they are) for those parameters alone, on a state of its own and with the
     optimizer's step hooks set aside (a hook keeping an EMA or a count would take it for a
-    step): `opt`'s state, groups, hooks and its parameters' gradients are left as they were."""
+    step): `opt`'s state, groups, hooks and its parameters' gradients are left as they were.
+    The dtype and device of each tensor it made go into `kinds` (the state returned is what its
+    `state_dict()` gives, through any hook of its)."""
     params = [p for group in opt.param_groups for p in group["params"]]
     name_of = {id(p): name for p, name in zip(params, names)}
     mine = [p for p in params if name_of[id(p)] in wanted]
@@ -382,6 +396,7 @@ def _made_state(opt: torch.optim.Optimizer, names: list[str], wanted: Collection
         for p in mine:
             p.grad = None
         _make_state(opt)
+        kinds.update({name_of[id(p)]: _kinds(values) for p, values in opt.state.items()})
         made = opt.state_dict()["state"]
     finally:
         opt.state, opt.param_groups = held[0], held[1]
