@@ -739,7 +739,7 @@ def test_the_example_job_reports_a_checkpoint_error_without_a_traceback(tmp_path
     log = run_job(str(tmp_path), "--checkpoint.load_step", "99", expect_ok=False)
     assert "Traceback" not in log, log
     assert log.endswith(f"checkpoint error: checkpoint.load_step = 99: {tmp_path}/checkpoint/step-99 does not "
-                        "exist; loadable steps: []\n"), log
+                        f"exist; {tmp_path}/checkpoint holds no step: is it the folder the run saved into?\n"), log
 
 
 def test_convert_of_a_dtype_safetensors_cannot_hold_is_an_input_error(tmp_path, capsys):
