@@ -516,6 +516,45 @@ def test_the_writer_process_ignores_the_signals_of_the_job_from_its_start(tmp_pa
     assert run.returncode == 0 and run.stdout.splitlines() == ["[1]"], run.stderr[-3000:]
 
 
+_CTRL_C_AGAIN_AND_AGAIN_IN_CLOSE = """
+import signal, sys, time, torch
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.storage import lock
+commit = CheckpointManager._commit
+def slow(self, step, *args):  # a disk slower than the user's patience
+    time.sleep(1.5)
+    return commit(self, step, *args)
+CheckpointManager._commit = slow
+manager = CheckpointManager(Checkpoint(enable=True, interval=1, async_mode="async"), [torch.nn.Linear(4, 4)],
+                            base_folder=sys.argv[1])
+manager.save(1)
+def interrupt(*_):
+    raise KeyboardInterrupt
+signal.signal(signal.SIGALRM, interrupt)
+signal.setitimer(signal.ITIMER_REAL, 0.2, 0.2)
+try:
+    manager.close()
+except KeyboardInterrupt:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    print(manager.save_in_flight, lock.held(manager._store._lock))
+"""
+
+
+def test_close_interrupted_again_and_again_keeps_the_folder_held_while_the_save_goes_on(tmp_path):
+    """Ctrl-C pressed again while `close()` waited for the save in flight: close() let go of the
+    folder's lock (and the checkpoint group) while the save was still written, which the exit
+    then waited for; a job started meanwhile could have saved beside it."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _CTRL_C_AGAIN_AND_AGAIN_IN_CLOSE, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert run.returncode == 0 and run.stdout.splitlines() == ["True True"], run.stdout + run.stderr[-3000:]
+    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1]  # the exit waited for it
+
+
 _EXITS_WITHOUT_CLOSE = """
 import gc, sys, threading, torch
 from torchtitan_ckpt import CheckpointManager

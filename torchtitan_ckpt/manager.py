@@ -397,7 +397,9 @@ class CheckpointManager:
     @_one_call
     def close(self) -> None:
         """Wait for any save in flight and for pending deletions, then let go of the stores.
-        Safe to call twice, and from a signal handler (it then runs as the interrupted call ends)."""
+        Safe to call twice, and from a signal handler (it then runs as the interrupted call ends).
+        Interrupted (Ctrl-C) with a save still in flight, it keeps the folder held and the group
+        open for that save, which the process's exit waits for."""
         if self._closed or not self.config.enable:
             self._closed = True
             return
@@ -408,11 +410,18 @@ class CheckpointManager:
             return  # the parent's (its save in flight was waited for forever; the parent's writer stopped)
         try:
             self._saves.close()
-        finally:
-            if self._deleter is not None:
-                self._deleter.close()
-            self._close_stores()
-            self._group.close()
+        except BaseException:
+            if not self._saves.in_flight():
+                self._let_go()
+            raise  # interrupted with a save in flight: it goes on (the exit waits for it) with the group
+        self._let_go()  # and the folder's hold it needs, which the process's end lets go of
+
+    def _let_go(self) -> None:
+        """What `close()` lets go of once no save is in flight."""
+        if self._deleter is not None:
+            self._deleter.close()
+        self._close_stores()
+        self._group.close()
 
     def _close_stores(self) -> None:
         """Let go of what the stores hold on this node (`Store.close`)."""
@@ -483,7 +492,8 @@ class CheckpointManager:
             state, failure, digests = {}, e, {}
         if fmt.on_training_thread:  # after the save in flight (this step's own, for an HF copy): its clock after
             waited += self._wait_for_earlier(step)
-        background = not (fmt.on_training_thread or last) and isinstance(self._saves, BackgroundSaves)  # the last: waited for
+        # a save whose time the line tells apart from the training's (not the job's last, which save() waits for)
+        background = not (fmt.on_training_thread or last) and isinstance(self._saves, BackgroundSaves)
         held = _TrainingWait() if background else None
         job = self._save_job(step, kind, folder, fmt, failure, last, waited, digests, held)
         if fmt.on_training_thread:
