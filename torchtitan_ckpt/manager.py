@@ -7,6 +7,7 @@ how saves overlap training in `staging`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -1397,8 +1398,9 @@ class _Misnamed(CorruptCheckpointError):
 
 def _not_loadable(folder: layout.StepFolder) -> str:
     if os.path.islink(folder.path) and not os.path.exists(folder.path):
-        return (f"a link to {os.readlink(folder.path)!r}, which leads nowhere (a copy of the folder that kept a "
-                "relative link?)")
+        with contextlib.suppress(OSError):  # gone since the scan: told as any other entry of no checkpoint
+            return (f"a link to {os.readlink(folder.path)!r}, which leads nowhere (a copy of the folder that kept "
+                    "a relative link?)")
     if folder.status == layout.PARTIAL:
         return f"its save did not finish (no {commit.MARKER})"
     if folder.status == layout.DENIED:

@@ -123,9 +123,10 @@ class DcpFormat(StepFormat):
         """Only the byte ranges this rank's load plan reads are fetched from `store`."""
         agreement = _Agreement(self.ctx.group, check, path)
         try:
-            _check_kinds(path, index, state)
+            flat = flatten_state_dict(state)[0]
+            _check_kinds(path, index, flat)
             if self.ctx.group.is_coordinator:
-                _tell_casts(path, index, state)
+                _tell_casts(path, index, flat)
             ck = self.ctx.config
             reader = storage.make_storage_reader(path, index.native, ck.load_threads, fast=ck.io_engine == "fast",
                                                  before_read=lambda ranges: store.fetch_ranges(path, ranges),
@@ -135,10 +136,10 @@ class DcpFormat(StepFormat):
             agreement.join_failed(storage.root_cause(e))
 
 
-def _check_kinds(path: str, index: StepIndex, state: dict[str, Any]) -> None:
-    """Every tensor of `state` is a tensor in the step, and every other value is not: DCP would
-    put a saved value in a tensor's place, or fail reading a tensor into a value."""
-    flat = flatten_state_dict(state)[0]
+def _check_kinds(path: str, index: StepIndex, flat: dict[str, Any]) -> None:
+    """Every tensor of `flat` (the state as DCP flattens it) is a tensor in the step, and every
+    other value is not: DCP would put a saved value in a tensor's place, or fail reading a
+    tensor into a value."""
     swapped = [key for key, value in flat.items()
                if (key in index.values if isinstance(value, torch.Tensor) else key in index.tensors)]
     index.require(path, flat)
@@ -147,12 +148,12 @@ def _check_kinds(path: str, index: StepIndex, state: dict[str, Any]) -> None:
                                      f"round, for {swapped[:3]}; the step is damaged or was not saved by this job")
 
 
-def _tell_casts(path: str, index: StepIndex, state: dict[str, Any]) -> None:
-    """Say which tensors are read into another dtype than saved, as DCP casts them without a
-    word: a line, as a model or optimizer in a narrower float is how a job asks for one, and a
-    warning where values may not come back (an integer that wraps, a complex that loses its
-    imaginary part, a float made an integer)."""
-    casts = [(key, index.dtypes[key], value.dtype) for key, value in flatten_state_dict(state)[0].items()
+def _tell_casts(path: str, index: StepIndex, flat: dict[str, Any]) -> None:
+    """Say which tensors of `flat` (the state as DCP flattens it) are read into another dtype
+    than saved, as DCP casts them without a word: a line, as a model or optimizer in a narrower
+    float is how a job asks for one, and a warning where values may not come back (an integer
+    that wraps, a complex that loses its imaginary part, a float made an integer)."""
+    casts = [(key, index.dtypes[key], value.dtype) for key, value in flat.items()
              if isinstance(value, torch.Tensor) and key in index.dtypes and value.dtype != index.dtypes[key]]
     lossy = [c for c in casts if not converts(c[1], c[2])]
 
