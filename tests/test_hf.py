@@ -274,6 +274,18 @@ def test_export_dtype(tmp_path, dtype):
     assert_same(back.state_dict(), {k: v.to(dtype).float() for k, v in model.state_dict().items()})
 
 
+def test_values_beyond_the_export_dtype_are_a_warning_naming_the_tensor(tmp_path, caplog):
+    """A float16 export turns values over 65504 into inf: said, naming the tensor (was silent)."""
+    model = our_model()
+    state = model.state_dict()
+    with caplog.at_level(logging.WARNING):
+        save_hf(state, str(tmp_path / "fits"), hf_adapter(ARGS), dtype=torch.float16)
+    assert not caplog.records
+    state["norm.weight"][:3] = torch.tensor([1e5, -7e4, float("inf")])  # the inf was one before
+    save_hf(state, str(tmp_path / "over"), hf_adapter(ARGS), dtype=torch.float16)
+    assert caplog.messages == ["norm.weight: 2 finite value(s) beyond float16's range (+-65504) are exported as inf"]
+
+
 def test_export_replaces_an_earlier_export(tmp_path):
     model = our_model()
     save_hf(model.state_dict(), str(tmp_path), hf_adapter(ARGS), max_shard_size="100KB")

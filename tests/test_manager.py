@@ -45,6 +45,17 @@ def test_last_step_is_model_only_in_export_dtype(tmp_path):
     assert_same(saved, expected)
 
 
+def test_a_model_only_save_names_values_beyond_the_export_dtype(tmp_path, caplog):
+    job = make_job(str(tmp_path), steps=3, interval=10, export_dtype="float16")
+    job.run_to(2, steps=3)
+    with torch.no_grad():
+        job.model.norm.weight[0] = 1e6
+    job.run_to(3, steps=3)
+    job.manager.close()
+    assert "norm.weight: 1 finite value(s) beyond float16's range (+-65504) are exported as inf" in caplog.messages
+    assert read_checkpoint(layout.step_dir(_folder(tmp_path), 3))["norm.weight"][0] == float("inf")
+
+
 @pytest.mark.parametrize("save_threads", [1, 3])
 def test_resume_restores_every_state(tmp_path, save_threads):
     job = make_job(str(tmp_path), steps=8, interval=2, save_threads=save_threads)

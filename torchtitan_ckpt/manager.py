@@ -674,7 +674,7 @@ class CheckpointManager:
         self._model.check_materialised(model_sd, "save()")
         if kind is SaveKind.MODEL_ONLY:
             dtype = EXPORT_DTYPES[self.config.export_dtype]
-            return {k: exported(v, dtype) for k, v in model_sd.items()}
+            return {k: exported(k, v, dtype) for k, v in model_sd.items()}
         if kind is SaveKind.SEED:
             return model_sd
         states = {name: s.state_dict() if isinstance(s, CheckedState) else _state_dict_of(name, s, "save()", model_sd)

@@ -138,9 +138,9 @@ def _cast_all(state_dict: dict[str, Any], dtype: torch.dtype | None) -> dict[str
     """Floating tensors cast to `dtype` (`io.dtypes.exported`), each tensor once (tied weights are
     one tensor)."""
     cast: dict[int, Any] = {}
-    for value in state_dict.values():
+    for name, value in state_dict.items():
         if id(value) not in cast:
-            cast[id(value)] = exported(value, dtype, widen=True)
+            cast[id(value)] = exported(name, value, dtype, widen=True)
     return {name: cast[id(value)] for name, value in state_dict.items()}
 
 

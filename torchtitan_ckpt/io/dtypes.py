@@ -4,6 +4,7 @@ checkpoint can hold, and whether two tensors hold the same bytes."""
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
@@ -12,21 +13,38 @@ from torch.distributed.tensor import DTensor
 EXPORT_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 """`checkpoint.export_dtype` (and `convert --dtype`) -> the dtype floating tensors are cast to."""
 
+logger = logging.getLogger(__name__)
+
 CAST_ON_EXPORT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """The dtypes an export casts to `export_dtype` whatever it loses, and those it may cast to
 (transformers loads models in them)."""
 
 
-def exported(tensor: torch.Tensor, dtype: torch.dtype | None, widen: bool = False) -> torch.Tensor:
+def exported(name: str, tensor: torch.Tensor, dtype: torch.dtype | None, widen: bool = False) -> torch.Tensor:
     """`tensor` as an export in `dtype` holds it: cast where of a dtype of `CAST_ON_EXPORT`; with
     `widen` (a Hugging Face export, which transformers loads in one dtype), also where of a
     narrower floating dtype every value of which `dtype` holds (FP8 weights into bfloat16). Else
     as it is: a model-only step keeps float8, float4 and scale (e8m0) tensors, which a cast would
-    make larger, lose (float16 holds no e8m0 scale above 2^15) or fail on (float4)."""
+    make larger, lose (float16 holds no e8m0 scale above 2^15) or fail on (float4). Finite values
+    the cast makes infinite (beyond float16's 65504) are a warning naming the tensor `name`."""
     if dtype is None or not tensor.dtype.is_floating_point or tensor.dtype == dtype:
         return tensor
-    cast = tensor.dtype in CAST_ON_EXPORT or widen and _holds(dtype, tensor.dtype)
-    return tensor.to(dtype) if cast else tensor
+    if not (tensor.dtype in CAST_ON_EXPORT or widen and _holds(dtype, tensor.dtype)):
+        return tensor
+    out = tensor.to(dtype)
+    if torch.finfo(dtype).max < torch.finfo(tensor.dtype).max and (lost := _overflowed(tensor, out)):
+        logger.warning("%s: %d finite value(s) beyond %s's range (+-%g) are exported as inf%s", name, lost,
+                       str(dtype).removeprefix("torch."), torch.finfo(dtype).max,
+                       " (this rank's shard)" if isinstance(tensor, DTensor) else "")
+    return out
+
+
+def _overflowed(source: torch.Tensor, cast: torch.Tensor) -> int:
+    """How many finite values of `source` are infinite in `cast` (of this rank's shard)."""
+    if isinstance(source, DTensor):
+        source, cast = source.to_local(), cast.to_local()
+    inf = torch.isinf(cast)
+    return int((inf & torch.isfinite(source)).sum()) if inf.any() else 0
 
 
 @functools.cache
