@@ -34,17 +34,16 @@ import tempfile
 import threading
 import warnings
 from collections.abc import Collection, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .io import IO_THREADS
 from . import commit, layout
 from .dcp import storage
 from .hf.consolidate import consolidate_safetensors, load_mapping
-from .hf.files import INDEX_FILE, SINGLE_FILE
-from .hf.load import read_hf_layout
+from .hf.files import INDEX_FILE
+from .formats import FORMATS
 from .config import BUILTIN_STATES, MAX_THREADS, Checkpoint
 from .group import CheckpointGroup, launched_group, leave
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NewerVersionError, RankFailed,
@@ -161,8 +160,8 @@ def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any]:
             status, problem = CORRUPT, str(e)
         except NewerVersionError as e:
             status, problem = NEWER, str(e)
-        if info is not None and info.step != s.step:
-            status, problem = MISNAMED, f"{where} holds step {info.step} (its {commit.MARKER} says so)"
+        if info is not None and (wrong := info.misnamed(where, s.step)):
+            status, problem = MISNAMED, wrong
     fmt = info.format if info else layout.foreign_format(s.path) if status == layout.FOREIGN else None
     return {"step": s.step, "path": where, "status": status, "bytes": store.size(s.path),
             "format": fmt, "states": info.states if info else None,
@@ -225,34 +224,6 @@ def _state_of(key: str, states: Collection[str]) -> str:
     return head if head in states else "model"
 
 
-def _dcp_entries(path: str, where: str, states: Collection[str]) -> tuple[list[dict], list[dict]]:
-    """The tensors and the other values of a DCP step, from its `.metadata`."""
-    md_path = os.path.join(path, storage.METADATA_FILE)
-    if not os.path.isfile(md_path):
-        raise CheckpointNotFoundError(f"{where} is not a DCP checkpoint folder (no {storage.METADATA_FILE})")
-    tensors, objects = [], []
-    for key, md in sorted(storage.read_metadata(md_path).state_dict_metadata.items()):
-        if isinstance(md, TensorStorageMetadata):
-            tensors.append({"key": key, "state": _state_of(key, states),
-                            "dtype": str(md.properties.dtype).removeprefix("torch."), "shape": list(md.size),
-                            "bytes": md.size.numel() * md.properties.dtype.itemsize})
-        else:
-            objects.append({"key": key, "state": _state_of(key, states)})
-    return tensors, objects
-
-
-def _hf_entries(path: str, where: str, states: Collection[str]) -> tuple[list[dict], list[dict]]:
-    """The tensors of a Hugging Face step (the model alone, under HF's names), from its index
-    and the safetensors files' headers; no tensor data is read."""
-    tensors = [{"key": name, "state": "model", "dtype": str(e.dtype).removeprefix("torch."),
-                "shape": list(e.shape), "bytes": e.nbytes} for name, e in sorted(read_hf_layout(path).items())]
-    return tensors, []
-
-
-_ENTRIES = {"dcp": _dcp_entries, "hf": _hf_entries}
-"""Format name (as the commit marker or `layout.foreign_format` gives it) -> how inspect reads it."""
-
-
 def _describe(path: str, where: str, listed: str | None) -> dict[str, Any]:
     """The `inspect --json` document of the step folder `path` (`where` as the user named it),
     its status `listed` (`_opened_step`) or else `layout.status_of`'s. Its states are the commit
@@ -260,12 +231,19 @@ def _describe(path: str, where: str, listed: str | None) -> dict[str, Any]:
     info = commit.read_marker(path) if commit.is_committed(path) else None
     fmt = info.format if info else layout.foreign_format(path)
     if fmt is None:
-        raise CheckpointNotFoundError(f"{where} holds no checkpoint: no {storage.METADATA_FILE} (DCP), no "
-                                      f"{INDEX_FILE} or {SINGLE_FILE} (Hugging Face); name a step folder")
-    if fmt not in _ENTRIES:
+        raise CheckpointNotFoundError(f"{where} holds no checkpoint: " + ", ".join(
+            f"no {' or '.join(f.index_files)} ({f.title})" for f in FORMATS.values()) + "; name a step folder")
+    if fmt not in FORMATS:
         raise CorruptCheckpointError(f"{where}: its {commit.MARKER} names the format {fmt!r}; inspect reads "
-                                     f"{', '.join(_ENTRIES)}")
-    tensors, objects = _ENTRIES[fmt](path, where, info.states if info else KNOWN_STATES)
+                                     f"{', '.join(FORMATS)}")
+    if not FORMATS[fmt].holds(path):
+        raise CheckpointNotFoundError(f"{where} is not a {FORMATS[fmt].title} checkpoint folder (no "
+                                      f"{' or '.join(FORMATS[fmt].index_files)})")
+    states = info.states if info else KNOWN_STATES
+    held, values = FORMATS[fmt].contents(path)
+    tensors = [{"key": key, "state": _state_of(key, states), "dtype": str(dtype).removeprefix("torch."),
+                "shape": list(shape), "bytes": math.prod(shape) * dtype.itemsize} for key, dtype, shape in held]
+    objects = [{"key": key, "state": _state_of(key, states)} for key in values]
     found = {e["state"] for e in tensors + objects}
     return {"path": where, "status": listed or layout.status_of(path), "step": info.step if info else None,
             "format": fmt, "world_size": info.world_size if info else None,
@@ -355,17 +333,11 @@ def cmd_inspect(args: argparse.Namespace, progress: Progress) -> int:
 def _verify_files(path: str, info: commit.CommitInfo, threads: int, progress: Progress) -> list[dict[str, Any]]:
     """One record per manifest file, checked `threads` at a time, reporting bytes as files finish;
     then one per file in the folder the manifest does not list (added after the commit)."""
-    total = info.total_bytes
-
-    def check(rel: str) -> dict[str, Any]:
-        problem = commit.check_file(path, rel, info.files[rel])  # the manifest read once, not per file
-        size = info.files[rel]["size"]
-        progress("verifying", size, total)
-        return {"file": rel, "bytes": size, "crc32": info.files[rel]["crc32"], "ok": problem is None,
-                "problem": problem}
-
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        listed = list(pool.map(check, sorted(info.files)))
+    names = sorted(info.files)
+    found = commit.check_files(path, info, names, threads,
+                               lambda rel: progress("verifying", info.files[rel]["size"], info.total_bytes))
+    listed = [{"file": rel, "bytes": info.files[rel]["size"], "crc32": info.files[rel]["crc32"], "ok": problem is None,
+               "problem": problem} for rel, problem in zip(names, found)]
     unlisted = sorted(set(commit.files_in(path)) - set(info.files))
     return listed + [{"file": rel, "bytes": None, "crc32": None, "ok": False,
                       "problem": f"{os.path.join(path, rel)}: not in the manifest of {commit.MARKER} (added after "
@@ -673,7 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(sub, "inspect", cmd_inspect, "show what one step folder holds", True).add_argument("step_dir")
     p = _add(sub, "verify", cmd_verify, "check a step's files against its commit manifest", True)
     p.add_argument("step_dir")
-    p.add_argument("--threads", type=_threads, default=4, help="files checked at once")
+    p.add_argument("--threads", type=_threads, default=IO_THREADS, help="files checked at once")
     p = _add(sub, "clean", cmd_clean, "remove partial step folders (refused while a job saves there)")
     p.add_argument("folder")
     p.add_argument("--force", action="store_true",
@@ -700,7 +672,7 @@ def _add_convert(sub: Any) -> None:
                    help="largest HF file when there is no assets index (default %(default)s)")
     p.add_argument("--consolidation", default=Checkpoint.consolidation, choices=MODES,
                    help="how the HF files are written (see checkpoint.consolidation)")
-    p.add_argument("--threads", type=_threads, default=4, help="I/O threads per rank for the HF files")
+    p.add_argument("--threads", type=_threads, default=IO_THREADS, help="I/O threads per rank for the HF files")
 
 
 def _add_consolidate(sub: Any) -> None:
@@ -709,7 +681,7 @@ def _add_consolidate(sub: Any) -> None:
     p.add_argument("input_dir", metavar="IN_DIR")
     p.add_argument("output_dir", metavar="OUT_DIR")
     p.add_argument("--mapping", help="JSON file: {fqn: file index} or an HF index whose weight_map names the files")
-    p.add_argument("--num-threads", type=_threads, default=4, help="copy threads per rank (default 4)")
+    p.add_argument("--num-threads", type=_threads, default=IO_THREADS, help="copy threads per rank (default %(default)s)")
     p.add_argument("--remove-shards", action="store_true", help="delete the input shard files after success "
                    "(they are kept by default)")
 

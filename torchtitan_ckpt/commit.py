@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from .io import durable, safe_open
+from .io import IO_THREADS, durable, safe_open
 from .io.untrusted import brief
 from . import faults
 from .io.checksum import file_crc32, stream_crc32
@@ -63,6 +63,11 @@ class CommitInfo:
     def digest(self) -> bytes:
         """SHA-256 of every field: alike for copies of one step, different for another run's."""
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).digest()
+
+    def misnamed(self, where: str, step: int) -> str | None:
+        """What is wrong with this marker in the step folder `where`, named for `step`: it names
+        another step (the folder renamed, or copied in under another name). None if not."""
+        return None if self.step == step else f"{where} holds step {self.step} (its {MARKER} says so)"
 
 
 def is_committed(path: str) -> bool:
@@ -188,9 +193,10 @@ def remove_step(path: str, removed: Callable[[int], None] | None = None) -> None
 def write_marker(path: str, info: CommitInfo,
                  checksums: dict[str, tuple[int, str]] | None = None) -> CommitInfo:
     """Fsync every file of the step, then atomically write the marker. `checksums` holds
-    (size, crc32) of the files as their writers computed them; a file missing from it (written
-    by a writer that does not checksum) is read once to compute its CRC. A file whose size on
-    disk differs from what its writer wrote fails the commit. Returns the completed info."""
+    (size, crc32) of the files as their writers computed them once the files were on the disk
+    (`formats.Written.durable`): those are not fsynced again. A file missing from it (written by
+    a writer that does not checksum) is read once to compute its CRC, and fsynced. A file whose
+    size on disk differs from what its writer wrote fails the commit. Returns the completed info."""
     info.files = {}
     on_disk = manifest(path)
     for rel in set(checksums or {}) - set(on_disk):  # a listing cached by a network file system may lag
@@ -206,7 +212,7 @@ def write_marker(path: str, info: CommitInfo,
             raise OSError(f"{os.path.join(path, rel)} has {size} bytes on disk, its writer wrote {written[0]}")
         info.files[rel] = {"size": size, "crc32": written[1] if written else file_crc32(os.path.join(path, rel))}
     info.created = time.time()
-    for rel in info.files:
+    for rel in info.files.keys() - (checksums or {}).keys():
         durable.fsync_path(os.path.join(path, rel))
     durable.write_json(os.path.join(path, MARKER), asdict(info), indent=1, sort_keys=True,
                        before_replace=lambda: faults.hit("commit", info.step))
@@ -234,16 +240,29 @@ def check_file(path: str, rel: str, entry: dict) -> str | None:
     return None
 
 
-def verify(path: str, files: list[str] | None = None, threads: int = 4) -> list[str]:
+def verify(path: str, files: list[str] | None = None, threads: int = IO_THREADS) -> list[str]:
     """Check a committed step's files (all, or those named) against its manifest, several files
     at a time. Returns one message per problem; empty when the step is intact."""
+    info = read_marker(path)
+    found = check_files(path, info, sorted(info.files) if files is None else files, threads)
+    return [problem for problem in found if problem is not None]
+
+
+def check_files(path: str, info: CommitInfo, files: list[str], threads: int,
+                done: Callable[[str], None] | None = None) -> list[str | None]:
+    """`check_file` of each of `files` against the manifest `info` of the step `path`, `threads`
+    at a time, in order; `done(file)` is called as each is checked."""
     if type(threads) is not int or threads < 1:
         raise ConfigError("threads", threads, "files are checked on at least 1 thread")
-    info = read_marker(path)
-    names = sorted(info.files) if files is None else files
+
+    def check(rel: str) -> str | None:
+        problem = check_file(path, rel, info.files[rel])
+        if done is not None:
+            done(rel)
+        return problem
+
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        found = pool.map(lambda rel: check_file(path, rel, info.files[rel]), names)
-        return [problem for problem in found if problem is not None]
+        return list(pool.map(check, files))
 
 
 def files_in(path: str) -> list[str]:

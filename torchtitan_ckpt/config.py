@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypeVar
 
 from .errors import ConfigError
+from .group import COLLECTIVE_TIMEOUT_S
+from .io import IO_THREADS
 from .io.safe_open import NAME_MAX
 from .storage import check_location, scheme_of, under
 
@@ -152,7 +154,7 @@ class Checkpoint:
     run's last save) is refused to a job that restores other states too (not `load_only`, not
     all of them in `exclude_from_loading`), as TorchTitan's load fails on it."""
 
-    load_threads: int = 4
+    load_threads: int = IO_THREADS
     """I/O threads per rank reading a step on load, DCP or HF (each reads its own stretch of the
     files' bytes, in order, straight into the state's tensors)."""
 
@@ -197,13 +199,13 @@ class Checkpoint:
     share of the model again while writing, and gather sharded expert weights whole on every
     rank (a warning says how many bytes)."""
 
-    consolidation_threads: int = 4
+    consolidation_threads: int = IO_THREADS
     """I/O threads per rank writing Hugging Face files."""
 
     keep_hf_shards: bool = False
     """Keep the per-rank shard files after a two-phase consolidation (`all_ranks`, `rank0`)."""
 
-    collective_timeout_s: float = 600.0
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     """Timeout of every collective on the checkpoint process group the manager creates: a rank
     whose peer died raises instead of waiting forever. At least 1 s: ranks wait on each other's
     ordinary work (a save's planning, a rank's upload), which a shorter timeout fails."""
@@ -307,7 +309,8 @@ class Checkpoint:
         return folder
 
 
-def _at_least(key: str, value: int | float, low: int | float, high: int | float | None = None) -> None:
+def at_least(key: str, value: int | float, low: int | float, high: int | float | None = None) -> None:
+    """A `ConfigError` naming `key` unless `low` <= `value` (<= `high`)."""
     if value < low or (high is not None and value > high):
         raise ConfigError(key, value, f"expected >= {low}" + (f" and <= {high}" if high is not None else ""))
 
@@ -317,12 +320,12 @@ def _check_ranges(ck: Checkpoint, p: str) -> None:
 
     for name, low in (("interval", 1), ("keep_latest_k", 0), ("load_step", -1), ("hf_export_interval", 0),
                       ("dedup_min_slice_bytes", 1)):
-        _at_least(p + name, getattr(ck, name), low)
+        at_least(p + name, getattr(ck, name), low)
     for name in ("load_threads", "save_threads", "consolidation_threads", "upload_parallel_parts"):
-        _at_least(p + name, getattr(ck, name), 1, MAX_THREADS)
-    _at_least(p + "collective_timeout_s", ck.collective_timeout_s, MIN_TIMEOUT_S, MAX_TIMEOUT_S)
-    _at_least(p + "storage_retries", ck.storage_retries, 0, 100)
-    _at_least(p + "storage_timeout_s", ck.storage_timeout_s, MIN_TIMEOUT_S, MAX_STORAGE_TIMEOUT_S)
+        at_least(p + name, getattr(ck, name), 1, MAX_THREADS)
+    at_least(p + "collective_timeout_s", ck.collective_timeout_s, MIN_TIMEOUT_S, MAX_TIMEOUT_S)
+    at_least(p + "storage_retries", ck.storage_retries, 0, 100)
+    at_least(p + "storage_timeout_s", ck.storage_timeout_s, MIN_TIMEOUT_S, MAX_STORAGE_TIMEOUT_S)
     for name in ("hf_max_shard_size", "upload_part_size"):
         try:
             parse_size(getattr(ck, name))

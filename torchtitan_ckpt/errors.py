@@ -26,20 +26,23 @@ class CheckpointError(Exception):
     """Base class of every error this package raises deliberately."""
 
 
-class _ValueRepr(reprlib.Repr):
-    """A config value's repr for a message, bounded as reprlib bounds it (a table a dotted key
-    nests a thousand deep, a list of millions) and without `repr`'s own failure on an int of
-    over 4300 digits; a string is shown whole up to 1000 characters (any path one would type)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxlevel = 4
-        self.maxstring = self.maxother = 1000
+class BoundedRepr(reprlib.Repr):
+    """reprlib's bounded repr, without `repr`'s own failure on an int of over 4300 digits."""
 
     def repr_int(self, x: int, level: int) -> str:
         if x.bit_length() > 128:
             return f"<an int of {x.bit_length()} bits>"
         return super().repr_int(x, level)
+
+
+class _ValueRepr(BoundedRepr):
+    """A config value's repr for a message, bounded (a table a dotted key nests a thousand deep,
+    a list of millions); a string is shown whole up to 1000 characters (any path one would type)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 4
+        self.maxstring = self.maxother = 1000
 
 
 _value_repr = _ValueRepr().repr

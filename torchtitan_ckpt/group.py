@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+COLLECTIVE_TIMEOUT_S = 600.0
+"""Timeout of every collective on a checkpoint group, by default (`checkpoint.collective_timeout_s`)."""
+
 _WARN_AFTER = 0.25
 """The share of the collective timeout after which a rank waiting in a checkpoint collective
 warns of the ranks that have not entered it."""
@@ -48,7 +51,7 @@ class CheckpointGroup:
     every collective is local.
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, timeout_s: float = 600.0,
+    def __init__(self, process_group: dist.ProcessGroup | None = None, timeout_s: float = COLLECTIVE_TIMEOUT_S,
                  user: str | None = None):
         self._arrivals: _Arrivals | None = None
         self._given: dist.ProcessGroup | None = None
@@ -88,7 +91,7 @@ class CheckpointGroup:
             self._made = process_group is None
             if process_group is not None and user is not None:
                 _GIVEN[process_group], self._given = user, process_group
-            if self._made:  # over every rank (its ranks are the job's), with the timeout it was made with
+            if self._made and self.world_size > 1:  # over every rank (the job's), with the timeout it was made with
                 self._arrivals = _Arrivals.of(self.pg, self.rank, self.world_size, timeout_s * _WARN_AFTER,
                                               self._warn_waiting)
         else:
@@ -133,7 +136,7 @@ class CheckpointGroup:
         return self._arrivals.enter() if self._arrivals is not None else 0
 
     def _all_gather(self, obj: Any, entered: int) -> list[Any]:
-        if self.pg is None:
+        if self.world_size == 1:  # a job of one rank: its group serves DCP's calls, no exchange is needed
             return [obj]
         found = [None] * self.world_size
         with self._failing(entered):
@@ -245,7 +248,7 @@ class CheckpointGroup:
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""
-        if self.pg is None:
+        if self.world_size == 1:
             return obj
         box = [obj]
         with self._failing(self._arrive()):

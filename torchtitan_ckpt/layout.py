@@ -56,9 +56,14 @@ def check_step(step: Any, call: str, low: int = 0) -> int:
     return value
 
 
+def step_name(step: int) -> str:
+    """Name of the folder that holds step `step`."""
+    return f"step-{step}"
+
+
 def step_dir(folder: str, step: int) -> str:
     """Path of the folder that holds step `step`."""
-    return os.path.join(folder, f"step-{step}")
+    return os.path.join(folder, step_name(step))
 
 
 def parse_step(name: str) -> int | None:

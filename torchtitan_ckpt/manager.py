@@ -840,7 +840,7 @@ class CheckpointManager:
         state undefined: `PartialLoadError` on every rank, and `save()` refuses until a load
         succeeds."""
         state = self._group.each(lambda: self._state_for_load(target), f"loading {target.path}")
-        if target.format.name == "dcp":  # its tensors are named as in the model
+        if target.format.named_as_state:
             self._warn_unloaded(target, state)
         try:
             self._group.run(lambda: target.format.read(target.path, target.index, state, target.store,
@@ -1199,11 +1199,10 @@ class CheckpointManager:
                                 f"reading the marker of {store.describe(path)}")
         if differ := self._group.differing(info.digest):
             raise CorruptCheckpointError(different_copies(store.describe(os.path.join(path, commit.MARKER)), differ))
-        if step is not None and info.step != step:
-            raise _Misnamed(f"{store.describe(path)} holds step {info.step} (its {commit.MARKER} says so): renamed, or "
-                            f"copied in under another step's name. Loaded as step {step}, the job would go on from "
-                            f"another step than it counts (and its saves replace the steps between); name it "
-                            f"step-{info.step}, or move it out")
+        if step is not None and (wrong := info.misnamed(store.describe(path), step)):
+            raise _Misnamed(f"{wrong}: renamed, or copied in under another step's name. Loaded as step {step}, the "
+                            f"job would go on from another step than it counts (and its saves replace the steps "
+                            f"between); name it {layout.step_name(info.step)}, or move it out")
         return self._target(path, step, model_only or info.model_only, store, info.format, frozenset(info.states),
                             info.world_size)
 

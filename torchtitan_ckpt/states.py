@@ -363,8 +363,7 @@ def _held_as_made(opt: torch.optim.Optimizer, params: list[torch.Tensor], given:
 class _Indices(list):
     """A param group's parameter indices, for `Optimizer.load_state_dict`, whose `in` is a set
     lookup: it asks, for each state tensor, whether its parameter's index is `in` each group's
-    list, which was quadratic in the parameters (a review measured 4.3 s at 16,000 parameters
-    and 17.7 s at 32,000, in one group)."""
+    list, which was quadratic in the parameters (docs/performance.md)."""
 
     def __init__(self, indices: Iterable[int]):
         super().__init__(indices)

@@ -7,7 +7,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..config import Checkpoint, load_config
+from ..config import Checkpoint, at_least, load_config
 from ..errors import ConfigError
 from ..hf.files import INDEX_FILE, SINGLE_FILE
 from .data import SAMPLES
@@ -161,11 +161,6 @@ def load_job_config(path: str | os.PathLike | None = None, argv: list[str] | Non
     return load_config(JobConfig, path, argv)
 
 
-def _at_least(key: str, value: int | float, low: int | float) -> None:
-    if value < low:
-        raise ConfigError(key, value, f"expected >= {low}")
-
-
 def _validate_sections(c: JobConfig) -> None:
     if c.model.name != "llama3":
         raise ConfigError("model.name", c.model.name, "expected 'llama3'")
@@ -179,7 +174,7 @@ def _validate_sections(c: JobConfig) -> None:
                             ("training.stop_at_step", c.training.stop_at_step, 0),
                             ("lr_scheduler.warmup_steps", c.lr_scheduler.warmup_steps, 0),
                             ("parallelism.data_parallel_replicate_degree", c.parallelism.data_parallel_replicate_degree, 1)):
-        _at_least(key, value, low)
+        at_least(key, value, low)
     if not 0 <= c.lr_scheduler.min_lr_factor <= 1:
         raise ConfigError("lr_scheduler.min_lr_factor", c.lr_scheduler.min_lr_factor, "expected 0..1")
     o = c.optimizer
@@ -235,7 +230,7 @@ def _validate_parallelism(c: JobConfig) -> None:
     p, args, flavor = c.parallelism, FLAVORS[c.model.flavor], c.model.flavor
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree",
                 "pipeline_parallel_microbatch_size"):
-        _at_least(f"parallelism.{key}", getattr(p, key), 1)
+        at_least(f"parallelism.{key}", getattr(p, key), 1)
     if c.training.device not in DEVICES:
         raise ConfigError("training.device", c.training.device, "expected one of " + ", ".join(DEVICES))
     if p.pipeline_parallel_schedule not in PIPELINE_SCHEDULES:

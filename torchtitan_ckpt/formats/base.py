@@ -110,6 +110,9 @@ class StepFormat(ABC):
     name: str
     """As recorded in the commit marker's `format`."""
 
+    title: str
+    """As messages name it."""
+
     def __init__(self, context: Context):
         self.ctx = context
 
@@ -121,6 +124,12 @@ class StepFormat(ABC):
     def holds(cls, path: str) -> bool:
         """Whether the folder `path` holds a step in this format (one of its `index_files`)."""
         return any(os.path.isfile(os.path.join(path, name)) for name in cls.index_files)
+
+    @classmethod
+    @abstractmethod
+    def contents(cls, path: str) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], list[str]]:
+        """What the step at `path` holds, from its index alone (no tensor data is read): its
+        tensors (name, dtype, shape) and the names of its other values, each sorted by name."""
 
     @abstractmethod
     def write(self, path: str, step: int, kind: SaveKind, staged: Staged, sink: Sink) -> Written:
@@ -150,6 +159,10 @@ class StepFormat(ABC):
     """Whether a step in this format can hold the job's states besides the model (optimizer,
     schedulers, data...). A step in a format that cannot holds the model alone: a job that
     resumes passes over another program's such step without reading its index."""
+
+    named_as_state: bool = False
+    """Whether a step's tensors are named as the job's state names them (the model's, the
+    optimizer's under `optimizer.`...), so that a load can tell what it holds that no rank loads."""
 
     on_training_thread: bool = False
     """Whether saves must run on the training thread (their collectives use the training mesh)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's keys, as its planner makes them
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .. import faults
 from ..errors import CorruptCheckpointError, RankFailed, different_copies
@@ -44,14 +44,23 @@ logger = logging.getLogger(__name__)
 
 class DcpFormat(StepFormat):
     name = "dcp"
+    title = "DCP"
     index_files = (storage.METADATA_FILE,)
     holds_states = True
+    named_as_state = True
 
     def __init__(self, context):
         super().__init__(context)
         self._plan_caches: dict[SaveKind, PlanCache] = {}  # the last save plan of each kind
         if context.group.pg is None:
             storage.quiet_single_process()
+
+    @classmethod
+    def contents(cls, path: str) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], list[str]]:
+        entries = sorted(storage.read_metadata(os.path.join(path, storage.METADATA_FILE)).state_dict_metadata.items())
+        return ([(key, md.properties.dtype, tuple(md.size)) for key, md in entries
+                 if isinstance(md, TensorStorageMetadata)],
+                [key for key, md in entries if not isinstance(md, TensorStorageMetadata)])
 
     def write(self, path: str, step: int, kind: SaveKind, staged: Staged, sink: Sink) -> Written:
         """The tensors DCP's last plan (or any plan) gives this rank are written early, each as

@@ -7,8 +7,11 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ..errors import CheckpointError, CorruptCheckpointError, different_copies
 from ..hf import load_hf, save_hf
+from ..hf.load import read_hf_layout
 from ..hf.files import INDEX_FILE, SINGLE_FILE, is_model_file
 from ..io.dtypes import EXPORT_DTYPES
 from ..io.filewriter import Sink
@@ -22,6 +25,7 @@ if TYPE_CHECKING:  # storage.base imports layout, which imports the formats
 
 class HfFormat(StepFormat):
     name = "hf"
+    title = "Hugging Face"
     index_files = (INDEX_FILE, SINGLE_FILE)
     on_training_thread = True  # it reads the live model; the two-phase modes gather on the training mesh
 
@@ -30,6 +34,11 @@ class HfFormat(StepFormat):
             raise CheckpointError(f"{path} is in Hugging Face format; pass state_dict_adapter= to "
                                   "CheckpointManager to read or write it")
         return self.ctx.adapter
+
+    @classmethod
+    def contents(cls, path: str) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], list[str]]:
+        """The model's tensors, under HF's names, from the index and the safetensors headers."""
+        return [(name, e.dtype, tuple(e.shape)) for name, e in sorted(read_hf_layout(path).items())], []
 
     def write(self, path: str, step: int, kind: SaveKind, staged: Staged, sink: Sink) -> Written:
         """Write the model (floating tensors cast to `export_dtype`); the commit reads each file

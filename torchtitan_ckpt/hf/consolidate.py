@@ -47,9 +47,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..io import durable, posio, safe_open
+from ..io import IO_THREADS, durable, posio, safe_open
 from ..io.filewriter import Writeback
-from ..io.untrusted import brief
+from ..io.untrusted import MAX_DIMS, brief
 from .. import faults
 from ..dcp.storage import dtensor_chunk
 from ..errors import ConsolidationError, CorruptCheckpointError, InvalidShardsError, RankFailed
@@ -303,7 +303,8 @@ def read_shard_blocks(path: str) -> list[Block]:
 
 def _counts(value: Any) -> bool:
     """A list of non-negative ints, none beyond 2**62 (no real shape, offset or size is)."""
-    return isinstance(value, list) and len(value) <= 64 and all(type(v) is int and 0 <= v <= 2**62 for v in value)
+    return isinstance(value, list) and len(value) <= MAX_DIMS and all(type(v) is int and 0 <= v <= 2**62
+                                                                     for v in value)
 
 
 def _block(path: str, fqn: str, entry: Any, sharding: Any, data_start: int, size: int) -> Block:
@@ -595,7 +596,7 @@ def _write_everything(group: CheckpointGroup, output_dir: str, files: list[Outpu
 
 
 def consolidate_safetensors(input_dir: str, output_dir: str, fqn_to_index_mapping: Mapping[str, int] | None = None,
-                            *, process_group=None, num_threads: int = 4, remove_shards: bool = False,
+                            *, process_group=None, num_threads: int = IO_THREADS, remove_shards: bool = False,
                             all_ranks: bool = True, progress: ProgressFn | None = None) -> None:
     """Consolidate DCP HF shard files (`HuggingFaceStorageWriter(save_distributed=True)`) from
     `input_dir` into `model-0000X-of-0000N.safetensors` and `model.safetensors.index.json` in
@@ -708,7 +709,7 @@ def writers(every: Sequence[Sequence[tuple[Block, Any]]]) -> dict[tuple[str, tup
 
 def write_safetensors_one_pass(state_dict: Mapping[str, Any], output_dir: str,
                                fqn_to_index_mapping: Mapping[str, int] | None = None, *,
-                               process_group=None, num_threads: int = 4, progress: ProgressFn | None = None,
+                               process_group=None, num_threads: int = IO_THREADS, progress: ProgressFn | None = None,
                                plan: OnePassPlan | None = None, prepare: PrepareFn | None = None,
                                shared: bool = True) -> None:
     """Write `state_dict` (tensors, DTensors, `RowOf` experts and `PermutedRows`; on each rank

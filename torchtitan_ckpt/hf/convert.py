@@ -38,7 +38,7 @@ from .. import commit
 from ..config import Checkpoint
 from ..dcp import storage
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..io import durable, safe_open
+from ..io import IO_THREADS, durable, safe_open
 from ..io.dtypes import EXPORT_DTYPES
 from .adapter import ROPE_LAYOUTS, StateDictAdapter
 from .files import CONFIG_FILE, MAX_RECORDED_LAYOUT_BYTES, RECORDED_CONFIG, RECORDED_LAYOUT
@@ -55,7 +55,7 @@ Progress = Callable[[str, int, int], None]
 
 def convert(to: str, src: str, dst: str, adapter_name: str | None = None, *, hf_assets_path: str | None = None,
             dtype: str | None = None, max_shard_size: str | int = Checkpoint.hf_max_shard_size,
-            consolidation: str = Checkpoint.consolidation, threads: int = 4, progress: Progress | None = None,
+            consolidation: str = Checkpoint.consolidation, threads: int = IO_THREADS, progress: Progress | None = None,
             rope_layout: str | None = None) -> None:
     """Convert the model in `src` to format `to` ("hf" or "dcp") in `dst`; call on every rank.
     The adapter is `adapter_name` (one of `ADAPTERS`), else the config's `model_type`, for a

@@ -27,7 +27,7 @@ from ..progress import gb_per_s
 from .adapter import ForeignAdapter, HFSource, StateDictAdapter, as_adapter, check_names, read_index
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, is_model_file, is_unused_tensor
 from .model_config import read_hf_config
-from ..io import safe_open
+from ..io import IO_THREADS, safe_open
 from ..io.dtypes import converts
 from ..io.posio import tensor_bytes
 from .safetensors_io import TensorEntry, read_exact, read_header
@@ -89,7 +89,7 @@ def _check_unlisted(hf_dir: str, index: str, listed: set[str]) -> None:
 
 
 def load_hf(state_dict: dict[str, Any], hf_dir: str | os.PathLike[str], adapter: StateDictAdapter | Any,
-            process_group: Any | None = None, num_threads: int = 4,
+            process_group: Any | None = None, num_threads: int = IO_THREADS,
             check: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Fill `state_dict` (our names; tensors or DTensors, read in place) from the HF folder
     `hf_dir`; call on every rank. Returns `state_dict`. Raises `AdapterMismatchError` naming

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from ..io import IO_THREADS
 from ..dcp.storage import root_cause
 from ..io import durable, safe_open
 from ..io.dtypes import CAST_ON_EXPORT, exported
@@ -52,7 +53,7 @@ SHARDS = "sharded"
 
 def save_hf(model_state_dict: dict[str, Any], out_dir: str | os.PathLike[str], adapter: StateDictAdapter | Any, *,
             dtype: torch.dtype | None = None, max_shard_size: str | int = Checkpoint.hf_max_shard_size,
-            process_group: Any | None = None, mode: str = Checkpoint.consolidation, num_threads: int = 4,
+            process_group: Any | None = None, mode: str = Checkpoint.consolidation, num_threads: int = IO_THREADS,
             keep_shards: bool = False, progress: Callable[[int, int], None] | None = None,
             shared: bool = True) -> None:
     """Write `model_state_dict` (our names) to `out_dir` in HF format; call on every rank.

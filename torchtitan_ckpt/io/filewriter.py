@@ -104,13 +104,19 @@ class FileJob:
     file system allows it."""
 
 
-def _libc_sync_file_range():
+def linux_libc() -> ctypes.CDLL | None:
+    """The C library on Linux (for calls Python's `os` lacks), else None."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def _libc_sync_file_range():
+    fn = getattr(linux_libc(), "sync_file_range", None)
+    if fn is None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     return fn

@@ -17,14 +17,13 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import pickletools
-import reprlib
 import sys
 from itertools import islice
 from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError
+from ..errors import BoundedRepr, CorruptCheckpointError
 
 MAX_DEPTH = 100
 """Deepest nesting a checkpoint's pickle may build, counting an object built by a class (its
@@ -256,10 +255,10 @@ def _scan(data: bytes, limit: int) -> int | str:
 # ---------------------------------------------------------------- bounded repr
 
 
-class _Brief(reprlib.Repr):
-    """reprlib's bounded repr, without its two unbounded steps: it sorts a dict's keys or a
-    set's members (comparing them all) and it calls `repr` on any object it does not know
-    (which recurses into all of it)."""
+class _Brief(BoundedRepr):
+    """A bounded repr, without reprlib's two unbounded steps: it sorts a dict's keys or a set's
+    members (comparing them all) and it calls `repr` on any object it does not know (which
+    recurses into all of it)."""
 
     _SCALARS = (bool, float, complex, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
@@ -269,11 +268,6 @@ class _Brief(reprlib.Repr):
         self.maxtuple = self.maxlist = self.maxdict = self.maxset = self.maxfrozenset = 6
         self.maxstring = self.maxother = 160  # a tensor's whole name
         self.maxlong = 40
-
-    def repr_int(self, x: int, level: int) -> str:
-        if x.bit_length() > 128:  # `repr` refuses ints of over 4300 digits
-            return f"<an int of {x.bit_length()} bits>"
-        return super().repr_int(x, level)
 
     def repr_bytes(self, x: bytes, level: int) -> str:
         return repr(x[: self.maxstring]) + ("..." if len(x) > self.maxstring else "")

@@ -20,8 +20,6 @@ so crash tests see what a killed rank would leave.
 from __future__ import annotations
 
 import collections
-import ctypes
-import ctypes.util
 import logging
 import os
 import pickle
@@ -44,7 +42,7 @@ import torch.multiprocessing as mp
 
 from .. import faults
 from ..errors import WriterProcessError
-from .filewriter import CountWait, Entry, FileJob, StartedFiles, WrittenFile, planned_places, write_files
+from .filewriter import CountWait, Entry, FileJob, StartedFiles, WrittenFile, linux_libc, planned_places, write_files
 
 logger = logging.getLogger(__name__)
 
@@ -312,8 +310,7 @@ def _launch(jobs: queue.SimpleQueue) -> None:
 
 
 def _die_with_parent(parent: int) -> None:
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if (libc := linux_libc()) is not None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
