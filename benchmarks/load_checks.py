@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from torchtitan_ckpt import commit
 from torchtitan_ckpt.dcp import storage
+from torchtitan_ckpt.dcp.metadata import METADATA_FILE, read_metadata
 from torchtitan_ckpt.dcp.validate import check_metadata
 from torchtitan_ckpt.io import reader, safe_open
 
@@ -62,7 +63,7 @@ def _timed(fn) -> float:
 
 def metadata_checks(args: argparse.Namespace, root: str) -> None:
     md = _metadata(args.tensors, args.chunks, args.files, root)
-    path = os.path.join(root, storage.METADATA_FILE)
+    path = os.path.join(root, METADATA_FILE)
     with open(path, "wb") as f:
         pickle.dump(md, f)
     names = sorted({info.relative_path for info in md.storage_data.values()})
@@ -74,7 +75,7 @@ def metadata_checks(args: argparse.Namespace, root: str) -> None:
             pickle.load(f)
 
     plain = _timed(unpickle)
-    checked = _timed(lambda: storage.read_metadata(path))
+    checked = _timed(lambda: read_metadata(path))
     fields = _timed(lambda: check_metadata(md, root, path))
     opened = _timed(lambda: [os.close(safe_open.open_fd(root, name, "a data file")) for name in names])
     print(f"  plain pickle.load                {plain:7.3f} s")
@@ -95,7 +96,7 @@ def reader_passes(args: argparse.Namespace, root: str) -> None:
     numel = args.item_kb * 1024 // 4
     state = {f"t{i}": torch.randn(numel) for i in range(args.items)}
     dcp.save(state, storage_writer=storage.make_storage_writer(root))
-    md = storage.read_metadata(os.path.join(root, storage.METADATA_FILE))
+    md = read_metadata(os.path.join(root, METADATA_FILE))
     planner = storage.make_load_planner()
     planner.set_up_planner({k: torch.empty_like(v) for k, v in state.items()}, md, True)
     items = planner.create_local_plan().items

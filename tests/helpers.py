@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchtitan_ckpt.dcp import storage
+from torchtitan_ckpt.dcp.metadata import METADATA_FILE, read_metadata
 from torchtitan_ckpt.hf import shards
 from torchtitan_ckpt.hf.load import read_hf_layout
 
@@ -47,7 +48,7 @@ def within(seconds: int):
 
 def read_checkpoint(path: str) -> dict[str, Any]:
     """Every tensor and object of a DCP folder, read in this (non-distributed) process."""
-    metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
+    metadata = read_metadata(os.path.join(path, METADATA_FILE))
     state: dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
         state[key] = torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from torchtitan_ckpt import CheckpointError, ConfigError, CorruptCheckpointError, cli, commit
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.dcp import storage
+from torchtitan_ckpt.dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE, read_metadata
 from torchtitan_ckpt.config import sections
 from torchtitan_ckpt.example.config import JobConfig
 
@@ -103,7 +104,7 @@ def _real_metadata() -> bytes:
 
     with tempfile.TemporaryDirectory() as path:
         dcp.save({"w": torch.ones(3), "n": 1}, storage_writer=storage.make_storage_writer(path))
-        with open(os.path.join(path, storage.METADATA_FILE), "rb") as f:
+        with open(os.path.join(path, METADATA_FILE), "rb") as f:
             return f.read()
 
 
@@ -137,7 +138,7 @@ MUTATIONS = {"edits": st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 2
 @given(**MUTATIONS)
 def test_mutated_dcp_metadata_is_read_or_refused(tmp_path, edits, cut):
     with within(BOUND):
-        _read_mutated(tmp_path, _real_metadata(), edits, cut, ".metadata", storage.read_metadata)
+        _read_mutated(tmp_path, _real_metadata(), edits, cut, ".metadata", read_metadata)
 
 
 def test_pickled_code_in_metadata_never_runs(tmp_path):
@@ -151,7 +152,7 @@ def test_pickled_code_in_metadata_never_runs(tmp_path):
         path = tmp_path / "md"
         path.write_bytes(pickle.dumps(Evil()))
         try:
-            storage.read_metadata(str(path))
+            read_metadata(str(path))
         except CheckpointError as e:
             assert "refusing to load it" in str(e)
         else:
@@ -167,19 +168,19 @@ def test_metadata_of_a_newer_pytorch_is_refused_as_such_not_as_damaged(tmp_path,
     metadata = pickle.loads(_real_metadata())  # our own file, as PyTorch reads it
     older = TensorProperties.__getstate__
     monkeypatch.setattr(TensorProperties, "__getstate__", lambda self: (*older(self), None))
-    path = tmp_path / storage.METADATA_FILE
+    path = tmp_path / METADATA_FILE
     path.write_bytes(pickle.dumps(metadata))
     monkeypatch.undo()
     with pytest.raises(CheckpointError, match=r"was written by a newer PyTorch than this one \(.*\): its "
                                               r"TensorProperties holds more fields .*Load it with the PyTorch") as e:
-        storage.read_metadata(str(path))
+        read_metadata(str(path))
     assert type(e.value) is CheckpointError
 
     monkeypatch.setattr(TensorProperties, "__getstate__", lambda self: older(self)[:4])  # fewer: damaged
     path.write_bytes(pickle.dumps(metadata))
     monkeypatch.undo()
     with pytest.raises(CorruptCheckpointError, match=r"is not a readable DCP metadata file: .*not enough values"):
-        storage.read_metadata(str(path))
+        read_metadata(str(path))
 
 
 @dataclasses.dataclass
@@ -201,24 +202,24 @@ def test_a_getattr_in_metadata_names_only_a_member_of_dcps_enums(tmp_path, cls, 
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
     cls = {"memory format": _MEM_FORMAT_ENCODING, "size": torch.Size}[cls]
-    path = tmp_path / storage.METADATA_FILE
+    path = tmp_path / METADATA_FILE
     out = io.BytesIO()
     _Attributes(out, protocol=4).dump({"x": Attribute(cls, name)})
     path.write_bytes(out.getvalue())
     with pytest.raises(CorruptCheckpointError, match=rf"^{path}: its pickle asks for the attribute .* of .*, where a "
                                                      "DCP metadata file names only members of DCP's enums"):
-        storage.read_metadata(str(path))
+        read_metadata(str(path))
 
 
 def test_a_metadata_file_that_is_no_pickle_is_refused_before_it_is_read_whole(tmp_path):
     """A sparse file just under the size bound: it was read whole (1 GiB in memory) before its
     first byte was looked at."""
-    path = tmp_path / storage.METADATA_FILE
-    os.truncate(path.touch() or path, storage.MAX_METADATA_BYTES - 1)
+    path = tmp_path / METADATA_FILE
+    os.truncate(path.touch() or path, MAX_METADATA_BYTES - 1)
     tracemalloc.start()
     try:
         with pytest.raises(CorruptCheckpointError, match=r"is not a DCP metadata file: it starts with b'\\x00'"):
-            storage.read_metadata(str(path))
+            read_metadata(str(path))
         assert tracemalloc.get_traced_memory()[1] < 1 << 20
     finally:
         tracemalloc.stop()
@@ -324,14 +325,14 @@ def test_dcp_metadata_with_fields_of_the_wrong_type_or_range(tmp_path, edits):
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir()
         dcp.save({"w": torch.ones(3), "n": 1}, storage_writer=storage.make_storage_writer(str(folder)))
-        md = storage.read_metadata(str(folder / storage.METADATA_FILE))
+        md = read_metadata(str(folder / METADATA_FILE))
         for field, value in edits:
             with contextlib.suppress(KeyError, AttributeError, TypeError, IndexError):  # an earlier edit removed it
                 _set_metadata_field(md, field, value)
-        (folder / storage.METADATA_FILE).write_bytes(pickle.dumps(md))
+        (folder / METADATA_FILE).write_bytes(pickle.dumps(md))
         state = {"w": torch.zeros(3), "n": None}
         try:  # as the manager loads: `.metadata` read and checked first, then what it has handed to the reader
-            checked = storage.read_metadata(str(folder / storage.METADATA_FILE))
+            checked = read_metadata(str(folder / METADATA_FILE))
             state = {k: v for k, v in state.items() if k in checked.state_dict_metadata}
             storage.load_on_this_rank(state, storage.make_storage_reader(str(folder), checked),
                                       storage.make_load_planner())

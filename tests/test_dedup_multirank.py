@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torchtitan_ckpt import CheckpointManager
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.dcp import storage
+from torchtitan_ckpt.dcp.metadata import METADATA_FILE, read_metadata
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.dcp.planner import DedupSavePlanner, PlanCache
 from torchtitan_ckpt.states import ModelState, OptimizerState
@@ -134,7 +135,7 @@ def runs(tmp_path_factory) -> dict[int, str]:
 
 
 def _metadata(path: str):
-    return storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
+    return read_metadata(os.path.join(path, METADATA_FILE))
 
 
 def _files(path: str) -> dict[str, dict[tuple, int]]:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkSto
 from torchtitan_ckpt import CheckpointError, CheckpointSaveError, ConfigError, CorruptCheckpointError, cli, commit
 from torchtitan_ckpt.config import Checkpoint, validate_tree
 from torchtitan_ckpt.dcp import storage
+from torchtitan_ckpt.dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE, read_metadata
 from torchtitan_ckpt.errors import PartialLoadError
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.hf import consolidate as C
@@ -81,7 +82,7 @@ def _recommit(step: str) -> None:
 
 
 def _edit_metadata(step: str, edit) -> None:
-    path = os.path.join(step, storage.METADATA_FILE)
+    path = os.path.join(step, METADATA_FILE)
     with open(path, "rb") as f:
         md = pickle.load(f)  # our own test file: plain pickle is fine here
     edit(md)
@@ -167,7 +168,7 @@ def test_a_file_swapped_for_a_link_out_while_it_is_opened_is_never_read(tmp_path
 # ---------------------------------------------------------------- 2. a FIFO never blocks
 
 
-@pytest.mark.parametrize("victim", [storage.METADATA_FILE, "__0_1.distcp"])
+@pytest.mark.parametrize("victim", [METADATA_FILE, "__0_1.distcp"])
 @pytest.mark.parametrize("verify_on_load", [False, True])
 def test_a_fifo_in_place_of_a_file_is_refused_without_blocking(ckpt, victim, verify_on_load):
     dump, step, _ = ckpt
@@ -366,7 +367,7 @@ def test_a_state_that_cannot_be_applied_is_refused_before_anything_changes(ckpt,
 
 def _items(step: str) -> list[tuple[str, int, int, bool]]:
     """(file, offset, length, is a tensor) of every item of a DCP step, in file order."""
-    md = storage.read_metadata(os.path.join(step, storage.METADATA_FILE))
+    md = read_metadata(os.path.join(step, METADATA_FILE))
     return sorted((os.path.join(step, info.relative_path), info.offset, info.length,
                    not isinstance(md.state_dict_metadata[index.fqn], BytesStorageMetadata))
                   for index, info in md.storage_data.items())
@@ -685,7 +686,7 @@ def test_malformed_metadata_is_refused_by_inspect_and_load(ckpt, capsys, edit, p
     dump, step, _ = ckpt
     _edit_metadata(step, edit)
     assert cli.main(["inspect", step]) == 2
-    assert storage.METADATA_FILE in capsys.readouterr().err
+    assert METADATA_FILE in capsys.readouterr().err
     _refused(dump, problem)
 
 
@@ -749,10 +750,10 @@ def test_entries_sharing_bytes_are_refused_before_any_is_read(ckpt):
 def test_entries_sharing_bytes_under_another_name_are_refused(ckpt, how):
     """`./x` or a link to `x` counted as another file, so the values all read one entry's bytes."""
     dump, step, _ = ckpt
-    with open(os.path.join(step, storage.METADATA_FILE), "rb") as f:
+    with open(os.path.join(step, METADATA_FILE), "rb") as f:
         first = min((i for i in pickle.load(f).storage_data if i.fqn.startswith("train_state.")), key=str)
     if how == "linked":
-        with open(os.path.join(step, storage.METADATA_FILE), "rb") as f:
+        with open(os.path.join(step, METADATA_FILE), "rb") as f:
             target = pickle.load(f).storage_data[first].relative_path
         os.symlink(target, os.path.join(step, "alias.distcp"))
 
@@ -1063,9 +1064,9 @@ BOMBS = [(_shared_tuples(500), "unfold to more than"), (_deep_tuple(100_000), "n
 
 @pytest.mark.parametrize("bomb, problem", BOMBS)
 def test_a_metadata_pickle_that_costs_without_bound_is_refused_naming_the_file(tmp_path, bomb, problem):
-    path = tmp_path / storage.METADATA_FILE
+    path = tmp_path / METADATA_FILE
     path.write_bytes(bomb)
-    _refused_in_child(lambda: storage.read_metadata(str(path)), rf"{path}: its pickle builds objects that {problem}")
+    _refused_in_child(lambda: read_metadata(str(path)), rf"{path}: its pickle builds objects that {problem}")
 
 
 def test_a_real_metadata_passes_the_pickle_check(tmp_path):
@@ -1083,7 +1084,7 @@ def test_a_real_metadata_passes_the_pickle_check(tmp_path):
     for name, writer in [("ours", storage.make_storage_writer), ("dcp", dcp.FileSystemWriter)]:
         dcp.save(state, storage_writer=writer(str(tmp_path / name)), no_dist=True)
         with within(30):
-            assert isinstance(storage.read_metadata(str(tmp_path / name / storage.METADATA_FILE)), Metadata)
+            assert isinstance(read_metadata(str(tmp_path / name / METADATA_FILE)), Metadata)
 
 
 def _small_step(path: str, tensors: dict) -> None:
@@ -1095,21 +1096,21 @@ def _small_step(path: str, tensors: dict) -> None:
 def _load_small(path: str, state: dict) -> None:
     """Load `state` from the step `path` as the manager does: `.metadata` read and checked first."""
     try:
-        metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
+        metadata = read_metadata(os.path.join(path, METADATA_FILE))
         storage.load_on_this_rank(state, storage.make_storage_reader(path, metadata), storage.make_load_planner())
     except BaseException as e:  # DCP wraps a reader's failure in its CheckpointException
         raise storage.root_cause(e) from None
 
 
 def _item_of(path: str, fqn: str) -> tuple[str, int, int]:
-    md = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
+    md = read_metadata(os.path.join(path, METADATA_FILE))
     info = next(s for i, s in md.storage_data.items() if i.fqn == fqn)
     return os.path.join(path, info.relative_path), info.offset, info.length
 
 
 def _raw_edit(path: str, edit) -> None:
     """Edit a small step's `.metadata` (our own test file: plain pickle)."""
-    file = os.path.join(path, storage.METADATA_FILE)
+    file = os.path.join(path, METADATA_FILE)
     with open(file, "rb") as f:
         md = pickle.load(f)
     edit(md)
@@ -1186,11 +1187,11 @@ def test_a_value_item_that_is_a_pickle_stream_is_not_handed_to_torch_load(tmp_pa
 
 
 def test_a_metadata_file_larger_than_any_is_refused_unread(tmp_path):
-    path = tmp_path / storage.METADATA_FILE
+    path = tmp_path / METADATA_FILE
     path.write_bytes(b"")
-    os.truncate(path, storage.MAX_METADATA_BYTES + 1)  # sparse: nothing on the disk
-    with pytest.raises(CorruptCheckpointError, match=rf"{path} is {storage.MAX_METADATA_BYTES + 1} bytes, more than"):
-        storage.read_metadata(str(path))
+    os.truncate(path, MAX_METADATA_BYTES + 1)  # sparse: nothing on the disk
+    with pytest.raises(CorruptCheckpointError, match=rf"{path} is {MAX_METADATA_BYTES + 1} bytes, more than"):
+        read_metadata(str(path))
 
 
 def test_a_dataloader_state_that_costs_without_bound_is_refused_naming_it(ckpt, pristine):
@@ -1211,7 +1212,7 @@ def _shared_lists(levels: int) -> list:
 def _real_small_metadata(tmp_path):
     path = str(tmp_path / "small")
     _small_step(path, {"w": torch.ones(3), "n": 1})
-    return path, storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
+    return path, read_metadata(os.path.join(path, METADATA_FILE))
 
 
 @pytest.mark.parametrize("field, problem", [
@@ -1335,10 +1336,10 @@ def test_a_metadata_global_of_torch_is_checked_before_torch_is_asked_for_it(tmp_
     """`getattr(torch, name)` runs torch's module `__getattr__`, which imports submodules."""
     asked = []
     monkeypatch.setattr(torch, "__getattr__", lambda name: asked.append(name) or None, raising=False)
-    path = tmp_path / storage.METADATA_FILE
+    path = tmp_path / METADATA_FILE
     path.write_bytes(b"\x80\x02ctorch\nnot_a_dtype_but_a_lazy_module\n.")
     with pytest.raises(CorruptCheckpointError, match=rf"{path} references torch.not_a_dtype_but_a_lazy_module"):
-        storage.read_metadata(str(path))
+        read_metadata(str(path))
     assert asked == []
 
 
@@ -1415,14 +1416,14 @@ def test_convert_to_hf_checks_the_data_files_before_allocating(tmp_path, monkeyp
         at += length
     if case == "over another entry":
         os.truncate(step / "__0_0.distcp", max(i.length for i in places.values()))  # sparse
-    with open(step / storage.METADATA_FILE, "wb") as f:
+    with open(step / METADATA_FILE, "wb") as f:
         pickle.dump(Metadata(entries, storage_data=places), f)
     monkeypatch.setattr(convert, "empty_state_dict", lambda *_: pytest.fail("tensors allocated before the check"))
     data = f"{step}/__0_0.distcp: "
     problem = {"shorter than its chunk": data + r"the chunk of '.*' at \[0.*\] holds \d+ bytes, but its storage "
                                                 r"entry only 8",
                "past the file's end": data + r"the storage entry of '.*' claims bytes up to \d+ of its 4096",
-               "over another entry": rf"{step}/{storage.METADATA_FILE}: storage entries '.*' and '.*' share bytes of "
+               "over another entry": rf"{step}/{METADATA_FILE}: storage entries '.*' and '.*' share bytes of "
                                      "'__0_0.distcp'"}[case]
     with pytest.raises(CorruptCheckpointError, match=problem), within(30):
         convert.convert("hf", str(step), str(tmp_path / "out"))
@@ -1477,10 +1478,10 @@ def test_a_pickle_whose_dict_keys_share_a_hash_is_refused_before_it_is_built(tmp
     from torchtitan_ckpt.io import torch_archive
 
     bomb = _colliding_ints(20_000)
-    path = tmp_path / storage.METADATA_FILE
+    path = tmp_path / METADATA_FILE
     path.write_bytes(bomb)
     as_set = pickle.dumps({k * (2**61 - 1) for k in range(1, 5001)}, protocol=2)  # set([...]), as torch.save does
-    read = {"metadata": lambda: storage.read_metadata(str(path)),
+    read = {"metadata": lambda: read_metadata(str(path)),
             "value": lambda: torch_archive.load_plain_pickle(bomb),
             "set from a list": lambda: torch_archive.load_plain_pickle(as_set)}[where]
     _refused_in_child(read, r"its pickle .* more than 4096 (keys|values) whose hashes it can choose")
@@ -1508,10 +1509,10 @@ def test_metadata_storage_keys_that_share_a_hash_are_refused(tmp_path):
 
     offsets = itertools.product([k * (2**61 - 1) for k in range(4)], repeat=4)  # each item hashes to 0
     storage_data = {MetadataIndex("w", torch.Size(offset)): None for offset in offsets}
-    path = tmp_path / storage.METADATA_FILE
+    path = tmp_path / METADATA_FILE
     path.write_bytes(pickle.dumps(Metadata(state_dict_metadata={}, storage_data=storage_data)))
     with pytest.raises(CorruptCheckpointError, match=rf"{path}: 256 storage keys share one hash"):
-        storage.read_metadata(str(path))
+        read_metadata(str(path))
 
 
 def test_a_storage_record_key_that_is_no_number_is_not_read_as_one():

@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 from torchtitan_ckpt import commit, layout
 from torchtitan_ckpt.dcp import storage
+from torchtitan_ckpt.dcp.metadata import METADATA_FILE, read_metadata
 
 from .helpers import assert_same, data_file_use, losses, read_checkpoint, run_job
 from .jobs import make_job
@@ -25,7 +26,7 @@ def _step(tmp_path, name: str, step: int) -> str:
 
 def _read_with(path: str, engine: str) -> dict:
     """Every value of a step, read by one engine (PyTorch's reader through our safe planner)."""
-    metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
+    metadata = read_metadata(os.path.join(path, METADATA_FILE))
     state = read_checkpoint(path)  # the keys and destinations
     for value in state.values():
         if isinstance(value, torch.Tensor):

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from torchtitan_ckpt import (Checkpoint, CheckpointError, CheckpointManager, CheckpointNotFoundError, ConfigError,
                              CorruptCheckpointError, commit, layout)
-from torchtitan_ckpt.dcp.storage import METADATA_FILE
+from torchtitan_ckpt.dcp.metadata import METADATA_FILE
 from torchtitan_ckpt.formats.base import _nesting
 from torchtitan_ckpt.storage.local import LOCK_FILE
 

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from torchtitan_ckpt import CheckpointError, CorruptCheckpointError
 from torchtitan_ckpt.dcp import storage
+from torchtitan_ckpt.dcp.metadata import METADATA_FILE, read_metadata
 from torchtitan_ckpt.example.config import load_job_config
 
 from .helpers import data_file_use, spawn
@@ -114,15 +115,15 @@ def test_strided_tensors_are_read_through_temporaries_of_at_most_the_piece_size(
 def test_metadata_given_to_the_reader_is_not_read_again(tmp_path):
     path = str(tmp_path / "ckpt")
     _save(path)
-    metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
-    os.remove(os.path.join(path, storage.METADATA_FILE))
+    metadata = read_metadata(os.path.join(path, METADATA_FILE))
+    os.remove(os.path.join(path, METADATA_FILE))
     ours = _load(path, storage.make_storage_reader(path, metadata, threads=2), storage.make_load_planner())
     _assert_bitwise(ours, {**_tensors(), **_OBJECTS})
 
 
 def _item(path: str, fqn: str) -> tuple[str, int, int]:
     """(file, offset, length) of the item holding `fqn`."""
-    metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
+    metadata = read_metadata(os.path.join(path, METADATA_FILE))
     (index, info), = [(i, s) for i, s in metadata.storage_data.items() if i.fqn == fqn]
     return os.path.join(path, info.relative_path), info.offset, info.length
 
@@ -249,7 +250,7 @@ def test_an_item_of_fewer_dimensions_than_its_metadata_says_is_refused_naming_it
     """The metadata's entry of a 2-D tensor pointed at the item of a 1-D one: a raw IndexError."""
     path = str(tmp_path / "ckpt")
     _save(path)
-    md_path = os.path.join(path, storage.METADATA_FILE)
+    md_path = os.path.join(path, METADATA_FILE)
     with open(md_path, "rb") as f:
         md = pickle.load(f)  # our own test file: plain pickle is fine here
     index = {i.fqn: i for i in md.storage_data}
@@ -385,9 +386,10 @@ def _fsdp_round_trip(rank: int, world_size: int, folder: str) -> None:
     opt.step()
     with manager:
         manager.save(1)
-    if rank == 0:  # each rank's shards written early (while DCP planned), its share of the rest after
+    if rank == 0:  # each rank's shards written early (while DCP planned); after, the values every rank
+        # holds (the optimizer's settings and steps), all by one rank
         use = data_file_use(os.path.join(folder, "checkpoint", "step-1"))
-        assert list(use) == [f"__{r}_{i}.distcp" for r in range(world_size) for i in range(2)], use
+        assert list(use) == ["__0_0.distcp", "__0_1.distcp", *(f"__{r}_0.distcp" for r in range(1, world_size))], use
         assert all(used == size for used, size in use.values()), use
     # ours: the manager's load; DCP's own: its reader and planner, into the same kind of state
     fresh, fresh_opt, fresh_manager = _fsdp_job(world_size, folder, seed=1)
@@ -417,7 +419,7 @@ def _damaged_rank_fails_every_rank(rank: int, world_size: int, folder: str) -> N
     file = os.path.join(step, "__1_0.distcp")
     dist.barrier()
     if rank == 0:
-        metadata = storage.read_metadata(os.path.join(step, storage.METADATA_FILE))
+        metadata = read_metadata(os.path.join(step, METADATA_FILE))
         info = max((s for s in metadata.storage_data.values() if s.relative_path == "__1_0.distcp"),
                    key=lambda s: s.length)  # a tensor shard of rank 1
         _shrink_record(file, info.offset, info.length)

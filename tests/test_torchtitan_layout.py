@@ -18,7 +18,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torchtitan_ckpt import (CheckpointError, CheckpointManager, CheckpointNotFoundError, CheckpointSaveError, cli,
                              commit, layout)
 from torchtitan_ckpt.config import Checkpoint
-from torchtitan_ckpt.dcp.storage import METADATA_FILE
+from torchtitan_ckpt.dcp.metadata import METADATA_FILE
 from torchtitan_ckpt.example.model import hf_adapter
 
 from .helpers import assert_same, hub_snapshot, read_checkpoint

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .io import IO_THREADS
 from . import commit, layout
 from .dcp import storage
+from .dcp.metadata import METADATA_FILE
 from .hf.consolidate import consolidate_safetensors, load_mapping
 from .hf.files import INDEX_FILE
 from .formats import FORMATS
@@ -311,7 +312,7 @@ def _fetch_described(store: Store, path: str) -> str:
         return os.path.isfile(os.path.join(path, name))
 
     store.fetch(path, layout.TELLING)
-    return store.fetch(path) if has(INDEX_FILE) and not has(storage.METADATA_FILE) else path
+    return store.fetch(path) if has(INDEX_FILE) and not has(METADATA_FILE) else path
 
 
 def cmd_inspect(args: argparse.Namespace, progress: Progress) -> int:

@@ -25,6 +25,7 @@ from .. import faults
 from ..errors import CorruptCheckpointError, RankFailed, different_copies
 from ..group import CheckpointGroup
 from ..dcp import storage
+from ..dcp.metadata import METADATA_FILE, metadata_bytes, read_metadata
 from ..dcp.planner import PlanCache
 from ..hf.convert import recorded_rope_layout
 from ..hf.files import RECORDED_LAYOUT
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 class DcpFormat(StepFormat):
     name = "dcp"
     title = "DCP"
-    index_files = (storage.METADATA_FILE,)
+    index_files = (METADATA_FILE,)
     holds_states = True
     named_as_state = True
 
@@ -57,7 +58,7 @@ class DcpFormat(StepFormat):
 
     @classmethod
     def contents(cls, path: str) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], list[str]]:
-        entries = sorted(storage.read_metadata(os.path.join(path, storage.METADATA_FILE)).state_dict_metadata.items())
+        entries = sorted(read_metadata(os.path.join(path, METADATA_FILE)).state_dict_metadata.items())
         return ([(key, md.properties.dtype, tuple(md.size)) for key, md in entries
                  if isinstance(md, TensorStorageMetadata)],
                 [key for key, md in entries if not isinstance(md, TensorStorageMetadata)])
@@ -87,16 +88,16 @@ class DcpFormat(StepFormat):
         """With the RoPE layout a step `convert --to dcp` wrote records (fetched with the
         `.metadata`, in one listing). Each rank's reads and checks are a round of their own
         (`CheckpointGroup.each`): a rank that cannot read the file fails every rank at once."""
-        group, where = self.ctx.group, os.path.join(path, storage.METADATA_FILE)
+        group, where = self.ctx.group, os.path.join(path, METADATA_FILE)
         described = store.describe(where)
 
         def fetch() -> tuple[str | None, bytes]:
-            rope = recorded_rope_layout(store.fetch(path, [storage.METADATA_FILE, RECORDED_LAYOUT]))
-            return rope, storage.metadata_bytes(where)
+            rope = recorded_rope_layout(store.fetch(path, [METADATA_FILE, RECORDED_LAYOUT]))
+            return rope, metadata_bytes(where)
 
         rope_layout, data = group.each(fetch, f"reading {described}")
         self._scanned_once(data, described)
-        metadata = group.each(lambda: storage.read_metadata(where, lambda *_: None, data), f"reading {described}")
+        metadata = group.each(lambda: read_metadata(where, lambda *_: None, data), f"reading {described}")
         tensors, values, dtypes = {}, set(), {}
         for key, md in metadata.state_dict_metadata.items():
             if isinstance(md, BytesStorageMetadata):

@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from .. import commit
 from ..config import Checkpoint
 from ..dcp import storage
+from ..dcp.metadata import METADATA_FILE, read_metadata
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..io import IO_THREADS, durable, safe_open
 from ..io.dtypes import EXPORT_DTYPES
@@ -100,8 +101,8 @@ def to_hf(step_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pa
     `hf_assets_path`'s `config.json`, else the one `to_dcp` recorded; the RoPE layout is
     `rope_layout`, else the step's (`recorded_rope_layout`). `export`: `save_hf`'s dtype,
     max_shard_size, consolidation (its mode) and threads."""
-    if not os.path.isfile(os.path.join(step_dir, storage.METADATA_FILE)):  # the source before its config
-        raise CheckpointNotFoundError(f"{step_dir} is not a DCP checkpoint folder (no {storage.METADATA_FILE})")
+    if not os.path.isfile(os.path.join(step_dir, METADATA_FILE)):  # the source before its config
+        raise CheckpointNotFoundError(f"{step_dir} is not a DCP checkpoint folder (no {METADATA_FILE})")
     config_path = os.path.join(hf_assets_path, CONFIG_FILE) if hf_assets_path else \
         os.path.join(step_dir, RECORDED_CONFIG)
     if not os.path.isfile(config_path):
@@ -150,7 +151,7 @@ def _dcp_tensors(path: str, adapter: StateDictAdapter) -> tuple[dict[str, tuple[
     """The shapes and dtypes of the adapter's tensors in the DCP folder `path`, checked against
     the config's shapes and their data files (`_check_stored`) before anything is allocated (a
     tied head may be absent)."""
-    metadata = storage.read_metadata(os.path.join(path, storage.METADATA_FILE))
+    metadata = read_metadata(os.path.join(path, METADATA_FILE))
     saved = metadata.state_dict_metadata
     shapes = {k: v for k, v in adapter.state_dict_shapes().items() if k in saved or k in adapter.shapes}
     found = {f"{k} {list(saved[k].size)}" for k in shapes if k in saved and hasattr(saved[k], "size")}

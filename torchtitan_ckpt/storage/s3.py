@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from .. import commit, faults, layout
 from ..config import Checkpoint
-from ..dcp.storage import MAX_METADATA_BYTES, METADATA_FILE
+from ..dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE
 from ..errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RankFailed,
                       StorageError)
 from ..group import CheckpointGroup
