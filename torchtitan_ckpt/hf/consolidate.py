@@ -517,7 +517,7 @@ def _create_files(output_dir: str, files: Sequence[OutputFile], sync: Collection
     for f in files:
         fd = create_replacing(os.path.join(output_dir, f.name))
         try:
-            os.ftruncate(fd, f.size)
+            posio.grow(fd, f.size)
             if header:
                 posio.write_all(fd, memoryview(f.header), 0)
             if f.name in sync:

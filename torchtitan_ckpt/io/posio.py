@@ -4,6 +4,7 @@ The readers and writers of every format use these."""
 
 from __future__ import annotations
 
+import errno
 import os
 
 import torch
@@ -55,3 +56,15 @@ def write_all(fd: int, data: memoryview, offset: int) -> None:
     while len(data):
         n = os.pwrite(fd, data[:_MAX_IO], offset)
         data, offset = data[n:], offset + n
+
+
+def grow(fd: int, size: int) -> None:
+    """Make the new, empty file `fd` `size` bytes long, for writes at their offsets: by
+    `ftruncate`, or by writing its last byte where a file system extends no file so (FAT through
+    FUSE answers EPERM)."""
+    try:
+        os.ftruncate(fd, size)
+    except OSError as e:
+        if size == 0 or e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        write_all(fd, memoryview(b"\0"), size - 1)

@@ -90,7 +90,10 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
         hold = _Hold(fd)
         if writable and named:
             if info.st_uid == os.geteuid():  # as writable as the folder: NFS locks only what one may write
-                os.fchmod(fd, stat.S_IMODE(os.stat(os.path.dirname(key)).st_mode) & 0o666)
+                try:
+                    os.fchmod(fd, stat.S_IMODE(os.stat(os.path.dirname(key)).st_mode) & 0o666)
+                except OSError as e:  # FAT has no modes (ENOSYS through FUSE): the lock holds without one
+                    logger.info("%s: held, but its mode could not be set on %s (%s)", what, key, e.strerror)
             os.ftruncate(fd, 0)
             try:
                 mine = f"pid {os.getpid()} on {os.uname().nodename}".encode()[:_HOLDER_BYTES]

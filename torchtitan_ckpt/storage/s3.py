@@ -637,7 +637,7 @@ class S3Store(Store):
         pending: collections.deque[Future] = collections.deque()
         try:
             if size is not None:
-                os.ftruncate(fd, size)
+                posio.grow(fd, size)
             for offset, length in _pieces(spans, self.part_size):
                 if len(pending) >= self.parallel:
                     pending.popleft().result()
