@@ -18,7 +18,7 @@ import time
 import zipfile
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -366,10 +366,13 @@ class CheckpointManager:
         progress on its own thread (a signal handler, run between two bytecodes of a save) is
         refused before it touches anything: a SIGTERM handler saving the step being saved
         committed that step, which the interrupted save then rewrote in place. `close()` there
-        is deferred to the end of the interrupted call instead."""
+        is deferred to the end of the interrupted call instead. A forked child's copy refuses
+        every call but `close()` (`_not_forked`)."""
         @functools.wraps(method)
         def call(self, *args: Any, **kwargs: Any) -> Any:
             if os.getpid() != self._pid:  # a forked child's copy: its lock may have been held at the fork
+                if method.__name__ != "close":
+                    self._not_forked(method.__name__)
                 return method(self, *args, **kwargs)
             with self._calls:
                 if self._in_call is not None:
@@ -388,6 +391,21 @@ class CheckpointManager:
                         self._close_pending = False
                         self.close()
         return cast(_Call, call)  # the signature stays the method's, for type checkers too
+
+    def _not_forked(self, call: str) -> None:
+        """A `CheckpointError` in a process forked from the manager's (a data loader's worker, a
+        pool's): its saves, collectives, writer and background thread are the parent's, and a
+        child's save committed a step in the parent's folder, or waited forever for the parent's."""
+        if os.getpid() != self._pid:
+            raise CheckpointError(f"{call}(): this CheckpointManager belongs to process {self._pid}, and this is "
+                                  f"process {os.getpid()}, forked from it (a DataLoader worker, a multiprocessing "
+                                  "pool?): its saves and collectives are that process's. Save and load from the "
+                                  "training process only")
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError("a CheckpointManager cannot be sent to another process (a DataLoader's spawn or forkserver "
+                        "workers pickle its dataset, which must not hold the manager): keep it in the training "
+                        "process")
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -523,6 +541,8 @@ class CheckpointManager:
         step compiled by `torch.compile`: a wait on another thread, which Dynamo traced again and
         again (with `verify_staging`, up to its recompile limit). The wait counts as the
         training's time spent on the save (`_TrainingWait`)."""
+        if os.getpid() != self._pid:  # a forked child steps its own copy of the state
+            return
         start = time.perf_counter()
         self._saves.wait_for_staging()
         if self._waiting is not None:
@@ -530,8 +550,9 @@ class CheckpointManager:
 
     @property
     def save_in_flight(self) -> bool:
-        """True while a background save is being written (never with `async_mode = "disabled"`)."""
-        return self.config.enable and self._saves.in_flight()
+        """True while a background save is being written (never with `async_mode = "disabled"`, nor
+        in a forked child: the save is its parent's)."""
+        return self.config.enable and os.getpid() == self._pid and self._saves.in_flight()
 
     def maybe_wait_for_staging(self) -> None:
         """TorchTitan's: block until the staging of the last `save()` is done, so the training
@@ -539,6 +560,7 @@ class CheckpointManager:
         pre-hook); call it before changing parameters any other way (an EMA update, a weight
         written by hand) between `save()` and the next optimizer step. Returns at once without
         an async mode."""
+        self._not_forked("maybe_wait_for_staging")
         if self.config.enable:
             self._saves.wait_for_staging()
 

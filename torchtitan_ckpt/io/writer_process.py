@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import multiprocessing.process
 import os
 import pickle
 import queue
@@ -254,6 +255,18 @@ def _close_at_exit() -> None:
 
 if (_register_atexit := getattr(threading, "_register_atexit", None)) is not None:
     _register_atexit(_close_at_exit)
+
+
+def _forget_writers() -> None:
+    """In a child forked by `os.fork`: the writers are its parent's children, which
+    `multiprocessing`'s exit hook in the child would try to join (and fail on, before the hooks
+    after it, a `multiprocessing.Queue`'s flush among them)."""
+    for writer in _OPEN:
+        multiprocessing.process._children.discard(writer._proc)  # type: ignore[attr-defined]
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_forget_writers)
 
 
 @contextmanager

@@ -1,0 +1,106 @@
+"""A training process that forks (a DataLoader's fork workers, a multiprocessing pool, `os.fork`)
+or pickles what it holds (spawn and forkserver workers): the child's copy of the manager is not a
+manager of its own. Each script runs in a process of its own: forking the test process would fork
+pytest's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_CHILD_USES_THE_MANAGER = """
+import os, pickle, select, sys, threading, torch
+from torchtitan_ckpt import CheckpointError, CheckpointManager, layout
+from torchtitan_ckpt.config import Checkpoint
+folder, mode = sys.argv[1], sys.argv[2]
+torch.set_num_threads(1)  # torch's compute in a forked child hangs on the parent's thread pool otherwise
+torch.manual_seed(0)
+model = torch.nn.Linear(64, 64)
+opt = torch.optim.AdamW(model.parameters())
+manager = CheckpointManager(Checkpoint(enable=True, folder=folder, interval=1, async_mode=mode), [model],
+                            optimizers=opt)
+model(torch.randn(2, 64)).sum().backward()
+opt.step()
+manager.save(1)
+manager.wait()
+gate = threading.Event()
+if mode != "disabled":  # the background threads held: the next save's copy waits behind them
+    held = [manager._saves._pool.submit(gate.wait) for _ in range(2)]
+manager.save(2)
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    out = []
+    opt.step()  # the child's own copy of the state: it waited forever for the parent's copy
+    out.append("stepped")
+    for name, call in [("save", lambda: manager.save(3)), ("load", manager.load), ("wait", manager.wait),
+                       ("maybe_wait_for_staging", manager.maybe_wait_for_staging)]:
+        try:
+            call()
+            out.append(name + " ran")
+        except CheckpointError as e:
+            out.append(str(e).split(" process")[0])
+    out.append(f"in flight: {manager.save_in_flight}")
+    os.write(w, "|".join(out).encode())
+    os._exit(0)
+os.close(w)
+ready = select.select([r], [], [], 30)[0]
+print(os.read(r, 65536).decode() if ready else "the child hung")
+gate.set()
+if not ready:
+    os.kill(pid, 9)
+os.waitpid(pid, 0)
+manager.wait()
+try:
+    pickle.dumps(manager)
+except TypeError as e:
+    print(str(e).split(" (")[0])
+manager.close()
+print(layout.committed_steps(folder))
+"""
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
+def test_a_forked_child_steps_its_own_state_and_its_copy_of_the_manager_refuses_calls(tmp_path, mode):
+    """A child's save() committed a step in the parent's folder (sync) or waited forever for the
+    parent's background thread (async); its optimizer step waited forever for the parent's copy."""
+    run = subprocess.run([sys.executable, "-c", _CHILD_USES_THE_MANAGER, str(tmp_path / "ckpt"), mode],
+                         capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 0, run.stderr
+    child, pickled, steps = run.stdout.splitlines()
+    belongs = "(): this CheckpointManager belongs to"
+    assert child.split("|") == ["stepped", f"save{belongs}", f"load{belongs}", f"wait{belongs}",
+                                f"maybe_wait_for_staging{belongs}", "in flight: False"], child
+    assert pickled == "a CheckpointManager cannot be sent to another process"
+    assert steps == "[1, 2]"
+
+
+_CHILD_EXITS = """
+import os, sys, torch
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.config import Checkpoint
+manager = CheckpointManager(Checkpoint(enable=True, folder=sys.argv[1], interval=1,
+                                       async_mode="async_with_pinned_mem"), [torch.nn.Linear(8, 8)])
+manager.save(1)
+manager.wait()
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # the interpreter's exit hooks run in the child
+print("child", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+manager.close()
+"""
+
+
+def test_a_child_forked_beside_a_writer_process_exits_cleanly(tmp_path):
+    """`multiprocessing`'s exit hook in a child made by `os.fork` tried to join the parent's writer
+    process ("AssertionError: can only join a child process"), and the hooks after it (a
+    `multiprocessing.Queue`'s flush) never ran."""
+    run = subprocess.run([sys.executable, "-c", _CHILD_EXITS, str(tmp_path / "ckpt")], capture_output=True,
+                         text=True, timeout=240, env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 0 and run.stdout.split() == ["child", "0"], run.stdout + run.stderr
+    assert "Traceback" not in run.stderr and "AssertionError" not in run.stderr, run.stderr
