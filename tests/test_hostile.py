@@ -596,6 +596,7 @@ def test_a_metadata_pickle_bomb_is_refused_on_every_rank_from_rank_0s_scan(tmp_p
     ("files", {"x" * 300: {"size": 1, "crc32": "00000000"}}, r"longer than a file name can be"),
     ("files", None, "files is a NoneType"),
     ("states", [1], "states"),
+    ("states", [""], "states"),
     ("step", "2", "step"),
     ("world_size", 0, "world_size"),
 ])

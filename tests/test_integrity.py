@@ -22,6 +22,7 @@ from torchtitan_ckpt import (CheckpointError, CheckpointManager, CheckpointSaveE
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.storage.local import LOCK_FILE
 
+from .helpers import assert_same, read_checkpoint
 from .jobs import make_job
 
 
@@ -582,3 +583,80 @@ def test_a_manager_that_fails_to_start_after_holding_its_folder_lets_go_of_it(tm
     daemon.start()
     daemon.join(180)
     assert daemon.exitcode == 0
+
+
+# ------------------------------------------------------------------ what mutation testing found unchecked
+
+
+def test_verify_checks_the_files_it_is_given_and_names_a_size_that_differs(tmp_path):
+    """Each rank of `verify_on_load` checks its share of the files: a damaged file outside it is
+    another rank's to find. A file of another size is named as such (before its bytes are read)."""
+    step = layout.step_dir(_saved(tmp_path), 4)
+    _flip_byte(os.path.join(step, ".metadata"), 0)
+    assert commit.verify(step, files=["__0_0.distcp"]) == []
+    assert len(commit.verify(step)) == 1
+    data = os.path.join(step, "__0_0.distcp")
+    size = os.path.getsize(data)
+    os.truncate(data, size - 1)
+    assert f"{data}: {size - 1} bytes, the manifest says {size}" in commit.verify(step, files=["__0_0.distcp"])
+    with pytest.raises(ConfigError, match="threads"):
+        commit.verify(step, threads=0)
+
+
+def test_a_commit_markers_temporary_file_left_in_a_step_is_not_one_of_its_files(tmp_path):
+    step = layout.step_dir(_saved(tmp_path), 4)
+    open(os.path.join(step, commit.MARKER + ".tmp"), "w").write("{}")
+    assert commit.verify(step) == []
+    assert cli.main(["verify", step]) == 0
+
+
+def test_a_step_linked_in_from_another_run_is_loaded_and_never_changed(tmp_path):
+    """A step folder that is a link to another run's step loads as that step; retention, and a
+    deletion reaching it through a race, leave the other run's step as it was."""
+    other = _saved(tmp_path / "other", steps=8)  # steps 2, 4, 6 full, 8 the model alone
+    job = make_job(str(tmp_path / "mine"), steps=8, interval=2, keep_latest_k=1)
+    job.run_to(2, steps=8)
+    folder = os.path.join(tmp_path, "mine", "checkpoint")
+    os.symlink(layout.step_dir(other, 6), layout.step_dir(folder, 6))
+    job.manager.close()
+    resumed = make_job(str(tmp_path / "mine"), steps=8, interval=2, keep_latest_k=1, init_seed=1)
+    assert resumed.manager.load() and resumed.train_state.step == 6
+    saved = read_checkpoint(layout.step_dir(other, 6))
+    assert_same(resumed.model.state_dict(), {k: saved[k] for k in resumed.model.state_dict()})
+    resumed.run_to(8, steps=8)
+    resumed.manager.close()
+    with pytest.raises(OSError, match="is a symlink"):
+        commit.remove_step(layout.step_dir(folder, 6))
+    assert commit.is_committed(layout.step_dir(other, 6)) and commit.verify(layout.step_dir(other, 6)) == []
+
+
+@pytest.mark.parametrize("entry", ["beside_data", "a_folder"])
+def test_a_folder_with_the_marking_file_and_more_is_not_ours(tmp_path, entry):
+    """Only a folder holding the in-progress marker's temporary file and nothing else is a save
+    of ours stopped while marking it; another program's folder holding such a name and its data,
+    or a folder by that name, read as ours and was removed by `clean`."""
+    step = tmp_path / "step-3"
+    step.mkdir()
+    if entry == "beside_data":
+        for name in ("a.bin", "z.bin"):  # listed before and after it, whatever the listing's order
+            (step / name).write_bytes(b"data")
+        (step / (commit.IN_PROGRESS + ".tmp")).write_text("")
+    else:
+        (step / (commit.IN_PROGRESS + ".tmp")).mkdir()
+        (step / (commit.IN_PROGRESS + ".tmp") / "data").write_bytes(b"data")
+    assert layout.status_of(str(step)) == layout.UNKNOWN
+    assert cli.main(["clean", str(tmp_path)]) == 0
+    assert sorted(p.name for p in step.rglob("*")) != []
+
+
+def test_a_marker_that_is_a_link_loop_is_passed_over(tmp_path):
+    """A commit marker that cannot be looked at for another reason than permissions (a link loop)
+    is unknown, passed over for the step before, not a folder this user may not read."""
+    folder = _saved(tmp_path)
+    marker = os.path.join(layout.step_dir(folder, 4), commit.MARKER)
+    os.remove(marker)
+    os.symlink(marker, marker)
+    assert layout.status_of(layout.step_dir(folder, 4)) == layout.UNKNOWN
+    job = make_job(str(tmp_path), steps=4, interval=2, init_seed=1, load_only=True)  # step 4 is in a save's way
+    assert job.manager.load() and job.train_state.step == 2
+    job.manager.close()

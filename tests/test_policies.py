@@ -99,6 +99,13 @@ def test_retention_passing_the_steps_of_the_run_left_behind_removes_them_not_its
     assert steps_to_delete(folders, keep_latest_k=0, committed_now=9, left={8}) == []  # retention off: all kept
 
 
+def test_the_step_just_committed_is_never_chosen_even_among_those_left_behind():
+    """A step the job saved again after going back (6, among the steps it left, {6, 8}) is the
+    step just committed: never deleted."""
+    folders = _folders([4, 6, 8])
+    assert 6 not in [f.step for f in steps_to_delete(folders, keep_latest_k=2, committed_now=6, left={6, 8})]
+
+
 def test_step_names():
     assert layout.parse_step("step-12") == 12
     assert layout.parse_step("step-0") == 0
@@ -206,7 +213,7 @@ def test_the_deleter_outlives_a_failed_deletion_and_drain_waits_for_the_queue(tm
     deleter = BackgroundDeleter(remove, str)
     deleter.submit(folders)
     threading.Timer(0.3, gate.set).start()
-    deleter.drain()
+    assert deleter.drain(timeout_s=60)  # a deleter thread that died with the error never drains
     assert removed == [2] and not os.path.exists(folders[1].path) and os.path.exists(folders[0].path)
     deleter.close()
     after = threading.Thread(target=deleter.drain, daemon=True)  # a load() after close() waits for nothing
