@@ -635,18 +635,21 @@ def test_a_folder_with_the_marking_file_and_more_is_not_ours(tmp_path, entry):
     """Only a folder holding the in-progress marker's temporary file and nothing else is a save
     of ours stopped while marking it; another program's folder holding such a name and its data,
     or a folder by that name, read as ours and was removed by `clean`."""
-    step = tmp_path / "step-3"
-    step.mkdir()
-    if entry == "beside_data":
-        for name in ("a.bin", "z.bin"):  # listed before and after it, whatever the listing's order
-            (step / name).write_bytes(b"data")
-        (step / (commit.IN_PROGRESS + ".tmp")).write_text("")
+    marking = commit.IN_PROGRESS + ".tmp"
+    steps = [tmp_path / f"step-{i}" for i in range(1, 9)]
+    for step in steps:
+        step.mkdir()
+    if entry == "beside_data":  # listed first in some of them, whatever order the file system lists in
+        for i, step in enumerate(steps):
+            for name in (marking, f"data-{i}.bin")[:: 1 if i % 2 else -1]:
+                (step / name).write_bytes(b"data")
     else:
-        (step / (commit.IN_PROGRESS + ".tmp")).mkdir()
-        (step / (commit.IN_PROGRESS + ".tmp") / "data").write_bytes(b"data")
-    assert layout.status_of(str(step)) == layout.UNKNOWN
+        for step in steps:
+            (step / marking).mkdir()
+            (step / marking / "data").write_bytes(b"data")
+    assert [layout.status_of(str(step)) for step in steps] == [layout.UNKNOWN] * len(steps)
     assert cli.main(["clean", str(tmp_path)]) == 0
-    assert sorted(p.name for p in step.rglob("*")) != []
+    assert all(len(list(step.rglob("*"))) == 2 for step in steps)
 
 
 def test_a_marker_that_is_a_link_loop_is_passed_over(tmp_path):
