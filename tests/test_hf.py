@@ -552,6 +552,15 @@ def test_import_from_the_hub_cache_reads_through_its_links_into_blobs_only(hf_ch
     with pytest.raises(CorruptCheckpointError, match="is a link to .*stolen, outside the checkpoint folder"):
         load_hf(our_model(seed=1).state_dict(), str(snapshot), hf_adapter(ARGS))
 
+    # laid out as a repository of the cache, its folder not under `snapshots`: not the cache's
+    fake = tmp_path / "fake" / "revisions" / "abc"
+    shutil.copytree(src, fake)
+    (tmp_path / "fake" / "blobs").mkdir()
+    (fake / first).rename(tmp_path / "fake" / "blobs" / "f00d")
+    (fake / first).symlink_to(tmp_path / "fake" / "blobs" / "f00d")
+    with pytest.raises(CorruptCheckpointError, match="is a link to .*f00d, outside the checkpoint folder"):
+        load_hf(our_model(seed=1).state_dict(), str(fake), hf_adapter(ARGS))
+
 
 def test_an_old_local_dir_download_linking_into_a_hub_cache_is_refused_saying_how_to_load_it(hf_checkpoint,
                                                                                               tmp_path):
@@ -835,6 +844,13 @@ def test_a_header_with_a_shape_or_offset_that_is_not_an_integer_is_refused_namin
 
 
 F32 = '{"dtype": "F32", "shape": [2], "data_offsets": [%d, %d]}'
+
+
+def test_a_header_longer_than_its_file_is_refused_before_it_is_read(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", 1000) + b'{"w": 1}')
+    with pytest.raises(CorruptCheckpointError, match=r"header length 1000 exceeds the file \(16 bytes\)"):
+        read_header(str(path))
 
 
 @pytest.mark.parametrize("header, data, problem", [

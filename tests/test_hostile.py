@@ -128,6 +128,19 @@ def test_a_data_file_linked_outside_the_folder_is_refused(ckpt):
     _untouched(sentinel)
 
 
+def test_a_data_file_linked_into_a_folder_named_like_its_own_is_refused(ckpt):
+    """`step-2/x` linking to `step-2-copy/x`: its target's path starts with the step folder's,
+    and is outside it all the same."""
+    dump, step, sentinel = ckpt
+    beside = step + "-copy"
+    os.mkdir(beside)
+    os.replace(os.path.join(step, "__0_1.distcp"), os.path.join(beside, "__0_1.distcp"))
+    os.symlink(os.path.join(beside, "__0_1.distcp"), os.path.join(step, "__0_1.distcp"))
+    _recommit(step)
+    _refused(dump, rf"__0_1.distcp: .* link to {beside}/__0_1.distcp, outside the checkpoint folder")
+    _untouched(sentinel)
+
+
 def test_a_file_swapped_for_a_link_out_while_it_is_opened_is_never_read(tmp_path):
     """Another writer of the folder swapping a file's name between the file and a link out of the
     folder: the check of the name and the open saw different files (the outside file was read
@@ -593,6 +606,9 @@ def test_a_metadata_pickle_bomb_is_refused_on_every_rank_from_rank_0s_scan(tmp_p
     ("files", {".//__0_0.distcp": {"size": 1, "crc32": "00000000"}}, r"files names '\.//__0_0.distcp', not as"),
     ("files", {"a": {"size": 1, "crc32": "00000000"}, "a/b": {"size": 1, "crc32": "00000000"}},
      r"files names 'a' both as a file and as the folder of 'a/b'"),
+    ("files", {"a": {"size": 1, "crc32": "00000000"}, "a/b/c": {"size": 1, "crc32": "00000000"}},
+     r"files names 'a' both as a file and as the folder of 'a/b/c'"),
+    ("files", {"a\x00b": {"size": 1, "crc32": "00000000"}}, "which is not a file name"),
     ("files", {"x" * 300: {"size": 1, "crc32": "00000000"}}, r"longer than a file name can be"),
     ("files", None, "files is a NoneType"),
     ("states", [1], "states"),

@@ -663,3 +663,23 @@ def test_a_marker_that_is_a_link_loop_is_passed_over(tmp_path):
     job = make_job(str(tmp_path), steps=4, interval=2, init_seed=1, load_only=True)  # step 4 is in a save's way
     assert job.manager.load() and job.train_state.step == 2
     job.manager.close()
+
+
+def test_every_file_a_writer_reports_on_the_disk_was_fsynced_whole(tmp_path, monkeypatch):
+    """The commit fsyncs no file its writers report on the disk: DCP fsyncs `.metadata`, which
+    it writes through the checksumming stream, and fsynced it with its bytes still in the
+    stream's buffer (0 bytes on the disk; a power loss then left a committed step with no index)."""
+    synced: dict[str, int] = {}
+    fsync = os.fsync
+
+    def seen(fd: int) -> None:
+        synced[os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).removesuffix(".tmp")] = os.fstat(fd).st_size
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", seen)
+    config = Checkpoint(enable=True, folder=str(tmp_path), interval=2, last_save_model_only=False)
+    with CheckpointManager(config, [torch.nn.Linear(2, 2)]) as manager:
+        manager.save(2)  # a small `.metadata`, which its writes leave in the buffer
+    step = layout.step_dir(str(tmp_path), 2)
+    info = commit.read_marker(step)
+    assert {rel: synced.get(rel) for rel in info.files} == {rel: e["size"] for rel, e in info.files.items()}

@@ -192,7 +192,7 @@ def remove_step(path: str, removed: Callable[[int], None] | None = None) -> None
 
 def write_marker(path: str, info: CommitInfo,
                  checksums: dict[str, tuple[int, str]] | None = None) -> CommitInfo:
-    """Fsync every file of the step, then atomically write the marker. `checksums` holds
+    """Make every file of the step durable, then atomically write the marker. `checksums` holds
     (size, crc32) of the files as their writers computed them once the files were on the disk
     (`formats.Written.durable`): those are not fsynced again. A file missing from it (written by
     a writer that does not checksum) is read once to compute its CRC, and fsynced. A file whose

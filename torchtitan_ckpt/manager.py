@@ -49,7 +49,7 @@ from .hf import StateDictAdapter
 from .hf.adapter import EMBEDDING, TIED_HEAD, as_adapter
 from .hf.files import RECORDED_LAYOUT
 from .hf.save import assets_file_split, read_assets
-from .io.dtypes import EXPORT_DTYPES, exported
+from .io.dtypes import EXPORT_DTYPES, exported_state
 from .io import safe_open
 from .io.filewriter import Sink
 from .io.untrusted import brief
@@ -696,7 +696,7 @@ class CheckpointManager:
         self._model.check_materialised(model_sd, "save()")
         if kind is SaveKind.MODEL_ONLY:
             dtype = EXPORT_DTYPES[self.config.export_dtype]
-            return {k: exported(k, v, dtype) for k, v in model_sd.items()}
+            return exported_state(model_sd, dtype)
         if kind is SaveKind.SEED:
             return model_sd
         states = {name: s.state_dict() if isinstance(s, CheckedState) else _state_dict_of(name, s, "save()", model_sd)

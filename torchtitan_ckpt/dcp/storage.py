@@ -257,6 +257,10 @@ class _ChecksummedStream:
         self._f.flush()
 
     def fileno(self) -> int:
+        """The descriptor, with every byte written so far in it: DCP fsyncs `.metadata` through
+        it, and the commit counts on that (`commit.write_marker` fsyncs no file a writer
+        reported on the disk)."""
+        self._f.flush()
         return self._f.fileno()
 
     def close(self) -> None:

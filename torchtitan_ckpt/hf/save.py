@@ -30,10 +30,9 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from ..io import IO_THREADS
 from ..dcp.storage import root_cause
-from ..io import durable, safe_open
-from ..io.dtypes import CAST_ON_EXPORT, exported
+from ..io import IO_THREADS, durable, safe_open
+from ..io.dtypes import CAST_ON_EXPORT, exported_state
 from .consolidate import OnePassPlan, clear_model_files, consolidate_safetensors, create_replacing, plan_one_pass
 from .consolidate import write_safetensors_one_pass
 from ..errors import AdapterMismatchError, CheckpointError, RankFailed
@@ -128,21 +127,11 @@ def _plan(group: CheckpointGroup, adapter: StateDictAdapter | ForeignAdapter, st
     step (a pipeline stage's rank converts its part), so that a failure on one rank (a cast that
     finds no memory) fails every rank there; then the ranks' tensors together must be the whole
     model, checked alike on every rank."""
-    plan = plan_one_pass(lambda: adapter.to_hf(_cast_all(state_dict, dtype), complete=False), group,
+    plan = plan_one_pass(lambda: adapter.to_hf(exported_state(state_dict, dtype, widen=True), complete=False), group,
                          adapter.hf_names)
     if adapter.hf_names is not None:
         check_names("the ranks' state dicts -> HF", plan.specs, adapter.hf_names)
     return plan
-
-
-def _cast_all(state_dict: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
-    """Floating tensors cast to `dtype` (`io.dtypes.exported`), each tensor once (tied weights are
-    one tensor)."""
-    cast: dict[int, Any] = {}
-    for name, value in state_dict.items():
-        if id(value) not in cast:
-            cast[id(value)] = exported(name, value, dtype, widen=True)
-    return {name: cast[id(value)] for name, value in state_dict.items()}
 
 
 def _whole_tensors(hf_sd: dict[str, Any]) -> tuple[dict[str, Any], int]:

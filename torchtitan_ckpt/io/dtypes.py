@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -20,31 +22,47 @@ CAST_ON_EXPORT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 (transformers loads models in them)."""
 
 
-def exported(name: str, tensor: torch.Tensor, dtype: torch.dtype | None, widen: bool = False) -> torch.Tensor:
+def exported(tensor: torch.Tensor, dtype: torch.dtype | None, widen: bool = False) -> torch.Tensor:
     """`tensor` as an export in `dtype` holds it: cast where of a dtype of `CAST_ON_EXPORT`; with
     `widen` (a Hugging Face export, which transformers loads in one dtype), also where of a
     narrower floating dtype every value of which `dtype` holds (FP8 weights into bfloat16). Else
     as it is: a model-only step keeps float8, float4 and scale (e8m0) tensors, which a cast would
-    make larger, lose (float16 holds no e8m0 scale above 2^15) or fail on (float4). Finite values
-    the cast makes infinite (beyond float16's 65504) are a warning naming the tensor `name`."""
+    make larger, lose (float16 holds no e8m0 scale above 2^15) or fail on (float4)."""
     if dtype is None or not tensor.dtype.is_floating_point or tensor.dtype == dtype:
         return tensor
-    if not (tensor.dtype in CAST_ON_EXPORT or widen and _holds(dtype, tensor.dtype)):
-        return tensor
-    out = tensor.to(dtype)
-    if torch.finfo(dtype).max < torch.finfo(tensor.dtype).max and (lost := _overflowed(tensor, out)):
-        logger.warning("%s: %d finite value(s) beyond %s's range (+-%g) are exported as inf%s", name, lost,
-                       str(dtype).removeprefix("torch."), torch.finfo(dtype).max,
-                       " (this rank's shard)" if isinstance(tensor, DTensor) else "")
+    cast = tensor.dtype in CAST_ON_EXPORT or widen and _holds(dtype, tensor.dtype)
+    return tensor.to(dtype) if cast else tensor
+
+
+def exported_state(state: Mapping[str, Any], dtype: torch.dtype | None, widen: bool = False) -> dict[str, Any]:
+    """Every tensor of `state` as `exported` gives it, each tensor cast once (tied weights are
+    one tensor). Finite values a cast made infinite (beyond float16's 65504) are a warning naming
+    the tensors: counted on each tensor's device, read once per device (no wait per tensor)."""
+    out: dict[str, Any] = {}
+    made: dict[int, Any] = {}
+    lost: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, value in state.items():
+        if id(value) not in made:
+            made[id(value)] = cast = exported(value, dtype, widen)
+            if cast is not value and torch.finfo(cast.dtype).max < torch.finfo(value.dtype).max:
+                count = _overflowed(value, cast)
+                lost.setdefault(count.device, []).append((name, count))
+        out[name] = made[id(value)]
+    for found in lost.values():
+        for (name, _), n in zip(found, torch.stack([count for _, count in found]).tolist()):
+            if n:
+                logger.warning("%s: %d finite value(s) beyond %s's range (+-%g) are exported as inf%s", name, n,
+                               str(dtype).removeprefix("torch."), torch.finfo(dtype).max,
+                               " (this rank's shard)" if isinstance(state[name], DTensor) else "")
     return out
 
 
-def _overflowed(source: torch.Tensor, cast: torch.Tensor) -> int:
-    """How many finite values of `source` are infinite in `cast` (of this rank's shard)."""
+def _overflowed(source: torch.Tensor, cast: torch.Tensor) -> torch.Tensor:
+    """How many finite values of `source` are infinite in `cast` (of this rank's shard), as a
+    0-dim tensor on their device."""
     if isinstance(source, DTensor):
         source, cast = source.to_local(), cast.to_local()
-    inf = torch.isinf(cast)
-    return int((inf & torch.isfinite(source)).sum()) if inf.any() else 0
+    return (torch.isinf(cast) & torch.isfinite(source)).sum()
 
 
 @functools.cache

@@ -83,7 +83,7 @@ class WriterProcess:
         self._gone: BaseException | None = None
         self._replies = threading.Thread(target=self._receive, name="ckpt-writer-replies", daemon=True)
         self._replies.start()
-        _OPEN[self] = os.getpid()
+        _OPEN.add(self)
 
     def _start(self) -> None:
         with _main_hidden():
@@ -235,11 +235,11 @@ class WriterProcess:
         self._replies.join()
         self._conn.close()
         self._registered.clear()
-        _OPEN.pop(self, None)
+        _OPEN.discard(self)
 
 
-_OPEN: dict[WriterProcess, int] = {}
-"""Writers not closed yet -> the process that started them. Their reply threads keep them alive
+_OPEN: set[WriterProcess] = set()
+"""Writers this process started and has not closed. Their reply threads keep them alive
 after their owner is gone (a manager dropped without `close()`), and at exit `multiprocessing`
 joins every child after a SIGTERM the writer ignores: `_close_at_exit` closes them first."""
 
@@ -248,9 +248,8 @@ def _close_at_exit() -> None:
     """Close the writers this process started and nobody closed. Registered on import, before any
     manager's own exit hook (`staging._wait_at_exit`), so it runs after them: a save in flight
     is waited for first."""
-    for writer, pid in list(_OPEN.items()):
-        if pid == os.getpid():  # a forked child inherits the table, not the writers
-            writer.close()
+    for writer in list(_OPEN):  # a forked child's is empty (`_forget_writers`)
+        writer.close()
 
 
 if (_register_atexit := getattr(threading, "_register_atexit", None)) is not None:

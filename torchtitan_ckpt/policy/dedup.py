@@ -77,7 +77,7 @@ def lowest_rank(layout: Layout) -> Assignment:
 def balanced(layout: Layout) -> Assignment:
     """Each replicated value is written whole by the holder that has the fewest bytes to write
     (data plus `RECORD_BYTES` per write) once its own values are counted; largest values are
-    placed first, ties go to the lower rank."""
+    placed first, ties go to the lower rank; values without rows last, together (`_place_whole`)."""
     owners = holders(layout)
     out, loads = _unshared(layout, owners)
     _place_whole([k for k, ranks in owners.items() if len(ranks) > 1], layout, owners, loads, out)
