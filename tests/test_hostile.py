@@ -1504,6 +1504,24 @@ def test_a_pickle_whose_dict_keys_share_a_hash_is_refused_before_it_is_built(tmp
     _refused_in_child(read, r"its pickle .* more than 4096 (keys|values) whose hashes it can choose")
 
 
+def test_check_pickle_edges_of_its_rules():
+    """Rules no other test met at their edge: an object changed after another took it in; keys
+    whose hashes a pickle chooses that fit in exactly 8 bytes; the length it returns is through
+    STOP, not what follows."""
+    from torchtitan_ckpt.io.untrusted import UnsafePickleError, check_pickle
+
+    grown = b"\x80\x02]]q\x00ah\x00K\x01a0."  # outer = []; inner = []; outer.append(inner); inner.append(1)
+    assert pickle.loads(grown) == [[1]]
+    with pytest.raises(UnsafePickleError, match="changes an object after another object took it in"):
+        check_pickle(grown, "x")
+    eight = [b"\x80\x04}("]
+    for k in range(4097):  # 2**62 + k: 8 bytes, beyond the hash's modulus
+        eight += [b"\x8a\x08" + (2**62 + k).to_bytes(8, "little", signed=True), b"K\x00"]
+    with pytest.raises(UnsafePickleError, match="more than 4096 keys whose hashes it can choose"):
+        check_pickle(b"".join(eight + [b"u."]), "x")
+    assert check_pickle(b"\x80\x02K\x01." + b"after", "x") == 5
+
+
 def test_a_dict_of_many_tuple_keys_is_refused_and_of_small_ints_read():
     """Tuples hash from their items (a pickle can make many share one); distinct small ints never
     share one, and strings hash with a secret of the process."""
