@@ -286,6 +286,16 @@ def test_values_beyond_the_export_dtype_are_a_warning_naming_the_tensor(tmp_path
     assert caplog.messages == ["norm.weight: 2 finite value(s) beyond float16's range (+-65504) are exported as inf"]
 
 
+def test_an_export_leaves_files_named_like_its_own_but_not_its_own(tmp_path):
+    """An earlier export's model files are removed before a new one is written; files whose
+    names only begin like them (a user's copy, another tool's temporary file) are not."""
+    for name in ("model.safetensors.orig", "model-00001-of-00002.safetensors.tmp"):
+        (tmp_path / name).write_bytes(b"the user's")
+    save_hf(our_model().state_dict(), str(tmp_path), hf_adapter(ARGS))
+    assert (tmp_path / "model.safetensors.orig").read_bytes() == b"the user's"
+    assert (tmp_path / "model-00001-of-00002.safetensors.tmp").read_bytes() == b"the user's"
+
+
 def test_export_replaces_an_earlier_export(tmp_path):
     model = our_model()
     save_hf(model.state_dict(), str(tmp_path), hf_adapter(ARGS), max_shard_size="100KB")

@@ -1504,6 +1504,16 @@ def test_a_pickle_whose_dict_keys_share_a_hash_is_refused_before_it_is_built(tmp
     _refused_in_child(read, r"its pickle .* more than 4096 (keys|values) whose hashes it can choose")
 
 
+def test_a_file_of_exactly_the_bound_is_read_and_one_byte_more_refused(tmp_path):
+    from torchtitan_ckpt.io.safe_open import read_bounded
+
+    path = tmp_path / "f.json"
+    path.write_bytes(b"x" * 100)
+    assert read_bounded(str(path), "a file", 100) == b"x" * 100
+    with pytest.raises(CorruptCheckpointError, match="is larger than 99 bytes"):
+        read_bounded(str(path), "a file", 99)
+
+
 def test_check_pickle_edges_of_its_rules():
     """Rules no other test met at their edge: an object changed after another took it in; keys
     whose hashes a pickle chooses that fit in exactly 8 bytes; the length it returns is through
