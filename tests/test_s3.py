@@ -91,9 +91,17 @@ def _job(seed: int = 0):
 
 
 def _train(model, opt) -> None:
+    """One step. On the ranks of a process group, every rank then holds rank 0's result, as data
+    parallelism keeps replicas alike: a rank loads bytes another rank wrote, and two processes'
+    arithmetic is not always bit for bit the same (seen now and then under load, with plain torch
+    too: one process's `sqrt` of a large tensor, and so its Adam step on half of a weight's rows,
+    2e-4 apart from the others')."""
     model(torch.ones(2, 1200)).sum().backward()
     opt.step()
     opt.zero_grad()
+    if dist.is_initialized():
+        for t in [*model.state_dict().values(), *(v for s in opt.state.values() for v in s.values())]:
+            dist.broadcast(t, src=0)
 
 
 def _snapshot(model, opt) -> dict:
@@ -139,22 +147,23 @@ def test_save_and_resume_are_bit_identical(bucket, tmp_path, mode):
     assert max(data.values()) > 5 << 20  # one file went up in several parts
 
 
-def _crash(rank, world_size, url, staging, failpoint):
-    """Saves step 1, then dies at `failpoint` while saving step 2."""
+def _crash(rank, world_size, url, staging, failpoint, expected=None):
+    """Saves step 1 (its state written to the file `expected` too, when given), then dies at
+    `failpoint` while saving step 2."""
     os.environ["RANK"] = str(rank)  # which rank a fail point names
     os.environ[faults.ENV] = failpoint
     model, opt = _job()
     _train(model, opt)
+    if expected and rank == 0:  # the ranks resuming compare with it, not with a step of their own arithmetic
+        torch.save(_snapshot(model, opt), expected)
     with CheckpointManager(_config(url, staging), [model], opt) as manager:
         manager.save(1)
         _train(model, opt)
         manager.save(2)
 
 
-def _resume_step_1(rank, world_size, url, staging):
-    model, opt = _job()
-    _train(model, opt)
-    expected = _snapshot(model, opt)
+def _resume_step_1(rank, world_size, url, staging, expected):
+    expected = torch.load(expected, weights_only=True)
     fresh, fresh_opt = _job(seed=1)
     with CheckpointManager(_config(url, staging, verify_on_load=True), [fresh], fresh_opt) as manager:
         assert manager.load()
@@ -186,13 +195,13 @@ def test_a_load_keeps_a_partial_step_newer_than_the_one_it_loaded(bucket, tmp_pa
 def test_a_kill_during_a_save_leaves_the_previous_step_loadable(bucket, tmp_path, failpoint):
     url = f"s3://{bucket}/run"
     with pytest.raises(ProcessException):
-        spawn(2, _crash, url, str(tmp_path / "a"), failpoint)
+        spawn(2, _crash, url, str(tmp_path / "a"), failpoint, str(tmp_path / "step-1.pt"))
     names = _objects(bucket)
     assert "run/step-1/COMMITTED.json" in names
     assert "run/step-2/COMMITTED.json" not in names and "run/step-2/IN_PROGRESS.json" in names
     if failpoint.startswith("upload"):
         assert "run/step-2/__1_0.distcp" in names  # rank 1's data is up, the step is still invisible
-    spawn(2, _resume_step_1, url, str(tmp_path / "b"))
+    spawn(2, _resume_step_1, url, str(tmp_path / "b"), str(tmp_path / "step-1.pt"))
     assert {k for k in _objects(bucket) if k.endswith(".json")} == {"run/step-2/COMMITTED.json"}
 
 
