@@ -5,9 +5,9 @@
 The state is the example model's with AdamW moments, HSDP over gloo ranks on the CPU with replicate
 degree 2 (a 2x1 mesh on 2 ranks, 2x2 on 4), so every tensor is held by two ranks. Per planner it
 prints: the max/mean of the bytes each rank's file holds (the busiest rank sets the save time), how
-many files hold replicated tensors and how many one rank opens to reload its own replicated
-tensors, and the median time of `dcp.save` over `--repeats`. Ratios are against PyTorch's default
-planner on the same state. Absolute times on a shared machine are noise; read the ratios. Here all
+many files hold replicated values and how many one rank opens to reload its own replicated
+values (tensors, and the optimizer's settings and steps every rank reads), and the median time
+of `dcp.save` over `--repeats`. Ratios are against PyTorch's default planner on the same state. Absolute times on a shared machine are noise; read the ratios. Here all
 ranks share one disk, so a rank's extra bytes barely show in the time; where each rank writes with
 its own bandwidth, the time follows the busiest rank's bytes.
 """
@@ -120,8 +120,8 @@ def _imbalance(loads: list[int]) -> float:
 def print_table(results: dict, flavor: str) -> None:
     print(f"\ndedup policies, model flavor {flavor!r} + AdamW, HSDP replicate degree {REPLICATE}, "
           f"median of repeats; (x) = ratio to {REFERENCE}\n")
-    print("| ranks | planner | GB written | bytes/rank max/mean | files with replicated tensors | "
-          "files one rank opens to reload its replicated tensors | save time |")
+    print("| ranks | planner | GB written | bytes/rank max/mean | files with replicated values | "
+          "files one rank opens to reload its replicated values | save time |")
     print("|---|---|---|---|---|---|---|")
     for world, rows in sorted(results.items()):
         ref = rows[REFERENCE]

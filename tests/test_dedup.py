@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -61,9 +62,19 @@ def test_balanced_ties_go_to_the_lower_rank_whatever_the_order():
     assert _ranks(balanced(shuffled)) == expected
 
 
-def test_balanced_spreads_values_of_unknown_size_by_their_record_overhead():
-    layout = [{f"h{i}": Item(0) for i in range(6)} for _ in range(2)]  # e.g. optimizer hyper-parameters
-    assert [ws[0].rank for _, ws in sorted(balanced(layout).items())] == [0, 1, 0, 1, 0, 1]
+@pytest.mark.parametrize("policy, settings_rank", [
+    (balanced, 0),  # rank 0: p0, 8 + 1300 B; rank 1: w whole, 400 + 1300
+    (functools.partial(replica_slices, min_slice_bytes=1), 1)])  # w halved: 0 writes 1308 + 1500, 1 1500
+def test_values_without_rows_held_by_the_same_ranks_go_to_one_file(policy, settings_rank):
+    """Optimizer settings (one per parameter and setting) are read by every rank holding them:
+    spread over the ranks' files (as they were), every rank opened every rank's file on load.
+    They go together to the least loaded of their holders once the tensors are placed."""
+    settings = {f"h{i}": Item(0) for i in range(6)}
+    stages = [{**settings, "w": Item(400, 4), "p0": Item(8, 1)}, {**settings, "w": Item(400, 4)},
+              {"s1": Item(0), "s2": Item(0)}, {"s1": Item(0), "s2": Item(0), "p3": Item(16, 2)}]
+    writers = {key: [w.rank for w in ws] for key, ws in policy(stages).items()}
+    assert {k: writers[k] for k in settings} == {k: [settings_rank] for k in settings}
+    assert (writers["s1"], writers["s2"]) == ([2], [2])  # rank 3 writes p3
 
 
 def test_replica_slices_splits_large_tensors_rows_among_holders():
@@ -210,7 +221,7 @@ def test_planner_writes_each_rank_its_slices():
     assert planners[0].summary.bytes_per_rank == (92, 84)
     assert planners[0].summary_line() == (
         "dedup replica_slices: 2 rank(s) write 0.000 GB of tensors, the busiest 0.000 GB (max/mean 1.045); "
-        "replicated tensors in 2 file(s), a rank reloads its own from up to 2")
+        "replicated values in 2 file(s), a rank reloads its own from up to 2")
 
 
 def test_summary_line_is_known_only_after_planning():

@@ -7,7 +7,8 @@ time) and how many files a loader opens. DCP keeps the copy of the rank with the
 far, counting every item at its *global* size and in state-dict order; the policies here count
 the bytes each rank really writes:
 
-- `balanced`: largest replicated values first, each to the holder with the fewest bytes so far;
+- `balanced`: largest replicated values first, each to the holder with the fewest bytes so far
+  (values without rows held by the same ranks together, to one file);
 - `lowest_rank`: the lowest holder, so replicated values sit in as few files as possible;
 - `replica_slices`: each of the R holders writes 1/R of a large value's rows (dim 0); DCP stores
   the parts as chunks of one tensor and reassembles them on load at any world size.
@@ -56,8 +57,7 @@ Policy = Callable[[Layout], Assignment]
 
 RECORD_BYTES = 1300
 """What a file holds around each write besides its data: DCP writes every item as a `torch.save`
-record (measured: 1261 B for a float, 1573 B around a tensor). `balanced` counts it, so that
-hundreds of small values (flattened optimizer hyper-parameters) do not all land on one rank."""
+record (measured: 1261 B for a float, 1573 B around a tensor). `balanced` counts it."""
 
 
 def holders(layout: Layout) -> dict[Key, list[int]]:
@@ -77,7 +77,7 @@ def lowest_rank(layout: Layout) -> Assignment:
 def balanced(layout: Layout) -> Assignment:
     """Each replicated value is written whole by the holder that has the fewest bytes to write
     (data plus `RECORD_BYTES` per write) once its own values are counted; largest values are
-    placed first, ties go to the lower rank."""
+    placed first, ties go to the lower rank; values without rows last, together (`_place_whole`)."""
     owners = holders(layout)
     out, loads = _unshared(layout, owners)
     _place_whole([k for k, ranks in owners.items() if len(ranks) > 1], layout, owners, loads, out)
@@ -119,12 +119,24 @@ def _unshared(layout: Layout, owners: dict[Key, list[int]]) -> tuple[Assignment,
 
 def _place_whole(keys: list[Key], layout: Layout, owners: dict[Key, list[int]],
                  loads: list[int], out: Assignment) -> None:
-    """Largest first, each to its least-loaded holder (the lower rank on a tie); updates `loads`."""
+    """Largest first, each to its least-loaded holder (the lower rank on a tie); updates `loads`.
+    Values without rows (non-tensor values and 0-dim tensors: flattened optimizer settings and
+    steps, a few per parameter) held by the same ranks go together to one of them, the least
+    loaded: each is read by every holder on load, and spread over R files would open R files on
+    every rank."""
     size = {key: layout[owners[key][0]][key].nbytes + RECORD_BYTES for key in keys}
+    together: dict[tuple[int, ...], list[Key]] = {}
     for key in sorted(keys, key=lambda k: (-size[k], k)):
+        if layout[owners[key][0]][key].rows == 0:
+            together.setdefault(tuple(owners[key]), []).append(key)
+            continue
         rank = min(owners[key], key=lambda r: (loads[r], r))
         loads[rank] += size[key]
         out[key] = [Write(rank)]
+    for ranks, group in together.items():
+        rank = min(ranks, key=lambda r: (loads[r], r))
+        loads[rank] += sum(size[key] for key in group)
+        out.update({key: [Write(rank)] for key in group})
 
 
 POLICIES: dict[str, Callable[..., Assignment]] = {
@@ -149,8 +161,8 @@ def make_policy(name: str, min_slice_bytes: int) -> Policy:
 @dataclass(frozen=True)
 class DedupSummary:
     """What an assignment means for a save: tensor bytes each rank writes, how many files (one per
-    rank) hold replicated tensors, and the most files one rank opens to reload its replicated
-    tensors in the same layout."""
+    rank) hold replicated values, and the most files one rank opens to reload its replicated
+    values in the same layout."""
 
     policy: str
     bytes_per_rank: tuple[int, ...]
@@ -167,12 +179,12 @@ class DedupSummary:
         return (f"dedup {self.policy}: {len(self.bytes_per_rank)} rank(s) write "
                 f"{sum(self.bytes_per_rank) / 1e9:.3f} GB of tensors, the busiest "
                 f"{max(self.bytes_per_rank, default=0) / 1e9:.3f} GB (max/mean {self.imbalance:.3f}); "
-                f"replicated tensors in {self.replicated_files} file(s), a rank reloads its own "
+                f"replicated values in {self.replicated_files} file(s), a rank reloads its own "
                 f"from up to {self.max_files_to_load}")
 
 
 def summarize(layout: Layout, assignment: Assignment, policy: str) -> DedupSummary:
-    """The cost of `assignment` on `layout`. Values of 0 bytes (non-tensor values) open no file."""
+    """The cost of `assignment` on `layout`."""
     owners = holders(layout)
     loads = [0] * len(layout)
     writers: dict[Key, set[int]] = {}
@@ -180,7 +192,7 @@ def summarize(layout: Layout, assignment: Assignment, policy: str) -> DedupSumma
         item = layout[owners[key][0]][key]
         for w in writes:
             loads[w.rank] += item.nbytes if w.rows is None else item.nbytes // item.rows * len(w.rows)
-        if len(owners[key]) > 1 and item.nbytes > 0:
+        if len(owners[key]) > 1:
             writers[key] = {w.rank for w in writes}
     per_rank = [set().union(*(writers[k] for k in items if k in writers)) for items in layout]
     return DedupSummary(policy, tuple(loads), len(set().union(*writers.values())),
