@@ -370,7 +370,7 @@ class CheckpointManager:
         every call but `close()` (`_not_forked`)."""
         @functools.wraps(method)
         def call(self, *args: Any, **kwargs: Any) -> Any:
-            if os.getpid() != self._pid:  # a forked child's copy: its lock may have been held at the fork
+            if self._forked:  # a forked child's copy: its lock may have been held at the fork
                 if method.__name__ != "close":
                     self._not_forked(method.__name__)
                 return method(self, *args, **kwargs)
@@ -392,11 +392,16 @@ class CheckpointManager:
                         self.close()
         return cast(_Call, call)  # the signature stays the method's, for type checkers too
 
+    @property
+    def _forked(self) -> bool:
+        """Whether this is a copy of the manager in a process forked from its own."""
+        return os.getpid() != self._pid
+
     def _not_forked(self, call: str) -> None:
         """A `CheckpointError` in a process forked from the manager's (a data loader's worker, a
         pool's): its saves, collectives, writer and background thread are the parent's, and a
         child's save committed a step in the parent's folder, or waited forever for the parent's."""
-        if os.getpid() != self._pid:
+        if self._forked:
             raise CheckpointError(f"{call}(): this CheckpointManager belongs to process {self._pid}, and this is "
                                   f"process {os.getpid()}, forked from it (a DataLoader worker, a multiprocessing "
                                   "pool?): its saves and collectives are that process's. Save and load from the "
@@ -425,7 +430,7 @@ class CheckpointManager:
         self._closed = True
         for hook in self._hooks:
             hook.remove()
-        if os.getpid() != self._pid:  # a forked child's copy: the saves, the writer and the deleter are
+        if self._forked:  # a forked child's copy: the saves, the writer and the deleter are
             return  # the parent's (its save in flight was waited for forever; the parent's writer stopped)
         try:
             self._saves.close()
@@ -541,7 +546,7 @@ class CheckpointManager:
         step compiled by `torch.compile`: a wait on another thread, which Dynamo traced again and
         again (with `verify_staging`, up to its recompile limit). The wait counts as the
         training's time spent on the save (`_TrainingWait`)."""
-        if os.getpid() != self._pid:  # a forked child steps its own copy of the state
+        if self._forked:  # a forked child steps its own copy of the state
             return
         start = time.perf_counter()
         self._saves.wait_for_staging()
@@ -552,7 +557,7 @@ class CheckpointManager:
     def save_in_flight(self) -> bool:
         """True while a background save is being written (never with `async_mode = "disabled"`, nor
         in a forked child: the save is its parent's)."""
-        return self.config.enable and os.getpid() == self._pid and self._saves.in_flight()
+        return self.config.enable and not self._forked and self._saves.in_flight()
 
     def maybe_wait_for_staging(self) -> None:
         """TorchTitan's: block until the staging of the last `save()` is done, so the training
