@@ -7,9 +7,10 @@ degree 2 (a 2x1 mesh on 2 ranks, 2x2 on 4), so every tensor is held by two ranks
 prints: the max/mean of the bytes each rank's file holds (the busiest rank sets the save time), how
 many files hold replicated values and how many one rank opens to reload its own replicated
 values (tensors, and the optimizer's settings and steps every rank reads), and the median time
-of `dcp.save` over `--repeats`. Ratios are against PyTorch's default planner on the same state. Absolute times on a shared machine are noise; read the ratios. Here all
-ranks share one disk, so a rank's extra bytes barely show in the time; where each rank writes with
-its own bandwidth, the time follows the busiest rank's bytes.
+of `dcp.save` over `--repeats`. Ratios are against PyTorch's default planner on the same state.
+Absolute times on a shared machine are noise; read the ratios. Here all ranks share one disk, so a
+rank's extra bytes barely show in the time; where each rank writes with its own bandwidth, the
+time follows the busiest rank's bytes.
 """
 
 from __future__ import annotations
