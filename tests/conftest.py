@@ -1,9 +1,14 @@
 """Every test process, and the ranks and jobs it starts, keeps what this package caches for its
-user (`io/own_writes.py`) in a folder of the test session's, not in the user's home."""
+user (`io/own_writes.py`) in a folder of the test session's, not in the user's home; and makes its
+vector-math first calls on one thread (`helpers.settle_vector_math`)."""
 
 import os
 
 import pytest
+
+from tests.helpers import settle_vector_math
+
+settle_vector_math()
 
 
 @pytest.fixture(scope="session", autouse=True)

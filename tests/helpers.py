@@ -76,8 +76,27 @@ def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
             assert x == y, f"{key}: {x!r} != {y!r}"
 
 
+# The functions ATen hands to oneMKL's vector math (aten/src/ATen/cpu/vml.h), each in float32 and
+# float64. oneMKL 2024.2 (torch 2.13's wheel) picks each one's kernel at its first call, and a first
+# call made by several threads at once may run one thread's share with a low-accuracy kernel
+# (pytorch/pytorch#188792): two processes of one test could then train to other bits.
+_VECTOR_MATH = ("acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp", "log", "log10",
+                "log2", "sin", "sqrt", "tan", "tanh", "trunc")
+
+
+def settle_vector_math() -> None:
+    """Make each vector-math function's first call in this process, on one element (one thread),
+    so that no later call can be a first call made on several threads: the warm-up of the fix
+    proposed upstream (pytorch/pytorch#188791). Called at the start of every test process."""
+    for dtype in (torch.float32, torch.float64):
+        one = torch.full((1,), 0.5, dtype=dtype)
+        for name in _VECTOR_MATH:
+            getattr(torch, name)(one)
+
+
 def _rank_main(rank: int, world_size: int, init_file: str, fn, args) -> None:
     faulthandler.enable()  # a crash in C++ (gloo) prints where Python was
+    settle_vector_math()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     # A rank that fails leaves its group to its process's exit, which comes after `spawn` has
     # its error: destroyed at once, it failed the other ranks' barrier first, and `spawn` could
