@@ -11,12 +11,16 @@ DEMO_OUT ?= outputs/demo
 ASYNC_MODE ?= disabled
 DEMO_ARGS = --config configs/debug_model.toml --job.dump_folder $(DEMO_OUT) --checkpoint.async_mode $(ASYNC_MODE)
 
+# where pip's own sources hold no CPU wheel of torch (PyPI's Linux wheels are CUDA builds):
+# make test TORCH_INDEX=--index-url=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+
 .PHONY: demo test test-torch-latest bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet torch==2.13.0 $(TORCH_INDEX)
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 

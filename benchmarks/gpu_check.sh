@@ -7,6 +7,13 @@
 #  2. the example job under torchrun on the GPU (NCCL beside gloo), stopped and resumed;
 #  3. benchmarks.overhead on one GPU: the checkpoint's cost to training, every path side by side.
 # Each part has its own time limit, so one that hangs leaves the others' logs.
+# It needs torchdata, isal and torch_checkpointing beside torch (pip install -e '.[test,bench]').
+# For a machine without network access, fetch their wheels where there is one, for its Python:
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+#       torchdata==0.11.0 isal==1.9.1 torch_checkpointing==0.1.1
+# and there, before this script:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 set -u
 PY=${PYTHON:-python3}
 LOGS=${1:-/tmp/gpu_check}

@@ -88,3 +88,14 @@ def test_cli_md_documents_what_list_prints(tmp_path, capsys):
 def test_config_reference_is_fresh():
     with open(os.path.join(ROOT, "docs", "config.md")) as f:
         assert f.read() == docgen.render(docgen.load_root(EXAMPLE_ROOT), EXAMPLE_ROOT), "docs/config.md is stale: run `make docs`"
+
+
+def test_every_option_is_in_the_docs():
+    """Every option of every command is named in docs/cli.md."""
+    with open(os.path.join(ROOT, "docs", "cli.md"), encoding="utf-8") as f:
+        text = f.read()
+    commands = next(a for a in cli.build_parser()._actions if a.choices and a.dest == "command").choices
+    missing = [f"{name} {option}" for name, parser in commands.items() for action in parser._actions
+               for option in action.option_strings
+               if option.startswith("--") and option != "--help" and not re.search(rf"[`/]{option}(?![\w-])", text)]
+    assert not missing
