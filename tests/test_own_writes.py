@@ -66,6 +66,19 @@ def test_the_newest_digests_are_kept(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "torchtitan_ckpt") == ["own-metadata"]
 
 
+def test_a_rewrite_left_by_a_killed_process_stops_no_later_one(tmp_path, monkeypatch):
+    """A process killed while rewriting the list leaves its file beside it; a later process with
+    its pid (containers reuse them) still keeps the list short."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(own_writes, "KEPT", 4)
+    (tmp_path / "torchtitan_ckpt").mkdir(mode=0o700)
+    for left in (f"own-metadata.{os.getpid()}", f"own-metadata.{os.getpid()}.0123456789abcdef"):
+        (tmp_path / "torchtitan_ckpt" / left).write_bytes(b"")
+    for i in range(20):
+        own_writes.remember(hashlib.sha256(bytes([i])).digest())
+    assert (tmp_path / "torchtitan_ckpt" / "own-metadata").stat().st_size <= 2 * 4 * 65
+
+
 def test_without_a_cache_folder_nothing_is_kept(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("XDG_CACHE_HOME", "relative")

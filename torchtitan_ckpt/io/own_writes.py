@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import stat
 
 logger = logging.getLogger(__name__)
@@ -70,9 +71,11 @@ def remember(digest: bytes) -> None:
 
 def _keep_newest(path: str, newest: bytes) -> None:
     """Replace the file by one of its `newest` bytes' whole lines (a file beside it, renamed
-    over it)."""
+    over it). The file beside it has a name no other rewrite takes: one named by the process
+    alone, left by a process killed while rewriting, would fail every rewrite of a later process
+    given its pid, and the list would grow without end."""
     newest = newest[newest.index(b"\n") + 1:] if b"\n" in newest else b""
-    part = f"{path}.{os.getpid()}"
+    part = f"{path}.{os.getpid()}.{secrets.token_hex(8)}"
     fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         try:
