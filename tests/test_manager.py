@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import re
 import shutil
+import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -1083,3 +1087,38 @@ def test_a_torch_save_file_as_initial_load_path_is_named_for_what_it_is(tmp_path
     with CheckpointManager(config, [torch.nn.Linear(4, 4)], base_folder=str(tmp_path / "run3")) as manager, \
             pytest.raises(CheckpointNotFoundError, match=r"is a file, not a step folder"):
         manager.load()
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
+def test_a_manager_dropped_unclosed_is_collected_and_lets_go(tmp_path, mode, caplog):
+    """A manager dropped without close() (a trainer building its manager again): the optimizer's
+    step pre-hook does not keep it alive; once collected, its threads end, its writer process
+    stops, and a warning says to close it. The optimizer steps on."""
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = Checkpoint(enable=True, interval=1, async_mode=mode)
+    with CheckpointManager(config, [model], optimizers=opt, base_folder=str(tmp_path / "first")) as first:
+        first.save(1)
+    # the process's own threads (the writers' launcher, multiprocessing's sharer of descriptors)
+    before = set(threading.enumerate())
+    manager = CheckpointManager(config, [model], optimizers=opt, base_folder=str(tmp_path))
+    manager.save(1)
+    manager.wait()
+    writer = getattr(manager._saves, "writer", None)  # noqa: SLF001
+    process = writer._proc if writer is not None else None  # noqa: SLF001
+    dropped, writer = weakref.ref(manager), None
+    del manager
+    gc.collect()
+    assert dropped() is None
+    assert "collected without close()" in caplog.text
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()  # the hook left behind does nothing, and goes as the next manager is made
+    CheckpointManager(config, [model], optimizers=opt, base_folder=str(tmp_path / "next")).close()
+    assert not opt._optimizer_step_pre_hooks  # noqa: SLF001
+    deadline = time.monotonic() + 60
+    while (set(threading.enumerate()) - before or process is not None and process.is_alive()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not {t.name for t in set(threading.enumerate()) - before}
+    assert process is None or not process.is_alive()
+

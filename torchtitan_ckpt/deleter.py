@@ -21,7 +21,8 @@ class BackgroundDeleter:
     def __init__(self, remove: Callable[[StepFolder], None], describe: Callable[[str], str]) -> None:
         self._remove = remove
         self._describe = describe
-        self._queue: queue.Queue[StepFolder | None] = queue.Queue()
+        self._queue: queue.SimpleQueue[StepFolder | None] = queue.SimpleQueue()
+        """Simple: its `put` may run inside a garbage collection on any thread (`stop`)."""
         self._pending: set[str] = set()
         """The folders queued or being deleted: retention picks a step again until it is gone,
         and a second removal would fail (FileNotFoundError) and warn about a step deleted fine."""
@@ -57,8 +58,12 @@ class BackgroundDeleter:
 
     def close(self) -> None:
         """Finish pending deletions and stop the thread."""
-        self._queue.put(None)
+        self.stop()
         self._thread.join()
+
+    def stop(self) -> None:
+        """Have the thread end once the pending deletions are done, without waiting for it."""
+        self._queue.put(None)
 
     def _run(self) -> None:
         while (folder := self._queue.get()) is not None:

@@ -15,6 +15,7 @@ import operator
 import os
 import threading
 import time
+import weakref
 import zipfile
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ from .io.filewriter import Sink
 from .io.untrusted import brief
 from .progress import fmt_bytes, gb_per_s
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
-from .staging import BackgroundSaves, SaveJob, Staged, make_strategy
+from .staging import BackgroundSaves, SaveJob, Staged, SynchronousSaves, make_strategy
 from .states import (DP_RANK_PREFIX, CheckedState, DataLoaderState, LRSchedulerState, ModelPart, ModelState,
                      OptimizerState, StateLike, replicated_digest, saved_dp_degree, unwrapped)
 from .storage.base import Store
@@ -205,6 +206,8 @@ class CheckpointManager:
         self._close_pending = False
         """`close()` was called from inside another call on its thread; that call closes as it ends."""
         self._hooks: list = []
+        self._unclosed: weakref.finalize | None = None
+        """Lets go of what a manager collected without `close()` holds (`_collected_unclosed`)."""
         self._waiting: _TrainingWait | None = None
         """What the training thread spent on the last background save, counted on by the
         optimizer's step pre-hook while the save's copy is in flight."""
@@ -238,8 +241,9 @@ class CheckpointManager:
             raise
         self._deleter: BackgroundDeleter | None = None
         try:
+            _remove_left_hooks()
             if optimizer := self._states.get("optimizer"):
-                hook = torch.compiler.disable(self._before_optimizer_step)
+                hook = torch.compiler.disable(_step_pre_hook(weakref.ref(self)))
                 self._hooks = [opt.register_step_pre_hook(hook) for opt in optimizer.optimizers]
             if self._group.is_coordinator:
                 self._deleter = BackgroundDeleter(self._store.remove, self._store.describe)
@@ -248,6 +252,9 @@ class CheckpointManager:
         except BaseException:
             self.close()
             raise
+        self._unclosed = weakref.finalize(self, _collected_unclosed, self._saves, self._deleter, self._hooks,
+                                          self._pid, self._store.describe(self.folder))
+        self._unclosed.atexit = False  # the exit waits for a save in flight its own way (`staging`)
 
     def _check_job(self) -> None:
         """What the config asks of this job: an adapter for the Hugging Face format (and what an
@@ -428,6 +435,8 @@ class CheckpointManager:
             self._closed = True
             return
         self._closed = True
+        if self._unclosed is not None:
+            self._unclosed.detach()
         for hook in self._hooks:
             hook.remove()
         if self._forked:  # a forked child's copy: the saves, the writer and the deleter are
@@ -1479,3 +1488,49 @@ def _save_errors(step: int, path: str, fn):
             raise CheckpointSaveError(step, path, e) from e
 
     return run
+
+
+def _step_pre_hook(manager: weakref.ref[CheckpointManager]) -> Callable[..., None]:
+    """The step pre-hook of the optimizers given to `manager` (`_before_optimizer_step`), which
+    does not keep it alive: a manager dropped without `close()` (a trainer building its manager
+    again) is collected, not kept by each optimizer with its threads. The hook of a collected
+    manager does nothing; it stays registered until the next manager is made (`_LEFT_HOOKS`), as
+    removing it inside a garbage collection could land in the optimizer's walk over its hooks."""
+    def before_step(*args: Any) -> None:
+        live = manager()
+        if live is not None:
+            live._before_optimizer_step(*args)
+    return before_step
+
+
+_LEFT_HOOKS: list[Any] = []
+"""The step pre-hooks (their handles) of managers collected unclosed, removed as a manager is made."""
+
+
+def _remove_left_hooks() -> None:
+    """Remove the hooks of managers collected unclosed: as a manager is made, where no optimizer
+    walks its hooks."""
+    while True:
+        try:
+            handle = _LEFT_HOOKS.pop()
+        except IndexError:  # none left (another thread's manager may take the last one)
+            return
+        handle.remove()
+
+
+def _collected_unclosed(saves: SynchronousSaves | BackgroundSaves, deleter: BackgroundDeleter | None,
+                        hooks: list[Any], pid: int, where: str) -> None:
+    """A manager collected without `close()` (no save of its is in flight: a save holds it): its
+    threads and its writer process end, its staging buffers go (`abandon`), and the deletions
+    queued finish; it runs inside a garbage collection on any thread, so nothing is waited for.
+    Its hold of the folder and a group it made stay until the process ends. Nothing in a forked
+    child's copy: they are the parent's."""
+    if os.getpid() != pid:
+        return
+    logger.warning("the CheckpointManager of %s was collected without close(): its threads and buffers are let go "
+                   "of now, its hold of the folder when the process ends; close() a manager when done with it "
+                   "(or make it in a `with` block)", where)
+    saves.abandon()
+    if deleter is not None:
+        deleter.stop()
+    _LEFT_HOOKS.extend(hooks)

@@ -152,6 +152,9 @@ class SynchronousSaves:
     def close(self) -> None:
         """Nothing to shut down."""
 
+    def abandon(self) -> None:
+        """Nothing to let go of."""
+
 
 def freeze(state: Any, deferred: Deferred, path: tuple = ()) -> Any:
     """`state` as it is now, except for the deferred tensors: those are kept as they are (live),
@@ -606,6 +609,15 @@ class BackgroundSaves:
             if self.writer is not None:
                 self.writer.close()
                 self.writer = None
+
+    def abandon(self) -> None:
+        """What `close` lets go of, without waiting for anything: for an owner collected unclosed
+        (no save of its can be in flight then, as a save holds its owner), inside a garbage
+        collection on any thread."""
+        self._pool.shutdown(wait=False)
+        self.stager.release()
+        if self.writer is not None:
+            self.writer.stop()
 
 
 def _take(laid_out: Future, copies: list[Copies], frozen: dict[str, Any]) -> Staged:

@@ -81,6 +81,8 @@ class WriterProcess:
         reaping one child at once make `multiprocessing` report it running after it exited (the
         loser's `waitpid` fails), and a kill then aims at a process id the kernel may reuse."""
         self._gone: BaseException | None = None
+        self._stopped = False
+        """Told to stop without a wait (`stop`): its reply thread lets go of it once it has."""
         self._replies = threading.Thread(target=self._receive, name="ckpt-writer-replies", daemon=True)
         self._replies.start()
         _OPEN.add(self)
@@ -164,6 +166,9 @@ class WriterProcess:
             for done in waiting:
                 if not done.done():
                     done.set_exception(self._gone)
+            if self._stopped:
+                self._registered.clear()
+                _OPEN.discard(self)
 
     def _lost(self, e: BaseException) -> WriterProcessError:
         return WriterProcessError(f"the checkpoint writer process exited (exit code {self.exitcode}): "
@@ -213,6 +218,17 @@ class WriterProcess:
         with self._reap:
             if self._proc.is_alive():
                 self._proc.kill()
+
+    def stop(self) -> None:
+        """Tell the writer to stop, without waiting for it (its owner was collected unclosed, and
+        this may run inside a garbage collection on any thread, this writer's reply thread
+        included: no lock is taken, and nothing else sends by then). Once it has stopped, the
+        reply thread drops the shared buffers and lets go of this writer."""
+        self._stopped = True
+        try:
+            self._conn.send(_STOP)
+        except OSError:  # gone already
+            pass
 
     def close(self) -> None:
         """Stop the writer (after the writes in progress, if any) and wait for it to exit. With
