@@ -80,3 +80,27 @@ def test_two_ranks_switch_engines_mid_run_and_resume_bit_identically(tmp_path):
     assert losses(second) == {s: loss for s, loss in losses(straight).items() if s > 10}
     assert_same(read_checkpoint(_step(tmp_path, "straight", 20)), read_checkpoint(_step(tmp_path, "mixed", 20)))
     assert commit.verify(_step(tmp_path, "mixed", 10)) == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_step_removed_after_its_check_is_read_as_checked(tmp_path, engine):
+    """A job saving into the folder may remove the step another job reads (retention), between
+    the check pass and the reads: each engine reads the files the check opened, not their names
+    (PyTorch's opened them again and failed half-way, a `PartialLoadError`)."""
+    job = make_job(str(tmp_path), steps=2, interval=2, keep_latest_k=0, io_engine=engine)
+    job.run_to(2, steps=2)
+    job.manager.close()
+    path = _step(tmp_path, "", 2)
+    expected = read_checkpoint(path)
+    state = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in expected.items()}
+
+    def then_removed(checks):
+        checks()
+        for name in os.listdir(path):
+            os.unlink(os.path.join(path, name))
+
+    reader = storage.make_storage_reader(path, read_metadata(os.path.join(path, METADATA_FILE)),
+                                         fast=engine == "fast", agree=then_removed)
+    dcp.load(state, storage_reader=reader, planner=storage.make_load_planner(), no_dist=True)
+    assert os.listdir(path) == []
+    assert_same(state, expected)

@@ -21,7 +21,7 @@ from torchtitan_ckpt.dcp.metadata import METADATA_FILE
 from torchtitan_ckpt.formats.base import _nesting
 from torchtitan_ckpt.storage.local import LOCK_FILE
 
-from .helpers import assert_same, data_file_use, read_checkpoint
+from .helpers import TensorState, assert_same, data_file_use, read_checkpoint
 from .jobs import make_job
 
 
@@ -1122,3 +1122,38 @@ def test_a_manager_dropped_unclosed_is_collected_and_lets_go(tmp_path, mode, cap
     assert not {t.name for t in set(threading.enumerate()) - before}
     assert process is None or not process.is_alive()
 
+
+
+class _RemovedAsRead(TensorState):
+    """A state whose `state_dict()`, once armed, removes `path` first: as another job's
+    retention removing the step this job's load has chosen."""
+
+    def __init__(self, path: str):
+        super().__init__(torch.zeros(2))
+        self.path, self.armed = path, False
+
+    def state_dict(self):
+        if self.armed:
+            self.armed = False
+            shutil.rmtree(self.path)
+        return super().state_dict()
+
+
+def test_an_initial_step_removed_while_read_is_said_removed(tmp_path):
+    """`initial_load_path` naming a step of a run whose job removes it as this job reads it: not
+    a damaged step (what the failure to open a data file said), and nothing of the job changed."""
+    first = make_job(str(tmp_path / "first"), steps=4, interval=2, keep_latest_k=0,
+                     extra_states={"extra": TensorState(torch.ones(2))})
+    first.run_to(2, steps=4)
+    first.manager.close()
+    step = layout.step_dir(str(tmp_path / "first" / "checkpoint"), 2)
+    extra = _RemovedAsRead(step)
+    job = make_job(str(tmp_path / "second"), steps=4, interval=2, initial_load_path=step,
+                   initial_load_model_only=False, extra_states={"extra": extra})
+    before = {k: v.clone() for k, v in job.model.state_dict().items()}
+    extra.armed = True
+    with pytest.raises(CheckpointNotFoundError, match="was removed while this job read it"):
+        job.manager.load()
+    assert not os.path.exists(step)
+    assert_same(job.model.state_dict(), before)
+    job.manager.close()

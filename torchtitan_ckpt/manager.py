@@ -778,6 +778,10 @@ class CheckpointManager:
                 self._left = self._steps_left(target, folders)
                 break
             except CheckpointError as e:
+                if target is not None and not isinstance(e, PartialLoadError) and self._initial_removed(target):
+                    raise CheckpointNotFoundError(
+                        f"checkpoint.initial_load_path = {self.config.initial_load_path} was removed while this job "
+                        "read it (by the retention of a job saving there?): name a step that job keeps") from e
                 # the step read: the target, or before it was chosen, the one asked for or the newest (read first)
                 read = (target.step if target is not None else wanted if wanted >= 0 else
                         max((f.step for f in folders if f.loadable), default=None))
@@ -847,6 +851,17 @@ class CheckpointManager:
         except (RankFailed, CollectiveError):  # the listing failed: the load's own failure is the one to report
             return []
         return found if isinstance(found, list) else []  # a rank that failed alone met another round of rank 0's
+
+    def _initial_removed(self, target: _LoadTarget) -> bool:
+        """Whether `target`, the local step `initial_load_path` names, is no longer a finished
+        checkpoint as rank 0 looks at it again (a job saving there removed it), on every rank."""
+        if target.store is not self._initial or self._initial.staged:
+            return False
+        try:
+            status = self._group.run(lambda: layout.status_of(target.path), coordinator_only=True)[0]
+        except (RankFailed, CollectiveError):  # the look failed: the load's own failure is the one to report
+            return False
+        return status in (layout.PARTIAL, layout.UNKNOWN)
 
     def _agreed_steps(self, mine: list[layout.StepFolder]) -> list[layout.StepFolder]:
         """Rank 0's view of the step folders, on every rank (with this rank's paths): ranks that

@@ -113,10 +113,13 @@ class SafeFileSystemReader(FileSystemReader):
                     items.fill(planner)
                 else:  # the values are read: PyTorch's engine reads the tensors
                     rest = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
+                    self.fs.opened = {os.fspath(self.fs.concat_path(self.path, rel)): fd
+                                      for rel, fd in items.opened.items()}
                     super().read_data(dataclasses.replace(plan, items=rest), planner).wait()
             except Exception as e:
                 raise PartialLoadError(str(self.path), e) from e
         finally:
+            self.fs.opened = {}
             items.close()
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -124,13 +127,26 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class _ReadOnlyRegularFiles(FileSystem):
-    """DCP's file system for the reads DCP's own reader still does (with `fast=False`): every
-    file is opened as `safe_open` opens one (a FIFO or a device is refused, never waited on)."""
+    """DCP's file system for the reads DCP's own reader still does (with `fast=False`): a file
+    the check pass opened is read through a duplicate of its descriptor (`opened`), not opened
+    by its name again, which may be gone since (a job saving into the folder removed the step:
+    a load of another job's step fails before anything is written, or reads what it checked);
+    any other file is opened as `safe_open` opens one (a FIFO or a device is refused, never
+    waited on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened: dict[str, int] = {}
+        """The check pass's descriptor of each data file, by its path, while it reads."""
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
         if "r" not in mode or "+" in mode:
             raise CorruptCheckpointError(f"{path}: opened as {mode!r} by a checkpoint reader")
+        if (fd := self.opened.get(os.fspath(path))) is not None:
+            with os.fdopen(os.dup(fd), "rb") as f:
+                yield f
+            return
         with safe_open.open_path(str(path), "a data file named in .metadata") as f:
             yield f
 

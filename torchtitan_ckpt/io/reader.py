@@ -363,6 +363,11 @@ class ItemReader:
         runs = [(self._open(rel, run), run) for rel, run in runs]
         self._checked = self._each(lambda run: self._check_run(*run, planner), runs)
 
+    @property
+    def opened(self) -> dict[str, int]:
+        """The descriptor of each file `check` opened, by its name (relative to `root`)."""
+        return dict(self._fds)
+
     def fill(self, planner: LoadPlanner) -> None:
         """The second pass: read the checked tensors into their destinations."""
         self._each(lambda run: self._fill_run(run, planner), self._checked)
