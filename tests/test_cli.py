@@ -753,3 +753,41 @@ def test_convert_of_a_dtype_safetensors_cannot_hold_is_an_input_error(tmp_path, 
     assert cli.main(["convert", "--to", "hf", path, out, "-q"]) == cli.EXIT_INPUT
     assert "has dtype torch.complex128, which safetensors cannot hold" in capsys.readouterr().err
     assert not os.path.exists(out)
+
+
+def _two_saved_steps(tmp_path) -> str:
+    """A run folder holding steps 1 and 2 of a small model."""
+    model = torch.nn.Linear(8, 8)
+    with CheckpointManager(Checkpoint(enable=True, interval=1, keep_latest_k=0), [model],
+                           base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+        manager.save(2)
+    return str(tmp_path / "checkpoint")
+
+
+def test_a_step_removed_after_the_listing_is_not_listed(tmp_path):
+    """A job saving into the folder removes a step between `list`'s listing and its read of the
+    step's marker (retention removes the marker first): not a `corrupt` step, which the docs
+    tell an operator to remove by hand, but one gone."""
+    folder = _two_saved_steps(tmp_path)
+    with cli._opened(folder, "folder") as (store, local):
+        listed = store.scan(local)
+        os.remove(os.path.join(layout.step_dir(folder, 1), commit.MARKER))
+        records = [cli._step_record(s, store) for s in listed]
+    assert records[0] is None and records[1]["status"] == layout.COMPLETE
+
+
+def test_a_step_removed_while_verified_is_said_removed(tmp_path, monkeypatch, capsys):
+    """Retention removing the step `verify` checks: exit status 2 saying so, not 1 and
+    `CORRUPT` lines for files that are only gone."""
+    step = layout.step_dir(_two_saved_steps(tmp_path), 1)
+    checks = commit.check_files
+
+    def removed_meanwhile(path, *args, **kwargs):  # the other job's retention, at this moment
+        shutil.rmtree(step)
+        return checks(path, *args, **kwargs)
+
+    monkeypatch.setattr(commit, "check_files", removed_meanwhile)
+    assert cli.main(["verify", step]) == 2
+    out = capsys.readouterr()
+    assert "was removed while it was verified" in out.err and "CORRUPT" not in out.out

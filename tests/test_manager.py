@@ -122,6 +122,23 @@ def test_many_steps_passed_over_for_one_reason_are_one_warning(tmp_path, caplog)
         f"more: its save did not finish (no {commit.MARKER})"]
 
 
+def test_a_job_that_only_loads_tells_of_a_save_in_flight_at_info(tmp_path, caplog):
+    """An evaluation job loading from a run that is training meets the training's save in flight
+    (a partial step newer than every complete one) at almost every load: an INFO line, where a
+    job that goes on training (a crashed save ahead of its resume) gets a warning."""
+    job = make_job(str(tmp_path), steps=20, interval=2)
+    job.run_to(2, steps=20)
+    job.manager.close()
+    os.mkdir(layout.step_dir(_folder(tmp_path), 4))
+    commit.mark_in_progress(layout.step_dir(_folder(tmp_path), 4))
+    for load_only, level in ((True, "INFO"), (False, "WARNING")):
+        caplog.clear()
+        reader = make_job(str(tmp_path), steps=20, interval=2, load_only=load_only)
+        assert reader.manager.load() and reader.train_state.step == 2
+        reader.manager.close()
+        assert [r.levelname for r in caplog.records if r.getMessage().startswith("ignoring")] == [level]
+
+
 def test_keep_latest_k_keeps_newest_complete_steps(tmp_path):
     job = make_job(str(tmp_path), steps=10, interval=1, keep_latest_k=3, last_save_model_only=False)
     job.run_to(10, steps=10)
@@ -1157,3 +1174,26 @@ def test_an_initial_step_removed_while_read_is_said_removed(tmp_path):
     assert not os.path.exists(step)
     assert_same(job.model.state_dict(), before)
     job.manager.close()
+
+
+class _FailsToSave(TensorState):
+    def state_dict(self):
+        raise RuntimeError("this state cannot be saved")
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_a_manager_dropped_after_a_failed_background_save_is_collected(tmp_path, mode, caplog):
+    """A background save that failed, never waited for: the failure kept for the next call held,
+    through the variables of the calls it went through, the manager its finalizer could not let go."""
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = CheckpointManager(Checkpoint(enable=True, interval=1, async_mode=mode), [model], optimizers=opt,
+                                states={"failing": _FailsToSave(torch.zeros(1))}, base_folder=str(tmp_path))
+    manager.save(1)
+    deadline = time.monotonic() + 60
+    while "cannot be saved" not in caplog.text and time.monotonic() < deadline:  # told at once, on the log
+        time.sleep(0.05)
+    dropped = weakref.ref(manager)
+    del manager
+    gc.collect()
+    assert dropped() is None and "collected without close()" in caplog.text

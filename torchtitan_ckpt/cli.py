@@ -149,15 +149,18 @@ JSON, fields of the wrong shape), written by a newer version, or naming another 
 folder's name: never counted as complete or loadable."""
 
 
-def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any]:
+def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any] | None:
     """One step of `list --json`. A marker that cannot be read makes that step `corrupt`, its
     reason in `problem` (naming the step as the user does), rather than ending the listing of
-    every other step."""
+    every other step; one gone since the folder was listed is a step removed meanwhile (by the
+    retention of a job saving there): None, not listed."""
     info, status, problem, where = None, s.status, None, store.describe(s.path)
     if s.committed:
         try:
             info = store.read_marker(s.path)
         except CorruptCheckpointError as e:
+            if isinstance(e.__cause__, FileNotFoundError):
+                return None
             status, problem = CORRUPT, str(e)
         except NewerVersionError as e:
             status, problem = NEWER, str(e)
@@ -195,7 +198,7 @@ def cmd_list(args: argparse.Namespace, progress: Progress) -> int:
     if scheme_of(args.folder) is None:
         _require_folder(args.folder)
     with _opened(args.folder, "folder") as (store, folder):
-        steps = [_step_record(s, store) for s in store.scan(folder)]
+        steps = [r for s in store.scan(folder) if (r := _step_record(s, store)) is not None]
     loadable = _newest(steps, layout.COMPLETE, layout.FOREIGN)
     if args.json:
         _print_json({"folder": args.folder, "latest_complete": _newest(steps, layout.COMPLETE),
@@ -360,6 +363,9 @@ def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
             files = [{**f, "problem": f["problem"] and store.in_user_terms(f["problem"])}
                      for f in _verify_files(local, info, args.threads, progress)]
     failed = [f for f in files if not f["ok"]]
+    if failed and scheme_of(path) is None and not commit.is_committed(local):
+        raise CheckpointNotFoundError(f"{path} was removed while it was verified (by the retention of a job "
+                                      "saving there?): its files were not all there to check")
     if args.json:
         _print_json({"path": path, "step": info.step, "ok": not failed, "bytes": info.total_bytes,
                      "failed": len(failed), "files": files})

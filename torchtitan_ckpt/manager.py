@@ -56,7 +56,7 @@ from .io.filewriter import Sink
 from .io.untrusted import brief
 from .progress import fmt_bytes, gb_per_s
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
-from .staging import BackgroundSaves, SaveJob, Staged, SynchronousSaves, make_strategy
+from .staging import BackgroundSaves, SaveJob, Staged, make_strategy
 from .states import (DP_RANK_PREFIX, CheckedState, DataLoaderState, LRSchedulerState, ModelPart, ModelState,
                      OptimizerState, StateLike, replicated_digest, saved_dp_degree, unwrapped)
 from .storage.base import Store
@@ -252,8 +252,8 @@ class CheckpointManager:
         except BaseException:
             self.close()
             raise
-        self._unclosed = weakref.finalize(self, _collected_unclosed, self._saves, self._deleter, self._hooks,
-                                          self._pid, self._store.describe(self.folder))
+        self._unclosed = weakref.finalize(self, _collected_unclosed, self._saves.abandoner(), self._deleter,
+                                          self._hooks, self._pid, self._store.describe(self.folder))
         self._unclosed.atexit = False  # the exit waits for a save in flight its own way (`staging`)
 
     def _check_job(self) -> None:
@@ -947,8 +947,9 @@ class CheckpointManager:
                                       f"{_not_loadable(f)}")
             if not f.loadable and f.step > newest_step:
                 ignored.setdefault(_not_loadable(f), []).append(self._store.describe(f.path))
+        # a job that only loads (an evaluation beside the training) meets the training's saves in flight at every load
         for why, paths in ignored.items() if self._group.is_coordinator else ():
-            logger.warning("ignoring %s: %s", few(paths, 3), why)
+            logger.log(logging.INFO if self.config.load_only else logging.WARNING, "ignoring %s: %s", few(paths, 3), why)
         if loadable:
             if self.config.initial_load_path and self._group.is_coordinator:
                 logger.info("%s has loadable steps; ignoring initial_load_path", self._store.describe(self.folder))
@@ -1533,8 +1534,8 @@ def _remove_left_hooks() -> None:
         handle.remove()
 
 
-def _collected_unclosed(saves: SynchronousSaves | BackgroundSaves, deleter: BackgroundDeleter | None,
-                        hooks: list[Any], pid: int, where: str) -> None:
+def _collected_unclosed(abandon: Callable[[], None], deleter: BackgroundDeleter | None, hooks: list[Any], pid: int,
+                        where: str) -> None:
     """A manager collected without `close()` (no save of its is in flight: a save holds it): its
     threads and its writer process end, its staging buffers go (`abandon`), and the deletions
     queued finish; it runs inside a garbage collection on any thread, so nothing is waited for.
@@ -1545,7 +1546,7 @@ def _collected_unclosed(saves: SynchronousSaves | BackgroundSaves, deleter: Back
     logger.warning("the CheckpointManager of %s was collected without close(): its threads and buffers are let go "
                    "of now, its hold of the folder when the process ends; close() a manager when done with it "
                    "(or make it in a `with` block)", where)
-    saves.abandon()
+    abandon()
     if deleter is not None:
         deleter.stop()
     _LEFT_HOOKS.extend(hooks)

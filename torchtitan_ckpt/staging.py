@@ -152,8 +152,9 @@ class SynchronousSaves:
     def close(self) -> None:
         """Nothing to shut down."""
 
-    def abandon(self) -> None:
-        """Nothing to let go of."""
+    def abandoner(self) -> Callable[[], None]:
+        """Nothing to let go of (`BackgroundSaves.abandoner`)."""
+        return lambda: None
 
 
 def freeze(state: Any, deferred: Deferred, path: tuple = ()) -> Any:
@@ -484,6 +485,7 @@ class BackgroundSaves:
     def __init__(self, reuse_buffer: bool, verify: bool = False, saves: bool = True):
         self.stager = Stager(reuse=reuse_buffer)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-save")  # staging, the rest
+        self._held = _Held(self._pool, self.stager)
         self._pending: Future | None = None
         self._staging: Future | None = None
         self._path = ""
@@ -500,11 +502,19 @@ class BackgroundSaves:
         except RuntimeError as e:  # first: nothing is started yet that a failure would leave behind
             raise ConfigError("checkpoint.async_mode", "async_with_pinned_mem", "needs shared memory, which "
                               f"this machine refuses ({e}); use async, which needs none") from e
-        self.writer: WriterProcess | None = WriterProcess() if reuse_buffer and saves else None
-        """`async_with_pinned_mem`'s writer process: started now, so that it is up by the first
-        save (it takes seconds to import torch) when the job `saves`, else never (by the first
-        save, should one come)."""
+        self.writer = WriterProcess() if reuse_buffer and saves else None
         _wait_at_exit(self)
+
+    @property
+    def writer(self) -> WriterProcess | None:
+        """`async_with_pinned_mem`'s writer process: started with the strategy, so that it is up
+        by the first save (it takes seconds to import torch) when the job saves, else never (by
+        the first save, should one come)."""
+        return self._held.writer
+
+    @writer.setter
+    def writer(self, writer: WriterProcess | None) -> None:
+        self._held.writer = writer
 
     def submit(self, state: dict[str, Any], job: SaveJob, deferred: Deferred = _nothing_deferred) -> None:
         self.wait()
@@ -610,14 +620,29 @@ class BackgroundSaves:
                 self.writer.close()
                 self.writer = None
 
+    def abandoner(self) -> Callable[[], None]:
+        """What lets go of what `close` would, waiting for nothing, for an owner's finalizer (the
+        owner collected unclosed): it holds what must be let go of (`_Held`), not this strategy,
+        whose kept failure may hold the owner through the variables of the calls it went through."""
+        return self._held.abandon
+
+
+class _Held:
+    """What a `BackgroundSaves` holds beyond its saves: its thread pool, its staging arenas and
+    its writer process."""
+
+    def __init__(self, pool: ThreadPoolExecutor, stager: Stager):
+        self.pool, self.stager = pool, stager
+        self.writer: WriterProcess | None = None
+
     def abandon(self) -> None:
-        """What `close` lets go of, without waiting for anything: for an owner collected unclosed
-        (no save of its can be in flight then, as a save holds its owner), inside a garbage
-        collection on any thread."""
-        self._pool.shutdown(wait=False)
+        """Let go of them waiting for nothing: for an owner collected unclosed (no save of its can
+        be in flight then, as a save holds its owner), inside a garbage collection on any thread,
+        maybe while the exit's `finish_at_exit` closes the writer on another."""
+        self.pool.shutdown(wait=False)
         self.stager.release()
-        if self.writer is not None:
-            self.writer.stop()
+        if (writer := self.writer) is not None:
+            writer.stop()
 
 
 def _take(laid_out: Future, copies: list[Copies], frozen: dict[str, Any]) -> Staged:

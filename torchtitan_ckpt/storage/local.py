@@ -73,8 +73,9 @@ class LocalStore(Store):
         if not first:  # shared: neither deletes the other's steps in flight (`sole_writer`)
             logger.warning("another CheckpointManager of this process saves into %s and is not closed: each one's "
                            "saves replace the other's steps of the same number, and its retention counts them; "
-                           "close() the first (a trainer building its manager again), or give each manager a "
-                           "folder of its own", self.root)
+                           "close() the first (a trainer building its manager again; one dropped without close() "
+                           "holds the folder until the process ends), or give each manager a folder of its own",
+                           self.root)
 
     @property
     def sole_writer(self) -> bool:
