@@ -19,7 +19,7 @@ TORCH_INDEX ?=
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build
+	# torch first and pinned, so that the test extras pull no other build (TORCH_INDEX: above)
 	$(PY) -m pip install --quiet torch==2.13.0 $(TORCH_INDEX)
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)

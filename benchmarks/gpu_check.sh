@@ -7,8 +7,9 @@
 #  2. the example job under torchrun on the GPU (NCCL beside gloo), stopped and resumed;
 #  3. benchmarks.overhead on one GPU: the checkpoint's cost to training, every path side by side.
 # Each part has its own time limit, so one that hangs leaves the others' logs.
-# It needs torchdata, isal and torch_checkpointing beside torch (pip install -e '.[test,bench]').
-# For a machine without network access, fetch their wheels where there is one, for its Python:
+# It runs in the package's test environment with its bench extra (pip install -e '.[test,bench]').
+# A GPU machine without network access that had torch, pytest and transformers lacked three
+# wheels; fetch them where there is network, for its Python:
 #   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
 #       torchdata==0.11.0 isal==1.9.1 torch_checkpointing==0.1.1

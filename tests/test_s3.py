@@ -1304,3 +1304,18 @@ def test_verify_on_load_reads_the_files_it_verified_without_downloading_them_aga
         assert manager.load()
     _assert_equal(_snapshot(fresh, fresh_opt), _snapshot(model, opt))
     assert {k: proxy.served[f"/{bucket}/{k}"] for k in sizes} == sizes
+
+
+def test_a_step_removed_after_the_listing_is_not_listed_on_object_storage(bucket, tmp_path):
+    """As on a local folder (tests/test_cli.py): a step whose marker the job's retention deleted
+    between `list`'s listing and its read of the marker is left out, not called `corrupt`."""
+    url, client = f"s3://{bucket}/run", boto3.client("s3")
+    model, opt = _job()
+    with CheckpointManager(_config(url, str(tmp_path / "stage"), keep_latest_k=2), [model], opt) as manager:
+        manager.save(1)
+        manager.save(2)
+    with cli._opened(url, "folder") as (store, local):
+        listed = store.scan(local)
+        client.delete_object(Bucket=bucket, Key="run/step-1/COMMITTED.json")
+        records = [cli._step_record(s, store) for s in listed]
+    assert records[0] is None and records[1]["status"] == "complete"

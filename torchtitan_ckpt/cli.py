@@ -159,7 +159,7 @@ def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any] | None:
         try:
             info = store.read_marker(s.path)
         except CorruptCheckpointError as e:
-            if isinstance(e.__cause__, FileNotFoundError):
+            if _gone(e):
                 return None
             status, problem = CORRUPT, str(e)
         except NewerVersionError as e:
@@ -170,6 +170,17 @@ def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any] | None:
     return {"step": s.step, "path": where, "status": status, "bytes": store.size(s.path),
             "format": fmt, "states": info.states if info else None,
             "world_size": info.world_size if info else None, "linked": s.linked, "problem": problem}
+
+
+def _gone(error: BaseException) -> bool:
+    """Whether `error` comes of a file that is not there (a store names the step as the user
+    does by raising its own error from the reader's)."""
+    seen: set[int] = set()
+    cause = error.__cause__
+    while cause is not None and id(cause) not in seen and not isinstance(cause, FileNotFoundError):
+        seen.add(id(cause))
+        cause = cause.__cause__
+    return isinstance(cause, FileNotFoundError)
 
 
 def _contents(s: dict[str, Any]) -> str:

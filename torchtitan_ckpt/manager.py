@@ -940,16 +940,18 @@ class CheckpointManager:
             return self._explicit_step(folders, step)
         loadable = [f for f in folders if f.loadable]
         newest_step = loadable[-1].step if loadable else -1
-        ignored: dict[str, list[str]] = {}  # one line per reason: a crashed job may leave a thousand
+        ignored: dict[tuple[str, bool], list[str]] = {}  # a line per reason: a crashed job may leave a thousand
         for f in folders:
             if f.status == layout.DENIED and f.step > newest_step:  # it may be the newest step: never passed over
                 raise CheckpointError(f"{self._store.describe(f.path)}, newer than every step this job may read, "
                                       f"{_not_loadable(f)}")
             if not f.loadable and f.step > newest_step:
-                ignored.setdefault(_not_loadable(f), []).append(self._store.describe(f.path))
-        # a job that only loads (an evaluation beside the training) meets the training's saves in flight at every load
-        for why, paths in ignored.items() if self._group.is_coordinator else ():
-            logger.log(logging.INFO if self.config.load_only else logging.WARNING, "ignoring %s: %s", few(paths, 3), why)
+                ignored.setdefault((_not_loadable(f), f.status == layout.PARTIAL), []).append(
+                    self._store.describe(f.path))
+        for (why, partial), paths in ignored.items() if self._group.is_coordinator else ():
+            # a job that only loads (an evaluation beside the training) meets the training's save in flight at each load
+            level = logging.INFO if partial and self.config.load_only else logging.WARNING
+            logger.log(level, "ignoring %s: %s", few(paths, 3), why)
         if loadable:
             if self.config.initial_load_path and self._group.is_coordinator:
                 logger.info("%s has loadable steps; ignoring initial_load_path", self._store.describe(self.folder))

@@ -222,8 +222,9 @@ class WriterProcess:
     def stop(self) -> None:
         """Tell the writer to stop, without waiting for it (its owner was collected unclosed, and
         this may run inside a garbage collection on any thread, this writer's reply thread
-        included: no lock is taken, and nothing else sends by then). Once it has stopped, the
-        reply thread drops the shared buffers and lets go of this writer."""
+        included: no lock is taken; no save sends by then, and a stop sent twice, with the
+        exit's `close`, is read once). Once it has stopped, the reply thread drops the shared
+        buffers and lets go of this writer."""
         self._stopped = True
         try:
             self._conn.send(_STOP)
@@ -255,9 +256,9 @@ class WriterProcess:
 
 
 _OPEN: set[WriterProcess] = set()
-"""Writers this process started and has not closed. Their reply threads keep them alive
-after their owner is gone (a manager dropped without `close()`), and at exit `multiprocessing`
-joins every child after a SIGTERM the writer ignores: `_close_at_exit` closes them first."""
+"""Writers this process started and has not closed or stopped (`stop`, for an owner collected
+unclosed). At exit `multiprocessing` joins every child after a SIGTERM the writer ignores:
+`_close_at_exit` closes them first."""
 
 
 def _close_at_exit() -> None:
