@@ -48,7 +48,7 @@ from .formats import FORMATS
 from .config import BUILTIN_STATES, MAX_THREADS, Checkpoint
 from .group import CheckpointGroup, launched_group, leave
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NewerVersionError, RankFailed,
-                     restate)
+                     in_chain, restate)
 from .hf.convert import convert
 from .hf.adapter import ROPE_LAYOUTS
 from .hf.registry import ADAPTERS
@@ -159,7 +159,7 @@ def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any] | None:
         try:
             info = store.read_marker(s.path)
         except CorruptCheckpointError as e:
-            if _gone(e):
+            if in_chain(e, lambda cause: isinstance(cause, FileNotFoundError)):  # a store wraps the reader's error
                 return None
             status, problem = CORRUPT, str(e)
         except NewerVersionError as e:
@@ -170,17 +170,6 @@ def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any] | None:
     return {"step": s.step, "path": where, "status": status, "bytes": store.size(s.path),
             "format": fmt, "states": info.states if info else None,
             "world_size": info.world_size if info else None, "linked": s.linked, "problem": problem}
-
-
-def _gone(error: BaseException) -> bool:
-    """Whether `error` comes of a file that is not there (a store names the step as the user
-    does by raising its own error from the reader's)."""
-    seen: set[int] = set()
-    cause = error.__cause__
-    while cause is not None and id(cause) not in seen and not isinstance(cause, FileNotFoundError):
-        seen.add(id(cause))
-        cause = cause.__cause__
-    return isinstance(cause, FileNotFoundError)
 
 
 def _contents(s: dict[str, Any]) -> str:
@@ -833,15 +822,10 @@ def _full(args: argparse.Namespace, error: BaseException) -> str:
     (its errno, or its cause's): a failure of the machine's, not of the input (exit 1), and
     what to do; "" for any other failure, or command (whose exit 1 means a damaged step)."""
     out = getattr(args, "dst", None) or getattr(args, "output_dir", None)
-    for _ in range(8):  # the chain a wrapped failure carries
-        if error is None or getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
-            break
-        error = error.__cause__ or error.__context__
-    else:
-        error = None
-    if out is None or error is None:
+    full = in_chain(error, lambda e: getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT))
+    if out is None or full is None:
         return ""
-    named = getattr(error, "filename", None)
+    named = getattr(full, "filename", None)
     where = os.path.dirname(os.path.abspath(named)) if isinstance(named, str) else out
     try:
         fs = os.statvfs(where if os.path.exists(where) else os.path.dirname(os.path.abspath(where)))

@@ -7,6 +7,18 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 
+def in_chain(error: BaseException | None, test: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first of `error` and the errors it was raised from or while handling (`__cause__`,
+    else `__context__`) that passes `test`; None if none does."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if test(error):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def few(items: Sequence[object], shown: int = 10) -> str:
     """`items` (steps, paths, ranks) for a message: the first `shown`, then how many more (a
     crashed job's folder, or a run's copy, may hold thousands; a job, thousands of ranks)."""

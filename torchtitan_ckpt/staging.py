@@ -49,7 +49,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import faults, gc_pause
-from .errors import ConfigError, StagingMismatchError
+from .errors import ConfigError, StagingMismatchError, in_chain
 from .io.dtypes import same_bytes
 from .io.filewriter import CountWait, Sink, write_files
 from .io.writer_process import WriterProcess
@@ -65,13 +65,7 @@ _EXIT_THREADS_NOTE = (" (this Python, 3.12.0 to 3.12.2, starts no thread at exit
 
 def _no_thread_at_exit(error: BaseException | None) -> bool:
     """Whether `error`, or an error it was raised from or during, is that refusal of a thread."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, RuntimeError) and "interpreter shutdown" in str(error):
-            return True
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return False
+    return in_chain(error, lambda e: isinstance(e, RuntimeError) and "interpreter shutdown" in str(e)) is not None
 
 Deferred = Callable[[tuple], bool]
 """Whether the tensor at a path of the state (its keys, in order) may be staged after `submit()`
