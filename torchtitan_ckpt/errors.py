@@ -89,6 +89,12 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint's files exist but cannot be trusted: bad marker, bad metadata, unsafe content."""
 
 
+class MisnamedStepError(CorruptCheckpointError):
+    """A step of ours in a folder named for another step (renamed, or copied in under another
+    name): a load by the folder's name would count from another step than it holds; a load of
+    the newest step passes it over."""
+
+
 class NewerVersionError(CheckpointError):
     """A step of a newer torchtitan_ckpt (its commit marker's version is above this one's): not
     damaged, so never passed over as a corrupt one (`verify_fallback`) for a save to replace."""

@@ -1,30 +1,27 @@
-"""CheckpointManager: decides when to save and what to load, and orchestrates the pieces.
+"""CheckpointManager: decides when to save, runs saves and loads, and orchestrates the pieces.
 
 Formats live in `formats`, storage backends in `storage`, the commit protocol in `commit`, step
-naming in `layout`, retention in `policy.retention`, the save schedule in `policy.schedule`, and
-how saves overlap training in `staging`.
+naming in `layout`, which checkpoint a load reads in `load_target` and what the states ask of
+it in `load_request`, retention in `policy.retention`, the save schedule in `policy.schedule`,
+and how saves overlap training in `staging`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
-import operator
 import os
 import threading
 import time
 import weakref
-import zipfile
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import commit, gc_pause, layout, storage
@@ -40,26 +37,24 @@ from .errors import (
     CorruptCheckpointError,
     PartialLoadError,
     RankFailed,
-    different_copies,
     few,
     restate,
 )
 from .group import CheckpointGroup
-from .formats import FORMATS, Context, StepFormat, StepIndex, Written
+from .formats import FORMATS, Context, StepFormat, Written
 from .hf import StateDictAdapter
 from .hf.adapter import EMBEDDING, TIED_HEAD, as_adapter
-from .hf.files import RECORDED_LAYOUT
 from .hf.save import assets_file_split, read_assets
 from .io.dtypes import EXPORT_DTYPES, exported_state
 from .io import safe_open
 from .io.filewriter import Sink
-from .io.untrusted import brief
+from .load_request import LoadRequest
+from .load_target import LoadTarget, TargetFinder
 from .progress import fmt_bytes, gb_per_s
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
 from .staging import BackgroundSaves, SaveJob, Staged, make_strategy
-from .states import (DP_RANK_PREFIX, CheckedState, DataLoaderState, LRSchedulerState, ModelPart, ModelState,
-                     OptimizerState, StateLike, replicated_digest, saved_dp_degree, unwrapped)
-from .storage.base import Store
+from .states import (CheckedState, DataLoaderState, LRSchedulerState, ModelPart, ModelState, OptimizerState,
+                     StateLike, own_state_dict, replicated_digest, unwrapped)
 
 logger = logging.getLogger(__name__)
 
@@ -73,26 +68,6 @@ _WAIT_TOLD_S = 0.01
 
 _REMOVED_RETRIES = 3
 """How many times `load()` looks for the newest step again when the one it read was removed."""
-
-
-@dataclass
-class _LoadTarget:
-    path: str
-    step: int | None
-    model_only: bool
-    format: StepFormat
-    index: StepIndex
-    store: Store
-    listed: frozenset[str] = frozenset()
-    """The states the step's commit marker lists (none for another program's step)."""
-    world_size: int | None = None
-    """How many ranks saved the step, where its commit marker says."""
-
-    def resized(self, world_size: int) -> str:
-        """A note that the step was saved by another number of ranks than `world_size`, or ""."""
-        if self.world_size is None or self.world_size == world_size:
-            return ""
-        return f" (saved by {self.world_size} ranks, this job has {world_size})"
 
 
 @dataclass
@@ -187,10 +162,6 @@ class CheckpointManager:
         self._left: set[int] = set()
         """The complete steps of the folder newer than the one loaded: a run this job went back
         from, whose steps retention neither counts nor keeps once this job's pass them."""
-        self._passed: set[int] = set()
-        """The steps the load passed over (holding only the model, or failing verification with
-        `verify_fallback`): a load passes them over again, so saves before them are not warned
-        of them as of steps a load would pick instead."""
         self._told_newer: set[tuple[str, int]] = set()
         """The newer steps (folder, step) saves warned of since the load: a save warns again only of
         a step not told before (the steps a job that went back passes go one by one, told once)."""
@@ -249,6 +220,9 @@ class CheckpointManager:
                 self._deleter = BackgroundDeleter(self._store.remove, self._store.describe)
             context = Context(config, self._group, self._adapter, self._store.staged)
             self._formats = {name: cls(context) for name, cls in FORMATS.items()}
+            self._targets = TargetFinder(config, self.folder, self._store, self._initial, self._group, self._formats,
+                                         self._adapter, self._states)
+            self._request = LoadRequest(self._model, self._states, config.exclude_from_loading, self._group)
         except BaseException:
             self.close()
             raise
@@ -668,7 +642,7 @@ class CheckpointManager:
         folders = self._store.scan(folder)
         left = self._left if folder == self.folder else set()
         self._deleter.submit(steps_to_delete(folders, self.config.keep_latest_k, step, left))
-        passed = self._passed if folder == self.folder else set()
+        passed = self._targets.passed if folder == self.folder else set()
         newer = [f.step for f in newer_steps(folders, step) if f.step not in passed]
         if not {(folder, s) for s in newer} <= self._told_newer:
             logger.warning("%s: steps %s are newer than step %d just saved (the job went back to an "
@@ -713,7 +687,7 @@ class CheckpointManager:
             return exported_state(model_sd, dtype)
         if kind is SaveKind.SEED:
             return model_sd
-        states = {name: s.state_dict() if isinstance(s, CheckedState) else _state_dict_of(name, s, "save()", model_sd)
+        states = {name: s.state_dict() if isinstance(s, CheckedState) else own_state_dict(name, s, "save()", model_sd)
                   for name, s in self._states.items()}  # ours build what a load fills: not checked at each save
         return {**model_sd, **states}
 
@@ -756,7 +730,8 @@ class CheckpointManager:
         `_REMOVED_RETRIES` times."""
         # rank 0 deletes what retention chose: every rank scans once those deletions are done
         self._group.run(lambda: self._deleter.drain(), coordinator_only=True)
-        self._passed, self._told_newer = set(), set()  # of the step this load picks
+        self._targets.passed.clear()  # of the step this load picks
+        self._told_newer = set()
         start = time.perf_counter()
         wanted = step if step >= 0 else self.config.load_step
         for retry in itertools.count(1):
@@ -764,8 +739,8 @@ class CheckpointManager:
                 lambda: self._store.scan(self.folder), f"listing the steps of {self._store.describe(self.folder)}"))
             target = None
             try:
-                target = self._find_load_target(folders, wanted)
-                self._check_steps_ahead(folders, target)
+                target = self._targets.find(folders, wanted)
+                self._targets.check_steps_ahead(folders, target)
                 if target is None:
                     if self._group.is_coordinator:  # a job that only loads, and loaded nothing: a typo?
                         logger.log(logging.WARNING if self.config.load_only else logging.INFO,
@@ -804,17 +779,17 @@ class CheckpointManager:
         self._retain_loaded(target, folders)
         return True
 
-    def _own_step(self, target: _LoadTarget) -> bool:
+    def _own_step(self, target: LoadTarget) -> bool:
         """Whether `target` is a step of this job's folder."""
         return target.store is self._store and target.step is not None and \
             target.path == layout.step_dir(self.folder, target.step)
 
-    def _steps_left(self, target: _LoadTarget, folders: list[layout.StepFolder]) -> set[int]:
+    def _steps_left(self, target: LoadTarget, folders: list[layout.StepFolder]) -> set[int]:
         """The complete steps of this job's folder newer than `target` once it is loaded: none
         unless `target` is a step of that folder."""
         return {f.step for f in newer_steps(folders, target.step)} if self._own_step(target) else set()
 
-    def _retain_loaded(self, target: _LoadTarget, folders: list[layout.StepFolder]) -> None:
+    def _retain_loaded(self, target: LoadTarget, folders: list[layout.StepFolder]) -> None:
         """A job that saves, once it loaded a step of its folder: delete what retention would
         after a save of that step (complete steps beyond `keep_latest_k`, set lower since, and
         partial folders older than it) and, where the job is the folder's only writer
@@ -852,7 +827,7 @@ class CheckpointManager:
             return []
         return found if isinstance(found, list) else []  # a rank that failed alone met another round of rank 0's
 
-    def _initial_removed(self, target: _LoadTarget) -> bool:
+    def _initial_removed(self, target: LoadTarget) -> bool:
         """Whether `target`, the local step `initial_load_path` names, is no longer a finished
         checkpoint as rank 0 looks at it again (a job saving there removed it), on every rank."""
         if target.store is not self._initial or self._initial.staged:
@@ -883,16 +858,16 @@ class CheckpointManager:
                     "node?); every rank would start from scratch. Give every rank the same folder")
         return agreed
 
-    def _read(self, target: _LoadTarget) -> None:
+    def _read(self, target: LoadTarget) -> None:
         """Each rank checks its share of the step and reads its values, the states check them,
         and every rank agrees before any tensor is written (`StepFormat.read`); then each rank
         fills its tensors in place, one gather makes any rank's failure every rank's, and the
         states take what was read. A failure once tensors are being written leaves the job's
         state undefined: `PartialLoadError` on every rank, and `save()` refuses until a load
         succeeds."""
-        state = self._group.each(lambda: self._state_for_load(target), f"loading {target.path}")
+        state = self._group.each(lambda: self._request.state(target), f"loading {target.path}")
         if target.format.named_as_state:
-            self._warn_unloaded(target, state)
+            self._request.warn_unloaded(target, state)
         try:
             self._group.run(lambda: target.format.read(target.path, target.index, state, target.store,
                                                        lambda: self._check_loaded(state, target.path)))
@@ -935,532 +910,10 @@ class CheckpointManager:
         except Exception as e:
             raise PartialLoadError(path, e if isinstance(e, CheckpointError) else _cannot_apply(path, name, e)) from e
 
-    def _find_load_target(self, folders: list[layout.StepFolder], step: int) -> _LoadTarget | None:
-        if step >= 0:
-            return self._explicit_step(folders, step)
-        loadable = [f for f in folders if f.loadable]
-        newest_step = loadable[-1].step if loadable else -1
-        ignored: dict[tuple[str, bool], list[str]] = {}  # a line per reason: a crashed job may leave a thousand
-        for f in folders:
-            if f.status == layout.DENIED and f.step > newest_step:  # it may be the newest step: never passed over
-                raise CheckpointError(f"{self._store.describe(f.path)}, newer than every step this job may read, "
-                                      f"{_not_loadable(f)}")
-            if not f.loadable and f.step > newest_step:
-                ignored.setdefault((_not_loadable(f), f.status == layout.PARTIAL), []).append(
-                    self._store.describe(f.path))
-        for (why, partial), paths in ignored.items() if self._group.is_coordinator else ():
-            # a job that only loads (an evaluation beside the training) meets the training's save in flight at each load
-            level = logging.INFO if partial and self.config.load_only else logging.WARNING
-            logger.log(level, "ignoring %s: %s", few(paths, 3), why)
-        if loadable:
-            if self.config.initial_load_path and self._group.is_coordinator:
-                logger.info("%s has loadable steps; ignoring initial_load_path", self._store.describe(self.folder))
-            return self._newest_target(loadable)
-        if self.config.initial_load_in_hf:
-            store = self._initial or storage.open_store(self._adapter.hf_assets_path, "hf_assets_path",
-                                                        self._group.rank, self.config)
-            return self._target(store.root, None, True, store, "hf")
-        if self._initial:
-            return self._initial_target(self._group.each(
-                lambda: self._initial.fetch(self._initial.root, layout.TELLING),
-                f"fetching checkpoint.initial_load_path = {self.config.initial_load_path}"))
-        return None
-
-    def _check_steps_ahead(self, folders: list[layout.StepFolder], target: _LoadTarget | None) -> None:
-        """A save never replaces a step folder this package did not write (`Store.prepare`).
-        Another program's folder ahead of the step this job starts from, at a step its schedule
-        saves (TorchTitan's last save, which a resume passes over; on object storage any step
-        without our markers), or a link to a step elsewhere, would fail that save after all the
-        training up to it: refused now, before any. One off the schedule is a warning: the job's
-        last step, which the manager does not know, may be there. (An empty folder, which a save
-        killed before its first file leaves, is replaced: `Store.replaceable`.)"""
-        if self.config.load_only:
-            return
-        start = target.step if target is not None and target.step is not None else 0
-        kept = [f for f in folders if f.step > start and not self._store.replaceable(f)]
-        ahead = [f for f in kept if save_kind(f.step, False, self.config) is not None]
-        if (off := [f.step for f in kept if f not in ahead]) and self._group.is_coordinator:
-            logger.warning("%s: step(s) %s, ahead of step %d this job starts from, were not written by "
-                           "torchtitan_ckpt (or are links, or this user may not remove them) and are never replaced: "
-                           "a last save at one of them (a "
-                           "run ending there) would be refused after the training. Move them out of the folder if so",
-                           self._store.describe(self.folder), few(off), start)
-        if not ahead:
-            return
-        steps = few([f.step for f in ahead])
-        denied = next(filter(None, (self._store.unremovable(f) for f in ahead
-                                    if not f.linked and (f.ours or f.status == layout.DENIED))), None)
-        whose = (f"include steps this user may not remove ({denied}; ask their owner, or save with umask 002 in a "
-                 "folder without the sticky bit)" if denied else
-                 "are links to folders elsewhere (a run linked in is never changed) or were not written by "
-                 "torchtitan_ckpt" if any(f.linked for f in ahead) else
-                 "were not written by torchtitan_ckpt (another program's, such as TorchTitan's last save)")
-        restart = (f" (checkpoint.initial_load_path = {self._store.describe(target.path)!r} with "
-                   "checkpoint.initial_load_model_only = false starts it from the same step there)"
-                   if target is not None and target.step is not None else "")
-        raise CheckpointError(
-            f"{self._store.describe(self.folder)}: step(s) {steps} {whose} and this job, starting from step "
-            f"{start}, saves step {ahead[0].step} (checkpoint.interval = {self.config.interval}); a save never "
-            f"replaces {'a folder it may not remove' if denied else 'a folder it did not write'}, so that save would "
-            "fail after the training up to it. Before "
-            f"training, move "
-            f"{self._store.describe(ahead[0].path)}{' and the others' if len(ahead) > 1 else ''} out of the folder, "
-            f"or save into another checkpoint.folder{restart}")
-
-    def _newest_target(self, loadable: list[layout.StepFolder]) -> _LoadTarget:
-        """The newest loadable step; with `verify_fallback`, an older one if it is corrupt. A
-        model-only step after step 0 is a finished run's last save: a job that would go on
-        training from it passes it over for an older full step (`_resume_point`), before
-        verifying it."""
-        passed: list[layout.StepFolder] = []  # model-only steps passed over, newest first
-        corrupt: list[int] = []
-        for newest in reversed(loadable):
-            if self._only_the_model(newest):
-                passed.append(newest)
-                self._passed.add(newest.step)
-                continue
-            if newest.status == layout.FOREIGN:
-                target = self._foreign_target(newest.path, newest.step, self._store)
-                if target.model_only and target.step and self._resumes():
-                    passed.append(newest)
-                    self._passed.add(newest.step)
-                    continue
-                return self._resume_point(target, passed, corrupt)
-            problems = self._verify(newest.path, self._store)
-            if problems and self.config.verify_fallback:
-                if self._group.is_coordinator:
-                    logger.error("step %d is corrupt, trying the previous complete step: %s",
-                                 newest.step, "; ".join(problems))
-                corrupt.append(newest.step)
-                self._passed.add(newest.step)
-                continue
-            if problems:
-                raise CorruptCheckpointError(f"step {newest.step} failed verification: {'; '.join(problems)}")
-            try:
-                target = self._committed_target(newest.path, newest.step, self._store)
-            except _Misnamed as e:
-                if self._group.is_coordinator:
-                    logger.warning("passing over %s", e)
-                self._passed.add(newest.step)
-                continue
-            return self._resume_point(target, passed, corrupt)
-        if passed:
-            return self._resume_point(None, passed, corrupt)
-        raise CorruptCheckpointError(f"every complete step in {self._store.describe(self.folder)} failed verification "
-                                     "or holds another step than its folder's name (each is named above)")
-
-    def _resumes(self) -> bool:
-        """Whether this job goes on training from what it loads: it saves, and it restores
-        states besides the model."""
-        return not self.config.load_only and bool(self._loaded_states())
-
-    def _only_the_model(self, folder: layout.StepFolder) -> bool:
-        """Whether `folder` is a step after step 0 that holds only the model, for a job that
-        `_resumes`, told without reading its index: ours by its marker (a damaged one is not:
-        verifying or loading the step reports it), another program's by its format (a Hugging
-        Face step holds nothing else, and reading its index needs a state-dict adapter)."""
-        if not folder.step or not self._resumes():
-            return False
-        if folder.status == layout.FOREIGN:
-            return not self._foreign_format(folder.path).holds_states
-        if folder.status != layout.COMPLETE:
-            return False
-
-        def model_only() -> bool:
-            try:
-                return self._store.read_marker(folder.path).model_only
-            except CorruptCheckpointError:
-                return False
-
-        try:  # every rank decides alike, and a store failing on one rank fails them all
-            return self._group.run(model_only)[0]
-        except RankFailed as failed:
-            failed.reraise(f"reading the marker of {self._store.describe(folder.path)}")
-
-    def _resume_point(self, full: _LoadTarget | None, passed: list[layout.StepFolder],
-                      corrupt: list[int]) -> _LoadTarget:
-        """`full`, the newest step holding the job's whole state, when newer steps hold only the
-        model (`passed`, newest first: a finished run's last save, which a run that goes on must
-        not restart from: its optimizer, schedule and data would start over, and its saves would
-        replace the earlier run's). Without a full step, such a step is refused."""
-        if full is not None and not passed:
-            return full
-        newer = few([f.step for f in passed])
-        if full is not None and not full.model_only:  # a seed step 0 holds only the model too
-            if self._group.is_coordinator:
-                logger.warning("step(s) %s hold only the model (a finished run's last save): resuming from step %s, "
-                               "the newest step holding the optimizer and the other states; this run's saves will "
-                               "replace them, or retention (keep_latest_k > 0) delete them once it saves past them. "
-                               "To keep them, copy them elsewhere first; to start a new run from step %s's model, set "
-                               "checkpoint.initial_load_path to it and use another folder",
-                               newer, full.step, passed[0].step)
-            return full
-        held = (f"the steps holding it ({few(corrupt)}) failed verification" if corrupt else
-                "no step after step 0 holds it")
-        raise CheckpointError(
-            f"{self._store.describe(self.folder)}: its newest step {passed[0].step} holds only the model (a finished "
-            f"run's last save) and this job restores its {', '.join(self._loaded_states())} state too, but {held}: "
-            f"resuming would restart training over it. {self._model_only_advice(passed[0].path)}")
-
-    def _model_only_advice(self, path: str) -> str:
-        """What a job that restores more than the model can do with the model-only step at `path`."""
-        return (f"To train on from its model, set checkpoint.initial_load_path = {self._store.describe(path)!r} and "
-                f"use another checkpoint.folder; to read the model alone, set checkpoint.load_only = true")
-
-    def _loaded_states(self) -> list[str]:
-        """The states besides the model that a load restores."""
-        return [name for name in self._states if name not in self.config.exclude_from_loading]
-
-    def _initial_target(self, path: str) -> _LoadTarget:
-        status = self._group.broadcast(self._group.each(  # one decision (`_agreed_steps`)
-            lambda: layout.status_of(path), f"looking at checkpoint.initial_load_path = {path}"))
-        if status == layout.UNKNOWN:
-            found = ("holds no finished checkpoint of a known format" if os.path.isdir(path) else
-                     _a_file(path) if os.path.exists(path) else "does not exist")
-            if steps := [f.step for f in self._initial.scan(path) if f.loadable]:
-                found += f" (it holds the steps {steps}: name one of their folders)"
-            raise CheckpointNotFoundError(
-                f"checkpoint.initial_load_path = {self.config.initial_load_path} {found}, and "
-                f"{self._store.describe(self.folder)} has no loadable step to resume from; formats: "
-                f"{', '.join(FORMATS)}")
-        if status == layout.PARTIAL:
-            raise CheckpointNotFoundError(f"checkpoint.initial_load_path = {self.config.initial_load_path}: its save did not finish "
-                                          f"(no {commit.MARKER}); it is never loaded")
-        if status != layout.COMPLETE:
-            target = self._foreign_target(path, None, self._initial, self.config.initial_load_model_only)
-            if target.model_only and not self.config.initial_load_model_only and self._resumes():
-                raise CheckpointError(
-                    f"checkpoint.initial_load_path = {self.config.initial_load_path} holds only the model (a "
-                    f"{target.format.name} checkpoint of another program) and checkpoint.initial_load_model_only = "
-                    f"false asks for this job's {', '.join(self._loaded_states())} state too: set it to true to start "
-                    "from its model (another framework's optimizer files beside it, a Trainer's optimizer.pt say, "
-                    "are never read)")
-            return target
-        if problems := self._verify(path, self._initial):
-            raise CorruptCheckpointError(f"checkpoint.initial_load_path = {self.config.initial_load_path} failed "
-                                         f"verification: {'; '.join(problems)}")
-        return self._committed_target(path, None, self._initial, self.config.initial_load_model_only)
-
-    def _foreign_format(self, path: str) -> StepFormat:
-        """The format of another program's checkpoint at `path` (`layout.foreign_format`)."""
-        return self._formats[layout.foreign_format(path) or "dcp"]
-
-    def _foreign_target(self, path: str, step: int | None, store: Store, model_only: bool = False) -> _LoadTarget:
-        """A checkpoint another program wrote (TorchTitan's own manager, a Hugging Face export):
-        loaded as its format's files say, without a manifest to verify them against. Its step 0
-        is a seed: its model alone is read, as TorchTitan reads it (a seed saved with every
-        state holds the optimizer of the zero-learning-rate step that built it, whose step
-        count would change the first real update's bias correction)."""
-        fmt = self._foreign_format(path).name
-        if self._group.is_coordinator:
-            logger.info("loading %s: a foreign %s checkpoint (no %s: not written by torchtitan_ckpt), "
-                        "unverified%s", store.describe(path), fmt, commit.MARKER,
-                        "; step 0, a seed: its model alone" if step == 0 else "")
-        model_only = model_only or step == 0
-        target = self._target(path, step, model_only, store, fmt)
-        if not target.model_only:  # a model-only save has none of the other states
-            saved = {k.split(".", 1)[0] for k in target.index.keys()}
-            target.model_only = not saved & set(self._states)
-        return target
-
-    def _explicit_step(self, folders: list[layout.StepFolder], step: int) -> _LoadTarget:
-        path = layout.step_dir(self.folder, step)
-        where = self._store.describe(path)
-        match = [f for f in folders if f.step == step]
-        loadable = [f.step for f in folders if f.loadable]
-        if not match:
-            there = (f"loadable steps: {loadable}" if folders else
-                     f"{self._store.describe(self.folder)} holds no step: is it the folder the run saved into?")
-            raise CheckpointNotFoundError(f"checkpoint.load_step = {step}: {where} does not exist; {there}")
-        if not match[0].loadable:
-            raise CheckpointNotFoundError(
-                f"checkpoint.load_step = {step}: {where} is not loadable ({_not_loadable(match[0])}); "
-                f"loadable steps: {loadable}")
-        if self._only_the_model(match[0]):
-            raise self._refused_model_only(step, path)
-        if match[0].status == layout.FOREIGN:
-            target = self._foreign_target(path, step, self._store)
-            if target.model_only and step and self._resumes():
-                raise self._refused_model_only(step, path)
-            return target
-        if problems := self._verify(path, self._store):
-            raise CorruptCheckpointError(f"step {step} failed verification: {'; '.join(problems)}")
-        return self._committed_target(path, step, self._store)
-
-    def _refused_model_only(self, step: int, path: str) -> CheckpointError:
-        """A step named to load that holds only the model, for a job that `_resumes`: its other
-        states would start over while the model goes on (TorchTitan's load fails on the missing
-        keys), and its saves would replace the steps of the run that wrote it."""
-        return CheckpointError(
-            f"checkpoint.load_step = {step}: {self._store.describe(path)} holds only the model (a finished run's last "
-            f"save) and this job restores its {', '.join(self._loaded_states())} state too, which the step lacks. "
-            f"{self._model_only_advice(path)}, or add those states to checkpoint.exclude_from_loading")
-
-    def _verify(self, path: str, store: Store) -> list[str]:
-        """With `verify_on_load`: every rank checks its share of the files of the step of ours
-        at `path` in `store`; every rank gets every problem found. Without it: nothing to report."""
-        if not self.config.verify_on_load:
-            return []
-        def mine() -> list[str]:
-            try:
-                names = sorted(store.read_marker(path).files)
-            except CorruptCheckpointError as e:  # a problem like any other: `verify_fallback` applies
-                return [str(e)]
-            share = names[self._group.rank :: self._group.world_size]
-            try:
-                store.fetch(path, share)
-            except CorruptCheckpointError as e:  # objects that cannot be its files
-                return [str(e)]
-            return [store.in_user_terms(problem) for problem in commit.verify(path, share)]
-
-        try:  # a rank that cannot check its share (the store failing) fails every rank
-            found = self._group.run(mine)
-        except RankFailed as failed:
-            failed.reraise(f"verifying {store.describe(path)}")
-        return list(dict.fromkeys(p for problems in found for p in problems))
-
-    def _target(self, path: str, step: int | None, model_only: bool, store: Store,
-                fmt_name: str = "dcp", listed: frozenset[str] = frozenset(),
-                world_size: int | None = None) -> _LoadTarget:
-        fmt = self._formats.get(fmt_name)
-        if fmt is None:
-            raise CorruptCheckpointError(f"{path}: format {fmt_name!r} is not one of {', '.join(self._formats)}")
-        index = fmt.index(path, store)
-        self._check_rope_layout(path, index, store)
-        return _LoadTarget(path, step, model_only or not index.keys(), fmt, index, store, listed, world_size)
-
-    def _check_rope_layout(self, path: str, index: StepIndex, store: Store) -> None:
-        """A folder `convert --to dcp` wrote records the RoPE layout its q/k rows are in
-        (`RECORDED_LAYOUT`, in `index`); the model's is its adapter's, when one of ours. Another
-        one would load a model whose attention is wrong, silently: refused before any tensor is
-        read."""
-        recorded = index.rope_layout
-        if recorded is None or not isinstance(self._adapter, StateDictAdapter):
-            return
-        ours = self._adapter.rope_layout
-        if recorded != ours:
-            raise CheckpointError(
-                f"{store.describe(path)}: its q/k rows are in the {recorded} RoPE layout (its {RECORDED_LAYOUT}, "
-                f"written by `torchtitan-ckpt convert --to dcp`), and this job's model's is {ours} (its "
-                "state-dict adapter's rope_layout): it would load with its attention scrambled. Convert the "
-                f"Hugging Face folder again with `torchtitan-ckpt convert --to dcp --rope-layout {ours} HF_DIR "
-                "OUT_DIR`")
-
-    def _committed_target(self, path: str, step: int | None, store: Store, model_only: bool = False) -> _LoadTarget:
-        """A step of ours, in the format and with the states its commit marker records. One in a
-        folder named for another `step` than the marker's is `_Misnamed`."""
-        info = self._group.each(lambda: store.read_marker(path),
-                                f"reading the marker of {store.describe(path)}")
-        if differ := self._group.differing(info.digest):
-            raise CorruptCheckpointError(different_copies(store.describe(os.path.join(path, commit.MARKER)), differ))
-        if step is not None and (wrong := info.misnamed(store.describe(path), step)):
-            raise _Misnamed(f"{wrong}: renamed, or copied in under another step's name. Loaded as step {step}, the "
-                            f"job would go on from another step than it counts (and its saves replace the steps "
-                            f"between); name it {layout.step_name(info.step)}, or move it out")
-        return self._target(path, step, model_only or info.model_only, store, info.format, frozenset(info.states),
-                            info.world_size)
-
-    def _state_for_load(self, target: _LoadTarget) -> dict[str, Any]:
-        state: dict[str, Any] = self._model.state_dict()
-        self._model.check_materialised(state, "load()")
-        if target.model_only:
-            return state
-        target.index.require(target.path, state)  # named before the optimizer misses the new parameters' state
-        keys = target.index.keys()
-        for name, stateful in self._states.items():
-            if name in self.config.exclude_from_loading:
-                continue
-            prefix = name + "."
-            saved = [k for k in keys if k.startswith(prefix)]
-            if not saved and name not in target.listed:
-                raise CheckpointError(f"{target.path} has no state '{name}'; add '{name}' to "
-                                      "checkpoint.exclude_from_loading to start it fresh")
-            checked = isinstance(stateful, (OptimizerState, LRSchedulerState))  # they say what they lack
-            if not saved and not checked:
-                # saved with no values (an EMA before it starts, `{"shadow": {}}`), which DCP keeps no
-                # trace of: the job's own empty containers, if they are that, else nothing
-                template = _state_dict_of(name, stateful, "load()", state)
-                state[name] = template if not flatten_state_dict(template)[0] else {}
-                continue
-            relative = {k[len(prefix):] for k in saved}
-            if isinstance(stateful, DataLoaderState) and not self._dataloader_fits(stateful, relative, target.path):
-                continue
-            if checked:
-                try:
-                    tensors = {k[len(prefix):]: v for k, v in target.index.tensors.items() if k.startswith(prefix)}
-                    state[name] = stateful.state_dict_to_load(relative, tensors)
-                except CheckpointError as e:
-                    raise CheckpointError(f"{target.path}: {e}") from None
-                target.index.require(target.path, {name: state[name]}, (
-                    f"was it saved by another kind of {name.replace('_', ' ')}? add '{name}' to "
-                    "checkpoint.exclude_from_loading to start it fresh"))
-            else:
-                state[name] = _state_dict_of(name, stateful, "load()", state)  # filled in place; applied once read
-                if lacking := [k for k in flatten_state_dict({name: state[name]})[0] if k not in keys]:
-                    resized = target.resized(self._group.world_size)
-                    why = f"{resized}: a state keyed by rank has none for the ranks added" if resized else ""
-                    raise CheckpointError(
-                        f"{target.path} lacks {len(lacking)} entries of the state '{name}' this job has, e.g. "
-                        f"{lacking[:3]}{why}; add '{name}' to checkpoint.exclude_from_loading to start it fresh")
-        return state
-
-    def _warn_unloaded(self, target: _LoadTarget, state: dict[str, Any]) -> None:
-        """What the step holds and no rank loads, which DCP leaves unread, said once on rank 0:
-        model tensors that no rank's model parts have (a layer removed since the save), the
-        optimizer state of parameters that no rank's optimizer holds (frozen since, or an
-        optimizer built over fewer parameters by mistake), whose moments are then lost, and
-        entries of the job's own states none asks for (those of ranks gone, keyed by rank). Each rank
-        marks what it holds (a pipeline stage has its own layers) in bitmaps over the step's
-        names, the same on every rank, and one gather joins them."""
-        # model tensors are at the top level: one named "model.*" (transformers' names) is one of them
-        states = {*BUILTIN_STATES, *self._states, *target.listed} - {"model"}
-        names = sorted(k for k in target.index.tensors if k.partition(".")[0] not in states)
-        keys = target.index.keys()
-        params = sorted({_param_of(k) for k in keys if k.startswith(_SETTINGS)}) if "optimizer" in state else []
-        optimizer = self._states.get("optimizer")
-        mine = {n for _, named in optimizer.named for n in named} if isinstance(optimizer, OptimizerState) else set()
-        own = [n for n in self._states if n not in BUILTIN_STATES and n in state]  # the job's own, loaded
-        entries = sorted(k for k in keys if k.partition(".")[0] in own)
-        asked = flatten_state_dict({n: state[n] for n in own})[0]
-        held_model, held_params, held_entries = map(_joined, zip(*self._group.all_gather((
-            _bitmap(names, state.__contains__), _bitmap(params, mine.__contains__),
-            _bitmap(entries, asked.__contains__)))))
-        if not self._group.is_coordinator:
-            return
-        # none of the model's names among the step's (nested under a prefix?): the load's refusal says why
-        if held_model and (unloaded := _unmarked(names, held_model)):
-            logger.warning("%s holds %d model tensors this job's model does not have, e.g. %s: they are not loaded "
-                           "(a layer removed since the save?)", target.path, len(unloaded), unloaded[:3])
-        if unasked := _unmarked(entries, held_entries):
-            resized = target.resized(self._group.world_size)
-            why = f"{resized}: a state keyed by rank keeps the entries of the ranks a job has" if resized else ""
-            logger.warning("%s holds %d entries of the job's own states that no rank loads, e.g. %s%s; they are not "
-                           "loaded", target.path, len(unasked), unasked[:3], why)
-        if unheld := _unmarked(params, held_params):
-            logger.warning("%s holds optimizer state for %d parameters no optimizer of this job holds, e.g. %s: it "
-                           "is not loaded, and their optimizer state starts anew if they are trained again (frozen "
-                           "since the save, or left out of the optimizer by mistake?)",
-                           target.path, len(unheld), unheld[:3])
-
-    def _dataloader_fits(self, loader: DataLoaderState, saved: set[str], path: str) -> bool:
-        """TorchTitan refuses a dataloader state saved by another data-parallel degree; here the
-        dataloader starts from the beginning instead, and says so once. A state of another
-        layout than TorchTitan's (an older torchtitan_ckpt's `rank_0`) is refused: it is no
-        other degree, and starting over would go unnoticed."""
-        degree = saved_dp_degree(saved)
-        if not degree:
-            raise CheckpointError(
-                f"{path}: its dataloader state ({', '.join(brief(f'dataloader.{k}') for k in sorted(saved)[:3])}) "
-                f"is not in TorchTitan's layout (dataloader.{DP_RANK_PREFIX}<rank>): saved by an older torchtitan_ckpt "
-                "or another program? Add 'dataloader' to checkpoint.exclude_from_loading to start it from the "
-                "beginning")
-        if degree == loader.dp_world_size and loader.key in saved:
-            return True
-        if self._group.is_coordinator:
-            logger.warning("the dataloader state was saved by %d data-parallel ranks and this job has %d; "
-                           "the dataloader starts from the beginning", degree, loader.dp_world_size)
-        return False
-
-
-_SETTINGS = "optimizer.param_groups."
-"""Where a step keeps each parameter's optimizer settings (`OptimizerState`): one key per
-parameter and setting, `optimizer.param_groups.<fqn>.<setting>`."""
-
-
-def _param_of(setting: str) -> str:
-    """The parameter name of a `_SETTINGS` key."""
-    return setting[len(_SETTINGS):].rpartition(".")[0]
-
-
-def _bitmap(names: list[str], marked: Callable[[str], bool]) -> int:
-    """The names that are `marked`, as the bits of an int (bit i: `names[i]`)."""
-    # made from a string of digits: a shift per name would be quadratic
-    return int("".join("1" if marked(name) else "0" for name in reversed(names)) or "0", 2)
-
-
-def _joined(bitmaps: Sequence[int]) -> int:
-    return functools.reduce(operator.or_, bitmaps)
-
-
-def _unmarked(names: list[str], bitmap: int) -> list[str]:
-    """The names whose bit in `bitmap` is not set."""
-    return [name for name, bit in zip(names, reversed(f"{bitmap:0{len(names)}b}")) if bit == "0"]
-
-
-def _state_dict_of(name: str, stateful: Stateful, call: str, model: Collection[str]) -> Any:
-    """`stateful.state_dict()` of a job's own `states[name]`: a container DCP saves entry by entry
-    (a dict, a list of tensors), whose names (its own too) are not the `model`'s, and whose
-    tensors have memory and can be filled in place (`ModelState.check_materialised`): a step
-    saved otherwise never loads."""
-    if name in model:  # `{**model, **states}` would put the state in its place
-        raise CheckpointError(f"{call}: states[{name!r}] has the name of the model's {name!r} (a parameter or "
-                              "buffer of its top level): a step keeps one value per name; name the state otherwise")
-    state = stateful.state_dict()
-    flat = flatten_state_dict({name: state})[0]
-    if name in flat:  # kept whole: no entries for a load to fill
-        raise CheckpointError(f"{call}: states[{name!r}].state_dict() returned a {type(state).__name__}, which DCP "
-                              "keeps as one value where a load needs entries to fill: return a dict")
-    if clash := sorted(k for k in flat if k in model):
-        raise CheckpointError(f"{call}: states[{name!r}] holds {clash[:3]}, which are names of the model too: a step "
-                              "keeps one value per name; name the state otherwise")
-    ModelState.check_materialised(flat, call, f"states[{name!r}]'s")
-    return state
-
-
 def _cannot_apply(path: str, name: str, error: Exception) -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"{path}: its '{name}' state cannot be applied to this job ({type(error).__name__}: {error}); "
         f"load another step, or add '{name}' to checkpoint.exclude_from_loading")
-
-
-_LEGACY_TORCH_SAVE = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
-"""How a `torch.save` file of the format before torch 1.6 starts: a pickle of its magic number."""
-
-
-def _torch_save_file(path: str) -> bool:
-    """Whether `path` is a `torch.save` file: a zip archive holding a `data.pkl`, told from its
-    listing (nothing is unpickled), or the older format's magic number. Only a regular file is
-    opened (`safe_open`: a FIFO there would block the open)."""
-    try:
-        with safe_open.open_path(path, "checkpoint.initial_load_path") as f:
-            if f.read(len(_LEGACY_TORCH_SAVE)) == _LEGACY_TORCH_SAVE:
-                return True
-            f.seek(0)
-            with zipfile.ZipFile(f) as archive:
-                return any(name == "data.pkl" or name.endswith("/data.pkl") for name in archive.namelist())
-    except (CheckpointError, OSError, zipfile.BadZipFile, ValueError):
-        return False
-
-
-def _a_file(path: str) -> str:
-    """What to say of `initial_load_path` naming the file `path`: one of a checkpoint folder's
-    files, or a `torch.save` file (a `.pt`, `pytorch_model.bin`, a Lightning `.ckpt`), a pickle,
-    which this package never loads."""
-    if not os.path.dirname(path) or layout.status_of(os.path.dirname(path)) == layout.UNKNOWN:
-        if _torch_save_file(path):
-            return ("is a torch.save file (a pickle), which torchtitan_ckpt never loads (unpickling runs code from "
-                    "the file): save its tensors again as safetensors (safetensors.torch.save_file, or "
-                    "transformers' save_pretrained) and load that folder with checkpoint.initial_load_in_hf and a "
-                    "state-dict adapter, or as a DCP folder (torch.distributed.checkpoint.save)")
-    return "is a file, not a step folder: name the folder holding it"
-
-
-class _Misnamed(CorruptCheckpointError):
-    """A step of ours in a folder named for another step (`_committed_target`)."""
-
-
-def _not_loadable(folder: layout.StepFolder) -> str:
-    if os.path.islink(folder.path) and not os.path.exists(folder.path):
-        with contextlib.suppress(OSError):  # gone since the scan: told as any other entry of no checkpoint
-            return (f"a link to {os.readlink(folder.path)!r}, which leads nowhere (a copy of the folder that kept "
-                    "a relative link?)")
-    if folder.status == layout.PARTIAL:
-        return f"its save did not finish (no {commit.MARKER})"
-    if folder.status == layout.DENIED:
-        return (f"cannot be read: {safe_open.denied(folder.path, 'Permission denied')}; ask its owner to make it "
-                "readable to you, or move it out of the folder")
-    return ("not written by torchtitan_ckpt, and holding no finished checkpoint of a known format "
-            f"({', '.join(FORMATS)}): its save did not finish, or it is not a checkpoint")
 
 
 def _space_hint(path: str, staged: bool) -> str:

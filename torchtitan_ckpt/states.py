@@ -182,6 +182,26 @@ class ModelState(CheckedState):
                 part.load_state_dict(rest, strict=False)
 
 
+def own_state_dict(name: str, stateful: Stateful, call: str, model: Collection[str]) -> Any:
+    """`stateful.state_dict()` of a job's own `states[name]`: a container DCP saves entry by entry
+    (a dict, a list of tensors), whose names (its own too) are not the `model`'s, and whose
+    tensors have memory and can be filled in place (`ModelState.check_materialised`): a step
+    saved otherwise never loads."""
+    if name in model:  # `{**model, **states}` would put the state in its place
+        raise CheckpointError(f"{call}: states[{name!r}] has the name of the model's {name!r} (a parameter or "
+                              "buffer of its top level): a step keeps one value per name; name the state otherwise")
+    state = stateful.state_dict()
+    flat = flatten_state_dict({name: state})[0]
+    if name in flat:  # kept whole: no entries for a load to fill
+        raise CheckpointError(f"{call}: states[{name!r}].state_dict() returned a {type(state).__name__}, which DCP "
+                              "keeps as one value where a load needs entries to fill: return a dict")
+    if clash := sorted(k for k in flat if k in model):
+        raise CheckpointError(f"{call}: states[{name!r}] holds {clash[:3]}, which are names of the model too: a step "
+                              "keeps one value per name; name the state otherwise")
+    ModelState.check_materialised(flat, call, f"states[{name!r}]'s")
+    return state
+
+
 def _hooked_prefixes(part: nn.Module) -> list[str]:
     """The key prefixes, without wrapper segments ("" for the whole part), of the modules of
     `part` that run code of their own when loaded: a load hook or a `_load_from_state_dict` that
