@@ -81,7 +81,7 @@ def test_cli_md_documents_what_list_prints(tmp_path, capsys):
     assert list(example) == list(printed)
     assert {tuple(s) for s in example["steps"]} == {tuple(printed["steps"][0])}
     assert re.findall(r"^\| `(\w+)` \|", section, re.M) == [
-        layout.COMPLETE, layout.PARTIAL, cli.CORRUPT, cli.NEWER, cli.MISNAMED, layout.FOREIGN, layout.UNKNOWN,
+        layout.COMPLETE, layout.PARTIAL, cli.CORRUPT, cli.NEWER, cli.OLDER, cli.MISNAMED, layout.FOREIGN, layout.UNKNOWN,
         layout.DENIED]
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchtitan_ckpt import (CheckpointError, CheckpointManager, CheckpointSaveError, ConfigError,
-                             CorruptCheckpointError, NewerVersionError, cli, commit, layout)
+                             CorruptCheckpointError, NewerVersionError, OlderVersionError, cli, commit, layout)
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.storage.local import LOCK_FILE
 
@@ -363,19 +363,25 @@ def test_a_step_of_a_newer_version_is_refused_never_passed_over_and_replaced(tmp
     assert [(s["step"], s["status"]) for s in steps] == [(2, "complete"), (4, "complete"), (6, "newer")]
 
 
-def test_a_step_of_an_older_marker_version_is_named_as_such(tmp_path):
-    """Version 1 markers listed each file's size alone: a step of that version read as damaged."""
+def test_a_step_of_an_older_marker_version_is_refused_as_such_never_passed_over(tmp_path, capsys):
+    """Version 1 markers listed each file's size alone: a step of that version read as damaged,
+    `verify_fallback` passed over it as corrupt (for a save to replace) and `list` called it
+    corrupt."""
     folder = _saved(tmp_path, steps=6, last_save_model_only=False)
     marker = os.path.join(layout.step_dir(folder, 6), commit.MARKER)
     with open(marker) as f:
         raw = json.load(f)
     with open(marker, "w") as f:
         json.dump({**raw, "version": 1, "files": {rel: e["size"] for rel, e in raw["files"].items()}}, f)
-    job = make_job(str(tmp_path), steps=10, interval=2)
-    with pytest.raises(CorruptCheckpointError, match=rf"{marker} is of version 1, written by an older torchtitan_ckpt "
-                                                     r".* resume from it with the version that wrote it"):
-        job.manager.load()
-    job.manager.close()
+    for verify in (False, True):
+        job = make_job(str(tmp_path), steps=10, interval=2, verify_on_load=verify)
+        with pytest.raises(OlderVersionError, match=rf"{marker} is of version 1, written by an older torchtitan_ckpt "
+                                                    r".* resume from it with the version that wrote it"):
+            job.manager.load()
+        job.manager.close()
+    assert cli.main(["list", "--json", folder]) == 0
+    steps = json.loads(capsys.readouterr().out)["steps"]
+    assert [(s["step"], s["status"]) for s in steps] == [(2, "complete"), (4, "complete"), (6, "older")]
 
 
 def test_a_step_an_older_version_left_while_committing_is_partial(tmp_path):

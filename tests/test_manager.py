@@ -387,7 +387,7 @@ def test_a_finished_runs_model_only_step_is_not_where_a_run_resumes(tmp_path, ca
     assert commit.read_marker(layout.step_dir(_folder(tmp_path), 6)).states == ["model"]
 
     extended = make_job(str(tmp_path), steps=10, interval=2, init_seed=5)
-    with caplog.at_level("WARNING", logger="torchtitan_ckpt.manager"):
+    with caplog.at_level("WARNING", logger="torchtitan_ckpt"):
         assert extended.manager.load()
     assert extended.train_state.step == 4 and extended.sched.last_epoch == 4
     assert_same(_optimizer_moments(extended.opt), at4[0])
@@ -1031,7 +1031,7 @@ def test_tensors_a_model_named_like_transformers_lacks_are_warned_of(tmp_path, c
     config = Checkpoint(enable=True, interval=1, keep_latest_k=0, last_save_model_only=False)
     with CheckpointManager(config, [_Nested(2)], base_folder=str(tmp_path)) as manager:
         manager.save(1)
-    with caplog.at_level("WARNING", logger="torchtitan_ckpt.manager"), \
+    with caplog.at_level("WARNING", logger="torchtitan_ckpt"), \
             CheckpointManager(config, [_Nested(1)], base_folder=str(tmp_path)) as manager:
         assert manager.load()
     assert "holds 2 model tensors this job's model does not have, e.g. ['model.1.bias', 'model.1.weight']" \

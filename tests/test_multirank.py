@@ -459,6 +459,35 @@ def test_ranks_whose_replicas_differ_fail_the_save(tmp_path, how):
     assert layout.committed_steps(folder) == []
 
 
+def _metadata_past_the_load_bound(rank: int, world_size: int, folder: str, engine: str) -> None:
+    from torchtitan_ckpt.dcp import metadata  # noqa: PLC0415
+    from torchtitan_ckpt.errors import CheckpointSaveError  # noqa: PLC0415
+
+    model = torch.nn.Linear(16, 4)
+    config = Checkpoint(enable=True, folder=folder, interval=1, io_engine=engine)
+    with CheckpointManager(config, [model]) as manager:
+        manager.save(1)
+        size = os.path.getsize(os.path.join(folder, "step-1", metadata.METADATA_FILE))
+        bound, metadata.MAX_METADATA_BYTES = metadata.MAX_METADATA_BYTES, size - 1  # as a job of more shards
+        try:
+            with pytest.raises(CheckpointSaveError, match=rf"saving step 2 .*step-2/\.metadata is {size} bytes, more "
+                                                          rf"than the {size - 1} a load reads: this job's steps could "
+                                                          r"never be loaded\. It lists 2 chunks of 2 entries"):
+                manager.save(2)
+        finally:
+            metadata.MAX_METADATA_BYTES = bound
+    with CheckpointManager(config, [torch.nn.Linear(16, 4)]) as manager:
+        assert manager.load()  # the step before
+        assert layout.committed_steps(folder) == [1]
+
+
+@pytest.mark.parametrize("engine", ["fast", "torch"])
+def test_a_save_whose_metadata_a_load_would_refuse_fails_on_every_rank(tmp_path, engine):
+    """A `.metadata` over the bound a load reads (a state sharded over thousands of ranks) was
+    saved without a word, and every step of the job refused at the resume."""
+    spawn(2, _metadata_past_the_load_bound, str(tmp_path / "checkpoint"), engine)
+
+
 def _ddp_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
@@ -517,7 +546,7 @@ def _frozen_since_the_save(rank: int, world_size: int, folder: str) -> None:
     said: list[list[str]] = []
     handler = logging.Handler()
     handler.emit = lambda record: said[-1].append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("torchtitan_ckpt.manager").addHandler(handler)
+    logging.getLogger("torchtitan_ckpt").addHandler(handler)
     for frozen in ((), ("stage1.bias",)):
         said.append([])
         part, opt = stage(frozen)
@@ -555,7 +584,7 @@ def _per_rank_job(rank: int, world_size: int, folder: str, save: bool) -> None:
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("torchtitan_ckpt.manager").addHandler(handler)
+    logging.getLogger("torchtitan_ckpt").addHandler(handler)
     with CheckpointManager(Checkpoint(enable=True, folder=folder, interval=1, last_save_model_only=False),
                            [torch.nn.Linear(2, 2)], states={"tokens": tokens}) as manager:
         if save:

@@ -54,7 +54,7 @@ def test_foreign_steps_resume_and_are_never_deleted(tmp_path, capsys, caplog):
     assert [(s.step, s.status) for s in layout.scan(folder)] == [(2, "foreign"), (4, "foreign"), (5, "unknown")]
 
     fresh = make_job(str(tmp_path), steps=20, interval=2, keep_latest_k=1, init_seed=7)
-    with caplog.at_level(logging.INFO, logger="torchtitan_ckpt.manager"):
+    with caplog.at_level(logging.INFO, logger="torchtitan_ckpt"):
         assert fresh.manager.load()
     assert "step-4: a foreign dcp checkpoint (no COMMITTED.json: not written by torchtitan_ckpt), unverified" in caplog.text
     assert "ignoring" in caplog.text and "step-5: not written by torchtitan_ckpt" in caplog.text
@@ -110,7 +110,7 @@ def test_a_foreign_step_0_is_a_seed_whose_model_alone_is_read(tmp_path, caplog):
     _as_foreign(layout.step_dir(folder, 0))
     assert {k.split(".")[0] for k in read_checkpoint(layout.step_dir(folder, 0))} >= {"optimizer", "train_state"}
     fresh = make_job(str(tmp_path), steps=20, interval=2, init_seed=7)
-    with caplog.at_level(logging.INFO, logger="torchtitan_ckpt.manager"):
+    with caplog.at_level(logging.INFO, logger="torchtitan_ckpt"):
         assert fresh.manager.load()
     assert "step-0: a foreign dcp checkpoint" in caplog.text and "step 0, a seed: its model alone" in caplog.text
     assert_same(fresh.model.state_dict(), job.model.state_dict())
@@ -326,7 +326,7 @@ def test_a_foreign_hugging_face_last_save_is_passed_over_without_an_adapter(tmp_
     assert [(s.step, s.status) for s in layout.scan(str(tmp_path))] == [(5, "foreign"), (12, "foreign")]
 
     _, resumed_opt, resumed = build()
-    with caplog.at_level(logging.WARNING, logger="torchtitan_ckpt.manager"):
+    with caplog.at_level(logging.WARNING, logger="torchtitan_ckpt"):
         assert resumed.load()
     assert "step(s) 12 hold only the model (a finished run's last save): resuming from step 5" in caplog.text
     for index in (0, 1):  # the weight's and the bias's moments: the optimizer resumed
@@ -393,7 +393,7 @@ def test_a_scheduler_saved_as_last_epoch_alone_and_another_dp_degree_load(tmp_pa
     source.manager.close()
     path = _torchtitan_030_step(tmp_path, source)
     job = make_job(str(tmp_path / "b"), steps=8, initial_load_path=path, initial_load_model_only=False)
-    with caplog.at_level(logging.WARNING, logger="torchtitan_ckpt.manager"):
+    with caplog.at_level(logging.WARNING, logger="torchtitan_ckpt"):
         assert job.manager.load()
     job.manager.close()
     assert caplog.text.count("the dataloader state was saved by 2 data-parallel ranks and this job has 1; "

@@ -47,8 +47,8 @@ from .hf.files import INDEX_FILE
 from .formats import FORMATS
 from .config import BUILTIN_STATES, MAX_THREADS, Checkpoint
 from .group import CheckpointGroup, launched_group, leave
-from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NewerVersionError, RankFailed,
-                     in_chain, restate)
+from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NewerVersionError,
+                     OlderVersionError, RankFailed, in_chain, restate)
 from .hf.convert import convert
 from .hf.adapter import ROPE_LAYOUTS
 from .hf.registry import ADAPTERS
@@ -143,10 +143,11 @@ def _opened(where: str, argument: str) -> Iterator[tuple[Store, str]]:
 
 CORRUPT = "corrupt"
 NEWER = "newer"
+OLDER = "older"
 MISNAMED = "misnamed"
 """`list`'s statuses of a step whose `COMMITTED.json` is there but unreadable (truncated, not
-JSON, fields of the wrong shape), written by a newer version, or naming another step than the
-folder's name: never counted as complete or loadable."""
+JSON, fields of the wrong shape), written by a newer version or an older one this one does not
+read, or naming another step than the folder's name: never counted as complete or loadable."""
 
 
 def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any] | None:
@@ -164,6 +165,8 @@ def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any] | None:
             status, problem = CORRUPT, str(e)
         except NewerVersionError as e:
             status, problem = NEWER, str(e)
+        except OlderVersionError as e:
+            status, problem = OLDER, str(e)
         if info is not None and (wrong := info.misnamed(where, s.step)):
             status, problem = MISNAMED, wrong
     fmt = info.format if info else layout.foreign_format(s.path) if status == layout.FOREIGN else None
@@ -180,6 +183,8 @@ def _contents(s: dict[str, Any]) -> str:
             CORRUPT: f"{commit.MARKER} unreadable (list --json: problem): not loadable, a load() of it fails",
             NEWER: "written by a newer torchtitan_ckpt (list --json: problem): a load() of it fails; read it "
                    "with that one",
+            OLDER: "written by an older torchtitan_ckpt this one does not read (list --json: problem): a load() of "
+                   "it fails; resume from it with that one",
             MISNAMED: f"{commit.MARKER} names another step (list --json: problem): renamed, or copied in under "
                       "another step's name; a load() passes it over",
             layout.DENIED: "this user may not look into it: never loaded, replaced or deleted; a load() that "

@@ -30,7 +30,7 @@ from .io import IO_THREADS, durable, safe_open
 from .io.untrusted import brief
 from . import faults
 from .io.checksum import file_crc32, stream_crc32
-from .errors import CheckpointError, ConfigError, CorruptCheckpointError, NewerVersionError
+from .errors import CheckpointError, ConfigError, CorruptCheckpointError, NewerVersionError, OlderVersionError
 
 MARKER = "COMMITTED.json"
 IN_PROGRESS = "IN_PROGRESS.json"
@@ -86,7 +86,8 @@ def mark_in_progress(path: str) -> None:
 def read_marker(path: str) -> CommitInfo:
     """The commit record of a step folder, every field checked; `CorruptCheckpointError` naming
     the marker if it is unreadable or of the wrong shape, `NewerVersionError` if a newer version
-    of this package wrote it (whatever fields that version gives it)."""
+    of this package wrote it (whatever fields that version gives it), `OlderVersionError` if an
+    older one whose steps this one does not read did."""
     marker = os.path.join(path, MARKER)
     try:
         raw = json.loads(safe_open.read_bounded(marker, "the commit marker", MAX_MARKER_BYTES))
@@ -95,7 +96,7 @@ def read_marker(path: str) -> CommitInfo:
             raise NewerVersionError(f"{marker} is of version {version}, written by a newer torchtitan_ckpt than "
                                     f"this one (version {FORMAT_VERSION} and older): read it with that one")
         if type(version) is int and 0 <= version < FORMAT_VERSION:
-            raise CorruptCheckpointError(
+            raise OlderVersionError(
                 f"{marker} is of version {version}, written by an older torchtitan_ckpt (before commit markers "
                 f"held each file's CRC-32, version {FORMAT_VERSION}), whose steps this one does not read: resume "
                 "from it with the version that wrote it, or move it out of the folder")

@@ -100,6 +100,12 @@ class NewerVersionError(CheckpointError):
     damaged, so never passed over as a corrupt one (`verify_fallback`) for a save to replace."""
 
 
+class OlderVersionError(CheckpointError):
+    """A step of an older torchtitan_ckpt whose steps this one does not read (its commit marker's
+    version is below this one's): not damaged either, so never passed over as a corrupt one
+    (`verify_fallback`) for a save to replace; resumed with the version that wrote it."""
+
+
 class PartialLoadError(CheckpointError):
     """A load failed after it had begun changing the job's state in place: the storage failed (an
     I/O error) or a file changed while it was read, or a state refused what was read. What this

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..io import safe_open
@@ -144,6 +144,22 @@ def _newer_class(error: Exception) -> str | None:
         return None
     owner = frame.f_locals.get("self")
     return type(owner).__name__ if owner is not None else "metadata"
+
+
+def check_loadable(path: str, metadata: Metadata) -> None:
+    """Rank 0, once a save wrote the `.metadata` at `path`: one larger than a load reads
+    (`MAX_METADATA_BYTES`) fails the save, so that a job whose layout makes such steps learns it
+    at its first save, not at a resume after hours of steps it can never load. Its size grows
+    with the chunks it lists, one per shard of each tensor on each rank."""
+    size = os.path.getsize(path)
+    if size > MAX_METADATA_BYTES:
+        chunks = sum(len(md.chunks) for md in metadata.state_dict_metadata.values()
+                     if isinstance(md, TensorStorageMetadata))
+        raise CheckpointError(
+            f"{path} is {size} bytes, more than the {MAX_METADATA_BYTES} a load reads: this job's steps could never "
+            f"be loaded. It lists {chunks} chunks of {len(metadata.state_dict_metadata)} entries, one per shard of "
+            "each tensor on each rank: shard the state over fewer ranks (HSDP: a data_parallel_shard_degree below "
+            "the world size, replicated across the rest), or stack the layers' tensors into fewer, larger ones")
 
 
 def metadata_bytes(path: str) -> bytes:

@@ -56,7 +56,7 @@ from ..config import Checkpoint
 from ..policy.split import balanced_groups
 from . import load_plan
 from .planner import DedupSavePlanner, PlanCache, item_bytes
-from .metadata import METADATA_FILE, read_metadata
+from .metadata import METADATA_FILE, check_loadable, read_metadata
 from ..errors import CorruptCheckpointError, PartialLoadError
 
 logger = logging.getLogger(__name__)
@@ -345,7 +345,16 @@ def _staged() -> None:
     """A state that is not being staged: its bytes are final."""
 
 
-class DataFileWriter(FileSystemWriter):
+class _LoadableWriter(FileSystemWriter):
+    """DCP's file-system writer whose `.metadata` is checked to be one a load reads
+    (`check_loadable`): DCP's `finish` runs on rank 0 alone, and its failure is every rank's."""
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        check_loadable(os.path.join(self.path, METADATA_FILE), metadata)
+
+
+class DataFileWriter(_LoadableWriter):
     """DCP's file-system writer (same layout and format: `plain dcp.load` reads the result)
     whose data files are written by `filewriter`, through `sink`: in this process, or in the
     rank's writer process. Planning, `.metadata` and every collective stay with DCP.
@@ -533,7 +542,7 @@ def _resolve(planner: SavePlanner, item: WriteItem) -> bytes | torch.Tensor:
     return data.detach()
 
 
-class TorchFileWriter(FileSystemWriter):
+class TorchFileWriter(_LoadableWriter):
     """PyTorch's own writer, for `io_engine = "torch"`: the same calls as `DataFileWriter`, but
     nothing is written early and no checksum is computed while writing (the commit reads each
     file once for its CRC-32)."""

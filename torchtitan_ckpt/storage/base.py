@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from .. import commit
 from ..commit import CommitInfo
-from ..errors import CorruptCheckpointError, NewerVersionError
+from ..errors import CorruptCheckpointError, NewerVersionError, OlderVersionError
 from ..group import CheckpointGroup
 from ..layout import StepFolder, folder_bytes
 
@@ -98,8 +98,10 @@ class Store(ABC):
         return files
 
     @abstractmethod
-    def commit(self, path: str, info: CommitInfo, checksums: dict[str, tuple[int, str]]) -> CommitInfo:
-        """Rank 0, after every rank's `publish`: write the commit marker, last."""
+    def commit(self, path: str, info: CommitInfo, checksums: dict[str, tuple[int, str]]) -> None:
+        """Rank 0, after every rank's `publish`: write the commit marker, last, filling `info`'s
+        files and time. Nothing is returned: the round it runs in hands its result to every
+        rank, and a list of every file would grow that round with the ranks squared."""
 
     def fetch(self, path: str, names: Sequence[str] | None = None) -> str:
         """Every rank, before reading the step (or any checkpoint folder) at `path`: make its
@@ -109,14 +111,14 @@ class Store(ABC):
 
     def read_marker(self, path: str) -> CommitInfo:
         """The commit marker of the step of ours at `path`, fetched (`commit.read_marker`); a
-        damaged one (or a newer version's) is refused naming the step as the user does
+        damaged one (or another version's) is refused naming the step as the user does
         (`describe`), not a downloaded copy."""
         try:
             return commit.read_marker(self.fetch(path, [commit.MARKER]))
-        except (CorruptCheckpointError, NewerVersionError) as e:
+        except (CorruptCheckpointError, NewerVersionError, OlderVersionError) as e:
             if (where := self.describe(path)) == path:
                 raise
-            kind = NewerVersionError if isinstance(e, NewerVersionError) else CorruptCheckpointError
+            kind = type(e) if isinstance(e, (NewerVersionError, OlderVersionError)) else CorruptCheckpointError
             raise kind(str(e).replace(path, where)) from e
 
     def fetch_ranges(self, path: str, ranges: Mapping[str, Sequence[tuple[int, int]]]) -> None:

@@ -129,7 +129,7 @@ class LocalStore(Store):
     def unremovable(self, folder: layout.StepFolder) -> str | None:
         return safe_open.removal_denied(folder.path)
 
-    def commit(self, path: str, info: commit.CommitInfo, checksums: dict[str, tuple[int, str]]) -> commit.CommitInfo:
+    def commit(self, path: str, info: commit.CommitInfo, checksums: dict[str, tuple[int, str]]) -> None:
         """Not where another job has claimed the folder since (`lock.taken_over`): the two would
         replace each other's steps in flight."""
         if self._lock is not None and (other := lock.taken_over(self._lock)):
@@ -138,7 +138,7 @@ class LocalStore(Store):
                 "system's locks hold only on each node (NFS mounted nolock or local_lock, Lustre's localflock, "
                 "FUSE), and two jobs saving there replace each other's steps; this step is not committed. Give "
                 "each job a folder of its own")
-        return commit.write_marker(path, info, checksums)
+        commit.write_marker(path, info, checksums)
 
     def remove(self, folder: layout.StepFolder) -> None:
         if folder.status == layout.PARTIAL and (now := layout.status_of(folder.path)) != layout.PARTIAL:

@@ -438,7 +438,7 @@ class S3Store(Store):
         if failure is not None:
             raise failure
 
-    def commit(self, path: str, info: commit.CommitInfo, checksums: dict[str, tuple[int, str]]) -> commit.CommitInfo:
+    def commit(self, path: str, info: commit.CommitInfo, checksums: dict[str, tuple[int, str]]) -> None:
         key = self._key(path)
         info.files = {rel: {"size": size, "crc32": crc} for rel, (size, crc) in sorted(checksums.items())}
         info.created = time.time()
@@ -449,7 +449,6 @@ class S3Store(Store):
         except StorageError as e:  # committed all the same: the commit marker decides a step's status
             logger.warning("%s is committed, but its in-progress marker is left over (%s); it is harmless, and goes "
                            "with the step", self.where(key), e)
-        return info
 
     def fetch(self, path: str, names: Sequence[str] | None = None) -> str:
         """Download the objects under the step (or checkpoint folder) into `path`: every one,
