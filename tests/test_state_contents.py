@@ -148,3 +148,24 @@ def test_a_state_of_a_list_of_tensors_saves_and_loads(tmp_path):
                            base_folder=str(tmp_path)) as manager:
         assert manager.load()
     assert [t.tolist() for t in loaded.value] == [[3.0, 3.0], [4.0, 4.0, 4.0]]
+
+
+def test_values_of_the_same_bytes_load_as_their_own_objects_where_they_can_change(tmp_path):
+    """A load keeps each small plain value it read by its bytes (the same optimizer setting of
+    every parameter): a number or a tuple of them is one object for all; a list or a set is
+    each entry's own, or changing one would change the other."""
+    saved = {"lists": [1, 2], "again": [1, 2], "tuple": (0.9, 0.999), "same": (0.9, 0.999), "rate": 0.5,
+             "rates": 0.5, "sets": {1}, "more": {1}}
+    config = Checkpoint(enable=True, folder=str(tmp_path / "ck"), interval=1)
+    with CheckpointManager(config, [nn.Linear(2, 2)], states={"extra": Holder({"v": dict(saved)})}) as manager:
+        manager.save(1)
+    extra = Holder({"v": {k: None for k in saved}})
+    with CheckpointManager(config, [nn.Linear(2, 2)], states={"extra": extra}) as manager:
+        assert manager.load()
+    got = extra.value["v"]
+    assert got == saved
+    assert got["tuple"] is got["same"]  # one object: it cannot change
+    for a, b in (("lists", "again"), ("sets", "more")):
+        assert got[a] is not got[b]
+        got[a].clear()
+        assert got[b]

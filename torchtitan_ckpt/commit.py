@@ -35,6 +35,10 @@ from .errors import CheckpointError, ConfigError, CorruptCheckpointError, NewerV
 MARKER = "COMMITTED.json"
 IN_PROGRESS = "IN_PROGRESS.json"
 FORMAT_VERSION = 2
+"""The version of what a step holds, in its commit marker: raised by any change an older reader
+would misread (the marker's fields, the files, the keys of the states: an older reader meets
+them as `NewerVersionError`, not as a state it half loads); a reader refuses steps of versions
+it does not read (`OlderVersionError`)."""
 MAX_MARKER_BYTES = 64 << 20
 """Largest commit marker read: a step of 100,000 files lists them in about 10 MB."""
 

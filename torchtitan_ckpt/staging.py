@@ -161,11 +161,14 @@ def freeze(state: Any, deferred: Deferred, path: tuple = ()) -> Any:
         return {k: freeze(v, deferred, (*path, k)) for k, v in state.items()}
     if _traversed_list(state):
         return [freeze(v, deferred, (*path, i)) for i, v in enumerate(state)]
-    return state if type(state) in _IMMUTABLE else copy.deepcopy(state)
+    if type(state) in _IMMUTABLE or type(state) is tuple and all(type(v) in _IMMUTABLE for v in state):
+        return state
+    return copy.deepcopy(state)
 
 
 _IMMUTABLE = frozenset({int, float, bool, str, bytes, type(None)})
-"""Leaf types `freeze` keeps as they are: an optimizer's settings are thousands of them."""
+"""Leaf types `freeze` keeps as they are (and flat tuples of them, as Adam's `betas`): an
+optimizer's settings are thousands of them."""
 
 
 def _destination(t: torch.Tensor, into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

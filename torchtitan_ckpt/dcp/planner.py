@@ -235,7 +235,7 @@ class DedupSavePlanner(DefaultSavePlanner):
         (not a tensor) that a load would refuse is refused here, before the step is committed."""
         if write_item.type == WriteItemType.BYTE_IO:
             value = self.lookup_object(write_item.index)
-            if not _scalar(value):
+            if not plain_scalar(value):
                 save = functools.partial(DefaultSavePlanner.resolve_data, self, write_item)
                 return _loadable(write_item.index.fqn, value, save)
             return io.BytesIO(_saved_scalar(pickle.dumps(value, protocol=2)))
@@ -267,7 +267,7 @@ class DedupSavePlanner(DefaultSavePlanner):
 _SCALARS = (bool, int, float, str, type(None))
 
 
-def _scalar(value: object) -> bool:
+def plain_scalar(value: object) -> bool:
     """A number, string, bool or None, or a flat tuple of them (an optimizer setting: `betas`)."""
     if type(value) is tuple:
         return all(type(v) in _SCALARS for v in value)
