@@ -1071,7 +1071,7 @@ def test_another_programs_step_a_save_would_meet_is_refused_before_training(buck
     assert sorted(_objects(bucket)) == ["run/step-3/.metadata", "run/step-3/__0_0.distcp"]
 
 
-def test_a_damaged_marker_is_named_by_its_url_not_its_downloaded_copy(bucket, tmp_path):
+def test_a_damaged_marker_is_named_by_its_url_not_its_downloaded_copy(bucket, tmp_path, capsys):
     model, opt = _job()
     with CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path / "a")), [model], opt) as manager:
         manager.save(1)
@@ -1083,6 +1083,12 @@ def test_a_damaged_marker_is_named_by_its_url_not_its_downloaded_copy(bucket, tm
     with CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path / "c")), [model], opt) as manager:
         with pytest.raises(NewerVersionError, match=rf"^s3://{bucket}/run/step-1/COMMITTED.json is of version 99"):
             manager.load()
+    for version, which in ((99, "a newer"), (1, "an older")):  # the command names the step's URL too
+        boto3.client("s3").put_object(Bucket=bucket, Key="run/step-1/COMMITTED.json",
+                                      Body=json.dumps({"version": version}).encode())
+        assert cli.main(["inspect", f"s3://{bucket}/run/step-1"]) == 2
+        assert capsys.readouterr().err.startswith(
+            f"error: s3://{bucket}/run/step-1/COMMITTED.json is of version {version}, written by {which}")
 
 
 def test_a_bucket_without_a_prefix_holds_steps_as_any_folder(bucket, tmp_path):

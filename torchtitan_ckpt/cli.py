@@ -130,9 +130,9 @@ def _opened(where: str, argument: str) -> Iterator[tuple[Store, str]]:
             store.reach(group, write=False)
             store.check(group, write=False)
             yield store, store.root
-        except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # readers name the files they read: the
-            restate(e, store.in_user_terms)  # staged copies; errors of the local disk stay as they are
-            raise
+        except (CorruptCheckpointError, CheckpointNotFoundError, NewerVersionError, OlderVersionError) as e:
+            restate(e, store.in_user_terms)  # readers name the files they read: the staged copies; errors of the
+            raise  # local disk stay as they are
         finally:
             store.close()
 
@@ -570,7 +570,7 @@ def cmd_convert(args: argparse.Namespace, progress: Progress) -> int:
 
 def _check_exportable(path: str, shown: str) -> None:
     """Refuse a step no load would take: a partial one (its save did not finish) or one whose
-    commit marker is damaged or a newer version's. Its files are not checksummed here (`verify`
+    commit marker is damaged or another version's. Its files are not checksummed here (`verify`
     does that)."""
     status = layout.status_of(path)
     if status == layout.PARTIAL:

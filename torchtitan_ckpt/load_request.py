@@ -12,12 +12,12 @@ from __future__ import annotations
 import functools
 import logging
 import operator
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-from .config import BUILTIN_STATES
+from .config import BUILTIN_STATES, Checkpoint
 from .errors import CheckpointError
 from .group import CheckpointGroup
 from .io.untrusted import brief
@@ -31,12 +31,11 @@ logger = logging.getLogger(__name__)
 class LoadRequest:
     """The state dict one rank's load fills (`state`), and what no rank loads (`warn_unloaded`)."""
 
-    def __init__(self, model: ModelState, states: Mapping[str, StateLike], exclude: Collection[str],
+    def __init__(self, model: ModelState, states: Mapping[str, StateLike], config: Checkpoint,
                  group: CheckpointGroup):
         self._model = model
         self._states = states
-        self._exclude = exclude
-        """`checkpoint.exclude_from_loading`: the states a load leaves as they are."""
+        self.config = config
         self._group = group
 
     def state(self, target: LoadTarget) -> dict[str, Any]:
@@ -49,7 +48,7 @@ class LoadRequest:
         target.index.require(target.path, state)  # named before the optimizer misses the new parameters' state
         keys = target.index.keys()
         for name, stateful in self._states.items():
-            if name in self._exclude:
+            if name in self.config.exclude_from_loading:
                 continue
             prefix = name + "."
             saved = [k for k in keys if k.startswith(prefix)]

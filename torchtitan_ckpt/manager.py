@@ -222,7 +222,7 @@ class CheckpointManager:
             self._formats = {name: cls(context) for name, cls in FORMATS.items()}
             self._targets = TargetFinder(config, self.folder, self._store, self._initial, self._group, self._formats,
                                          self._adapter, self._states)
-            self._request = LoadRequest(self._model, self._states, config.exclude_from_loading, self._group)
+            self._request = LoadRequest(self._model, self._states, config, self._group)
         except BaseException:
             self.close()
             raise

@@ -156,10 +156,10 @@ def check_loadable(path: str, metadata: Metadata) -> None:
         chunks = sum(len(md.chunks) for md in metadata.state_dict_metadata.values()
                      if isinstance(md, TensorStorageMetadata))
         raise CheckpointError(
-            f"{path} is {size} bytes, more than the {MAX_METADATA_BYTES} a load reads: this job's steps could never "
-            f"be loaded. It lists {chunks} chunks of {len(metadata.state_dict_metadata)} entries, one per shard of "
-            "each tensor on each rank: shard the state over fewer ranks (HSDP: a data_parallel_shard_degree below "
-            "the world size, replicated across the rest), or stack the layers' tensors into fewer, larger ones")
+            f"its {METADATA_FILE} is {size} bytes, more than the {MAX_METADATA_BYTES} a load reads: this job's steps "
+            f"could never be loaded. It lists {chunks} chunks of {len(metadata.state_dict_metadata)} entries, one per "
+            "shard of each tensor on each rank: shard the state over fewer ranks (HSDP: a data_parallel_shard_degree "
+            "below the world size, replicated across the rest), or stack the layers' tensors into fewer, larger ones")
 
 
 def metadata_bytes(path: str) -> bytes:

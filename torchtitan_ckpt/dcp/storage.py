@@ -168,9 +168,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self._spellings: dict[int, dict[str, Any]] = {}
         """Per dict of the caller's (by id, for this load), its keys that are not text, by their text."""
         self._values: dict[bytes, Any] = {}
-        """The values read so far that are `plain_scalar`, by their bytes (at most
-        `_CACHED_VALUE_BYTES`): TorchTitan's layout keeps each optimizer setting once per
-        parameter, the same bytes for every parameter of a group, each read at about 20 us."""
+        """The first `_CACHED_VALUES` values read that are `plain_scalar` (immutable: one object
+        serves every entry), by their bytes (at most `_CACHED_VALUE_BYTES`): TorchTitan's layout
+        keeps each optimizer setting once per parameter, the same bytes for every parameter of a
+        group, each read at about 20 us."""
 
     def create_local_plan(self) -> LoadPlan:
         """DCP's local plan, each distinct chunk layout worked out once (`load_plan`) when the
@@ -195,7 +196,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         data = value.getvalue()
         if (obj := self._values.get(data, _UNREAD)) is _UNREAD:
             obj = _read_value(read_item, data)
-            if len(data) <= _CACHED_VALUE_BYTES and plain_scalar(obj):  # immutable: one object serves all
+            if len(data) <= _CACHED_VALUE_BYTES and len(self._values) < _CACHED_VALUES and plain_scalar(obj):
                 self._values[data] = obj
         if self.flatten_state_dict:
             # the flattened key maps back to a path of keys into the caller's nested dict
@@ -210,6 +211,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 _UNREAD = object()
 """`SafeLoadPlanner._values`' answer for bytes not read before."""
+
+_CACHED_VALUES = 4096
+"""How many values `SafeLoadPlanner` keeps (a few per optimizer group are read again and again;
+a state of many distinct values would otherwise keep every archive until the load ends)."""
 
 _CACHED_VALUE_BYTES = 4096
 """The largest value `SafeLoadPlanner` keeps by its bytes (a setting's `torch.save` archive is
