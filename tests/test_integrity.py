@@ -341,47 +341,38 @@ def test_a_save_stopped_while_marking_its_folder_leaves_a_partial_step(tmp_path,
     assert f"deleted the unfinished save of step 3 ({layout.step_dir(folder, 3)})" in caplog.messages
 
 
-@pytest.mark.parametrize("extra", [{}, {"hash_algo": "sha256"}], ids=["same_fields", "a_new_field"])
-def test_a_step_of_a_newer_version_is_refused_never_passed_over_and_replaced(tmp_path, capsys, extra):
-    """A step a newer torchtitan_ckpt committed (a downgrade) is not damaged: `verify_fallback`
-    passed over it as corrupt, the job resumed at the step before, and its next save replaced
-    the newer one. With a field this version lacks, it read as damaged."""
+_OTHER_VERSIONS = {
+    "newer": (lambda raw: {**raw, "version": commit.FORMAT_VERSION + 1}, NewerVersionError,
+              r"a newer torchtitan_ckpt .* read it with that one"),
+    "newer_with_a_new_field": (lambda raw: {**raw, "version": commit.FORMAT_VERSION + 1, "hash_algo": "sha256"},
+                               NewerVersionError, r"a newer torchtitan_ckpt .* read it with that one"),
+    "older": (lambda raw: {**raw, "version": 1, "files": {rel: e["size"] for rel, e in raw["files"].items()}},
+              OlderVersionError, r"an older torchtitan_ckpt .* resume from it with the version that wrote it"),
+}
+
+
+@pytest.mark.parametrize("version", list(_OTHER_VERSIONS))
+def test_a_step_of_another_version_is_refused_never_passed_over_and_replaced(tmp_path, capsys, version):
+    """A step another torchtitan_ckpt committed is not damaged: `verify_fallback` passed over a
+    newer one (a downgrade) as corrupt, the job resumed at the step before, and its next save
+    replaced it; with a field this version lacks, it read as damaged; an older one (version 1
+    markers listed each file's size alone) read as damaged, and `list` called it corrupt."""
+    rewrite, error, told = _OTHER_VERSIONS[version]
     folder = _saved(tmp_path, steps=6, last_save_model_only=False)
     marker = os.path.join(layout.step_dir(folder, 6), commit.MARKER)
     with open(marker) as f:
-        raw = json.load(f)
+        written = rewrite(json.load(f))
     with open(marker, "w") as f:
-        json.dump({**raw, "version": commit.FORMAT_VERSION + 1, **extra}, f)
+        json.dump(written, f)
     for verify in (False, True):
         job = make_job(str(tmp_path), steps=10, interval=2, verify_on_load=verify)
-        with pytest.raises(NewerVersionError, match=rf"{marker} is of version {commit.FORMAT_VERSION + 1}, written by "
-                                                    r"a newer torchtitan_ckpt .* read it with that one"):
+        with pytest.raises(error, match=rf"{marker} is of version {written['version']}, written by {told}"):
             job.manager.load()
         job.manager.close()
     assert cli.main(["list", "--json", folder]) == 0
     steps = json.loads(capsys.readouterr().out)["steps"]
-    assert [(s["step"], s["status"]) for s in steps] == [(2, "complete"), (4, "complete"), (6, "newer")]
-
-
-def test_a_step_of_an_older_marker_version_is_refused_as_such_never_passed_over(tmp_path, capsys):
-    """Version 1 markers listed each file's size alone: a step of that version read as damaged,
-    `verify_fallback` passed over it as corrupt (for a save to replace) and `list` called it
-    corrupt."""
-    folder = _saved(tmp_path, steps=6, last_save_model_only=False)
-    marker = os.path.join(layout.step_dir(folder, 6), commit.MARKER)
-    with open(marker) as f:
-        raw = json.load(f)
-    with open(marker, "w") as f:
-        json.dump({**raw, "version": 1, "files": {rel: e["size"] for rel, e in raw["files"].items()}}, f)
-    for verify in (False, True):
-        job = make_job(str(tmp_path), steps=10, interval=2, verify_on_load=verify)
-        with pytest.raises(OlderVersionError, match=rf"{marker} is of version 1, written by an older torchtitan_ckpt "
-                                                    r".* resume from it with the version that wrote it"):
-            job.manager.load()
-        job.manager.close()
-    assert cli.main(["list", "--json", folder]) == 0
-    steps = json.loads(capsys.readouterr().out)["steps"]
-    assert [(s["step"], s["status"]) for s in steps] == [(2, "complete"), (4, "complete"), (6, "older")]
+    assert [(s["step"], s["status"]) for s in steps] == [(2, "complete"), (4, "complete"),
+                                                         (6, version.split("_")[0])]
 
 
 def test_a_step_an_older_version_left_while_committing_is_partial(tmp_path):
