@@ -129,6 +129,36 @@ def test_a_rank_own_failure_is_kept_when_the_round_times_out(tmp_path):
     spawn(2, _own_failure_kept, str(tmp_path / "done"))
 
 
+def _few_files(rank: int, world_size: int) -> None:
+    import logging  # noqa: PLC0415
+    import resource  # noqa: PLC0415
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchtitan_ckpt.group").addHandler(handler)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    for room, warned in ((1000, False), (30, True)):  # the group needs a few here: made either way
+        said.clear()
+        open_now = len(os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + room, hard))
+        group = CheckpointGroup()
+        try:
+            assert group.run(lambda: rank) == [0, 1]
+        finally:
+            group.close()
+        assert bool(said) is warned
+    assert said[0].startswith(f"rank {rank}: the checkpoint's gloo group of 2 ranks holds a connection to each, and "
+                              f"this process has {open_now} files open of the {open_now + 30} it may open (ulimit -n)")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+def test_a_limit_on_open_files_too_low_for_the_group_is_warned_of_with_the_way_out(tmp_path):
+    """Gloo holds a connection to every rank: at thousands of ranks under `ulimit -n` 1024, making
+    the group failed with gloo's "epoll_create: Too many open files" alone."""
+    spawn(2, _few_files)
+
+
 def test_a_group_without_a_cpu_backend_is_refused_at_start(tmp_path):
     """Checkpoint collectives exchange CPU objects (from background threads too): a group whose
     backend serves only GPU tensors (TorchTitan's NCCL world, here a real gloo group made for

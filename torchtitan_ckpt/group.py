@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import sys
 import threading
 import time
@@ -85,6 +86,8 @@ class CheckpointGroup:
             self._timeout = (f"checkpoint.collective_timeout_s = {timeout_s:g} s" if process_group is None else
                              "the process_group's timeout")
             self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
+            if process_group is None:
+                _warn_few_files(self.rank, self.world_size)
             with self._failing(alike=_MADE_ALIKE):  # made collectively: a rank that never comes times it out
                 self.pg: dist.ProcessGroup | None = process_group or dist.new_group(
                     backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -386,6 +389,28 @@ class _Arrivals:
                 self._store.add(str(self._rank), self._CLOSED)
             except RuntimeError:
                 pass
+
+
+_FILES_BESIDE = 64
+"""Files a process opens besides a gloo group's connections while it saves and loads (data
+files, the rendezvous, the writer's pipes): room `_warn_few_files` leaves."""
+
+
+def _warn_few_files(rank: int, world_size: int) -> None:
+    """A gloo group holds a connection to every other rank, each an open file: where this
+    process may not open that many more (`ulimit -n`, often 1024 by default, against jobs of
+    thousands of ranks), making the group fails with gloo's "Too many open files" on the ranks
+    that run out, and the others wait for them. Said before, with the way out."""
+    try:
+        allowed = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        now = len(os.listdir("/proc/self/fd"))
+    except (OSError, ValueError):  # no /proc: nothing to say
+        return
+    if allowed != resource.RLIM_INFINITY and now + world_size + _FILES_BESIDE > allowed:
+        logger.warning("rank %d: the checkpoint's gloo group of %d ranks holds a connection to each, and this process "
+                       "has %d files open of the %d it may open (ulimit -n): making the group may fail with 'Too "
+                       "many open files'; raise the limit to at least %d (ulimit -n, or the launcher's setting)",
+                       rank, world_size, now, allowed, now + world_size + _FILES_BESIDE)
 
 
 _cpu_worlds: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
