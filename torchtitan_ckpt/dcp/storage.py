@@ -194,9 +194,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         data = value.getvalue()
-        if (obj := self._values.get(data, _UNREAD)) is _UNREAD:
+        small = len(data) <= _CACHED_VALUE_BYTES  # a larger value is never kept: not hashed to look for it
+        if (obj := self._values.get(data, _UNREAD) if small else _UNREAD) is _UNREAD:
             obj = _read_value(read_item, data)
-            if len(data) <= _CACHED_VALUE_BYTES and len(self._values) < _CACHED_VALUES and plain_scalar(obj):
+            if small and len(self._values) < _CACHED_VALUES and plain_scalar(obj):
                 self._values[data] = obj
         if self.flatten_state_dict:
             # the flattened key maps back to a path of keys into the caller's nested dict
