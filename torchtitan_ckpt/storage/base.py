@@ -118,8 +118,7 @@ class Store(ABC):
         except (CorruptCheckpointError, NewerVersionError, OlderVersionError) as e:
             if (where := self.describe(path)) == path:
                 raise
-            kind = type(e) if isinstance(e, (NewerVersionError, OlderVersionError)) else CorruptCheckpointError
-            raise kind(str(e).replace(path, where)) from e
+            raise type(e)(str(e).replace(path, where)) from e  # each of these takes its message alone
 
     def fetch_ranges(self, path: str, ranges: Mapping[str, Sequence[tuple[int, int]]]) -> None:
         """Every rank, before reading byte ranges of files of `path` ({file relative to `path`:
