@@ -126,7 +126,8 @@ def test_many_steps_passed_over_for_one_reason_are_one_warning(tmp_path, caplog)
 def test_a_job_that_only_loads_tells_of_a_save_in_flight_at_info(tmp_path, caplog):
     """An evaluation job loading from a run that is training meets the training's save in flight
     (a partial step newer than every complete one) at almost every load: an INFO line, where a
-    job that goes on training (a crashed save ahead of its resume) gets a warning."""
+    job that goes on training (a crashed save ahead of its resume) gets a warning. So does an
+    empty step folder: one a save is starting in, or that a save stopped in before its first file."""
     job = make_job(str(tmp_path), steps=20, interval=2)
     job.run_to(2, steps=20)
     job.manager.close()
@@ -134,6 +135,7 @@ def test_a_job_that_only_loads_tells_of_a_save_in_flight_at_info(tmp_path, caplo
     commit.mark_in_progress(layout.step_dir(_folder(tmp_path), 4))
     os.mkdir(layout.step_dir(_folder(tmp_path), 5))  # another program's, which even a loading job is warned of
     (pathlib.Path(layout.step_dir(_folder(tmp_path), 5)) / "notes.txt").write_text("not a checkpoint")
+    os.mkdir(layout.step_dir(_folder(tmp_path), 6))
     for load_only, level in ((True, "INFO"), (False, "WARNING")):
         caplog.clear()
         reader = make_job(str(tmp_path), steps=20, interval=2, load_only=load_only)
@@ -142,7 +144,10 @@ def test_a_job_that_only_loads_tells_of_a_save_in_flight_at_info(tmp_path, caplo
         told = {r.getMessage().split(":")[0]: r.levelname for r in caplog.records
                 if r.getMessage().startswith("ignoring")}
         assert told == {f"ignoring {layout.step_dir(_folder(tmp_path), 4)}": level,
-                        f"ignoring {layout.step_dir(_folder(tmp_path), 5)}": "WARNING"}
+                        f"ignoring {layout.step_dir(_folder(tmp_path), 5)}": "WARNING",
+                        f"ignoring {layout.step_dir(_folder(tmp_path), 6)}": level}
+        assert (f"ignoring {layout.step_dir(_folder(tmp_path), 6)}: empty: a save that stopped (or is starting) "
+                "before its first file; the save of its step replaces it") in caplog.messages
 
 
 def test_keep_latest_k_keeps_newest_complete_steps(tmp_path):

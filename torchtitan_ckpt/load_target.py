@@ -90,11 +90,11 @@ class TargetFinder:
                 raise CheckpointError(f"{self._store.describe(f.path)}, newer than every step this job may read, "
                                       f"{_not_loadable(f)}")
             if not f.loadable and f.step > newest_step:
-                ignored.setdefault((_not_loadable(f), f.status == layout.PARTIAL), []).append(
-                    self._store.describe(f.path))
-        for (why, partial), paths in ignored.items() if self._group.is_coordinator else ():
+                begun = f.status == layout.PARTIAL or self._store.replaceable(f)  # or empty: one stopped before
+                ignored.setdefault((_not_loadable(f, begun), begun), []).append(self._store.describe(f.path))
+        for (why, begun), paths in ignored.items() if self._group.is_coordinator else ():
             # a job that only loads (an evaluation beside the training) meets the training's save in flight at each load
-            level = logging.INFO if partial and self.config.load_only else logging.WARNING
+            level = logging.INFO if begun and self.config.load_only else logging.WARNING
             logger.log(level, "ignoring %s: %s", few(paths, 3), why)
         if loadable:
             if self.config.initial_load_path and self._group.is_coordinator:
@@ -442,7 +442,9 @@ def _a_file(path: str) -> str:
     return "is a file, not a step folder: name the folder holding it"
 
 
-def _not_loadable(folder: layout.StepFolder) -> str:
+def _not_loadable(folder: layout.StepFolder, replaceable: bool = False) -> str:
+    """Why `folder` is not loaded; `replaceable`: a save of its step would replace it
+    (`Store.replaceable`)."""
     if os.path.islink(folder.path) and not os.path.exists(folder.path):
         with contextlib.suppress(OSError):  # gone since the scan: told as any other entry of no checkpoint
             return (f"a link to {os.readlink(folder.path)!r}, which leads nowhere (a copy of the folder that kept "
@@ -452,5 +454,7 @@ def _not_loadable(folder: layout.StepFolder) -> str:
     if folder.status == layout.DENIED:
         return (f"cannot be read: {safe_open.denied(folder.path, 'Permission denied')}; ask its owner to make it "
                 "readable to you, or move it out of the folder")
+    if replaceable and folder.status == layout.UNKNOWN:
+        return "empty: a save that stopped (or is starting) before its first file; the save of its step replaces it"
     return ("not written by torchtitan_ckpt, and holding no finished checkpoint of a known format "
             f"({', '.join(FORMATS)}): its save did not finish, or it is not a checkpoint")
