@@ -364,7 +364,8 @@ def _value_as_moment(state):
     (_garbled_loader_bytes, "dataloader.dp_rank_0 is not plain data"),
     (_five_as_param_groups, "no optimizer settings .* for 1 parameters, e.g. \\['tok_embeddings.weight'\\]"),
     (_text_as_last_epoch, "lr_scheduler.last_epoch is '2', not a step count"),
-    (_two_rate_functions, r"lr_scheduler.lr_lambdas is \[None, None\], where this job's scheduler has \[None\]"),
+    (_two_rate_functions, r"lr_scheduler.lr_lambdas holds 2 value\(s\), one per param group of the saved optimizer, "
+                          r"where this job's optimizer has 1 param groups"),
     (_text_as_base_rates, r"lr_scheduler.base_lrs is '0.1', where this job's scheduler has \[0.01\]"),
     (_no_optimizer_entries, r"no optimizer settings .* for \d+ parameters"),
     (_value_as_moment, "a value where this job has a tensor.*'optimizer.state.tok_embeddings.weight.exp_avg'"),

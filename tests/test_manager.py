@@ -1060,17 +1060,26 @@ def test_a_folder_nesting_the_model_under_a_prefix_is_named_for_it(tmp_path, cap
     assert _nesting(["x"], {"_orig_mod.module.x", "module.x", "y"}) == "module."  # the shortest, on every rank
 
 
-def test_a_model_only_folder_of_another_program_is_refused_where_the_job_asks_for_more(tmp_path):
+@pytest.mark.parametrize("whose, told", [("theirs", "a dcp checkpoint of another program"),
+                                         ("ours", "a model-only save of torchtitan_ckpt: a run's last save, or a seed")])
+def test_a_model_only_folder_is_refused_where_the_job_asks_for_more(tmp_path, whose, told):
     """With initial_load_model_only = false, a folder holding only the model (an HF folder, a
-    Trainer's checkpoint) loaded its model and left the optimizer fresh without a word."""
+    Trainer's checkpoint; a finished run's last save of ours) loaded its model and left the
+    optimizer fresh without a word."""
     model = torch.nn.Linear(4, 4)
-    path = str(tmp_path / "theirs")
-    dcp.save(model.state_dict(), checkpoint_id=path, no_dist=True)
+    if whose == "theirs":
+        path = str(tmp_path / "theirs")
+        dcp.save(model.state_dict(), checkpoint_id=path, no_dist=True)
+    else:
+        with CheckpointManager(Checkpoint(enable=True, interval=1), [model], torch.optim.AdamW(model.parameters()),
+                               base_folder=str(tmp_path / "ours")) as manager:
+            manager.save(1, last_step=True)
+        path = layout.step_dir(str(tmp_path / "ours" / "checkpoint"), 1)
     fresh = torch.nn.Linear(4, 4)
     config = Checkpoint(enable=True, initial_load_path=path, initial_load_model_only=False)
     with CheckpointManager(config, [fresh], torch.optim.AdamW(fresh.parameters()),
                            base_folder=str(tmp_path / "run")) as manager, \
-            pytest.raises(CheckpointError, match=r"holds only the model \(a dcp checkpoint of another program\) and "
+            pytest.raises(CheckpointError, match=rf"holds only the model \({told}\) and "
                                                  r"checkpoint.initial_load_model_only = false asks for this job's "
                                                  r"optimizer state too: set it to true"):
         manager.load()

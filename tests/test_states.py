@@ -794,6 +794,79 @@ def test_parameters_saved_in_groups_of_other_settings_are_refused_in_one_group(t
     assert regrouped.param_groups[0]["lr"] == 5e-3 and regrouped.param_groups[0]["weight_decay"] == 0.05
 
 
+def test_states_the_job_no_longer_has_are_told_to_a_job_that_trains_on(tmp_path, caplog):
+    """A step holding a schedule and a state of the job's own, resumed by a job built without
+    them: they were left unread without a word (the schedule, the data order start over). A job
+    that only loads (an evaluation) leaves out what it does not need."""
+    model, opt, sched, manager = _job(str(tmp_path), 0)
+    manager.close()
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=opt, lr_schedulers=sched,
+                           states={"ema": Holder({"decay": 0.99})}, base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    for load_only in (False, True):
+        caplog.clear()
+        with CheckpointManager(Checkpoint(enable=True, interval=1, load_only=load_only), [model], optimizers=opt,
+                               base_folder=str(tmp_path)) as manager:
+            assert manager.load()
+        step = layout.step_dir(os.path.join(tmp_path, "checkpoint"), 1)
+        assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == ([] if load_only else [
+            f"{step} holds the state(s) ['ema', 'lr_scheduler'], which this job has none of: not loaded, they start "
+            "anew if the job makes them again (removed from the job since the save?)"])
+
+
+def test_a_learning_rate_changed_since_the_save_is_told_to_be_replaced_by_the_steps(tmp_path, caplog):
+    """A job resumed with another lr (lowered after a loss spike) went on at the step's rates
+    without a word: the step's base rates replace the job's. Told, with the way to take the new one."""
+    model, opt, sched, manager = _job(str(tmp_path), 0)
+    _train(model, opt, sched)
+    manager.save(1)
+    manager.close()
+    for lr, exclude, told in ((0.1, [], False), (0.05, [], True), (0.05, ["lr_scheduler"], False)):
+        caplog.clear()
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        sched = lr_scheduler.LinearLR(opt, 0.1, 1.0, total_iters=5)
+        with CheckpointManager(Checkpoint(enable=True, interval=1, exclude_from_loading=exclude), [model],
+                               optimizers=opt, lr_schedulers=sched, base_folder=str(tmp_path)) as manager:
+            assert manager.load()
+        assert sched.base_lrs == [0.1 if not exclude else lr]
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert warned == ([
+            "lr_scheduler 0: the step's base learning rates [0.1] replace the [0.05] this job's optimizer was built "
+            "with, and its schedule goes on from them: a learning rate changed since the save takes effect only with "
+            "'lr_scheduler' in checkpoint.exclude_from_loading (its schedule then starts afresh)"] if told else [])
+
+
+def test_a_schedule_saved_for_fewer_param_groups_is_refused_as_the_jobs_change_not_as_damage(tmp_path):
+    """Saved with one param group, resumed with layer a in a group of its own: the step's rate
+    lists fit no scheduler of the job. The job changed, the files did not: not a
+    `CorruptCheckpointError` (which a loop may answer by dropping the step), and the way on is named."""
+    model, opt, sched, manager = _job(str(tmp_path), 0)
+    _train(model, opt, sched)
+    manager.save(1)
+    manager.close()
+    torch.manual_seed(1)
+    model = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW([{"params": model["a"].parameters(), "lr": 0.01}, {"params": model["b"].parameters()}],
+                            lr=0.1)
+    sched = lr_scheduler.LinearLR(opt, 0.1, 1.0, total_iters=5)
+    for exclude in ([], ["lr_scheduler"]):
+        with CheckpointManager(Checkpoint(enable=True, interval=1, exclude_from_loading=exclude), [model],
+                               optimizers=opt, lr_schedulers=sched, base_folder=str(tmp_path)) as manager:
+            if exclude:
+                assert manager.load() and sched.last_epoch == 0 and not torch.equal(model["a"].weight, before["a.weight"])
+                continue
+            with pytest.raises(CheckpointError) as refused:
+                manager.load()
+            assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and not opt.state
+    assert type(refused.value) is CheckpointError
+    assert str(refused.value) == (
+        f"{layout.step_dir(os.path.join(tmp_path, 'checkpoint'), 1)}: lr_scheduler._last_lr holds 1 value(s), one per "
+        "param group of the saved optimizer, where this job's optimizer has 2 param groups: the saved schedule does "
+        "not fit them. Add 'lr_scheduler' to checkpoint.exclude_from_loading to start it afresh (the optimizer's "
+        "state loads by parameter name), or build the param groups as saved")
+
+
 @pytest.mark.parametrize("schedule, rates", [("warm-up and cosine", (0.1, 0.1)), ("LambdaLR", (0.1, 0.2))])
 def test_alike_schedulers_of_several_optimizers_loaded_without_them_go_on_at_the_rates_reached(tmp_path, schedule,
                                                                                                 rates):

@@ -99,7 +99,8 @@ class Checkpoint:
     system another program's finished one: docs/torchtitan.md)."""
 
     initial_load_model_only: bool = True
-    """Load only the model from `initial_load_path` (optimizer, schedulers and data start fresh)."""
+    """Load only the model from `initial_load_path` (optimizer, schedulers and data start fresh).
+    False: the job's other states too; a checkpoint holding only the model is then refused."""
 
     initial_load_in_hf: bool = False
     """`initial_load_path` (or, when unset, the adapter's `hf_assets_path`: a TorchTitan job's

@@ -89,7 +89,8 @@ class LoadRequest:
         model tensors that no rank's model parts have (a layer removed since the save), the
         optimizer state of parameters that no rank's optimizer holds (frozen since, or an
         optimizer built over fewer parameters by mistake), whose moments are then lost, and
-        entries of the job's own states none asks for (those of ranks gone, keyed by rank). Each rank
+        entries of the job's own states none asks for (those of ranks gone, keyed by rank); and, to
+        a job that goes on training, the states its marker lists that the job has none of. Each rank
         marks what it holds (a pipeline stage has its own layers) in bitmaps over the step's
         names, the same on every rank, and one gather joins them."""
         # model tensors are at the top level: one named "model.*" (transformers' names) is one of them
@@ -107,6 +108,10 @@ class LoadRequest:
             _bitmap(entries, asked.__contains__)))))
         if not self._group.is_coordinator:
             return
+        if not self.config.load_only and not target.model_only and (
+                gone := sorted(set(target.listed) - {"model", *self._states})):
+            logger.warning("%s holds the state(s) %s, which this job has none of: not loaded, they start anew if "
+                           "the job makes them again (removed from the job since the save?)", target.path, gone)
         # none of the model's names among the step's (nested under a prefix?): the load's refusal says why
         if held_model and (unloaded := _unmarked(names, held_model)):
             logger.warning("%s holds %d model tensors this job's model does not have, e.g. %s: they are not loaded "

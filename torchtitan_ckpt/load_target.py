@@ -272,20 +272,22 @@ class TargetFinder:
         if status == layout.PARTIAL:
             raise CheckpointNotFoundError(f"checkpoint.initial_load_path = {self.config.initial_load_path}: its save did not finish "
                                           f"(no {commit.MARKER}); it is never loaded")
-        if status != layout.COMPLETE:
-            target = self._foreign_target(path, None, self._initial, self.config.initial_load_model_only)
-            if target.model_only and not self.config.initial_load_model_only and self._resumes():
-                raise CheckpointError(
-                    f"checkpoint.initial_load_path = {self.config.initial_load_path} holds only the model (a "
-                    f"{target.format.name} checkpoint of another program) and checkpoint.initial_load_model_only = "
-                    f"false asks for this job's {', '.join(self._loaded_states())} state too: set it to true to start "
-                    "from its model (another framework's optimizer files beside it, a Trainer's optimizer.pt say, "
-                    "are never read)")
-            return target
-        if problems := self._verify(path, self._initial):
+        ours = status == layout.COMPLETE
+        if ours and (problems := self._verify(path, self._initial)):
             raise CorruptCheckpointError(f"checkpoint.initial_load_path = {self.config.initial_load_path} failed "
                                          f"verification: {'; '.join(problems)}")
-        return self._committed_target(path, None, self._initial, self.config.initial_load_model_only)
+        target = (self._committed_target if ours else self._foreign_target)(
+            path, None, self._initial, self.config.initial_load_model_only)
+        if target.model_only and not self.config.initial_load_model_only and self._resumes():
+            what, besides = (("a model-only save of torchtitan_ckpt: a run's last save, or a seed", "") if ours else
+                             (f"a {target.format.name} checkpoint of another program",
+                              " (another framework's optimizer files beside it, a Trainer's optimizer.pt say, are "
+                              "never read)"))
+            raise CheckpointError(
+                f"checkpoint.initial_load_path = {self.config.initial_load_path} holds only the model ({what}) and "
+                f"checkpoint.initial_load_model_only = false asks for this job's {', '.join(self._loaded_states())} "
+                f"state too: set it to true to start from its model{besides}")
+        return target
 
     def _foreign_format(self, path: str) -> StepFormat:
         """The format of another program's checkpoint at `path` (`layout.foreign_format`)."""

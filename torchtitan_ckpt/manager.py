@@ -315,7 +315,7 @@ class CheckpointManager:
             found["optimizer"] = OptimizerState(parts, opts)
         if scheds := _members(lr_schedulers, "lr_schedulers", "an LR scheduler (with state_dict() and "
                               "load_state_dict())", lambda s: isinstance(s, Stateful)):
-            found["lr_scheduler"] = LRSchedulerState(scheds, "optimizer" in self.config.exclude_from_loading)
+            found["lr_scheduler"] = LRSchedulerState(scheds, "optimizer" in self.config.exclude_from_loading, rank == 0)
         if dataloader is not None:
             if not isinstance(dataloader, Stateful):
                 raise TypeError(f"dataloader is a {type(dataloader).__name__}, which has no state_dict()/"
@@ -869,8 +869,9 @@ class CheckpointManager:
         if target.format.named_as_state:
             self._request.warn_unloaded(target, state)
         try:
+            where = target.store.describe(target.path)
             self._group.run(lambda: target.format.read(target.path, target.index, state, target.store,
-                                                       lambda: self._check_loaded(state, target.path)))
+                                                       lambda: self._check_loaded(state, where)))
             self._group.run(lambda: self._apply(state, target.path))
             self._half_loaded = None  # only a load that succeeded clears it: a refused one changed nothing
         except RankFailed as failed:
@@ -886,16 +887,18 @@ class CheckpointManager:
                 self._half_loaded = PartialLoadError(target.path, e)
             raise
 
-    def _check_loaded(self, state: dict[str, Any], path: str) -> None:
-        """Whether each state takes the values read for it, before any of the load is applied."""
+    def _check_loaded(self, state: dict[str, Any], where: str) -> None:
+        """Whether each state takes the values read for it, before any of the load is applied
+        (`where`: the step, as the user knows it)."""
         for name, stateful in self._states.items():
             if name in state and isinstance(stateful, CheckedState):
                 try:
                     stateful.check_loaded(state[name])
-                except CheckpointError:
+                except CheckpointError as e:
+                    restate(e, lambda message: f"{where}: {message}")
                     raise
                 except Exception as e:
-                    raise _cannot_apply(path, name, e) from e
+                    raise _cannot_apply(where, name, e) from e
 
     def _apply(self, state: dict[str, Any], path: str) -> None:
         """Hand what was read to the states (checked by `_check_loaded`). A state that still

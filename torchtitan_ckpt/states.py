@@ -580,11 +580,13 @@ class LRSchedulerState(CheckedState):
     the first one's settings would otherwise overwrite theirs. Readers of TorchTitan's layout
     ignore that entry."""
 
-    def __init__(self, schedulers: Sequence[Any], sets_rates: bool = False):
+    def __init__(self, schedulers: Sequence[Any], sets_rates: bool = False, tells: bool = True):
         self.schedulers = list(schedulers)
         self.sets_rates = sets_rates
         """The optimizers' states are not loaded (`exclude_from_loading`): a loaded schedule sets
         its optimizer's learning rates (`_set_rates`)."""
+        self.tells = tells
+        """This rank logs what a load replaces of the job's own settings (one rank of a job)."""
 
     def state_dict(self) -> dict[str, Any]:
         first = self.schedulers[0].state_dict()
@@ -626,10 +628,19 @@ class LRSchedulerState(CheckedState):
         for i, scheduler in enumerate(self.schedulers):
             own = scheduler.state_dict()
             where, shared = self._shared(state_dict, i)
-            for key in shared.keys() & own.keys():
-                if not _same_kind(shared[key], own[key]):
-                    raise CorruptCheckpointError(f"lr_scheduler.{where}{key} is {brief(shared[key])}, where this "
-                                                 f"job's scheduler has {brief(own[key])}")
+            for key in sorted(shared.keys() & own.keys()):  # the same key named by every rank
+                saved, live = shared[key], own[key]
+                if _same_kind(saved, live):
+                    continue
+                if isinstance(saved, (list, tuple)) and isinstance(live, (list, tuple)) and len(live) == len(
+                        getattr(getattr(scheduler, "optimizer", None), "param_groups", ())):
+                    raise CheckpointError(
+                        f"lr_scheduler.{where}{key} holds {len(saved)} value(s), one per param group of the "
+                        f"saved optimizer, where this job's optimizer has {len(live)} param groups: the saved "
+                        "schedule does not fit them. Add 'lr_scheduler' to checkpoint.exclude_from_loading to start it afresh "
+                        "(the optimizer's state loads by parameter name), or build the param groups as saved")
+                raise CorruptCheckpointError(f"lr_scheduler.{where}{key} is {brief(saved)}, where this "
+                                             f"job's scheduler has {brief(live)}")
 
     def _shared(self, state_dict: dict[str, Any], i: int) -> tuple[str, dict[str, Any]]:
         """Where in `state_dict` the `i`-th scheduler's state is, and that state."""
@@ -642,6 +653,12 @@ class LRSchedulerState(CheckedState):
         for i, scheduler in enumerate(self.schedulers):
             own = scheduler.state_dict()
             shared = {k: as_live(v, own.get(k)) for k, v in self._shared(state_dict, i)[1].items()}
+            if self.tells and (rates := _rates(shared.get("base_lrs"))) != (built := _rates(own.get("base_lrs"))) \
+                    and None not in (rates, built):
+                logger.warning("lr_scheduler %d: the step's base learning rates %s replace the %s this job's optimizer "
+                               "was built with, and its schedule goes on from them: a learning rate changed since the "
+                               "save takes effect only with 'lr_scheduler' in checkpoint.exclude_from_loading (its "
+                               "schedule then starts afresh)", i, rates, built)
             scheduler.load_state_dict(copy.deepcopy({**own, **shared}))
             if "_step_count" not in state_dict and hasattr(scheduler, "last_epoch"):
                 scheduler._step_count = scheduler.last_epoch + 1  # what step() would have counted
@@ -717,6 +734,16 @@ def _set_rates(i: int, scheduler: Any, saved: Any) -> None:
         else:
             group["lr"] = float(rate)
     scheduler._last_lr = [float(rate) for rate in rates]
+
+
+def _rates(value: Any) -> list[float] | None:
+    """A scheduler's rate list (floats or one-element tensors) as floats; None for anything else."""
+    if not isinstance(value, (list, tuple)):
+        return None
+    try:
+        return [float(rate) for rate in value]
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 _PER_SCHEDULER = ("base_lrs", "_last_lr")
