@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from torchtitan_ckpt.errors import CollectiveError, RankFailed
 from torchtitan_ckpt.group import CheckpointGroup
@@ -344,3 +345,22 @@ def test_a_group_carries_one_managers_collectives_at_a_time(tmp_path):
     collectives and gloo aborted the process ("Received data size doesn't match"). A rank the
     given group leaves out failed with an AttributeError."""
     spawn(2, _one_group_two_managers, str(tmp_path))
+
+
+def test_a_rank_torchrun_launched_without_a_process_group_is_refused(tmp_path, monkeypatch):
+    """Under torchrun without `init_process_group`, each rank was a job of one: rank 1 failed
+    on rank 0's lock of the folder as on "another process" using it, or, where the two did not
+    overlap, replaced rank 0's steps with its own."""
+    from torchtitan_ckpt import Checkpoint, CheckpointManager  # noqa: PLC0415
+    from torchtitan_ckpt.errors import CheckpointError  # noqa: PLC0415
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(CheckpointError, match=r"^this process was launched as rank 1 of WORLD_SIZE = 2 \(torchrun\), "
+                                              r"and torch.distributed is not initialised: .* Call "
+                                              r"torch.distributed.init_process_group\(\) before making"):
+        CheckpointManager(Checkpoint(enable=True), [torch.nn.Linear(2, 2)], base_folder=str(tmp_path))
+    assert os.listdir(tmp_path) == []
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a launch of one rank is a job of one
+    with CheckpointManager(Checkpoint(enable=True), [torch.nn.Linear(2, 2)], base_folder=str(tmp_path)) as manager:
+        assert manager.save(500)

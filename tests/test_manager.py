@@ -1227,3 +1227,42 @@ def test_a_manager_dropped_after_a_failed_background_save_is_collected(tmp_path,
     dropped = weakref.ref(manager)
     del manager
     assert _collected(dropped) and "collected without close()" in caplog.text
+
+
+def test_last_step_passed_at_every_save_is_warned_of_once(tmp_path, caplog):
+    """`last_step=True` at every step (a constant for `step == steps`) made each save hold the
+    model alone, kept from retention: the folder grew, and the resume found nothing to train on
+    from, after the training. Said at the second such save."""
+    model = torch.nn.Linear(2, 2)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], torch.optim.AdamW(model.parameters()),
+                           base_folder=str(tmp_path)) as manager:
+        for step in (1, 2, 3):
+            assert manager.save(step, last_step=True)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "save(2, last_step=True) after save(1, last_step=True): last_step says the step is the run's last (its save "
+        "may hold only the model, and retention does not run after it); pass it at the final step alone "
+        "(last_step=(step == total_steps))"]
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_forced_save_of_the_step_just_saved_leaves_it_as_it_is(tmp_path, caplog, mode):
+    """A preemption handler's `save(step, force=True)` after the schedule's save of that step
+    removed the complete step and wrote it again: a kill in between (the grace period's end)
+    lost it, and with keep_latest_k = 1 every step. The state at that step is on disk already."""
+    model = torch.nn.Linear(2, 2)
+    config = Checkpoint(enable=True, interval=2, keep_latest_k=1, async_mode=mode)
+    with CheckpointManager(config, [model], torch.optim.AdamW(model.parameters()),
+                           base_folder=str(tmp_path)) as manager:
+        assert manager.save(2)
+        manager.wait()
+        marker = os.stat(os.path.join(_folder(tmp_path), "step-2", commit.MARKER))
+        caplog.clear()
+        with caplog.at_level("INFO", logger="torchtitan_ckpt"):
+            assert not manager.save(2, force=True)
+        assert caplog.messages == ["step 2 (full, dcp) is saved already by this job: not saved again"]
+        kept = os.stat(os.path.join(_folder(tmp_path), "step-2", commit.MARKER))
+        assert (marker.st_ino, marker.st_mtime_ns) == (kept.st_ino, kept.st_mtime_ns)
+        assert manager.save(2, last_step=True)  # another kind (the model alone): saved over it, as before
+    replaced = os.stat(os.path.join(_folder(tmp_path), "step-2", commit.MARKER))
+    assert (marker.st_ino, marker.st_mtime_ns) != (replaced.st_ino, replaced.st_mtime_ns)
+    assert layout.committed_steps(_folder(tmp_path)) == [2]

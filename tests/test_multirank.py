@@ -24,7 +24,7 @@ from torchtitan_ckpt.example.train import build_model, shard_model
 from torchtitan_ckpt.storage.local import LOCK_FILE
 
 from .helpers import (DEBUG_CONFIG, ROOT, assert_same, losses, read_checkpoint, run_job, spawn, stay_until,
-                      then_release)
+                      then_release, within)
 
 pytestmark = pytest.mark.multirank
 
@@ -376,6 +376,33 @@ def test_ranks_naming_different_folders_all_fail_at_start(tmp_path):
         assert (tmp_path / f"error{rank}").read_text().endswith(
             f"every rank must use the same folder; rank 0 uses {tmp_path}/rank0, rank 1 {tmp_path}/rank1 (a relative "
             "folder resolved in another working directory?)"), rank
+
+
+def _configured_otherwise(rank: int, world_size: int, folder: str) -> None:
+    from torchtitan_ckpt.errors import ConfigError  # noqa: PLC0415
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=rf"^checkpoint.interval = {1 + rank}: every rank must have the same setting; "
+                                          r"rank 0 has 1, rank 1 2 \(and checkpoint.keep_latest_k\): give every "
+                                          r"rank the same config and overrides$"), within(30):
+        CheckpointManager(Checkpoint(enable=True, folder=folder, interval=1 + rank, save_threads=1 + rank,
+                                     keep_latest_k=3 + rank), [model])
+    config = Checkpoint(enable=True, folder=folder, interval=1, save_threads=1 + rank)  # a rank's own: it may differ
+    with CheckpointManager(config, [model]) as manager:
+        manager.save(1)
+        manager.save(2)
+        with pytest.raises(CheckpointError, match=r"^the ranks called load\(\) otherwise: rank 0 loads step 1, rank 1 "
+                                                  r"loads the newest step; every rank calls load\(\) alike$"), within(30):
+            manager.load(1 if rank == 0 else -1)
+        assert manager.load(1)  # the ranks go on together
+
+
+def test_ranks_configured_or_loading_otherwise_fail_at_once_naming_what_differs(tmp_path):
+    """Ranks with another interval waited on each other until the collective timeout (600 s by
+    default) with a message of ranks not joining, or (keep_latest_k, exclude_from_loading)
+    went on, rank 0's setting winning unsaid; ranks loading other steps were told the step's
+    marker differed among them, as on node-local disks."""
+    spawn(2, _configured_otherwise, str(tmp_path / "checkpoint"))
 
 
 def _save_otherwise(rank: int, world_size: int, folder: str, how: str) -> None:

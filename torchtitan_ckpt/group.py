@@ -15,7 +15,7 @@ from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 
-from .errors import CollectiveError, RankFailed, few
+from .errors import CheckpointError, CollectiveError, RankFailed, few
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,11 @@ class CheckpointGroup:
         else:
             if process_group is not None:
                 raise ValueError("a process_group was given but torch.distributed is not initialised")
+            if (launched := os.environ.get("WORLD_SIZE", "1")) not in ("", "0", "1"):
+                raise CheckpointError(
+                    f"this process was launched as rank {os.environ.get('RANK', '?')} of WORLD_SIZE = {launched} "
+                    "(torchrun), and torch.distributed is not initialised: each rank would save alone, over the "
+                    "others' steps. Call torch.distributed.init_process_group() before making the CheckpointManager")
             self.pg, self.rank, self.world_size, self._made = None, 0, 1, False
 
     def close(self) -> None:

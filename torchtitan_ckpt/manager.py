@@ -8,7 +8,9 @@ and how saves overlap training in `staging`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import itertools
 import logging
 import os
@@ -169,6 +171,11 @@ class CheckpointManager:
         """The dedup summary of the last save, logged at INFO again only when it changes."""
         self._told_per_rank: set[str] = set()
         """The states whose values differ by rank, warned of (`_warn_per_rank`)."""
+        self._committed: tuple[int, SaveKind, str] | None = None
+        """The step, kind and format of this job's last save committed in `folder`: a save of
+        the same again is skipped (`_saved_already`)."""
+        self._ended_at: int | None = None
+        """The step of the first `save(last_step=True)`: the run's end (`_warn_ended`)."""
         self._calls = threading.RLock()
         """Held by `save()`, `load()`, `close()` and `wait()`: a call from another thread waits
         for the one in progress (two threads' saves interleaved their steps' files)."""
@@ -256,11 +263,15 @@ class CheckpointManager:
                               f"a seed checkpoint is written by a single process; this job has "
                               f"{self._group.world_size} ranks")
         if self._group.world_size > 1:  # every rank fails, not only those that differ
-            folders = self._group.all_gather(self._store.url)
+            agreed = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in _PER_RANK}
+            digest = hashlib.blake2b(repr(sorted(agreed.items())).encode(), digest_size=16).digest()
+            folders, digests = zip(*self._group.all_gather((self._store.url, digest)))
             if other := next((r for r, url in enumerate(folders) if url != folders[0]), None):
                 raise ConfigError("checkpoint.folder", self._store.url,
                                   f"every rank must use the same folder; rank 0 uses {folders[0]}, rank {other} "
                                   f"{folders[other]} (a relative folder resolved in another working directory?)")
+            if len(set(digests)) > 1:  # rare: every rank's settings, to name those that differ
+                _refuse_differing(agreed, self._group.all_gather(agreed))
         self._check_stores()
 
     def _check_stores(self) -> None:
@@ -451,8 +462,9 @@ class CheckpointManager:
         `async_mode`, staged and handed to the background writer). The last step's save is
         always waited for. `force`: save the step in full off the schedule, for a resume from
         it (a preemption's save; `last_step` is the run's end, whose save may hold only the
-        model). Raises the failure of an earlier background save, if any. The garbage
-        collector is paused during the call (`gc_pause`)."""
+        model); skipped (False) where this job's last save was that step, in full. Raises the
+        failure of an earlier background save, if any. The garbage collector is paused during
+        the call (`gc_pause`)."""
         if self._closed:
             raise CheckpointError("save() called after close()")
         step = layout.check_step(curr_step, "save")
@@ -461,9 +473,13 @@ class CheckpointManager:
         if self._half_loaded is not None:
             raise CheckpointError(f"save({step}) refused: the job's state is not one step's ({self._half_loaded})")
         kind = save_kind(step, last_step, self.config, force)
+        if last_step:
+            self._warn_ended(step)
         fmt = save_format(kind, self.config)
         hf_copy = hf_copy_due(step, self.config) and not (kind is SaveKind.MODEL_ONLY and fmt == "hf")
         waited = self._wait_for_earlier(step) if kind is not None or hf_copy else 0.0
+        if kind is not None and self._saved_already(step, kind, fmt):
+            kind = None
         if kind is not None:
             self._submit(step, kind, self.folder, self._formats[fmt], last_step, waited)
         if hf_copy:
@@ -472,6 +488,28 @@ class CheckpointManager:
         if last_step:
             self._saves.wait()
         return kind is not None or hf_copy
+
+    def _saved_already(self, step: int, kind: SaveKind, fmt: str) -> bool:
+        """Whether this job's last committed save is `step`, of this kind and format (a forced
+        save after the schedule's, a preemption handler's): its state at that step is on disk.
+        A save over a complete step removes it first, and its failure would lose that step."""
+        if self._committed != (step, kind, fmt):
+            return False
+        if self._group.is_coordinator:
+            logger.info("step %d (%s, %s) is saved already by this job: not saved again", step, kind.value, fmt)
+        return True
+
+    def _warn_ended(self, step: int) -> None:
+        """`last_step` marks the run's last save; passed at every step (`last_step=True`), each
+        save held the model alone (`last_save_model_only`) and was kept from retention: a
+        resume found no step to train on from, and the folder grew without bound."""
+        if self._ended_at is None:
+            self._ended_at = step
+        elif self._ended_at >= 0 and self._group.is_coordinator:  # said once: -1 once told
+            logger.warning("save(%d, last_step=True) after save(%d, last_step=True): last_step says the step is the "
+                           "run's last (its save may hold only the model, and retention does not run after it); pass "
+                           "it at the final step alone (last_step=(step == total_steps))", step, self._ended_at)
+            self._ended_at = -1
 
     def _wait_for_earlier(self, step: int) -> float:
         """Wait for the background save in flight, before `step`'s save starts (and its clock):
@@ -623,6 +661,8 @@ class CheckpointManager:
 
         def commit_step(written: Written) -> None:
             info = self._commit(step, path, kind, fmt, written)
+            if folder == self.folder:
+                self._committed = (step, kind, fmt.name)
             if self._group.is_coordinator:
                 self._log_saved(info, where, kind, time.perf_counter() - start, written.summary, waited, held)
                 if last:  # as TorchTitan: the steps before the job's last save stay, its k newest full ones
@@ -734,6 +774,10 @@ class CheckpointManager:
         self._told_newer = set()
         start = time.perf_counter()
         wanted = step if step >= 0 else self.config.load_step
+        asked = self._group.all_gather(("load", wanted))
+        if (other := next((r for r, a in enumerate(asked) if a != asked[0]), None)) is not None:
+            raise CheckpointError(f"the ranks called load() otherwise: rank 0 {_loading(asked[0])}, rank {other} "
+                                  f"{_loading(asked[other])}; every rank calls load() alike")
         for retry in itertools.count(1):
             folders = self._agreed_steps(self._group.each(
                 lambda: self._store.scan(self.folder), f"listing the steps of {self._store.describe(self.folder)}"))
@@ -941,6 +985,25 @@ def _space_hint(path: str, staged: bool) -> str:
             "restart: a job's load() deletes the steps beyond it, and the folders of failed saves)")
 
 
+_PER_RANK = frozenset({"save_threads", "load_threads", "consolidation_threads", "direct_io", "staging_folder",
+                       "folder"})
+"""Settings each rank may have of its own (how it uses its node: threads, its disk), and `folder`,
+compared as it resolves (the store's URL); every other setting of `[checkpoint]` must be the
+same on every rank (`_refuse_differing`)."""
+
+
+def _refuse_differing(mine: dict[str, Any], every: list[dict[str, Any]]) -> NoReturn:
+    """Every rank: a `ConfigError` naming the settings (but `_PER_RANK`) that differ among the
+    ranks' `every`: ranks of one job deciding otherwise (to save a step, to restore a state)
+    would wait on each other until the collective timeout, or save a mix."""
+    keys = [k for k in mine if any(theirs.get(k) != every[0].get(k) for theirs in every)]
+    other = next(r for r, theirs in enumerate(every) if theirs.get(keys[0]) != every[0].get(keys[0]))
+    more = f" (and {', '.join('checkpoint.' + k for k in keys[1:])})" if len(keys) > 1 else ""
+    raise ConfigError(f"checkpoint.{keys[0]}", mine[keys[0]],
+                      f"every rank must have the same setting; rank 0 has {every[0][keys[0]]!r}, rank {other} "
+                      f"{every[other][keys[0]]!r}{more}: give every rank the same config and overrides")
+
+
 def _described(call: Any) -> str:
     """A save as `prepare` shares it among the ranks, in words; anything else is what a rank
     sent from another round (it is in `load()`, or at another point of a save)."""
@@ -948,6 +1011,13 @@ def _described(call: Any) -> str:
         return "is not saving (it is in another call of the manager, load() say)"
     step, kind, fmt, last = call
     return f"saves step {step} ({kind}, {fmt}{', last_step' if last else ''})"
+
+
+def _loading(call: Any) -> str:
+    """A load as `_load` shares it among the ranks, in words (or a rank in another round)."""
+    if not (isinstance(call, tuple) and len(call) == 2 and call[0] == "load"):
+        return "is not loading (it is in another call of the manager, save() say)"
+    return f"loads step {call[1]}" if call[1] >= 0 else "loads the newest step"
 
 
 def _save_errors(step: int, path: str, fn):
