@@ -1325,3 +1325,71 @@ def test_a_step_removed_after_the_listing_is_not_listed_on_object_storage(bucket
         client.delete_object(Bucket=bucket, Key="run/step-1/COMMITTED.json")
         records = [cli._step_record(s, store) for s in listed]
     assert records[0] is None and records[1]["status"] == "complete"
+
+
+def test_a_save_whose_step_another_job_marked_since_is_not_committed(bucket, tmp_path, proxied, moto_url):
+    """Two jobs saving one step into one URL (a restarted job's old copy still alive): the
+    second's start of the step replaced the first's files, and the first's commit marker then
+    went on top of the second's: both said saved, and the step mixed the two. The first now
+    finds the step marked by another save at its commit, and commits nothing."""
+    url = f"s3://{bucket}/run"
+    direct = boto3.client("s3", endpoint_url=moto_url)
+    other = json.dumps({"started": time.time(), "save": "another job's"}).encode()
+
+    def another_job_starts_step_2(n, method, path):
+        if method == "PUT" and path.startswith(f"/{bucket}/run/step-2/__0_0.distcp"):
+            direct.put_object(Bucket=bucket, Key=f"run/step-2/{commit.IN_PROGRESS}", Body=other)
+        return None
+
+    model, opt = _job()
+    proxied(another_job_starts_step_2)
+    with CheckpointManager(_config(url, str(tmp_path)), [model], opt) as manager:
+        manager.save(1)
+        with pytest.raises(CheckpointSaveError, match=rf"s3://{bucket}/run/step-2 was marked by another save after "
+                                                      r"this one began .* this step is not committed"):
+            manager.save(2)
+    assert f"run/step-2/{commit.MARKER}" not in _objects(bucket)
+    assert f"run/step-1/{commit.MARKER}" in _objects(bucket)
+
+
+def _uploads(bucket: str) -> list[str]:
+    return sorted(u["Key"] for u in boto3.client("s3").list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+
+
+def test_unfinished_uploads_under_a_step_folder_go_with_it_and_nothing_else(bucket, tmp_path):
+    """A save killed mid-upload left its multipart upload (parts billed, shown by no listing of
+    objects) through the next save of that step and retention: each aborts those under the step
+    folder it replaces or removes. Uploads elsewhere under the prefix are another program's."""
+    url = f"s3://{bucket}/run"
+    client = boto3.client("s3")
+    for key in ("run/step-2/__0_0.distcp", "run/step-1/__1_0.distcp", "run/notes/big.bin", "run/step-1-eval/x"):
+        upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"x" * 1024)
+    model, opt = _job()
+    with CheckpointManager(_config(url, str(tmp_path)), [model], opt) as manager:
+        manager.save(2)  # its step folder's upload, a leftover
+        assert _uploads(bucket) == ["run/notes/big.bin", "run/step-1-eval/x", "run/step-1/__1_0.distcp"]
+        manager.save(3)  # retention (keep_latest_k = 1) removes step 2; step 1 is no step of ours
+    assert _uploads(bucket) == ["run/notes/big.bin", "run/step-1-eval/x", "run/step-1/__1_0.distcp"]
+    client.put_object(Bucket=bucket, Key=f"run/step-1/{commit.IN_PROGRESS}", Body=b"{}")  # a partial step of ours
+    with CheckpointManager(_config(url, str(tmp_path)), [model], opt) as manager:
+        assert manager.load()
+        manager.save(4)  # retention removes the partial step 1, and its upload
+    assert _uploads(bucket) == ["run/notes/big.bin", "run/step-1-eval/x"]
+
+
+def test_listing_the_steps_lists_no_other_objects_under_the_prefix(bucket, tmp_path, proxied):
+    """The steps' listing paged through every object under the prefix: 1,500 of another
+    program's beside the steps made each scan two requests more (a thousand per page)."""
+    url = f"s3://{bucket}/run"
+    client = boto3.client("s3")
+    for i in range(1500):
+        client.put_object(Bucket=bucket, Key=f"run/eval/{i}.json", Body=b"{}")
+    model, opt = _job()
+    with CheckpointManager(_config(url, str(tmp_path)), [model], opt) as manager:
+        manager.save(1)
+    proxy = proxied(lambda n, method, path: None)
+    with CheckpointManager(_config(url, str(tmp_path)), [model], opt) as manager:
+        assert manager.load()
+    listings = [path for method, path, _ in proxy.seen if method == "GET" and "list-type=2" in path]
+    assert listings and all("prefix=run%2Fstep-" in path for path in listings), listings

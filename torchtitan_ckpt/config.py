@@ -250,8 +250,8 @@ class Checkpoint:
 
     storage_timeout_s: float = 20.0
     """Object storage: the seconds a request waits to connect, and then for each next piece of
-    the answer, before it counts as failed (and is retried): a stalled endpoint fails after
-    about `storage_retries + 1` times this, not after botocore's 60 s per try. A limit on
+    the answer, before it counts as failed (and is retried): a request to a stalled endpoint
+    fails after about `storage_retries + 1` times this, not after botocore's 60 s per try. A limit on
     silence, not on a transfer's length. 1 to 3600 s: a shorter one fails a healthy endpoint's
     requests (connecting alone may take longer), which then reads as a bad bucket."""
 

@@ -34,7 +34,10 @@ from .io import durable, safe_open
 from .io.untrusted import brief
 from .formats import FORMATS
 
-_STEP_RE = re.compile(r"step-(0|[1-9][0-9]*)", re.ASCII)
+STEP_PREFIX = "step-"
+"""How every step folder's name begins (a store lists those names alone)."""
+
+_STEP_RE = re.compile(re.escape(STEP_PREFIX) + r"(0|[1-9][0-9]*)", re.ASCII)
 """One spelling per step: no leading zeros, ASCII digits, nothing after (so `step-007`, a
 non-ASCII digit or a trailing newline never name the folder of step 7)."""
 
@@ -58,7 +61,7 @@ def check_step(step: Any, call: str, low: int = 0) -> int:
 
 def step_name(step: int) -> str:
     """Name of the folder that holds step `step`."""
-    return f"step-{step}"
+    return f"{STEP_PREFIX}{step}"
 
 
 def step_dir(folder: str, step: int) -> str:

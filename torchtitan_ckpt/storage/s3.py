@@ -3,15 +3,17 @@ boto3 (the `s3` extra: `pip install 'torchtitan_ckpt[s3]'`).
 
 An object store has no rename and no fsync, so a step commits by the order of its objects:
 
-1. rank 0 puts `step-N/IN_PROGRESS.json` (the step is ours, and partial);
+1. rank 0 puts `step-N/IN_PROGRESS.json` (the step is ours, and partial), naming this save, and
+   aborts the unfinished uploads a killed save left there;
 2. each rank writes its files into its own local staging folder with the usual engine, then
    uploads them (multipart, `upload_parallel_parts` parts of `upload_part_size` in flight at
    most: the bytes held per rank), computing each file's CRC-32 from the bytes it uploads and
    checking it against the writer's; each part carries its own CRC-32, which the server checks
    (an upload declares CRC-32, so the server keeps a composite of the parts' checksums rather
    than computing a whole-object one when the upload completes);
-3. once every rank's uploads are complete, rank 0 puts `step-N/COMMITTED.json` with every
-   file's size and CRC-32, then deletes the in-progress marker.
+3. once every rank's uploads are complete, rank 0 checks that the in-progress marker is still
+   this save's (another job saving into the URL would have replaced it), puts
+   `step-N/COMMITTED.json` with every file's size and CRC-32, then deletes the in-progress marker.
 
 A Hugging Face export's safetensors files are written jointly (each rank its own bytes at their
 final offsets): each rank's staged copy holds its bytes and holes elsewhere, and file i is
@@ -83,6 +85,13 @@ a negative one) is refused before the size reaches a download."""
 
 MAX_PARTS = 10_000
 """Parts of one multipart upload at most (S3's limit)."""
+
+_MARK_BYTES = 4096
+"""An in-progress marker is read up to this many bytes (ours are about 70)."""
+
+MAX_UPLOAD_PAGES = 100
+"""Pages of unfinished uploads (a thousand each) a sweep of a step folder goes through at most:
+a server paging on without end is not followed (`S3Store._abort_uploads`)."""
 
 Fill = Callable[[memoryview, int], None]
 """`fill(buffer, offset)`: puts the bytes of a file being uploaded at `offset` into `buffer`."""
@@ -168,6 +177,8 @@ class S3Store(Store):
         self._whole = False  # with every object of it
         self._files: set[str] = set()  # the objects of it fetched whole
         self._lock: str | None = None  # while this store holds `root`: its lock file (`lock.claim`)
+        self._told_uploads = False  # that unfinished uploads cannot be listed (`_abort_uploads`)
+        self._saving: dict[str, str] = {}  # step key -> the id of this store's save marked there
 
     # ------------------------------------------------------------------ names and requests
 
@@ -206,9 +217,9 @@ class S3Store(Store):
             raise StorageError(f"{what} {self.where(key)}: the server's answer has no {name} ({brief(value)})")
         return value
 
-    def _list(self, key: str) -> dict[str, int]:
+    def _list(self, key: str, start: str = "") -> dict[str, int]:
         """Object name (relative to `key/`; the whole bucket for the empty key) -> size, for
-        every object under `key/`. An object whose name ends in `/` (a folder placeholder, as the
+        every object under `key/` whose name begins with `start`. An object whose name ends in `/` (a folder placeholder, as the
         S3 console makes, or another program's) is no file of a checkpoint: passed over. An
         answer naming an object outside `key/` or one listed before (a listing that repeats
         itself would never end), or of a size outside [0, MAX_OBJECT_BYTES], or one that pages on
@@ -216,14 +227,14 @@ class S3Store(Store):
         pages in a row, is a `StorageError`."""
         prefix, found, token, seen, empty = f"{key}/" if key else "", {}, {}, set(), 0
         while True:
-            page = self._call("listing", prefix, self.client.list_objects_v2, Prefix=prefix, **token)
+            page = self._call("listing", prefix, self.client.list_objects_v2, Prefix=prefix + start, **token)
             empty = 0 if page.get("Contents") else empty + 1
             if empty > MAX_EMPTY_PAGES:
                 raise StorageError(f"listing {self.where(prefix)}: the server answered {empty} pages in a row "
                                    "without an object, each saying more follow: the listing would never end")
             for o in page.get("Contents", []):
                 name, size = o.get("Key"), o.get("Size")
-                if not isinstance(name, str) or not name.startswith(prefix):
+                if not isinstance(name, str) or not name.startswith(prefix + start):
                     raise StorageError(f"listing {self.where(prefix)}: the server answered the object {brief(name)}, "
                                        "which is not under it")
                 if name[len(prefix):] in found:
@@ -262,8 +273,27 @@ class S3Store(Store):
                 named = first.get("Key") if isinstance(first.get("Key"), str) else keys[i]
                 raise StorageError(f"deleting {self.where(named[:1000])} failed: {brief(first.get('Message'))}")
 
-    def _mark_in_progress(self, key: str) -> None:
-        self._put(f"{key}/{commit.IN_PROGRESS}", json.dumps({"started": time.time()}).encode())
+    def _mark_in_progress(self, key: str) -> str:
+        """Mark the step `key` ours and partial; returns the mark's id of this save."""
+        save = os.urandom(16).hex()
+        self._put(f"{key}/{commit.IN_PROGRESS}", json.dumps({"started": time.time(), "save": save}).encode())
+        return save
+
+    def _started_by(self, key: str) -> str | None:
+        """The id of the save whose mark the step `key` holds (`_mark_in_progress`), None where
+        it holds no mark of a save (committed since, or marked by an older version)."""
+        size = self._list(key, commit.IN_PROGRESS).get(commit.IN_PROGRESS)
+        if size is None or size > _MARK_BYTES:  # none, or no mark of ours
+            return None
+        with tempfile.TemporaryFile() as f:  # read as any object is: a body cut short is retried
+            if size:
+                self._get_range(f"{key}/{commit.IN_PROGRESS}", f.fileno(), 0, size)
+            data = f.read()
+        try:
+            mark = json.loads(data)
+        except ValueError:
+            return None
+        return mark.get("save") if isinstance(mark, dict) and isinstance(mark.get("save"), str) else None
 
     def _remove_step(self, key: str, names: list[str]) -> None:
         """Delete the objects `names` under `key/`, a step the caller has marked in progress,
@@ -339,7 +369,7 @@ class S3Store(Store):
         """Steps by their markers: complete with `COMMITTED.json`, partial with only
         `IN_PROGRESS.json`, unknown (another program's: never loaded or deleted) with neither."""
         steps: dict[int, set[str]] = {}
-        for name in self._list(self._key(folder)):
+        for name in self._list(self._key(folder), layout.STEP_PREFIX):  # not others' objects beside the steps
             step_name, _, rest = name.partition("/")
             step = layout.parse_step(step_name)
             if step is not None and rest:
@@ -356,8 +386,9 @@ class S3Store(Store):
                                   "never replaced: move it away or save under another prefix")
         if folder.status == layout.COMPLETE:
             warn_replacing(self.where(key))
-        self._mark_in_progress(key)
+        self._saving[key] = self._mark_in_progress(key)
         self._remove_step(key, names)
+        self._abort_uploads(key)
         faults.hit("prepare", step)
 
     def prepare_rank(self, path: str) -> None:
@@ -443,12 +474,19 @@ class S3Store(Store):
         info.files = {rel: {"size": size, "crc32": crc} for rel, (size, crc) in sorted(checksums.items())}
         info.created = time.time()
         faults.hit("commit", info.step)
+        if (mine := self._saving.pop(key, None)) is not None and self._started_by(key) != mine:
+            raise CheckpointError(
+                f"{self.where(key)} was marked by another save after this one began (its {commit.IN_PROGRESS} is not "
+                "this save's): another job saves into this URL, and the two replace each other's files; this step "
+                "is not committed. Give each job a prefix of its own (object storage has no lock to refuse the "
+                "second job at its start)")
         self._put(f"{key}/{commit.MARKER}", json.dumps(asdict(info), indent=1, sort_keys=True).encode())
         try:
             self._delete([f"{key}/{commit.IN_PROGRESS}"])
         except StorageError as e:  # committed all the same: the commit marker decides a step's status
             logger.warning("%s is committed, but its in-progress marker is left over (%s); it is harmless, and goes "
                            "with the step", self.where(key), e)
+        self._abort_uploads(key)  # every rank's are finished: any left is an orphan (a start retried)
 
     def fetch(self, path: str, names: Sequence[str] | None = None) -> str:
         """Download the objects under the step (or checkpoint folder) into `path`: every one,
@@ -549,6 +587,7 @@ class S3Store(Store):
             self._delete([f"{key}/{commit.MARKER}"])
             faults.hit("purge", folder.step)
         self._remove_step(key, [n for n in names if n != commit.MARKER])
+        self._abort_uploads(key)
         self._delete([f"{key}/{commit.IN_PROGRESS}"])
 
     # ------------------------------------------------------------------ bytes
@@ -620,6 +659,33 @@ class S3Store(Store):
                            UploadId=upload_id, PartNumber=number, Body=data, ChecksumCRC32=checksum)
         return {"PartNumber": number, "ETag": self._field(reply, "ETag", f"uploading part {number} of", key),
                 "ChecksumCRC32": checksum}
+
+    def _abort_uploads(self, key: str) -> None:
+        """Abort the multipart uploads left under the step folder `key/` (a save killed
+        mid-upload; a start retried after its answer was lost): no listing of objects shows
+        them, and their parts are billed until a lifecycle rule reclaims them. Only under a
+        step folder of ours, where this package alone writes. A listing refused (a policy
+        without s3:ListBucketMultipartUploads) is said once; a save never fails on it."""
+        prefix, following, left = f"{key}/", {}, 0
+        try:
+            for _ in range(MAX_UPLOAD_PAGES):
+                page = self._call("listing the unfinished uploads under", prefix, self.client.list_multipart_uploads,
+                                  Prefix=prefix, **following)
+                for upload in page.get("Uploads") or []:
+                    name, upload_id = upload.get("Key"), upload.get("UploadId")
+                    if isinstance(name, str) and name.startswith(prefix) and isinstance(upload_id, str):
+                        self._abort(name, upload_id)
+                        left += 1
+                following = {"KeyMarker": page.get("NextKeyMarker"), "UploadIdMarker": page.get("NextUploadIdMarker")}
+                if not page.get("IsTruncated") or not all(isinstance(v, str) for v in following.values()):
+                    break
+        except StorageError as e:
+            if not self._told_uploads:
+                logger.warning("unfinished uploads under %s cannot be listed, and are left to a lifecycle rule "
+                               "(docs/storage.md): %s", self.where(prefix), e)
+            self._told_uploads = True
+        if left:
+            logger.info("aborted %d unfinished upload(s) under %s (a save stopped mid-upload)", left, self.where(prefix))
 
     def _abort(self, key: str, upload_id: str) -> None:
         try:
