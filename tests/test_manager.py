@@ -441,10 +441,10 @@ def test_load_step_naming_a_model_only_step_is_refused_to_a_job_that_restores_mo
     job.run_to(6, steps=6)
     job.manager.close()
     step6 = layout.step_dir(_folder(tmp_path), 6)
-    for load in (dict(load_step=6), dict()):  # named in the config, or as load(step=6)
+    for load, named in ((dict(load_step=6), r"checkpoint.load_step = 6"), (dict(), r"load\(6\)")):
         asked = make_job(str(tmp_path), steps=6, init_seed=5, **load)
         with pytest.raises(CheckpointError, match=(
-                rf"^checkpoint.load_step = 6: {step6} holds only the model \(a finished run's last save\) and this job "
+                rf"^{named}: {step6} holds only the model \(a finished run's last save\) and this job "
                 r"restores its optimizer, lr_scheduler, dataloader, train_state state too, which the step lacks. To "
                 rf"train on from its model, set checkpoint.initial_load_path = '{step6}' and use another "
                 r"checkpoint.folder; to read the model alone, set checkpoint.load_only = true, or add those states "
@@ -1266,3 +1266,18 @@ def test_a_forced_save_of_the_step_just_saved_leaves_it_as_it_is(tmp_path, caplo
     replaced = os.stat(os.path.join(_folder(tmp_path), "step-2", commit.MARKER))
     assert (marker.st_ino, marker.st_mtime_ns) != (replaced.st_ino, replaced.st_mtime_ns)
     assert layout.committed_steps(_folder(tmp_path)) == [2]
+
+
+def test_a_job_that_saves_beside_a_runs_steps_without_loading_is_told_to_call_load(tmp_path, caplog):
+    """A restarted job that never called load() trained from scratch beside the run's steps and
+    was told that it "went back to an older step", which it never loaded."""
+    model = torch.nn.Linear(2, 2)
+    config = Checkpoint(enable=True, interval=1, keep_latest_k=0)
+    with CheckpointManager(config, [model], base_folder=str(tmp_path)) as manager:
+        manager.save(5)
+    with CheckpointManager(config, [model], base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"{_folder(tmp_path)}: steps [5] are newer than step 1 just saved (this job never called load(): it started "
+        "afresh beside a run's steps; call manager.load() before training to resume from them) and are kept; a load "
+        "without a step would pick step 5 over it: remove them if that run is abandoned"]

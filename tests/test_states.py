@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import threading
 import warnings
 
 import numpy as np
@@ -393,11 +394,13 @@ def test_a_value_past_the_loads_bounds_is_refused_by_the_save(tmp_path):
                   r"refused by every load: its pickle .* more than 4096 .*as a list or a tensor")
 
 
-def test_a_value_nothing_pickles_is_named_by_the_save(tmp_path):
-    _, manager = _manager(str(tmp_path), train_state=_Values({"bad": lambda: None}))
-    with pytest.raises(CheckpointSaveError, match=r"state value 'train_state.bad' \(function\) cannot be saved"):
-        manager.save(1)
-    manager.close()
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
+@pytest.mark.parametrize("value, shown", [(lambda: None, "function"), (threading.Lock(), "lock")])
+def test_a_value_nothing_pickles_is_named_by_the_save(tmp_path, mode, value, shown):
+    """A background save copies the state first: a lock, which no copy takes, failed it with
+    "cannot pickle '_thread.lock' object" alone, naming no state."""
+    _, manager = _manager(str(tmp_path), mode, train_state=_Values({"bad": value}))
+    _save_refused(tmp_path, manager, CheckpointSaveError, rf"state value 'train_state.bad' \({shown}\) cannot be saved")
 
 
 @pytest.mark.parametrize("extra", [torch.bfloat16, torch.Size([4, 2]), 1 + 2j, torch.device("cpu")],

@@ -331,7 +331,7 @@ def test_a_foreign_hugging_face_last_save_is_passed_over_without_an_adapter(tmp_
     assert "step(s) 12 hold only the model (a finished run's last save): resuming from step 5" in caplog.text
     for index in (0, 1):  # the weight's and the bias's moments: the optimizer resumed
         assert_same(resumed_opt.state_dict()["state"][index], opt.state_dict()["state"][index])
-    with pytest.raises(CheckpointError, match=rf"^checkpoint.load_step = 12: {last} holds only the model"):
+    with pytest.raises(CheckpointError, match=rf"^load\(12\): {last} holds only the model"):
         resumed.load(step=12)
     resumed.close()
 

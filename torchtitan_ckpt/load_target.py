@@ -76,12 +76,13 @@ class TargetFinder:
         `verify_fallback`): a load passes them over again, so saves before them are not warned
         of them as of steps a load would pick instead. The manager empties it as a load begins."""
 
-    def find(self, folders: list[layout.StepFolder], step: int) -> LoadTarget | None:
-        """What a load of `step` (when >= 0) reads, among `folders` (rank 0's listing): that
-        step, else the newest loadable one, else `initial_load_path` or, with
-        `initial_load_in_hf`, the adapter's Hugging Face assets; None when there is nothing."""
+    def find(self, folders: list[layout.StepFolder], step: int, asked: bool = False) -> LoadTarget | None:
+        """What a load of `step` (when >= 0; `asked`: by `load(step)`, else by `load_step`) reads,
+        among `folders` (rank 0's listing): that step, else the newest loadable one, else
+        `initial_load_path` or, with `initial_load_in_hf`, the adapter's Hugging Face assets;
+        None when there is nothing."""
         if step >= 0:
-            return self._explicit_step(folders, step)
+            return self._explicit_step(folders, step, f"load({step})" if asked else f"checkpoint.load_step = {step}")
         loadable = [f for f in folders if f.loadable]
         newest_step = loadable[-1].step if loadable else -1
         ignored: dict[tuple[str, bool], list[str]] = {}  # a line per reason: a crashed job may leave a thousand
@@ -311,9 +312,9 @@ class TargetFinder:
             target.model_only = not saved & set(self._states)
         return target
 
-    def _explicit_step(self, folders: list[layout.StepFolder], step: int) -> LoadTarget:
-        """The step a load names: refused when it is missing, not loadable, or holds only the
-        model for a job that `_resumes`."""
+    def _explicit_step(self, folders: list[layout.StepFolder], step: int, named: str) -> LoadTarget:
+        """The step a load names (`named`: how, for messages): refused when it is missing, not
+        loadable, or holds only the model for a job that `_resumes`."""
         path = layout.step_dir(self.folder, step)
         where = self._store.describe(path)
         match = [f for f in folders if f.step == step]
@@ -321,28 +322,28 @@ class TargetFinder:
         if not match:
             there = (f"loadable steps: {loadable}" if folders else
                      f"{self._store.describe(self.folder)} holds no step: is it the folder the run saved into?")
-            raise CheckpointNotFoundError(f"checkpoint.load_step = {step}: {where} does not exist; {there}")
+            raise CheckpointNotFoundError(f"{named}: {where} does not exist; {there}")
         if not match[0].loadable:
             raise CheckpointNotFoundError(
-                f"checkpoint.load_step = {step}: {where} is not loadable ({_not_loadable(match[0])}); "
+                f"{named}: {where} is not loadable ({_not_loadable(match[0])}); "
                 f"loadable steps: {loadable}")
         if self._only_the_model(match[0]):
-            raise self._refused_model_only(step, path)
+            raise self._refused_model_only(named, path)
         if match[0].status == layout.FOREIGN:
             target = self._foreign_target(path, step, self._store)
             if target.model_only and step and self._resumes():
-                raise self._refused_model_only(step, path)
+                raise self._refused_model_only(named, path)
             return target
         if problems := self._verify(path, self._store):
             raise CorruptCheckpointError(f"step {step} failed verification: {'; '.join(problems)}")
         return self._committed_target(path, step, self._store)
 
-    def _refused_model_only(self, step: int, path: str) -> CheckpointError:
+    def _refused_model_only(self, named: str, path: str) -> CheckpointError:
         """A step named to load that holds only the model, for a job that `_resumes`: its other
         states would start over while the model goes on (TorchTitan's load fails on the missing
         keys), and its saves would replace the steps of the run that wrote it."""
         return CheckpointError(
-            f"checkpoint.load_step = {step}: {self._store.describe(path)} holds only the model (a finished run's last "
+            f"{named}: {self._store.describe(path)} holds only the model (a finished run's last "
             f"save) and this job restores its {', '.join(self._loaded_states())} state too, which the step lacks. "
             f"{self._model_only_advice(path)}, or add those states to checkpoint.exclude_from_loading")
 

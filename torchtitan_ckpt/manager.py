@@ -171,6 +171,8 @@ class CheckpointManager:
         """The dedup summary of the last save, logged at INFO again only when it changes."""
         self._told_per_rank: set[str] = set()
         """The states whose values differ by rank, warned of (`_warn_per_rank`)."""
+        self._load_called = False
+        """Whether `load()` was called: a job saving beside a run's newer steps without it is told."""
         self._committed: tuple[int, SaveKind, str] | None = None
         """The step, kind and format of this job's last save committed in `folder`: a save of
         the same again is skipped (`_saved_already`)."""
@@ -685,10 +687,12 @@ class CheckpointManager:
         passed = self._targets.passed if folder == self.folder else set()
         newer = [f.step for f in newer_steps(folders, step) if f.step not in passed]
         if not {(folder, s) for s in newer} <= self._told_newer:
-            logger.warning("%s: steps %s are newer than step %d just saved (the job went back to an "
-                           "older step) and are kept; a load without a step would pick step %d over "
-                           "it: remove them if that run is abandoned", self._store.describe(folder),
-                           newer, step, newer[-1])
+            why = ("the job went back to an older step" if self._load_called else
+                   "this job never called load(): it started afresh beside a run's steps; call manager.load() "
+                   "before training to resume from them")
+            logger.warning("%s: steps %s are newer than step %d just saved (%s) and are kept; a load without a step "
+                           "would pick step %d over it: remove them if that run is abandoned",
+                           self._store.describe(folder), newer, step, why, newer[-1])
         self._told_newer.update((folder, s) for s in newer)
 
     def _commit(self, step: int, path: str, kind: SaveKind, fmt: StepFormat, written: Written) -> commit.CommitInfo:
@@ -753,6 +757,7 @@ class CheckpointManager:
         step = layout.check_step(step, "load", low=-1)
         if not self.config.enable:
             return False
+        self._load_called = True
         self._saves.wait()
         if (self.config.last_save_in_hf or self.config.hf_export_interval) and (problem := self._untied()):
             raise CheckpointError(f"load(): {problem}")
@@ -783,7 +788,7 @@ class CheckpointManager:
                 lambda: self._store.scan(self.folder), f"listing the steps of {self._store.describe(self.folder)}"))
             target = None
             try:
-                target = self._targets.find(folders, wanted)
+                target = self._targets.find(folders, wanted, step >= 0)
                 self._targets.check_steps_ahead(folders, target)
                 if target is None:
                     if self._group.is_coordinator:  # a job that only loads, and loaded nothing: a typo?

@@ -49,7 +49,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import faults, gc_pause
-from .errors import ConfigError, StagingMismatchError, in_chain
+from .errors import CheckpointError, ConfigError, StagingMismatchError, in_chain
 from .io.dtypes import same_bytes
 from .io.filewriter import CountWait, Sink, write_files
 from .io.writer_process import WriterProcess
@@ -163,7 +163,17 @@ def freeze(state: Any, deferred: Deferred, path: tuple = ()) -> Any:
         return [freeze(v, deferred, (*path, i)) for i, v in enumerate(state)]
     if type(state) in _IMMUTABLE or type(state) is tuple and all(type(v) in _IMMUTABLE for v in state):
         return state
-    return copy.deepcopy(state)
+    return _copied(state, path)
+
+
+def _copied(value: Any, path: tuple) -> Any:
+    """A deep copy of the state's `value` at `path`; one nothing copies (a lock, an open file),
+    which no save could write either, named as a synchronous save names it."""
+    try:
+        return copy.deepcopy(value)
+    except Exception as e:
+        raise CheckpointError(f"state value '{'.'.join(map(str, path))}' ({type(value).__name__}) cannot be saved: "
+                              f"{type(e).__name__}: {e}") from None
 
 
 _IMMUTABLE = frozenset({int, float, bool, str, bytes, type(None)})
@@ -252,7 +262,7 @@ class Stager:
             return {k: self._layout(v, (*path, k), pairs) for k, v in state.items()}
         if _traversed_list(state):
             return [self._layout(v, (*path, i), pairs) for i, v in enumerate(state)]
-        return copy.deepcopy(state)
+        return _copied(state, path)
 
     def _allocate(self, tensors: dict[tuple, torch.Tensor]) -> None:
         """One new arena with an aligned place for each of `tensors`; arenas left with no place
