@@ -1281,3 +1281,20 @@ def test_a_job_that_saves_beside_a_runs_steps_without_loading_is_told_to_call_lo
         f"{_folder(tmp_path)}: steps [5] are newer than step 1 just saved (this job never called load(): it started "
         "afresh beside a run's steps; call manager.load() before training to resume from them) and are kept; a load "
         "without a step would pick step 5 over it: remove them if that run is abandoned"]
+
+
+def test_a_save_of_a_step_saved_before_a_load_went_back_is_made_again(tmp_path):
+    """The skip of a step saved already holds until a load: a job that went back to an older
+    step and trained to the same step again saves its new state there."""
+    model = torch.nn.Linear(2, 2)
+    with CheckpointManager(Checkpoint(enable=True, interval=1, keep_latest_k=0), [model],
+                           base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+        with torch.no_grad():
+            model.weight.add_(1)
+        assert manager.save(2)
+        assert manager.load(1)
+        with torch.no_grad():
+            model.weight.add_(2)
+        assert manager.save(2)
+    assert torch.equal(read_checkpoint(layout.step_dir(_folder(tmp_path), 2))["weight"], model.weight)

@@ -759,6 +759,7 @@ class CheckpointManager:
             return False
         self._load_called = True
         self._saves.wait()
+        self._committed = None  # the job's state is the loaded step's now, whatever this job saved before
         if (self.config.last_save_in_hf or self.config.hf_export_interval) and (problem := self._untied()):
             raise CheckpointError(f"load(): {problem}")
         try:
