@@ -361,6 +361,7 @@ def test_a_rank_torchrun_launched_without_a_process_group_is_refused(tmp_path, m
                                               r"torch.distributed.init_process_group\(\) before making"):
         CheckpointManager(Checkpoint(enable=True), [torch.nn.Linear(2, 2)], base_folder=str(tmp_path))
     assert os.listdir(tmp_path) == []
+    assert CheckpointGroup().world_size == 1  # a one-off read's (load_hf on each rank of an inference job)
     monkeypatch.setenv("WORLD_SIZE", "1")  # a launch of one rank is a job of one
     with CheckpointManager(Checkpoint(enable=True), [torch.nn.Linear(2, 2)], base_folder=str(tmp_path)) as manager:
         assert manager.save(500)

@@ -351,6 +351,10 @@ def _text_as_base_rates(state):
     state["lr_scheduler"]["base_lrs"] = "0.1"
 
 
+def _text_in_base_rates(state):
+    state["lr_scheduler"]["base_lrs"] = ["0.1"]  # as many as the job's param groups: no change of the job's
+
+
 def _no_optimizer_entries(state):
     state["optimizer"] = {}  # the marker still lists it
 
@@ -367,13 +371,16 @@ def _value_as_moment(state):
     (_two_rate_functions, r"lr_scheduler.lr_lambdas holds 2 value\(s\), one per param group of the saved optimizer, "
                           r"where this job's optimizer has 1 param groups"),
     (_text_as_base_rates, r"lr_scheduler.base_lrs is '0.1', where this job's scheduler has \[0.01\]"),
+    (_text_in_base_rates, r"lr_scheduler.base_lrs is \['0.1'\], where this job's scheduler has \[0.01\]"),
     (_no_optimizer_entries, r"no optimizer settings .* for \d+ parameters"),
     (_value_as_moment, "a value where this job has a tensor.*'optimizer.state.tok_embeddings.weight.exp_avg'"),
 ])
 def test_a_state_that_cannot_be_applied_is_refused_before_anything_changes(ckpt, pristine, edit, problem):
     dump, _, _ = ckpt
     _craft(dump, edit)
-    _refused_unchanged(make_job(dump, steps=2, interval=2), pristine, CheckpointError, problem)
+    damaged = edit in (_text_as_last_epoch, _text_as_base_rates, _text_in_base_rates)
+    _refused_unchanged(make_job(dump, steps=2, interval=2), pristine,
+                       CorruptCheckpointError if damaged else CheckpointError, problem)
 
 
 # ---------------------------------------------------------------- 5. nothing is written before all is checked

@@ -441,7 +441,8 @@ def test_load_step_naming_a_model_only_step_is_refused_to_a_job_that_restores_mo
     job.run_to(6, steps=6)
     job.manager.close()
     step6 = layout.step_dir(_folder(tmp_path), 6)
-    for load, named in ((dict(load_step=6), r"checkpoint.load_step = 6"), (dict(), r"load\(6\)")):
+    for load, step, named in ((dict(load_step=6), -1, r"checkpoint.load_step = 6"), (dict(), 6, r"load\(6\)"),
+                              (dict(load_step=6), 6, r"checkpoint.load_step = 6")):  # TorchTitan's call: load(step=)
         asked = make_job(str(tmp_path), steps=6, init_seed=5, **load)
         with pytest.raises(CheckpointError, match=(
                 rf"^{named}: {step6} holds only the model \(a finished run's last save\) and this job "
@@ -449,7 +450,7 @@ def test_load_step_naming_a_model_only_step_is_refused_to_a_job_that_restores_mo
                 rf"train on from its model, set checkpoint.initial_load_path = '{step6}' and use another "
                 r"checkpoint.folder; to read the model alone, set checkpoint.load_only = true, or add those states "
                 r"to checkpoint.exclude_from_loading$")):
-            asked.manager.load(**({} if load else {"step": 6}))
+            asked.manager.load(step)
         assert asked.train_state.step == 0 and not asked.opt.state
         asked.manager.close()
     for reader in (dict(load_only=True),
@@ -1234,10 +1235,12 @@ def test_last_step_passed_at_every_save_is_warned_of_once(tmp_path, caplog):
     model alone, kept from retention: the folder grew, and the resume found nothing to train on
     from, after the training. Said at the second such save."""
     model = torch.nn.Linear(2, 2)
-    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], torch.optim.AdamW(model.parameters()),
-                           base_folder=str(tmp_path)) as manager:
+    with CheckpointManager(Checkpoint(enable=True, interval=1, last_save_model_only=False), [model],
+                           torch.optim.AdamW(model.parameters()), base_folder=str(tmp_path)) as manager:
         for step in (1, 2, 3):
             assert manager.save(step, last_step=True)
+        assert manager.load(3)  # a run of several phases in one process: each phase's end is its own
+        assert manager.save(4, last_step=True)
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
         "save(2, last_step=True) after save(1, last_step=True): last_step says the step is the run's last (its save "
         "may hold only the model, and retention does not run after it); pass it at the final step alone "

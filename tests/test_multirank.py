@@ -387,6 +387,10 @@ def _configured_otherwise(rank: int, world_size: int, folder: str) -> None:
                                           r"rank the same config and overrides$"), within(30):
         CheckpointManager(Checkpoint(enable=True, folder=folder, interval=1 + rank, save_threads=1 + rank,
                                      keep_latest_k=3 + rank), [model])
+    # a setting whose own checks (the adapter it needs, the export's round) ran first on that rank alone
+    with pytest.raises(ConfigError, match=r"^checkpoint.last_save_in_hf = .*: every rank must have the same setting; "
+                                          r"rank 0 has False, rank 1 True"), within(30):
+        CheckpointManager(Checkpoint(enable=True, folder=folder, last_save_in_hf=rank == 1), [model])
     config = Checkpoint(enable=True, folder=folder, interval=1, save_threads=1 + rank)  # a rank's own: it may differ
     with CheckpointManager(config, [model]) as manager:
         manager.save(1)

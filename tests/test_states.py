@@ -837,6 +837,18 @@ def test_a_learning_rate_changed_since_the_save_is_told_to_be_replaced_by_the_st
             "lr_scheduler 0: the step's base learning rates [0.1] replace the [0.05] this job's optimizer was built "
             "with, and its schedule goes on from them: a learning rate changed since the save takes effect only with "
             "'lr_scheduler' in checkpoint.exclude_from_loading (its schedule then starts afresh)"] if told else [])
+    caplog.clear()  # a rate saved as a float32 tensor (a compiled optimizer step's) is the same rate as a float
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.1))
+    sched = lr_scheduler.LinearLR(opt, 0.1, 1.0, total_iters=5)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=opt, lr_schedulers=sched,
+                           base_folder=str(tmp_path)) as manager:
+        manager.save(2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = lr_scheduler.LinearLR(opt, 0.1, 1.0, total_iters=5)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=opt, lr_schedulers=sched,
+                           base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
 
 
 def test_a_schedule_saved_for_fewer_param_groups_is_refused_as_the_jobs_change_not_as_damage(tmp_path):

@@ -100,11 +100,6 @@ class CheckpointGroup:
         else:
             if process_group is not None:
                 raise ValueError("a process_group was given but torch.distributed is not initialised")
-            if (launched := os.environ.get("WORLD_SIZE", "1")) not in ("", "0", "1"):
-                raise CheckpointError(
-                    f"this process was launched as rank {os.environ.get('RANK', '?')} of WORLD_SIZE = {launched} "
-                    "(torchrun), and torch.distributed is not initialised: each rank would save alone, over the "
-                    "others' steps. Call torch.distributed.init_process_group() before making the CheckpointManager")
             self.pg, self.rank, self.world_size, self._made = None, 0, 1, False
 
     def close(self) -> None:
@@ -420,6 +415,19 @@ def _warn_few_files(rank: int, world_size: int) -> None:
 
 _cpu_worlds: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
 """Default group (one that carries no CPU tensors) -> the gloo group over its ranks made for it."""
+
+
+def refuse_unjoined_launch() -> None:
+    """A process torchrun launched as one of several ranks (`WORLD_SIZE` above 1) whose default
+    process group is not initialised: a manager made there is a job of one on each rank, each
+    saving alone over the others' steps (or failing on the first one's lock as on another
+    job's). Refused, with the call that joins the ranks."""
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched not in ("", "0", "1") and not (dist.is_available() and dist.is_initialized()):
+        raise CheckpointError(
+            f"this process was launched as rank {os.environ.get('RANK', '?')} of WORLD_SIZE = {launched} "
+            "(torchrun), and torch.distributed is not initialised: each rank would save alone, over the "
+            "others' steps. Call torch.distributed.init_process_group() before making the CheckpointManager")
 
 
 def cpu_world() -> dist.ProcessGroup | None:

@@ -42,7 +42,7 @@ from .errors import (
     few,
     restate,
 )
-from .group import CheckpointGroup
+from .group import CheckpointGroup, refuse_unjoined_launch
 from .formats import FORMATS, Context, StepFormat, Written
 from .hf import StateDictAdapter
 from .hf.adapter import EMBEDDING, TIED_HEAD, as_adapter
@@ -191,6 +191,8 @@ class CheckpointManager:
         self._waiting: _TrainingWait | None = None
         """What the training thread spent on the last background save, counted on by the
         optimizer's step pre-hook while the save's copy is in flight."""
+        if config.enable:
+            refuse_unjoined_launch()
         self._group = CheckpointGroup(process_group, config.collective_timeout_s,
                                       f"the CheckpointManager of {self.folder}") if config.enable else None
         rank, world_size = (self._group.rank, self._group.world_size) if self._group else (0, 1)
@@ -242,7 +244,9 @@ class CheckpointManager:
     def _check_job(self) -> None:
         """What the config asks of this job: an adapter for the Hugging Face format (and what an
         export writes beside its tensors: `_check_export`), one process for a seed checkpoint,
-        one folder for every rank; then the stores (`_check_stores`)."""
+        and the same folder and settings on every rank (`_check_alike`, first); then the stores
+        (`_check_stores`)."""
+        self._check_alike()
         config = self.config
         for key in ("initial_load_in_hf", "last_save_in_hf", "hf_export_interval"):
             if getattr(config, key) and self._adapter is None:
@@ -264,17 +268,24 @@ class CheckpointManager:
             raise ConfigError("checkpoint.create_seed_checkpoint", True,
                               f"a seed checkpoint is written by a single process; this job has "
                               f"{self._group.world_size} ranks")
-        if self._group.world_size > 1:  # every rank fails, not only those that differ
-            agreed = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in _PER_RANK}
-            digest = hashlib.blake2b(repr(sorted(agreed.items())).encode(), digest_size=16).digest()
-            folders, digests = zip(*self._group.all_gather((self._store.url, digest)))
-            if other := next((r for r, url in enumerate(folders) if url != folders[0]), None):
-                raise ConfigError("checkpoint.folder", self._store.url,
-                                  f"every rank must use the same folder; rank 0 uses {folders[0]}, rank {other} "
-                                  f"{folders[other]} (a relative folder resolved in another working directory?)")
-            if len(set(digests)) > 1:  # rare: every rank's settings, to name those that differ
-                _refuse_differing(agreed, self._group.all_gather(agreed))
         self._check_stores()
+
+    def _check_alike(self) -> None:
+        """Every rank has the same folder and settings (but `_PER_RANK`), before any check of
+        the job whose round only ranks of some settings enter (`_check_export`); every rank
+        fails, not only those that differ."""
+        if self._group.world_size == 1:
+            return
+        agreed = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)
+                  if f.name not in _PER_RANK}
+        digest = hashlib.blake2b(repr(sorted(agreed.items())).encode(), digest_size=16).digest()
+        folders, digests = zip(*self._group.all_gather((self._store.url, digest)))
+        if other := next((r for r, url in enumerate(folders) if url != folders[0]), None):
+            raise ConfigError("checkpoint.folder", self._store.url,
+                              f"every rank must use the same folder; rank 0 uses {folders[0]}, rank {other} "
+                              f"{folders[other]} (a relative folder resolved in another working directory?)")
+        if len(set(digests)) > 1:  # rare: every rank's settings, to name those that differ
+            _refuse_differing(agreed, self._group.all_gather(agreed))
 
     def _check_stores(self) -> None:
         """Every store reached before any makes anything (a staging folder, the checkpoint
@@ -759,7 +770,7 @@ class CheckpointManager:
             return False
         self._load_called = True
         self._saves.wait()
-        self._committed = None  # the job's state is the loaded step's now, whatever this job saved before
+        self._committed = self._ended_at = None  # the job's state is the loaded step's now, whatever it saved before
         if (self.config.last_save_in_hf or self.config.hf_export_interval) and (problem := self._untied()):
             raise CheckpointError(f"load(): {problem}")
         try:
@@ -789,7 +800,7 @@ class CheckpointManager:
                 lambda: self._store.scan(self.folder), f"listing the steps of {self._store.describe(self.folder)}"))
             target = None
             try:
-                target = self._targets.find(folders, wanted, step >= 0)
+                target = self._targets.find(folders, wanted, wanted != self.config.load_step)  # TorchTitan passes it
                 self._targets.check_steps_ahead(folders, target)
                 if target is None:
                     if self._group.is_coordinator:  # a job that only loads, and loaded nothing: a typo?

@@ -16,6 +16,7 @@ import copy
 import hashlib
 import itertools
 import logging
+import math
 import pickle
 import sys
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -632,13 +633,15 @@ class LRSchedulerState(CheckedState):
                 saved, live = shared[key], own[key]
                 if _same_kind(saved, live):
                     continue
-                if isinstance(saved, (list, tuple)) and isinstance(live, (list, tuple)) and len(live) == len(
-                        getattr(getattr(scheduler, "optimizer", None), "param_groups", ())):
+                groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", ())
+                if isinstance(saved, (list, tuple)) and isinstance(live, (list, tuple)) and \
+                        len(saved) != len(live) == len(groups):
                     raise CheckpointError(
                         f"lr_scheduler.{where}{key} holds {len(saved)} value(s), one per param group of the "
                         f"saved optimizer, where this job's optimizer has {len(live)} param groups: the saved "
-                        "schedule does not fit them. Add 'lr_scheduler' to checkpoint.exclude_from_loading to start it afresh "
-                        "(the optimizer's state loads by parameter name), or build the param groups as saved")
+                        "schedule does not fit them. Add 'lr_scheduler' to checkpoint.exclude_from_loading to "
+                        "start it afresh (the optimizer's state loads by parameter name), or build the param "
+                        "groups as saved")
                 raise CorruptCheckpointError(f"lr_scheduler.{where}{key} is {brief(saved)}, where this "
                                              f"job's scheduler has {brief(live)}")
 
@@ -653,8 +656,9 @@ class LRSchedulerState(CheckedState):
         for i, scheduler in enumerate(self.schedulers):
             own = scheduler.state_dict()
             shared = {k: as_live(v, own.get(k)) for k, v in self._shared(state_dict, i)[1].items()}
-            if self.tells and (rates := _rates(shared.get("base_lrs"))) != (built := _rates(own.get("base_lrs"))) \
-                    and None not in (rates, built):
+            rates, built = _rates(shared.get("base_lrs")), _rates(own.get("base_lrs"))
+            if self.tells and rates is not None and built is not None and (len(rates) != len(built) or not all(
+                    math.isclose(a, b, rel_tol=1e-6) for a, b in zip(rates, built))):  # a float32 tensor's rate too
                 logger.warning("lr_scheduler %d: the step's base learning rates %s replace the %s this job's optimizer "
                                "was built with, and its schedule goes on from them: a learning rate changed since the "
                                "save takes effect only with 'lr_scheduler' in checkpoint.exclude_from_loading (its "

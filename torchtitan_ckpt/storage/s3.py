@@ -219,9 +219,10 @@ class S3Store(Store):
 
     def _list(self, key: str, start: str = "") -> dict[str, int]:
         """Object name (relative to `key/`; the whole bucket for the empty key) -> size, for
-        every object under `key/` whose name begins with `start`. An object whose name ends in `/` (a folder placeholder, as the
-        S3 console makes, or another program's) is no file of a checkpoint: passed over. An
-        answer naming an object outside `key/` or one listed before (a listing that repeats
+        every object under `key/` whose name begins with `start`. An object whose name ends in
+        `/` (a folder placeholder, as the S3 console makes, or another program's) is no file of
+        a checkpoint: passed over. An answer naming an object outside `key/` (and `start`) or
+        one listed before (a listing that repeats
         itself would never end), or of a size outside [0, MAX_OBJECT_BYTES], or one that pages on
         without a continuation token, with one given before, or with `MAX_EMPTY_PAGES` empty
         pages in a row, is a `StorageError`."""
@@ -674,8 +675,7 @@ class S3Store(Store):
                 for upload in page.get("Uploads") or []:
                     name, upload_id = upload.get("Key"), upload.get("UploadId")
                     if isinstance(name, str) and name.startswith(prefix) and isinstance(upload_id, str):
-                        self._abort(name, upload_id)
-                        left += 1
+                        left += self._abort(name, upload_id)
                 following = {"KeyMarker": page.get("NextKeyMarker"), "UploadIdMarker": page.get("NextUploadIdMarker")}
                 if not page.get("IsTruncated") or not all(isinstance(v, str) for v in following.values()):
                     break
@@ -685,13 +685,19 @@ class S3Store(Store):
                                "(docs/storage.md): %s", self.where(prefix), e)
             self._told_uploads = True
         if left:
-            logger.info("aborted %d unfinished upload(s) under %s (a save stopped mid-upload)", left, self.where(prefix))
+            logger.info("aborted %d unfinished upload(s) under %s (a save stopped mid-upload)", left,
+                        self.where(prefix))
 
-    def _abort(self, key: str, upload_id: str) -> None:
+    def _abort(self, key: str, upload_id: str) -> bool:
+        """Abort one unfinished upload; whether it went. One that cannot be aborted is a warning
+        (a failed upload's save fails anyway, a sweep's step is saved or removed): a bucket
+        lifecycle rule reclaims its parts."""
         try:
             self._call("aborting the upload of", key, self.client.abort_multipart_upload, Key=key, UploadId=upload_id)
-        except StorageError as e:  # the save fails anyway; a bucket lifecycle rule reclaims the parts
+            return True
+        except StorageError as e:
             logger.warning("%s", e)
+            return False
 
     def _download(self, key: str, local: str, spans: list[tuple[int, int]], size: int | None = None) -> None:
         """Ranged GETs of `spans` ((offset, length), checked by the caller to lie inside the
