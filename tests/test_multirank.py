@@ -455,11 +455,14 @@ def test_ranks_that_call_save_otherwise_fail_before_anything_is_written(tmp_path
 def _rank_1_never_builds_its_manager(rank: int, world_size: int, folder: str) -> None:
     from torchtitan_ckpt.errors import CollectiveError  # noqa: PLC0415
 
-    if rank == 1:
+    if rank == 1:  # its manager is disabled: it makes none of the checkpoint's collectives
+        CheckpointManager(Checkpoint(enable=False, folder=folder), [torch.nn.Linear(2, 2)]).close()
         time.sleep(6)
         return
     with pytest.raises(CollectiveError, match=r"failed on rank 0 .* another rank did not join it within "
-                                              r"checkpoint.collective_timeout_s = 2 s"):
+                                              r"checkpoint.collective_timeout_s = 2 s.* Every rank makes its "
+                                              r"CheckpointManager, with checkpoint.enable = true \(a disabled one "
+                                              r"makes no group\)"):
         CheckpointManager(Checkpoint(enable=True, folder=folder, collective_timeout_s=2), [torch.nn.Linear(2, 2)])
 
 

@@ -205,7 +205,8 @@ def test_a_checkpoint_group_gloo_cannot_connect_names_gloo_s_network_setting(tmp
         assert said.startswith(f"CollectiveError: a collective among the checkpoint's 2 ranks failed on rank {rank} ("
                                "[enforce fail at "), said
         assert "Unable to find address for: no-such-if0" in said
-        assert said.endswith("Every rank makes its CheckpointManager. Across nodes, gloo connects the ranks at the "
+        assert said.endswith("Every rank makes its CheckpointManager, with checkpoint.enable = true (a disabled one "
+                             "makes no group). Across nodes, gloo connects the ranks at the "
                              "address each host's name resolves to (127.0.1.1 on some hosts, which other nodes cannot "
                              "reach) or on GLOO_SOCKET_IFNAME: set that to the network interface the nodes reach each "
                              "other on")

@@ -29,9 +29,10 @@ _WARN_AFTER = 0.25
 warns of the ranks that have not entered it."""
 
 
-_MADE_ALIKE = ("makes its CheckpointManager. Across nodes, gloo connects the ranks at the address each host's name "
-               "resolves to (127.0.1.1 on some hosts, which other nodes cannot reach) or on GLOO_SOCKET_IFNAME: set "
-               "that to the network interface the nodes reach each other on")
+_MADE_ALIKE = ("makes its CheckpointManager, with checkpoint.enable = true (a disabled one makes no group). "
+               "Across nodes, gloo connects the ranks at the address each host's name resolves to (127.0.1.1 on "
+               "some hosts, which other nodes cannot reach) or on GLOO_SOCKET_IFNAME: set that to the network "
+               "interface the nodes reach each other on")
 """What every rank does alike in making the group (`_failing`): a training job's NCCL finds its
 network itself, and gloo may not."""
 
