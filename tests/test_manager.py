@@ -16,13 +16,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan_ckpt import (Checkpoint, CheckpointError, CheckpointManager, CheckpointNotFoundError, ConfigError,
-                             CorruptCheckpointError, commit, layout)
+from torchtitan_ckpt import (Checkpoint, CheckpointError, CheckpointManager, CheckpointNotFoundError,
+                             CheckpointSaveError, ConfigError, CorruptCheckpointError, commit, layout)
 from torchtitan_ckpt.dcp.metadata import METADATA_FILE
 from torchtitan_ckpt.formats.base import _nesting
 from torchtitan_ckpt.storage.local import LOCK_FILE
 
-from .helpers import TensorState, assert_same, data_file_use, read_checkpoint
+from .helpers import Holder, TensorState, assert_same, data_file_use, read_checkpoint
 from .jobs import make_job
 
 
@@ -1262,7 +1262,8 @@ def test_a_forced_save_of_the_step_just_saved_leaves_it_as_it_is(tmp_path, caplo
         caplog.clear()
         with caplog.at_level("INFO", logger="torchtitan_ckpt"):
             assert not manager.save(2, force=True)
-        assert caplog.messages == ["step 2 (full, dcp) is saved already by this job: not saved again"]
+        assert caplog.messages == ["step 2 (full, dcp) holds this job's state already (saved or loaded by it): "
+                                   "not saved again"]
         kept = os.stat(os.path.join(_folder(tmp_path), "step-2", commit.MARKER))
         assert (marker.st_ino, marker.st_mtime_ns) == (kept.st_ino, kept.st_mtime_ns)
         assert manager.save(2, last_step=True)  # another kind (the model alone): saved over it, as before
@@ -1284,6 +1285,23 @@ def test_a_job_that_saves_beside_a_runs_steps_without_loading_is_told_to_call_lo
         f"{_folder(tmp_path)}: steps [5] are newer than step 1 just saved (this job never called load(): it started "
         "afresh beside a run's steps; call manager.load() before training to resume from them) and are kept; a load "
         "without a step would pick step 5 over it: remove them if that run is abandoned"]
+
+
+def test_a_save_of_the_step_just_loaded_leaves_it_as_it_is(tmp_path):
+    """A resumed loop saving at the step it loaded removed that step and wrote it again: a state
+    that could not be written then (a value nothing pickles) left no step to resume from."""
+    model = torch.nn.Linear(2, 2)
+    state = Holder({"note": "ok"})
+    config = Checkpoint(enable=True, interval=1, keep_latest_k=1)
+    with CheckpointManager(config, [model], states={"extra": state}, base_folder=str(tmp_path)) as manager:
+        manager.save(2)
+    with CheckpointManager(config, [model], states={"extra": state}, base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+        state.value = {"note": threading.Lock()}
+        assert not manager.save(2)
+        with pytest.raises(CheckpointSaveError, match=r"state value 'extra.note' \(lock\) cannot be saved"):
+            manager.save(3)
+    assert layout.committed_steps(_folder(tmp_path)) == [2]
 
 
 def test_a_save_of_a_step_saved_before_a_load_went_back_is_made_again(tmp_path):

@@ -174,8 +174,9 @@ class CheckpointManager:
         self._load_called = False
         """Whether `load()` was called: a job saving beside a run's newer steps without it is told."""
         self._committed: tuple[int, SaveKind, str] | None = None
-        """The step, kind and format of this job's last save committed in `folder`: a save of
-        the same again is skipped (`_saved_already`)."""
+        """The step, kind and format in `folder` that holds this job's state as it is: its last
+        save committed there, or the step of ours a load read from there since. A save of the
+        same again is skipped (`_saved_already`)."""
         self._ended_at: int | None = None
         """The step of the first `save(last_step=True)`: the run's end (`_warn_ended`)."""
         self._calls = threading.RLock()
@@ -475,9 +476,9 @@ class CheckpointManager:
         `async_mode`, staged and handed to the background writer). The last step's save is
         always waited for. `force`: save the step in full off the schedule, for a resume from
         it (a preemption's save; `last_step` is the run's end, whose save may hold only the
-        model); skipped (False) where this job's last save was that step, in full. Raises the
-        failure of an earlier background save, if any. The garbage collector is paused during
-        the call (`gc_pause`)."""
+        model). A step that holds the job's state already (saved or loaded by it:
+        `_saved_already`) is not saved again (False). Raises the failure of an earlier
+        background save, if any. The garbage collector is paused during the call (`gc_pause`)."""
         if self._closed:
             raise CheckpointError("save() called after close()")
         step = layout.check_step(curr_step, "save")
@@ -503,13 +504,15 @@ class CheckpointManager:
         return kind is not None or hf_copy
 
     def _saved_already(self, step: int, kind: SaveKind, fmt: str) -> bool:
-        """Whether this job's last committed save is `step`, of this kind and format (a forced
-        save after the schedule's, a preemption handler's): its state at that step is on disk.
-        A save over a complete step removes it first, and its failure would lose that step."""
+        """Whether `step`, of this kind and format, holds the job's state already: this job's
+        last save (a preemption handler's forced save after the schedule's), or the step it
+        loaded (a loop saving at its first step). A save over a complete step removes it
+        first, and its failure (a kill, a state that cannot be written) would lose that step."""
         if self._committed != (step, kind, fmt):
             return False
         if self._group.is_coordinator:
-            logger.info("step %d (%s, %s) is saved already by this job: not saved again", step, kind.value, fmt)
+            logger.info("step %d (%s, %s) holds this job's state already (saved or loaded by it): not saved again",
+                        step, kind.value, fmt)
         return True
 
     def _warn_ended(self, step: int) -> None:
@@ -770,7 +773,7 @@ class CheckpointManager:
             return False
         self._load_called = True
         self._saves.wait()
-        self._committed = self._ended_at = None  # the job's state is the loaded step's now, whatever it saved before
+        self._committed = self._ended_at = None  # the job's state is the loaded step's now (`_load`), or undefined
         if (self.config.last_save_in_hf or self.config.hf_export_interval) and (problem := self._untied()):
             raise CheckpointError(f"load(): {problem}")
         try:
@@ -812,6 +815,9 @@ class CheckpointManager:
                     return False
                 self._read(target)
                 self._left = self._steps_left(target, folders)
+                if self._own_step(target) and target.listed:  # ours, committed: the job's state is on disk there
+                    kind = SaveKind.MODEL_ONLY if target.model_only else SaveKind.FULL
+                    self._committed = (target.step, kind, target.format.name)
                 break
             except CheckpointError as e:
                 if target is not None and not isinstance(e, PartialLoadError) and self._initial_removed(target):
