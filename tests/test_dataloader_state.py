@@ -56,6 +56,35 @@ def test_a_shuffling_stateful_dataloader_resumes_at_its_next_batch(tmp_path):
     manager.close()
 
 
+@pytest.mark.parametrize("saved, now", [(0, 2), (2, 0)])
+def test_a_position_saved_with_other_worker_processes_is_refused_before_anything_is_loaded(tmp_path, saved, now):
+    """A loader of another num_workers took the state and failed its first batch with
+    torchdata's AssertionError ("State doesn't contain key '_snapshot' ..."), after the training
+    state had loaded."""
+    model = torch.nn.Linear(2, 2)
+    config = Checkpoint(enable=True, interval=1)
+    loader = StatefulDataLoader(_DATA, batch_size=4, num_workers=saved)
+    batches = iter(loader)
+    next(batches)
+    with CheckpointManager(config, [model], dataloader=loader, base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    del batches
+    fresh = torch.nn.Linear(2, 2)
+    before = fresh.weight.clone()
+    changed = StatefulDataLoader(_DATA, batch_size=4, num_workers=now)
+    with CheckpointManager(config, [fresh], dataloader=changed, base_folder=str(tmp_path)) as manager, \
+            pytest.raises(CheckpointError, match=rf"dataloader.dp_rank_0 was saved by a loader of num_workers = "
+                                                 rf"{saved}, and this job's has num_workers = {now}: .* Set "
+                                                 r"num_workers as saved, or add 'dataloader' to "
+                                                 r"checkpoint.exclude_from_loading"):
+        manager.load()
+    assert torch.equal(fresh.weight, before)
+    with CheckpointManager(replace(config, exclude_from_loading=["dataloader"]), [fresh], dataloader=changed,
+                           base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert torch.equal(fresh.weight, model.weight) and len(next(iter(changed))) == 4
+
+
 class _Position:
     """A loader whose state is its position."""
 

@@ -831,7 +831,16 @@ class DataLoaderState(CheckedState):
         return sd
 
     def check_loaded(self, state_dict: dict[str, Any]) -> None:
-        self._position(state_dict)
+        """The position reads as plain data, and was saved by a loader of as many worker
+        processes as this job's (a `StatefulDataLoader` takes no other: it loaded, and failed
+        the first batch with an `AssertionError` naming a key of its state)."""
+        saved = _workers(self._position(state_dict))
+        live = getattr(self.dataloader, "num_workers", None) if isinstance(self.dataloader, StatefulDataLoader) else None
+        if saved is not None and isinstance(live, int) and saved != live:
+            raise CheckpointError(
+                f"dataloader.{self.key} was saved by a loader of num_workers = {saved}, and this job's has "
+                f"num_workers = {live}: a StatefulDataLoader resumes its position with as many workers alone. Set "
+                "num_workers as saved, or add 'dataloader' to checkpoint.exclude_from_loading to start it afresh")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         position = self._position(state_dict)
@@ -850,6 +859,20 @@ class DataLoaderState(CheckedState):
         except pickle.UnpicklingError as e:
             raise CorruptCheckpointError(f"dataloader.{self.key} is not plain data and loading it could "
                                          f"run code; refused ({refusal(e)})") from None
+
+
+def _workers(position: Any) -> int | None:
+    """The worker processes of the `StatefulDataLoader` whose state is `position`: 0 for one
+    without (its state holds `_num_yielded`), the count its snapshot records for one with;
+    None for a state of another shape (another loader's)."""
+    if not isinstance(position, dict):
+        return None
+    if "_num_yielded" in position:
+        return 0
+    snapshot = position.get("_snapshot")
+    main = snapshot.get("_main_snapshot") if isinstance(snapshot, dict) else None
+    workers = main.get("_num_workers") if isinstance(main, dict) else None
+    return workers if type(workers) is int else None
 
 
 DP_RANK_PREFIX = "dp_rank_"
