@@ -362,8 +362,8 @@ def test_saves_before_a_model_only_step_passed_over_are_not_warned_of_it(tmp_pat
         extended.run_to(6, steps=10)
     extended.manager.close()
     assert "newer than step" not in caplog.text
-    assert (f"replacing {layout.step_dir(_folder(tmp_path), 6)}, a complete step saved before (saved again: by a "
-            "forced save, after a load that passed it over or went back to an older step)") in caplog.text
+    assert (f"replacing {layout.step_dir(_folder(tmp_path), 6)}, a complete step saved before (saved again: after "
+            "a load that passed it over or went back to an older step, or as another kind of save)") in caplog.text
 
 
 def test_a_job_gone_back_is_warned_of_the_newer_steps_once_not_at_every_save(tmp_path, caplog):

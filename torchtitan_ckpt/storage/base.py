@@ -17,8 +17,8 @@ logger = logging.getLogger(__name__)
 
 def warn_replacing(where: str) -> None:
     """Say that a save replaces a complete step (by `Store.prepare`, on rank 0)."""
-    logger.warning("replacing %s, a complete step saved before (saved again: by a forced save, after a load "
-                   "that passed it over or went back to an older step)", where)
+    logger.warning("replacing %s, a complete step saved before (saved again: after a load that passed it over "
+                   "or went back to an older step, or as another kind of save)", where)
 
 
 class Store(ABC):
