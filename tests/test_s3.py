@@ -370,6 +370,19 @@ def test_an_unusable_bucket_fails_at_start_up_naming_the_url(bucket, tmp_path, m
         CheckpointManager(_config(url, str(tmp_path), storage_retries=0), [model], opt)
 
 
+def test_an_endpoint_failing_with_server_errors_at_start_up_is_told_apart_from_a_bad_bucket(bucket, tmp_path,
+                                                                                            proxied):
+    """Every request answered 500: the ConfigError told the user to check the bucket's name, the
+    endpoint and the credentials, which were right."""
+    url = f"s3://{bucket}/run"
+    proxied(lambda n, method, path: "internal")
+    model, opt = _job()
+    with pytest.raises(ConfigError, match=rf"checkpoint.folder = '{url}': the bucket cannot be used: .*\(500\).*"
+                                          r"The endpoint answered HTTP 500, a server error, through "
+                                          r"checkpoint.storage_retries = 1 retries: it is reached, and failing"):
+        CheckpointManager(_config(url, str(tmp_path), storage_retries=1), [model], opt)
+
+
 def test_an_endpoint_that_never_answers_fails_after_storage_timeout_s_per_try(bucket, tmp_path, monkeypatch):
     """A proxy or load balancer that takes the connection and stays silent: each try gives up
     after `storage_timeout_s` (botocore's own default waits 60 s a try)."""

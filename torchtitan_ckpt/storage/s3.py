@@ -60,7 +60,7 @@ from .. import commit, faults, layout
 from ..config import Checkpoint
 from ..dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE
 from ..errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RankFailed,
-                      StorageError)
+                      StorageError, in_chain)
 from ..group import CheckpointGroup
 from ..hf.files import INDEX_FILE, MAX_INDEX_BYTES, MAX_RECORDED_LAYOUT_BYTES, RECORDED_LAYOUT
 from ..hf.planner import parse_size
@@ -311,10 +311,14 @@ class S3Store(Store):
         try:
             group.run(lambda: self._probe(write))
         except RankFailed as failed:
-            raise ConfigError(self.key, self.url, (
-                f"the bucket cannot be used: {failed}. Check the bucket's name, the endpoint "
-                "(AWS_ENDPOINT_URL) and the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
-                "AWS_PROFILE): docs/storage.md")) from None
+            status = _http_status(failed.error)
+            advice = (f"The endpoint answered HTTP {status}, a server error, through checkpoint.storage_retries = "
+                      f"{self.retries} retries: it is reached, and failing; start again once it recovers" if
+                      status is not None and status >= 500 else
+                      "Check the bucket's name, the endpoint (AWS_ENDPOINT_URL) and the credentials "
+                      "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE)")
+            raise ConfigError(self.key, self.url, f"the bucket cannot be used: {failed}. {advice}: "
+                                                  "docs/storage.md") from None
 
     def check(self, group: CheckpointGroup, write: bool = True) -> None:
         """Every rank can write into its staging folder."""
@@ -743,6 +747,16 @@ class S3Store(Store):
                 raise StorageError(f"{self.where(key)}: asked for {length} bytes at {offset}, got {got}")
             posio.write_all(fd, memoryview(data), offset)
             return
+
+
+def _http_status(error: BaseException | None) -> int | None:
+    """The HTTP status the server answered the request that failed with `error`, if it answered."""
+    def answered(e: BaseException) -> bool:
+        return isinstance(getattr(e, "response", None), dict)
+
+    found = in_chain(error, answered)
+    status = found.response.get("ResponseMetadata", {}).get("HTTPStatusCode") if found is not None else None
+    return status if type(status) is int else None
 
 
 def _check_as_files(where: str, names: Mapping[str, int]) -> None:
