@@ -393,7 +393,8 @@ class S3Store(Store):
             warn_replacing(self.where(key))
         self._saving[key] = self._mark_in_progress(key)
         self._remove_step(key, names)
-        self._abort_uploads(key)
+        if names:  # a leftover of ours (a killed save marked it first); an empty prefix's uploads may be another's
+            self._abort_uploads(key)
         faults.hit("prepare", step)
 
     def prepare_rank(self, path: str) -> None:
