@@ -1319,3 +1319,28 @@ def test_a_save_of_a_step_saved_before_a_load_went_back_is_made_again(tmp_path):
             model.weight.add_(2)
         assert manager.save(2)
     assert torch.equal(read_checkpoint(layout.step_dir(_folder(tmp_path), 2))["weight"], model.weight)
+
+
+@pytest.mark.parametrize("model_only", [False, True], ids=["full", "model-only"])
+def test_a_module_renamed_since_the_save_is_named_with_the_saved_names_of_its_shapes(tmp_path, model_only):
+    """A module renamed since the save: the refusal named the job's names the step lacks, and not
+    the step's names that nothing took, which say what the new names were called before."""
+    def job(name):
+        model = torch.nn.Module()
+        model.add_module("embed", torch.nn.Embedding(5, 3))
+        model.add_module(name, torch.nn.Linear(3, 4))
+        return model, torch.optim.AdamW(model.parameters())
+
+    model, opt = job("head")
+    model.head(model.embed(torch.tensor([1]))).sum().backward()
+    opt.step()
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], opt, base_folder=str(tmp_path)) as manager:
+        manager.save(1, last_step=model_only)
+    model, opt = job("output")
+    config = Checkpoint(enable=True, load_only=model_only)
+    with CheckpointManager(config, [model], opt, base_folder=str(tmp_path)) as manager:
+        with pytest.raises(CheckpointError, match=r"step-1 lacks 2 tensors this job has, e.g. \['output.weight', "
+                                                  r"'output.bias'\]; was it saved from a different model\? It holds "
+                                                  r"2 tensors of those shapes that no name of this job takes, e.g. "
+                                                  r"\['head.bias', 'head.weight'\]: renamed since the save\?$"):
+            manager.load()

@@ -45,7 +45,8 @@ class LoadRequest:
         self._model.check_materialised(state, "load()")
         if target.model_only:
             return state
-        target.index.require(target.path, state)  # named before the optimizer misses the new parameters' state
+        # named before the optimizer misses the new parameters' state
+        target.index.require(target.path, state, spare=[k for k in self._model_names(target) if k not in state])
         keys = target.index.keys()
         for name, stateful in self._states.items():
             if name in self.config.exclude_from_loading:
@@ -93,9 +94,7 @@ class LoadRequest:
         a job that goes on training, the states its marker lists that the job has none of. Each rank
         marks what it holds (a pipeline stage has its own layers) in bitmaps over the step's
         names, the same on every rank, and one gather joins them."""
-        # model tensors are at the top level: one named "model.*" (transformers' names) is one of them
-        states = {*BUILTIN_STATES, *self._states, *target.listed} - {"model"}
-        names = sorted(k for k in target.index.tensors if k.partition(".")[0] not in states)
+        names = self._model_names(target)
         keys = target.index.keys()
         params = sorted({_param_of(k) for k in keys if k.startswith(_SETTINGS)}) if "optimizer" in state else []
         optimizer = self._states.get("optimizer")
@@ -126,6 +125,12 @@ class LoadRequest:
                            "is not loaded, and their optimizer state starts anew if they are trained again (frozen "
                            "since the save, or left out of the optimizer by mistake?)",
                            target.path, len(unheld), unheld[:3])
+
+    def _model_names(self, target: LoadTarget) -> list[str]:
+        """The step's model tensors, in order."""
+        # model tensors are at the top level: one named "model.*" (transformers' names) is one of them
+        states = {*BUILTIN_STATES, *self._states, *target.listed} - {"model"}
+        return sorted(k for k in target.index.tensors if k.partition(".")[0] not in states)
 
     def _dataloader_fits(self, loader: DataLoaderState, saved: set[str], path: str) -> bool:
         """TorchTitan refuses a dataloader state saved by another data-parallel degree; here the

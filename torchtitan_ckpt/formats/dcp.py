@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .. import faults
+from ..config import BUILTIN_STATES
 from ..errors import CorruptCheckpointError, RankFailed, different_copies
 from ..group import CheckpointGroup
 from ..dcp import storage
@@ -152,7 +153,8 @@ def _check_kinds(path: str, index: StepIndex, flat: dict[str, Any]) -> None:
     tensor into a value."""
     swapped = [key for key, value in flat.items()
                if (key in index.values if isinstance(value, torch.Tensor) else key in index.tensors)]
-    index.require(path, flat)
+    states = tuple(f"{name}." for name in BUILTIN_STATES if name != "model")  # a full step read model-only
+    index.require(path, flat, spare=sorted(k for k in index.tensors if k not in flat and not k.startswith(states)))
     if swapped:
         raise CorruptCheckpointError(f"{path} holds a value where this job has a tensor, or the other way "
                                      f"round, for {swapped[:3]}; the step is damaged or was not saved by this job")
