@@ -125,6 +125,34 @@ def test_list_reports_a_corrupt_marker_and_goes_on(folder, tmp_path, capsys):
     assert (code, doc["latest_complete"], doc["latest_loadable"]) == (1, None, None)
 
 
+def test_an_empty_step_folder_is_listed_as_one_a_save_replaces_and_clean_removes_it(folder, tmp_path, capsys):
+    """A save killed between creating its step folder and marking it leaves the folder empty,
+    which the manager tells as a stopped save and replaces; `list` said "not ours ... never
+    deleted" of it, and `clean` kept it. A folder with a file in it is another program's, kept
+    as before."""
+    work = shutil.copytree(folder, str(tmp_path / "c"))
+    empty, theirs = layout.step_dir(work, 5), layout.step_dir(work, 6)
+    os.makedirs(empty)
+    os.makedirs(theirs)
+    with open(os.path.join(theirs, "notes.txt"), "w") as f:
+        f.write("theirs")
+    code, doc = _run_json(capsys, "list", work)
+    assert (code, doc["latest_loadable"]) == (0, 4)
+    assert [(s["step"], s["status"]) for s in doc["steps"]][3:] == [(5, "empty"), (6, "unknown")]
+    assert cli.main(["list", work]) == 0
+    row = capsys.readouterr().out.splitlines()[4]
+    assert row.split()[:2] == ["5", "empty"]
+    assert row.endswith("a save that stopped (or is starting) before its first file: never loaded; the save of its "
+                        "step replaces it, clean removes it")
+    assert cli.main(["clean", work, "-q"]) == 0
+    assert capsys.readouterr().out == (f"removed {empty} (empty)\n"
+                                       f"kept {theirs} (unknown: not removed by clean)\n"
+                                       f"removed {layout.step_dir(work, 3)} (partial)\n"
+                                       f"2 partial step folder(s) removed, "
+                                       f"{cli.fmt_bytes(_du(layout.step_dir(folder, 3)))}\n")
+    assert [s.step for s in layout.scan(work)] == [2, 4, 6]
+
+
 def test_list_counts_foreign_steps_as_loadable(folder, tmp_path, capsys):
     """`latest_loadable` is the newest step `load()` starts from, a foreign one included;
     `latest_complete` the newest of ours. A folder of foreign steps alone exits 0."""

@@ -164,6 +164,16 @@ def _kind(path: str) -> int | None:
         return _DENIED if e.errno in safe_open.PERMISSION else -1
 
 
+def empty_step(path: str) -> bool:
+    """Whether `path` is an empty folder (not a link): what a save leaves when it stops between
+    creating the step folder and writing its in-progress marker (a kill; one stopped while
+    writing it leaves a partial step, `status_of`). Replacing or removing it loses nothing."""
+    try:
+        return not os.path.islink(path) and os.path.isdir(path) and not os.listdir(path)
+    except OSError:  # a folder this user may not list: not known to be empty
+        return False
+
+
 def linked_in(path: str) -> bool:
     """Whether the step folder at `path` is another's linked in (loaded from, never changed or
     deleted): a link itself, or a folder whose commit marker is a link (a `cp -rs` copy of a

@@ -111,7 +111,7 @@ class LocalStore(Store):
             if not self.replaceable(folder):
                 raise CheckpointError(f"{path} exists and was not written by torchtitan_ckpt; it is "
                                       "never replaced: move it away or save into another folder")
-            if _unmarked(path):
+            if layout.empty_step(path):
                 os.rmdir(path)
             else:
                 if folder.status == layout.COMPLETE:
@@ -122,9 +122,9 @@ class LocalStore(Store):
         faults.hit("prepare", step)
 
     def replaceable(self, folder: layout.StepFolder) -> bool:
-        """Also a folder a save stopped in before marking it (`_unmarked`); either, only where
+        """Also a folder a save stopped in before marking it (`layout.empty_step`); either, only where
         this user may remove it (`unremovable`)."""
-        return (super().replaceable(folder) or _unmarked(folder.path)) and self.unremovable(folder) is None
+        return (super().replaceable(folder) or layout.empty_step(folder.path)) and self.unremovable(folder) is None
 
     def unremovable(self, folder: layout.StepFolder) -> str | None:
         return safe_open.removal_denied(folder.path)
@@ -147,13 +147,3 @@ class LocalStore(Store):
         commit.uncommit(folder.path)  # a half-deleted folder must read as partial
         faults.hit("purge", folder.step)
         commit.remove_step(folder.path)
-
-
-def _unmarked(path: str) -> bool:
-    """Whether `path` is an empty folder (not a link): what a save leaves when it stops between
-    creating the step folder and writing its in-progress marker (a kill; one stopped while
-    writing it leaves a partial step, `layout.status_of`). Replacing it loses nothing."""
-    try:
-        return not os.path.islink(path) and os.path.isdir(path) and not os.listdir(path)
-    except OSError:  # a folder this user may not list: not known to be empty
-        return False
