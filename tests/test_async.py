@@ -12,7 +12,7 @@ import torch
 
 from torchtitan_ckpt import CheckpointSaveError, layout, staging
 
-from .helpers import TensorState, assert_same, read_checkpoint
+from .helpers import ROOT, TensorState, assert_same, read_checkpoint
 from .jobs import make_job
 
 MODES = ["async", "async_with_pinned_mem"]
@@ -649,6 +649,38 @@ def test_a_manager_that_never_saves_starts_no_writer_process(tmp_path):
     with CheckpointManager(config, [torch.nn.Linear(8, 8)], base_folder=str(tmp_path)) as manager:
         manager.load()  # nothing to load
         assert manager._saves.writer is None  # noqa: SLF001 - the writer process is what is under test
+
+
+_START_METHOD_AFTER_A_SAVE = """
+import multiprocessing, sys, torch
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.config import Checkpoint
+model = torch.nn.Linear(8, 8)
+config = Checkpoint(enable=True, interval=1, async_mode="async_with_pinned_mem")
+with CheckpointManager(config, [model], base_folder=sys.argv[1]) as manager:
+    manager.save(1)
+    manager.wait()
+    print("after the writer started:", multiprocessing.get_start_method(allow_none=True))
+    multiprocessing.set_start_method("forkserver")  # the host's choice, made late
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    manager.save(2)
+with CheckpointManager(Checkpoint(enable=True), [model := torch.nn.Linear(8, 8)], base_folder=sys.argv[1]) as m:
+    assert m.load() and (model.weight == 2.0).all()
+print("ok", multiprocessing.get_start_method())
+"""
+
+
+def test_the_writer_process_leaves_the_default_start_method_to_the_host(tmp_path):
+    """Spawning the writer fixed the process's default start method (`spawn` asks for it), so a
+    script setting its own afterwards failed with "context has already been set"."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _START_METHOD_AFTER_A_SAVE, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines() == ["after the writer started: None", "ok forkserver"]
 
 
 def test_a_step_queued_for_deletion_is_not_queued_again():

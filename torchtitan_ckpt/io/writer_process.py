@@ -88,8 +88,16 @@ class WriterProcess:
         _OPEN.add(self)
 
     def _start(self) -> None:
-        with _main_hidden():
-            self._proc.start()
+        """Leaves the process's default start method as it was: `spawn` asks for it (to hand it
+        to the child), which fixes it where none was set, and a host's later
+        `multiprocessing.set_start_method` would fail ("context has already been set")."""
+        unset = mp.get_start_method(allow_none=True) is None
+        try:
+            with _main_hidden():
+                self._proc.start()
+        finally:
+            if unset:
+                mp.set_start_method(None, force=True)
 
     def __call__(self, jobs: list[FileJob], step: int | None = None, sync: bool = True) -> list[WrittenFile]:
         """Write `jobs` in the writer process; returns once they are durable there. The shared
