@@ -760,7 +760,9 @@ def _local_block(fqn: str, t: Any, dtype: str) -> tuple[Block, torch.Tensor] | N
         if not offsets[0] <= row < offsets[0] + shape[0]:
             return None
         local, shape, offsets = local[row - offsets[0]], shape[1:], offsets[1:]
-    if tuple(local.shape) != tuple(shape):
+    if not local.numel() and not math.prod(shape):  # FSDP2 shards a tensor of no elements as (0, 0) on every rank
+        local = local.new_empty(shape)
+    elif tuple(local.shape) != tuple(shape):
         raise ValueError(f"{fqn!r}: local tensor of shape {list(local.shape)}, expected {list(shape)}")
     return Block(fqn, dtype, tuple(offsets), tuple(shape)), local
 

@@ -244,7 +244,7 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
     def fill() -> int:
         with torch.no_grad():
             for name, dest in state_dict.items():
-                if name not in ours:
+                if name not in ours or not dest.numel():  # FSDP2's local (0, 0) of a tensor of no elements
                     continue
                 offsets, sizes = dtensor_chunk(tuple(dest.shape), dest.device_mesh, tuple(dest.placements)) \
                     if isinstance(dest, DTensor) else ((0,) * dest.dim(), tuple(dest.shape))

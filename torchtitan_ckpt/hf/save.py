@@ -139,7 +139,7 @@ def _whole_tensors(hf_sd: dict[str, Any]) -> tuple[dict[str, Any], int]:
     grouped weight is gathered (once) on every rank, as is a q/k projection whose shards cut a
     head, which `one_pass`, writing each expert and each row from the rank that holds it, avoids;
     with the bytes so gathered, all held until the save ends. A tensor that is not contiguous is
-    packed: PyTorch's safetensors writer refuses it."""
+    packed: PyTorch's safetensors writer refuses it. One of no elements is whole on every rank."""
     full: dict[int, torch.Tensor] = {}
     out, gathered = {}, 0
     for name, value in hf_sd.items():
@@ -152,6 +152,8 @@ def _whole_tensors(hf_sd: dict[str, Any]) -> tuple[dict[str, Any], int]:
                 full[id(t)] = t.full_tensor() if isinstance(t, DTensor) else t
                 gathered += t.numel() * t.element_size() if isinstance(t, DTensor) else 0
             value = full[id(value.tensor)][value.index]
+        elif isinstance(value, DTensor) and not value.numel():  # FSDP2 shards it as (0, 0): its shape is lost
+            value = torch.empty(value.shape, dtype=value.dtype)
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and not value.is_contiguous():
             value = value.contiguous()
         out[name] = value
