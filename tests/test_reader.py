@@ -29,7 +29,7 @@ from torchtitan_ckpt.dcp import storage
 from torchtitan_ckpt.dcp.metadata import METADATA_FILE, read_metadata
 from torchtitan_ckpt.example.config import load_job_config
 
-from .helpers import data_file_use, spawn
+from .helpers import ROOT, data_file_use, spawn
 
 _OBJECTS = {"lr": 3e-4, "betas": (0.9, 0.95), "name": "adamw", "flags": [True, None], "nested": {"k": 2}}
 
@@ -650,6 +650,54 @@ def test_a_step_of_more_files_than_the_hard_limit_is_refused_as_this_machine_s_l
     assert run.returncode == 3, run.stdout + run.stderr
     assert run.stdout.startswith("refused CheckpointError"), run.stdout
     assert "150 files" in run.stdout and "ulimit -Hn" in run.stdout
+
+
+_SAVE_UNDER_A_LIMIT = """
+import resource, sys, torch
+from torchtitan_ckpt import CheckpointManager, CheckpointSaveError
+from torchtitan_ckpt.config import Checkpoint
+folder, soft, hard, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+model = torch.nn.Module()
+for i in range(200):
+    model.register_buffer(f"b{i}", torch.full((4096,), float(i)))
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+config = Checkpoint(enable=True, interval=1, save_threads=150, async_mode=mode)
+try:
+    with CheckpointManager(config, [model], base_folder=folder) as manager:
+        manager.save(1)
+except CheckpointSaveError as e:
+    print("refused", e)
+    sys.exit(3)
+back = torch.nn.Module()
+for i in range(200):
+    back.register_buffer(f"b{i}", torch.zeros(4096))
+with CheckpointManager(Checkpoint(enable=True), [back], base_folder=folder) as manager:
+    assert manager.load()
+assert all(torch.equal(getattr(back, f"b{i}"), torch.full((4096,), float(i))) for i in range(200))
+print("soft limit", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async_with_pinned_mem"])
+def test_a_save_of_more_files_than_the_soft_limit_of_open_files_raises_it(tmp_path, mode):
+    """150 files a rank holds open at once (each until its fsync ends) against a soft limit of
+    100: the save failed, "Too many open files", where a load raises the soft limit; and it
+    names checkpoint.save_threads where the hard limit is short too."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 400:
+        pytest.skip(f"this machine's hard limit of open files is {hard}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    for soft, limit in [(100, hard), (100, 100)]:
+        folder = tmp_path / str(limit)
+        run = subprocess.run([sys.executable, "-c", _SAVE_UNDER_A_LIMIT, str(folder), str(soft), str(limit), mode],
+                             capture_output=True, text=True, timeout=300, env=env)
+        if limit == hard:
+            assert run.returncode == 0, run.stdout + run.stderr
+            assert int(run.stdout.split()[-1]) > 150
+        else:
+            assert run.returncode == 3, run.stdout + run.stderr
+            assert "the files this rank writes at once are" in run.stdout, run.stdout
+            assert "lower checkpoint.save_threads" in run.stdout, run.stdout
 
 
 def test_lazily_conjugated_and_negated_views_save_what_they_show_and_leave_later_saves_alone(tmp_path):

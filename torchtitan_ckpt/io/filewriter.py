@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import faults
+from . import safe_open
 from .checksum import crc32
 from . import torch_archive
 from .direct import DirectOutput, open_direct
@@ -418,10 +419,16 @@ Sink = Callable[[list[FileJob], "int | None", bool], list[WrittenFile]]
 
 def write_files(jobs: list[FileJob], step: int | None = None, sync: bool = True) -> list[WrittenFile]:
     """`write_file` for each job, the files in parallel (one thread per file)."""
+    _make_room(jobs)
     if len(jobs) <= 1:
         return [write_file(job, step, sync) for job in jobs]
     with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="ckpt-file") as pool:
         return list(pool.map(lambda job: write_file(job, step, sync), jobs))
+
+
+def _make_room(jobs: list[FileJob]) -> None:
+    """Each file stays open until its fsync ends (`_sync_and_close`): a rank holds them all at once."""
+    safe_open.make_room(len(jobs), "the files this rank writes at once", "lower checkpoint.save_threads")
 
 
 @dataclass
@@ -458,6 +465,7 @@ def start_files(jobs: list[FileJob], step: int | None = None, sync: bool = True)
     the dozen torch calls that takes (each releasing the GIL) would wait for a busy caller to let
     go of the GIL again. Tensors that need a copy (on another device, views) are copied
     by the helper, one at a time."""
+    _make_room(jobs)
     looked_up = [(job.path, [(e.key, _lookup(e), e.ready) for e in job.entries], job.direct) for job in jobs]
     done: Future = Future()
 

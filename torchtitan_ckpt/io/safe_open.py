@@ -182,11 +182,11 @@ def _check_opened(fd: int, root: str, path: str, what: str) -> None:
                                      "checkpoint folder; refusing to read it")
 
 
-def make_room(count: int, what: str) -> None:
+def make_room(count: int, what: str, fewer: str = "load on more ranks") -> None:
     """Let this process open `count` more files at once: its soft limit of open descriptors
     (often 1024) is raised toward the hard one where it is short, as a rank loading the files of
-    thousands of ranks needs. A `CheckpointError` naming both numbers, before anything is
-    opened, where the hard limit is short too."""
+    thousands of ranks needs. A `CheckpointError` naming both numbers and the way to `fewer`
+    files, before anything is opened, where the hard limit is short too."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         need = len(os.listdir("/proc/self/fd")) + count + _SPARE_FDS
@@ -197,7 +197,7 @@ def make_room(count: int, what: str) -> None:
     if hard != resource.RLIM_INFINITY and need > hard:
         raise CheckpointError(f"{what} are {count} files, open at once, and this process may hold {hard} "
                               f"descriptors (the hard limit, {soft} the soft one); raise it (`ulimit -Hn`, "
-                              "or `nofile` in /etc/security/limits.conf) or load on more ranks")
+                              f"or `nofile` in /etc/security/limits.conf) or {fewer}")
     resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
     logger.info("raised this process's limit of open files from %d to %d for %s", soft, need, what)
 
