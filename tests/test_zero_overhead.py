@@ -241,6 +241,29 @@ def test_a_staged_tensor_is_ready_to_write_once_its_copy_is_made(reuse):
     stager.release()
 
 
+@pytest.mark.parametrize("reuse", [False, True])
+def test_the_saves_own_clone_in_host_memory_is_staged_as_it_is(reuse):
+    """`freeze` clones the tensors no optimizer step guards (buffers; all of them without an
+    optimizer), and `async` staged a copy of each clone, three of it held at once. The clone is
+    the staged tensor now, written without waiting on any copy; the pinned arenas still take a
+    copy (the writer process reads them)."""
+    stager = Stager(reuse=reuse)
+    clone, live = torch.arange(8.0), torch.arange(4.0)
+    copies = stager.layout({"buf": clone, "w": live}, owned=lambda path: path == ("buf",))
+    if not reuse:
+        assert copies.staged["buf"] is clone
+        writer = threading.Thread(target=copies.ready, args=(clone[2:],))
+        writer.start()
+        writer.join(5)
+        assert not writer.is_alive()  # before any copy is made
+    copies.run()
+    copies.done()
+    assert copies.staged["w"].data_ptr() != live.data_ptr()
+    assert (copies.staged["buf"].data_ptr() == clone.data_ptr()) != reuse
+    assert_same(copies.staged, {"buf": torch.arange(8.0), "w": torch.arange(4.0)})
+    stager.release()
+
+
 def test_a_dtensor_on_a_gpu_mesh_is_staged_into_host_memory_and_written_from_there(tmp_path):
     """A staged DTensor keeps its host copy as its local tensor whatever its mesh's device:
     `DTensor.from_local` would move the copy to a CUDA mesh's GPU while nothing was copied in yet,
@@ -312,7 +335,8 @@ def test_the_first_tensors_copied_are_written_while_the_rest_is_still_being_stag
 
     monkeypatch.setattr(staging.Copies, "_mark", held_mark)
     config = Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0, folder=folder)
-    with CheckpointManager(config, [model]) as manager:
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)  # the parameters are staged in the background, not cloned
+    with CheckpointManager(config, [model], optimizers=sgd) as manager:
         manager.save(1)  # the writer process is up once this save is done
         manager.wait()
         armed.append(True)

@@ -76,6 +76,10 @@ def _nothing_deferred(path: tuple) -> bool:
     return False
 
 
+def _not(deferred: Deferred, path: tuple) -> bool:
+    return not deferred(path)
+
+
 def _at_once(t: torch.Tensor) -> None:
     """Every tensor's bytes are final already."""
 
@@ -235,21 +239,25 @@ class Stager:
     def _arenas(self) -> dict[int, torch.Tensor]:
         return {p.arena.data_ptr(): p.arena for p in self._places.values()}
 
-    def layout(self, state: Any, count: torch.Tensor | None = None) -> Copies:
+    def layout(self, state: Any, count: torch.Tensor | None = None, owned: Deferred = _nothing_deferred) -> Copies:
         """Where each tensor of `state` is staged (allocating what is new), and the staged
-        state; nothing is copied until `Copies.run`. `count`: see `Copies`."""
+        state; nothing is copied until `Copies.run`. `count`: see `Copies`. `owned(path)`: the
+        tensor there is the save's own (`freeze`'s clone); without `reuse`, one in host memory
+        is staged as it is (a second copy would hold three of it at once)."""
         if self.reuse:
             new = {path: t for path, t in _tensors(state, ())
                    if path not in self._places or self._places[path].kind != _kind(t)}
             if new:
                 self._allocate(new)
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        staged = self._layout(state, (), pairs)
+        staged = self._layout(state, (), pairs, owned)
         pairs.sort(key=lambda pair: pair[1].nbytes, reverse=True)  # the order the files take them (`balanced_groups`)
         return Copies(staged, pairs, non_blocking=self.reuse, count=count)
 
-    def _layout(self, state: Any, path: tuple, pairs: list) -> Any:
+    def _layout(self, state: Any, path: tuple, pairs: list, owned: Deferred) -> Any:
         if isinstance(state, torch.Tensor):
+            if not self.reuse and owned(path) and _local(state).device.type == "cpu":
+                return state
             into = None
             if self.reuse:
                 local, place = _local(state), self._places[path]
@@ -259,9 +267,9 @@ class Stager:
             pairs.append((_local(state).detach(), copied))
             return staged
         if isinstance(state, dict):
-            return {k: self._layout(v, (*path, k), pairs) for k, v in state.items()}
+            return {k: self._layout(v, (*path, k), pairs, owned) for k, v in state.items()}
         if _traversed_list(state):
-            return [self._layout(v, (*path, i), pairs) for i, v in enumerate(state)]
+            return [self._layout(v, (*path, i), pairs, owned) for i, v in enumerate(state)]
         return _copied(state, path)
 
     def _allocate(self, tensors: dict[tuple, torch.Tensor]) -> None:
@@ -325,6 +333,7 @@ class Copies:
         self._non_blocking = non_blocking  # into pinned arenas: a GPU copy does not block the host
         spans = sorted((dst.data_ptr(), i) for i, (_, dst) in enumerate(pairs) if dst.numel())
         self._starts = [start for start, _ in spans]
+        self._ends = [start + pairs[i][1].nbytes for start, i in spans]  # past a strided copy's last element: no less
         self._order = [i for _, i in spans]
         self._made = 0
         self._error: BaseException | None = None
@@ -378,7 +387,9 @@ class Copies:
         if not t.numel():
             return 0
         found = bisect.bisect_right(self._starts, t.data_ptr()) - 1
-        return self._order[found] + 1 if found >= 0 else self._total
+        if found < 0 or t.data_ptr() >= self._ends[found]:
+            return 0  # no copy's: a tensor staged as it is (`Stager.layout`'s `owned`)
+        return self._order[found] + 1
 
     def ready(self, t: torch.Tensor) -> None:
         """Block until the copy holding `t`'s bytes is made (raising staging's failure)."""
@@ -536,19 +547,22 @@ class BackgroundSaves:
         marks = self._copies.mark(frozen)
         laid_out: Future = Future()
         copies: list[Copies] = []
-        staging = self._staging = self._pool.submit(self._stage, frozen, marks, job.step, laid_out, copies)
+        owned = functools.partial(_not, deferred)  # `freeze` cloned the tensors it does not defer
+        staging = self._staging = self._pool.submit(self._stage, frozen, marks, job.step, laid_out, copies, owned)
         if self._verify:
             wait_for([staging])  # a failure is the save's, raised on every rank by its write
             if staging.exception() is None:
                 self._check = [(path, t, _at(copies[0].staged, path)) for path, t in _tensors(frozen, ())
                                if deferred(path)]
-        self._pending = self._pool.submit(job.run, lambda: _take(laid_out, copies, frozen), sink)
+        held = [frozen]  # let go of once laid out: `freeze`'s clones are not kept for the whole save
+        self._pending = self._pool.submit(job.run, lambda: _take(laid_out, copies, held), sink)
         self._pending.add_done_callback(_log_failure)
 
-    def _stage(self, frozen: dict[str, Any], marks: dict, step: int, laid_out: Future, into: list[Copies]) -> None:
+    def _stage(self, frozen: dict[str, Any], marks: dict, step: int, laid_out: Future, into: list[Copies],
+               owned: Deferred) -> None:
         """Lay the copies out (`laid_out` says when, or how it failed), then make them."""
         try:
-            copies = self.stager.layout(frozen, self._count)
+            copies = self.stager.layout(frozen, self._count, owned)
         except BaseException as e:
             laid_out.set_exception(e)
             raise
@@ -652,17 +666,20 @@ class _Held:
             writer.stop()
 
 
-def _take(laid_out: Future, copies: list[Copies], frozen: dict[str, Any]) -> Staged:
+def _take(laid_out: Future, copies: list[Copies], held: list[dict[str, Any]]) -> Staged:
     """The staged state once laid out, its copies still being made, taken out of `copies` so
     that the save alone holds it: a fresh copy (`async`) is freed on the save's thread once
     written, not by the next `save()` (unmapping a whole state's copy takes tens of ms). If it
     could not be laid out (no room in /dev/shm on this rank, a pinning refused), the state
     as frozen, whose every wait raises that failure: the save's write raises it inside DCP's
-    protocol, where every rank hears of it, rather than this rank leaving the others waiting."""
+    protocol, where every rank hears of it, rather than this rank leaving the others waiting.
+    `held`: the frozen state, let go of here."""
+    frozen = held.pop()
     try:
         laid_out.result()
     except Exception as e:
         return _failed(e, frozen)
+    del frozen
     taken = copies.pop()
     return Staged(taken.staged, taken.ready, taken.done, taken.wait_across if taken.counted else None)
 
