@@ -683,6 +683,62 @@ def test_the_writer_process_leaves_the_default_start_method_to_the_host(tmp_path
     assert run.stdout.splitlines() == ["after the writer started: None", "ok forkserver"]
 
 
+_NO_THREAD_LEFT = """
+import resource, sys, torch
+from torchtitan_ckpt import CheckpointManager, CheckpointSaveError, ConfigError, layout
+from torchtitan_ckpt.config import Checkpoint
+folder, mode, when = sys.argv[1], sys.argv[2], sys.argv[3]
+config = Checkpoint(enable=True, interval=1, async_mode=mode)
+
+
+def no_thread_left():  # the address space for a thread's stack is gone: no thread starts
+    vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (4 << 20), resource.RLIM_INFINITY))
+
+
+if when == "make":
+    no_thread_left()
+    try:
+        CheckpointManager(config, [torch.nn.Linear(4, 4)], base_folder=folder)
+    except ConfigError as e:
+        print(e)
+else:
+    manager = CheckpointManager(config, [torch.nn.Linear(4, 4)], base_folder=folder)
+    no_thread_left()
+    try:
+        manager.save(1)
+        manager.wait()
+    except CheckpointSaveError as e:
+        print(e)
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    manager.close()
+    print("committed", layout.committed_steps(folder + "/checkpoint"))
+"""
+
+
+@pytest.mark.parametrize("mode, when", [("async", "make"), ("async_with_pinned_mem", "make"), ("async", "save")])
+def test_a_process_that_may_start_no_more_threads_is_told_so(tmp_path, mode, when):
+    """A container's pids limit, `ulimit -u` or `-v` reached: the manager's construction and
+    `save()` raised a bare `RuntimeError: can't start new thread` (past a loop's `except
+    CheckpointSaveError`), and a save thread started on demand failed after the save's work was
+    queued, which could commit the step that `save()` said failed."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _NO_THREAD_LEFT, str(tmp_path), mode, when], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 0, run.stderr[-3000:]
+    if when == "make":
+        assert run.stdout.startswith(f"checkpoint.async_mode = '{mode}': its background saves need threads of their "
+                                     "own, and this process may start no more (can't start new thread)"), run.stdout
+    else:
+        assert run.stdout.splitlines() == [
+            f"saving step 1 to {tmp_path}/checkpoint/step-1 failed: RuntimeError: can't start new thread (this "
+            "process may start no more threads: its limit of processes, `ulimit -u` or a container's pids limit, or "
+            "of memory for their stacks, `ulimit -v`, is reached; raise it, or lower checkpoint.save_threads)",
+            "committed []"], run.stdout
+
+
 def test_a_step_queued_for_deletion_is_not_queued_again():
     """Retention picks a step again until it is gone: a second request while the first is
     queued or running is dropped (its removal failed, warning about a step deleted fine)."""

@@ -22,7 +22,7 @@ from torchtitan_ckpt import (CheckpointError, CheckpointManager, CheckpointSaveE
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.storage.local import LOCK_FILE
 
-from .helpers import assert_same, read_checkpoint
+from .helpers import ROOT, assert_same, read_checkpoint
 from .jobs import make_job
 
 
@@ -137,6 +137,46 @@ def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_step(tiny_dis
     fresh = make_job(tiny_disk, steps=10)
     assert fresh.manager.load() and fresh.train_state.step == 1
     fresh.manager.close()
+
+
+_SAVE_PAST_A_FILE_SIZE_LIMIT = """
+import resource, sys, torch
+from torchtitan_ckpt import CheckpointManager, CheckpointSaveError, layout
+from torchtitan_ckpt.config import Checkpoint
+folder, mode = sys.argv[1], sys.argv[2]
+model = torch.nn.Module()
+model.register_buffer("b", torch.ones(1 << 16))  # 256 KiB
+config = Checkpoint(enable=True, interval=1, async_mode=mode, save_threads=1)
+with CheckpointManager(config, [model], base_folder=folder) as manager:
+    manager.save(1)
+    manager.wait()
+    model.b.fill_(2.0)
+    model.register_buffer("big", torch.ones(1 << 20))  # 4 MiB, past the limit
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+    try:
+        manager.save(2)
+        manager.wait()
+    except CheckpointSaveError as e:
+        print(e)
+"""
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
+def test_a_file_past_the_process_file_size_limit_fails_the_save_naming_the_limit(tmp_path, mode):
+    """A batch system's file-size limit (`ulimit -f`): the save failed with "File too large" and
+    no word of the limit (with the pinned mode, torch's "unable to resize file" of the staging
+    buffer); step 1 stays the one loaded."""
+    run = subprocess.run([sys.executable, "-c", _SAVE_PAST_A_FILE_SIZE_LIMIT, str(tmp_path), mode],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "saving step 2 to" in run.stdout and ("a file reached this process's limit of file size, 1048576 bytes: "
+                                                 "raise it, `ulimit -f`") in run.stdout, run.stdout
+    folder = str(tmp_path / "checkpoint")
+    assert layout.committed_steps(folder) == [1]
+    model = torch.nn.Module()
+    model.register_buffer("b", torch.zeros(1 << 16))
+    with CheckpointManager(Checkpoint(enable=True), [model], base_folder=str(tmp_path)) as manager:
+        assert manager.load() and bool((model.b == 1.0).all())
 
 
 @pytest.mark.parametrize("consolidation", ["one_pass", "all_ranks"])

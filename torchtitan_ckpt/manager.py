@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import errno
 import itertools
 import logging
 import os
+import resource
 import threading
 import time
 import weakref
@@ -40,6 +42,7 @@ from .errors import (
     PartialLoadError,
     RankFailed,
     few,
+    in_chain,
     restate,
 )
 from .group import CheckpointGroup, refuse_unjoined_launch
@@ -673,7 +676,7 @@ class CheckpointManager:
             except CheckpointSaveError:
                 raise
             except Exception as e:
-                raise CheckpointSaveError(step, where, e, _space_hint(path, self._store.staged)) from e
+                raise CheckpointSaveError(step, where, e, _failure_hint(path, self._store.staged, e)) from e
 
         def commit_step(written: Written) -> None:
             info = self._commit(step, path, kind, fmt, written)
@@ -756,7 +759,7 @@ class CheckpointManager:
             return self._group.run(fn, coordinator_only)
         except RankFailed as failed:
             raise CheckpointSaveError(step, self._store.describe(path), failed.error or RuntimeError(str(failed)),
-                                      _space_hint(path, self._store.staged)) from failed.error
+                                      _failure_hint(path, self._store.staged, failed.error)) from failed.error
 
     # ------------------------------------------------------------------ loading
 
@@ -986,10 +989,20 @@ def _cannot_apply(path: str, name: str, error: Exception) -> CorruptCheckpointEr
         f"load another step, or add '{name}' to checkpoint.exclude_from_loading")
 
 
-def _space_hint(path: str, staged: bool) -> str:
+def _failure_hint(path: str, staged: bool, error: BaseException | None) -> str:
     """A full disk often surfaces as an odd error from deep inside a writer; say so plainly, and
     the way out: old steps go only once a newer one is saved, or at a job's `load()` (in the
-    checkpoint folder; a `staged` one holds one step of this job's at a time)."""
+    checkpoint folder; a `staged` one holds one step of this job's at a time). So do a limit of
+    this process's (file size, threads) that `error` hit, naming it."""
+    if in_chain(error, lambda e: isinstance(e, OSError) and e.errno == errno.EFBIG or "File too large" in str(e)):
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            return (f" (a file reached this process's limit of file size, {limit} bytes: raise it, `ulimit -f`, "
+                    "or the batch system's file-size limit)")
+    if in_chain(error, lambda e: isinstance(e, RuntimeError) and "can't start new thread" in str(e)):
+        return (" (this process may start no more threads: its limit of processes, `ulimit -u` or a container's "
+                "pids limit, or of memory for their stacks, `ulimit -v`, is reached; raise it, or lower "
+                "checkpoint.save_threads)")
     try:
         stat = os.statvfs(path if os.path.exists(path) else os.path.dirname(path))
     except OSError:

@@ -520,7 +520,18 @@ class BackgroundSaves:
         except RuntimeError as e:  # first: nothing is started yet that a failure would leave behind
             raise ConfigError("checkpoint.async_mode", "async_with_pinned_mem", "needs shared memory, which "
                               f"this machine refuses ({e}); use async, which needs none") from e
-        self.writer = WriterProcess() if reuse_buffer and saves else None
+        try:
+            _start_threads(self._pool, 2)
+            self.writer = WriterProcess() if reuse_buffer and saves else None
+        except RuntimeError as e:
+            self._pool.shutdown(wait=False)
+            if "can't start new thread" not in str(e):
+                raise
+            raise ConfigError("checkpoint.async_mode", "async_with_pinned_mem" if reuse_buffer else "async",
+                              f"its background saves need threads of their own, and this process may start no "
+                              f"more ({e}): its limit of processes (`ulimit -u`, a container's pids limit) or of "
+                              "memory for their stacks (`ulimit -v`) is reached; raise it, or save with "
+                              "async_mode = 'disabled'") from e
         _wait_at_exit(self)
 
     @property
@@ -646,6 +657,20 @@ class BackgroundSaves:
         owner collected unclosed): it holds what must be let go of (`_Held`), not this strategy,
         whose kept failure may hold the owner through the variables of the calls it went through."""
         return self._held.abandon
+
+
+def _start_threads(pool: ThreadPoolExecutor, count: int) -> None:
+    """Start the `count` threads of `pool` now: one started on demand by a `submit` could fail
+    to start (a process at its limit of threads) after the work was queued, which then ran on
+    the other thread all the same: a save said failed was committed."""
+    started = threading.Barrier(count + 1)
+    try:
+        for _ in range(count):
+            pool.submit(started.wait)  # each holds its thread until all have started
+        started.wait()
+    except BaseException:
+        started.abort()
+        raise
 
 
 class _Held:
