@@ -703,7 +703,10 @@ if when == "make":
     except ConfigError as e:
         print(e)
 else:
-    manager = CheckpointManager(config, [torch.nn.Linear(4, 4)], base_folder=folder)
+    model = torch.nn.Linear(4, 4)
+    if when == "memory":
+        model.register_buffer("big", torch.ones(1 << 24))  # 64 MiB: its copy finds no room
+    manager = CheckpointManager(config, [model], base_folder=folder)
     no_thread_left()
     try:
         manager.save(1)
@@ -716,12 +719,14 @@ else:
 """
 
 
-@pytest.mark.parametrize("mode, when", [("async", "make"), ("async_with_pinned_mem", "make"), ("async", "save")])
+@pytest.mark.parametrize("mode, when", [("async", "make"), ("async_with_pinned_mem", "make"), ("async", "save"),
+                                        ("async", "memory")])
 def test_a_process_that_may_start_no_more_threads_is_told_so(tmp_path, mode, when):
     """A container's pids limit, `ulimit -u` or `-v` reached: the manager's construction and
     `save()` raised a bare `RuntimeError: can't start new thread` (past a loop's `except
     CheckpointSaveError`), and a save thread started on demand failed after the save's work was
-    queued, which could commit the step that `save()` said failed."""
+    queued, which could commit the step that `save()` said failed. A copy of the state that
+    finds no memory says what holds it and the setting that holds none."""
     import subprocess
     import sys
 
@@ -731,6 +736,14 @@ def test_a_process_that_may_start_no_more_threads_is_told_so(tmp_path, mode, whe
     if when == "make":
         assert run.stdout.startswith(f"checkpoint.async_mode = '{mode}': its background saves need threads of their "
                                      "own, and this process may start no more (can't start new thread)"), run.stdout
+    elif when == "memory":
+        assert run.stdout.splitlines()[-1] == "committed []", run.stdout
+        assert run.stdout.startswith(f"saving step 1 to {tmp_path}/checkpoint/step-1 failed: RuntimeError: "), (
+            run.stdout)
+        assert "can't allocate memory: you tried to allocate 67108864 bytes" in run.stdout, run.stdout
+        assert ("(a background save holds a copy of the rank's state in host memory until it is written, and found "
+                "no room for it: free memory, or save with checkpoint.async_mode = 'disabled', which holds none)"
+                ) in run.stdout, run.stdout
     else:
         assert run.stdout.splitlines() == [
             f"saving step 1 to {tmp_path}/checkpoint/step-1 failed: RuntimeError: can't start new thread (this "

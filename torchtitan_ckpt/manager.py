@@ -676,7 +676,7 @@ class CheckpointManager:
             except CheckpointSaveError:
                 raise
             except Exception as e:
-                raise CheckpointSaveError(step, where, e, _failure_hint(path, self._store.staged, e)) from e
+                raise CheckpointSaveError(step, where, e, self._failure_hint(path, e)) from e
 
         def commit_step(written: Written) -> None:
             info = self._commit(step, path, kind, fmt, written)
@@ -752,6 +752,9 @@ class CheckpointManager:
                   for name, s in self._states.items()}  # ours build what a load fills: not checked at each save
         return {**model_sd, **states}
 
+    def _failure_hint(self, path: str, error: BaseException | None) -> str:
+        return _failure_hint(path, self._store.staged, error, self.config.async_mode != "disabled")
+
     def _agree(self, step: int, path: str, fn: Callable[[], Any], coordinator_only: bool = False) -> list[Any]:
         """Run `fn` on every rank (or on rank 0) and return every rank's result; any rank's
         failure is every rank's `CheckpointSaveError`."""
@@ -759,7 +762,7 @@ class CheckpointManager:
             return self._group.run(fn, coordinator_only)
         except RankFailed as failed:
             raise CheckpointSaveError(step, self._store.describe(path), failed.error or RuntimeError(str(failed)),
-                                      _failure_hint(path, self._store.staged, failed.error)) from failed.error
+                                      self._failure_hint(path, failed.error)) from failed.error
 
     # ------------------------------------------------------------------ loading
 
@@ -989,11 +992,16 @@ def _cannot_apply(path: str, name: str, error: Exception) -> CorruptCheckpointEr
         f"load another step, or add '{name}' to checkpoint.exclude_from_loading")
 
 
-def _failure_hint(path: str, staged: bool, error: BaseException | None) -> str:
+def _failure_hint(path: str, staged: bool, error: BaseException | None, background: bool) -> str:
     """A full disk often surfaces as an odd error from deep inside a writer; say so plainly, and
     the way out: old steps go only once a newer one is saved, or at a job's `load()` (in the
     checkpoint folder; a `staged` one holds one step of this job's at a time). So do a limit of
-    this process's (file size, threads) that `error` hit, naming it."""
+    this process's (file size, threads) that `error` hit, naming it, and memory a `background`
+    save's copy of the state found none of."""
+    if background and in_chain(error, lambda e: isinstance(e, MemoryError) or "can't allocate memory" in str(e)):
+        return (" (a background save holds a copy of the rank's state in host memory until it is written, and "
+                "found no room for it: free memory, or save with checkpoint.async_mode = 'disabled', which holds "
+                "none)")
     if in_chain(error, lambda e: isinstance(e, OSError) and e.errno == errno.EFBIG or "File too large" in str(e)):
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         if limit != resource.RLIM_INFINITY:
