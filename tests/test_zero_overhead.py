@@ -264,6 +264,31 @@ def test_the_saves_own_clone_in_host_memory_is_staged_as_it_is(reuse):
     stager.release()
 
 
+def test_a_warm_pinned_save_copies_a_tensor_no_step_guards_into_its_place_at_once():
+    """`async_with_pinned_mem` cloned such a tensor in `save()`, then copied the clone into its
+    place in the background: a warm save of a 1 GiB buffer faulted in 1 GiB. Its place laid out,
+    it is copied there in `save()`, and staging has nothing left to copy of it."""
+    stager = Stager(reuse=True)
+    buf = torch.arange(8.0)
+    copies = stager.layout({"buf": buf})
+    copies.run()
+    copies.done()
+    place = copies.staged["buf"].data_ptr()
+    buf.add_(1)
+    staged = stager.stage_now(("buf",), buf)
+    assert staged.data_ptr() == place and torch.equal(staged, torch.arange(8.0) + 1)
+    buf.add_(1)  # training goes on: the staged copy keeps the values of the save
+    copies = stager.layout({"buf": staged}, owned=lambda path: True)
+    assert copies.staged["buf"] is staged
+    copies.ready(staged)  # no copy to wait for
+    copies.run()
+    copies.done()
+    assert torch.equal(copies.staged["buf"], torch.arange(8.0) + 1)
+    assert stager.stage_now(("new",), buf) is None  # no place yet: `freeze` clones it
+    assert stager.stage_now(("buf",), torch.arange(4.0)) is None  # another shape: so does it
+    stager.release()
+
+
 def test_a_dtensor_on_a_gpu_mesh_is_staged_into_host_memory_and_written_from_there(tmp_path):
     """A staged DTensor keeps its host copy as its local tensor whatever its mesh's device:
     `DTensor.from_local` would move the copy to a CUDA mesh's GPU while nothing was copied in yet,

@@ -9,9 +9,9 @@ and how saves overlap training in `staging`.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import hashlib
-import errno
 import itertools
 import logging
 import os

@@ -76,6 +76,11 @@ def _nothing_deferred(path: tuple) -> bool:
     return False
 
 
+StageNow = Callable[[tuple, torch.Tensor], "torch.Tensor | None"]
+"""The tensor at a path of the state copied to where it is staged, now, and that copy (None
+where it cannot be)."""
+
+
 def _not(deferred: Deferred, path: tuple) -> bool:
     return not deferred(path)
 
@@ -155,16 +160,20 @@ class SynchronousSaves:
         return lambda: None
 
 
-def freeze(state: Any, deferred: Deferred, path: tuple = ()) -> Any:
+def freeze(state: Any, deferred: Deferred, path: tuple = (), stage_now: StageNow = lambda path, t: None) -> Any:
     """`state` as it is now, except for the deferred tensors: those are kept as they are (live),
-    every other tensor is cloned on its device (no host synchronisation) and every other value is
-    deep-copied, so that nothing but a change to a deferred tensor reaches what is staged."""
+    every other tensor is staged now where `stage_now` can (`Stager.stage_now`), else cloned on
+    its device (no host synchronisation), and every other value is deep-copied, so that nothing
+    but a change to a deferred tensor reaches what is staged."""
     if isinstance(state, torch.Tensor):
-        return state if deferred(path) else state.detach().clone()
+        if deferred(path):
+            return state
+        staged = stage_now(path, state)
+        return state.detach().clone() if staged is None else staged
     if isinstance(state, dict):
-        return {k: freeze(v, deferred, (*path, k)) for k, v in state.items()}
+        return {k: freeze(v, deferred, (*path, k), stage_now) for k, v in state.items()}
     if _traversed_list(state):
-        return [freeze(v, deferred, (*path, i)) for i, v in enumerate(state)]
+        return [freeze(v, deferred, (*path, i), stage_now) for i, v in enumerate(state)]
     if type(state) in _IMMUTABLE or type(state) is tuple and all(type(v) in _IMMUTABLE for v in state):
         return state
     return _copied(state, path)
@@ -254,15 +263,32 @@ class Stager:
         pairs.sort(key=lambda pair: pair[1].nbytes, reverse=True)  # the order the files take them (`balanced_groups`)
         return Copies(staged, pairs, non_blocking=self.reuse, count=count)
 
+    def stage_now(self, path: tuple, t: torch.Tensor) -> torch.Tensor | None:
+        """With `reuse`, a host tensor whose place is laid out already (a warm save) copied into
+        it now, on the caller's thread, and that staged copy; else None. Call only while no
+        staging runs (they share the places)."""
+        if not self.reuse or _local(t).device.type != "cpu" or path not in self._places:
+            return None
+        if self._places[path].kind != _kind(t):
+            return None
+        copied, staged = _destination(t, self._place_of(path, _local(t)))
+        copied.copy_(_local(t))
+        return staged
+
+    def _place_of(self, path: tuple, local: torch.Tensor) -> torch.Tensor:
+        place = self._places[path]
+        view = place.arena[place.offset:place.offset + local.nbytes].view(local.dtype)
+        return view.as_strided(local.shape, place.strides)
+
     def _layout(self, state: Any, path: tuple, pairs: list, owned: Deferred) -> Any:
         if isinstance(state, torch.Tensor):
             if not self.reuse and owned(path) and _local(state).device.type == "cpu":
                 return state
             into = None
             if self.reuse:
-                local, place = _local(state), self._places[path]
-                view = place.arena[place.offset:place.offset + local.nbytes].view(local.dtype)
-                into = view.as_strided(local.shape, place.strides)
+                into = self._place_of(path, _local(state))
+                if owned(path) and into.data_ptr() == _local(state).data_ptr():
+                    return state  # staged there already (`stage_now`)
             copied, staged = _destination(state, into)
             pairs.append((_local(state).detach(), copied))
             return staged
@@ -333,7 +359,7 @@ class Copies:
         self._non_blocking = non_blocking  # into pinned arenas: a GPU copy does not block the host
         spans = sorted((dst.data_ptr(), i) for i, (_, dst) in enumerate(pairs) if dst.numel())
         self._starts = [start for start, _ in spans]
-        self._ends = [start + pairs[i][1].nbytes for start, i in spans]  # past a strided copy's last element: no less
+        self._ends = [start + pairs[i][1].nbytes for start, i in spans]  # a copy is dense: its bytes are one stretch
         self._order = [i for _, i in spans]
         self._made = 0
         self._error: BaseException | None = None
@@ -550,7 +576,7 @@ class BackgroundSaves:
         self._path = job.path
         try:
             sink = self._sink()
-            frozen = freeze(state, deferred)
+            frozen = freeze(state, deferred, stage_now=self.stager.stage_now)
         except Exception as e:  # raised by the save's write, inside DCP's protocol, where every rank hears of it
             self._pending = self._pool.submit(job.run, functools.partial(_failed, e, {}))
             self._pending.add_done_callback(_log_failure)
