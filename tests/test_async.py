@@ -59,10 +59,10 @@ def test_pinned_mode_reuses_its_buffer(tmp_path):
     job = make_job(str(tmp_path), steps=10, interval=1, async_mode="async_with_pinned_mem")
     job.run_to(2, steps=10)
     stager = job.manager._saves.stager  # noqa: SLF001 - the buffer is the point of this mode
-    places = {path: (p.arena.data_ptr(), p.offset) for path, p in stager._places.items()}  # noqa: SLF001
+    places = {path: p.view.data_ptr() for path, p in stager._places.items()}  # noqa: SLF001
     assert stager.nbytes >= sum(t.numel() * t.element_size() for t in _snapshot(job).values())
     job.run_to(4, steps=10)
-    assert {path: (p.arena.data_ptr(), p.offset) for path, p in stager._places.items()} == places  # noqa: SLF001
+    assert {path: p.view.data_ptr() for path, p in stager._places.items()} == places  # noqa: SLF001
     job.manager.close()
 
 

@@ -33,6 +33,26 @@ def _saved(tmp_path, steps=4, **kw) -> str:
     return os.path.join(tmp_path, "checkpoint")
 
 
+def test_a_copy_of_a_step_taken_while_it_commits_or_is_removed_reads_as_ours_and_partial(tmp_path):
+    """A tool that lists a step folder, then copies what it listed (`cp -r`, a sync tool) beside
+    a live job: listed before the commit (the in-progress marker, which the commit removed), or
+    before retention renamed the commit marker onto the in-progress one, the copy held the data
+    files and neither marker: another program's finished step by its `.metadata`, loaded
+    unverified in place of the run's newer complete steps, and never removed."""
+    folder = _saved(tmp_path)
+    step4 = layout.step_dir(folder, 4)
+    assert sorted(os.listdir(step4))[:2] == [".metadata", commit.MARKER] and commit.is_in_progress(step4)
+    copy = str(tmp_path / "copy" / "checkpoint")
+    shutil.copytree(folder, copy)
+    os.remove(os.path.join(layout.step_dir(copy, 4), commit.MARKER))  # listed before the commit, or renamed since
+    assert [(s.step, s.status) for s in layout.scan(copy)] == [(2, layout.COMPLETE), (4, layout.PARTIAL)]
+    job = make_job(str(tmp_path / "copy"), steps=4)
+    assert job.manager.load() and job.train_state.step == 2
+    job.manager.close()
+    commit.uncommit(step4)  # retention's first move: the in-progress marker is there all along
+    assert commit.is_in_progress(step4) and not commit.is_committed(step4)
+
+
 def _flip_byte(path: str, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -422,6 +442,7 @@ def test_a_step_an_older_version_left_while_committing_is_partial(tmp_path):
     folder = _saved(tmp_path, steps=6, last_save_model_only=False)
     step6 = layout.step_dir(folder, 6)
     os.rename(os.path.join(step6, commit.MARKER), os.path.join(step6, commit.MARKER + ".tmp"))
+    os.remove(os.path.join(step6, commit.IN_PROGRESS))  # those versions wrote none
     assert layout.status_of(step6) == layout.PARTIAL
     linked = layout.step_dir(folder, 5)  # a link by that name is none of ours: another program's step
     shutil.copytree(step6, linked)
@@ -596,6 +617,30 @@ def test_the_hold_is_one_however_the_folder_is_named_and_lets_go_of_what_it_cann
     finally:
         os.close(running)
     assert (tmp_path / "notes.txt").read_text() == "the user's"
+    os.remove(folder / LOCK_FILE)
+    os.symlink(tmp_path / "notes.txt", folder / LOCK_FILE)  # a `cp -rs` copy's: "[Errno 40] Too many levels..."
+    with pytest.raises(ConfigError, match=rf"{LOCK_FILE} is a symbolic link \(a `cp -rs` copy of the folder\?\), so "
+                                          r".* cannot be held by this job: remove it \(the job makes its own\)"):
+        CheckpointManager(Checkpoint(enable=True, folder=str(folder)), [torch.nn.Linear(2, 2)])
+    assert (tmp_path / "notes.txt").read_text() == "the user's"
+
+
+def test_a_run_folder_moved_while_its_job_saves_is_not_made_again_at_the_old_name(tmp_path):
+    """`mv run run2` beside the running job: its next save made the folder again at the old
+    name, unheld, and saved on there without a word; a resume from run2 went back to its old
+    steps."""
+    model = torch.nn.Linear(2, 2)
+    manager = CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path / "run"))
+    manager.save(1)
+    os.rename(tmp_path / "run", tmp_path / "run2")
+    with pytest.raises(CheckpointSaveError, match=r"saving step 2 to .*run/checkpoint/step-2 failed: CheckpointError: "
+                                                  r".*run/checkpoint was moved or removed since this job began saving "
+                                                  rf"there \(the {LOCK_FILE} it holds is no longer in it\); this step "
+                                                  r"is not saved"):
+        manager.save(2)
+    assert not os.path.exists(tmp_path / "run")
+    manager.close()
+    assert layout.committed_steps(str(tmp_path / "run2" / "checkpoint")) == [1]
 
 
 def _in_a_daemon(folder: str, env: dict) -> None:

@@ -1341,6 +1341,6 @@ def test_a_module_renamed_since_the_save_is_named_with_the_saved_names_of_its_sh
     with CheckpointManager(config, [model], opt, base_folder=str(tmp_path)) as manager:
         with pytest.raises(CheckpointError, match=r"step-1 lacks 2 tensors this job has, e.g. \['output.weight', "
                                                   r"'output.bias'\]; was it saved from a different model\? It holds "
-                                                  r"2 tensors of those shapes that no name of this job takes, e.g. "
+                                                  r"2 tensors of those shapes that this rank loads none of, e.g. "
                                                   r"\['head.bias', 'head.weight'\]: renamed since the save\?$"):
             manager.load()

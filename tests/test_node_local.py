@@ -88,6 +88,7 @@ def _disks(tmp) -> None:
             shutil.copytree(runs[what.split()[0]], step)
             if what.endswith("foreign"):
                 os.remove(step / commit.MARKER)
+                os.remove(step / commit.IN_PROGRESS)
     (tmp / "local").mkdir()
 
 

@@ -267,25 +267,30 @@ def test_the_saves_own_clone_in_host_memory_is_staged_as_it_is(reuse):
 def test_a_warm_pinned_save_copies_a_tensor_no_step_guards_into_its_place_at_once():
     """`async_with_pinned_mem` cloned such a tensor in `save()`, then copied the clone into its
     place in the background: a warm save of a 1 GiB buffer faulted in 1 GiB. Its place laid out,
-    it is copied there in `save()`, and staging has nothing left to copy of it."""
+    it is copied there in `save()` (a Parameter too, detached), and staging has nothing left to
+    copy of it; a small one is cloned still (cheaper than finding its place)."""
+    from torchtitan_ckpt.staging import _STAGE_NOW_BYTES
+
     stager = Stager(reuse=True)
-    buf = torch.arange(8.0)
-    copies = stager.layout({"buf": buf})
+    values = torch.arange(_STAGE_NOW_BYTES // 4, dtype=torch.float32)
+    buf, small = values.clone(), torch.arange(8.0)
+    copies = stager.layout({"buf": buf, "small": small})
     copies.run()
     copies.done()
     place = copies.staged["buf"].data_ptr()
     buf.add_(1)
-    staged = stager.stage_now(("buf",), buf)
-    assert staged.data_ptr() == place and torch.equal(staged, torch.arange(8.0) + 1)
+    staged = stager.stage_now(("buf",), torch.nn.Parameter(buf))
+    assert staged.data_ptr() == place and torch.equal(staged, values + 1) and not staged.requires_grad
     buf.add_(1)  # training goes on: the staged copy keeps the values of the save
-    copies = stager.layout({"buf": staged}, owned=lambda path: True)
+    copies = stager.layout({"buf": staged, "small": small.clone()}, owned=lambda path: True)
     assert copies.staged["buf"] is staged
     copies.ready(staged)  # no copy to wait for
     copies.run()
     copies.done()
-    assert torch.equal(copies.staged["buf"], torch.arange(8.0) + 1)
+    assert torch.equal(copies.staged["buf"], values + 1) and torch.equal(copies.staged["small"], small)
+    assert stager.stage_now(("small",), small) is None
     assert stager.stage_now(("new",), buf) is None  # no place yet: `freeze` clones it
-    assert stager.stage_now(("buf",), torch.arange(4.0)) is None  # another shape: so does it
+    assert stager.stage_now(("buf",), torch.cat([buf, buf])) is None  # another shape: so does it
     stager.release()
 
 

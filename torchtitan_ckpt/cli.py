@@ -3,7 +3,7 @@
     torchtitan-ckpt list DIR          every step folder, complete or not, its size and contents
     torchtitan-ckpt inspect STEP_DIR  the states, tensors, dtypes, shapes and bytes of one step
     torchtitan-ckpt verify STEP_DIR   check every file against the sizes and CRC-32s of its commit
-    torchtitan-ckpt clean DIR         remove the partial and empty step folders crashed saves of ours left behind
+    torchtitan-ckpt clean DIR         remove the partial step folders crashed saves of ours left behind
     torchtitan-ckpt convert --to hf STEP_DIR OUT_DIR | --to dcp HF_DIR OUT_DIR
     torchtitan-ckpt consolidate IN_DIR OUT_DIR   per-rank HF shard files -> final safetensors files
 
@@ -195,8 +195,8 @@ def _contents(s: dict[str, Any]) -> str:
                       "another step's name; a load() passes it over",
             layout.DENIED: "this user may not look into it: never loaded, replaced or deleted; a load() that "
                            "would pick it fails",
-            EMPTY: "a save that stopped (or is starting) before its first file: never loaded; the save of its step "
-                   "replaces it, clean removes it",
+            EMPTY: "a save that stopped (or is starting) before its first file, ours or another program's: never "
+                   "loaded; a save of its step replaces it, clean keeps it",
             }.get(s["status"], "not ours (no marker of ours, or one that is no file), not told finished: "
                                "never loaded from the run folder, never deleted")
 
@@ -402,28 +402,22 @@ def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
 def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
     """Refused while a job of this package saves into the folder (it holds it: `_no_job_saving`),
     as its save in flight looks partial too (another program's job is not seen). Only folders
-    this package started writing are removed, and empty step folders (a save stopped before its
-    first file); another program's are listed and kept, and so is a step folder that is a
-    symlink. A local folder only: on object storage a save's retention deletes the partial steps
-    before it."""
+    this package started writing are removed; another program's are listed and kept (an empty
+    one too: another program's save makes its folder before its files), and so is a step folder
+    that is a symlink. A local folder only: on object storage a save's retention deletes the
+    partial steps before it."""
     if scheme_of(args.folder) is not None:
         raise CheckpointError(f"{args.folder}: clean works on a local folder; on object storage the next save's "
                               "retention deletes the partial steps older than it (docs/storage.md)")
     _require_folder(args.folder)
     with _no_job_saving(args.folder, args.force):
         steps = layout.scan(args.folder)
-        removed, freed, code = 0, 0, EXIT_OK
         for s in steps:
-            if s.status == layout.UNKNOWN and layout.empty_step(s.path):
-                with contextlib.suppress(OSError):  # not empty any more, or not this user's to remove: kept
-                    os.rmdir(s.path)
-                    removed += 1
-                    print(f"removed {s.path} (empty)")
-                    continue
             if not s.ours or s.linked:
                 print(f"kept {s.path} ({s.status}{', linked in' if s.linked else ''}: not removed by clean)")
         sizes = {s.path: layout.folder_bytes(s.path) for s in steps if s.status == layout.PARTIAL and not s.linked}
         total = sum(sizes.values())
+        removed, freed, code = 0, 0, EXIT_OK
         with progress:
             for path, size in sizes.items():
                 done = [0]  # what a removal that fails midway freed
@@ -514,7 +508,7 @@ def _staged(dst: str) -> Iterator[str]:
     try:
         yield tmp
         if rank0:
-            if commit.is_in_progress(tmp):  # a DCP output's commit removed it already
+            if commit.is_in_progress(tmp):  # a folder of the user's now, not a save of ours
                 os.remove(os.path.join(tmp, commit.IN_PROGRESS))
             if os.path.isdir(dst):
                 os.rmdir(dst)
@@ -673,7 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add(sub, "verify", cmd_verify, "check a step's files against its commit manifest", True)
     p.add_argument("step_dir")
     p.add_argument("--threads", type=_threads, default=IO_THREADS, help="files checked at once")
-    p = _add(sub, "clean", cmd_clean, "remove partial and empty step folders (refused while a job saves there)")
+    p = _add(sub, "clean", cmd_clean, "remove partial step folders (refused while a job saves there)")
     p.add_argument("folder")
     p.add_argument("--force", action="store_true",
                    help="clean where the file system cannot lock the folder (no job may be saving there)")

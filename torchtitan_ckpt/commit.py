@@ -10,8 +10,12 @@ manifest of every file with its size and CRC-32 (computed by the writers as they
 Before any file is written, the folder gets the in-progress marker `IN_PROGRESS.json`: it says
 that this package started writing the folder, so a save that crashed is recognised as ours
 (partial, cleaned up by retention) and a folder with neither marker as another program's
-(`layout.FOREIGN`, never deleted). The commit marker replaces it; a folder about to be rewritten
-or deleted gets it back before it loses its commit marker.
+(`layout.FOREIGN`, never deleted). It stays beside the commit marker (which wins) until the
+folder is removed, last: a copy of the folder taken while a save commits, or while retention
+renames the commit marker onto it (a tool that lists the folder, then copies what it listed),
+holds one of the two markers at least, never data files alone, which would read as another
+program's finished checkpoint. A folder about to be rewritten or deleted loses its commit
+marker first.
 """
 
 from __future__ import annotations
@@ -221,8 +225,6 @@ def write_marker(path: str, info: CommitInfo,
         durable.fsync_path(os.path.join(path, rel))
     durable.write_json(os.path.join(path, MARKER), asdict(info), indent=1, sort_keys=True,
                        before_replace=lambda: faults.hit("commit", info.step))
-    if is_in_progress(path):  # a crash before this leaves both: complete wins
-        os.remove(os.path.join(path, IN_PROGRESS))
     return info
 
 

@@ -1,7 +1,8 @@
 """Step folders: their names, which of them exist under a checkpoint folder, and whose they are.
 
 A folder this package writes is marked as ours from the moment it is created (the in-progress
-marker, `commit.IN_PROGRESS`) until its commit marker replaces that mark, so a step folder is:
+marker, `commit.IN_PROGRESS`) until it is removed; its commit marker says it is finished. So a
+step folder is:
 
 - complete: ours, with `COMMITTED.json`; loaded, and deleted by retention beyond `keep_latest_k`;
 - partial: ours, without it (a save in flight, or one that crashed); never loaded, and deleted

@@ -128,9 +128,7 @@ class LoadRequest:
 
     def _model_names(self, target: LoadTarget) -> list[str]:
         """The step's model tensors, in order."""
-        # model tensors are at the top level: one named "model.*" (transformers' names) is one of them
-        states = {*BUILTIN_STATES, *self._states, *target.listed} - {"model"}
-        return sorted(k for k in target.index.tensors if k.partition(".")[0] not in states)
+        return target.index.model_names({*BUILTIN_STATES, *self._states, *target.listed} - {"model"})
 
     def _dataloader_fits(self, loader: DataLoaderState, saved: set[str], path: str) -> bool:
         """TorchTitan refuses a dataloader state saved by another data-parallel degree; here the

@@ -556,10 +556,10 @@ class CheckpointManager:
             state, failure, digests = {}, e, {}
         if fmt.on_training_thread:  # after the save in flight (this step's own, for an HF copy): its clock after
             waited += self._wait_for_earlier(step)
+        copied = not fmt.on_training_thread and isinstance(self._saves, BackgroundSaves)  # staged for the thread
         # a save whose time the line tells apart from the training's (not the job's last, which save() waits for)
-        background = not (fmt.on_training_thread or last) and isinstance(self._saves, BackgroundSaves)
-        held = _TrainingWait() if background else None
-        job = self._save_job(step, kind, folder, fmt, failure, last, waited, digests, held)
+        held = _TrainingWait() if copied and not last else None
+        job = self._save_job(step, kind, folder, fmt, failure, last, waited, digests, held, copied)
         if fmt.on_training_thread:
             staged = Staged(state)
             job.run(lambda: staged)
@@ -645,12 +645,12 @@ class CheckpointManager:
     def _save_job(self, step: int, kind: SaveKind, folder: str, fmt: StepFormat,
                   failure: Exception | None = None, last: bool = False, waited: float = 0.0,
                   digests: Mapping[str, tuple[bytes, bytes]] | None = None,
-                  held: _TrainingWait | None = None) -> SaveJob:
+                  held: _TrainingWait | None = None, copied: bool = False) -> SaveJob:
         """The phases of one save into `{folder}/step-N` in format `fmt`, which the staging
         strategy runs in order on every rank. `failure`: this rank could not gather its state;
         the first phase fails with it on every rank. `digests`: `replicated_digest` of each
         state of `_per_rank_checked` as saved. `held`: a background save's time on the training
-        thread, told in the saved line."""
+        thread, told in the saved line; `copied`: the state is copied for a background save."""
         path = layout.step_dir(folder, step)
         where = self._store.describe(path)  # the step as the user names it, in messages
         start = time.perf_counter()
@@ -676,7 +676,7 @@ class CheckpointManager:
             except CheckpointSaveError:
                 raise
             except Exception as e:
-                raise CheckpointSaveError(step, where, e, self._failure_hint(path, e)) from e
+                raise CheckpointSaveError(step, where, e, _failure_hint(path, self._store.staged, e, copied)) from e
 
         def commit_step(written: Written) -> None:
             info = self._commit(step, path, kind, fmt, written)
@@ -752,9 +752,6 @@ class CheckpointManager:
                   for name, s in self._states.items()}  # ours build what a load fills: not checked at each save
         return {**model_sd, **states}
 
-    def _failure_hint(self, path: str, error: BaseException | None) -> str:
-        return _failure_hint(path, self._store.staged, error, self.config.async_mode != "disabled")
-
     def _agree(self, step: int, path: str, fn: Callable[[], Any], coordinator_only: bool = False) -> list[Any]:
         """Run `fn` on every rank (or on rank 0) and return every rank's result; any rank's
         failure is every rank's `CheckpointSaveError`."""
@@ -762,7 +759,7 @@ class CheckpointManager:
             return self._group.run(fn, coordinator_only)
         except RankFailed as failed:
             raise CheckpointSaveError(step, self._store.describe(path), failed.error or RuntimeError(str(failed)),
-                                      self._failure_hint(path, failed.error)) from failed.error
+                                      _failure_hint(path, self._store.staged, failed.error)) from failed.error
 
     # ------------------------------------------------------------------ loading
 
@@ -992,13 +989,13 @@ def _cannot_apply(path: str, name: str, error: Exception) -> CorruptCheckpointEr
         f"load another step, or add '{name}' to checkpoint.exclude_from_loading")
 
 
-def _failure_hint(path: str, staged: bool, error: BaseException | None, background: bool) -> str:
+def _failure_hint(path: str, staged: bool, error: BaseException | None, copied: bool = False) -> str:
     """A full disk often surfaces as an odd error from deep inside a writer; say so plainly, and
     the way out: old steps go only once a newer one is saved, or at a job's `load()` (in the
     checkpoint folder; a `staged` one holds one step of this job's at a time). So do a limit of
-    this process's (file size, threads) that `error` hit, naming it, and memory a `background`
-    save's copy of the state found none of."""
-    if background and in_chain(error, lambda e: isinstance(e, MemoryError) or "can't allocate memory" in str(e)):
+    this process's (file size, threads) that `error` hit, naming it, and memory the copy of the
+    state for a background save (`copied`) found none of."""
+    if copied and in_chain(error, lambda e: isinstance(e, MemoryError) or "can't allocate memory" in str(e)):
         return (" (a background save holds a copy of the rank's state in host memory until it is written, and "
                 "found no room for it: free memory, or save with checkpoint.async_mode = 'disabled', which holds "
                 "none)")

@@ -69,20 +69,25 @@ class StepIndex:
     def keys(self) -> set[str]:
         return set(self.tensors) | set(self.values)
 
+    def model_names(self, states: Collection[str]) -> list[str]:
+        """The step's model tensors, in order: those whose name is under none of `states` (the
+        model's are at the top level; one named "model.*", as transformers names them, is one)."""
+        return sorted(k for k in self.tensors if k.partition(".")[0] not in states)
+
     def require(self, path: str, state: dict[str, Any], hint: str = "was it saved from a different model?",
                 spare: Collection[str] = ()) -> None:
         """A `CheckpointError` naming the tensors of `state` (a state dict to load, as DCP
         flattens it) that the step at `path` does not hold, or holds in another shape (DCP names
         the first it meets, deep in its planning), with `hint` on what differs (one it holds as
         another kind of value is the format's to refuse). Of `spare`, saved names that no name of
-        the job takes, those of a missing tensor's shape are named too: a module renamed since the
-        save shows as both."""
+        `state` takes, those of a missing tensor's shape are named too: a module renamed since the
+        save shows as both (on this rank: a pipeline stage holds the others' layers in none)."""
         flat, held = flatten_state_dict(state)[0], self.keys()
         missing = [k for k, v in flat.items() if isinstance(v, torch.Tensor) and k not in held]
         prefix = _nesting(missing, held)
         shapes = {tuple(flat[k].shape) for k in missing}
         if not prefix and (alike := [k for k in spare if self.tensors.get(k) in shapes]):
-            hint += (f" It holds {len(alike)} tensors of those shapes that no name of this job takes, e.g. "
+            hint += (f" It holds {len(alike)} tensors of those shapes that this rank loads none of, e.g. "
                      f"{alike[:3]}: renamed since the save?")
         if prefix == "module.":
             hint = ("its names carry DistributedDataParallel's 'module.' prefix, which saves of torchtitan_ckpt "

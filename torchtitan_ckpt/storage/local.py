@@ -99,6 +99,7 @@ class LocalStore(Store):
         return layout.scan(folder)
 
     def prepare(self, path: str, step: int) -> None:
+        self._check_in_place()
         if os.path.lexists(path):  # a leftover of ours, or a step saved again: it is replaced
             folder = layout.StepFolder(step, path, layout.status_of(path), layout.linked_in(path))
             if folder.linked:
@@ -132,6 +133,7 @@ class LocalStore(Store):
     def commit(self, path: str, info: commit.CommitInfo, checksums: dict[str, tuple[int, str]]) -> None:
         """Not where another job has claimed the folder since (`lock.taken_over`): the two would
         replace each other's steps in flight."""
+        self._check_in_place()
         if self._lock is not None and (other := lock.taken_over(self._lock)):
             raise CheckpointError(
                 f"{self.root}: {other} claimed this folder after this job did (its {LOCK_FILE} names it): this file "
@@ -139,6 +141,13 @@ class LocalStore(Store):
                 "FUSE), and two jobs saving there replace each other's steps; this step is not committed. Give "
                 "each job a folder of its own")
         commit.write_marker(path, info, checksums)
+
+    def _check_in_place(self) -> None:
+        """Refuse a save into a folder moved or removed since this job took it (`lock.moved`)."""
+        if self._lock is not None and lock.moved(self._lock):
+            raise CheckpointError(f"{self.root} was moved or removed since this job began saving there (the "
+                                  f"{LOCK_FILE} it holds is no longer in it); this step is not saved: move the "
+                                  "folder back, or start the job again from where it is now")
 
     def remove(self, folder: layout.StepFolder) -> None:
         if folder.status == layout.PARTIAL and (now := layout.status_of(folder.path)) != layout.PARTIAL:

@@ -66,6 +66,11 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
         except PermissionError as e:  # another user's, of its mode: whom to ask
             raise CheckpointError(f"{what} cannot be held by this job: {safe_open.denied(key, e.strerror)}; ask its "
                                   "owner to make it readable to you (a team's folder wants umask 002)") from None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise CheckpointError(f"{key} is a symbolic link (a `cp -rs` copy of the folder?), so {what} cannot be "
+                              "held by this job: remove it (the job makes its own) and start again") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -134,6 +139,23 @@ def taken_over(key: str) -> str | None:
     finally:
         os.close(fd)
     return None if now == mine else now.decode(errors="replace").strip() or "a process that wrote no name"
+
+
+def moved(key: str) -> bool:
+    """Whether the lock file this process holds by `key` is no longer at that name: its folder
+    was moved or removed since (`mv` beside the running job), and a save there would make the
+    folder again, unheld, splitting the run in two. Not told on a file system without locks."""
+    hold = _HOLDERS.get(key)
+    if hold is None or hold.fd < 0:
+        return False
+    try:
+        now = os.stat(key, follow_symlinks=False)
+    except FileNotFoundError:
+        return True
+    except OSError:  # not known to be gone
+        return False
+    mine = os.fstat(hold.fd)
+    return (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino)
 
 
 def shared(key: str) -> bool:
