@@ -628,19 +628,29 @@ def test_the_hold_is_one_however_the_folder_is_named_and_lets_go_of_what_it_cann
 def test_a_run_folder_moved_while_its_job_saves_is_not_made_again_at_the_old_name(tmp_path):
     """`mv run run2` beside the running job: its next save made the folder again at the old
     name, unheld, and saved on there without a word; a resume from run2 went back to its old
-    steps."""
+    steps. A folder removed (not moved) is made again and held, as before."""
     model = torch.nn.Linear(2, 2)
     manager = CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path / "run"))
     manager.save(1)
     os.rename(tmp_path / "run", tmp_path / "run2")
     with pytest.raises(CheckpointSaveError, match=r"saving step 2 to .*run/checkpoint/step-2 failed: CheckpointError: "
-                                                  r".*run/checkpoint was moved or removed since this job began saving "
-                                                  rf"there \(the {LOCK_FILE} it holds is no longer in it\); this step "
-                                                  r"is not saved"):
+                                                  r".*run/checkpoint was moved since this job began saving there "
+                                                  rf"\(the {LOCK_FILE} it holds is no longer in it\); this step is not "
+                                                  r"saved: move the folder back"):
         manager.save(2)
     assert not os.path.exists(tmp_path / "run")
     manager.close()
     assert layout.committed_steps(str(tmp_path / "run2" / "checkpoint")) == [1]
+    # removed, not moved (its steps deleted to free the disk): the job saves on into it anew, held
+    manager = CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path / "run2"))
+    manager.save(2)
+    shutil.rmtree(tmp_path / "run2" / "checkpoint")
+    manager.save(3)
+    assert layout.committed_steps(str(tmp_path / "run2" / "checkpoint")) == [3]
+    second = subprocess.run([sys.executable, "-c", _SECOND_JOB, str(tmp_path / "run2" / "checkpoint")],
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert second.returncode == 3 and "another process" in second.stdout, second.stdout + second.stderr  # held again
+    manager.close()
 
 
 def _in_a_daemon(folder: str, env: dict) -> None:

@@ -99,7 +99,7 @@ class LocalStore(Store):
         return layout.scan(folder)
 
     def prepare(self, path: str, step: int) -> None:
-        self._check_in_place()
+        self._check_in_place(removed_ok=True)
         if os.path.lexists(path):  # a leftover of ours, or a step saved again: it is replaced
             folder = layout.StepFolder(step, path, layout.status_of(path), layout.linked_in(path))
             if folder.linked:
@@ -142,12 +142,25 @@ class LocalStore(Store):
                 "each job a folder of its own")
         commit.write_marker(path, info, checksums)
 
-    def _check_in_place(self) -> None:
-        """Refuse a save into a folder moved or removed since this job took it (`lock.moved`)."""
-        if self._lock is not None and lock.moved(self._lock):
-            raise CheckpointError(f"{self.root} was moved or removed since this job began saving there (the "
-                                  f"{LOCK_FILE} it holds is no longer in it); this step is not saved: move the "
-                                  "folder back, or start the job again from where it is now")
+    def _check_in_place(self, removed_ok: bool = False) -> None:
+        """Refuse a save into a folder moved since this job took it (`lock.whereabouts`): the save
+        would make it again at the old name, unheld, and the run would go on in two places. One
+        removed (its steps deleted while the job runs), before a save starts (`removed_ok`): made
+        and held again, with a warning."""
+        where = lock.whereabouts(self._lock) if self._lock is not None else None
+        if where == lock.REMOVED and removed_ok:
+            logger.warning("%s was removed while this job saved there: its steps are gone; the job saves on into "
+                           "it anew", self.root)
+            lock.release(self._lock)
+            self._lock = None
+            if not os.path.isdir(self.root):
+                durable.make_dir(self.root)
+            self._hold()
+        elif where is not None:
+            raise CheckpointError(f"{self.root} was {where} since this job began saving there (the {LOCK_FILE} it "
+                                  "holds is no longer in it); this step is not saved: "
+                                  + ("move the folder back, or start the job again from where it is now"
+                                     if where == lock.MOVED else "save again"))
 
     def remove(self, folder: layout.StepFolder) -> None:
         if folder.status == layout.PARTIAL and (now := layout.status_of(folder.path)) != layout.PARTIAL:

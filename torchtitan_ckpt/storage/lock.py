@@ -141,21 +141,27 @@ def taken_over(key: str) -> str | None:
     return None if now == mine else now.decode(errors="replace").strip() or "a process that wrote no name"
 
 
-def moved(key: str) -> bool:
-    """Whether the lock file this process holds by `key` is no longer at that name: its folder
-    was moved or removed since (`mv` beside the running job), and a save there would make the
-    folder again, unheld, splitting the run in two. Not told on a file system without locks."""
+MOVED, REMOVED = "moved", "removed"
+
+
+def whereabouts(key: str) -> str | None:
+    """Where the lock file this process holds by `key` went, when it is no longer at that name:
+    `MOVED` (it has a name elsewhere: its folder was moved, `mv` beside the running job) or
+    `REMOVED` (it has none: the folder was deleted); None where it is in place, or the file
+    system does not lock."""
     hold = _HOLDERS.get(key)
     if hold is None or hold.fd < 0:
-        return False
+        return None
     try:
         now = os.stat(key, follow_symlinks=False)
     except FileNotFoundError:
-        return True
+        now = None
     except OSError:  # not known to be gone
-        return False
+        return None
     mine = os.fstat(hold.fd)
-    return (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino)
+    if now is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+        return None
+    return MOVED if mine.st_nlink else REMOVED
 
 
 def shared(key: str) -> bool:
