@@ -643,9 +643,11 @@ def test_a_run_folder_moved_while_its_job_saves_is_not_made_again_at_the_old_nam
     assert layout.committed_steps(str(tmp_path / "run2" / "checkpoint")) == [1]
     # removed, not moved (its steps deleted to free the disk): the job saves on into it anew, held
     manager = CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path / "run2"))
+    beside = CheckpointManager(Checkpoint(enable=True), [model], base_folder=str(tmp_path / "run2"))  # shares the hold
     manager.save(2)
     shutil.rmtree(tmp_path / "run2" / "checkpoint")
     manager.save(3)
+    beside.close()
     assert layout.committed_steps(str(tmp_path / "run2" / "checkpoint")) == [3]
     second = subprocess.run([sys.executable, "-c", _SECOND_JOB, str(tmp_path / "run2" / "checkpoint")],
                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})

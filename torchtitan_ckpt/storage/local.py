@@ -66,16 +66,19 @@ class LocalStore(Store):
         would replace the first's step in flight, whose marker would then list the second's
         files, and each would report its save done. A second manager of this process shares the
         hold, with a warning."""
-        self._lock, first = lock.claim(os.path.join(self.root, LOCK_FILE), f"{self.root} to save into",
-                                       "one job saves into a folder at a time; stop that job first, or give this one "
-                                       "a folder of its own (where its host is down, NFSv3 keeps its lock until that "
-                                       "host is up again: once sure no job saves there, remove the lock file)")
+        self._lock, first = self._claim()
         if not first:  # shared: neither deletes the other's steps in flight (`sole_writer`)
             logger.warning("another CheckpointManager of this process saves into %s and is not closed: each one's "
                            "saves replace the other's steps of the same number, and its retention counts them; "
                            "close() the first (a trainer building its manager again; one dropped without close() "
                            "holds the folder until the process ends), or give each manager a folder of its own",
                            self.root)
+
+    def _claim(self) -> tuple[str, bool]:
+        return lock.claim(os.path.join(self.root, LOCK_FILE), f"{self.root} to save into",
+                          "one job saves into a folder at a time; stop that job first, or give this one a folder of "
+                          "its own (where its host is down, NFSv3 keeps its lock until that host is up again: once "
+                          "sure no job saves there, remove the lock file)")
 
     @property
     def sole_writer(self) -> bool:
@@ -151,11 +154,9 @@ class LocalStore(Store):
         if where == lock.REMOVED and removed_ok:
             logger.warning("%s was removed while this job saved there: its steps are gone; the job saves on into "
                            "it anew", self.root)
-            lock.release(self._lock)
-            self._lock = None
             if not os.path.isdir(self.root):
                 durable.make_dir(self.root)
-            self._hold()
+            lock.renew(self._lock, self._claim)
         elif where is not None:
             raise CheckpointError(f"{self.root} was {where} since this job began saving there (the {LOCK_FILE} it "
                                   "holds is no longer in it); this step is not saved: "

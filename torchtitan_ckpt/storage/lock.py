@@ -10,6 +10,7 @@ import fcntl
 import logging
 import os
 import stat
+from collections.abc import Callable
 
 from ..errors import CheckpointError
 from ..io import safe_open
@@ -162,6 +163,15 @@ def whereabouts(key: str) -> str | None:
     if now is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
         return None
     return MOVED if mine.st_nlink else REMOVED
+
+
+def renew(key: str, claim_again: Callable[[], tuple[str, bool]]) -> None:
+    """Hold the lock file `key` again, made anew by `claim_again` (a `claim` of it), where it was
+    `REMOVED`: every store of this process that held the old one holds the new one."""
+    hold = _HOLDERS.pop(key)
+    if hold.fd >= 0:
+        os.close(hold.fd)
+    _HOLDERS[claim_again()[0]].stores = hold.stores
 
 
 def shared(key: str) -> bool:
