@@ -652,6 +652,17 @@ def test_a_run_folder_moved_while_its_job_saves_is_not_made_again_at_the_old_nam
     second = subprocess.run([sys.executable, "-c", _SECOND_JOB, str(tmp_path / "run2" / "checkpoint")],
                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
     assert second.returncode == 3 and "another process" in second.stdout, second.stdout + second.stderr  # held again
+    shutil.rmtree(tmp_path / "run2" / "checkpoint")  # removed, and another job takes the folder meanwhile
+    os.makedirs(tmp_path / "run2" / "checkpoint")
+    other = os.open(tmp_path / "run2" / "checkpoint" / LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    try:
+        for step in (4, 5):  # refused at each save, never saved unheld beside that job
+            with pytest.raises(CheckpointSaveError, match="another process"):
+                manager.save(step)
+    finally:
+        os.close(other)
+    assert layout.committed_steps(str(tmp_path / "run2" / "checkpoint")) == []
     manager.close()
 
 

@@ -167,11 +167,17 @@ def whereabouts(key: str) -> str | None:
 
 def renew(key: str, claim_again: Callable[[], tuple[str, bool]]) -> None:
     """Hold the lock file `key` again, made anew by `claim_again` (a `claim` of it), where it was
-    `REMOVED`: every store of this process that held the old one holds the new one."""
+    `REMOVED`: every store of this process that held the old one holds the new one. Where that
+    fails (another job took the folder meanwhile), the old hold stays: each save tries again."""
     hold = _HOLDERS.pop(key)
+    try:
+        again, _ = claim_again()
+    except BaseException:
+        _HOLDERS[key] = hold
+        raise
     if hold.fd >= 0:
         os.close(hold.fd)
-    _HOLDERS[claim_again()[0]].stores = hold.stores
+    _HOLDERS[again].stores = hold.stores
 
 
 def shared(key: str) -> bool:
