@@ -46,7 +46,7 @@ class LoadRequest:
         if target.model_only:
             return state
         # named before the optimizer misses the new parameters' state
-        target.index.require(target.path, state, spare=[k for k in self._model_names(target) if k not in state])
+        target.index.require(target.path, state, spare=lambda: [k for k in self._model_names(target) if k not in state])
         keys = target.index.keys()
         for name, stateful in self._states.items():
             if name in self.config.exclude_from_loading:

@@ -75,18 +75,19 @@ class StepIndex:
         return sorted(k for k in self.tensors if k.partition(".")[0] not in states)
 
     def require(self, path: str, state: dict[str, Any], hint: str = "was it saved from a different model?",
-                spare: Collection[str] = ()) -> None:
+                spare: Callable[[], Collection[str]] = tuple) -> None:
         """A `CheckpointError` naming the tensors of `state` (a state dict to load, as DCP
         flattens it) that the step at `path` does not hold, or holds in another shape (DCP names
         the first it meets, deep in its planning), with `hint` on what differs (one it holds as
-        another kind of value is the format's to refuse). Of `spare`, saved names that no name of
-        `state` takes, those of a missing tensor's shape are named too: a module renamed since the
-        save shows as both (on this rank: a pipeline stage holds the others' layers in none)."""
+        another kind of value is the format's to refuse). Of `spare()`, saved names that no name
+        of `state` takes (asked for only where a tensor is missing), those of a missing tensor's
+        shape are named too: a module renamed since the save shows as both (on this rank: a
+        pipeline stage holds the others' layers in none)."""
         flat, held = flatten_state_dict(state)[0], self.keys()
         missing = [k for k, v in flat.items() if isinstance(v, torch.Tensor) and k not in held]
         prefix = _nesting(missing, held)
         shapes = {tuple(flat[k].shape) for k in missing}
-        if not prefix and (alike := [k for k in spare if self.tensors.get(k) in shapes]):
+        if missing and not prefix and (alike := [k for k in spare() if self.tensors.get(k) in shapes]):
             hint += (f" It holds {len(alike)} tensors of those shapes that this rank loads none of, e.g. "
                      f"{alike[:3]}: renamed since the save?")
         if prefix == "module.":

@@ -153,8 +153,8 @@ def _check_kinds(path: str, index: StepIndex, flat: dict[str, Any]) -> None:
     tensor into a value."""
     swapped = [key for key, value in flat.items()
                if (key in index.values if isinstance(value, torch.Tensor) else key in index.tensors)]
-    model = index.model_names(set(BUILTIN_STATES) - {"model"})  # a full step read model-only: its model's
-    index.require(path, flat, spare=[k for k in model if k not in flat])
+    states = set(BUILTIN_STATES) - {"model"}  # a full step read model-only: its model's names
+    index.require(path, flat, spare=lambda: [k for k in index.model_names(states) if k not in flat])
     if swapped:
         raise CorruptCheckpointError(f"{path} holds a value where this job has a tensor, or the other way "
                                      f"round, for {swapped[:3]}; the step is damaged or was not saved by this job")
