@@ -19,6 +19,13 @@ def in_chain(error: BaseException | None, test: Callable[[BaseException], bool])
     return None
 
 
+def no_thread(error: BaseException | None) -> bool:
+    """Whether `error`, or an error it was raised from or during, is a thread that could not
+    start: CPython's `RuntimeError` where the process is at its limit of threads (`ulimit -u`, a
+    container's pids limit) or of memory for their stacks (`ulimit -v`)."""
+    return in_chain(error, lambda e: isinstance(e, RuntimeError) and "can't start new thread" in str(e)) is not None
+
+
 def few(items: Sequence[object], shown: int = 10) -> str:
     """`items` (steps, paths, ranks) for a message: the first `shown`, then how many more (a
     crashed job's folder, or a run's copy, may hold thousands; a job, thousands of ranks)."""

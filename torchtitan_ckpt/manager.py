@@ -43,6 +43,7 @@ from .errors import (
     RankFailed,
     few,
     in_chain,
+    no_thread,
     restate,
 )
 from .group import CheckpointGroup, refuse_unjoined_launch
@@ -1004,7 +1005,7 @@ def _failure_hint(path: str, staged: bool, error: BaseException | None, copied: 
         if limit != resource.RLIM_INFINITY:
             return (f" (a file reached this process's limit of file size, {limit} bytes: raise it, `ulimit -f`, "
                     "or the batch system's file-size limit)")
-    if in_chain(error, lambda e: isinstance(e, RuntimeError) and "can't start new thread" in str(e)):
+    if no_thread(error):
         return (" (this process may start no more threads: its limit of processes, `ulimit -u` or a container's "
                 "pids limit, or of memory for their stacks, `ulimit -v`, is reached; raise it, or lower "
                 "checkpoint.save_threads)")

@@ -49,7 +49,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import faults, gc_pause
-from .errors import CheckpointError, ConfigError, StagingMismatchError, in_chain
+from .errors import CheckpointError, ConfigError, StagingMismatchError, in_chain, no_thread
 from .io.dtypes import same_bytes
 from .io.filewriter import CountWait, Sink, write_files
 from .io.writer_process import WriterProcess
@@ -555,7 +555,7 @@ class BackgroundSaves:
             self.writer = WriterProcess() if reuse_buffer and saves else None
         except RuntimeError as e:
             self._pool.shutdown(wait=False)
-            if "can't start new thread" not in str(e):
+            if not no_thread(e):
                 raise
             raise ConfigError("checkpoint.async_mode", "async_with_pinned_mem" if reuse_buffer else "async",
                               f"its background saves need threads of their own, and this process may start no "
