@@ -189,12 +189,11 @@ def test_a_torchtitan_job_config_loads_as_torchtitan_reads_it(tmp_path, caplog):
     (["--checkpoint.load_only"], "load_only = True"),
     (["--checkpoint.load_step", "5"], "load_step = 5"),
 ])
-def test_loading_settings_with_checkpointing_off_are_warned_of(argv, key, caplog, monkeypatch):
+def test_loading_settings_with_checkpointing_off_are_warned_of(argv, key, caplog):
     """The job trained from its initial weights with one INFO line saying checkpointing was off
     (a refusal would stop a debug run's `--checkpoint.no_enable` over a production TOML). Said
     once, though the manager checks the section again."""
-    monkeypatch.setattr("torchtitan_ckpt.config._TOLD", set())
-    with caplog.at_level("WARNING", logger="torchtitan_ckpt.config"):
+    with caplog.at_level("WARNING"):
         config = load_job_config(DEBUG_CONFIG, [*argv, "--checkpoint.no_enable"]).checkpoint
         CheckpointManager(config, torch.nn.Linear(2, 2)).close()
     assert not config.enable

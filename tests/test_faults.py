@@ -15,7 +15,8 @@ from .helpers import assert_same, losses, read_checkpoint, run_job
 
 pytestmark = pytest.mark.multirank
 
-JOB = ("--checkpoint.last_save_model_only", "false", "--checkpoint.export_dtype", "float32",
+# export_dtype does not apply to a full last save: told as a note, which changes nothing
+JOB = ("--checkpoint.last_save_model_only", "false", "--checkpoint.export_dtype", "bfloat16",
        "--checkpoint.keep_latest_k", "2")
 
 
@@ -23,7 +24,13 @@ JOB = ("--checkpoint.last_save_model_only", "false", "--checkpoint.export_dtype"
 def uninterrupted(tmp_path_factory) -> dict:
     dump = str(tmp_path_factory.mktemp("straight"))
     log = run_job(dump, *JOB, nproc=2)
-    return {"losses": losses(log), "final": read_checkpoint(layout.step_dir(os.path.join(dump, "checkpoint"), 20))}
+    return {"losses": losses(log), "final": read_checkpoint(layout.step_dir(os.path.join(dump, "checkpoint"), 20)),
+            "log": log}
+
+
+def test_a_setting_others_make_void_is_told_once_by_rank_0(uninterrupted):
+    """Each rank loads the TOML and builds a manager; the note is the run's, said once."""
+    assert uninterrupted["log"].count("checkpoint.export_dtype = 'bfloat16' does not apply: nothing is exported") == 1
 
 
 @pytest.mark.parametrize("failpoint, partial_files, mode", [

@@ -22,7 +22,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata
 
-from torchtitan_ckpt import CheckpointError, CheckpointSaveError, ConfigError, CorruptCheckpointError, cli, commit
+from torchtitan_ckpt import (CheckpointError, CheckpointManager, CheckpointSaveError, ConfigError, CorruptCheckpointError,
+                             cli, commit)
 from torchtitan_ckpt.config import Checkpoint, validate_tree
 from torchtitan_ckpt.dcp import storage
 from torchtitan_ckpt.dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE, read_metadata
@@ -991,13 +992,16 @@ def test_async_with_pinned_mem_saves_from_a_script_without_a_main_guard(tmp_path
     assert commit.is_committed(str(tmp_path / "checkpoint" / "step-1"))
 
 
-def test_an_export_dtype_that_does_not_apply_is_a_note(caplog, monkeypatch):
-    monkeypatch.setattr("torchtitan_ckpt.config._TOLD", set())  # said once per process: maybe by another test
-    with caplog.at_level("INFO", logger="torchtitan_ckpt.config"):
-        config = load_job_config(None, ["--checkpoint.export_dtype", "bfloat16",
-                                        "--checkpoint.last_save_model_only", "false"])
-    assert config.checkpoint.export_dtype == "bfloat16"
-    assert "checkpoint.export_dtype = 'bfloat16' does not apply" in caplog.text
+@pytest.mark.parametrize("exports", [False, True])
+def test_an_export_dtype_is_a_note_where_nothing_is_exported(tmp_path, caplog, exports):
+    """Not where a periodic Hugging Face copy is cast to it (the note said it never applied)."""
+    argv = ["--checkpoint.export_dtype", "bfloat16", "--checkpoint.last_save_model_only", "false",
+            "--checkpoint.hf_export_interval", "5" if exports else "0"]
+    config = load_job_config(None, argv).checkpoint
+    with caplog.at_level("INFO"):
+        CheckpointManager(config, torch.nn.Linear(2, 2), base_folder=tmp_path).close()
+    assert config.export_dtype == "bfloat16"
+    assert ("checkpoint.export_dtype = 'bfloat16' does not apply" in caplog.text) is not exports
 
 
 # ---------------------------------------------------------------- Hugging Face files

@@ -704,8 +704,20 @@ def test_verify_checks_the_files_it_is_given_and_names_a_size_that_differs(tmp_p
     size = os.path.getsize(data)
     os.truncate(data, size - 1)
     assert f"{data}: {size - 1} bytes, the manifest says {size}" in commit.verify(step, files=["__0_0.distcp"])
-    with pytest.raises(ConfigError, match="threads"):
+    with pytest.raises(ValueError, match="threads = 0"):
         commit.verify(step, threads=0)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_verify_on_load_checks_files_on_the_load_threads(tmp_path, monkeypatch, threads):
+    """It checked on 4 threads whatever `load_threads` said."""
+    _saved(tmp_path)
+    seen, real = [], commit.check_files
+    monkeypatch.setattr(commit, "check_files", lambda *a: seen.append(a[3]) or real(*a))
+    job = make_job(str(tmp_path), steps=4, verify_on_load=True, load_threads=threads)
+    assert job.manager.load()
+    job.manager.close()
+    assert seen == [threads]
 
 
 def test_a_commit_markers_temporary_file_left_in_a_step_is_not_one_of_its_files(tmp_path):

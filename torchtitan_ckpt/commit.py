@@ -34,7 +34,7 @@ from .io import IO_THREADS, durable, safe_open
 from .io.untrusted import brief
 from . import faults
 from .io.checksum import file_crc32, stream_crc32
-from .errors import CheckpointError, ConfigError, CorruptCheckpointError, NewerVersionError, OlderVersionError
+from .errors import CheckpointError, CorruptCheckpointError, NewerVersionError, OlderVersionError
 
 MARKER = "COMMITTED.json"
 IN_PROGRESS = "IN_PROGRESS.json"
@@ -260,7 +260,7 @@ def check_files(path: str, info: CommitInfo, files: list[str], threads: int,
     """`check_file` of each of `files` against the manifest `info` of the step `path`, `threads`
     at a time, in order; `done(file)` is called as each is checked."""
     if type(threads) is not int or threads < 1:
-        raise ConfigError("threads", threads, "files are checked on at least 1 thread")
+        raise ValueError(f"threads = {threads!r}: files are checked on at least 1 thread")
 
     def check(rel: str) -> str | None:
         problem = check_file(path, rel, info.files[rel])

@@ -114,8 +114,8 @@ class Checkpoint:
     is (needs `last_save_model_only`); `export_dtype` applies."""
 
     export_dtype: ExportDtype = "float32"
-    """Dtype of floating tensors in a model-only last-step save, float32 included (TorchTitan
-    casts only to another)."""
+    """Dtype of floating tensors in a model-only last-step save and in the `hf_export_interval`
+    copies, float32 included (TorchTitan casts only to another)."""
 
     async_mode: AsyncMode = "disabled"
     """How saves overlap training: `disabled`, `async` or `async_with_pinned_mem`, in any case (as
@@ -295,8 +295,13 @@ class Checkpoint:
         _check_combinations(ck, prefix)
         return ck
 
-    def folder_under(self, base_folder: str | os.PathLike[str], base_key: str = "base_folder",
-                     prefix: str = "checkpoint.") -> str:
+    def notes(self, prefix: str = "checkpoint.") -> list[tuple[int, str]]:
+        """The settings of this section that another makes void (a debug run's `--checkpoint.no_enable`
+        over a production TOML, say), each with its log level: said by the manager, on one rank,
+        rather than refused."""
+        return _notes(self, prefix)
+
+    def folder_under(self, base_folder: str | os.PathLike[str], base_key: str = "base_folder") -> str:
         """Where the step folders of this validated section are for a job whose outputs go under
         `base_folder` (a TorchTitan job's `job.dump_folder`, named `base_key` in errors): `folder`
         joined onto it (`storage.under`), or `folder` itself when it is a URL or absolute. The
@@ -306,7 +311,7 @@ class Checkpoint:
         base = _convert(base_key, base_folder, str)
         folder = under(base, self.folder)
         if folder != self.folder:  # the base folder is used
-            _check_folder(self, prefix, folder, base_key, base)
+            _check_folder(self, "checkpoint.", folder, base_key, base)
         return folder
 
 
@@ -420,17 +425,9 @@ def _path_limits(folder: str) -> tuple[int, int]:
 
 
 def _check_combinations(ck: Checkpoint, p: str) -> None:
-    asked = {"initial_load_path": ck.initial_load_path is not None, "load_only": ck.load_only,
-             "load_step": ck.load_step != -1}
-    if not ck.enable and (key := next((k for k, v in asked.items() if v), None)):  # a debug run's override, often
-        _once(logging.WARNING, "%s%s = %r does not apply: with %senable = false nothing is loaded, and the job "
-              "starts from its initial weights", p, key, getattr(ck, key), p)
     if ck.load_only and (key := next((k for k in ("last_save_in_hf", "hf_export_interval") if getattr(ck, k)), None)):
         raise ConfigError(p + key, getattr(ck, key), f"a Hugging Face export is a save, and {p}load_only = true "
                           "never saves: drop one of them")
-    if ck.load_only and ck.enable_first_step_checkpoint:
-        _once(logging.WARNING, "%senable_first_step_checkpoint = true does not apply: %sload_only = true never saves",
-              p, p)
     if ck.initial_load_in_hf and not ck.initial_load_model_only:
         raise ConfigError(p + "initial_load_in_hf", True,
                           f"an HF checkpoint holds only the model; set {p}initial_load_model_only = true")
@@ -444,21 +441,24 @@ def _check_combinations(ck: Checkpoint, p: str) -> None:
     if ck.verify_staging and ck.async_mode == "disabled":
         raise ConfigError(p + "verify_staging", True, f"checks the async modes' staging; set {p}async_mode "
                                                       '= "async" or "async_with_pinned_mem", or drop it')
-    if ck.export_dtype != "float32" and not ck.last_save_model_only:
-        _once(logging.INFO, "%sexport_dtype = %r does not apply: the last save is a full checkpoint "
-              "(%slast_save_model_only = false) and keeps the training dtype", p, ck.export_dtype, p)
 
 
-_TOLD: set[str] = set()
-"""What `_once` has logged: a section is checked when loaded and again by the manager it is given to
-(one built in Python is checked there only)."""
-
-
-def _once(level: int, message: str, *args: Any) -> None:
-    """Log `message % args` at `level`, once per process."""
-    if (text := message % args) not in _TOLD:
-        _TOLD.add(text)
-        logger.log(level, "%s", text)
+def _notes(ck: Checkpoint, p: str) -> list[tuple[int, str]]:
+    """`Checkpoint.notes`: settings of `ck` that a combination makes void, each with its log level."""
+    notes = []
+    asked = {"initial_load_path": ck.initial_load_path is not None, "load_only": ck.load_only,
+             "load_step": ck.load_step != -1}
+    if not ck.enable and (key := next((k for k, v in asked.items() if v), None)):  # a debug run's override, often
+        notes.append((logging.WARNING, f"{p}{key} = {getattr(ck, key)!r} does not apply: with {p}enable = false "
+                                       "nothing is loaded, and the job starts from its initial weights"))
+    if ck.load_only and ck.enable_first_step_checkpoint:
+        notes.append((logging.WARNING, f"{p}enable_first_step_checkpoint = true does not apply: {p}load_only = true "
+                                       "never saves"))
+    if ck.export_dtype != "float32" and not ck.last_save_model_only and not ck.hf_export_interval:
+        notes.append((logging.INFO, f"{p}export_dtype = {ck.export_dtype!r} does not apply: nothing is exported (the "
+                                    f"last save is a full checkpoint in the training dtype, {p}last_save_model_only = "
+                                    f"false, and {p}hf_export_interval = 0)"))
+    return notes
 
 
 def _check_exclusions(key: str, names: list[str]) -> None:

@@ -362,7 +362,7 @@ class TargetFinder:
                 store.fetch(path, share)
             except CorruptCheckpointError as e:  # objects that cannot be its files
                 return [str(e)]
-            return [store.in_user_terms(problem) for problem in commit.verify(path, share)]
+            return [store.in_user_terms(problem) for problem in commit.verify(path, share, self.config.load_threads)]
 
         try:  # a rank that cannot check its share (the store failing) fails every rank
             found = self._group.run(mine)

@@ -204,9 +204,13 @@ class CheckpointManager:
         try:
             self._states = self._build_states(parts, optimizers, lr_schedulers, dataloader, states or {}, rank,
                                               world_size)
+            lead = rank == 0 if self._group else not (dist.is_available() and dist.is_initialized()) \
+                or dist.get_rank() == 0
+            for level, note in config.notes() if lead else ():
+                logger.log(level, "%s", note)
             if self._group is not None:
                 self._start(rank)
-            elif not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+            elif lead:
                 logger.info("checkpointing is disabled (checkpoint.enable = false): save() and load() do nothing")
         except BaseException:  # no manager to close: the group made for it goes
             if self._group is not None:
@@ -325,7 +329,7 @@ class CheckpointManager:
         would be refused (a pipeline stage holding the head without the embedding, too). Asked
         where an HF export is configured, at construction and at load() (after the model is
         materialised), of every rank's parts."""
-        if not getattr(self._adapter, "tied", False):
+        if not self._adapter.tied:
             return None
         held = self._group.run(lambda: self._model.one_parameter(TIED_HEAD, EMBEDDING))  # every rank hears it
         if False not in held:

@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from . import faults, gc_pause
 from .errors import CheckpointError, ConfigError, StagingMismatchError, in_chain, no_thread
 from .io.dtypes import same_bytes
+from .io.tensors import local_values
 from .io.filewriter import CountWait, Sink, write_files
 from .io.writer_process import WriterProcess
 
@@ -197,7 +198,7 @@ optimizer's settings are thousands of them."""
 def _destination(t: torch.Tensor, into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(where `t`'s local tensor is copied: `into`, `t`'s shape, or fresh CPU memory of its
     strides; the staged value: that copy, as a DTensor of `t`'s placement if `t` is one)."""
-    local = _local(t)
+    local = local_values(t)
     copied = torch.empty_like(local, device="cpu") if into is None else into
     if isinstance(t, DTensor):
         # not `DTensor.from_local`: it moves a local tensor to the mesh's device type (a CUDA
@@ -208,7 +209,7 @@ def _destination(t: torch.Tensor, into: torch.Tensor | None = None) -> tuple[tor
 
 _STAGE_NOW_BYTES = 1 << 16
 """Below this, a tensor `Stager.stage_now` is asked for is cloned instead: a small clone costs
-less than finding its place (10,000 tensors of 256 bytes: about 50 ms more in `save()`)."""
+less than finding its place (docs/performance.md, "Peak host memory")."""
 
 _ALIGN = 64
 """Bytes each staged tensor's place in an arena is aligned to (any dtype's, and a cache line)."""
@@ -272,7 +273,7 @@ class Stager:
         else None. Call only while no staging runs (they share the places)."""
         t = t.detach()  # a Parameter's place is a plain tensor's (`freeze` clones it so), and no graph is kept
         place = self._places.get(path) if self.reuse else None
-        local = _local(t)
+        local = local_values(t)
         if place is None or local.nbytes < _STAGE_NOW_BYTES or local.device.type != "cpu" or place.kind != _kind(t):
             return None
         copied, staged = _destination(t, place.view.detach())  # an alias of its own: the save alone holds it
@@ -281,15 +282,15 @@ class Stager:
 
     def _layout(self, state: Any, path: tuple, pairs: list, owned: Deferred) -> Any:
         if isinstance(state, torch.Tensor):
-            if not self.reuse and owned(path) and _local(state).device.type == "cpu":
+            if not self.reuse and owned(path) and local_values(state).device.type == "cpu":
                 return state
             into = None
             if self.reuse:
                 into = self._places[path].view.detach()  # an alias of its own: the save alone holds it
-                if owned(path) and into.data_ptr() == _local(state).data_ptr():
+                if owned(path) and into.data_ptr() == local_values(state).data_ptr():
                     return state  # staged there already (`stage_now`)
             copied, staged = _destination(state, into)
-            pairs.append((_local(state).detach(), copied))
+            pairs.append((local_values(state).detach(), copied))
             return staged
         if isinstance(state, dict):
             return {k: self._layout(v, (*path, k), pairs, owned) for k, v in state.items()}
@@ -303,18 +304,18 @@ class Stager:
         offsets, size = {}, 0
         for path, t in tensors.items():
             offsets[path] = size
-            size += -(-_local(t).nbytes // _ALIGN) * _ALIGN
+            size += -(-local_values(t).nbytes // _ALIGN) * _ALIGN
         try:
             arena = torch.empty(size, dtype=torch.uint8).share_memory_()
         except RuntimeError as e:
             if "shm" not in str(e) and "shared memory" not in str(e):  # not shared memory's (no memory at all)
                 raise
             raise RuntimeError(_no_shared_memory(size, e)) from e
-        device = next((_local(t).device for t in tensors.values() if _local(t).is_cuda), None)
+        device = next((local_values(t).device for t in tensors.values() if local_values(t).is_cuda), None)
         if device is not None:
             self._pin(arena, device)
         for path, t in tensors.items():
-            kind, local = _kind(t), _local(t)
+            kind, local = _kind(t), local_values(t)
             view = arena[offsets[path]:offsets[path] + local.nbytes].view(local.dtype)
             self._places[path] = _Place(arena, view.as_strided(local.shape, kind[-1]), kind)
         live = self._arenas()
@@ -466,13 +467,9 @@ def _traversed_list(value: Any) -> bool:
 def _kind(t: torch.Tensor) -> tuple:
     """What a tensor's place must match to be reused: type, dtype, device type, local shape,
     and last the strides of its copy (its own when dense, as `empty_like` keeps them)."""
-    local = _local(t)
+    local = local_values(t)
     strides = local.stride() if local.is_contiguous() else torch.empty_like(local, device="meta").stride()
     return type(t), local.dtype, local.device.type, tuple(local.shape), tuple(strides)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _CopyStream:

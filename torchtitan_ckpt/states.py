@@ -39,6 +39,7 @@ except ImportError:
 
 from .errors import CheckpointError, CorruptCheckpointError
 from .io.dtypes import storable
+from .io.tensors import memory_of
 from .io.torch_archive import load_plain_pickle, refusal
 from .io.untrusted import brief
 
@@ -174,10 +175,10 @@ class ModelState(CheckedState):
         that recomputes a derived buffer) is given every value under it, so its hooks see the
         load."""
         for part in self.parts:
-            live = {_memory(t) for t in itertools.chain(part.parameters(), part.buffers())}
+            live = {memory_of(t) for t in itertools.chain(part.parameters(), part.buffers())}
             hooked = _hooked_prefixes(part)
             mine = {k: state_dict[canonical_name(k)] for k in part.state_dict() if canonical_name(k) in state_dict}
-            rest = {k: v for k, v in mine.items() if not (isinstance(v, torch.Tensor) and _memory(v) in live)
+            rest = {k: v for k, v in mine.items() if not (isinstance(v, torch.Tensor) and memory_of(v) in live)
                     or any(canonical_name(k).startswith(prefix) for prefix in hooked)}
             if rest:
                 part.load_state_dict(rest, strict=False)
@@ -219,12 +220,6 @@ def _pytorchs(fn: Any) -> bool:
     for attribute in ("hook", "func", "__func__"):  # a registered hook's wrapper, a partial, a bound method
         fn = getattr(fn, attribute, fn)
     return getattr(fn, "__module__", None) is not None and fn.__module__.split(".")[0] == "torch"
-
-
-def _memory(t: torch.Tensor) -> tuple:
-    """Where a tensor's values live: two tensors with equal `_memory` hold the same values."""
-    local = t.to_local() if isinstance(t, DTensor) else t
-    return local.device, local.dtype, local.data_ptr(), tuple(local.shape), local.stride()
 
 
 def _refuse_fsdp1(parts: list[nn.Module]) -> None:

@@ -51,6 +51,7 @@ from torch.futures import Future
 from ..io import filewriter, own_writes, reader, safe_open, torch_archive
 from ..io.untrusted import UnsafePickleError
 from ..io.checksum import crc32
+from ..io.tensors import local_values
 from .. import gc_pause
 from ..config import Checkpoint
 from ..policy.split import balanced_groups
@@ -171,7 +172,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         """The first `_CACHED_VALUES` values read that are `plain_scalar` (immutable: one object
         serves every entry), by their bytes (at most `_CACHED_VALUE_BYTES`): TorchTitan's layout
         keeps each optimizer setting once per parameter, the same bytes for every parameter of a
-        group, each read at about 20 us."""
+        group, each decoded at a cost (docs/performance.md, "Costs that grow with the job")."""
 
     def create_local_plan(self) -> LoadPlan:
         """DCP's local plan, each distinct chunk layout worked out once (`load_plan`) when the
@@ -518,21 +519,17 @@ def _early_pieces(state: dict[str, Any], world_size: int,
     """((DCP key, chunk offsets, chunk sizes), local tensor) of each piece `write_early` writes."""
     flat = flatten_state_dict(state)[0]
     if planned is None:
-        return [((key, *_local_chunk(value)), _local(value)) for key, value in flat.items()
-                if isinstance(value, torch.Tensor) and _local(value).numel() and _only_here(value, world_size)]
+        return [((key, *_local_chunk(value)), local_values(value)) for key, value in flat.items()
+                if isinstance(value, torch.Tensor) and local_values(value).numel() and _only_here(value, world_size)]
     pieces = []
     for item in planned:
         chunk, value = item.tensor_data.chunk, flat[item.index.fqn]
         offsets, sizes = _local_chunk(value)
-        local = _local(value)
+        local = local_values(value)
         if tuple(chunk.sizes) != sizes:  # a slice of the rows this rank holds (`policy.dedup`)
             local = local.narrow(0, chunk.offsets[0] - offsets[0], chunk.sizes[0])
         pieces.append(((item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes)), local))
     return pieces
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _local_chunk(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:

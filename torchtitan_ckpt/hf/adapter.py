@@ -29,6 +29,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ..errors import AdapterMismatchError, CheckpointError, CorruptCheckpointError
 from ..io import safe_open
 from ..io.dtypes import same_bytes
+from ..io.tensors import local_values
 from .files import CONFIG_FILE, INDEX_FILE, MAX_INDEX_BYTES, file_number
 from .model_config import MAX_CONFIG_BYTES, HFModelConfig, read_hf_config
 
@@ -258,14 +259,11 @@ def _check_tied(head: Any, embedding: Any) -> None:
     """Raise unless the model's head holds its embedding's values (on this rank's block): an HF
     config that ties them makes an export write the embedding alone, and a head trained apart
     from it (a model that does not tie them, started from a tied checkpoint) would be lost."""
-    def local(t: Any) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
-
     if embedding is None:
         problem = (f"this part of the model (a pipeline stage) holds {TIED_HEAD} without {EMBEDDING}, so the "
                    "two cannot be tied")
     elif (getattr(head, "placements", None) == getattr(embedding, "placements", None)
-          and _same_values(local(head), local(embedding))):
+          and _same_values(local_values(head), local_values(embedding))):
         return
     else:
         problem = f"{TIED_HEAD} is not {EMBEDDING}"
@@ -349,6 +347,9 @@ class ForeignAdapter:
 
     hf_names = None
     """Unknown: an export's file split follows the ranks' state dicts, in rank order."""
+    tied = False
+    """Unknown too: such an adapter's `to_hf` decides what a tied head becomes."""
+
     def to_hf(self, state_dict: dict[str, Any], complete: bool = True) -> dict[str, Any]:
         return self.adapter.to_hf(state_dict)
 

@@ -41,6 +41,7 @@ from ..dcp.metadata import METADATA_FILE, read_metadata
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..io import IO_THREADS, durable, safe_open
 from ..io.dtypes import EXPORT_DTYPES
+from ..io.tensors import local_values
 from .adapter import ROPE_LAYOUTS, StateDictAdapter
 from .files import CONFIG_FILE, MAX_RECORDED_LAYOUT_BYTES, RECORDED_CONFIG, RECORDED_LAYOUT
 from .load import check_hf_dir, load_hf
@@ -228,4 +229,4 @@ def _write_dcp(state: dict[str, Any], path: str, hf_config: dict[str, Any], rope
 
 def _local_bytes(state: dict[str, Any]) -> int:
     """Bytes of this rank's part of `state`."""
-    return sum((v.to_local() if isinstance(v, dtensor.DTensor) else v).nbytes for v in state.values())
+    return sum(local_values(v).nbytes for v in state.values())

@@ -18,7 +18,7 @@ Qwen2's q, k and v projections have biases, whose entries move with their rows.
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .adapter import StateDictAdapter
+from .adapter import EMBEDDING, TIED_HEAD, StateDictAdapter
 
 
 class LlamaAdapter(StateDictAdapter):
@@ -31,7 +31,7 @@ class LlamaAdapter(StateDictAdapter):
     def _build(self) -> None:
         c = self.config
         # in the model's order, which an export's file split follows
-        self.add("tok_embeddings.weight", "model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        self.add(EMBEDDING, "model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
         for i in range(c.num_hidden_layers):
             self._attention(f"layers.{i}.", f"model.layers.{i}.")
             self._mlp(i, f"layers.{i}.", f"model.layers.{i}.")
@@ -42,7 +42,7 @@ class LlamaAdapter(StateDictAdapter):
         if self.tied:
             self.tied_copies.add("lm_head.weight")
         else:
-            self.add("output.weight", "lm_head.weight", (c.vocab_size, c.hidden_size))
+            self.add(TIED_HEAD, "lm_head.weight", (c.vocab_size, c.hidden_size))
 
     def _attention(self, ours: str, hf: str) -> None:
         c, rope = self.config, self.rope_rows()

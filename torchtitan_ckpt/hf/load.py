@@ -30,6 +30,7 @@ from .model_config import read_hf_config
 from ..io import IO_THREADS, safe_open
 from ..io.dtypes import converts
 from ..io.posio import tensor_bytes
+from ..io.tensors import local_values, memory_of
 from .safetensors_io import TensorEntry, read_exact, read_header
 from .shards import plan_reads, read_all
 
@@ -146,7 +147,7 @@ def _checked(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter 
     with torch.no_grad():
         reads, seen = [], set()
         for name, source in sources.items():
-            where = _memory(state_dict[name])
+            where = memory_of(state_dict[name])
             if where not in seen:  # tied weights: one tensor's memory under two names
                 seen.add(where)
                 reads += plan_reads(name, state_dict[name], source, layout)
@@ -248,7 +249,7 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
                     continue
                 offsets, sizes = dtensor_chunk(tuple(dest.shape), dest.device_mesh, tuple(dest.placements)) \
                     if isinstance(dest, DTensor) else ((0,) * dest.dim(), tuple(dest.shape))
-                local = dest.to_local() if isinstance(dest, DTensor) else dest
+                local = local_values(dest)
                 local.copy_(ours[name][tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
         return nbytes
     return fill, nbytes
@@ -318,12 +319,6 @@ def _read_whole(layout: dict[str, TensorEntry]) -> dict[str, torch.Tensor]:
                 out[name] = torch.empty(entry.shape, dtype=entry.dtype)
                 read_exact(f.fileno(), [tensor_bytes(out[name])], entry.offset, path)
     return out
-
-
-def _memory(t: torch.Tensor) -> tuple:
-    """Where a tensor's (local) values live; tied weights share it while being two objects."""
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape)
 
 
 _CASTS = "(floating-point dtypes are cast; others only into a dtype that holds each of their values)"

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .tensors import local_values
+
 EXPORT_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 """`checkpoint.export_dtype` (and `convert --dtype`) -> the dtype floating tensors are cast to."""
 
@@ -130,6 +132,5 @@ def storable(dtype: torch.dtype) -> bool:
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one shape and dtype (DTensors: their local shards) hold the same
     bytes, a NaN equal to itself, wherever each lives."""
-    a, b = ((t.to_local() if isinstance(t, DTensor) else t).detach().cpu().reshape(-1).view(torch.uint8)
-            for t in (a, b))
+    a, b = (local_values(t).detach().cpu().reshape(-1).view(torch.uint8) for t in (a, b))
     return torch.equal(a, b)
