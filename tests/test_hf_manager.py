@@ -109,6 +109,58 @@ def test_an_assets_file_split_is_checked_when_the_manager_starts(tmp_path):
         manager(dict.fromkeys(names, "model.safetensors"))
 
 
+class _ExtraState(torch.nn.Module):
+    """A module keeping a value of its own beside its tensors (TransformerEngine's FP8 metadata)."""
+
+    def __init__(self):
+        super().__init__()
+        self.value = {"amax_history": [1.0, 2.0], "recipe": "delayed"}
+
+    def get_extra_state(self):
+        return self.value
+
+    def set_extra_state(self, state):
+        self.value = state
+
+
+@pytest.mark.parametrize("extra", ["lora", "extra_state"])
+def test_model_tensors_the_adapter_cannot_export_are_refused_when_the_manager_starts(tmp_path, extra):
+    """A LoRA adapter's weights, or a module's `_extra_state`, failed the export at the job's last
+    save (with a hint about the checkpoint the adapter was made for), leaving the run's end unsaved."""
+    from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_adapter
+
+    model = Transformer(FLAVORS["debugmodel"])
+    if extra == "lora":
+        model.layers["0"].attention.wq.register_parameter("lora_a", torch.nn.Parameter(torch.zeros(2, 2)))
+        name = "layers.0.attention.wq.lora_a"
+    else:
+        model.layers["0"].register_module("fp8", _ExtraState())
+        name = "layers.0.fp8._extra_state"
+    for key in ("last_save_in_hf", "hf_export_interval"):
+        with pytest.raises(ConfigError, match=re.escape(
+                f"checkpoint.{key} = {True if key == 'last_save_in_hf' else 5}: state dict -> HF: 1 unknown name(s) "
+                f"['{name}'] and 0 missing name(s) []; is the adapter's model config the model's? A tensor it "
+                "maps to none")):
+            CheckpointManager(Checkpoint(enable=True, **{key: True if key == "last_save_in_hf" else 5}), [model],
+                              base_folder=str(tmp_path), state_dict_adapter=hf_adapter(model.args))
+    assert not os.path.exists(_folder(tmp_path)) or not layout.scan(_folder(tmp_path))
+
+
+def test_a_modules_extra_state_goes_into_the_last_model_only_save_as_it_is(tmp_path):
+    """The export's cast took every value for a tensor: the run's last save failed
+    ("'dict' object has no attribute 'dtype'") after all its training."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), _ExtraState())
+    config = Checkpoint(enable=True, interval=10, export_dtype="bfloat16")
+    with CheckpointManager(config, [model], base_folder=str(tmp_path)) as manager:
+        assert manager.save(1, last_step=True)
+    loaded = torch.nn.Sequential(torch.nn.Linear(2, 2), _ExtraState())
+    loaded[1].value = {"amax_history": [0.0, 0.0], "recipe": "none"}  # a fresh module's
+    with CheckpointManager(Checkpoint(enable=True, load_only=True), [loaded], base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert loaded[1].value == {"amax_history": [1.0, 2.0], "recipe": "delayed"}
+    assert torch.equal(loaded[0].weight, model[0].weight.to(torch.bfloat16).float())
+
+
 @pytest.mark.multirank
 def test_two_rank_job_exports_hf_that_transformers_loads(tmp_path):
     run_job(str(tmp_path), "--checkpoint.last_save_in_hf", "true", "--training.steps", "6",
@@ -199,8 +251,15 @@ def test_a_transformers_model_comes_in_and_goes_out_through_an_adapter_that_rena
     with torch.no_grad():
         assert torch.equal(back(tokens).logits, model(tokens).logits)
 
-    # the package's own adapter maps TorchTitan's names: for this model, it says to rename nothing
+    # the package's own adapter maps TorchTitan's names: for this model, it says to rename nothing,
+    # when the manager is built (an export is configured)
     from torchtitan_ckpt.hf import AdapterMismatchError, adapter_for_hf_dir
+    with pytest.raises(ConfigError, match=r"checkpoint.last_save_in_hf = True: state dict -> HF: .* the model's "
+                                          r"names are already the Hugging Face folder's, which this adapter maps from "
+                                          r"TorchTitan's: .*'SameNames'"):
+        CheckpointManager(config, model, state_dict_adapter=adapter_for_hf_dir(str(tmp_path / "hf")),
+                          base_folder=str(tmp_path / "run2"))
+    config.last_save_in_hf = False  # at load(), where none is
     with pytest.raises(AdapterMismatchError, match=r"the model's names are already the Hugging Face folder's, "
                                                    r"which this adapter maps from TorchTitan's: .*'SameNames'"):
         with CheckpointManager(config, model, state_dict_adapter=adapter_for_hf_dir(str(tmp_path / "hf")),

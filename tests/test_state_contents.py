@@ -8,17 +8,77 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from torchtitan_ckpt import CheckpointManager
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.errors import CheckpointError, CheckpointSaveError
 
-from .helpers import Holder
+from .helpers import Holder, spawn
 
 
 class _Tagged(torch.Tensor):  # as torchao's quantized weights are: a subclass of torch.Tensor
     pass
+
+
+_KEPT = {torch.ops.aten.empty_like.default, torch.ops.aten.new_zeros.default, torch.ops.aten.slice.Tensor,
+         torch.ops.aten.copy_.default, torch.ops.aten.view.default, torch.ops.aten.as_strided.default,
+         torch.ops.aten._to_copy.default, torch.ops.aten.split.Tensor, torch.ops.aten.clone.default,
+         torch.ops.aten.detach.default}
+"""The ops whose results stay wrapped, as torchao's weights keep them for FSDP2 to shard them."""
+
+
+class _CastOnUse(torch.Tensor):
+    """A weight whose values stay in one high-precision tensor, cast only when used, as torchao's
+    float8 training weights are (`WeightWithDynamicFloat8CastTensor`): a wrapper subclass, whose
+    own storage holds none of its values."""
+
+    @staticmethod
+    def __new__(cls, values: torch.Tensor, *more: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, values.shape, strides=values.stride(), dtype=values.dtype,
+                                                   device=values.device, requires_grad=values.requires_grad)
+
+    def __init__(self, values: torch.Tensor, *more: torch.Tensor):
+        self._values = values
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def inner(tree):
+            return pytree.tree_map_only(_CastOnUse, lambda t: t._values, tree)
+        out = func(*inner(args), **inner(kwargs or {}))
+        return pytree.tree_map_only(torch.Tensor, cls, out) if func in _KEPT else out
+
+    def __tensor_flatten__(self):
+        return ["_values"], None
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, ctx, outer_size, outer_stride):
+        return cls(*inner.values())
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+class _Scaled(_CastOnUse):
+    """Values and a scale: no one tensor holds its values."""
+
+    def __init__(self, values: torch.Tensor, *more: torch.Tensor):
+        super().__init__(values)
+        self._scale = more[0] if more else torch.ones(())
+
+    def __tensor_flatten__(self):
+        return ["_values", "_scale"], None
+
+
+def _wrapped(seed: int, kind: type = _CastOnUse) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 4))
+    for linear in model:
+        linear.weight = nn.Parameter(kind(linear.weight.detach().clone()))
+    return model
 
 
 def _save(tmp_path, model, **kwargs):
@@ -35,6 +95,70 @@ def test_a_tensor_subclass_is_refused_at_save_not_saved_as_a_step_no_load_takes(
                                                   r"plain tensors"):
         _save(tmp_path, model)
     assert not list((tmp_path / "checkpoint").glob("step-*"))
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _plain(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v._values if isinstance(v, _CastOnUse) else v for k, v in values.items()}
+
+
+def _round_trip_of_wrapped_weights(rank: int, world_size: int, folder: str, mode: str) -> None:
+    """Save a (sharded, with 2 ranks) model of `_CastOnUse` weights after an optimizer step, load
+    it into another; both equal what was saved and what PyTorch's own reader reads."""
+    def built(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = _wrapped(seed)
+        if world_size > 1:
+            fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    model, optimizer = built(0)
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    saved = _plain(_full(model))
+    config = Checkpoint(enable=True, folder=folder, interval=1, async_mode=mode)
+    with CheckpointManager(config, [model], optimizer) as manager:
+        manager.save(1)
+        model(torch.ones(2, 8)).sum().backward()
+        optimizer.step()  # after save() returns: what the step holds is the state at save()
+    other, other_optimizer = built(1)
+    with CheckpointManager(config, [other], other_optimizer) as manager:
+        assert manager.load()
+    assert isinstance(other[0].weight.to_local() if world_size > 1 else other[0].weight, _CastOnUse)
+    for key, value in _plain(_full(other)).items():
+        assert torch.equal(value, saved[key]), key
+    if rank == 0:
+        theirs = {k: torch.empty_like(v) for k, v in saved.items()}
+        dcp.load(theirs, storage_reader=dcp.FileSystemReader(os.path.join(folder, "step-1")), no_dist=True)
+        for key, value in theirs.items():
+            assert torch.equal(value, saved[key]), key
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
+def test_weights_wrapped_to_be_cast_on_use_are_saved_and_loaded_as_their_values(tmp_path, mode):
+    """torchao's float8 training weights: refused as subclasses without FSDP; under FSDP2 (a
+    DTensor of such a local tensor) saved as the bytes of the wrapper's empty storage, and
+    loaded back as those (values of 1e34), without a word."""
+    spawn(2, _round_trip_of_wrapped_weights, str(tmp_path / "sharded"), mode)
+    _round_trip_of_wrapped_weights(0, 1, str(tmp_path / "whole"), mode)
+
+
+def _refuse_scaled_shard(rank: int, world_size: int, folder: str) -> None:
+    model = _wrapped(0, _Scaled)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    with CheckpointManager(Checkpoint(enable=True, folder=folder, interval=1), [model]) as manager:
+        with pytest.raises(CheckpointSaveError, match=r"\['0.weight \(_Scaled\)', '1.weight \(_Scaled\)'\] are "
+                                                      r"tensor subclasses"):
+            manager.save(1)
+    assert not os.path.exists(os.path.join(folder, "step-1"))
+
+
+def test_a_shard_of_a_subclass_no_one_tensor_holds_is_refused_at_save(tmp_path):
+    """A DTensor's local tensor was never checked: its storage was written, not its values."""
+    spawn(2, _refuse_scaled_shard, str(tmp_path))
 
 
 @pytest.mark.parametrize("value, said", [

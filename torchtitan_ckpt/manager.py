@@ -269,6 +269,7 @@ class CheckpointManager:
         if export := next((k for k in ("last_save_in_hf", "hf_export_interval") if getattr(config, k)), None):
             try:  # what rank 0 writes beside the files, known now, not at the export after the training
                 self._group.run(self._check_export, coordinator_only=True)
+                self._group.run(self._check_exported_names)
             except RankFailed as failed:
                 raise ConfigError(f"checkpoint.{export}", getattr(config, export), str(failed.error or failed)) from None
             if problem := self._untied():
@@ -322,6 +323,14 @@ class CheckpointManager:
             raise CheckpointError(f"the copies go into {safe_open.denied(copies, 'not writable')}; ask its owner "
                                   "to make it writable to you, or save into another checkpoint.folder")
 
+    def _check_exported_names(self) -> None:
+        """Where the adapter knows the tensors it exports (one of ours): that it maps each of this
+        rank's model tensors (a LoRA adapter's, a parametrization's `original0`, a module's
+        `_extra_state` are none of them), known now rather than at the export after the training,
+        which the job's last save would have been."""
+        if self._adapter.hf_names is not None:
+            self._adapter.check_model_names(self._model.state_dict(), complete=False)
+
     def _untied(self) -> str | None:
         """Why the model cannot be exported under the adapter's config, which ties the head to
         the embedding, or None: a model whose head is a parameter of its own (built untied, or
@@ -364,6 +373,10 @@ class CheckpointManager:
                                  f"reserved: {', '.join(BUILTIN_STATES)}")
             if not isinstance(state, Stateful):
                 raise TypeError(f"states[{name!r}] has no state_dict()/load_state_dict()")
+            if isinstance(state, torch.optim.Optimizer):  # its state_dict() asks a fresh one's load for nothing
+                raise TypeError(f"states[{name!r}] is an optimizer: one with no state yet (a resumed job's) "
+                                "would load none of its saved state; pass it in optimizers=, with the module "
+                                "of its parameters in model_parts")
             found[name] = state
         unknown = [n for n in self.config.exclude_from_loading if n not in found]
         if unknown:

@@ -39,7 +39,7 @@ except ImportError:
 
 from .errors import CheckpointError, CorruptCheckpointError
 from .io.dtypes import storable
-from .io.tensors import memory_of
+from .io.tensors import memory_of, unwrapped_values
 from .io.torch_archive import load_plain_pickle, refusal
 from .io.untrusted import brief
 
@@ -110,7 +110,9 @@ class ModelState(CheckedState):
                                      "names: layers.0, layers.1, ...)")
 
     def state_dict(self) -> dict[str, Any]:
-        return {canonical_name(k): v for part in self.parts for k, v in part.state_dict().items()}
+        """Wrapper subclasses that keep their values in one plain tensor as that tensor (`held`)."""
+        return {canonical_name(k): unwrapped_values(v) if isinstance(v, torch.Tensor) else v
+                for part in self.parts for k, v in part.state_dict().items()}
 
     @staticmethod
     def check_materialised(state: dict[str, Any], call: str, whose: str = "the model's") -> None:
@@ -128,9 +130,10 @@ class ModelState(CheckedState):
             raise CheckpointError(f"{call}: {len(empty)} of {whose} tensors have no memory yet, e.g. {empty[:3]} "
                                   "(on the meta device, or a lazy module's before its first forward pass): "
                                   "materialise them first (model.to_empty(device=...), then its init)")
-        subclassed = [f"{k} ({type(v).__name__})" for k, v in state.items() if isinstance(v, torch.Tensor)
-                      and not isinstance(v, DTensor) and type(v) not in (torch.Tensor, nn.Parameter)]
-        if subclassed:
+        subclassed = [f"{k} ({type(local).__name__})" for k, v in state.items() if isinstance(v, torch.Tensor)
+                      and type(local := v.to_local() if isinstance(v, DTensor) else v)
+                      not in (torch.Tensor, nn.Parameter)]
+        if subclassed:  # the writers would read the subclass's storage, which holds none of its values
             raise CheckpointError(f"{call}: {subclassed[:3]} are tensor subclasses (a quantized weight's, say), "
                                   "which DCP saves as pickles no load may read, as reading them would run their "
                                   "code: save their plain tensors (dequantized, or the subclass's inner tensors)")
@@ -279,6 +282,7 @@ class OptimizerState(CheckedState):
             for group in saved["param_groups"]:
                 settings = {k: v for k, v in group.items() if k not in _NOT_SETTINGS}
                 groups.update({names[index]: dict(settings) for index in group["params"]})
+        _refuse_subclassed(state)
         return {"state": state, "param_groups": groups}
 
     def state_dict_to_load(self, saved_keys: Collection[str], saved_tensors: Mapping[str, tuple[int, ...]]
@@ -390,6 +394,20 @@ class _Indices(list):
 
 
 _NOT_SETTINGS = ("params", "param_names")
+
+
+def _refuse_subclassed(state: dict[str, Any]) -> None:
+    """A `CheckpointError` naming the tensors of optimizer `state` (parameter name -> its state)
+    that are subclasses: the writers would write their storage, not their values (torchao's
+    low-bit moments: garbage, a failure deep in torch, or a step no load reads back), and
+    DCP's own writer pickles them, which no load of this package runs."""
+    subclassed = [f"optimizer.state.{name}.{key} ({type(local).__name__})" for name, values in state.items()
+                  if isinstance(values, dict) for key, v in values.items() if isinstance(v, torch.Tensor)
+                  and type(local := v.to_local() if isinstance(v, DTensor) else v) not in (torch.Tensor, nn.Parameter)]
+    if subclassed:
+        raise CheckpointError(f"{subclassed[:3]} are tensor subclasses (a low-bit optimizer's quantized moments, "
+                              "say), which no step of this package holds, as reading them would run their code: use "
+                              "an optimizer whose state is plain tensors (torch.optim's)")
 
 
 def _made_state(opt: torch.optim.Optimizer, names: list[str], wanted: Collection[str],
@@ -659,8 +677,9 @@ class LRSchedulerState(CheckedState):
                                "save takes effect only with 'lr_scheduler' in checkpoint.exclude_from_loading (its "
                                "schedule then starts afresh)", i, rates, built)
             scheduler.load_state_dict(copy.deepcopy({**own, **shared}))
-            if "_step_count" not in state_dict and hasattr(scheduler, "last_epoch"):
-                scheduler._step_count = scheduler.last_epoch + 1  # what step() would have counted
+            if "_step_count" not in state_dict and "_step_count" in own and hasattr(scheduler, "last_epoch"):
+                scheduler._step_count = scheduler.last_epoch + 1  # what step() would have counted (ReduceLROnPlateau
+                # counts none)
             if self.sets_rates:  # the first scheduler's last rates are its own where base rates are too
                 alike = state_dict.get("base_lrs") == scheduler.state_dict().get("base_lrs")
                 _set_rates(i, scheduler, shared.get("_last_lr", state_dict.get("_last_lr") if alike else None))

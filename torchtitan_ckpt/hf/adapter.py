@@ -41,11 +41,11 @@ on the Hub, Qwen3-*-FP8), left out of an export of plain floating-point tensors:
 would build quantized layers, cast the tensors to them and make up the scales the export lacks."""
 
 
-def check_names(where: str, found: Any, expected: Any) -> None:
+def check_names(where: str, found: Any, expected: Any, **hint: str) -> None:
     """Raise `AdapterMismatchError` unless the two name collections are the same set."""
     found, expected = set(found), set(expected)
     if found != expected:
-        raise AdapterMismatchError(where, list(found - expected), list(expected - found))
+        raise AdapterMismatchError(where, list(found - expected), list(expected - found), **hint)
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ class StateDictAdapter:
         """Every HF tensor name, in the model's order (the order an export's file split follows)."""
         return tuple(n for source in self.sources.values() for n in source.hf_names)
 
-    def _check_model_names(self, names: Iterable[str], complete: bool = True) -> None:
+    def check_model_names(self, names: Iterable[str], complete: bool = True) -> None:
         """Raise `AdapterMismatchError` unless `names` are the model's (the tied head may be
         there or not); with `complete=False`, unless they are some of them (a pipeline stage's)."""
         ours = set(names) - {TIED_HEAD} if self.tied else set(names)
@@ -199,14 +199,17 @@ class StateDictAdapter:
                 "state dict -> HF", sorted(ours), sorted(self.sources),
                 "the model's names are already the Hugging Face folder's, which this adapter maps from TorchTitan's: "
                 "give the manager an adapter that renames nothing (docs/hf.md, 'SameNames')")
-        check_names("state dict -> HF", ours, self.sources if complete else ours & set(self.sources))
+        check_names("state dict -> HF", ours, self.sources if complete else ours & set(self.sources),
+                    hint="is the adapter's model config the model's? A tensor it maps to none of Hugging Face's (a "
+                         "LoRA adapter's, a parametrization's original0, a module's _extra_state) has no place "
+                         "in its files: merge or drop it before the export, or give an adapter that maps it")
 
     def to_hf(self, state_dict: dict[str, Any], complete: bool = True) -> dict[str, Any]:
         """Our names -> HF names. Values may be tensors or DTensors; one expert of a grouped
         tensor is a `RowOf` it, a q/k projection whose shards cut a head `PermutedRows`.
         `complete=False` takes part of the model (a pipeline stage's: the caller checks that
         the ranks' parts make the whole, against `hf_names`)."""
-        self._check_model_names(state_dict, complete)
+        self.check_model_names(state_dict, complete)
         out: dict[str, Any] = {}
         for name, value in state_dict.items():
             if self.tied and name == TIED_HEAD:
@@ -224,7 +227,7 @@ class StateDictAdapter:
     def hf_sources(self, names: Iterable[str]) -> dict[str, HFSource]:
         """Our names -> where each comes from in an HF checkpoint; the inverse of `to_hf`."""
         given = set(names)
-        self._check_model_names(given)
+        self.check_model_names(given)
         out = {name: self.sources[name] for name in (given - {TIED_HEAD} if self.tied else given)}
         if self.tied and TIED_HEAD in given:
             out[TIED_HEAD] = self.sources[EMBEDDING]

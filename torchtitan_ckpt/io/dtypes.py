@@ -24,13 +24,15 @@ CAST_ON_EXPORT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 (transformers loads models in them)."""
 
 
-def exported(tensor: torch.Tensor, dtype: torch.dtype | None, widen: bool = False) -> torch.Tensor:
+def exported(tensor: Any, dtype: torch.dtype | None, widen: bool = False) -> Any:
     """`tensor` as an export in `dtype` holds it: cast where of a dtype of `CAST_ON_EXPORT`; with
     `widen` (a Hugging Face export, which transformers loads in one dtype), also where of a
     narrower floating dtype every value of which `dtype` holds (FP8 weights into bfloat16). Else
     as it is: a model-only step keeps float8, float4 and scale (e8m0) tensors, which a cast would
-    make larger, lose (float16 holds no e8m0 scale above 2^15) or fail on (float4)."""
-    if dtype is None or not tensor.dtype.is_floating_point or tensor.dtype == dtype:
+    make larger, lose (float16 holds no e8m0 scale above 2^15) or fail on (float4), and a value
+    that is no tensor (a module's `_extra_state`)."""
+    if not isinstance(tensor, torch.Tensor) or dtype is None or not tensor.dtype.is_floating_point \
+            or tensor.dtype == dtype:
         return tensor
     cast = tensor.dtype in CAST_ON_EXPORT or widen and _holds(dtype, tensor.dtype)
     return tensor.to(dtype) if cast else tensor
