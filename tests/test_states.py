@@ -1082,3 +1082,64 @@ def test_a_plateau_scheduler_resumes_with_the_state_it_saved(tmp_path):
                            base_folder=str(tmp_path)) as manager:
         assert manager.load()
     assert plateau.state_dict() == saved and opt.param_groups[0]["lr"] == 0.25
+
+
+def _tied(tie: bool, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.ModuleDict({"embedding": nn.Embedding(4, 3), "head": nn.Linear(3, 4, bias=False)})
+    if tie:
+        model["head"].weight = model["embedding"].weight
+    return model
+
+
+@pytest.mark.parametrize("model_only", [False, True])
+def test_a_step_saved_untied_is_refused_by_a_model_that_ties_the_two(tmp_path, model_only):
+    """Both names were read into the one tensor: the head's values replaced the embedding's,
+    and the load said nothing. A step saved tied loads into either model."""
+    config = Checkpoint(enable=True, interval=1, last_save_model_only=model_only)
+    for tie in (False, True):
+        with CheckpointManager(config, [_tied(tie, 0)], base_folder=str(tmp_path / f"tied-{tie}")) as manager:
+            manager.save(1, last_step=True)
+    tied = _tied(True, 1)
+    with CheckpointManager(config, [tied], base_folder=str(tmp_path / "tied-False")) as manager:
+        with pytest.raises(CheckpointError, match=r"the model ties head.weight to embedding.weight \(one tensor\), "
+                                                  r"and the step holds different values for them"):
+            manager.load()
+    for tie in (True, False):
+        model = _tied(tie, 1)
+        with CheckpointManager(config, [model], base_folder=str(tmp_path / "tied-True")) as manager:
+            assert manager.load()
+        assert torch.equal(model["embedding"].weight, _tied(True, 0)["embedding"].weight)
+        assert torch.equal(model["head"].weight, model["embedding"].weight)
+        assert (model["head"].weight is model["embedding"].weight) is tie
+
+
+def test_a_sparse_adam_resumes_into_an_optimizer_with_no_state(tmp_path):
+    """Its state was made for the load by a step on dense zero gradients, which SparseAdam
+    refuses: a resumed job (whose optimizer has no state yet) could never load its moments."""
+    def job(seed):
+        torch.manual_seed(seed)
+        embedding = nn.Embedding(20, 8, sparse=True)
+        return embedding, torch.optim.SparseAdam(embedding.parameters(), lr=0.1)
+
+    def train(embedding, opt, steps):
+        for step in steps:
+            embedding(torch.tensor([[step, step + 3]])).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    embedding, opt = job(0)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [embedding], optimizers=opt,
+                           base_folder=str(tmp_path)) as manager:
+        train(embedding, opt, (1, 2))
+        manager.save(2)
+    saved = {k: torch.as_tensor(v).clone() for k, v in opt.state[embedding.weight].items()}  # step: an int
+    train(embedding, opt, (3, 4))
+    resumed, resumed_opt = job(1)
+    with CheckpointManager(Checkpoint(enable=True), [resumed], optimizers=resumed_opt,
+                           base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert all(torch.equal(torch.as_tensor(resumed_opt.state[resumed.weight][k]), v) for k, v in saved.items())
+    assert resumed.weight.grad is None
+    train(resumed, resumed_opt, (3, 4))
+    assert torch.equal(resumed.weight, embedding.weight)

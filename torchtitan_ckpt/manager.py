@@ -994,6 +994,7 @@ class CheckpointManager:
         `PartialLoadError`: the model's tensors are loaded by now."""
         name = "model"
         try:
+            self._model.join_ties(state)
             self._model.load_state_dict({k: v for k, v in state.items() if k not in self._states})
             for name in sorted(self._states, key=lambda n: not isinstance(self._states[n], DataLoaderState)):
                 if name in state:

@@ -39,7 +39,7 @@ except ImportError:
 
 from .errors import CheckpointError, CorruptCheckpointError
 from .io.dtypes import storable
-from .io.tensors import memory_of, unwrapped_values
+from .io.tensors import local_values, memory_of, unwrapped_values
 from .io.torch_archive import load_plain_pickle, refusal
 from .io.untrusted import brief
 
@@ -157,6 +157,35 @@ class ModelState(CheckedState):
             raise CheckpointError(f"{call}: {shared[:3]} repeat one element along a dimension (an expand() "
                                   "view, stride 0): no load can fill such a tensor in place; register it with "
                                   "persistent=False if it is derived, or store it as .contiguous()")
+
+    def split_ties(self, state: dict[str, Any], saved: Collection[str]) -> None:
+        """In `state` (this model's `state_dict()`, for a load of a step holding the tensors
+        `saved`): where one tensor is the model's under several names (tied weights) and the
+        step holds each name, the first is read in place and the others into scratch tensors of
+        its layout, for `join_ties`. Read into the one tensor, a step that holds them apart (saved
+        by a model that did not tie them) left the last name's values in place of the first's."""
+        first: dict[tuple, str] = {}
+        for name, value in list(state.items()):
+            if isinstance(value, torch.Tensor) and name in saved:
+                if (tied := first.setdefault(memory_of(value), name)) != name and tied in saved:
+                    state[name] = torch.empty_like(value)
+
+    def join_ties(self, state: dict[str, Any]) -> None:
+        """Once `split_ties`'s scratch tensors are read: a `CheckpointError` naming both names
+        unless each holds its first name's values (on this rank), else each name is the model's
+        tensor again."""
+        live = self.state_dict()
+        first = {}
+        for name, value in live.items():
+            if isinstance(value, torch.Tensor) and name in state:
+                tied = first.setdefault(memory_of(value), name)
+                if tied != name and memory_of(state[name]) != memory_of(value):
+                    if not torch.equal(local_values(state[name]), local_values(state[tied])):
+                        raise CheckpointError(
+                            f"the model ties {name} to {tied} (one tensor), and the step holds different values "
+                            f"for them (saved by a model that did not tie them): load it into a model built "
+                            "without the tie")
+                    state[name] = value
 
     def one_parameter(self, name: str, other: str) -> bool | None:
         """Whether the parameter `name` of this rank's parts is the parameter `other` too (tied);
@@ -445,12 +474,36 @@ def _make_state(opt: torch.optim.Optimizer) -> None:
     with what to do."""
     try:
         with _hooks_aside(opt):
-            _init_optim_state(opt)
+            if isinstance(opt, torch.optim.SparseAdam):  # its step takes sparse gradients only
+                _sparse_first_state(opt)
+            else:
+                _init_optim_state(opt)
     except Exception as e:
         raise CheckpointError(
             f"{type(opt).__name__} has no state yet, and a step at learning rate 0 on zero gradients, which "
             f"makes it, failed ({type(e).__name__}: {e}): its state is loaded once it has taken a step of its "
             "own; to load the rest without it, add 'optimizer' to checkpoint.exclude_from_loading") from e
+
+
+def _sparse_first_state(opt: torch.optim.Optimizer) -> None:
+    """`_init_optim_state` for an optimizer of sparse gradients: a step at learning rate 0 on
+    gradients of no elements, made for the parameters that have none and let go after it."""
+    if opt.state:
+        return
+    rates = [group["lr"] for group in opt.param_groups]
+    given = [p for group in opt.param_groups for p in group["params"] if p.grad is None]
+    for p in given:
+        p.grad = torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.long, device=p.device),
+                                         p.new_empty((0, *p.shape[1:])), p.shape, check_invariants=True)
+    try:
+        for group in opt.param_groups:
+            group["lr"] = 0.0
+        opt.step()
+    finally:
+        for group, rate in zip(opt.param_groups, rates):
+            group["lr"] = rate
+        for p in given:
+            p.grad = None
 
 
 @contextlib.contextmanager
