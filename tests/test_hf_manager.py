@@ -146,6 +146,22 @@ def test_model_tensors_the_adapter_cannot_export_are_refused_when_the_manager_st
     assert not os.path.exists(_folder(tmp_path)) or not layout.scan(_folder(tmp_path))
 
 
+def test_a_modules_extra_state_of_tensors_resumes_without_a_word_of_unloaded_tensors(tmp_path, caplog):
+    """Its tensors are entries of the step: told as model tensors the model does not have."""
+    def model(scale: float) -> torch.nn.Module:
+        built = torch.nn.Sequential(torch.nn.Linear(2, 2), _ExtraState())
+        built[1].value = {"scale": torch.full((2,), scale), "recipe": "delayed"}
+        return built
+
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model(2.0)], base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    loaded = model(0.0)
+    with CheckpointManager(Checkpoint(enable=True), [loaded], base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert torch.equal(loaded[1].value["scale"], torch.full((2,), 2.0))
+    assert "does not have" not in caplog.text
+
+
 def test_a_modules_extra_state_goes_into_the_last_model_only_save_as_it_is(tmp_path):
     """The export's cast took every value for a tensor: the run's last save failed
     ("'dict' object has no attribute 'dtype'") after all its training."""

@@ -104,8 +104,10 @@ class LoadRequest:
         own = [n for n in self._states if n not in BUILTIN_STATES and n in state]  # the job's own, loaded
         entries = sorted(k for k in keys if k.partition(".")[0] in own)
         asked = flatten_state_dict({n: state[n] for n in own})[0]
+        nested = {k: v for k, v in state.items() if k not in self._states and isinstance(v, (dict, list))}
+        model = set(state).union(flatten_state_dict(nested)[0])  # a module's `_extra_state` of tensors: by entry
         held_model, held_params, held_entries = map(_joined, zip(*self._group.all_gather((
-            _bitmap(names, state.__contains__), _bitmap(params, mine.__contains__),
+            _bitmap(names, model.__contains__), _bitmap(params, mine.__contains__),
             _bitmap(entries, asked.__contains__)))))
         if not self._group.is_coordinator:
             return

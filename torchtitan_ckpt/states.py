@@ -131,7 +131,7 @@ class ModelState(CheckedState):
                                   "(on the meta device, or a lazy module's before its first forward pass): "
                                   "materialise them first (model.to_empty(device=...), then its init)")
         subclassed = [f"{k} ({type(local).__name__})" for k, v in state.items() if isinstance(v, torch.Tensor)
-                      and type(local := v.to_local() if isinstance(v, DTensor) else v)
+                      and type(local := v._local_tensor if isinstance(v, DTensor) else v)
                       not in (torch.Tensor, nn.Parameter)]
         if subclassed:  # the writers would read the subclass's storage, which holds none of its values
             raise CheckpointError(f"{call}: {subclassed[:3]} are tensor subclasses (a quantized weight's, say), "
@@ -432,7 +432,7 @@ def _refuse_subclassed(state: dict[str, Any]) -> None:
     DCP's own writer pickles them, which no load of this package runs."""
     subclassed = [f"optimizer.state.{name}.{key} ({type(local).__name__})" for name, values in state.items()
                   if isinstance(values, dict) for key, v in values.items() if isinstance(v, torch.Tensor)
-                  and type(local := v.to_local() if isinstance(v, DTensor) else v) not in (torch.Tensor, nn.Parameter)]
+                  and type(local := v._local_tensor if isinstance(v, DTensor) else v) not in (torch.Tensor, nn.Parameter)]
     if subclassed:
         raise CheckpointError(f"{subclassed[:3]} are tensor subclasses (a low-bit optimizer's quantized moments, "
                               "say), which no step of this package holds, as reading them would run their code: use "

@@ -28,7 +28,7 @@ def unwrapped_values(t: torch.Tensor) -> torch.Tensor:
     """`t`, or a tensor of the same memory without the wrapper subclass `held` sees through (a
     DTensor of such a local tensor: a DTensor of its inner one, of the same placements)."""
     if isinstance(t, DTensor):
-        local = t.to_local()
+        local = t._local_tensor  # not `to_local()`, which makes a view: asked of every tensor at every save
         inner = held(local)
         return t if inner is local else DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False,
                                                            shape=t.shape, stride=t.stride())
@@ -44,5 +44,5 @@ def local_values(t: torch.Tensor) -> torch.Tensor:
 def memory_of(t: torch.Tensor) -> tuple:
     """Where `t`'s (local) values live: two tensors with equal `memory_of` hold the same values, as
     tied weights do while being two objects."""
-    values = local_values(t)
+    values = held(t._local_tensor if isinstance(t, DTensor) else t)  # no view made: asked of every tensor at loads
     return values.device, values.dtype, values.data_ptr(), tuple(values.shape), values.stride()
