@@ -970,7 +970,7 @@ def test_verify_needs_a_thread(ckpt, capsys):
 def test_a_short_zip64_extra_field_is_not_a_struct_error():
     from torchtitan_ckpt.io import torch_archive
 
-    with pytest.raises(torch_archive.Unrecognised, match="zip64"):
+    with pytest.raises(torch_archive.UnrecognisedArchive, match="zip64"):
         torch_archive._zip64_fields(struct.pack("<HH", 1, 24) + b"\0" * 8, 0xFFFFFFFF, 0xFFFFFFFF, 0)
 
 
@@ -1271,7 +1271,7 @@ def test_a_storage_reference_of_a_crafted_value_stays_short():
 
     from torchtitan_ckpt.io import torch_archive
 
-    with pytest.raises(torch_archive.Unrecognised, match=r"storage reference \[\[\[") as refused, within(30):
+    with pytest.raises(torch_archive.UnrecognisedArchive, match=r"storage reference \[\[\[") as refused, within(30):
         torch_archive.HeaderUnpickler(io.BytesIO(b"")).persistent_load(_shared_lists(40))
     assert len(str(refused.value)) < 1000
 
@@ -1485,7 +1485,7 @@ def test_an_archive_with_two_records_of_one_name_is_refused():
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
         z.writestr("archive/data.pkl", pickle.dumps(1))
         z.writestr("archive/DATA.pkl", pickle.dumps(2))
-    with pytest.raises(torch_archive.Malformed, match="two records named"):
+    with pytest.raises(torch_archive.MalformedArchive, match="two records named"):
         torch_archive.torch_load(buf.getvalue())
 
 
@@ -1585,7 +1585,7 @@ def test_a_storage_record_key_that_is_no_number_is_not_read_as_one():
     assert isinstance(torch_archive.unpickle_header(torch_archive.HeaderUnpickler, pkl)[0], torch_archive.SavedTensor)
     crafted = pkl.replace(b"X\x01\x00\x00\x000", b"X\x03\x00\x00\x00\xed\xa0\x80")
     assert crafted != pkl
-    with pytest.raises(torch_archive.Unrecognised, match="storage reference"):
+    with pytest.raises(torch_archive.UnrecognisedArchive, match="storage reference"):
         torch_archive.unpickle_header(torch_archive.HeaderUnpickler, crafted)
 
 

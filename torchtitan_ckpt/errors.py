@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import reprlib
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -42,7 +43,9 @@ def different_copies(what: str, ranks: Sequence[int]) -> str:
 
 
 class CheckpointError(Exception):
-    """Base class of every error this package raises deliberately."""
+    """Base class of every error this package raises to its caller deliberately; those at the end
+    of this module, from `WriterProcessError` on, pass between its parts and reach a caller
+    inside one of these (as a `CheckpointSaveError`'s cause, say)."""
 
 
 class BoundedRepr(reprlib.Repr):
@@ -200,9 +203,43 @@ class ConsolidationError(CheckpointError):
     """Another rank failed while writing the final files; the export is incomplete (no index)."""
 
 
+# ---------------------------------------------------------------- between the package's parts
+
+
 class WriterProcessError(RuntimeError):
     """The writer process is gone (killed, crashed), answered nonsense, or could not be handed
     a save's files (they cannot be pickled)."""
+
+
+class InWriterProcess(Exception):
+    """The writer process's traceback of a failure it handed over, as that failure's cause: a
+    pickled exception has no frames, and a bug report needs the place it was raised."""
+
+    def __str__(self) -> str:
+        return "\n\n" + self.args[0]
+
+
+class UnsafePickleError(CorruptCheckpointError, pickle.UnpicklingError):
+    """A pickle refused by `check_pickle`: malformed, or building objects whose use would take
+    time out of proportion to its size. An `UnpicklingError` too, so that callers that refuse
+    what torch's allow-list unpickler refuses refuse these alike. `problem` says what is wrong,
+    for a caller that names the file its own way; `malformed`, whether it is not a whole pickle
+    (as a slice cut at a wrong end is not)."""
+
+    def __init__(self, what: str, problem: str, malformed: bool = False):
+        self.problem = problem
+        self.malformed = malformed
+        super().__init__(f"{what}: its pickle {problem}; refusing to unpickle it (the file is damaged or crafted)")
+
+
+class UnrecognisedArchive(Exception):
+    """The archive is not of the one shape read here; `torch.load` reads it instead."""
+
+
+class MalformedArchive(Exception):
+    """The archive's framing is one `torch.save` never writes (a zip directory larger than the
+    caller allows, a record of an impossible size): the item is refused, not handed to
+    `torch.load`. The message says what is wrong, for the caller to name the file."""
 
 
 class RankFailed(Exception):

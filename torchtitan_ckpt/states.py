@@ -432,7 +432,8 @@ def _refuse_subclassed(state: dict[str, Any]) -> None:
     DCP's own writer pickles them, which no load of this package runs."""
     subclassed = [f"optimizer.state.{name}.{key} ({type(local).__name__})" for name, values in state.items()
                   if isinstance(values, dict) for key, v in values.items() if isinstance(v, torch.Tensor)
-                  and type(local := v._local_tensor if isinstance(v, DTensor) else v) not in (torch.Tensor, nn.Parameter)]
+                  and type(local := v._local_tensor if isinstance(v, DTensor) else v)
+                  not in (torch.Tensor, nn.Parameter)]
     if subclassed:
         raise CheckpointError(f"{subclassed[:3]} are tensor subclasses (a low-bit optimizer's quantized moments, "
                               "say), which no step of this package holds, as reading them would run their code: use "

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError
 from ..io import torch_archive
-from ..io.untrusted import UnsafePickleError
+from ..errors import UnsafePickleError
 from ..policy.dedup import Assignment, DedupSummary, Item, Key, Write, make_policy, summarize
 
 logger = logging.getLogger(__name__)

@@ -49,8 +49,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.futures import Future
 
 from ..io import filewriter, own_writes, reader, safe_open, torch_archive
-from ..io.untrusted import UnsafePickleError
-from ..io.checksum import crc32
+from ..errors import UnsafePickleError
+from ..io.checksum import crc32, hex_crc
 from ..io.tensors import local_values
 from .. import gc_pause
 from ..config import Checkpoint
@@ -356,7 +356,7 @@ class ChecksummingFileSystem(FileSystem):
             stream = _ChecksummedStream(f)
             yield stream
         with self._lock:
-            self._checksums[self._rel(path)] = (stream.size, f"{stream.crc:08x}")
+            self._checksums[self._rel(path)] = (stream.size, hex_crc(stream.crc))
             self._digests[self._rel(path)] = stream.sha256.digest()
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:

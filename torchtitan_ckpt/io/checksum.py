@@ -20,6 +20,11 @@ __all__ = ["crc32", "file_crc32", "stream_crc32"]
 _CHUNK = 8 << 20
 
 
+def hex_crc(crc: int) -> str:
+    """A CRC-32 as the commit marker records it: 8 hex digits."""
+    return f"{crc:08x}"
+
+
 def file_crc32(path: str) -> str:
     """The CRC-32 of a file's bytes, as 8 hex digits."""
     with open(path, "rb") as f:
@@ -31,4 +36,4 @@ def stream_crc32(f) -> str:
     crc = 0
     while chunk := f.read(_CHUNK):
         crc = crc32(chunk, crc)
-    return f"{crc:08x}"
+    return hex_crc(crc)

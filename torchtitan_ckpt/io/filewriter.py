@@ -45,7 +45,7 @@ import torch
 
 from .. import faults
 from . import safe_open
-from .checksum import crc32
+from .checksum import crc32, hex_crc
 from . import torch_archive
 from .direct import DirectOutput, open_direct
 from .posio import IOV_MAX
@@ -386,7 +386,7 @@ def _write(path: str, entries: list[_LookedUp], direct: bool, step: int | None, 
             synced.result()
         finally:
             crc = out.crc()
-        return f"{crc:08x}"
+        return hex_crc(crc)
 
     return WrittenFile(out.pos, places, wait)
 

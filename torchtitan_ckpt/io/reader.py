@@ -33,13 +33,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, MalformedArchive, UnrecognisedArchive, UnsafePickleError
 from ..policy.split import in_order_runs, share
 from . import posio, safe_open
-from .torch_archive import (HeaderUnpickler, Malformed, SavedTensor, Unrecognised, check_header_record,
-                            check_small_records, header_pickle, local_record, refusal, torch_load, unpickle_header,
-                            zip_record, zip_records)
-from .untrusted import UnsafePickleError, brief
+from .torch_archive import (HeaderUnpickler, SavedTensor, check_header_record, check_small_records, header_pickle,
+                            local_record, refusal, torch_load, unpickle_header, zip_record, zip_records)
+from .untrusted import brief
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +205,7 @@ class _Item:
         if pkl not in headers:
             saved, length = unpickle_header(HeaderUnpickler, pkl)
             if not isinstance(saved, SavedTensor):
-                raise Unrecognised("not a tensor")
+                raise UnrecognisedArchive("not a tensor")
             headers[pkl] = saved, length
         saved, length = headers[pkl]
         record = folder + b"data/" + saved.key.encode()
@@ -215,10 +214,10 @@ class _Item:
             if found == record:
                 located = _Located(saved, folder, length, pos, start)
                 if start + located.nbytes > self.length:
-                    raise Unrecognised("storage record past the item's end")
+                    raise UnrecognisedArchive("storage record past the item's end")
                 return located
             pos = head.find(b"PK\x03\x04", pos + 4)
-        raise Unrecognised("storage record not among the first records")
+        raise UnrecognisedArchive("storage record not among the first records")
 
     def confirm(self, located: _Located) -> None:
         """Check what `locate` found against the zip directory at the item's end."""
@@ -229,9 +228,9 @@ class _Item:
         check_small_records(self.read, self.length, records, located.folder)
         order = zip_record(self.read, self.length, records, located.folder + b"byteorder")
         if order is not None and order[1] not in (len(b"little"), len(b"big")):
-            raise Malformed(f"has a byteorder record of {order[1]} bytes, not 'little' or 'big'")
+            raise MalformedArchive(f"has a byteorder record of {order[1]} bytes, not 'little' or 'big'")
         if order is None or self.read(*order) != b"little":
-            raise Unrecognised("not a little-endian torch.save archive")
+            raise UnrecognisedArchive("not a little-endian torch.save archive")
         if located.record not in records:
             raise self.fail(f"lacks the storage record {brief(located.record)} its header names")
         header, size = records[located.record]
@@ -239,7 +238,7 @@ class _Item:
             raise self.fail(f"has a storage record of {size} bytes; its header says {located.saved.storage_numel} "
                             f"x {located.saved.dtype} = {located.nbytes} bytes")
         if header != located.header:
-            raise Unrecognised("storage record elsewhere than its first header")
+            raise UnrecognisedArchive("storage record elsewhere than its first header")
 
 
 # ---------------------------------------------------------------- a plan's reads
@@ -505,11 +504,11 @@ class ItemReader:
             if problem := _dtype_problem(planner, req, saved.dtype):
                 raise item.fail(problem)
             item.confirm(located)
-        except Malformed as e:
+        except MalformedArchive as e:
             raise item.fail(str(e)) from None
         except UnsafePickleError as e:
             raise item.fail(f"has a header pickle that {e.problem}") from None
-        except Unrecognised as e:  # not the archive it looked like: read it the slow way
+        except UnrecognisedArchive as e:  # not the archive it looked like: read it the slow way
             logger.debug("%s: item '%s' read with torch.load (%s)", item.cursor.path, item.what, e)
             if problem := _dtype_problem(planner, req, self._load_with_torch(item, req, dest).dtype):
                 raise item.fail(problem) from None
@@ -529,7 +528,7 @@ class ItemReader:
         """The region `req` reads of the item, loaded with `torch.load(weights_only=True)`."""
         try:
             tensor = torch_load(item.read(0, item.length))
-        except Malformed as e:
+        except MalformedArchive as e:
             raise item.fail(str(e)) from None
         except UnsafePickleError as e:
             raise item.fail(f"has a pickle that {e.problem}") from None

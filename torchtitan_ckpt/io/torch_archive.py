@@ -16,10 +16,10 @@ one of them is met by `checkpoint.io_engine = "torch"`, which uses none of them)
   neither plain data nor CPU tensors;
 - torch's legacy format, in which `pickle.dumps` of a tensor holds its storage (read by
   `_storage_from_archive`).
-An archive of another shape (float8, uint16, a compressed record) is `Unrecognised` and goes
+An archive of another shape (float8, uint16, a compressed record) is `UnrecognisedArchive` and goes
 through `torch.load(weights_only=True)`, as DCP does; a framing that differs raises at once.
 Every pickle, ours to unpickle or torch's, is first checked by `untrusted.check_pickle`, and a
-framing no `torch.save` writes is `Malformed`: neither goes to `torch.load`.
+framing no `torch.save` writes is `MalformedArchive`: neither goes to `torch.load`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ import torch
 from torch import _weights_only_unpickler
 from torch.utils.serialization import config as serialization_config
 
-from .untrusted import UnsafePickleError, brief, check_pickle
+from ..errors import MalformedArchive, UnrecognisedArchive, UnsafePickleError
+from .untrusted import brief, check_pickle
 
 _EOCD = struct.Struct("<4sHHHHIIH")
 _ZIP64_LOCATOR = struct.Struct("<4sIQI")
@@ -56,16 +57,6 @@ _STORAGE_DTYPES = {
 }
 
 
-class Unrecognised(Exception):
-    """The archive is not of the one shape read here; `torch.load` reads it instead."""
-
-
-class Malformed(Exception):
-    """The archive's framing is one `torch.save` never writes (a zip directory larger than the
-    caller allows, a record of an impossible size): the item is refused, not handed to
-    `torch.load`. The message says what is wrong, for the caller to name the file."""
-
-
 # ---------------------------------------------------------------- the zip archive of one item
 
 
@@ -78,47 +69,47 @@ _DOS_FOLDER = 0x10
 def zip_records(read: Callable[[int, int], bytes], length: int, max_directory: int) -> dict[bytes, tuple[int, int]]:
     """Name -> (offset of its local header within the item, size) of every record of a zip
     whose records are all stored uncompressed, on one disk, as files (not folders), named
-    `<folder>/<name>` with one folder, as `torch.save` writes them: any other is `Unrecognised`
+    `<folder>/<name>` with one folder, as `torch.save` writes them: any other is `UnrecognisedArchive`
     (what torch's zip reader makes of it is not worked out here). A zip directory of over
-    `max_directory` bytes is `Malformed`, refused before it is read."""
+    `max_directory` bytes is `MalformedArchive`, refused before it is read."""
     if length < _EOCD.size:
-        raise Unrecognised("shorter than a zip directory")
+        raise UnrecognisedArchive("shorter than a zip directory")
     sig, disk, cd_disk, count_here, count, cd_size, cd_offset, comment = _EOCD.unpack(
         read(length - _EOCD.size, _EOCD.size))
     if sig != b"PK\x05\x06" or comment or disk or cd_disk or count_here != count:
-        raise Unrecognised("no zip directory of one disk at its end")
+        raise UnrecognisedArchive("no zip directory of one disk at its end")
     locator = length - _EOCD.size - _ZIP64_LOCATOR.size
     if _FULL32 in (cd_size, cd_offset) or count == 0xFFFF or \
             (locator >= 0 and read(locator, 4) == b"PK\x06\x07"):  # torch's zip reader takes zip64's then
         count, cd_size, cd_offset = _zip64_directory(read, length)
     if cd_size > max_directory:
-        raise Malformed(f"has a zip directory of {cd_size} bytes, where at most {max_directory} are expected")
+        raise MalformedArchive(f"has a zip directory of {cd_size} bytes, where at most {max_directory} are expected")
     if cd_offset + cd_size > length:
-        raise Unrecognised("zip directory outside the item")
+        raise UnrecognisedArchive("zip directory outside the item")
     directory = read(cd_offset, cd_size)
     out: dict[bytes, tuple[int, int]] = {}
     folded: set[bytes] = set()
     pos, folder = 0, None
     for _ in range(count):
         if pos + _CENTRAL.size > len(directory):
-            raise Unrecognised("zip directory cut short")
+            raise UnrecognisedArchive("zip directory cut short")
         sig, _, _, flags, method, _, _, _, csize, usize, nlen, xlen, clen, disk, _, external, lho = \
             _CENTRAL.unpack_from(directory, pos)
         pos += _CENTRAL.size
         name = directory[pos : pos + nlen]
         if pos + nlen + xlen + clen > len(directory):
-            raise Unrecognised(f"record {brief(name)} runs past the zip directory")
+            raise UnrecognisedArchive(f"record {brief(name)} runs past the zip directory")
         if sig != b"PK\x01\x02" or method != 0 or flags & ~_FLAGS or disk or external & _DOS_FOLDER:
-            raise Unrecognised(f"record {brief(name)} is not a file stored uncompressed as torch.save stores one")
+            raise UnrecognisedArchive(f"record {brief(name)} is not a file stored uncompressed as torch.save stores one")
         folder = folder or name[: name.find(b"/") + 1]
         if not folder or not name.startswith(folder) or not _PLAIN_NAME.fullmatch(name, len(folder)):
-            raise Unrecognised(f"record {brief(name)} is not named as torch.save names one")
+            raise UnrecognisedArchive(f"record {brief(name)} is not named as torch.save names one")
         if _FULL32 in (usize, csize, lho):
             usize, csize, lho = _zip64_fields(directory[pos + nlen : pos + nlen + xlen], usize, csize, lho)
         if usize != csize:
-            raise Unrecognised(f"record {brief(name)} is compressed")
+            raise UnrecognisedArchive(f"record {brief(name)} is compressed")
         if name.lower() in folded:  # torch's zip reader might find either: the one checked, or the other
-            raise Malformed(f"has two records named {brief(name)}")
+            raise MalformedArchive(f"has two records named {brief(name)}")
         folded.add(name.lower())
         out[name] = (lho, usize)
         pos += nlen + xlen + clen
@@ -135,13 +126,13 @@ or parent."""
 def _zip64_directory(read: Callable[[int, int], bytes], length: int) -> tuple[int, int, int]:
     at = length - _EOCD.size - _ZIP64_LOCATOR.size
     if at < 0:
-        raise Unrecognised("no zip64 locator")
+        raise UnrecognisedArchive("no zip64 locator")
     sig, disk, eocd64, disks = _ZIP64_LOCATOR.unpack(read(at, _ZIP64_LOCATOR.size))
     if sig != b"PK\x06\x07" or disk or disks != 1 or eocd64 + _ZIP64_EOCD.size > length:
-        raise Unrecognised("bad zip64 locator")
+        raise UnrecognisedArchive("bad zip64 locator")
     fields = _ZIP64_EOCD.unpack(read(eocd64, _ZIP64_EOCD.size))
     if fields[0] != b"PK\x06\x06" or fields[4] or fields[5] or fields[6] != fields[7]:
-        raise Unrecognised("bad zip64 directory")
+        raise UnrecognisedArchive("bad zip64 directory")
     return fields[7], fields[8], fields[9]
 
 
@@ -159,7 +150,7 @@ def _zip64_fields(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, 
             except StopIteration:
                 break
         pos += 4 + size
-    raise Unrecognised("zip64 record without its sizes")
+    raise UnrecognisedArchive("zip64 record without its sizes")
 
 
 def zip_record(read: Callable[[int, int], bytes], length: int, records: dict[bytes, tuple[int, int]],
@@ -169,22 +160,22 @@ def zip_record(read: Callable[[int, int], bytes], length: int, records: dict[byt
         return None
     lho, size = records[name]
     if lho + _LOCAL.size > length:
-        raise Unrecognised(f"record {brief(name)} outside the item")
+        raise UnrecognisedArchive(f"record {brief(name)} outside the item")
     fields = _LOCAL.unpack(read(lho, _LOCAL.size))
     start = lho + _LOCAL.size + fields[9] + fields[10]
     if fields[0] != b"PK\x03\x04" or start + size > length:
-        raise Unrecognised(f"record {brief(name)} outside the item")
+        raise UnrecognisedArchive(f"record {brief(name)} outside the item")
     return start, size
 
 
 def local_record(buf: bytes, pos: int) -> tuple[bytes, int]:
     """Name and data offset of the zip local header at `pos` of `buf`."""
     if pos + _LOCAL.size > len(buf):
-        raise Unrecognised("record header past the bytes read")
+        raise UnrecognisedArchive("record header past the bytes read")
     fields = _LOCAL.unpack_from(buf, pos)
     start = pos + _LOCAL.size + fields[9] + fields[10]
     if fields[0] != b"PK\x03\x04" or start > len(buf):
-        raise Unrecognised("bad record header")
+        raise UnrecognisedArchive("bad record header")
     return buf[pos + _LOCAL.size : pos + _LOCAL.size + fields[9]], start
 
 
@@ -195,10 +186,10 @@ def header_pickle(buf: bytes) -> tuple[bytes, bytes, int]:
     is found by its signature."""
     name, start = local_record(buf, 0)
     if not name.endswith(b"/data.pkl") or name.find(b"/") != len(name) - len(b"/data.pkl"):
-        raise Unrecognised("no header pickle first")  # torch's reader takes the folder up to the first /
+        raise UnrecognisedArchive("no header pickle first")  # torch's reader takes the folder up to the first /
     end = buf.find(b"PK\x03\x04", start)
     if end < 0:
-        raise Unrecognised("header pickle past the bytes read")
+        raise UnrecognisedArchive("header pickle past the bytes read")
     return name[: -len(b"data.pkl")], buf[start:end], end
 
 
@@ -226,10 +217,10 @@ class _StorageRef:
 
 def _rebuild(storage, storage_offset, size, stride, requires_grad, hooks, metadata=None) -> SavedTensor:
     if not isinstance(storage, _StorageRef) or hooks or metadata:
-        raise Unrecognised("a tensor with hooks or metadata")
+        raise UnrecognisedArchive("a tensor with hooks or metadata")
     if type(requires_grad) is not bool or requires_grad and not (storage.dtype.is_floating_point
                                                                  or storage.dtype.is_complex):
-        raise Unrecognised("a tensor that cannot require grad marked as requiring it")  # torch.load refuses it
+        raise UnrecognisedArchive("a tensor that cannot require grad marked as requiring it")  # torch.load refuses it
     return SavedTensor(storage.dtype, storage.key, storage.numel, int(storage_offset),
                         tuple(int(s) for s in size), tuple(int(s) for s in stride))
 
@@ -245,13 +236,13 @@ class HeaderUnpickler(pickle.Unpickler):
             return collections.OrderedDict
         if module == "torch" and name in _STORAGE_DTYPES:
             return _STORAGE_DTYPES[name]
-        raise Unrecognised(f"{module[:100]}.{name[:100]}")
+        raise UnrecognisedArchive(f"{module[:100]}.{name[:100]}")
 
     def persistent_load(self, pid: Any) -> _StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
                 and isinstance(pid[1], torch.dtype) and isinstance(pid[2], str) and pid[2].isascii()
                 and pid[2].isdigit() and isinstance(pid[4], int)):  # torch.save numbers its records
-            raise Unrecognised(f"storage reference {brief(pid)}")
+            raise UnrecognisedArchive(f"storage reference {brief(pid)}")
         return _StorageRef(pid[1], pid[2], pid[4])
 
 
@@ -259,15 +250,15 @@ class _PlainUnpickler(pickle.Unpickler):
     """Numbers, strings, bools, None and containers of them; anything else is not read here."""
 
     def find_class(self, module: str, name: str) -> Any:
-        raise Unrecognised(f"{module[:100]}.{name[:100]}")
+        raise UnrecognisedArchive(f"{module[:100]}.{name[:100]}")
 
     def persistent_load(self, pid: Any) -> Any:
-        raise Unrecognised("a tensor")
+        raise UnrecognisedArchive("a tensor")
 
 
 def unpickle(unpickler: type[pickle.Unpickler], data: bytes) -> Any:
     """`data` unpickled by `unpickler`, once `check_pickle` passed it (else `UnsafePickleError`);
-    any error of the unpickler's is `Unrecognised`."""
+    any error of the unpickler's is `UnrecognisedArchive`."""
     return _unpickled(unpickler, data)[0]
 
 
@@ -276,47 +267,47 @@ def _unpickled(unpickler: type[pickle.Unpickler], data: bytes) -> tuple[Any, int
     length = check_pickle(data, "the value")
     try:
         return unpickler(io.BytesIO(data)).load(), length
-    except Unrecognised:
+    except UnrecognisedArchive:
         raise
     except Exception as e:  # a broken pickle: let torch.load judge it
-        raise Unrecognised(str(e)) from None
+        raise UnrecognisedArchive(str(e)) from None
 
 
 def unpickle_header(unpickler: type[pickle.Unpickler], pkl: bytes) -> tuple[Any, int]:
     """`unpickle` of the record `header_pickle` cut out, and the length of its pickle: the size
     the zip directory must give `data.pkl` (`check_header_record`). One the scan finds malformed
     was cut at a record signature inside its own bytes (a zip held in a value, an int written as
-    those bytes), not at the next record: the archive is `Unrecognised`, and `torch_load` reads
+    those bytes), not at the next record: the archive is `UnrecognisedArchive`, and `torch_load` reads
     it whole, every pickle record checked."""
     try:
         return _unpickled(unpickler, pkl)
     except UnsafePickleError as e:
         if e.malformed:
-            raise Unrecognised("header pickle cut short") from None
+            raise UnrecognisedArchive("header pickle cut short") from None
         raise
 
 
 def check_header_record(records: dict[bytes, tuple[int, int]], folder: bytes, length: int) -> None:
-    """`Unrecognised` unless the zip directory's `data.pkl` is the first record and as long as
+    """`UnrecognisedArchive` unless the zip directory's `data.pkl` is the first record and as long as
     the header pickle read from it: torch's zip reader finds `data.pkl` through the directory,
     so an archive whose directory names another record would be read apart by torch."""
     if records.get(folder + b"data.pkl") != (0, length):
-        raise Unrecognised("a zip directory whose data.pkl is not the first record's pickle")
+        raise UnrecognisedArchive("a zip directory whose data.pkl is not the first record's pickle")
 
 
 def check_small_records(read: Callable[[int, int], bytes], length: int, records: dict[bytes, tuple[int, int]],
                         folder: bytes) -> None:
-    """`Unrecognised` unless the archive's version records hold what `torch.save` writes and its
+    """`UnrecognisedArchive` unless the archive's version records hold what `torch.save` writes and its
     `.storage_alignment` a number: `torch.load` refuses other values, which the fast reader
     does not otherwise read."""
     versions = [folder + b"version", folder + b".data/version"]
     if not any(name in records for name in versions):
-        raise Unrecognised("no version record")
+        raise UnrecognisedArchive("no version record")
     for name, holds in [*((v, b"3\n".__eq__) for v in versions), (folder + b".format_version", b"1".__eq__),
                         (folder + b".storage_alignment", bytes.isdigit)]:
         where = zip_record(read, length, records, name)
         if where is not None and (where[1] > 16 or not holds(read(*where))):
-            raise Unrecognised(f"record {brief(name)} holds what torch.save does not write")
+            raise UnrecognisedArchive(f"record {brief(name)} holds what torch.save does not write")
 
 
 def _reader(data: bytes) -> Callable[[int, int], bytes]:
@@ -335,7 +326,7 @@ def load_plain(data: bytes) -> Any:
         check_header_record(records, folder, length)
         check_small_records(read, len(data), records, folder)
         return value
-    except Unrecognised:
+    except UnrecognisedArchive:
         return torch_load(data)
 
 
@@ -343,19 +334,19 @@ def torch_load(data: bytes) -> Any:
     """`torch.load(data, weights_only=True)` of a `torch.save` archive whose every pickle
     record (`*data.pkl`, case aside, as torch's zip reader finds names) `check_pickle` passed:
     torch's allow-list unpickler hashes what it builds as any unpickler does. An archive that
-    is not a zip of stored records (torch.save writes no other) is `Malformed`: torch would
+    is not a zip of stored records (torch.save writes no other) is `MalformedArchive`: torch would
     read it as its legacy format, a stream of pickles."""
     if not data.startswith(b"PK\x03\x04"):  # how torch.load tells a zip from its legacy format
-        raise Malformed("is not a readable torch.save archive (no zip record at its start)")
+        raise MalformedArchive("is not a readable torch.save archive (no zip record at its start)")
     try:
         read = _reader(data)
         records = zip_records(read, len(data), len(data))
         pickles = [zip_record(read, len(data), records, name)
                    for name in records if name.lower().endswith(b"data.pkl")]
-    except Unrecognised as e:
-        raise Malformed(f"is not a readable torch.save archive ({e})") from None
+    except UnrecognisedArchive as e:
+        raise MalformedArchive(f"is not a readable torch.save archive ({e})") from None
     if not pickles:
-        raise Malformed("is a zip without a data.pkl record")
+        raise MalformedArchive("is a zip without a data.pkl record")
     for start, size in pickles:
         check_pickle(data[start : start + size], "the archive")
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -379,7 +370,7 @@ def load_plain_pickle(data: bytes) -> Any:
     it)."""
     try:
         return unpickle(_TensorValueUnpickler, data)
-    except Unrecognised as ours:
+    except UnrecognisedArchive as ours:
         try:
             with warnings.catch_warnings():  # that it may not read protocol 4: it says why if it does not
                 warnings.filterwarnings("ignore", message="Detected pickle protocol")
@@ -401,7 +392,7 @@ class _LegacyStorageUnpickler(HeaderUnpickler):
         if getattr(self, "_referenced", False) or not (
                 isinstance(pid, tuple) and len(pid) == 6 and pid[0] == "storage" and pid[3] == "cpu"
                 and pid[5] is None):
-            raise Unrecognised(f"storage reference {brief(pid)}")
+            raise UnrecognisedArchive(f"storage reference {brief(pid)}")
         self._referenced = True
         return super().persistent_load(pid[:5])
 
@@ -413,7 +404,7 @@ def _storage_from_archive(archive: Any) -> torch.storage.TypedStorage:
     system information, the storage's reference and its key, each a pickle checked then read
     here with no other globals, then the storage's length and bytes, checked to be all there is."""
     if not isinstance(archive, bytes):
-        raise Unrecognised("a tensor's storage that is not bytes")
+        raise UnrecognisedArchive("a tensor's storage that is not bytes")
     f = io.BytesIO(archive)
 
     def next_pickle(unpickler: type[pickle.Unpickler] = _PlainUnpickler) -> Any:
@@ -423,11 +414,11 @@ def _storage_from_archive(archive: Any) -> torch.storage.TypedStorage:
     magic, version, info = next_pickle(), next_pickle(), next_pickle()
     if magic != _LEGACY_MAGIC or version != _LEGACY_VERSION or not isinstance(info, dict) \
             or info.get("little_endian") is not True:
-        raise Unrecognised("a tensor's storage in a format other than torch's legacy one")
+        raise UnrecognisedArchive("a tensor's storage in a format other than torch's legacy one")
     ref, keys = next_pickle(_LegacyStorageUnpickler), next_pickle()
     numel = struct.unpack("<q", f.read(8).ljust(8, b"\xff"))[0]
     if not isinstance(ref, _StorageRef) or keys != [ref.key] or numel != ref.numel or f.tell() + numel * ref.dtype.itemsize != len(archive):
-        raise Unrecognised(f"a tensor's storage of {brief(numel)} elements in {len(archive) - f.tell()} bytes")
+        raise UnrecognisedArchive(f"a tensor's storage of {brief(numel)} elements in {len(archive) - f.tell()} bytes")
     data = torch.frombuffer(bytearray(archive[f.tell():]), dtype=torch.uint8) if numel else torch.empty(0, dtype=torch.uint8)
     return torch.storage.TypedStorage(wrap_storage=data.untyped_storage(), dtype=ref.dtype, _internal=True)
 
@@ -437,11 +428,11 @@ def _plain_tensor(storage, storage_offset, size, stride, requires_grad, hooks, m
     it, of at most as many elements as the storage holds (a view repeating elements, stride 0,
     could claim any number, which a copy of it would allocate)."""
     if not isinstance(storage, torch.storage.TypedStorage) or hooks or metadata or not isinstance(requires_grad, bool):
-        raise Unrecognised("a tensor with hooks or metadata")
+        raise UnrecognisedArchive("a tensor with hooks or metadata")
     t = torch.empty((0,), dtype=storage.dtype).set_(storage._untyped_storage, storage_offset, size, stride)
     held = storage._untyped_storage.nbytes() // storage.dtype.itemsize  # its size(), which warns of TypedStorage
     if t.numel() > held:
-        raise Unrecognised(f"a view of {t.numel()} elements of a storage of {held}")
+        raise UnrecognisedArchive(f"a view of {t.numel()} elements of a storage of {held}")
     return t.requires_grad_(requires_grad)
 
 
@@ -469,7 +460,7 @@ class _TensorValueUnpickler(_PlainUnpickler):
         if found is None and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             found = getattr(torch, name)
         if found is None:
-            raise Unrecognised(f"{module[:100]}.{name[:100]}")
+            raise UnrecognisedArchive(f"{module[:100]}.{name[:100]}")
         return found
 
 

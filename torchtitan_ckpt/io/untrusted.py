@@ -15,7 +15,6 @@ too deep or too large.
 from __future__ import annotations
 
 import dataclasses
-import pickle
 import pickletools
 import sys
 from itertools import islice
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..errors import BoundedRepr, CorruptCheckpointError
+from ..errors import BoundedRepr, UnsafePickleError
 
 MAX_DEPTH = 100
 """Deepest nesting a checkpoint's pickle may build, counting an object built by a class (its
@@ -96,19 +95,6 @@ def _opcode_table() -> list[tuple | None]:
 
 
 _OPCODES = _opcode_table()
-
-
-class UnsafePickleError(CorruptCheckpointError, pickle.UnpicklingError):
-    """A pickle refused by `check_pickle`: malformed, or building objects whose use would take
-    time out of proportion to its size. An `UnpicklingError` too, so that callers that refuse
-    what torch's allow-list unpickler refuses refuse these alike. `problem` says what is wrong,
-    for a caller that names the file its own way; `malformed`, whether it is not a whole pickle
-    (as a slice cut at a wrong end is not)."""
-
-    def __init__(self, what: str, problem: str, malformed: bool = False):
-        self.problem = problem
-        self.malformed = malformed
-        super().__init__(f"{what}: its pickle {problem}; refusing to unpickle it (the file is damaged or crafted)")
 
 
 def check_pickle(data: bytes, what: str) -> int:

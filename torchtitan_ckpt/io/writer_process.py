@@ -42,7 +42,7 @@ import torch
 import torch.multiprocessing as mp
 
 from .. import faults
-from ..errors import WriterProcessError
+from ..errors import InWriterProcess, WriterProcessError
 from .filewriter import CountWait, Entry, FileJob, StartedFiles, WrittenFile, linux_libc, planned_places, write_files
 
 logger = logging.getLogger(__name__)
@@ -396,14 +396,6 @@ def _resolve(ref: Any, buffers: dict[int, torch.Tensor]) -> Any:
         _, buffer_id, dtype, offset, size, stride = ref
         return torch.empty(0, dtype=dtype).set_(buffers[buffer_id].untyped_storage(), offset, size, stride)
     return ref
-
-
-class InWriterProcess(Exception):
-    """The writer process's traceback of a failure it handed over, as that failure's cause: a
-    pickled exception has no frames, and a bug report needs the place it was raised."""
-
-    def __str__(self) -> str:
-        return "\n\n" + self.args[0]
 
 
 def _picklable(e: Exception) -> Exception:

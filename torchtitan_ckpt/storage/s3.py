@@ -65,7 +65,7 @@ from ..group import CheckpointGroup
 from ..hf.files import INDEX_FILE, MAX_INDEX_BYTES, MAX_RECORDED_LAYOUT_BYTES, RECORDED_LAYOUT
 from ..hf.planner import parse_size
 from ..io import posio, safe_open
-from ..io.checksum import crc32
+from ..io.checksum import crc32, hex_crc
 from ..io.untrusted import brief
 from ..progress import gb_per_s
 from . import lock
@@ -615,7 +615,7 @@ class S3Store(Store):
             if size:
                 fill(memoryview(data), 0)
             self._put(key, data)
-            return size, f"{crc32(data):08x}"
+            return size, hex_crc(crc32(data))
         reply = self._call("starting an upload of", key, self.client.create_multipart_upload, Key=key,
                            ChecksumAlgorithm="CRC32")
         upload_id = self._field(reply, "UploadId", "starting an upload of", key)
@@ -626,7 +626,7 @@ class S3Store(Store):
         except BaseException:
             self._abort(key, upload_id)
             raise
-        return size, f"{crc:08x}"
+        return size, hex_crc(crc)
 
     def _part_size(self, size: int) -> int:
         """The part size of a file of `size` bytes: `part_size`, or a larger one (whole MiB) for
