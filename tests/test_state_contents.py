@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt import CheckpointManager, register_holding_wrapper
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.errors import CheckpointError, CheckpointSaveError
 
@@ -32,10 +32,11 @@ _KEPT = {torch.ops.aten.empty_like.default, torch.ops.aten.new_zeros.default, to
 """The ops whose results stay wrapped, as torchao's weights keep them for FSDP2 to shard them."""
 
 
+@register_holding_wrapper
 class _CastOnUse(torch.Tensor):
     """A weight whose values stay in one high-precision tensor, cast only when used, as torchao's
-    float8 training weights are (`WeightWithDynamicFloat8CastTensor`): a wrapper subclass, whose
-    own storage holds none of its values."""
+    float8 training weights are (`WeightWithDynamicFloat8CastTensor`, known to the package): a
+    wrapper subclass, whose own storage holds none of its values."""
 
     @staticmethod
     def __new__(cls, values: torch.Tensor, *more: torch.Tensor):
@@ -62,8 +63,9 @@ class _CastOnUse(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
 
+@register_holding_wrapper
 class _Scaled(_CastOnUse):
-    """Values and a scale: no one tensor holds its values."""
+    """Values and a scale: no one tensor holds its values, registered or not."""
 
     def __init__(self, values: torch.Tensor, *more: torch.Tensor):
         super().__init__(values)
@@ -71,6 +73,11 @@ class _Scaled(_CastOnUse):
 
     def __tensor_flatten__(self):
         return ["_values", "_scale"], None
+
+
+class _Unregistered(_CastOnUse):
+    """One inner tensor, as `_CastOnUse`, but not said to hold its values: its context might
+    change what they mean (a scale), so it is refused like any subclass."""
 
 
 def _wrapped(seed: int, kind: type = _CastOnUse) -> nn.Module:
@@ -91,7 +98,7 @@ def test_a_tensor_subclass_is_refused_at_save_not_saved_as_a_step_no_load_takes(
     it could run code"), passing on torch's advice to turn weights_only off."""
     model = nn.Linear(2, 2, bias=False)
     model.weight = nn.Parameter(torch.Tensor._make_subclass(_Tagged, torch.ones(2, 2)))
-    with pytest.raises(CheckpointSaveError, match=r"\['weight \(_Tagged\)'\] are tensor subclasses .* save their "
+    with pytest.raises(CheckpointSaveError, match=r"\['weight \(_Tagged\)'\] are tensor subclasses .* Save their "
                                                   r"plain tensors"):
         _save(tmp_path, model)
     assert not list((tmp_path / "checkpoint").glob("step-*"))
@@ -159,6 +166,13 @@ def _refuse_scaled_shard(rank: int, world_size: int, folder: str) -> None:
 def test_a_shard_of_a_subclass_no_one_tensor_holds_is_refused_at_save(tmp_path):
     """A DTensor's local tensor was never checked: its storage was written, not its values."""
     spawn(2, _refuse_scaled_shard, str(tmp_path))
+
+
+def test_a_wrapper_of_one_tensor_not_registered_is_refused_at_save(tmp_path):
+    with pytest.raises(CheckpointSaveError, match=r"\['0.weight \(_Unregistered\)', '1.weight \(_Unregistered\)'\] "
+                                                  r"are tensor subclasses"):
+        _save(tmp_path, _wrapped(0, _Unregistered))
+    assert not list((tmp_path / "checkpoint").glob("step-*"))
 
 
 @pytest.mark.parametrize("value, said", [

@@ -1112,6 +1112,16 @@ def test_a_step_saved_untied_is_refused_by_a_model_that_ties_the_two(tmp_path, m
         assert torch.equal(model["embedding"].weight, _tied(True, 0)["embedding"].weight)
         assert torch.equal(model["head"].weight, model["embedding"].weight)
         assert (model["head"].weight is model["embedding"].weight) is tie
+    nan = _tied(True, 0)  # a NaN is equal to itself in the two names' bytes (not to torch.equal)
+    with torch.no_grad():
+        nan["embedding"].weight[0, 0] = float("nan")
+    with CheckpointManager(config, [nan], base_folder=str(tmp_path / "nan")) as manager:
+        manager.save(1, last_step=True)
+    for tie in (True, False):
+        model = _tied(tie, 1)
+        with CheckpointManager(config, [model], base_folder=str(tmp_path / "nan")) as manager:
+            assert manager.load()
+        assert model["embedding"].weight[0, 0].isnan() and model["head"].weight[0, 0].isnan()
 
 
 def test_a_sparse_adam_resumes_into_an_optimizer_with_no_state(tmp_path):

@@ -18,6 +18,7 @@ from .errors import (
     StagingMismatchError,
     StorageError,
 )
+from .io.tensors import register_holding_wrapper
 from .manager import CheckpointManager
 from .states import ModelPart, StateLike
 
@@ -42,4 +43,5 @@ __all__ = [
     "StateLike",
     "StorageError",
     "load_config",
+    "register_holding_wrapper",
 ]

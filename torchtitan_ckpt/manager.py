@@ -329,7 +329,7 @@ class CheckpointManager:
         `_extra_state` are none of them), known now rather than at the export after the training,
         which the job's last save would have been."""
         if self._adapter.hf_names is not None:
-            self._adapter.check_model_names(self._model.state_dict(), complete=False)
+            self._adapter.check_model_names(self._model.state_dict(), complete=False, export=True)
 
     def _untied(self) -> str | None:
         """Why the model cannot be exported under the adapter's config, which ties the head to

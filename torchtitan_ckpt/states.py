@@ -38,8 +38,8 @@ except ImportError:
     _FSDP1 = None
 
 from .errors import CheckpointError, CorruptCheckpointError
-from .io.dtypes import storable
-from .io.tensors import local_values, memory_of, unwrapped_values
+from .io.dtypes import same_bytes, storable
+from .io.tensors import memory_of, unwrapped_values
 from .io.torch_archive import load_plain_pickle, refusal
 from .io.untrusted import brief
 
@@ -135,8 +135,10 @@ class ModelState(CheckedState):
                       not in (torch.Tensor, nn.Parameter)]
         if subclassed:  # the writers would read the subclass's storage, which holds none of its values
             raise CheckpointError(f"{call}: {subclassed[:3]} are tensor subclasses (a quantized weight's, say), "
-                                  "which DCP saves as pickles no load may read, as reading them would run their "
-                                  "code: save their plain tensors (dequantized, or the subclass's inner tensors)")
+                                  "which no step of this package holds: DCP saves them as pickles no load may read, "
+                                  "as reading them would run their code. Save their plain tensors (dequantized, or "
+                                  "the subclass's inner tensors); a wrapper whose one inner tensor holds its values "
+                                  "as they are can be declared so (torchtitan_ckpt.register_holding_wrapper)")
         unusual = [k for k, v in state.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
                    and (v.layout != torch.strided or v.is_quantized or v.is_nested)]
         if unusual:
@@ -180,7 +182,7 @@ class ModelState(CheckedState):
             if isinstance(value, torch.Tensor) and name in state:
                 tied = first.setdefault(memory_of(value), name)
                 if tied != name and memory_of(state[name]) != memory_of(value):
-                    if not torch.equal(local_values(state[name]), local_values(state[tied])):
+                    if not same_bytes(state[name], state[tied]):  # a NaN equal to itself
                         raise CheckpointError(
                             f"the model ties {name} to {tied} (one tensor), and the step holds different values "
                             f"for them (saved by a model that did not tie them): load it into a model built "

@@ -190,26 +190,28 @@ class StateDictAdapter:
         """Every HF tensor name, in the model's order (the order an export's file split follows)."""
         return tuple(n for source in self.sources.values() for n in source.hf_names)
 
-    def check_model_names(self, names: Iterable[str], complete: bool = True) -> None:
+    def check_model_names(self, names: Iterable[str], complete: bool = True, export: bool = False) -> None:
         """Raise `AdapterMismatchError` unless `names` are the model's (the tied head may be
-        there or not); with `complete=False`, unless they are some of them (a pipeline stage's)."""
+        there or not); with `complete=False`, unless they are some of them (a pipeline stage's).
+        `export`: the names are a model's to export, not to import into."""
         ours = set(names) - {TIED_HEAD} if self.tied else set(names)
         if ours and not ours & set(self.sources) and ours <= {*self.hf_names, *self.tied_copies}:
             raise AdapterMismatchError(  # a transformers model, say, trained as it is
                 "state dict -> HF", sorted(ours), sorted(self.sources),
                 "the model's names are already the Hugging Face folder's, which this adapter maps from TorchTitan's: "
                 "give the manager an adapter that renames nothing (docs/hf.md, 'SameNames')")
-        check_names("state dict -> HF", ours, self.sources if complete else ours & set(self.sources),
-                    hint="is the adapter's model config the model's? A tensor it maps to none of Hugging Face's (a "
-                         "LoRA adapter's, a parametrization's original0, a module's _extra_state) has no place "
-                         "in its files: merge or drop it before the export, or give an adapter that maps it")
+        hint = {"hint": "is the adapter's model config the model's? A tensor it maps to none of Hugging Face's (a "
+                        "LoRA adapter's, a parametrization's original0, a module's _extra_state) has no place in "
+                        "its files: merge or drop it before the export, or give an adapter that maps it"} \
+            if export else {}
+        check_names("state dict -> HF", ours, self.sources if complete else ours & set(self.sources), **hint)
 
     def to_hf(self, state_dict: dict[str, Any], complete: bool = True) -> dict[str, Any]:
         """Our names -> HF names. Values may be tensors or DTensors; one expert of a grouped
         tensor is a `RowOf` it, a q/k projection whose shards cut a head `PermutedRows`.
         `complete=False` takes part of the model (a pipeline stage's: the caller checks that
         the ranks' parts make the whole, against `hf_names`)."""
-        self.check_model_names(state_dict, complete)
+        self.check_model_names(state_dict, complete, export=True)
         out: dict[str, Any] = {}
         for name, value in state_dict.items():
             if self.tied and name == TIED_HEAD:

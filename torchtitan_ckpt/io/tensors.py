@@ -1,5 +1,5 @@
 """What the package asks of a tensor whatever its kind: a plain tensor, a DTensor, or a wrapper
-subclass that only holds its values in one plain tensor."""
+subclass known to hold its values in one plain tensor."""
 
 from __future__ import annotations
 
@@ -7,14 +7,34 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+_HOLDING_WRAPPERS = {"torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor"}
+"""Wrapper subclasses (module.qualname) whose one inner tensor holds their values as they are, cast
+only when used: torchao's float8 training weights, and those given to `register_holding_wrapper`.
+By name, not by layout: a wrapper of one inner tensor may mean other values (scaled by its
+context, say), which saving the inner tensor would lose."""
+
+
+def register_holding_wrapper(cls: type) -> type:
+    """Declare the tensor wrapper subclass `cls` one whose only inner tensor (its
+    `__tensor_flatten__`'s one name) holds its values as they are, of its shape, dtype and
+    strides: the package then saves, loads in place and exports that tensor (other subclasses
+    are refused by `save()`). Returns `cls`, to be used as a class decorator."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.Tensor)):
+        raise TypeError(f"register_holding_wrapper takes a subclass of torch.Tensor, not {cls!r}")
+    _HOLDING_WRAPPERS.add(_qualified(cls))
+    return cls
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
 
 def held(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor a wrapper subclass keeps its values in, where it wraps exactly one, of its
-    own shape, dtype, strides and device (torchao's float8 training weights: the values stay in
-    high precision, cast only when used): saved, loaded in place and exported as that tensor,
-    whose memory is the wrapper's. `t` itself otherwise (a plain tensor, or a subclass whose
-    values are not one such tensor: a quantized weight's data and scales)."""
-    if type(t) in (torch.Tensor, torch.nn.Parameter) or not is_traceable_wrapper_subclass(t):
+    """The plain tensor a holding wrapper keeps its values in (`register_holding_wrapper`), where
+    it is one inner tensor of the wrapper's own shape, dtype, strides and device: saved, loaded
+    in place and exported as that tensor, whose memory is the wrapper's. `t` itself otherwise."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or _qualified(type(t)) not in _HOLDING_WRAPPERS \
+            or not is_traceable_wrapper_subclass(t):
         return t
     names, _ = t.__tensor_flatten__()
     inner = getattr(t, names[0]) if len(names) == 1 else None
@@ -26,12 +46,12 @@ def held(t: torch.Tensor) -> torch.Tensor:
 
 def unwrapped_values(t: torch.Tensor) -> torch.Tensor:
     """`t`, or a tensor of the same memory without the wrapper subclass `held` sees through (a
-    DTensor of such a local tensor: a DTensor of its inner one, of the same placements)."""
+    DTensor of such a local tensor: a DTensor of its inner one, of the same placements, on the
+    inner one's device, as FSDP2's CPU offload keeps it)."""
     if isinstance(t, DTensor):
         local = t._local_tensor  # not `to_local()`, which makes a view: asked of every tensor at every save
         inner = held(local)
-        return t if inner is local else DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False,
-                                                           shape=t.shape, stride=t.stride())
+        return t if inner is local else DTensor(inner, t._spec, requires_grad=False)
     return held(t)
 
 
