@@ -17,6 +17,8 @@ from torch.utils import _pytree as pytree
 from torchtitan_ckpt import CheckpointManager, register_holding_wrapper
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.errors import CheckpointError, CheckpointSaveError
+from torchtitan_ckpt.io.tensors import memory_of
+from torchtitan_ckpt.states import ModelState
 
 from .helpers import Holder, spawn
 
@@ -73,6 +75,14 @@ class _Scaled(_CastOnUse):
 
     def __tensor_flatten__(self):
         return ["_values", "_scale"], None
+
+
+class _ScaleBeside(_Scaled):
+    """Values and a precomputed scale beside them, as torchao's float8 weights hold after
+    `precompute_float8_dynamic_scale_for_fsdp`: registered with the attribute of its values."""
+
+
+register_holding_wrapper(_ScaleBeside, inner="_values")
 
 
 class _Unregistered(_CastOnUse):
@@ -166,6 +176,21 @@ def _refuse_scaled_shard(rank: int, world_size: int, folder: str) -> None:
 def test_a_shard_of_a_subclass_no_one_tensor_holds_is_refused_at_save(tmp_path):
     """A DTensor's local tensor was never checked: its storage was written, not its values."""
     spawn(2, _refuse_scaled_shard, str(tmp_path))
+
+
+def test_a_wrapper_registered_with_the_attribute_of_its_values_is_saved_and_loaded_in_place(tmp_path):
+    """Beside other inner tensors (a precomputed scale): the values' tensor is the state's, the
+    same memory as the model's (a load copied each weight onto itself)."""
+    saved = _wrapped(0, _ScaleBeside)
+    _save(tmp_path, saved)
+    loaded = _wrapped(1, _ScaleBeside)
+    state = ModelState([loaded]).state_dict()
+    assert all(memory_of(state[f"{i}.weight"]) == memory_of(loaded[i].weight) for i in (0, 1))
+    with CheckpointManager(Checkpoint(enable=True), [loaded], base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    for i in (0, 1):
+        assert isinstance(loaded[i].weight, _ScaleBeside)
+        assert torch.equal(loaded[i].weight._values, saved[i].weight._values)
 
 
 def test_a_wrapper_of_one_tensor_not_registered_is_refused_at_save(tmp_path):

@@ -7,21 +7,24 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-_HOLDING_WRAPPERS = {"torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor"}
-"""Wrapper subclasses (module.qualname) whose one inner tensor holds their values as they are, cast
-only when used: torchao's float8 training weights, and those given to `register_holding_wrapper`.
-By name, not by layout: a wrapper of one inner tensor may mean other values (scaled by its
+_HOLDING_WRAPPERS: dict[str, str | None] = {"torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor": "_tensor"}
+"""Wrapper subclasses (module.qualname) whose inner tensor holds their values as they are, cast
+only when used, and the attribute holding it (None: the one name of `__tensor_flatten__`):
+torchao's float8 training weights (beside a precomputed scale, after
+`precompute_float8_dynamic_scale_for_fsdp`), and those given to `register_holding_wrapper`. By
+name, not by layout: a wrapper of one inner tensor may mean other values (scaled by its
 context, say), which saving the inner tensor would lose."""
 
 
-def register_holding_wrapper(cls: type) -> type:
-    """Declare the tensor wrapper subclass `cls` one whose only inner tensor (its
-    `__tensor_flatten__`'s one name) holds its values as they are, of its shape, dtype and
-    strides: the package then saves, loads in place and exports that tensor (other subclasses
-    are refused by `save()`). Returns `cls`, to be used as a class decorator."""
+def register_holding_wrapper(cls: type, inner: str | None = None) -> type:
+    """Declare the tensor wrapper subclass `cls` one whose inner tensor holds its values as they
+    are, of its shape, dtype and strides: the package then saves, loads in place and exports
+    that tensor (other subclasses are refused by `save()`). `inner`: the attribute holding it,
+    where `__tensor_flatten__` may list other tensors beside it (a precomputed scale); None: its
+    one name. Returns `cls`, to be used as a class decorator."""
     if not (isinstance(cls, type) and issubclass(cls, torch.Tensor)):
         raise TypeError(f"register_holding_wrapper takes a subclass of torch.Tensor, not {cls!r}")
-    _HOLDING_WRAPPERS.add(_qualified(cls))
+    _HOLDING_WRAPPERS[_qualified(cls)] = inner
     return cls
 
 
@@ -31,17 +34,18 @@ def _qualified(cls: type) -> str:
 
 def held(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor a holding wrapper keeps its values in (`register_holding_wrapper`), where
-    it is one inner tensor of the wrapper's own shape, dtype, strides and device: saved, loaded
-    in place and exported as that tensor, whose memory is the wrapper's. `t` itself otherwise."""
-    if type(t) in (torch.Tensor, torch.nn.Parameter) or _qualified(type(t)) not in _HOLDING_WRAPPERS \
-            or not is_traceable_wrapper_subclass(t):
+    it is of the wrapper's own shape, dtype, strides and device: saved, loaded in place and
+    exported as that tensor, whose memory is the wrapper's. `t` itself otherwise."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not is_traceable_wrapper_subclass(t) \
+            or (qualified := _qualified(type(t))) not in _HOLDING_WRAPPERS:
         return t
     names, _ = t.__tensor_flatten__()
-    inner = getattr(t, names[0]) if len(names) == 1 else None
-    if type(inner) in (torch.Tensor, torch.nn.Parameter) and (inner.shape, inner.dtype, inner.stride(),
-                                                               inner.device) == (t.shape, t.dtype, t.stride(), t.device):
-        return inner.detach()
-    return t
+    name = _HOLDING_WRAPPERS[qualified] or (names[0] if len(names) == 1 else None)
+    values = getattr(t, name, None) if name in names else None
+    if type(values) not in (torch.Tensor, torch.nn.Parameter):
+        return t
+    alike = (values.shape, values.dtype, values.stride(), values.device) == (t.shape, t.dtype, t.stride(), t.device)
+    return values.detach() if alike else t
 
 
 def unwrapped_values(t: torch.Tensor) -> torch.Tensor:
