@@ -43,8 +43,7 @@ class LoadRequest:
         filled in place (refused when a state the job restores is not there)."""
         state: dict[str, Any] = self._model.state_dict()
         self._model.check_materialised(state, "load()")
-        if target.format.named_as_state:
-            self._model.split_ties(state, target.index.tensors)
+        self._model.split_ties(state, target.index.tensors if target.format.named_as_state else ())
         if target.model_only:
             return state
         # named before the optimizer misses the new parameters' state

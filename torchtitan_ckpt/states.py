@@ -101,6 +101,8 @@ class ModelState(CheckedState):
     def __init__(self, parts: Sequence[nn.Module]):
         self.parts = list(parts)
         _refuse_fsdp1(self.parts)
+        self._scratch: dict[str, str] = {}
+        """The load in progress' names read into scratch (`split_ties`) -> the name read in place."""
         owner: dict[str, int] = {}
         for index, part in enumerate(self.parts):
             for key in map(canonical_name, part.state_dict()):
@@ -165,29 +167,27 @@ class ModelState(CheckedState):
         `saved`): where one tensor is the model's under several names (tied weights) and the
         step holds each name, the first is read in place and the others into scratch tensors of
         its layout, for `join_ties`. Read into the one tensor, a step that holds them apart (saved
-        by a model that did not tie them) left the last name's values in place of the first's."""
+        by a model that did not tie them) left the last name's values in place of the first's.
+        Called for every load (with no `saved` where names are not the step's), so that
+        `join_ties` never sees another load's names."""
         first: dict[tuple, str] = {}
+        self._scratch = {}
         for name, value in list(state.items()):
             if isinstance(value, torch.Tensor) and name in saved:
-                if (tied := first.setdefault(memory_of(value), name)) != name and tied in saved:
+                if (tied := first.setdefault(memory_of(value), name)) != name:
                     state[name] = torch.empty_like(value)
+                    self._scratch[name] = tied
 
     def join_ties(self, state: dict[str, Any]) -> None:
         """Once `split_ties`'s scratch tensors are read: a `CheckpointError` naming both names
         unless each holds its first name's values (on this rank), else each name is the model's
-        tensor again."""
-        live = self.state_dict()
-        first = {}
-        for name, value in live.items():
-            if isinstance(value, torch.Tensor) and name in state:
-                tied = first.setdefault(memory_of(value), name)
-                if tied != name and memory_of(state[name]) != memory_of(value):
-                    if not same_bytes(state[name], state[tied]):  # a NaN equal to itself
-                        raise CheckpointError(
-                            f"the model ties {name} to {tied} (one tensor), and the step holds different values "
-                            f"for them (saved by a model that did not tie them): load it into a model built "
-                            "without the tie")
-                    state[name] = value
+        tensor again (the first name's, read in place)."""
+        for name, tied in self._scratch.items():
+            if not same_bytes(state[name], state[tied]):  # a NaN equal to itself
+                raise CheckpointError(
+                    f"the model ties {name} to {tied} (one tensor), and the step holds different values for them "
+                    "(saved by a model that did not tie them): load it into a model built without the tie")
+            state[name] = state[tied]
 
     def one_parameter(self, name: str, other: str) -> bool | None:
         """Whether the parameter `name` of this rank's parts is the parameter `other` too (tied);
