@@ -74,9 +74,9 @@ def _stage(stager, state):
 
 def test_staging_moves_only_the_tensors_that_changed_and_needs_no_copy_to_write():
     from torchtitan_ckpt.io.filewriter import exact_storage
-    from torchtitan_ckpt.staging import Stager
+    from torchtitan_ckpt.io.stagers import SharedArenas
 
-    stager = Stager(reuse=True)
+    stager = SharedArenas()
     state = {"w": torch.randn(64, 64), "t": torch.randn(8, 16).t(), "scalar": torch.tensor(2.0),
              "empty": torch.zeros(0, 3), "pos": torch.arange(5, dtype=torch.uint8), "step": 3}
     first = _stage(stager, state)
@@ -128,7 +128,7 @@ def test_pinned_mode_needs_no_open_file_per_tensor(tmp_path):
             manager.save(step)
             manager.wait()
             assert _open_files(os.getpid()) - before < 50
-            assert _open_files(manager._saves.writer._proc.pid) < 50  # noqa: SLF001 - what it holds open
+            assert _open_files(manager._saves.stager.writer._proc.pid) < 50  # noqa: SLF001 - what it holds open
     saved = read_checkpoint(layout.step_dir(os.path.join(folder, "checkpoint"), 2))
     assert_same({k: saved[k] for k in model.state_dict()}, model.state_dict())
     moments = {f"optimizer.state.{name}.exp_avg_sq": opt.state[p]["exp_avg_sq"] for name, p in model.named_parameters()}
@@ -246,7 +246,7 @@ def test_pinned_mode_writes_in_its_own_process_and_survives_losing_it(tmp_path):
     saves = job.manager._saves  # noqa: SLF001 - the writer process is what is under test
     job.run_to(1, steps=10)
     job.manager.wait()
-    writer = saves.writer
+    writer = saves.stager.writer
     assert writer.alive and writer._proc.pid != os.getpid()  # noqa: SLF001
     os.kill(writer._proc.pid, signal.SIGKILL)  # noqa: SLF001 - e.g. the OOM killer
     writer._proc.join()  # noqa: SLF001
@@ -254,15 +254,15 @@ def test_pinned_mode_writes_in_its_own_process_and_survives_losing_it(tmp_path):
     # the dead writer is noticed before the save and replaced, so this save works
     assert job.manager.save(2)
     job.manager.wait()
-    assert saves.writer is not writer and saves.writer.alive
+    assert saves.stager.writer is not writer and saves.stager.writer.alive
     folder = os.path.join(tmp_path, "checkpoint")
     assert layout.committed_steps(folder) == [1, 2]
 
     # a writer killed while it holds a save: that save fails, with its step
     job.step()
-    os.kill(saves.writer._proc.pid, signal.SIGSTOP)  # noqa: SLF001 - hold it mid-save ...
+    os.kill(saves.stager.writer._proc.pid, signal.SIGSTOP)  # noqa: SLF001 - hold it mid-save ...
     assert job.manager.save(3)
-    os.kill(saves.writer._proc.pid, signal.SIGKILL)  # noqa: SLF001 - ... then kill it
+    os.kill(saves.stager.writer._proc.pid, signal.SIGKILL)  # noqa: SLF001 - ... then kill it
     with pytest.raises(CheckpointSaveError, match="saving step 3 to .*step-3 failed.*writer process exited"):
         job.manager.wait()
     assert layout.committed_steps(folder) == [1, 2]
@@ -358,7 +358,7 @@ def _writer_of_rank_1_dies_mid_save(rank: int, world_size: int, folder: str) -> 
     with CheckpointManager(config, [model], base_folder=folder) as manager:
         manager.save(1)
         manager.wait()
-        writer = manager._saves.writer  # noqa: SLF001 - its death is the failure under test
+        writer = manager._saves.stager.writer  # noqa: SLF001 - its death is the failure under test
         if rank == 1:
             os.kill(writer._proc.pid, signal.SIGSTOP)  # noqa: SLF001 - hold the save ...
         manager.save(2)
@@ -476,13 +476,13 @@ def test_the_writer_process_ignores_the_signals_a_terminal_sends_the_job(tmp_pat
     job = make_job(str(tmp_path), steps=10, interval=1, async_mode="async_with_pinned_mem", keep_latest_k=0)
     job.run_to(1, steps=10)
     job.manager.wait()
-    writer = job.manager._saves.writer  # noqa: SLF001 - the writer process is what is under test
+    writer = job.manager._saves.stager.writer  # noqa: SLF001 - the writer process is what is under test
     for sig in (signal.SIGINT, signal.SIGTERM):
         os.kill(writer._proc.pid, sig)  # noqa: SLF001
     job.step()
     assert job.manager.save(2)
     job.manager.wait()
-    assert job.manager._saves.writer is writer and writer.alive  # noqa: SLF001
+    assert job.manager._saves.stager.writer is writer and writer.alive  # noqa: SLF001
     job.manager.close()
     assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1, 2]
 
@@ -494,7 +494,7 @@ from torchtitan_ckpt.config import Checkpoint
 config = Checkpoint(enable=True, interval=1, async_mode="async_with_pinned_mem")
 with CheckpointManager(config, [torch.nn.Linear(4, 4)], base_folder=sys.argv[1]) as manager:
     manager.save(1)  # the first save starts the writer, which imports torch for seconds
-    writer = manager._saves.writer._proc.pid
+    writer = manager._saves.stager.writer._proc.pid
     os.kill(writer, signal.SIGINT)  # as a terminal's Ctrl-C reaches every process of the job
     os.kill(writer, signal.SIGTERM)
     manager.wait()
@@ -648,7 +648,7 @@ def test_a_manager_that_never_saves_starts_no_writer_process(tmp_path):
     config = Checkpoint(enable=True, async_mode="async_with_pinned_mem", load_only=True)
     with CheckpointManager(config, [torch.nn.Linear(8, 8)], base_folder=str(tmp_path)) as manager:
         manager.load()  # nothing to load
-        assert manager._saves.writer is None  # noqa: SLF001 - the writer process is what is under test
+        assert manager._saves.stager.writer is None  # noqa: SLF001 - the writer process is what is under test
 
 
 _START_METHOD_AFTER_A_SAVE = """

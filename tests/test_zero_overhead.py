@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_ckpt import CheckpointManager, ConfigError, StagingMismatchError, layout
 from torchtitan_ckpt.config import Checkpoint
-from torchtitan_ckpt.staging import SaveJob, Stager, make_strategy
+from torchtitan_ckpt.io.stagers import FreshCopies, SharedArenas
+from torchtitan_ckpt.staging import SaveJob, make_strategy
 
 from .helpers import TensorState, assert_same, read_checkpoint, spawn
 
@@ -219,7 +220,7 @@ def test_cuda_staging_on_a_side_stream_holds_the_values_at_save_time(tmp_path, m
 def test_a_staged_tensor_is_ready_to_write_once_its_copy_is_made(reuse):
     """Writing overlaps staging: a writer waits on the copy of the tensor it writes (here a view
     of one), not on the whole state's, and reads the values of `save()` time."""
-    stager = Stager(reuse=reuse)
+    stager = (SharedArenas() if reuse else FreshCopies())
     state = {"a": torch.arange(8.0), "c": torch.arange(12.0).reshape(3, 4), "n": 5}
     copies = stager.layout(state)
     read: list[torch.Tensor] = []
@@ -247,7 +248,7 @@ def test_the_saves_own_clone_in_host_memory_is_staged_as_it_is(reuse):
     optimizer), and `async` staged a copy of each clone, three of it held at once. The clone is
     the staged tensor now, written without waiting on any copy; the pinned arenas still take a
     copy (the writer process reads them)."""
-    stager = Stager(reuse=reuse)
+    stager = (SharedArenas() if reuse else FreshCopies())
     clone, live = torch.arange(8.0), torch.arange(4.0)
     copies = stager.layout({"buf": clone, "w": live}, owned=lambda path: path == ("buf",))
     if not reuse:
@@ -269,9 +270,9 @@ def test_a_warm_pinned_save_copies_a_tensor_no_step_guards_into_its_place_at_onc
     place in the background: a warm save of a 1 GiB buffer faulted in 1 GiB. Its place laid out,
     it is copied there in `save()` (a Parameter too, detached), and staging has nothing left to
     copy of it; a small one is cloned still (cheaper than finding its place)."""
-    from torchtitan_ckpt.staging import _STAGE_NOW_BYTES
+    from torchtitan_ckpt.io.stagers import _STAGE_NOW_BYTES
 
-    stager = Stager(reuse=True)
+    stager = SharedArenas()
     values = torch.arange(_STAGE_NOW_BYTES // 4, dtype=torch.float32)
     buf, small = values.clone(), torch.arange(8.0)
     copies = stager.layout({"buf": buf, "small": small})
@@ -312,7 +313,7 @@ def test_a_dtensor_on_a_gpu_mesh_is_staged_into_host_memory_and_written_from_the
         live = DTensor(shard, DTensorSpec(mesh, (Shard(0),), TensorMeta(shard.shape, shard.stride(), shard.dtype)),
                        requires_grad=False)
         for reuse in (False, True):
-            stager = Stager(reuse=reuse)
+            stager = (SharedArenas() if reuse else FreshCopies())
             copies = stager.layout({"w": live})
             copies.run()
             copies.done()
@@ -326,7 +327,7 @@ def test_a_dtensor_on_a_gpu_mesh_is_staged_into_host_memory_and_written_from_the
 
 
 def test_a_staging_failure_reaches_a_writer_waiting_on_it():
-    copies = Stager(reuse=False).layout({"a": torch.ones(4)})
+    copies = FreshCopies().layout({"a": torch.ones(4)})
     copies.fail(MemoryError("staging the step-4 state: out of memory"))
     with pytest.raises(MemoryError, match="out of memory"):
         copies.ready(copies.staged["a"])

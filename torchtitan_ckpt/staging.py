@@ -30,9 +30,7 @@ background save is kept and raised by the next `submit()`, `wait()` or `close()`
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import copy
 import functools
 import logging
 import os
@@ -46,14 +44,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from . import faults, gc_pause
-from .errors import CheckpointError, ConfigError, StagingMismatchError, in_chain, no_thread
+from .errors import ConfigError, StagingMismatchError, in_chain, no_thread
 from .io.dtypes import same_bytes
-from .io.tensors import local_values
 from .io.filewriter import CountWait, Sink, write_files
-from .io.writer_process import WriterProcess
+from .io.stagers import (Copies, Deferred, FreshCopies, SharedArenas, Stager, copied_value, nothing_deferred,
+                         tensors_of, traversed_list)
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +64,6 @@ _EXIT_THREADS_NOTE = (" (this Python, 3.12.0 to 3.12.2, starts no thread at exit
 def _no_thread_at_exit(error: BaseException | None) -> bool:
     """Whether `error`, or an error it was raised from or during, is that refusal of a thread."""
     return in_chain(error, lambda e: isinstance(e, RuntimeError) and "interpreter shutdown" in str(e)) is not None
-
-Deferred = Callable[[tuple], bool]
-"""Whether the tensor at a path of the state (its keys, in order) may be staged after `submit()`
-returns: true only for tensors that nothing changes in place before `wait_for_staging()`."""
-
-
-def _nothing_deferred(path: tuple) -> bool:
-    return False
-
 
 StageNow = Callable[[tuple, torch.Tensor], "torch.Tensor | None"]
 """The tensor at a path of the state copied to where it is staged, now, and that copy (None
@@ -141,7 +129,7 @@ class SaveJob:
 class SynchronousSaves:
     """`async_mode = "disabled"`: the training loop waits until the step is committed."""
 
-    def submit(self, state: dict[str, Any], job: SaveJob, deferred: Deferred = _nothing_deferred) -> None:
+    def submit(self, state: dict[str, Any], job: SaveJob, deferred: Deferred = nothing_deferred) -> None:
         job.run(lambda: Staged(state))
 
     def in_flight(self) -> bool:
@@ -163,7 +151,7 @@ class SynchronousSaves:
 
 def freeze(state: Any, deferred: Deferred, path: tuple = (), stage_now: StageNow = lambda path, t: None) -> Any:
     """`state` as it is now, except for the deferred tensors: those are kept as they are (live),
-    every other tensor is staged now where `stage_now` can (`Stager.stage_now`), else cloned on
+    every other tensor is staged now where `stage_now` can (`SharedArenas.stage_now`), else cloned on
     its device (no host synchronisation), and every other value is deep-copied, so that nothing
     but a change to a deferred tensor reaches what is staged."""
     if isinstance(state, torch.Tensor):
@@ -173,303 +161,16 @@ def freeze(state: Any, deferred: Deferred, path: tuple = (), stage_now: StageNow
         return state.detach().clone() if staged is None else staged
     if isinstance(state, dict):
         return {k: freeze(v, deferred, (*path, k), stage_now) for k, v in state.items()}
-    if _traversed_list(state):
+    if traversed_list(state):
         return [freeze(v, deferred, (*path, i), stage_now) for i, v in enumerate(state)]
     if type(state) in _IMMUTABLE or type(state) is tuple and all(type(v) in _IMMUTABLE for v in state):
         return state
-    return _copied(state, path)
-
-
-def _copied(value: Any, path: tuple) -> Any:
-    """A deep copy of the state's `value` at `path`; one nothing copies (a lock, an open file),
-    which no save could write either, named as a synchronous save names it."""
-    try:
-        return copy.deepcopy(value)
-    except Exception as e:
-        raise CheckpointError(f"state value '{'.'.join(map(str, path))}' ({type(value).__name__}) cannot be saved: "
-                              f"{type(e).__name__}: {e}") from None
+    return copied_value(state, path)
 
 
 _IMMUTABLE = frozenset({int, float, bool, str, bytes, type(None)})
 """Leaf types `freeze` keeps as they are (and flat tuples of them, as Adam's `betas`): an
 optimizer's settings are thousands of them."""
-
-
-def _destination(t: torch.Tensor, into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(where `t`'s local tensor is copied: `into`, `t`'s shape, or fresh CPU memory of its
-    strides; the staged value: that copy, as a DTensor of `t`'s placement if `t` is one)."""
-    local = local_values(t)
-    copied = torch.empty_like(local, device="cpu") if into is None else into
-    if isinstance(t, DTensor):
-        # not `DTensor.from_local`: it moves a local tensor to the mesh's device type (a CUDA
-        # mesh's copy would go back to the GPU, before anything is copied into it)
-        return copied, DTensor(copied, t._spec, requires_grad=False)
-    return copied, copied
-
-
-_STAGE_NOW_BYTES = 1 << 16
-"""Below this, a tensor `Stager.stage_now` is asked for is cloned instead: a small clone costs
-less than finding its place (docs/performance.md, "Peak host memory")."""
-
-_ALIGN = 64
-"""Bytes each staged tensor's place in an arena is aligned to (any dtype's, and a cache line)."""
-
-
-@dataclass(frozen=True)
-class _Place:
-    """Where one tensor of the state is staged: `view`, of `arena`, for tensors matching `kind`
-    (type, dtype, device type, local shape, strides)."""
-
-    arena: torch.Tensor
-    view: torch.Tensor
-    kind: tuple
-
-
-class Stager:
-    """Copies a state into CPU memory. With `reuse=True` the copies are kept and overwritten by
-    the next save (no allocation once warm), in shared-memory arenas that the writer process
-    maps once and reads without a copy, page-locked (pinned) when they receive GPU tensors so
-    those copies run at DMA speed. The first save stages every tensor into one arena; a later
-    save stages the tensors that changed shape, dtype or strides, or are new (a dataloader
-    position of another length, moments after the optimizer's first step), into one more arena
-    of just their size; an arena whose tensors have all moved to newer ones is freed. Each arena is
-    one shared-memory file descriptor in the rank and in its writer, so a state needs a few,
-    not one per tensor (thousands for a large model, past common `ulimit -n` limits)."""
-
-    def __init__(self, reuse: bool):
-        self.reuse = reuse
-        self._places: dict[tuple, _Place] = {}
-        """Path in the state -> its place; kept for paths a later state lacks (the next full
-        save after a model-only one reuses them)."""
-        self._pinned: dict[int, tuple[torch.Tensor, torch.device]] = {}
-        """Address registered with CUDA -> (its arena, the device whose tensors it receives)."""
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held between saves."""
-        return sum(a.numel() for a in self._arenas().values())
-
-    def _arenas(self) -> dict[int, torch.Tensor]:
-        return {p.arena.data_ptr(): p.arena for p in self._places.values()}
-
-    def layout(self, state: Any, count: torch.Tensor | None = None, owned: Deferred = _nothing_deferred) -> Copies:
-        """Where each tensor of `state` is staged (allocating what is new), and the staged
-        state; nothing is copied until `Copies.run`. `count`: see `Copies`. `owned(path)`: the
-        tensor there is the save's own (`freeze`'s clone); without `reuse`, one in host memory
-        is staged as it is (a second copy would hold three of it at once)."""
-        if self.reuse:
-            new = {path: t for path, t in _tensors(state, ())
-                   if path not in self._places or self._places[path].kind != _kind(t)}
-            if new:
-                self._allocate(new)
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        staged = self._layout(state, (), pairs, owned)
-        pairs.sort(key=lambda pair: pair[1].nbytes, reverse=True)  # the order the files take them (`balanced_groups`)
-        return Copies(staged, pairs, non_blocking=self.reuse, count=count)
-
-    def stage_now(self, path: tuple, t: torch.Tensor) -> torch.Tensor | None:
-        """With `reuse`, a host tensor of `_STAGE_NOW_BYTES` or more whose place is laid out
-        already (a warm save) copied into it now, on the caller's thread, and that staged copy;
-        else None. Call only while no staging runs (they share the places)."""
-        t = t.detach()  # a Parameter's place is a plain tensor's (`freeze` clones it so), and no graph is kept
-        place = self._places.get(path) if self.reuse else None
-        local = local_values(t)
-        if place is None or local.nbytes < _STAGE_NOW_BYTES or local.device.type != "cpu" or place.kind != _kind(t):
-            return None
-        copied, staged = _destination(t, place.view.detach())  # an alias of its own: the save alone holds it
-        copied.copy_(local)
-        return staged
-
-    def _layout(self, state: Any, path: tuple, pairs: list, owned: Deferred) -> Any:
-        if isinstance(state, torch.Tensor):
-            if not self.reuse and owned(path) and local_values(state).device.type == "cpu":
-                return state
-            into = None
-            if self.reuse:
-                into = self._places[path].view.detach()  # an alias of its own: the save alone holds it
-                if owned(path) and into.data_ptr() == local_values(state).data_ptr():
-                    return state  # staged there already (`stage_now`)
-            copied, staged = _destination(state, into)
-            pairs.append((local_values(state).detach(), copied))
-            return staged
-        if isinstance(state, dict):
-            return {k: self._layout(v, (*path, k), pairs, owned) for k, v in state.items()}
-        if _traversed_list(state):
-            return [self._layout(v, (*path, i), pairs, owned) for i, v in enumerate(state)]
-        return _copied(state, path)
-
-    def _allocate(self, tensors: dict[tuple, torch.Tensor]) -> None:
-        """One new arena with an aligned place for each of `tensors`; arenas left with no place
-        in use are freed (unpinned first)."""
-        offsets, size = {}, 0
-        for path, t in tensors.items():
-            offsets[path] = size
-            size += -(-local_values(t).nbytes // _ALIGN) * _ALIGN
-        try:
-            arena = torch.empty(size, dtype=torch.uint8).share_memory_()
-        except RuntimeError as e:
-            if "shm" not in str(e) and "shared memory" not in str(e):  # not shared memory's (no memory at all)
-                raise
-            raise RuntimeError(_no_shared_memory(size, e)) from e
-        device = next((local_values(t).device for t in tensors.values() if local_values(t).is_cuda), None)
-        if device is not None:
-            self._pin(arena, device)
-        for path, t in tensors.items():
-            kind, local = _kind(t), local_values(t)
-            view = arena[offsets[path]:offsets[path] + local.nbytes].view(local.dtype)
-            self._places[path] = _Place(arena, view.as_strided(local.shape, kind[-1]), kind)
-        live = self._arenas()
-        for address in [a for a in self._pinned if a not in live]:
-            self._unpin(address)
-
-    def _pin(self, arena: torch.Tensor, device: torch.device) -> None:
-        """Register `arena` with CUDA, on `device`: a raw CUDA call on a thread that never chose a
-        device would open a context on GPU 0 (memory there for every rank of the node)."""
-        if not arena.numel():
-            return
-        with torch.cuda.device(device):
-            error = int(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 1))  # 1: portable
-        if error:  # raised here: a CUDA error left pending would surface in unrelated code later
-            raise RuntimeError(f"pinning a {arena.numel()}-byte staging buffer failed (cudaError {error}); "
-                               'checkpoint.async_mode = "async" stages without pinning')
-        self._pinned[arena.data_ptr()] = (arena, device)
-
-    def _unpin(self, address: int) -> None:
-        _, device = self._pinned.pop(address)
-        with torch.cuda.device(device):
-            torch.cuda.cudart().cudaHostUnregister(address)
-
-    def release(self) -> None:
-        """Drop every arena (unpinning the pinned ones)."""
-        for address in list(self._pinned):
-            self._unpin(address)
-        self._places.clear()
-
-
-class Copies:
-    """One staging's copies, made in order by `run`. `ready(t)` blocks until the copy that `t` is
-    (or is a view of) is made, so a writer may start on the first tensors while later ones are
-    still being copied; the copies go at memory speed, the writes at the disk's."""
-
-    def __init__(self, staged: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool,
-                 count: torch.Tensor | None = None):
-        self.staged = staged
-        """The state with each tensor replaced by its copy (made by `run`)."""
-        self._pairs = pairs  # (source, destination) local tensors, in the order copied; dropped once done
-        self._total = len(pairs)
-        self._non_blocking = non_blocking  # into pinned arenas: a GPU copy does not block the host
-        spans = sorted((dst.data_ptr(), i) for i, (_, dst) in enumerate(pairs) if dst.numel())
-        self._starts = [start for start, _ in spans]
-        self._ends = [start + pairs[i][1].nbytes for start, i in spans]  # a copy is dense: its bytes are one stretch
-        self._order = [i for _, i in spans]
-        self._made = 0
-        self._error: BaseException | None = None
-        self._cond = threading.Condition()
-        self._count = count
-        """A shared-memory copy of the count of copies made (-1 once staging failed), for a
-        writer process; reset here, as one save's staging starts."""
-        if count is not None:
-            count.fill_(0)
-
-    def run(self) -> None:
-        """Make every copy, in order, and mark each one made once its bytes are final: a CPU
-        source's when `copy_` returns; a GPU source's (queued on the current stream, the side
-        stream of `_CopyStream`) when an event recorded after it has completed. So the writes
-        start on the first tensors while later ones are still being copied, from a GPU too."""
-        queued: list[tuple[int, torch.cuda.Event | None]] = []  # copies not yet marked, in order
-        for i, (source, destination) in enumerate(self._pairs):
-            destination.copy_(source, non_blocking=self._non_blocking and source.is_cuda)
-            queued.append((i, torch.cuda.current_stream(source.device).record_event() if source.is_cuda else None))
-            while queued and (queued[0][1] is None or queued[0][1].query()):
-                self._mark(queued.pop(0)[0] + 1)
-        for i, event in queued:
-            if event is not None:
-                event.synchronize()
-            self._mark(i + 1)
-
-    def finish(self) -> None:
-        """Every copy is made and final; the sources are let go (on a GPU, clones or casts made
-        for this save would otherwise stay in its memory until the save is committed)."""
-        self._pairs = []
-        self._mark(self._total)
-
-    def fail(self, error: BaseException) -> None:
-        """Staging failed: whoever waits for a copy, now or later, gets `error`."""
-        self._pairs = []
-        with self._cond:
-            self._error = error
-            if self._count is not None:
-                self._count.fill_(-1)
-            self._cond.notify_all()
-
-    def _mark(self, made: int) -> None:
-        with self._cond:
-            self._made = made
-            if self._count is not None:  # after the copies' bytes: a reader of the count sees them
-                self._count.fill_(made)
-            self._cond.notify_all()
-
-    def _needed(self, t: torch.Tensor) -> int:
-        """How many copies must be made before `t`'s bytes are final."""
-        if not t.numel():
-            return 0
-        found = bisect.bisect_right(self._starts, t.data_ptr()) - 1
-        if found < 0 or t.data_ptr() >= self._ends[found]:
-            return 0  # no copy's: a tensor staged as it is (`Stager.layout`'s `owned`)
-        return self._order[found] + 1
-
-    def ready(self, t: torch.Tensor) -> None:
-        """Block until the copy holding `t`'s bytes is made (raising staging's failure)."""
-        self._wait(self._needed(t))
-
-    @property
-    def counted(self) -> bool:
-        """Whether the copies made are counted in shared memory (`wait_across` works)."""
-        return self._count is not None
-
-    def wait_across(self, t: torch.Tensor) -> CountWait:
-        """`ready(t)` as a writer process can wait for it (needs the shared count)."""
-        return CountWait(self._count, self._needed(t))
-
-    def done(self) -> None:
-        """Block until every copy is made (raising staging's failure)."""
-        self._wait(self._total)
-
-    def _wait(self, made: int) -> None:
-        with self._cond:
-            while self._made < made and self._error is None:
-                self._cond.wait()
-            if self._error is not None:
-                raise self._error
-
-
-def _tensors(state: Any, path: tuple):
-    """(path, tensor) for every tensor of a nested state, in the order `Stager.layout` visits them."""
-    if isinstance(state, torch.Tensor):
-        yield path, state
-    elif isinstance(state, dict):
-        for k, v in state.items():
-            yield from _tensors(v, (*path, k))
-    elif _traversed_list(state):
-        for i, v in enumerate(state):
-            yield from _tensors(v, (*path, i))
-
-
-def _traversed_list(value: Any) -> bool:
-    """Whether DCP saves the items of `value` one by one, as it does a list holding a tensor, a
-    dict or such a list; any other list, a tuple (a named one too) and every other value it
-    pickles whole, tensors inside included. Staging looks inside the same containers: a tensor
-    staged as a view of a shared buffer inside a value pickled whole would carry the whole
-    buffer into the checkpoint."""
-    return isinstance(value, list) and any(isinstance(v, (torch.Tensor, dict)) or _traversed_list(v) for v in value)
-
-
-def _kind(t: torch.Tensor) -> tuple:
-    """What a tensor's place must match to be reused: type, dtype, device type, local shape,
-    and last the strides of its copy (its own when dense, as `empty_like` keeps them)."""
-    local = local_values(t)
-    strides = local.stride() if local.is_contiguous() else torch.empty_like(local, device="meta").stride()
-    return type(t), local.dtype, local.device.type, tuple(local.shape), tuple(strides)
 
 
 class _CopyStream:
@@ -485,7 +186,7 @@ class _CopyStream:
         the state's tensors are on."""
         if not torch.cuda.is_initialized():  # no tensor can be on a GPU: skip the walk over the state
             return {}
-        devices = {t.device for _, t in _tensors(state, ()) if t.is_cuda}  # a DTensor's is its shard's
+        devices = {t.device for _, t in tensors_of(state) if t.is_cuda}  # a DTensor's is its shard's
         return {d: torch.cuda.current_stream(d).record_event() for d in devices}
 
     def run(self, marks: dict[torch.device, torch.cuda.Event], copy_all: Callable[[], Any]) -> Any:
@@ -515,22 +216,20 @@ _THREADS = 2
 
 
 class BackgroundSaves:
-    """Stage, write and commit on a background thread; `submit()` returns before the copy.
-
-    `async`: fresh CPU copies each save, files written by the background thread.
-    `async_with_pinned_mem`: long-lived shared-memory staging arenas, reused, and the files
-    written by a separate writer process that reads them (the background thread then
-    only plans, waits and commits, so training keeps the GIL).
+    """Stage, write and commit on a background thread; `submit()` returns before the copy. Where
+    the copies go and who writes the files is the stager's (`io.stagers`: `async` or
+    `async_with_pinned_mem`); with the writer process of the latter, the background thread
+    only plans, waits and commits, so training keeps the GIL.
 
     With `verify=True` (`checkpoint.verify_staging`, a debug setting) staging is done inside
     `submit()` instead, and the first `wait_for_staging()` or `wait()` after it compares the
     deferred tensors with their staged copies: one changed in between (by anything but the
     optimizer's step, which the hook runs before) is a `StagingMismatchError` naming it."""
 
-    def __init__(self, reuse_buffer: bool, verify: bool = False, saves: bool = True):
-        self.stager = Stager(reuse=reuse_buffer)
+    def __init__(self, stager: Stager, verify: bool = False, saves: bool = True):
+        self.stager = stager
         self._pool = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="ckpt-save")
-        self._held = _Held(self._pool, self.stager)
+        self._held = _Held(self._pool, stager)
         self._pending: Future | None = None
         self._staging: Future | None = None
         self._path = ""
@@ -539,44 +238,25 @@ class BackgroundSaves:
         self._verify = verify
         self._check: list[tuple[tuple, torch.Tensor, torch.Tensor]] = []
         """(path, live tensor, its staged copy) for each deferred tensor, with `verify`."""
-        self._pinned = reuse_buffer
-        try:
-            self._count = torch.zeros(1, dtype=torch.int64).share_memory_() if reuse_buffer else None
-            """The copies made of the save being staged, in shared memory, so that the writer
-            process starts on each tensor as soon as its copy is made (`Copies`)."""
-        except RuntimeError as e:  # first: nothing is started yet that a failure would leave behind
-            raise ConfigError("checkpoint.async_mode", "async_with_pinned_mem", "needs shared memory, which "
-                              f"this machine refuses ({e}); use async, which needs none") from e
         try:
             _start_threads(self._pool, _THREADS)
-            self.writer = WriterProcess() if reuse_buffer and saves else None
+            stager.start(saves)
         except RuntimeError as e:
             self._pool.shutdown(wait=False)
             if not no_thread(e):
                 raise
-            raise ConfigError("checkpoint.async_mode", "async_with_pinned_mem" if reuse_buffer else "async",
+            raise ConfigError("checkpoint.async_mode", stager.mode,
                               f"its background saves need threads of their own, and this process may start no "
                               f"more ({e}): its limit of processes (`ulimit -u`, a container's pids limit) or of "
                               "memory for their stacks (`ulimit -v`) is reached; raise it, or save with "
                               "async_mode = 'disabled'") from e
         _wait_at_exit(self)
 
-    @property
-    def writer(self) -> WriterProcess | None:
-        """`async_with_pinned_mem`'s writer process: started with the strategy, so that it is up
-        by the first save (it takes seconds to import torch) when the job saves, else never (by
-        the first save, should one come)."""
-        return self._held.writer
-
-    @writer.setter
-    def writer(self, writer: WriterProcess | None) -> None:
-        self._held.writer = writer
-
-    def submit(self, state: dict[str, Any], job: SaveJob, deferred: Deferred = _nothing_deferred) -> None:
+    def submit(self, state: dict[str, Any], job: SaveJob, deferred: Deferred = nothing_deferred) -> None:
         self.wait()
         self._path = job.path
         try:
-            sink = self._sink()
+            sink = self.stager.sink()
             frozen = freeze(state, deferred, stage_now=self.stager.stage_now)
         except Exception as e:  # raised by the save's write, inside DCP's protocol, where every rank hears of it
             self._pending = self._pool.submit(job.run, functools.partial(_failed, e, {}))
@@ -590,7 +270,7 @@ class BackgroundSaves:
         if self._verify:
             wait_for([staging])  # a failure is the save's, raised on every rank by its write
             if staging.exception() is None:
-                self._check = [(path, t, _at(copies[0].staged, path)) for path, t in _tensors(frozen, ())
+                self._check = [(path, t, _at(copies[0].staged, path)) for path, t in tensors_of(frozen)
                                if deferred(path)]
         held = [frozen]  # let go of once laid out: `freeze`'s clones are not kept for the whole save
         self._pending = self._pool.submit(job.run, lambda: _take(laid_out, copies, held), sink)
@@ -600,7 +280,7 @@ class BackgroundSaves:
                owned: Deferred) -> None:
         """Lay the copies out (`laid_out` says when, or how it failed), then make them."""
         try:
-            copies = self.stager.layout(frozen, self._count, owned)
+            copies = self.stager.layout(frozen, owned)
         except BaseException as e:
             laid_out.set_exception(e)
             raise
@@ -621,20 +301,6 @@ class BackgroundSaves:
             wait_for([self._staging])
         check, self._check = self._check, []  # each save's tensors are compared once
         _compare(check, "the optimizer's step")
-
-    def _sink(self) -> Sink:
-        """Where the files go; the writer process is started, and one that died (its save failed
-        and said so) replaced, here, on the training thread, which the process's life is tied to."""
-        if not self._pinned:
-            return write_files
-        if self.writer is not None and not self.writer.alive:
-            logger.warning("the checkpoint writer process is gone (exit code %s); starting a new one",
-                           self.writer.exitcode)
-            self.writer.close()
-            self.writer = None
-        if self.writer is None:
-            self.writer = WriterProcess()
-        return self.writer
 
     def in_flight(self) -> bool:
         """True while a background save is still being staged, written or committed (staging
@@ -665,19 +331,15 @@ class BackgroundSaves:
             except Exception as e:
                 logger.error("the save in flight at exit failed: %s%s", e,
                              _EXIT_THREADS_NOTE if _NO_THREADS_AT_EXIT and _no_thread_at_exit(e) else "")
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        self.stager.end_writes()
 
     def close(self) -> None:
         try:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            self.stager.end_writes()
             self.stager.release()
-            if self.writer is not None:
-                self.writer.close()
-                self.writer = None
 
     def abandoner(self) -> Callable[[], None]:
         """What lets go of what `close` would, waiting for nothing, for an owner's finalizer (the
@@ -701,21 +363,18 @@ def _start_threads(pool: ThreadPoolExecutor, count: int) -> None:
 
 
 class _Held:
-    """What a `BackgroundSaves` holds beyond its saves: its thread pool, its staging arenas and
-    its writer process."""
+    """What a `BackgroundSaves` holds beyond its saves: its thread pool and its stager (with any
+    arenas and writer process)."""
 
     def __init__(self, pool: ThreadPoolExecutor, stager: Stager):
         self.pool, self.stager = pool, stager
-        self.writer: WriterProcess | None = None
 
     def abandon(self) -> None:
         """Let go of them waiting for nothing: for an owner collected unclosed (no save of its can
         be in flight then, as a save holds its owner), inside a garbage collection on any thread,
         maybe while the exit's `finish_at_exit` closes the writer on another."""
         self.pool.shutdown(wait=False)
-        self.stager.release()
-        if (writer := self.writer) is not None:
-            writer.stop()
+        self.stager.abandon()
 
 
 def _take(laid_out: Future, copies: list[Copies], held: list[dict[str, Any]]) -> Staged:
@@ -765,24 +424,6 @@ def _wait_at_exit(saves: Any) -> None:
     register(finish)
 
 
-_SHARED_MEMORY = "/dev/shm"
-"""Where torch's shared memory lives on Linux: a tmpfs of its own, often small in containers."""
-
-
-def _no_shared_memory(size: int, error: Exception) -> str:
-    """Why `size` bytes of staging arena could not be had, in words that send the reader to
-    shared memory rather than to the checkpoint's disk, which the error's errno suggests."""
-    try:
-        stat = os.statvfs(_SHARED_MEMORY)
-        room = (f"; {_SHARED_MEMORY} has {stat.f_bavail * stat.f_frsize / 1e9:.3f} GB free of "
-                f"{stat.f_blocks * stat.f_frsize / 1e9:.3f} GB")
-    except OSError:
-        room = ""
-    return (f"async_with_pinned_mem could not stage {size / 1e9:.3f} GB in shared memory ({error}){room}: give "
-            f"the machine or container more (docker run --shm-size), or use checkpoint.async_mode = \"async\", "
-            "which stages in the process's own memory")
-
-
 def _log_failure(save: Future) -> None:
     """Say at once that a background save failed: the training loop hears of it only at its
     next `save()`, `wait()`, `load()` or `close()`, which may be an interval of hours away. Its
@@ -821,4 +462,4 @@ def make_strategy(async_mode: str, verify: bool = False, saves: bool = True) -> 
     `saves`: false for a job that only loads)."""
     if async_mode == "disabled":
         return SynchronousSaves()
-    return BackgroundSaves(reuse_buffer=async_mode == "async_with_pinned_mem", verify=verify, saves=saves)
+    return BackgroundSaves(SharedArenas() if async_mode == "async_with_pinned_mem" else FreshCopies(), verify, saves)
