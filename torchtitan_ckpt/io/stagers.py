@@ -18,6 +18,7 @@ import copy
 import logging
 import os
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,11 +42,13 @@ def nothing_deferred(path: tuple) -> bool:
     return False
 
 
-class _Stager:
-    """What both strategies share: the walk over a state that pairs each tensor with where it is
-    copied. A strategy says where a tensor goes (`_into`) and which the save's own tensors it
-    stages as they are (`_as_is`)."""
+class Stager(ABC):
+    """Where a background save's copies go and who writes them. The walk over a state that
+    pairs each tensor with its copy is shared; a strategy says where a tensor goes (`_into`)
+    and which of the save's own tensors it stages as they are (`_as_is`)."""
 
+    mode: str
+    """The `checkpoint.async_mode` it serves, as messages name it."""
     pinned = False
     """Whether copies go into pinned memory (a GPU source's copy then does not block the host)."""
     count: torch.Tensor | None = None
@@ -77,41 +80,75 @@ class _Stager:
     def _prepare(self, state: Any) -> None:
         """Make room for the tensors of `state` before they are laid out."""
 
+    @abstractmethod
     def _as_is(self, path: tuple, t: torch.Tensor) -> bool:
-        raise NotImplementedError
+        """Whether the save's own tensor `t` is staged as it is, uncopied."""
 
+    @abstractmethod
     def _into(self, path: tuple) -> torch.Tensor | None:
-        raise NotImplementedError
+        """Where the tensor at `path` is copied: a place of its shape, or None for fresh memory."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes held between saves."""
+
+    @abstractmethod
+    def start(self, saves: bool) -> None:
+        """Start what writes the files, as the strategy is made (`saves`: the job saves)."""
+
+    @abstractmethod
+    def stage_now(self, path: tuple, t: torch.Tensor) -> torch.Tensor | None:
+        """`t`, the tensor at `path`, copied now to where it is staged, and that copy; None where
+        it cannot be (`freeze` clones it)."""
+
+    @abstractmethod
+    def sink(self) -> Sink:
+        """Where a save's files go; called on the training thread as each save is submitted."""
+
+    @abstractmethod
+    def end_writes(self) -> None:
+        """Stop what writes the files (a later `sink` starts it again)."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Let go of what is held between saves."""
+
+    @abstractmethod
+    def abandon(self) -> None:
+        """`release` and `end_writes` waiting for nothing: for an owner collected unclosed, maybe
+        while the exit's `end_writes` runs on another thread."""
 
 
-class FreshCopies(_Stager):
+class FreshCopies(Stager):
     """`async`: every save's copies in fresh host memory, freed once written; the save's
     background thread writes the files."""
 
     mode = "async"
-    nbytes = 0
-    """Bytes held between saves: none."""
+
+    @property
+    def nbytes(self) -> int:
+        return 0
 
     def start(self, saves: bool) -> None:
         """Nothing to start."""
 
     def stage_now(self, path: tuple, t: torch.Tensor) -> torch.Tensor | None:
-        """None: nothing is laid out ahead of a save to copy into (`freeze` clones it)."""
+        """Nothing is laid out ahead of a save to copy into."""
         return None
 
     def sink(self) -> Sink:
         return write_files
 
     def _as_is(self, path: tuple, t: torch.Tensor) -> bool:
-        """The save's own tensor in host memory is staged as it is: a copy of it would hold three
-        of it at once."""
+        """The save's own tensor in host memory: a copy of it would hold three of it at once."""
         return local_values(t).device.type == "cpu"
 
     def _into(self, path: tuple) -> torch.Tensor | None:
         return None
 
     def end_writes(self) -> None:
-        """No writer of its own."""
+        """The save's own thread writes."""
 
     def release(self) -> None:
         """Nothing is held between saves."""
@@ -138,7 +175,7 @@ class _Place:
     kind: tuple
 
 
-class SharedArenas(_Stager):
+class SharedArenas(Stager):
     """`async_with_pinned_mem`: the copies are kept and overwritten by the next save (no
     allocation once warm), in shared-memory arenas that the writer process maps once and reads
     without a copy, page-locked (pinned) when they receive GPU tensors so those copies run at
@@ -187,7 +224,6 @@ class SharedArenas(_Stager):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held between saves."""
         return sum(a.numel() for a in self._arenas().values())
 
     def _arenas(self) -> dict[int, torch.Tensor]:
@@ -274,15 +310,10 @@ class SharedArenas(_Stager):
         self._places.clear()
 
     def abandon(self) -> None:
-        """Let go of the arenas and the writer process waiting for nothing: for an owner
-        collected unclosed, maybe while the exit's `end_writes` closes the writer on another
-        thread."""
         self.release()
         if (writer := self.writer) is not None:
             writer.stop()
 
-
-Stager = FreshCopies | SharedArenas
 
 
 class Copies:
