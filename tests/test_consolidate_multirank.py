@@ -4,6 +4,7 @@ failing rank failing every rank without leaving an index behind."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -50,12 +51,21 @@ def mappings(world: int) -> dict[str, dict[str, int]]:
 
 def _every_mode(rank: int, world: int, root: str) -> None:
     state = sharded_state(world)
+    told: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: told.append(record.getMessage())
+    logging.getLogger(C.__name__).addHandler(handler)
+    logging.getLogger(C.__name__).setLevel(logging.INFO)
     for label, mapping in mappings(world).items():
         shards, out, one = (os.path.join(root, f"{label}-{x}") for x in ("shards", "hf", "onepass"))
         dcp.save(state, storage_writer=HuggingFaceStorageWriter(shards, fqn_to_index_mapping=mapping,
                                                                 save_distributed=True))
+        told.clear()
         C.consolidate_safetensors(shards, out, mapping, num_threads=2, all_ranks=label != "1files",
                                   remove_shards=True)
+        if rank == 0:  # who copied the bytes: rank 0 alone, or every rank
+            assert [m for m in told if m.startswith("consolidated")][0].split(" on ")[1].startswith(
+                "rank 0 in" if label == "1files" else f"{world} ranks in"), told
         C.write_safetensors_one_pass(state, one, mapping, num_threads=2)
         dist.barrier()
         if rank == 0:

@@ -979,6 +979,16 @@ def test_convert_reports_a_config_that_is_not_the_checkpoints(tmp_path, capsys):
     assert "'layers.2.attention.wq.weight [256, 256]'" in err and "'tok_embeddings.weight [256, 64]'" in err
     assert _convert("--to", "hf", str(tmp_path / "step-5"), str(tmp_path / "hf")) == 2
     assert "step-5 records no HF config (hf_config.json); pass --hf-assets" in capsys.readouterr().err
+    # the step's names the adapter does not know are named: before, "0 unknown name(s) []"
+    renamed = {k.replace("attention.wq", "attention.qkv_linear.wq").replace("output.", "lm_head."): v
+               for k, v in our_model().state_dict().items()}
+    dcp.save(renamed, checkpoint_id=str(tmp_path / "step-6"))
+    assert _convert("--to", "hf", str(tmp_path / "step-6"), str(tmp_path / "hf"),
+                    "--hf-assets", _assets(tmp_path / "full", ARGS)) == 2
+    err = capsys.readouterr().err
+    assert f"'layers.1.attention.qkv_linear.wq.weight [{ARGS.dim}, {ARGS.dim}]'" in err
+    assert f"'lm_head.weight [{ARGS.vocab_size}, {ARGS.dim}]'" in err and "'output.weight" in err
+    assert "named as TorchTitan 0.3 names them" in err and "sd_adapter=" in err
     assert _convert("--to", "hf", str(tmp_path / "nothing"), str(tmp_path / "hf"), "--hf-assets", small) == 2
     assert "nothing is not a DCP checkpoint folder (no .metadata)" in capsys.readouterr().err
 

@@ -283,6 +283,51 @@ def test_a_transformers_model_comes_in_and_goes_out_through_an_adapter_that_rena
             manager.load()
 
 
+def test_tensors_another_adapters_export_leaves_out_are_told_when_the_manager_is_built(tmp_path, caplog):
+    """TorchTitan's Qwen3-MoE adapter leaves each MoE layer's `expert_bias` out of its export (the
+    Hub's format has no place for it), which training moves: the export went through without a
+    word, and its model routed otherwise. The tensors such an adapter leaves out are named when
+    the manager is built; an adapter that cannot take empty tensors is not asked."""
+    from safetensors.torch import load_file
+
+    os.makedirs(tmp_path / "assets")
+    (tmp_path / "assets" / "config.json").write_text(json.dumps({"model_type": "toy"}))
+
+    class DropsBias:
+        hf_assets_path, fqn_to_index_mapping = str(tmp_path / "assets"), None
+
+        def to_hf(self, state_dict):
+            return {"model." + k: v for k, v in state_dict.items() if k != "expert_bias"}
+
+        def from_hf(self, hf_state_dict):
+            return {k.removeprefix("model."): v for k, v in hf_state_dict.items()}
+
+    class ReadsValues(DropsBias):
+        def to_hf(self, state_dict):
+            assert state_dict["w"].sum().item() == state_dict["w"].sum().item()  # meta tensors have no value
+            return super().to_hf(state_dict)
+
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.arange(4.0).reshape(2, 2))
+    model.register_buffer("expert_bias", torch.tensor([0.05, -0.05]))
+    config = Checkpoint(enable=True, interval=1, last_save_in_hf=True, export_dtype="float32")
+    for adapter, told in ((DropsBias(), True), (ReadsValues(), False)):
+        caplog.clear()
+        folder = tmp_path / type(adapter).__name__
+        with caplog.at_level("WARNING", logger="torchtitan_ckpt.manager"):
+            with CheckpointManager(config, model, state_dict_adapter=adapter, base_folder=str(folder)) as manager:
+                warned = [m for m in caplog.messages if "leaves out" in m]
+                assert warned == ([
+                    "the Hugging Face export (checkpoint.last_save_in_hf) leaves out 1 model tensor(s) that the "
+                    "state-dict adapter maps to no Hugging Face tensor, e.g. ['expert_bias']: the exported model "
+                    "lacks them"] if told else [])
+                manager.save(1, last_step=True)
+        step = layout.step_dir(_folder(folder), 1)
+        exported = {k: v for f in sorted(os.listdir(step)) if f.endswith(".safetensors")
+                    for k, v in load_file(os.path.join(step, f)).items()}
+        assert list(exported) == ["model.w"] and torch.equal(exported["model.w"], model.w.detach())
+
+
 @pytest.mark.parametrize("counter, fits", [(torch.int64, True), (torch.int32, False)])
 def test_an_adapter_of_the_users_gives_integers_read_into_narrower_ones_refused(tmp_path, counter, fits):
     """An adapter of the user's own (read through whole tensors): its int64 values were cast into

@@ -301,6 +301,29 @@ def test_initial_load_path_used_only_when_folder_is_empty(tmp_path):
     again.manager.close()
 
 
+def test_a_load_tells_the_bytes_it_read_not_the_folders(tmp_path, caplog):
+    """A model-only load of a full step told the whole folder's size (model, optimizer state and
+    all), and its GB/s from that: the bytes the ranks read into the job's tensors now."""
+    from torchtitan_ckpt.progress import fmt_bytes
+
+    source = make_job(str(tmp_path / "a"), steps=4, interval=2)
+    source.run_to(2, steps=4)
+    source.manager.close()
+    step2 = layout.step_dir(_folder(tmp_path / "a"), 2)
+    model = sum(t.nbytes for t in source.model.state_dict().values())
+    everything = model + sum(t.nbytes for s in source.opt.state.values() for t in s.values())
+    for model_only, told in ((True, model), (False, everything)):
+        job = make_job(str(tmp_path / f"b{model_only}"), steps=4, interval=2, initial_load_path=step2,
+                       initial_load_model_only=model_only)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="torchtitan_ckpt.manager"):
+            assert job.manager.load()
+        line = next(m for m in caplog.messages if m.startswith("loaded "))
+        assert f": {fmt_bytes(told)} in " in line, line
+        job.manager.close()
+    assert model < everything < layout.folder_bytes(step2)
+
+
 def test_initial_load_path_full_state(tmp_path):
     source = make_job(str(tmp_path / "a"), steps=4, interval=2)
     source.run_to(2, steps=4)

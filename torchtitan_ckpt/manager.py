@@ -26,6 +26,7 @@ from typing import Any, NoReturn, TypeVar, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's keys, as its planner makes them
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import commit, gc_pause, layout, storage
@@ -54,6 +55,7 @@ from .hf.save import assets_file_split, read_assets
 from .io.dtypes import EXPORT_DTYPES, exported_state
 from .io import safe_open
 from .io.filewriter import Sink
+from .io.tensors import local_values
 from .load_request import LoadRequest
 from .load_target import LoadTarget, TargetFinder
 from .progress import fmt_bytes, gb_per_s
@@ -269,11 +271,15 @@ class CheckpointManager:
         if export := next((k for k in ("last_save_in_hf", "hf_export_interval") if getattr(config, k)), None):
             try:  # what rank 0 writes beside the files, known now, not at the export after the training
                 self._group.run(self._check_export, coordinator_only=True)
-                self._group.run(self._check_exported_names)
+                left_out = sorted({name for names in self._group.run(self._check_exported_names) for name in names})
             except RankFailed as failed:
                 raise ConfigError(f"checkpoint.{export}", getattr(config, export), str(failed.error or failed)) from None
             if problem := self._untied():
                 raise ConfigError(f"checkpoint.{export}", getattr(config, export), problem)
+            if left_out and self._group.is_coordinator:
+                logger.warning("the Hugging Face export (checkpoint.%s) leaves out %d model tensor(s) that the state-dict "
+                               "adapter maps to no Hugging Face tensor, e.g. %s: the exported model lacks them", export,
+                               len(left_out), left_out[:5])
         if config.create_seed_checkpoint and self._group.world_size != 1:
             raise ConfigError("checkpoint.create_seed_checkpoint", True,
                               f"a seed checkpoint is written by a single process; this job has "
@@ -323,13 +329,13 @@ class CheckpointManager:
             raise CheckpointError(f"the copies go into {safe_open.denied(copies, 'not writable')}; ask its owner "
                                   "to make it writable to you, or save into another checkpoint.folder")
 
-    def _check_exported_names(self) -> None:
+    def _check_exported_names(self) -> list[str]:
         """Where the adapter knows the tensors it exports (one of ours): that it maps each of this
         rank's model tensors (a LoRA adapter's, a parametrization's `original0`, a module's
         `_extra_state` are none of them), known now rather than at the export after the training,
-        which the job's last save would have been."""
-        if self._adapter.hf_names is not None:
-            self._adapter.check_model_names(self._model.state_dict(), complete=False, export=True)
+        which the job's last save would have been. Another's (TorchTitan's) may leave some out by
+        design: those of this rank, to be told."""
+        return self._adapter.left_out(self._model.state_dict()) or []
 
     def _untied(self) -> str | None:
         """Why the model cannot be exported under the adapter's config, which ties the head to
@@ -834,7 +840,7 @@ class CheckpointManager:
                                    " (load_only: the model keeps the weights it was built with)"
                                    if self.config.load_only else "")
                     return False
-                self._read(target)
+                nbytes = self._read(target)
                 self._left = self._steps_left(target, folders)
                 if self._own_step(target) and target.listed:  # ours, committed: the job's state is on disk there
                     kind = SaveKind.MODEL_ONLY if target.model_only else SaveKind.FULL
@@ -861,7 +867,6 @@ class CheckpointManager:
                                    self._store.describe(self.folder), read)
         if self._group.is_coordinator:
             secs = time.perf_counter() - start
-            nbytes = layout.folder_bytes(target.path, held=True)
             logger.info("loaded %s%s: %s in %.2f s, %.2f GB/s", target.store.describe(target.path),
                         " (model only)" if target.model_only else "", fmt_bytes(nbytes), secs, gb_per_s(nbytes, secs))
         self._retain_loaded(target, folders)
@@ -946,21 +951,27 @@ class CheckpointManager:
                     "node?); every rank would start from scratch. Give every rank the same folder")
         return agreed
 
-    def _read(self, target: LoadTarget) -> None:
+    def _read(self, target: LoadTarget) -> int:
         """Each rank checks its share of the step and reads its values, the states check them,
         and every rank agrees before any tensor is written (`StepFormat.read`); then each rank
         fills its tensors in place, one gather makes any rank's failure every rank's, and the
         states take what was read. A failure once tensors are being written leaves the job's
         state undefined: `PartialLoadError` on every rank, and `save()` refuses until a load
-        succeeds."""
+        succeeds. Returns the bytes of tensors the ranks read, together (not the step folder's
+        size: a model-only load of a full step reads a part of it)."""
         state = self._group.each(lambda: self._request.state(target), f"loading {target.path}")
         if target.format.named_as_state:
             self._request.warn_unloaded(target, state)
+        held = _local_bytes(state)  # before `_apply`, which hands the tensors read to the states
+
+        def apply() -> int:
+            self._apply(state, target.path)
+            return held
         try:
             where = target.store.describe(target.path)
             self._group.run(lambda: target.format.read(target.path, target.index, state, target.store,
                                                        lambda: self._check_loaded(state, where)))
-            self._group.run(lambda: self._apply(state, target.path))
+            nbytes = sum(self._group.run(apply))
             self._half_loaded = None  # only a load that succeeded clears it: a refused one changed nothing
         except RankFailed as failed:
             # a rank interrupted mid-read (Ctrl-C, a handler's exit) may have left any rank's tensors half filled
@@ -974,6 +985,7 @@ class CheckpointManager:
             if not isinstance(e, Exception):
                 self._half_loaded = PartialLoadError(target.path, e)
             raise
+        return nbytes
 
     def _check_loaded(self, state: dict[str, Any], where: str) -> None:
         """Whether each state takes the values read for it, before any of the load is applied
@@ -1071,6 +1083,12 @@ def _described(call: Any) -> str:
         return "is not saving (it is in another call of the manager, load() say)"
     step, kind, fmt, last = call
     return f"saves step {step} ({kind}, {fmt}{', last_step' if last else ''})"
+
+
+def _local_bytes(state: dict[str, Any]) -> int:
+    """The bytes of this rank's tensors in `state` (a DTensor's local part): what it reads of a
+    step into them."""
+    return sum(local_values(t).nbytes for t in flatten_state_dict(state)[0].values() if isinstance(t, torch.Tensor))
 
 
 def _loading(call: Any) -> str:

@@ -206,6 +206,13 @@ class StateDictAdapter:
             if export else {}
         check_names("state dict -> HF", ours, self.sources if complete else ours & set(self.sources), **hint)
 
+    def left_out(self, state_dict: dict[str, Any]) -> list[str]:
+        """The tensors of `state_dict` (the model's, or a pipeline stage's) that an export leaves
+        out: none, as this adapter maps every tensor of the model it is built for; any other
+        tensor is an `AdapterMismatchError` (`check_model_names`)."""
+        self.check_model_names(state_dict, complete=False, export=True)
+        return []
+
     def to_hf(self, state_dict: dict[str, Any], complete: bool = True) -> dict[str, Any]:
         """Our names -> HF names. Values may be tensors or DTensors; one expert of a grouped
         tensor is a `RowOf` it, a q/k projection whose shards cut a head `PermutedRows`.
@@ -363,6 +370,21 @@ class ForeignAdapter:
 
     def hf_sources(self, names: Iterable[str]) -> None:
         return None
+
+    def left_out(self, state_dict: dict[str, Any]) -> list[str] | None:
+        """The tensors of `state_dict` that an export through this adapter leaves out (TorchTitan's
+        Qwen3-MoE adapter: each MoE layer's `expert_bias`, for which the Hub's format has no
+        place), found by a round trip through `to_hf` and `from_hf` of empty (meta) tensors of
+        their whole shapes; None where the adapter cannot take such tensors."""
+        empty = {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+                 for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+        try:
+            back = self.adapter.from_hf(self.adapter.to_hf(empty))
+        except Exception as e:  # its own code, on tensors it was not written for: unknown then
+            logger.debug("%s cannot map empty tensors (%s: %s): the tensors its export leaves out are not known "
+                         "before it", type(self.adapter).__name__, type(e).__name__, e)
+            return None
+        return sorted(set(empty) - set(back))
 
     def export_config(self, dtype: torch.dtype) -> dict[str, Any]:
         config = _assets_config(self.hf_assets_path)

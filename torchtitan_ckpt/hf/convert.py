@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.device_mesh import init_device_mesh
 
 from .. import commit
-from ..config import Checkpoint
+from ..config import BUILTIN_STATES, Checkpoint
 from ..dcp import storage
 from ..dcp.metadata import METADATA_FILE, read_metadata
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -148,6 +148,14 @@ def recorded_rope_layout(step_dir: str) -> str | None:
     return layout
 
 
+_TITAN_03_NAME = ".attention.qkv_linear."
+"""Part of the names TorchTitan 0.3's models give their q, k and v projections."""
+_TITAN_03_HINT = ("its model tensors are named as TorchTitan 0.3 names them (attention.qkv_linear.wq, lm_head, "
+                  "moe.routed_experts), and the built-in adapters map TorchTitan 0.2's names: export it with "
+                  "TorchTitan's own adapter, from a CheckpointManager given it (sd_adapter=, "
+                  "initial_load_path = the step, last_save_in_hf; docs/torchtitan.md)")
+
+
 def _dcp_tensors(path: str, adapter: StateDictAdapter) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
     """The shapes and dtypes of the adapter's tensors in the DCP folder `path`, checked against
     the config's shapes and their data files (`_check_stored`) before anything is allocated (a
@@ -157,9 +165,14 @@ def _dcp_tensors(path: str, adapter: StateDictAdapter) -> tuple[dict[str, tuple[
     shapes = {k: v for k, v in adapter.state_dict_shapes().items() if k in saved or k in adapter.shapes}
     found = {f"{k} {list(saved[k].size)}" for k in shapes if k in saved and hasattr(saved[k], "size")}
     expected = {f"{k} {list(v)}" for k, v in shapes.items()}
-    if found != expected:
+    if found != expected:  # the step's other model tensors are named too: a renamed module shows as both
+        states = set(BUILTIN_STATES) - {"model"}
+        others = {f"{k} {list(v.size)}" for k, v in saved.items()
+                  if k not in shapes and hasattr(v, "size") and k.partition(".")[0] not in states}
+        newer = any(_TITAN_03_NAME in k for k in saved)
         raise AdapterMismatchError(f"{path}: tensors in the checkpoint (unknown) vs the HF config's (missing)",
-                                   list(found - expected), list(expected - found))
+                                   list(found - expected | others), list(expected - found),
+                                   **({"hint": _TITAN_03_HINT} if newer else {}))
     _check_stored(path, metadata, list(shapes))
     return shapes, {k: saved[k].properties.dtype for k in shapes}
 
