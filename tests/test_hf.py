@@ -970,6 +970,23 @@ def test_convert_dcp_to_hf_and_back(tmp_path):
         assert_same(tensors, tensors_by_file(str(tmp_path / "hf"))[file])
 
 
+def test_convert_reads_a_step_of_torchtitan_0_3_by_its_names(tmp_path):
+    """TorchTitan 0.3 renamed the q, k and v projections (`attention.qkv_linear.wq`) and the head
+    (`lm_head`): `convert --to hf` of its step was refused; it writes the files of the same
+    model saved under TorchTitan 0.2's names."""
+    state = our_model(seed=3).state_dict()
+    titan_03 = {k.replace(".attention.w", ".attention.qkv_linear.w").replace("qkv_linear.wo.", "wo.")
+                .replace("output.", "lm_head."): v for k, v in state.items()}
+    assert "layers.0.attention.qkv_linear.wv.weight" in titan_03 and "lm_head.weight" in titan_03
+    dcp.save(state, checkpoint_id=str(tmp_path / "v02"))
+    dcp.save(titan_03, checkpoint_id=str(tmp_path / "v03"))
+    assets = _assets(tmp_path / "assets", ARGS)
+    for name in ("v02", "v03"):
+        assert _convert("--to", "hf", str(tmp_path / name), str(tmp_path / f"hf-{name}"), "--hf-assets", assets) == 0
+    assert_same(load_file(str(tmp_path / "hf-v03" / "model-00001-of-00001.safetensors")),
+                load_file(str(tmp_path / "hf-v02" / "model-00001-of-00001.safetensors")))
+
+
 def test_convert_reports_a_config_that_is_not_the_checkpoints(tmp_path, capsys):
     dcp.save(our_model().state_dict(), checkpoint_id=str(tmp_path / "step-5"))
     small = _assets(tmp_path / "small", FLAVORS["small"])
@@ -980,15 +997,24 @@ def test_convert_reports_a_config_that_is_not_the_checkpoints(tmp_path, capsys):
     assert _convert("--to", "hf", str(tmp_path / "step-5"), str(tmp_path / "hf")) == 2
     assert "step-5 records no HF config (hf_config.json); pass --hf-assets" in capsys.readouterr().err
     # the step's names the adapter does not know are named: before, "0 unknown name(s) []"
-    renamed = {k.replace("attention.wq", "attention.qkv_linear.wq").replace("output.", "lm_head."): v
-               for k, v in our_model().state_dict().items()}
+    renamed = {k.replace(".wk.", ".key.").replace("output.", "head."): v for k, v in our_model().state_dict().items()}
     dcp.save(renamed, checkpoint_id=str(tmp_path / "step-6"))
-    assert _convert("--to", "hf", str(tmp_path / "step-6"), str(tmp_path / "hf"),
-                    "--hf-assets", _assets(tmp_path / "full", ARGS)) == 2
+    full = _assets(tmp_path / "full", ARGS)
+    assert _convert("--to", "hf", str(tmp_path / "step-6"), str(tmp_path / "hf"), "--hf-assets", full) == 2
     err = capsys.readouterr().err
-    assert f"'layers.1.attention.qkv_linear.wq.weight [{ARGS.dim}, {ARGS.dim}]'" in err
-    assert f"'lm_head.weight [{ARGS.vocab_size}, {ARGS.dim}]'" in err and "'output.weight" in err
-    assert "named as TorchTitan 0.3 names them" in err and "sd_adapter=" in err
+    assert f"'layers.1.attention.key.weight {list(renamed['layers.1.attention.key.weight'].shape)}'" in err
+    assert f"'head.weight [{ARGS.vocab_size}, {ARGS.dim}]'" in err and "'output.weight" in err
+    # a step of ours: the tensors of a state of the job's own (an EMA) are not the model's
+    from tests.helpers import TensorState
+    from torchtitan_ckpt import Checkpoint, CheckpointManager
+
+    with CheckpointManager(Checkpoint(enable=True, interval=1), our_model(), base_folder=str(tmp_path / "run"),
+                           states={"ema": TensorState(torch.ones(3))}) as manager:
+        manager.save(1)
+    assert _convert("--to", "hf", str(tmp_path / "run" / "checkpoint" / "step-1"), str(tmp_path / "hf"),
+                    "--hf-assets", small) == 2
+    err = capsys.readouterr().err
+    assert "'tok_embeddings.weight [256, 64]'" in err and "ema." not in err
     assert _convert("--to", "hf", str(tmp_path / "nothing"), str(tmp_path / "hf"), "--hf-assets", small) == 2
     assert "nothing is not a DCP checkpoint folder (no .metadata)" in capsys.readouterr().err
 

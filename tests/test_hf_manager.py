@@ -287,7 +287,7 @@ def test_tensors_another_adapters_export_leaves_out_are_told_when_the_manager_is
     """TorchTitan's Qwen3-MoE adapter leaves each MoE layer's `expert_bias` out of its export (the
     Hub's format has no place for it), which training moves: the export went through without a
     word, and its model routed otherwise. The tensors such an adapter leaves out are named when
-    the manager is built; an adapter that cannot take empty tensors is not asked."""
+    the manager is built; of an adapter that cannot take empty tensors, that they are not known."""
     from safetensors.torch import load_file
 
     os.makedirs(tmp_path / "assets")
@@ -314,13 +314,16 @@ def test_tensors_another_adapters_export_leaves_out_are_told_when_the_manager_is
     for adapter, told in ((DropsBias(), True), (ReadsValues(), False)):
         caplog.clear()
         folder = tmp_path / type(adapter).__name__
-        with caplog.at_level("WARNING", logger="torchtitan_ckpt.manager"):
+        with caplog.at_level("INFO", logger="torchtitan_ckpt.manager"):
             with CheckpointManager(config, model, state_dict_adapter=adapter, base_folder=str(folder)) as manager:
                 warned = [m for m in caplog.messages if "leaves out" in m]
                 assert warned == ([
                     "the Hugging Face export (checkpoint.last_save_in_hf) leaves out 1 model tensor(s) that the "
                     "state-dict adapter maps to no Hugging Face tensor, e.g. ['expert_bias']: the exported model "
-                    "lacks them"] if told else [])
+                    "lacks them"] if told else [
+                    "the Hugging Face export (checkpoint.last_save_in_hf): which model tensors it leaves out is not "
+                    "known before it (on 1 rank(s) the state-dict adapter's to_hf and from_hf do not take empty "
+                    "tensors of the model's shapes)"])
                 manager.save(1, last_step=True)
         step = layout.step_dir(_folder(folder), 1)
         exported = {k: v for f in sorted(os.listdir(step)) if f.endswith(".safetensors")

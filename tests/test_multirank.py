@@ -137,6 +137,29 @@ def test_a_rank_interrupted_while_loading_leaves_every_rank_refusing_to_save(tmp
     spawn(2, _load_interrupted_on_rank_0, str(tmp_path))
 
 
+def _load_telling_its_bytes(rank: int, world_size: int, folder: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan_ckpt.progress import fmt_bytes
+
+    told: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: told.append(record.getMessage())
+    logging.getLogger("torchtitan_ckpt.manager").addHandler(handler)
+    logging.getLogger("torchtitan_ckpt.manager").setLevel(logging.INFO)
+    with _saved_then_fresh(world_size, folder) as manager:
+        assert manager.load()
+        tensors = manager._model.state_dict().values()  # noqa: SLF001 - what each rank reads into
+    # a shard is read by its rank alone, a tensor every rank holds whole by every rank
+    read = sum(t.numel() * t.element_size() * (1 if isinstance(t, DTensor) else world_size) for t in tensors)
+    if rank == 0:
+        assert f": {fmt_bytes(read)} in " in next(m for m in told if m.startswith("loaded ")), told
+
+
+def test_a_load_tells_the_bytes_every_rank_read(tmp_path):
+    spawn(2, _load_telling_its_bytes, str(tmp_path))
+
+
 def _load_failing_on_rank_1(rank: int, world_size: int, folder: str) -> None:
     import errno
 

@@ -22,6 +22,7 @@ CHECKS = [
     "ours loads TorchTitan's step as initial_load_path",
     "TorchTitan loads our step with load(step=5)",
     "TorchTitan's adapter exports an HF folder through ours that transformers loads",
+    "our convert writes TorchTitan's step as TorchTitan's adapter does",
     "TorchTitan's adapter imports the HF folder back through ours",
 ]
 

@@ -290,6 +290,23 @@ def _hf_config(adapter: Any, hf: dict[str, torch.Tensor]) -> dict[str, Any]:
             "tie_word_embeddings": "lm_head.weight" not in hf, "torch_dtype": "float32"}
 
 
+def convert_step(step: str, assets: str, out: str, hf: dict[str, torch.Tensor]) -> None:
+    """`torchtitan-ckpt convert --to hf` of our step of TorchTitan's model (its names, 0.2's or
+    0.3's), in a process of its own: the files TorchTitan's adapter writes (`hf`)."""
+    import glob
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    launcher = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("TORCHELASTIC")}
+    ran = subprocess.run([sys.executable, "-m", "torchtitan_ckpt.cli", "convert", "--to", "hf", step, out,
+                          "--hf-assets", assets], env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    files = {k: v for f in glob.glob(os.path.join(out, "*.safetensors")) for k, v in load_file(f).items()}
+    compare(files, hf, "our convert writes TorchTitan's step as TorchTitan's adapter does")
+
+
 def hf_round_trip(stack: Stack, out: str) -> None:
     """TorchTitan's own adapter through our manager: an export `transformers` loads, imported back."""
     import json
@@ -312,6 +329,9 @@ def hf_round_trip(stack: Stack, out: str) -> None:
         loaded = LlamaForCausalLM.from_pretrained(exported).state_dict()
         compare({k: v for k, v in loaded.items() if k in hf}, hf, "TorchTitan's adapter exports an HF folder "
                 "through ours that transformers loads")
+        convert_step(layout.step_dir(os.path.join(out, "titan"), stack.train_state.step), assets,
+                     os.path.join(out, "converted"), hf)
+    dist.barrier()
     back = build_stack(seed=4)
     with our_manager(back, os.path.join(out, "hf-empty"), initial_load_path=exported,
                      initial_load_in_hf=True) as manager:

@@ -26,7 +26,6 @@ from typing import Any, NoReturn, TypeVar, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's keys, as its planner makes them
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import commit, gc_pause, layout, storage
@@ -55,7 +54,7 @@ from .hf.save import assets_file_split, read_assets
 from .io.dtypes import EXPORT_DTYPES, exported_state
 from .io import safe_open
 from .io.filewriter import Sink
-from .io.tensors import local_values
+from .io.tensors import local_bytes
 from .load_request import LoadRequest
 from .load_target import LoadTarget, TargetFinder
 from .progress import fmt_bytes, gb_per_s
@@ -271,15 +270,13 @@ class CheckpointManager:
         if export := next((k for k in ("last_save_in_hf", "hf_export_interval") if getattr(config, k)), None):
             try:  # what rank 0 writes beside the files, known now, not at the export after the training
                 self._group.run(self._check_export, coordinator_only=True)
-                left_out = sorted({name for names in self._group.run(self._check_exported_names) for name in names})
+                left_out = self._group.run(self._check_exported_names)
             except RankFailed as failed:
                 raise ConfigError(f"checkpoint.{export}", getattr(config, export), str(failed.error or failed)) from None
             if problem := self._untied():
                 raise ConfigError(f"checkpoint.{export}", getattr(config, export), problem)
-            if left_out and self._group.is_coordinator:
-                logger.warning("the Hugging Face export (checkpoint.%s) leaves out %d model tensor(s) that the state-dict "
-                               "adapter maps to no Hugging Face tensor, e.g. %s: the exported model lacks them", export,
-                               len(left_out), left_out[:5])
+            if self._group.is_coordinator:
+                _tell_left_out(export, left_out)
         if config.create_seed_checkpoint and self._group.world_size != 1:
             raise ConfigError("checkpoint.create_seed_checkpoint", True,
                               f"a seed checkpoint is written by a single process; this job has "
@@ -329,13 +326,13 @@ class CheckpointManager:
             raise CheckpointError(f"the copies go into {safe_open.denied(copies, 'not writable')}; ask its owner "
                                   "to make it writable to you, or save into another checkpoint.folder")
 
-    def _check_exported_names(self) -> list[str]:
+    def _check_exported_names(self) -> list[str] | None:
         """Where the adapter knows the tensors it exports (one of ours): that it maps each of this
         rank's model tensors (a LoRA adapter's, a parametrization's `original0`, a module's
         `_extra_state` are none of them), known now rather than at the export after the training,
         which the job's last save would have been. Another's (TorchTitan's) may leave some out by
-        design: those of this rank, to be told."""
-        return self._adapter.left_out(self._model.state_dict()) or []
+        design: those of this rank, to be told (None: not known before the export)."""
+        return self._adapter.left_out(self._model.state_dict())
 
     def _untied(self) -> str | None:
         """Why the model cannot be exported under the adapter's config, which ties the head to
@@ -962,7 +959,7 @@ class CheckpointManager:
         state = self._group.each(lambda: self._request.state(target), f"loading {target.path}")
         if target.format.named_as_state:
             self._request.warn_unloaded(target, state)
-        held = _local_bytes(state)  # before `_apply`, which hands the tensors read to the states
+        held = local_bytes(state)  # before `_apply`, which hands the tensors read to the states
 
         def apply() -> int:
             self._apply(state, target.path)
@@ -1085,10 +1082,18 @@ def _described(call: Any) -> str:
     return f"saves step {step} ({kind}, {fmt}{', last_step' if last else ''})"
 
 
-def _local_bytes(state: dict[str, Any]) -> int:
-    """The bytes of this rank's tensors in `state` (a DTensor's local part): what it reads of a
-    step into them."""
-    return sum(local_values(t).nbytes for t in flatten_state_dict(state)[0].values() if isinstance(t, torch.Tensor))
+def _tell_left_out(export: str, left_out: list[list[str] | None]) -> None:
+    """Log the model tensors that the HF export's adapter leaves out (each rank's, `left_out`), and
+    that it could not be asked where a rank's adapter could not say."""
+    names = sorted({name for found in left_out if found for name in found})
+    if names:
+        logger.warning("the Hugging Face export (checkpoint.%s) leaves out %d model tensor(s) that the state-dict "
+                       "adapter maps to no Hugging Face tensor, e.g. %s: the exported model lacks them", export,
+                       len(names), names[:5])
+    if None in left_out:
+        logger.info("the Hugging Face export (checkpoint.%s): which model tensors it leaves out is not known before "
+                    "it (on %d rank(s) the state-dict adapter's to_hf and from_hf do not take empty tensors of the "
+                    "model's shapes)", export, left_out.count(None))
 
 
 def _loading(call: Any) -> str:

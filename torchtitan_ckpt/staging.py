@@ -338,8 +338,8 @@ class BackgroundSaves:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            self.stager.release()  # first: stopping the writer may wait, and be interrupted
             self.stager.end_writes()
-            self.stager.release()
 
     def abandoner(self) -> Callable[[], None]:
         """What lets go of what `close` would, waiting for nothing, for an owner's finalizer (the

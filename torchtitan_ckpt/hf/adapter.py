@@ -376,9 +376,9 @@ class ForeignAdapter:
         Qwen3-MoE adapter: each MoE layer's `expert_bias`, for which the Hub's format has no
         place), found by a round trip through `to_hf` and `from_hf` of empty (meta) tensors of
         their whole shapes; None where the adapter cannot take such tensors."""
-        empty = {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
-                 for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
-        try:
+        try:  # a tensor of no shape of its own (a nested tensor) too
+            empty = {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+                     for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
             back = self.adapter.from_hf(self.adapter.to_hf(empty))
         except Exception as e:  # its own code, on tensors it was not written for: unknown then
             logger.debug("%s cannot map empty tensors (%s: %s): the tensors its export leaves out are not known "

@@ -8,7 +8,8 @@
     torchrun --nproc_per_node 4 -m torchtitan_ckpt.cli convert --to dcp HF_DIR OUT_DIR
 
 No model is built: the adapter, picked by `config.json`'s `model_type`, gives the name and shape
-of every tensor, and the DCP side is those names -> tensors. `--to dcp` records the HF config in
+of every tensor, and the DCP side is those names -> tensors (`--to hf` reads a step of TorchTitan
+0.3 by the names it renamed them to: `_TITAN_03_NAMES`). `--to dcp` records the HF config in
 the step folder (`hf_config.json`) and the RoPE layout it permuted q/k for (`rope_layout.json`),
 so `--to hf` of that folder needs neither `--hf-assets` nor `--rope-layout` for its weights and
 config; the tokenizer and generation files and the file split come only from `--hf-assets`. With
@@ -23,7 +24,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -41,8 +42,8 @@ from ..dcp.metadata import METADATA_FILE, read_metadata
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..io import IO_THREADS, durable, safe_open
 from ..io.dtypes import EXPORT_DTYPES
-from ..io.tensors import local_values
-from .adapter import ROPE_LAYOUTS, StateDictAdapter
+from ..io.tensors import local_bytes
+from .adapter import ROPE_LAYOUTS, TIED_HEAD, StateDictAdapter
 from .files import CONFIG_FILE, MAX_RECORDED_LAYOUT_BYTES, RECORDED_CONFIG, RECORDED_LAYOUT
 from .load import check_hf_dir, load_hf
 from .model_config import read_hf_config
@@ -88,7 +89,7 @@ def to_dcp(hf_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pat
     layout = check_hf_dir(meta, hf_dir, sources, tied_copies=adapter.tied_copies)  # before allocating
     dtypes = {k: layout[source.hf_names[0]].dtype for k, source in sources.items()}
     state = empty_state_dict(shapes, dtypes)
-    nbytes = _local_bytes(state)
+    nbytes = local_bytes(state)
     load_hf(state, hf_dir, adapter)
     report("reading", nbytes, nbytes)
     _write_dcp(state, dst, config.raw, adapter.rope_layout)
@@ -118,9 +119,11 @@ def to_hf(step_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pa
             f"{step_dir} does not record the RoPE layout of its model (a step the training job saved), and "
             f"{adapter_name or config.model_type} models differ in it: pass --rope-layout halves (TorchTitan's "
             "Qwen3) or interleaved (this package's example model)")
-    state = empty_state_dict(*_dcp_tensors(step_dir, adapter))
-    _read_dcp(state, step_dir)
-    nbytes = _local_bytes(state)
+    shapes, dtypes, stored = _dcp_tensors(step_dir, adapter)
+    held = empty_state_dict({stored[k]: shape for k, shape in shapes.items()}, {stored[k]: d for k, d in dtypes.items()})
+    _read_dcp(held, step_dir)
+    state = {k: held[stored[k]] for k in shapes}
+    nbytes = local_bytes(state)
     report("reading", nbytes, nbytes)
     save_hf(state, dst, adapter, dtype=export["dtype"], max_shard_size=export["max_shard_size"],
             mode=export["consolidation"], num_threads=export["threads"],
@@ -148,33 +151,55 @@ def recorded_rope_layout(step_dir: str) -> str | None:
     return layout
 
 
-_TITAN_03_NAME = ".attention.qkv_linear."
-"""Part of the names TorchTitan 0.3's models give their q, k and v projections."""
-_TITAN_03_HINT = ("its model tensors are named as TorchTitan 0.3 names them (attention.qkv_linear.wq, lm_head, "
-                  "moe.routed_experts), and the built-in adapters map TorchTitan 0.2's names: export it with "
-                  "TorchTitan's own adapter, from a CheckpointManager given it (sd_adapter=, "
-                  "initial_load_path = the step, last_save_in_hf; docs/torchtitan.md)")
+_TITAN_03_NAMES = ((".attention.wq.", ".attention.qkv_linear.wq."), (".attention.wk.", ".attention.qkv_linear.wk."),
+                   (".attention.wv.", ".attention.qkv_linear.wv."),
+                   (".moe.experts.w1", ".moe.routed_experts.inner_experts.w1_EFD"),
+                   (".moe.experts.w3", ".moe.routed_experts.inner_experts.w3_EFD"),
+                   (".moe.experts.w2", ".moe.routed_experts.inner_experts.w2_EDF"))
+"""How TorchTitan 0.3 renamed the tensors that the adapters know by TorchTitan 0.2's (and this
+package's example's) names, part for part, in the same layout; and the head, `lm_head.weight`."""
+_TITAN_03_HEAD = "lm_head.weight"
 
 
-def _dcp_tensors(path: str, adapter: StateDictAdapter) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
+def _titan_03_name(name: str) -> str:
+    """`name`, as TorchTitan 0.2 names a tensor, as TorchTitan 0.3 names it."""
+    if name == TIED_HEAD:
+        return _TITAN_03_HEAD
+    for old, new in _TITAN_03_NAMES:
+        if old in name and (not old[-1].isalnum() or name.endswith(old)):  # `.moe.experts.w1` ends the name
+            return name.replace(old, new)
+    return name
+
+
+def _step_names(adapter: StateDictAdapter, saved: Mapping[str, Any]) -> dict[str, str]:
+    """The adapter's tensor names -> the names the step holds them under: TorchTitan 0.3's where
+    the step holds its q projection by them, else the adapter's own."""
+    names = adapter.state_dict_shapes()
+    newer = any(_titan_03_name(k) != k and _titan_03_name(k) in saved for k in names if ".attention.wq." in k)
+    return {k: _titan_03_name(k) if newer else k for k in names}
+
+
+def _dcp_tensors(path: str, adapter: StateDictAdapter) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype],
+                                                                 dict[str, str]]:
     """The shapes and dtypes of the adapter's tensors in the DCP folder `path`, checked against
     the config's shapes and their data files (`_check_stored`) before anything is allocated (a
-    tied head may be absent)."""
+    tied head may be absent), and the names the step holds them under (`_step_names`)."""
     metadata = read_metadata(os.path.join(path, METADATA_FILE))
     saved = metadata.state_dict_metadata
-    shapes = {k: v for k, v in adapter.state_dict_shapes().items() if k in saved or k in adapter.shapes}
-    found = {f"{k} {list(saved[k].size)}" for k in shapes if k in saved and hasattr(saved[k], "size")}
-    expected = {f"{k} {list(v)}" for k, v in shapes.items()}
+    stored = _step_names(adapter, saved)
+    shapes = {k: v for k, v in adapter.state_dict_shapes().items() if stored[k] in saved or k in adapter.shapes}
+    found = {f"{stored[k]} {list(saved[stored[k]].size)}" for k in shapes
+             if stored[k] in saved and hasattr(saved[stored[k]], "size")}
+    expected = {f"{stored[k]} {list(v)}" for k, v in shapes.items()}
     if found != expected:  # the step's other model tensors are named too: a renamed module shows as both
-        states = set(BUILTIN_STATES) - {"model"}
+        states = set(commit.read_marker(path).states if commit.is_committed(path) else BUILTIN_STATES) - {"model"}
+        held = {stored[k] for k in shapes}
         others = {f"{k} {list(v.size)}" for k, v in saved.items()
-                  if k not in shapes and hasattr(v, "size") and k.partition(".")[0] not in states}
-        newer = any(_TITAN_03_NAME in k for k in saved)
+                  if k not in held and hasattr(v, "size") and k.partition(".")[0] not in states}
         raise AdapterMismatchError(f"{path}: tensors in the checkpoint (unknown) vs the HF config's (missing)",
-                                   list(found - expected | others), list(expected - found),
-                                   **({"hint": _TITAN_03_HINT} if newer else {}))
-    _check_stored(path, metadata, list(shapes))
-    return shapes, {k: saved[k].properties.dtype for k in shapes}
+                                   list(found - expected | others), list(expected - found))
+    _check_stored(path, metadata, [stored[k] for k in shapes])
+    return shapes, {k: saved[stored[k]].properties.dtype for k in shapes}, {k: stored[k] for k in shapes}
 
 
 def _check_stored(path: str, metadata: Metadata, keys: list[str]) -> None:
@@ -238,8 +263,3 @@ def _write_dcp(state: dict[str, Any], path: str, hf_config: dict[str, Any], rope
         commit.write_marker(path, commit.CommitInfo(step=0, states=["model"], world_size=world))
     if dist.is_initialized():
         dist.barrier()
-
-
-def _local_bytes(state: dict[str, Any]) -> int:
-    """Bytes of this rank's part of `state`."""
-    return sum(local_values(v).nbytes for v in state.values())

@@ -315,7 +315,6 @@ class SharedArenas(Stager):
             writer.stop()
 
 
-
 class Copies:
     """One staging's copies, made in order by `run`. `ready(t)` blocks until the copy that `t` is
     (or is a view of) is made, so a writer may start on the first tensors while later ones are
@@ -452,7 +451,6 @@ def _destination(t: torch.Tensor, into: torch.Tensor | None = None) -> tuple[tor
         # mesh's copy would go back to the GPU, before anything is copied into it)
         return copied, DTensor(copied, t._spec, requires_grad=False)
     return copied, copied
-
 
 
 def copied_value(value: Any, path: tuple) -> Any:

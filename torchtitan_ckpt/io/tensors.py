@@ -3,7 +3,10 @@ subclass known to hold its values in one plain tensor."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's keys, as its planner makes them
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -63,6 +66,11 @@ def local_values(t: torch.Tensor) -> torch.Tensor:
     """This rank's values of `t`: a DTensor's local tensor, or `t` itself (`held`'s inner tensor
     of either)."""
     return held(t.to_local() if isinstance(t, DTensor) else t)
+
+
+def local_bytes(state: dict[str, Any]) -> int:
+    """The bytes of this rank's values of the tensors in `state`, nested as DCP nests them."""
+    return sum(local_values(t).nbytes for t in flatten_state_dict(state)[0].values() if isinstance(t, torch.Tensor))
 
 
 def memory_of(t: torch.Tensor) -> tuple:
