@@ -247,6 +247,38 @@ def test_a_recorded_rope_layout_that_is_not_one_is_refused_naming_the_file(qwen3
         convert("hf", str(bad), str(tmp_path / "hf"))
 
 
+def test_torchtitans_load_balancing_bias_is_set_to_zero_on_import_and_told_as_left_out_of_an_export(tmp_path, caplog):
+    """TorchTitan's Qwen3-MoE holds a routing bias per MoE layer (`moe.expert_bias`, trained by
+    its load balancing) that the Hub's model has none of: the adapter refused the model, for an
+    import and an export alike (tests/torchtitan_qwen3.py: with TorchTitan's own model). An
+    import sets it to zero, the Hub's routing; an export leaves it out, named when the manager
+    is built."""
+    from torchtitan_ckpt import Checkpoint, CheckpointManager
+
+    family, folder = "qwen3_moe", str(tmp_path / "hf")
+    make_hf_model(family).save_pretrained(folder)
+    args = args_from_hf_config(read_config(folder))
+    model = Transformer(args)
+    biases = [f"layers.{i}.moe.expert_bias" for i in MOE_LAYERS[family]]
+    for name in biases:
+        model.get_submodule(name.rpartition(".")[0]).register_buffer("expert_bias", torch.full((6,), 0.05))
+    adapter = adapter_for_hf_dir(folder, rope_layout="interleaved")
+    load_hf(model.state_dict(), folder, adapter)
+    assert all(not model.get_buffer(name).any() for name in biases)
+    assert (logits_of(model) - logits_of(make_hf_model(family))).abs().max() < 1e-5
+
+    with caplog.at_level("WARNING", logger="torchtitan_ckpt.manager"):
+        with CheckpointManager(Checkpoint(enable=True, last_save_in_hf=True, export_dtype="float32"), [model],
+                               base_folder=str(tmp_path / "run"), state_dict_adapter=adapter) as manager:
+            manager.save(1, last_step=True)
+    assert [m for m in caplog.messages if "leaves out" in m] == [
+        f"the Hugging Face export (checkpoint.last_save_in_hf) leaves out 2 model tensor(s) that the state-dict "
+        f"adapter maps to no Hugging Face tensor, e.g. {biases}: the exported model lacks them"]
+    exported = str(tmp_path / "run" / "checkpoint" / "step-1")
+    back = transformers.Qwen3MoeForCausalLM.from_pretrained(exported).eval()
+    assert (logits_of(back) - logits_of(model)).abs().max() < 1e-5
+
+
 def test_a_converted_step_of_another_rope_layout_is_refused_as_initial_load_path(qwen3_step, tmp_path):
     """`convert --to dcp` of a Qwen3 without `--rope-layout` writes TorchTitan's layout
     (`halves`); the example job, whose model is `interleaved`, starting from it would train a

@@ -61,4 +61,6 @@ def test_torchtitans_qwen3_model_goes_through_our_qwen3_adapter(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     assert [line[3:] for line in proc.stdout.splitlines() if line.startswith("OK ")] == [
         "TorchTitan's Qwen3 imports the transformers checkpoint through our adapter",
-        "transformers loads TorchTitan's Qwen3 exported through our adapter"]
+        "transformers loads TorchTitan's Qwen3 exported through our adapter",
+        "TorchTitan's Qwen3-MoE imports the transformers checkpoint through our adapter",
+        "transformers loads TorchTitan's Qwen3-MoE exported through our adapter"]

@@ -157,6 +157,11 @@ class StateDictAdapter:
         # head: Qwen3-0.6B's on the Hub): an import of a folder whose config ties too leaves them
         # unread, and an export leaves them out of its assets' file split
         self.tied_copies: set[str] = set()
+        self.unmapped: set[str] = set()
+        """Tensors a TorchTitan model of the family may hold that the Hub's format has no place
+        for: the load-balancing `expert_bias` of TorchTitan's Qwen3-MoE, a routing bias that the
+        Hub's model does without, as a zero bias does. An export leaves them out (the manager
+        names them when it is built); an import sets them to zero."""
         self._build()
 
     def _build(self) -> None:
@@ -194,7 +199,7 @@ class StateDictAdapter:
         """Raise `AdapterMismatchError` unless `names` are the model's (the tied head may be
         there or not); with `complete=False`, unless they are some of them (a pipeline stage's).
         `export`: the names are a model's to export, not to import into."""
-        ours = set(names) - {TIED_HEAD} if self.tied else set(names)
+        ours = (set(names) - {TIED_HEAD} if self.tied else set(names)) - self.unmapped
         if ours and not ours & set(self.sources) and ours <= {*self.hf_names, *self.tied_copies}:
             raise AdapterMismatchError(  # a transformers model, say, trained as it is
                 "state dict -> HF", sorted(ours), sorted(self.sources),
@@ -208,10 +213,10 @@ class StateDictAdapter:
 
     def left_out(self, state_dict: dict[str, Any]) -> list[str]:
         """The tensors of `state_dict` (the model's, or a pipeline stage's) that an export leaves
-        out: none, as this adapter maps every tensor of the model it is built for; any other
-        tensor is an `AdapterMismatchError` (`check_model_names`)."""
+        out: its `unmapped` ones; a tensor the adapter does not know is an `AdapterMismatchError`
+        (`check_model_names`)."""
         self.check_model_names(state_dict, complete=False, export=True)
-        return []
+        return sorted(self.unmapped & set(state_dict))
 
     def to_hf(self, state_dict: dict[str, Any], complete: bool = True) -> dict[str, Any]:
         """Our names -> HF names. Values may be tensors or DTensors; one expert of a grouped
@@ -221,6 +226,8 @@ class StateDictAdapter:
         self.check_model_names(state_dict, complete, export=True)
         out: dict[str, Any] = {}
         for name, value in state_dict.items():
+            if name in self.unmapped:
+                continue
             if self.tied and name == TIED_HEAD:
                 _check_tied(value, state_dict.get(EMBEDDING))
                 continue  # the same tensor as the embedding
@@ -234,9 +241,11 @@ class StateDictAdapter:
         return out
 
     def hf_sources(self, names: Iterable[str]) -> dict[str, HFSource]:
-        """Our names -> where each comes from in an HF checkpoint; the inverse of `to_hf`."""
+        """Our names -> where each comes from in an HF checkpoint; the inverse of `to_hf`. Its
+        `unmapped` tensors come from none (an import sets them to zero)."""
         given = set(names)
         self.check_model_names(given)
+        given -= self.unmapped
         out = {name: self.sources[name] for name in (given - {TIED_HEAD} if self.tied else given)}
         if self.tied and TIED_HEAD in given:
             out[TIED_HEAD] = self.sources[EMBEDDING]

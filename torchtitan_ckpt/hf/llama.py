@@ -83,7 +83,9 @@ class Qwen3Adapter(LlamaAdapter):
 class Qwen3MoeAdapter(Qwen3Adapter):
     """Qwen3-MoE: Qwen3's attention; in the layers `HFModelConfig.is_moe_layer` picks, a router
     and `num_experts` experts of width `moe_intermediate_size` (no shared expert); the other
-    layers have a dense FFN of width `intermediate_size`."""
+    layers have a dense FFN of width `intermediate_size`. TorchTitan's model of it balances the
+    experts' load with a bias added to the router's scores for the choice of experts, which
+    the Hub's model has no place for: `unmapped`."""
 
     def _build(self) -> None:
         if self.config.num_experts:
@@ -100,6 +102,7 @@ class Qwen3MoeAdapter(Qwen3Adapter):
         self.add_stack(ours + "moe.experts.w1", hf + "mlp.experts.{}.gate_proj.weight", experts, (width, dim))
         self.add_stack(ours + "moe.experts.w3", hf + "mlp.experts.{}.up_proj.weight", experts, (width, dim))
         self.add_stack(ours + "moe.experts.w2", hf + "mlp.experts.{}.down_proj.weight", experts, (dim, width))
+        self.unmapped.add(ours + "moe.expert_bias")  # TorchTitan's load balancing (`StateDictAdapter.unmapped`)
 
 
 class MixtralAdapter(LlamaAdapter):

@@ -141,7 +141,11 @@ def _checked(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter 
     all_sources = adapter.hf_sources(every)
     if all_sources is None:  # an adapter of whole tensors only (`ForeignAdapter`)
         return _read_through(state_dict, hf_dir, adapter, every, log)
-    sources = {name: all_sources[name] for name in state_dict}
+    sources = {name: all_sources[name] for name in state_dict if name in all_sources}
+    zeroed = [name for name in state_dict if name not in all_sources]  # the adapter's `unmapped`
+    if zeroed and log:
+        logger.info("%s: setting %d model tensor(s) that the Hugging Face format has no place for to zero, as its "
+                    "model has none, e.g. %s", hf_dir, len(zeroed), zeroed[:3])
     layout = check_hf_dir(state_dict, hf_dir, sources, {n for s in all_sources.values() for n in s.hf_names},
                           adapter.tied_copies)
     with torch.no_grad():
@@ -154,6 +158,8 @@ def _checked(state_dict: dict[str, Any], hf_dir: str, adapter: StateDictAdapter 
 
     def fill() -> int:
         with torch.no_grad():
+            for name in zeroed:
+                local_values(state_dict[name]).zero_()
             return read_all(reads, num_threads)
     return fill, sum(e.nbytes for e in layout.values())
 
