@@ -58,13 +58,20 @@ def main(out: str) -> None:
         assert (titan(tokens) - expected).abs().max() < 1e-5, (titan(tokens) - expected).abs().max()
     print("OK TorchTitan's Qwen3 imports the transformers checkpoint through our adapter", flush=True)
 
-    exported = os.path.join(out, "exported")
-    save_hf(titan.state_dict(), exported, adapter_for_hf_dir(src))
-    back = transformers.Qwen3ForCausalLM.from_pretrained(exported).eval()
+    exported_through_ours(titan, src, os.path.join(out, "exported"), transformers.Qwen3ForCausalLM, tokens,
+                          expected, "Qwen3")
+    moe(out)
+
+
+def exported_through_ours(titan: torch.nn.Module, src: str, out: str, cls: type, tokens: torch.Tensor,
+                          expected: torch.Tensor, family: str) -> None:
+    """TorchTitan's model exported through our adapter of `src`: `transformers`' `cls` loads it,
+    and gives `expected` logits."""
+    save_hf(titan.state_dict(), out, adapter_for_hf_dir(src))
+    back = cls.from_pretrained(out).eval()
     with torch.no_grad():
         assert (back(tokens).logits - expected).abs().max() < 1e-5
-    print("OK transformers loads TorchTitan's Qwen3 exported through our adapter", flush=True)
-    moe(out)
+    print(f"OK transformers loads TorchTitan's {family} exported through our adapter", flush=True)
 
 
 def moe(out: str) -> None:
@@ -112,12 +119,8 @@ def moe(out: str) -> None:
     assert torch.equal(titan.layers["1"].moe.router.gate.weight, files["model.layers.1.mlp.gate.weight"])
     print("OK TorchTitan's Qwen3-MoE imports the transformers checkpoint through our adapter", flush=True)
 
-    exported = os.path.join(out, "exported-moe")
-    save_hf(titan.state_dict(), exported, adapter_for_hf_dir(src))
-    back = transformers.Qwen3MoeForCausalLM.from_pretrained(exported).eval()
-    with torch.no_grad():
-        assert (back(tokens).logits - expected).abs().max() < 1e-5
-    print("OK transformers loads TorchTitan's Qwen3-MoE exported through our adapter", flush=True)
+    exported_through_ours(titan, src, os.path.join(out, "exported-moe"), transformers.Qwen3MoeForCausalLM, tokens,
+                          expected, "Qwen3-MoE")
 
 
 if __name__ == "__main__":
