@@ -627,9 +627,9 @@ def consolidate_safetensors(input_dir: str, output_dir: str, fqn_to_index_mappin
     if group.rank == 0:
         total = sum(s.nbytes for s in specs.values())
         seconds = time.perf_counter() - t0
+        copiers = f"{group.world_size} ranks" if all_ranks and group.world_size > 1 else "rank 0"
         logger.info("consolidated %d shard files (%.3f GB) into %d files in %s on %s in %.2f s (%.2f GB/s)",
-                    len(shard_files), total / 1e9, len(files), output_dir,
-                    f"{group.world_size} ranks" if all_ranks and group.world_size > 1 else "rank 0", seconds, gb_per_s(total, seconds))
+                    len(shard_files), total / 1e9, len(files), output_dir, copiers, seconds, gb_per_s(total, seconds))
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,8 @@ def to_hf(step_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pa
             f"{adapter_name or config.model_type} models differ in it: pass --rope-layout halves (TorchTitan's "
             "Qwen3) or interleaved (this package's example model)")
     shapes, dtypes, stored = _dcp_tensors(step_dir, adapter)
-    held = empty_state_dict({stored[k]: shape for k, shape in shapes.items()}, {stored[k]: d for k, d in dtypes.items()})
+    held = empty_state_dict({stored[k]: shape for k, shape in shapes.items()},
+                            {stored[k]: dtype for k, dtype in dtypes.items()})
     _read_dcp(held, step_dir)
     state = {k: held[stored[k]] for k in shapes}
     nbytes = local_bytes(state)
