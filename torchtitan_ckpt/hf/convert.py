@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -167,16 +167,15 @@ def _titan_03_name(name: str) -> str:
     if name == TIED_HEAD:
         return _TITAN_03_HEAD
     for old, new in _TITAN_03_NAMES:
-        if old in name and (not old[-1].isalnum() or name.endswith(old)):  # `.moe.experts.w1` ends the name
+        if old in name:
             return name.replace(old, new)
     return name
 
 
-def _step_names(adapter: StateDictAdapter, saved: Mapping[str, Any]) -> dict[str, str]:
-    """The adapter's tensor names -> the names the step holds them under: TorchTitan 0.3's where
-    the step holds its q projection by them, else the adapter's own."""
-    names = adapter.state_dict_shapes()
-    newer = any(_titan_03_name(k) != k and _titan_03_name(k) in saved for k in names if ".attention.wq." in k)
+def _step_names(names: Iterable[str], saved: Mapping[str, Any]) -> dict[str, str]:
+    """The adapter's tensor `names` -> the names the step holds them under: TorchTitan 0.3's
+    where the step holds its q projection by them, else the adapter's own."""
+    newer = any(_titan_03_name(k) in saved for k in names if ".attention.wq." in k)
     return {k: _titan_03_name(k) if newer else k for k in names}
 
 
@@ -187,8 +186,9 @@ def _dcp_tensors(path: str, adapter: StateDictAdapter) -> tuple[dict[str, tuple[
     tied head may be absent), and the names the step holds them under (`_step_names`)."""
     metadata = read_metadata(os.path.join(path, METADATA_FILE))
     saved = metadata.state_dict_metadata
-    stored = _step_names(adapter, saved)
-    shapes = {k: v for k, v in adapter.state_dict_shapes().items() if stored[k] in saved or k in adapter.shapes}
+    every = adapter.state_dict_shapes()
+    stored = _step_names(every, saved)
+    shapes = {k: v for k, v in every.items() if stored[k] in saved or k in adapter.shapes}
     found = {f"{stored[k]} {list(saved[stored[k]].size)}" for k in shapes
              if stored[k] in saved and hasattr(saved[stored[k]], "size")}
     expected = {f"{stored[k]} {list(v)}" for k, v in shapes.items()}
