@@ -275,6 +275,8 @@ def main(out: str) -> None:
     titan.close()
     compare(snapshot(back), after_ours, "TorchTitan loads our step with load(step=5)")
     hf_round_trip(back, out)
+    if not VERSION.startswith("0.2"):
+        chosen_by_config(os.path.join(out, "chosen"))
 
 
 def _hf_config(adapter: Any, hf: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -338,6 +340,47 @@ def hf_round_trip(stack: Stack, out: str) -> None:
         assert manager.load()
     compare({k: _plain(v) for k, v in back.model.state_dict().items()}, full,
             "TorchTitan's adapter imports the HF folder back through ours")
+
+
+def llama3_with_ours():
+    """A job's `config_registry` function (TorchTitan 0.3) choosing this package as its checkpointer."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from torchtitan_ckpt.torchtitan_backend import TorchtitanCkptManager
+
+    cfg = llama3_debugmodel()
+    cfg.checkpoint = TorchtitanCkptManager.Config(enable=True, interval=2, keep_latest_k=0,
+                                                  last_save_model_only=False)
+    return cfg
+
+
+def chosen_by_config(folder: str) -> None:
+    """TorchTitan 0.3's command line over `llama3_with_ours`, our own keys among its flags: the
+    checkpointer its config builds saves as ours, waits as TorchTitan's do, and resumes."""
+    from torchtitan.config.manager import ConfigManager
+
+    cfg = ConfigManager().parse_args([
+        "--module", "tests.torchtitan_interop", "--config", "llama3_with_ours", "--checkpoint.folder", folder,
+        "--checkpoint.async_mode", "async", "--checkpoint.dedup_policy", "lowest_rank",
+        "--checkpoint.verify_on_load"])
+    source = build_stack(seed=5)
+    checkpointer = cfg.checkpoint.build(sd_adapter=source.adapter, base_folder="", **source.parts())
+    settings = checkpointer.manager.config
+    assert (settings.async_mode, settings.dedup_policy, settings.verify_on_load) == ("async", "lowest_rank", True)
+    for _ in range(2):
+        source.train(1)
+        checkpointer.save(curr_step=source.train_state.step)
+    checkpointer.maybe_wait_for_saving()
+    if dist.get_rank() == 0:  # the rank that commits: durable once the wait returns
+        found = [(s.step, s.status) for s in layout.scan(folder)]
+        assert found == [(2, "complete")], found
+    checkpointer.close()
+    want = snapshot(source)
+    back = build_stack(seed=6)
+    checkpointer = cfg.checkpoint.build(sd_adapter=back.adapter, base_folder="", **back.parts())
+    assert checkpointer.load(step=-1)
+    checkpointer.close()
+    compare(snapshot(back), want, "TorchTitan 0.3's config chooses ours, our keys on its command line")
 
 
 if __name__ == "__main__":
