@@ -118,3 +118,87 @@ def test_torchtitan_030_moe_adapter_imports_an_hf_folder_leaving_expert_bias(tmp
     assert (f"/mtp: ignoring {N_EXTRA} tensors of the folder that the model does not have, such as "
             "model.layers.0.self_attn.q_proj.weight_scale_inv, model.layers.2.eh_proj.weight, "
             "model.layers.2.enorm.weight") in proc.stdout, log[-6000:]
+
+
+STAGES = r'''
+import os, sys, torch, torch.distributed as dist
+from safetensors.torch import save_file
+from torchtitan.models import qwen3 as q
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.qwen3 import Qwen3Model
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+import torchtitan_ckpt.hf.load as load
+
+dist.init_process_group("gloo")
+rank, out = dist.get_rank(), sys.argv[1]
+V, D, HD = 128, 64, 16
+
+def config(tied):
+    layers = q._build_qwen3_layers(n_layers=2, dim=D, n_heads=4, n_kv_heads=2, head_dim=HD, hidden_dim=96,
+                                   attn_backend="flex", rope=CosSinRoPE.Config(dim=HD, max_seq_len=64, theta=1e6))
+    for block in layers:
+        block.attention.inner_attention = ScaledDotProductAttention.Config()
+    return Qwen3Model.Config(vocab_size=V, dim=D, norm=q._qwen3_norm(D), enable_weight_tying=tied, layers=layers,
+                             tok_embeddings=Embedding.Config(num_embeddings=V, embedding_dim=D,
+                                                             param_init=q._EMBEDDING_INIT),
+                             lm_head=Linear.Config(in_features=D, out_features=V, param_init=q._LINEAR_INIT))
+
+def model(cfg, seed):
+    with torch.device("meta"):
+        m = cfg.build()
+    m.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        m.init_weights(buffer_device=None)
+        for v in m.state_dict().values():
+            v.add_(torch.randn_like(v))
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+def stage(sd):  # rank 0: the embedding and layer 0; rank 1: layer 1, the norm and the head
+    first = lambda k: k.startswith(("tok_embeddings.", "layers.0."))
+    return {k: v for k, v in sd.items() if first(k) == (rank == 0)}
+
+read, read_whole = [], load._read_whole
+load._read_whole = lambda layout: (read.extend(layout), read_whole(layout))[1]
+for tied in (False, True):
+    cfg = config(tied)
+    saved = model(cfg, 0)
+    hf = {k: v.contiguous() for k, v in Qwen3StateDictAdapter(cfg, None).to_hf(saved).items()}
+    folder = os.path.join(out, f"tied{tied}")
+    if rank == 0:
+        os.makedirs(folder)
+        save_file(hf, os.path.join(folder, "model.safetensors"))
+    dist.barrier()
+    part, read[:] = stage(model(cfg, 1)), []
+    load.load_hf(part, folder, Qwen3StateDictAdapter(cfg, None))
+    unequal = [k for k in part if not torch.equal(part[k], saved["tok_embeddings.weight" if tied and
+                                                                  k == "lm_head.weight" else k])]
+    assert not unequal, unequal
+    own = set(Qwen3StateDictAdapter(cfg, None).to_hf(stage(saved)))
+    want = set(hf) if tied and rank == 1 else own  # the tied head is read from the embedding
+    assert sorted(read) == sorted(want), sorted(set(read) ^ want)
+    said = [None, None]
+    dist.all_gather_object(said, f"{'tied' if tied else 'untied'}: rank {rank} reads {len(read)} of {len(hf)} tensors")
+    if rank == 0:
+        print("".join(f"OK {line}\n" for line in said), end="", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_torchtitan_adapter_import_into_pipeline_stages_reads_each_stages_tensors(tmp_path):
+    """TorchTitan 0.3.0's Qwen3 adapter, a model split into two pipeline stages on 2 ranks: each
+    rank reads only the HF tensors of its stage, as TorchTitan's own manager does; with the head
+    tied to the embedding, which the other stage holds, the head's rank reads the whole folder
+    (`from_hf` needs the embedding for it) and the head gets the embedding's values."""
+    env = {**os.environ, "PYTHONPATH": torchtitan_path("0.3.0"), "OMP_NUM_THREADS": "1"}
+    script = tmp_path / "stages.py"
+    script.write_text(STAGES)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), str(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    assert sorted(line[3:] for line in proc.stdout.splitlines() if line.startswith("OK ")) == [
+        "tied: rank 0 reads 12 of 24 tensors", "tied: rank 1 reads 24 of 24 tensors",
+        "untied: rank 0 reads 12 of 25 tensors", "untied: rank 1 reads 13 of 25 tensors"], log[-6000:]

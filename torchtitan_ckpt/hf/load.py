@@ -196,35 +196,40 @@ def _ties_embedding(hf_dir: str) -> bool:
 def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
                   every: dict[str, tuple[tuple[int, ...], torch.dtype]],
                   log: bool = True) -> tuple[Callable[[], int], int]:
-    """For an adapter that converts whole tensors only (`ForeignAdapter`): every rank reads
-    every tensor whole and converts them with `from_hf`; the function returned copies its own
-    part of each into `state_dict`. `every` names the tensors of all ranks (with their shapes
-    and dtypes). As TorchTitan's own manager does, only the HF tensors the adapter's `to_hf`
-    names for the model's tensors (`_adapter_names`) are read and given to `from_hf`: one the
-    folder lacks is an `AdapterMismatchError` naming it, before any is read; the folder's others
-    (the Hub's DeepSeek-V3 MTP layer), which `from_hf` would fail on, are left unread, counted in
-    one log line; the block scales of a named tensor stored in FP8 (`<name>_scale_inv`) are read
-    with it, for an adapter that dequantizes, and an FP8 value `from_hf` gives back for a tensor
-    of another dtype is a `CheckpointError` (a cast would be silently wrong). `from_hf` must give
-    back each tensor mapped, and nothing the model lacks, or `AdapterMismatchError` names the difference;
-    the model's other tensors (TorchTitan 0.3.0's MoE `expert_bias_E`, which has no HF
-    counterpart) keep their values, named in one log line. Each value to be copied must be a
-    whole plain tensor of the model's shape, else `CheckpointError` names it, before any is
-    written; so must its dtype `converts` to the model's. Returns that function and the bytes it
-    reads."""
-    named, wanted = _adapter_names(adapter, every)
-    layout = _wanted_layout(hf_dir, wanted, log)
-    ours = adapter.from_hf(_read_whole(layout))
+    """For an adapter that converts whole tensors only (`ForeignAdapter`): each rank reads the
+    tensors of its own part of the model whole (a pipeline stage's; with no stages, all of
+    them) and converts them with `from_hf`; the function returned copies its own part of each
+    into `state_dict` and returns the bytes it read. `every` names the tensors of all ranks
+    (with their shapes and dtypes). As TorchTitan's own manager does, only the HF tensors the
+    adapter's `to_hf` names for the model's tensors (`_adapter_names`) are read and given to
+    `from_hf`: one the folder lacks, for any rank, is an `AdapterMismatchError` naming it,
+    before any is read; the folder's others (the Hub's DeepSeek-V3 MTP layer), which `from_hf`
+    would fail on, are left unread, counted in one log line; the block scales of a named tensor
+    stored in FP8 (`<name>_scale_inv`) are read with it, for an adapter that dequantizes, and an
+    FP8 value `from_hf` gives back for a tensor of another dtype is a `CheckpointError` (a cast
+    would be silently wrong). `from_hf` must give back each tensor mapped, and nothing the model
+    lacks, or `AdapterMismatchError` names the difference; the model's other tensors (TorchTitan
+    0.3.0's MoE `expert_bias_E`, which has no HF counterpart) keep their values, named in one log
+    line. Each value to be copied must be a whole plain tensor of the model's shape, else
+    `CheckpointError` names it, before any is written; so must its dtype `converts` to the
+    model's. An adapter whose `to_hf` cannot be asked tensor by tensor gets every tensor of the
+    folder on every rank. Returns that function and the bytes of the tensors all ranks read."""
+    maps = _adapter_names(adapter, every)
+    layout = _wanted_layout(hf_dir, None if maps is None else {h for hf in maps.values() for h in hf}, log)
+    named = set(every) if maps is None else {name for name, hf in maps.items() if hf}
+    part, whole = _own_part(adapter, layout, maps, state_dict)
+    read = layout if part is None else {h: layout[h] for h in part}
+    ours = adapter.from_hf(_read_whole(read))
     if quantized := sorted(name for name, value in ours.items() if name in every and isinstance(value, torch.Tensor)
                            and _fp8(value.dtype) and value.dtype != every[name][1]):
         raise CheckpointError(
             f"{hf_dir} stores {', '.join(quantized[:3])}{' and others' if len(quantized) > 3 else ''} in FP8 and "
             "the adapter's from_hf gives them back undequantized: cast to the model's dtype they would be wrong "
             "(their block scales unapplied). Dequantize the checkpoint first, or use an adapter that does")
-    unknown, missing = set(ours) - set(every), named - set(ours)
+    unknown, missing = set(ours) - set(every), (named if part is None else named & set(state_dict)) - set(ours)
     if unknown or missing:
         raise AdapterMismatchError(hf_dir, sorted(unknown), sorted(missing))
-    left = [name for name in every if name not in ours]
+    left = [name for name in every if name not in named and name not in (ours if part is None else whole)]
     if left and log:
         logger.info("%s: leaving %d tensor(s) of the model as they are, which the adapter maps to no Hugging "
                     "Face tensor: %s", hf_dir, len(left), left)
@@ -246,7 +251,7 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
             "new adapter")
     if wrong:
         raise CheckpointError(f"{hf_dir} does not fit this model: {'; '.join(wrong)}")
-    nbytes = sum(entry.nbytes for entry in layout.values())
+    nbytes = sum(entry.nbytes for entry in read.values())
 
     def fill() -> int:
         with torch.no_grad():
@@ -258,29 +263,51 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
                 local = local_values(dest)
                 local.copy_(ours[name][tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
         return nbytes
-    return fill, nbytes
+    return fill, sum(entry.nbytes for entry in layout.values())
 
 
 def _adapter_names(adapter: Any, every: dict[str, tuple[tuple[int, ...], torch.dtype]]
-                   ) -> tuple[set[str], set[str] | None]:
-    """The model's tensors (`every`: name -> shape and dtype) that the adapter maps to some HF
-    tensor, and the HF names it maps them to: what its `to_hf` gives for each tensor alone as a
-    plain meta tensor (no data, and none of a DTensor's sharding for TorchTitan's adapters to
-    remember). A tensor it drops (TorchTitan 0.3.0's MoE `expert_bias_E`; a tied head, which
-    `from_hf` may still give back) is not one. When `to_hf` fails on such a tensor, all of them,
-    and HF names unknown (None): the strict check, every tensor of the folder read."""
-    named, hf_names = set(), set()
+                   ) -> dict[str, set[str]] | None:
+    """The HF names the adapter maps each of the model's tensors to (`every`: name -> shape and
+    dtype): what its `to_hf` gives for the tensor alone as a plain meta tensor (no data, and none
+    of a DTensor's sharding for TorchTitan's adapters to remember). A tensor it drops (TorchTitan
+    0.3.0's MoE `expert_bias_E`; a tied head, which `from_hf` may still give back) maps to none.
+    None when `to_hf` fails on such a tensor: the strict check, every tensor of the folder read."""
+    maps = {}
     for name, (shape, dtype) in every.items():
         try:
-            converted = adapter.to_hf({name: torch.empty(shape, dtype=dtype, device="meta")})
+            maps[name] = set(adapter.to_hf({name: torch.empty(shape, dtype=dtype, device="meta")}))
         except Exception as e:  # noqa: BLE001 - an adapter we do not know: require every tensor
             logger.debug("the adapter's to_hf fails on a meta tensor %s (%r): every tensor of the model is "
                          "required from the checkpoint", name, e)
-            return set(every), None
-        if converted:
-            named.add(name)
-            hf_names.update(converted)
-    return named, hf_names
+            return None
+    return maps
+
+
+def _own_part(adapter: Any, layout: dict[str, TensorEntry], maps: dict[str, set[str]] | None,
+              state_dict: dict[str, Any]) -> tuple[set[str] | None, set[str]]:
+    """The HF tensors of `layout` (the whole model's) this rank reads for its part of the model
+    (`state_dict`: a pipeline stage's), and the model's tensors `from_hf` gives back from all of
+    `layout`; both found by asking `from_hf` about meta tensors of the folder's shapes. The first
+    is the HF names `to_hf` maps the part's tensors to (`maps`) when `from_hf` converts them
+    alone and gives back each of the part's tensors it gives back from the whole folder (a tied
+    head comes from the embedding, which another stage holds); else None, every tensor of
+    `layout`, as for an adapter that cannot be asked (with no tensor given back named)."""
+    if maps is None:
+        return None, set()
+    wanted = {h for name in state_dict for h in maps[name]}
+    part = {h for h in layout if h in wanted or h.removesuffix(FP8_SCALE_SUFFIX) in wanted}
+
+    def given_back(names: set[str]) -> set[str]:
+        return set(adapter.from_hf({h: torch.empty(layout[h].shape, dtype=layout[h].dtype, device="meta")
+                                    for h in names}))
+    try:
+        whole = given_back(set(layout))
+        own = whole if part == set(layout) else given_back(part)
+    except Exception as e:  # noqa: BLE001 - an adapter we do not know: it gets the whole folder
+        logger.debug("the adapter's from_hf fails on meta tensors (%r): every rank reads every tensor", e)
+        return None, set()
+    return (part if whole & set(state_dict) <= own else None), whole
 
 
 def _wanted_layout(hf_dir: str, wanted: set[str] | None, log: bool) -> dict[str, TensorEntry]:
