@@ -771,10 +771,43 @@ def test_a_state_whose_values_differ_by_rank_is_warned_of_once(tmp_path):
     RNG and rank 1's counter)."""
     spawn(2, _save_per_rank_states, str(tmp_path))
     said = (tmp_path / "log-0").read_text().splitlines()
-    warned = [line for line in said if "holds other values on rank(s) 1 than on rank 0" in line]
+    warned = [line for line in said if "holds other values on rank(s) 1 than on rank(s) 0" in line]
     assert [line.split(" holds")[0] for line in warned] == ["states['rng']", "states['own']"]
     assert "key its values by rank in the state (a dict of {f'rank{rank}': ...})" in warned[0]
     assert not (tmp_path / "log-1").read_text()
+
+
+def _save_stage_loaders(rank: int, world_size: int, folder: str, batches: tuple[int, int]) -> None:
+    """Two pipeline stages of one data-parallel rank, each with its own loader, read `batches`."""
+    import logging
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    handler = logging.FileHandler(os.path.join(folder, f"log-{rank}"))
+    logging.getLogger("torchtitan_ckpt").addHandler(handler)
+    loader = StatefulDataLoader(list(range(16)), batch_size=2)
+    loader.dp_rank, loader.dp_world_size = 0, 1
+    read = iter(loader)
+    for _ in range(batches[rank]):
+        next(read)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [nn.Linear(2, 2)], dataloader=loader,
+                           base_folder=folder) as manager:
+        manager.save(1)
+    handler.close()
+
+
+@pytest.mark.parametrize("batches", [(3, 1), (3, 3)])
+def test_loaders_of_one_data_parallel_rank_at_other_positions_are_warned_of(tmp_path, batches):
+    """Pipeline stages share a data-parallel rank's one entry: a stage whose loader read fewer
+    batches (a loop where only the first stage reads data) got another stage's position back,
+    or gave its own to the stage that reads, without a word."""
+    spawn(2, _save_stage_loaders, str(tmp_path), batches)
+    warned = [line for line in (tmp_path / "log-0").read_text().splitlines() if "dataloader" in line]
+    assert warned == ([] if batches == (3, 3) else [
+        "the dataloader's position on rank(s) 1 differs from that on rank(s) 0, of the same data-parallel rank: a "
+        "step keeps one position per data-parallel rank, whichever rank's, and a load gives it to each of them. "
+        "Keep the loaders of a data-parallel rank at one position (each pipeline stage reading the same batches, "
+        "as TorchTitan's trainer does)"])
 
 
 def test_parameters_saved_in_groups_of_other_settings_are_refused_in_one_group(tmp_path):

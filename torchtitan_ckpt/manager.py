@@ -633,25 +633,35 @@ class CheckpointManager:
     @property
     def _per_rank_checked(self) -> list[str]:
         """The states whose values a save compares among the ranks (`_warn_per_rank`): all but
-        the optimizer's (replicated or DTensors by training's own design) and the dataloader's
-        (saved per rank)."""
-        return [name for name, s in self._states.items() if not isinstance(s, (OptimizerState, DataLoaderState))]
+        the optimizer's (replicated or DTensors by training's own design)."""
+        return [name for name, s in self._states.items() if not isinstance(s, OptimizerState)]
 
     def _warn_per_rank(self, digests: list[Mapping[str, tuple[bytes, bytes]]]) -> None:
-        """Rank 0, once per state: warn of a state whose values differ by rank. A save keeps one
-        copy of whatever is not a DTensor, as replicated (DCP's rule), and a load gives every rank
-        that copy: a rank's RNG state, or its own counter, comes back as another rank's."""
+        """Rank 0, once per state: warn of a state whose values differ among ranks holding the
+        same entries. A save keeps one copy of whatever is not a DTensor, as replicated (DCP's
+        rule), and a load gives every rank that copy: a rank's RNG state, or its own counter,
+        comes back as another rank's; so does the dataloader's position, which is one entry per
+        data-parallel rank, among that rank's tensor or pipeline parallel ranks."""
         if not self._group.is_coordinator:
             return
-        for name, (keys, values) in digests[0].items():
-            differ = [r for r, theirs in enumerate(digests) if theirs.get(name, (None,))[0] == keys and
-                      theirs[name][1] != values]
-            if differ and name not in self._told_per_rank:
-                self._told_per_rank.add(name)
-                logger.warning("states[%r] holds other values on rank(s) %s than on rank 0: a step keeps one copy "
-                               "of each value that is not a DTensor (as replicated), and a load gives every rank "
-                               "that copy. If each rank must get its own back, key its values by rank in the "
-                               "state (a dict of {f'rank{rank}': ...})", name, few(differ))
+        for name in dict.fromkeys(name for theirs in digests for name in theirs):
+            if name in self._told_per_rank:
+                continue
+            differ, lower = _differing(digests, name)
+            if not differ:
+                continue
+            self._told_per_rank.add(name)
+            if isinstance(self._states.get(name), DataLoaderState):
+                logger.warning("the dataloader's position on rank(s) %s differs from that on rank(s) %s, of the same "
+                               "data-parallel rank: a step keeps one position per data-parallel rank, whichever "
+                               "rank's, and a load gives it to each of them. Keep the loaders of a data-parallel "
+                               "rank at one position (each pipeline stage reading the same batches, as "
+                               "TorchTitan's trainer does)", few(differ), few(lower))
+            else:
+                logger.warning("states[%r] holds other values on rank(s) %s than on rank(s) %s: a step keeps one "
+                               "copy of each value that is not a DTensor (as replicated), and a load gives every "
+                               "rank that copy. If each rank must get its own back, key its values by rank in the "
+                               "state (a dict of {f'rank{rank}': ...})", name, few(differ), few(lower))
 
     def _prepare(self, path: str, step: int) -> None:
         """Rank 0 makes the step folder ready for a save (`Store.prepare`), once retention's
@@ -1059,6 +1069,22 @@ _PER_RANK = frozenset({"save_threads", "load_threads", "consolidation_threads", 
 """Settings each rank may have of its own (how it uses its node: threads, its disk), and `folder`,
 compared as it resolves (the store's URL); every other setting of `[checkpoint]` must be the
 same on every rank (`_refuse_differing`)."""
+
+
+def _differing(digests: list[Mapping[str, tuple[bytes, bytes]]], name: str) -> tuple[list[int], list[int]]:
+    """The ranks whose state `name` (digests of its entries and of its values, per rank) holds
+    other values than the lowest rank holding the same entries, and those lower ranks."""
+    first: dict[bytes, tuple[int, bytes]] = {}
+    differ, lower = [], set()
+    for rank, theirs in enumerate(digests):
+        if name not in theirs:
+            continue
+        entries, values = theirs[name]
+        low, held = first.setdefault(entries, (rank, values))
+        if held != values:
+            differ.append(rank)
+            lower.add(low)
+    return differ, sorted(lower)
 
 
 def _refuse_differing(mine: dict[str, Any], every: list[dict[str, Any]]) -> NoReturn:
