@@ -202,3 +202,53 @@ def test_torchtitan_adapter_import_into_pipeline_stages_reads_each_stages_tensor
     assert sorted(line[3:] for line in proc.stdout.splitlines() if line.startswith("OK ")) == [
         "tied: rank 0 reads 12 of 24 tensors", "tied: rank 1 reads 24 of 24 tensors",
         "untied: rank 0 reads 12 of 25 tensors", "untied: rank 1 reads 13 of 25 tensors"], log[-6000:]
+
+
+TIED = r'''
+import os, sys, torch
+from transformers import LlamaConfig
+from torchtitan.experiments.transformers_modeling_backend.config_registry import (
+    transformers_modeling_backend_debugmodel)
+from torchtitan.experiments.transformers_modeling_backend.state_dict_adapter import HFTransformerStateDictAdapter
+from torchtitan_ckpt.hf.load import load_hf
+
+out = sys.argv[1]
+LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=True, architectures=["LlamaForCausalLM"]).save_pretrained(out)
+job = transformers_modeling_backend_debugmodel()
+job.hf_model = out  # a local config.json instead of the Hub's
+config = job.model_spec.model
+config.update_from_config(config=job)
+
+def model(seed):
+    with torch.device("meta"):
+        m = config.build()
+    m.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for v in m.state_dict().values():
+            v.normal_()
+    m.model.tie_weights()
+    return m
+
+saved = model(0)
+saved.model.save_pretrained(os.path.join(out, "hf"))  # transformers' own folder: no lm_head.weight
+fresh = model(1).state_dict()
+load_hf(fresh, os.path.join(out, "hf"), HFTransformerStateDictAdapter(config, None))
+want = saved.state_dict()
+assert not [k for k in fresh if not torch.equal(fresh[k], want[k])]
+assert torch.equal(fresh["model.lm_head.weight"], want["model.model.embed_tokens.weight"])
+print("OK a tied model's folder without its head loads through TorchTitan's transformers-backend adapter")
+'''
+
+
+def test_a_tied_head_that_to_hf_maps_alone_but_drops_beside_the_embedding(tmp_path):
+    """TorchTitan 0.3.0's transformers-backend adapter drops `lm_head.weight` from `to_hf` only
+    beside the embedding (and `from_hf` makes it from the embedding): asked about the head alone,
+    it named `lm_head.weight`, so the folder `transformers` saves for a tied model (no head) was
+    refused as lacking it. A tensor's HF names are now checked against the whole model's."""
+    env = {**os.environ, "PYTHONPATH": torchtitan_path("0.3.0"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", TIED, str(tmp_path)], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert "OK a tied model's folder without its head loads through" in proc.stdout

@@ -272,15 +272,23 @@ def _adapter_names(adapter: Any, every: dict[str, tuple[tuple[int, ...], torch.d
     dtype): what its `to_hf` gives for the tensor alone as a plain meta tensor (no data, and none
     of a DTensor's sharding for TorchTitan's adapters to remember). A tensor it drops (TorchTitan
     0.3.0's MoE `expert_bias_E`; a tied head, which `from_hf` may still give back) maps to none.
-    None when `to_hf` fails on such a tensor: the strict check, every tensor of the folder read."""
-    maps = {}
-    for name, (shape, dtype) in every.items():
-        try:
-            maps[name] = set(adapter.to_hf({name: torch.empty(shape, dtype=dtype, device="meta")}))
-        except Exception as e:  # noqa: BLE001 - an adapter we do not know: require every tensor
-            logger.debug("the adapter's to_hf fails on a meta tensor %s (%r): every tensor of the model is "
-                         "required from the checkpoint", name, e)
-            return None
+    Where that differs from the model's whole `to_hf` (an HF tensor made of several, as a vision
+    tower's fused q, k and v or an MoE's fused gate and up projections, which `to_hf` gives only
+    for all of them; a tied head it drops only beside the embedding), a tensor that alone maps to
+    none or to names the whole does not give maps to the names the whole no longer gives without
+    it. None when `to_hf` fails on such tensors: the strict check, every tensor of the folder read."""
+    def to_hf(names: Iterable[str]) -> set[str]:
+        return set(adapter.to_hf({n: torch.empty(every[n][0], dtype=every[n][1], device="meta") for n in names}))
+    try:
+        maps = {name: to_hf([name]) for name in every}
+        whole = to_hf(every)
+        if whole != {h for hf in maps.values() for h in hf}:
+            for name in [name for name, hf in maps.items() if not hf or not hf <= whole]:
+                maps[name] = whole - to_hf(n for n in every if n != name)
+    except Exception as e:  # noqa: BLE001 - an adapter we do not know: require every tensor
+        logger.debug("the adapter's to_hf fails on meta tensors (%r): every tensor of the model is required from "
+                     "the checkpoint", e)
+        return None
     return maps
 
 
