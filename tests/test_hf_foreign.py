@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 from .test_torchtitan_interop import torchtitan_path
 from .helpers import ROOT
 
@@ -252,3 +254,101 @@ def test_a_tied_head_that_to_hf_maps_alone_but_drops_beside_the_embedding(tmp_pa
                           cwd=ROOT, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     assert "OK a tied model's folder without its head loads through" in proc.stdout
+
+
+FUSED_STAGES = r'''
+import re, sys, torch, torch.distributed as dist
+from safetensors.torch import save_file
+from torchtitan.models.kimi_k2_7 import KimiK25StateDictAdapter, model_registry
+import torchtitan_ckpt.hf.load as load
+
+dist.init_process_group("gloo")
+rank, out = dist.get_rank(), sys.argv[1]
+config = model_registry("debugmodel", attn_backend="flex").model
+
+def model(seed):
+    with torch.device("meta"):
+        m = config.build()
+    m.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        m.init_weights(buffer_device=None)
+        for v in m.state_dict().values():
+            v.add_(torch.randn_like(v))
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+def stage(sd):  # rank 0: the vision tower, the embedding and layer 0; rank 1: the other layers, the norm, the head
+    first = lambda k: (m := re.match(r"layers\.(\d+)\.", k)) and m.group(1) == "0" or \
+        not k.startswith(("layers.", "norm.", "output."))
+    return {k: v for k, v in sd.items() if bool(first(k)) == (rank == 0)}
+
+saved = model(0)
+hf = {k: v.contiguous() for k, v in KimiK25StateDictAdapter(config, None).to_hf(saved).items()}
+if rank == 0:
+    save_file(hf, out + "/model.safetensors")
+dist.barrier()
+read, read_whole = [], load._read_whole
+load._read_whole = lambda layout: (read.extend(layout), read_whole(layout))[1]
+part = stage(model(1))
+load.load_hf(part, out, KimiK25StateDictAdapter(config, None))
+assert not [k for k in part if not torch.equal(part[k], saved[k])]
+own = set(KimiK25StateDictAdapter(config, None).to_hf(stage(saved)))
+assert sorted(read) == sorted(own), sorted(set(read) ^ own)
+said = [None, None]
+dist.all_gather_object(said, f"rank {rank} reads {len(read)} of {len(hf)} tensors")
+if rank == 0:
+    print("".join(f"OK {line}\n" for line in said), end="", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_an_adapter_fusing_tensors_it_cannot_convert_alone_reads_each_stages_tensors(tmp_path):
+    """TorchTitan 0.3.0's Kimi K2.5 adapter fuses each vision block's q, k and v into one HF
+    tensor and fails on any of them alone: its names were asked of the whole model only, so each
+    pipeline stage's rank read the whole folder. A tensor it cannot convert alone is asked with
+    the tensors of its module: each rank reads only the HF tensors of its stage."""
+    env = {**os.environ, "PYTHONPATH": torchtitan_path("0.3.0"), "OMP_NUM_THREADS": "1"}
+    script = tmp_path / "fused_stages.py"
+    script.write_text(FUSED_STAGES)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), str(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    assert [line[3:] for line in proc.stdout.splitlines() if line.startswith("OK ")] == [
+        "rank 0 reads 71 of 252 tensors", "rank 1 reads 181 of 252 tensors"], log[-6000:]
+
+
+class _FusesPair:
+    """An adapter of TorchTitan's surface that fuses `w` and `u` into one HF tensor, expecting
+    both (as Qwen3.5's MoE adapter fuses gate and up projections), and drops `expert_bias`."""
+    hf_assets_path, fqn_to_index_mapping = None, None
+
+    def to_hf(self, state_dict):
+        out = {"model.wu": torch.cat([state_dict["w"], state_dict["u"]])} if "w" in state_dict or "u" in state_dict \
+            else {}
+        out.update({"model." + k: v for k, v in state_dict.items() if k not in ("w", "u", "expert_bias")})
+        return out
+
+    def from_hf(self, hf_state_dict):
+        out = {k.removeprefix("model."): v for k, v in hf_state_dict.items() if k != "model.wu"}
+        if "model.wu" in hf_state_dict:
+            out["w"], out["u"] = hf_state_dict["model.wu"].chunk(2)
+        return out
+
+
+def test_an_adapter_that_converts_no_tensor_alone_leaves_what_its_export_drops(tmp_path):
+    """Asked about each tensor alone, the adapter fails (`u` is missing beside `w`): every model
+    tensor was then required from the folder, `expert_bias` too, which its own export leaves
+    out, so a model could not load its own export. What is required is now what its `from_hf`
+    gives back from its whole `to_hf`."""
+    from safetensors.torch import save_file
+
+    from torchtitan_ckpt.hf.load import load_hf
+
+    saved = {"w": torch.randn(2, 3), "u": torch.randn(2, 3), "norm": torch.randn(3), "expert_bias": torch.ones(2)}
+    save_file({k: v.contiguous() for k, v in _FusesPair().to_hf(saved).items()}, tmp_path / "model.safetensors")
+    fresh = {k: torch.zeros_like(v) for k, v in saved.items()}
+    load_hf(fresh, tmp_path, _FusesPair())
+    assert all(torch.equal(fresh[k], saved[k]) for k in ("w", "u", "norm"))
+    assert torch.equal(fresh["expert_bias"], torch.zeros(2))

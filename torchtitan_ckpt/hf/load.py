@@ -215,8 +215,11 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
     model's. An adapter whose `to_hf` cannot be asked tensor by tensor gets every tensor of the
     folder on every rank. Returns that function and the bytes of the tensors all ranks read."""
     maps = _adapter_names(adapter, every)
-    layout = _wanted_layout(hf_dir, None if maps is None else {h for hf in maps.values() for h in hf}, log)
-    named = set(every) if maps is None else {name for name, hf in maps.items() if hf}
+    if maps is None:
+        named, wanted = _whole_names(adapter, every)
+    else:
+        named, wanted = {name for name, hf in maps.items() if hf}, {h for hf in maps.values() for h in hf}
+    layout = _wanted_layout(hf_dir, wanted, log)
     part, whole = _own_part(adapter, layout, maps, state_dict)
     read = layout if part is None else {h: layout[h] for h in part}
     ours = adapter.from_hf(_read_whole(read))
@@ -266,30 +269,74 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
     return fill, sum(entry.nbytes for entry in layout.values())
 
 
+def _meta(every: dict[str, tuple[tuple[int, ...], torch.dtype]], names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Plain meta tensors (no data, and none of a DTensor's sharding for TorchTitan's adapters to
+    remember) of the model's tensors `names` (`every`: name -> shape and dtype)."""
+    return {n: torch.empty(every[n][0], dtype=every[n][1], device="meta") for n in names}
+
+
 def _adapter_names(adapter: Any, every: dict[str, tuple[tuple[int, ...], torch.dtype]]
                    ) -> dict[str, set[str]] | None:
     """The HF names the adapter maps each of the model's tensors to (`every`: name -> shape and
-    dtype): what its `to_hf` gives for the tensor alone as a plain meta tensor (no data, and none
-    of a DTensor's sharding for TorchTitan's adapters to remember). A tensor it drops (TorchTitan
+    dtype): what its `to_hf` gives for the tensor alone (`_meta`). A tensor it drops (TorchTitan
     0.3.0's MoE `expert_bias_E`; a tied head, which `from_hf` may still give back) maps to none.
-    Where that differs from the model's whole `to_hf` (an HF tensor made of several, as a vision
-    tower's fused q, k and v or an MoE's fused gate and up projections, which `to_hf` gives only
-    for all of them; a tied head it drops only beside the embedding), a tensor that alone maps to
-    none or to names the whole does not give maps to the names the whole no longer gives without
-    it. None when `to_hf` fails on such tensors: the strict check, every tensor of the folder read."""
+    Where that differs from the model's whole `to_hf` (an HF tensor made of several, which `to_hf`
+    gives only for all of them, as fused q, k and v or gate and up projections; a tied head it
+    drops only beside the embedding), a tensor that maps to none or to names the whole does not
+    give maps to the names the whole no longer gives without it. A tensor it cannot convert
+    alone or leave out (an adapter that expects the others of a fused tensor) maps to what it
+    gives for the tensors of its module, else of the one or two modules above it. None when
+    `to_hf` fails on the whole model or on such a module."""
     def to_hf(names: Iterable[str]) -> set[str]:
-        return set(adapter.to_hf({n: torch.empty(every[n][0], dtype=every[n][1], device="meta") for n in names}))
+        return set(adapter.to_hf(_meta(every, names)))
+
+    def module(name: str) -> set[str]:
+        parts = name.split(".")
+        groups = [[n for n in every if n.startswith(".".join(parts[:-depth]) + ".")]
+                  for depth in (1, 2, 3) if len(parts) > depth]
+        for group in groups[:-1]:
+            try:
+                return to_hf(group)
+            except Exception:  # noqa: BLE001 - it needs more of the tensors beside it
+                continue
+        return to_hf(groups[-1] if groups else [name])
+
+    def alone(name: str) -> set[str]:
+        try:
+            return to_hf([name])
+        except Exception:  # noqa: BLE001 - fused with tensors it expects beside it
+            return module(name)
+
+    def without(name: str) -> set[str]:
+        try:
+            return whole - to_hf(n for n in every if n != name)
+        except Exception:  # noqa: BLE001 - the tensors fused with it expect it
+            return module(name)
     try:
-        maps = {name: to_hf([name]) for name in every}
         whole = to_hf(every)
+        maps = {name: alone(name) for name in every}
         if whole != {h for hf in maps.values() for h in hf}:
             for name in [name for name, hf in maps.items() if not hf or not hf <= whole]:
-                maps[name] = whole - to_hf(n for n in every if n != name)
-    except Exception as e:  # noqa: BLE001 - an adapter we do not know: require every tensor
-        logger.debug("the adapter's to_hf fails on meta tensors (%r): every tensor of the model is required from "
-                     "the checkpoint", e)
+                maps[name] = without(name)
+    except Exception as e:  # noqa: BLE001 - an adapter we do not know: the whole model's names only
+        logger.debug("the adapter's to_hf fails on meta tensors (%r): every rank reads the whole model", e)
         return None
     return maps
+
+
+def _whole_names(adapter: Any, every: dict[str, tuple[tuple[int, ...], torch.dtype]]
+                 ) -> tuple[set[str], set[str] | None]:
+    """For an adapter whose names are not known tensor by tensor (`_adapter_names`): the model's
+    tensors `from_hf` gives back from the HF tensors `to_hf` gives for the whole model, and those
+    HF names, asked with meta tensors (`_meta`); every tensor, and all of the folder's (None),
+    where it cannot be asked so."""
+    try:
+        hf = adapter.to_hf(_meta(every, every))
+        return set(adapter.from_hf(dict(hf))) & set(every), set(hf)
+    except Exception as e:  # noqa: BLE001 - an adapter we do not know: require every tensor
+        logger.debug("the adapter cannot convert meta tensors (%r): every tensor of the model is required from "
+                     "the checkpoint, and every tensor of the folder read", e)
+        return set(every), None
 
 
 def _own_part(adapter: Any, layout: dict[str, TensorEntry], maps: dict[str, set[str]] | None,
