@@ -209,11 +209,11 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
     FP8 value `from_hf` gives back for a tensor of another dtype is a `CheckpointError` (a cast
     would be silently wrong). `from_hf` must give back each tensor mapped, and nothing the model
     lacks, or `AdapterMismatchError` names the difference; the model's other tensors (TorchTitan
-    0.3.0's MoE `expert_bias_E`, which has no HF counterpart) keep their values, named in one log
-    line. Each value to be copied must be a whole plain tensor of the model's shape, else
+    0.3.0's MoE `expert_bias_E`, which has no HF counterpart) keep their values, named in one
+    warning. Each value to be copied must be a whole plain tensor of the model's shape, else
     `CheckpointError` names it, before any is written; so must its dtype `converts` to the
-    model's. An adapter whose `to_hf` cannot be asked tensor by tensor gets every tensor of the
-    folder on every rank. Returns that function and the bytes of the tensors all ranks read."""
+    model's. An adapter whose `to_hf` cannot be asked tensor by tensor gets the HF tensors of the
+    whole model on every rank (`_whole_names`). Returns that function and the bytes of the tensors all ranks read."""
     maps = _adapter_names(adapter, every)
     if maps is None:
         named, wanted = _whole_names(adapter, every)
@@ -234,8 +234,9 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
         raise AdapterMismatchError(hf_dir, sorted(unknown), sorted(missing))
     left = [name for name in every if name not in named and name not in (ours if part is None else whole)]
     if left and log:
-        logger.info("%s: leaving %d tensor(s) of the model as they are, which the adapter maps to no Hugging "
-                    "Face tensor: %s", hf_dir, len(left), left)
+        logger.warning("%s: leaving %d tensor(s) of the model as they are, which the adapter maps to no Hugging "
+                       "Face tensor: %s (where the format has a place for them, the adapter does not know their "
+                       "names, and they keep the model's initial values)", hf_dir, len(left), left)
     wrong, not_whole = [], []
     for name, dest in state_dict.items():
         value = ours.get(name)
