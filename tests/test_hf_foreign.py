@@ -122,18 +122,58 @@ def test_torchtitan_030_moe_adapter_imports_an_hf_folder_leaving_expert_bias(tmp
             "model.layers.2.enorm.weight") in proc.stdout, log[-6000:]
 
 
-STAGES = r'''
-import os, sys, torch, torch.distributed as dist
+
+TWO_RANKS = r"""
+import sys, torch, torch.distributed as dist
+import torchtitan_ckpt.hf.load as load
+
+dist.init_process_group("gloo")
+rank, out = dist.get_rank(), sys.argv[1]
+read, read_whole = [], load._read_whole
+load._read_whole = lambda layout: (read.extend(layout), read_whole(layout))[1]  # the HF tensors this rank reads
+
+def model(config, seed):
+    with torch.device("meta"):
+        m = config.build()
+    m.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        m.init_weights(buffer_device=None)
+        for v in m.state_dict().values():
+            v.add_(torch.randn_like(v))
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+def say(line):
+    said = [None] * dist.get_world_size()
+    dist.all_gather_object(said, line)
+    if rank == 0:
+        print("".join(f"OK {line}\n" for line in said), end="", flush=True)
+"""
+"""What the 2-rank scripts share: the group, the HF tensors each rank reads (`read`), a model of
+TorchTitan's with its own values (`model`), and `say`: rank 0 prints each rank's line in order."""
+
+
+def _on_two_ranks(script: str, tmp_path) -> list[str]:
+    """The `OK` lines of `script` (after `TWO_RANKS`) run by torchrun on 2 gloo ranks with torchtitan
+    0.3.0, given `tmp_path`."""
+    env = {**os.environ, "PYTHONPATH": torchtitan_path("0.3.0"), "OMP_NUM_THREADS": "1"}
+    path = tmp_path / "script.py"
+    path.write_text(TWO_RANKS + script + "\ndist.destroy_process_group()\n")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(path), str(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return [line[3:] for line in proc.stdout.splitlines() if line.startswith("OK ")]
+
+
+STAGES = r"""
+import os
 from safetensors.torch import save_file
 from torchtitan.models import qwen3 as q
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.qwen3 import Qwen3Model
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
-import torchtitan_ckpt.hf.load as load
 
-dist.init_process_group("gloo")
-rank, out = dist.get_rank(), sys.argv[1]
 V, D, HD = 128, 64, 16
 
 def config(tied):
@@ -146,23 +186,10 @@ def config(tied):
                                                              param_init=q._EMBEDDING_INIT),
                              lm_head=Linear.Config(in_features=D, out_features=V, param_init=q._LINEAR_INIT))
 
-def model(cfg, seed):
-    with torch.device("meta"):
-        m = cfg.build()
-    m.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        m.init_weights(buffer_device=None)
-        for v in m.state_dict().values():
-            v.add_(torch.randn_like(v))
-    return {k: v.detach().clone() for k, v in m.state_dict().items()}
-
 def stage(sd):  # rank 0: the embedding and layer 0; rank 1: layer 1, the norm and the head
     first = lambda k: k.startswith(("tok_embeddings.", "layers.0."))
     return {k: v for k, v in sd.items() if first(k) == (rank == 0)}
 
-read, read_whole = [], load._read_whole
-load._read_whole = lambda layout: (read.extend(layout), read_whole(layout))[1]
 for tied in (False, True):
     cfg = config(tied)
     saved = model(cfg, 0)
@@ -180,12 +207,8 @@ for tied in (False, True):
     own = set(Qwen3StateDictAdapter(cfg, None).to_hf(stage(saved)))
     want = set(hf) if tied and rank == 1 else own  # the tied head is read from the embedding
     assert sorted(read) == sorted(want), sorted(set(read) ^ want)
-    said = [None, None]
-    dist.all_gather_object(said, f"{'tied' if tied else 'untied'}: rank {rank} reads {len(read)} of {len(hf)} tensors")
-    if rank == 0:
-        print("".join(f"OK {line}\n" for line in said), end="", flush=True)
-dist.destroy_process_group()
-'''
+    say(f"{'tied' if tied else 'untied'}: rank {rank} reads {len(read)} of {len(hf)} tensors")
+"""
 
 
 def test_torchtitan_adapter_import_into_pipeline_stages_reads_each_stages_tensors(tmp_path):
@@ -193,17 +216,9 @@ def test_torchtitan_adapter_import_into_pipeline_stages_reads_each_stages_tensor
     rank reads only the HF tensors of its stage, as TorchTitan's own manager does; with the head
     tied to the embedding, which the other stage holds, the head's rank reads the whole folder
     (`from_hf` needs the embedding for it) and the head gets the embedding's values."""
-    env = {**os.environ, "PYTHONPATH": torchtitan_path("0.3.0"), "OMP_NUM_THREADS": "1"}
-    script = tmp_path / "stages.py"
-    script.write_text(STAGES)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), str(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=300)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
-    assert sorted(line[3:] for line in proc.stdout.splitlines() if line.startswith("OK ")) == [
-        "tied: rank 0 reads 12 of 24 tensors", "tied: rank 1 reads 24 of 24 tensors",
-        "untied: rank 0 reads 12 of 25 tensors", "untied: rank 1 reads 13 of 25 tensors"], log[-6000:]
+    assert _on_two_ranks(STAGES, tmp_path) == [
+        "untied: rank 0 reads 12 of 25 tensors", "untied: rank 1 reads 13 of 25 tensors",
+        "tied: rank 0 reads 12 of 24 tensors", "tied: rank 1 reads 24 of 24 tensors"]
 
 
 TIED = r'''
@@ -256,50 +271,31 @@ def test_a_tied_head_that_to_hf_maps_alone_but_drops_beside_the_embedding(tmp_pa
     assert "OK a tied model's folder without its head loads through" in proc.stdout
 
 
-FUSED_STAGES = r'''
-import re, sys, torch, torch.distributed as dist
+
+FUSED_STAGES = r"""
+import re
 from safetensors.torch import save_file
 from torchtitan.models.kimi_k2_7 import KimiK25StateDictAdapter, model_registry
-import torchtitan_ckpt.hf.load as load
 
-dist.init_process_group("gloo")
-rank, out = dist.get_rank(), sys.argv[1]
 config = model_registry("debugmodel", attn_backend="flex").model
-
-def model(seed):
-    with torch.device("meta"):
-        m = config.build()
-    m.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        m.init_weights(buffer_device=None)
-        for v in m.state_dict().values():
-            v.add_(torch.randn_like(v))
-    return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
 def stage(sd):  # rank 0: the vision tower, the embedding and layer 0; rank 1: the other layers, the norm, the head
     first = lambda k: (m := re.match(r"layers\.(\d+)\.", k)) and m.group(1) == "0" or \
         not k.startswith(("layers.", "norm.", "output."))
     return {k: v for k, v in sd.items() if bool(first(k)) == (rank == 0)}
 
-saved = model(0)
+saved = model(config, 0)
 hf = {k: v.contiguous() for k, v in KimiK25StateDictAdapter(config, None).to_hf(saved).items()}
 if rank == 0:
     save_file(hf, out + "/model.safetensors")
 dist.barrier()
-read, read_whole = [], load._read_whole
-load._read_whole = lambda layout: (read.extend(layout), read_whole(layout))[1]
-part = stage(model(1))
+part = stage(model(config, 1))
 load.load_hf(part, out, KimiK25StateDictAdapter(config, None))
 assert not [k for k in part if not torch.equal(part[k], saved[k])]
 own = set(KimiK25StateDictAdapter(config, None).to_hf(stage(saved)))
 assert sorted(read) == sorted(own), sorted(set(read) ^ own)
-said = [None, None]
-dist.all_gather_object(said, f"rank {rank} reads {len(read)} of {len(hf)} tensors")
-if rank == 0:
-    print("".join(f"OK {line}\n" for line in said), end="", flush=True)
-dist.destroy_process_group()
-'''
+say(f"rank {rank} reads {len(read)} of {len(hf)} tensors")
+"""
 
 
 def test_an_adapter_fusing_tensors_it_cannot_convert_alone_reads_each_stages_tensors(tmp_path):
@@ -307,17 +303,8 @@ def test_an_adapter_fusing_tensors_it_cannot_convert_alone_reads_each_stages_ten
     tensor and fails on any of them alone: its names were asked of the whole model only, so each
     pipeline stage's rank read the whole folder. A tensor it cannot convert alone is asked with
     the tensors of its module: each rank reads only the HF tensors of its stage."""
-    env = {**os.environ, "PYTHONPATH": torchtitan_path("0.3.0"), "OMP_NUM_THREADS": "1"}
-    script = tmp_path / "fused_stages.py"
-    script.write_text(FUSED_STAGES)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), str(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=300)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
-    assert [line[3:] for line in proc.stdout.splitlines() if line.startswith("OK ")] == [
-        "rank 0 reads 71 of 252 tensors", "rank 1 reads 181 of 252 tensors"], log[-6000:]
-
+    assert _on_two_ranks(FUSED_STAGES, tmp_path) == ["rank 0 reads 71 of 252 tensors",
+                                                     "rank 1 reads 181 of 252 tensors"]
 
 class _FusesPair:
     """An adapter of TorchTitan's surface that fuses `w` and `u` into one HF tensor, expecting
