@@ -777,15 +777,17 @@ def test_a_state_whose_values_differ_by_rank_is_warned_of_once(tmp_path):
     assert not (tmp_path / "log-1").read_text()
 
 
-def _save_stage_loaders(rank: int, world_size: int, folder: str, batches: tuple[int, int]) -> None:
-    """Two pipeline stages of one data-parallel rank, each with its own loader, read `batches`."""
+def _save_stage_loaders(rank: int, world_size: int, folder: str, batches: tuple[int, int], workers: int) -> None:
+    """Two pipeline stages of one data-parallel rank, each with its own loader (its base seed
+    drawn from the stage's own seed, as TorchTitan seeds its stages), read `batches`."""
     import logging
 
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     handler = logging.FileHandler(os.path.join(folder, f"log-{rank}"))
     logging.getLogger("torchtitan_ckpt").addHandler(handler)
-    loader = StatefulDataLoader(list(range(16)), batch_size=2)
+    torch.manual_seed(rank)
+    loader = StatefulDataLoader(list(range(16)), batch_size=2, num_workers=workers)
     loader.dp_rank, loader.dp_world_size = 0, 1
     read = iter(loader)
     for _ in range(batches[rank]):
@@ -796,12 +798,13 @@ def _save_stage_loaders(rank: int, world_size: int, folder: str, batches: tuple[
     handler.close()
 
 
-@pytest.mark.parametrize("batches", [(3, 1), (3, 3)])
-def test_loaders_of_one_data_parallel_rank_at_other_positions_are_warned_of(tmp_path, batches):
+@pytest.mark.parametrize("batches, workers", [((3, 1), 0), ((3, 3), 0), ((3, 3), 1)])
+def test_loaders_of_one_data_parallel_rank_at_other_positions_are_warned_of(tmp_path, batches, workers):
     """Pipeline stages share a data-parallel rank's one entry: a stage whose loader read fewer
     batches (a loop where only the first stage reads data) got another stage's position back,
-    or gave its own to the stage that reads, without a word."""
-    spawn(2, _save_stage_loaders, str(tmp_path), batches)
+    or gave its own to the stage that reads, without a word. Stages at one position are not
+    told, whatever else their states hold (a loader with workers keeps the base seed it drew)."""
+    spawn(2, _save_stage_loaders, str(tmp_path), batches, workers)
     warned = [line for line in (tmp_path / "log-0").read_text().splitlines() if "dataloader" in line]
     assert warned == ([] if batches == (3, 3) else [
         "the dataloader's position on rank(s) 1 differs from that on rank(s) 0, of the same data-parallel rank: a "

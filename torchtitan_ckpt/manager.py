@@ -572,7 +572,7 @@ class CheckpointManager:
         start = time.perf_counter()
         try:
             state, failure = self._state_for_save(kind), None
-            digests = {name: replicated_digest({name: state[name]}) for name in self._per_rank_checked if name in state}
+            digests = self._digests(state)
         except Exception as e:  # every rank hears of it in the save's first round, not left waiting there
             state, failure, digests = {}, e, {}
         if fmt.on_training_thread:  # after the save in flight (this step's own, for an HF copy): its clock after
@@ -630,11 +630,18 @@ class CheckpointManager:
         if self.config.enable:
             self._saves.wait_for_staging()
 
-    @property
-    def _per_rank_checked(self) -> list[str]:
-        """The states whose values a save compares among the ranks (`_warn_per_rank`): all but
-        the optimizer's (replicated or DTensors by training's own design)."""
-        return [name for name, s in self._states.items() if not isinstance(s, OptimizerState)]
+    def _digests(self, state: dict[str, Any]) -> dict[str, tuple[bytes, bytes]]:
+        """What a save compares among the ranks of each state in `state` (`_warn_per_rank`): its
+        `replicated_digest`, the dataloader's position (`DataLoaderState.compared`); not the
+        optimizer's (replicated or DTensors by training's own design)."""
+        out = {}
+        for name, s in self._states.items():
+            if name not in state or isinstance(s, OptimizerState):
+                continue
+            digest = s.compared() if isinstance(s, DataLoaderState) else replicated_digest({name: state[name]})
+            if digest is not None:
+                out[name] = digest
+        return out
 
     def _warn_per_rank(self, digests: list[Mapping[str, tuple[bytes, bytes]]]) -> None:
         """Rank 0, once per state: warn of a state whose values differ among ranks holding the
@@ -679,8 +686,8 @@ class CheckpointManager:
                   held: _TrainingWait | None = None, copied: bool = False) -> SaveJob:
         """The phases of one save into `{folder}/step-N` in format `fmt`, which the staging
         strategy runs in order on every rank. `failure`: this rank could not gather its state;
-        the first phase fails with it on every rank. `digests`: `replicated_digest` of each
-        state of `_per_rank_checked` as saved. `held`: a background save's time on the training
+        the first phase fails with it on every rank. `digests`: what `_digests` gives for the
+        state as saved. `held`: a background save's time on the training
         thread, told in the saved line; `copied`: the state is copied for a background save."""
         path = layout.step_dir(folder, step)
         where = self._store.describe(path)  # the step as the user names it, in messages

@@ -881,6 +881,8 @@ class DataLoaderState(CheckedState):
         plain = isinstance(dataloader, StatefulDataLoader) and \
             type(dataloader).state_dict is StatefulDataLoader.state_dict
         self.own_layout = declared and not plain
+        self.yielded: int | None = None
+        """The batches yielded as of the last `state_dict()`, where its state says (`compared`)."""
 
     @property
     def key(self) -> str:
@@ -892,13 +894,25 @@ class DataLoaderState(CheckedState):
         sd = self.dataloader.state_dict() if self.own_layout else {
             self.key: pickle.dumps(self.dataloader.state_dict()), "world_size": self.dp_world_size}
         try:
-            if self.key in sd:  # a loader of its own layout may hold it otherwise: left to its own load
-                self._position(sd)
+            position = self._position(sd) if self.key in sd else None  # else left to the loader's own load
         except CorruptCheckpointError as e:
             raise CheckpointError(f"{e}: a load would refuse this data loader's state, so it is not saved; "
                                   "keep plain data in its state_dict() (a NumPy RNG state as lists and ints, "
                                   "say)") from None
+        yielded = position.get("_num_yielded") if isinstance(position, dict) else None
+        self.yielded = yielded if isinstance(yielded, int) else None
         return sd
+
+    def compared(self) -> tuple[bytes, bytes] | None:
+        """What a save compares among the ranks sharing this loader's entry (for `_warn_per_rank`,
+        in `replicated_digest`'s form): the entry's name, and the batches the loader had yielded
+        at the last `state_dict()` (a `StatefulDataLoader`'s `_num_yielded`, its position; its
+        other values, such as a base seed each pipeline stage draws apart, may differ at one
+        position); None where its state does not say."""
+        if self.yielded is None:
+            return None
+        return (hashlib.blake2b(self.key.encode(), digest_size=16).digest(),
+                hashlib.blake2b(f"{self.key}\0{self.yielded}".encode(), digest_size=16).digest())
 
     def check_loaded(self, state_dict: dict[str, Any]) -> None:
         """The position reads as plain data, and was saved by a loader of as many worker
