@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from ..dcp.storage import dtensor_chunk
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..errors import PartialLoadError, RankFailed
+from ..errors import PartialLoadError, RankFailed, few
 from ..group import CheckpointGroup, cpu_world
 from ..progress import gb_per_s
 from .adapter import ForeignAdapter, HFSource, StateDictAdapter, as_adapter, check_names, read_index
@@ -198,8 +198,8 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
                   log: bool = True) -> tuple[Callable[[], int], int]:
     """For an adapter that converts whole tensors only (`ForeignAdapter`): each rank reads the
     tensors of its own part of the model whole (a pipeline stage's; with no stages, all of
-    them) and converts them with `from_hf`; the function returned copies its own part of each
-    into `state_dict` and returns the bytes it read. `every` names the tensors of all ranks
+    them) and converts them with `from_hf` while checking; the function returned copies its own
+    part of each into `state_dict` and returns the bytes this rank read. `every` names the tensors of all ranks
     (with their shapes and dtypes). As TorchTitan's own manager does, only the HF tensors the
     adapter's `to_hf` names for the model's tensors (`_adapter_names`) are read and given to
     `from_hf`: one the folder lacks, for any rank, is an `AdapterMismatchError` naming it,
@@ -210,7 +210,7 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
     would be silently wrong). `from_hf` must give back each tensor mapped, and nothing the model
     lacks, or `AdapterMismatchError` names the difference; the model's other tensors (TorchTitan
     0.3.0's MoE `expert_bias_E`, which has no HF counterpart) keep their values, named in one
-    warning. Each value to be copied must be a whole plain tensor of the model's shape, else
+    log line (a warning when tensors of the folder go unread too: a misnaming adapter). Each value to be copied must be a whole plain tensor of the model's shape, else
     `CheckpointError` names it, before any is written; so must its dtype `converts` to the
     model's. An adapter whose `to_hf` cannot be asked tensor by tensor gets the HF tensors of the
     whole model on every rank (`_whole_names`). Returns that function and the bytes of the tensors all ranks read."""
@@ -219,7 +219,7 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
         named, wanted = _whole_names(adapter, every)
     else:
         named, wanted = {name for name, hf in maps.items() if hf}, {h for hf in maps.values() for h in hf}
-    layout = _wanted_layout(hf_dir, wanted, log)
+    layout, unread = _wanted_layout(hf_dir, wanted, log)
     part, whole = _own_part(adapter, layout, maps, state_dict)
     read = layout if part is None else {h: layout[h] for h in part}
     ours = adapter.from_hf(_read_whole(read))
@@ -233,10 +233,11 @@ def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
     if unknown or missing:
         raise AdapterMismatchError(hf_dir, sorted(unknown), sorted(missing))
     left = [name for name in every if name not in named and name not in (ours if part is None else whole)]
-    if left and log:
-        logger.warning("%s: leaving %d tensor(s) of the model as they are, which the adapter maps to no Hugging "
-                       "Face tensor: %s (where the format has a place for them, the adapter does not know their "
-                       "names, and they keep the model's initial values)", hf_dir, len(left), left)
+    if left and log:  # with tensors of the folder unread too, maybe the adapter does not know the model's names
+        logger.log(logging.WARNING if unread else logging.INFO, "%s: leaving %d tensor(s) of the model as they are, "
+                   "which the adapter maps to no Hugging Face tensor: %s%s", hf_dir, len(left), few(left),
+                   f"; and {len(unread)} tensor(s) of the folder are not read, which the adapter maps to no tensor "
+                   "of the model: where it misnames them, these keep their initial values" if unread else "")
     wrong, not_whole = [], []
     for name, dest in state_dict.items():
         value = ours.get(name)
@@ -348,7 +349,7 @@ def _own_part(adapter: Any, layout: dict[str, TensorEntry], maps: dict[str, set[
     is the HF names `to_hf` maps the part's tensors to (`maps`) when `from_hf` converts them
     alone and gives back each of the part's tensors it gives back from the whole folder (a tied
     head comes from the embedding, which another stage holds); else None, every tensor of
-    `layout`, as for an adapter that cannot be asked (with no tensor given back named)."""
+    `layout`. Where `from_hf` cannot be asked, None and no tensor given back named."""
     if maps is None:
         return None, set()
     wanted = {h for name in state_dict for h in maps[name]}
@@ -366,13 +367,13 @@ def _own_part(adapter: Any, layout: dict[str, TensorEntry], maps: dict[str, set[
     return (part if whole & set(state_dict) <= own else None), whole
 
 
-def _wanted_layout(hf_dir: str, wanted: set[str] | None, log: bool) -> dict[str, TensorEntry]:
+def _wanted_layout(hf_dir: str, wanted: set[str] | None, log: bool) -> tuple[dict[str, TensorEntry], list[str]]:
     """The layout of the tensors `wanted` of `hf_dir` (None: all of them), with the block scales
-    of those stored in FP8: `AdapterMismatchError` names those the folder lacks; the folder's
-    others are left out, counted in one log line when `log`."""
+    of those stored in FP8, and the folder's other tensors' names: `AdapterMismatchError` names
+    those the folder lacks; the others are left out, counted in one log line when `log`."""
     layout = read_hf_layout(hf_dir)
     if wanted is None:
-        return layout
+        return layout, []
     if absent := wanted - set(layout):
         raise AdapterMismatchError(f"{hf_dir}: the adapter's to_hf maps the model to tensors the folder lacks "
                                    "(missing)", [], sorted(absent))
@@ -381,7 +382,7 @@ def _wanted_layout(hf_dir: str, wanted: set[str] | None, log: bool) -> dict[str,
     if (extra := sorted(set(layout) - wanted)) and log:
         logger.info("%s: ignoring %d tensors of the folder that the model does not have, such as %s", hf_dir,
                     len(extra), ", ".join(extra[:3]))
-    return {name: layout[name] for name in wanted}
+    return {name: layout[name] for name in wanted}, extra
 
 
 FP8_SCALE_SUFFIX = "_scale_inv"
