@@ -17,7 +17,24 @@ from .helpers import ROOT
 N_EXTRA = 24
 """Tensors of the folder "mtp" that the model does not have: a copy of layer 1 as layer 2 (21), 3 others."""
 
-SCRIPT = r'''
+MODEL = r"""
+import torch
+
+def model(config, seed):
+    with torch.device("meta"):
+        m = config.build()
+    m.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        m.init_weights(buffer_device=None)
+        for v in m.state_dict().values():
+            v.add_(torch.randn_like(v))
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+"""
+"""A model of TorchTitan's (`config`) with values of its own in every tensor (`expert_bias_E` too), as
+a state dict: what the scripts below build."""
+
+SCRIPT = MODEL + r'''
 import logging, os, sys, torch
 from safetensors.torch import save_file
 from torchtitan.models import qwen3 as q
@@ -39,19 +56,8 @@ cfg = Qwen3Model.Config(vocab_size=V, dim=D, norm=q._qwen3_norm(D), enable_weigh
                         tok_embeddings=Embedding.Config(num_embeddings=V, embedding_dim=D, param_init=q._EMBEDDING_INIT),
                         lm_head=Linear.Config(in_features=D, out_features=V, param_init=q._LINEAR_INIT))
 
-def build(seed):
-    with torch.device("meta"):
-        m = cfg.build()
-    m.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        m.init_weights(buffer_device=None)
-        for v in m.state_dict().values():
-            v.add_(torch.randn_like(v))  # every tensor its own values, expert_bias_E too
-    return m
-
 out = sys.argv[1]
-saved = build(0).state_dict()
+saved = model(cfg, 0)
 bias = sorted(k for k in saved if k.endswith("expert_bias_E"))
 assert bias, sorted(saved)
 hf = {k: v.contiguous() for k, v in Qwen3StateDictAdapter(cfg, None).to_hf(saved).items()}
@@ -59,7 +65,7 @@ os.makedirs(os.path.join(out, "hf"))
 save_file(hf, os.path.join(out, "hf", "model.safetensors"))
 
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(levelname)s %(message)s")
-fresh = build(1).state_dict()
+fresh = model(cfg, 1)
 kept = {k: fresh[k].clone() for k in bias}
 load_hf(fresh, os.path.join(out, "hf"), Qwen3StateDictAdapter(cfg, None))
 unequal = [k for k in saved if k not in bias and not torch.equal(saved[k], fresh[k])]
@@ -83,7 +89,7 @@ with open(os.path.join(out, "mtp", "model.safetensors.index.json"), "w") as f:
                               **dict.fromkeys(extra, "model-00002-of-00002.safetensors")}}, f)
 read, read_whole = [], load._read_whole
 load._read_whole = lambda layout: (read.extend(layout), read_whole(layout))[1]
-fresh = build(3).state_dict()
+fresh = model(cfg, 3)
 load_hf(fresh, os.path.join(out, "mtp"), Qwen3StateDictAdapter(cfg, None))
 assert sorted(read) == sorted(hf), sorted(set(read) ^ set(hf))
 unequal = [k for k in saved if k not in bias and not torch.equal(saved[k], fresh[k])]
@@ -94,7 +100,7 @@ print(f"OK the folder's {len(extra)} tensors the model does not have are not rea
 del hf["model.norm.weight"]
 os.makedirs(os.path.join(out, "short"))
 save_file(hf, os.path.join(out, "short", "model.safetensors"))
-other = build(2).state_dict()
+other = model(cfg, 2)
 before = {k: v.clone() for k, v in other.items()}
 try:
     load_hf(other, os.path.join(out, "short"), Qwen3StateDictAdapter(cfg, None))
@@ -127,7 +133,7 @@ def test_torchtitan_030_moe_adapter_imports_an_hf_folder_leaving_expert_bias(tmp
 
 
 
-TWO_RANKS = r"""
+TWO_RANKS = MODEL + r"""
 import sys, torch, torch.distributed as dist
 import torchtitan_ckpt.hf.load as load
 
@@ -135,17 +141,6 @@ dist.init_process_group("gloo")
 rank, out = dist.get_rank(), sys.argv[1]
 read, read_whole = [], load._read_whole
 load._read_whole = lambda layout: (read.extend(layout), read_whole(layout))[1]  # the HF tensors this rank reads
-
-def model(config, seed):
-    with torch.device("meta"):
-        m = config.build()
-    m.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        m.init_weights(buffer_device=None)
-        for v in m.state_dict().values():
-            v.add_(torch.randn_like(v))
-    return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
 def say(line):
     said = [None] * dist.get_world_size()
