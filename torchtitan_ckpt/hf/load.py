@@ -196,24 +196,25 @@ def _ties_embedding(hf_dir: str) -> bool:
 def _read_through(state_dict: dict[str, Any], hf_dir: str, adapter: Any,
                   every: dict[str, tuple[tuple[int, ...], torch.dtype]],
                   log: bool = True) -> tuple[Callable[[], int], int]:
-    """For an adapter that converts whole tensors only (`ForeignAdapter`): each rank reads the
-    tensors of its own part of the model whole (a pipeline stage's; with no stages, all of
-    them) and converts them with `from_hf` while checking; the function returned copies its own
-    part of each into `state_dict` and returns the bytes this rank read. `every` names the tensors of all ranks
+    """For an adapter that converts whole tensors only (`ForeignAdapter`): each rank reads the tensors
+    of its own part of the model whole (a pipeline stage's; with no stages, all of them) and
+    converts them with `from_hf` while checking; the function returned copies its own part of each
+    into `state_dict` and returns the bytes this rank read. `every` names the tensors of all ranks
     (with their shapes and dtypes). As TorchTitan's own manager does, only the HF tensors the
     adapter's `to_hf` names for the model's tensors (`_adapter_names`) are read and given to
-    `from_hf`: one the folder lacks, for any rank, is an `AdapterMismatchError` naming it,
-    before any is read; the folder's others (the Hub's DeepSeek-V3 MTP layer), which `from_hf`
-    would fail on, are left unread, counted in one log line; the block scales of a named tensor
-    stored in FP8 (`<name>_scale_inv`) are read with it, for an adapter that dequantizes, and an
-    FP8 value `from_hf` gives back for a tensor of another dtype is a `CheckpointError` (a cast
-    would be silently wrong). `from_hf` must give back each tensor mapped, and nothing the model
-    lacks, or `AdapterMismatchError` names the difference; the model's other tensors (TorchTitan
-    0.3.0's MoE `expert_bias_E`, which has no HF counterpart) keep their values, named in one
-    log line (a warning when tensors of the folder go unread too: a misnaming adapter). Each value to be copied must be a whole plain tensor of the model's shape, else
-    `CheckpointError` names it, before any is written; so must its dtype `converts` to the
-    model's. An adapter whose `to_hf` cannot be asked tensor by tensor gets the HF tensors of the
-    whole model on every rank (`_whole_names`). Returns that function and the bytes of the tensors all ranks read."""
+    `from_hf`: one the folder lacks, for any rank, is an `AdapterMismatchError` naming it, before
+    any is read; the folder's others (the Hub's DeepSeek-V3 MTP layer), which `from_hf` would fail
+    on, are left unread, counted in one log line; the block scales of a named tensor stored in FP8
+    (`<name>_scale_inv`) are read with it, for an adapter that dequantizes, and an FP8 value
+    `from_hf` gives back for a tensor of another dtype is a `CheckpointError` (a cast would be
+    silently wrong). `from_hf` must give back each tensor mapped, and nothing the model lacks, or
+    `AdapterMismatchError` names the difference; the model's other tensors (TorchTitan 0.3.0's MoE
+    `expert_bias_E`, which has no HF counterpart) keep their values, named in one log line (a
+    warning when tensors of the folder go unread too: a misnaming adapter). Each value to be copied
+    must be a whole plain tensor of the model's shape, else `CheckpointError` names it, before any
+    is written; so must its dtype `converts` to the model's. An adapter whose `to_hf` cannot be
+    asked tensor by tensor gets the HF tensors of the whole model on every rank (`_whole_names`).
+    Returns that function and the bytes of the tensors all ranks read."""
     maps = _adapter_names(adapter, every)
     if maps is None:
         named, wanted = _whole_names(adapter, every)
