@@ -909,10 +909,7 @@ class DataLoaderState(CheckedState):
         at the last `state_dict()` (a `StatefulDataLoader`'s `_num_yielded`, its position; its
         other values, such as a base seed each pipeline stage draws apart, may differ at one
         position); None where its state does not say."""
-        if self.yielded is None:
-            return None
-        return (hashlib.blake2b(self.key.encode(), digest_size=16).digest(),
-                hashlib.blake2b(f"{self.key}\0{self.yielded}".encode(), digest_size=16).digest())
+        return None if self.yielded is None else replicated_digest({self.key: self.yielded})
 
     def check_loaded(self, state_dict: dict[str, Any]) -> None:
         """The position reads as plain data, and was saved by a loader of as many worker
