@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from dataclasses import replace
@@ -920,3 +921,32 @@ def test_a_manager_without_the_optimizer_copies_the_model_in_save(tmp_path):
             evaluation.save(step)
     for step, expected in saved.items():
         assert_same(read_checkpoint(str(tmp_path / "eval" / f"step-{step}")), expected)
+
+
+def test_a_trunk_another_manager_s_optimizer_trains_is_copied_in_save(tmp_path):
+    """An actor and a critic sharing a trunk, each with its manager and an optimizer of its own,
+    the critic's over its head alone: the critic's manager deferred the copy of every parameter
+    of its model, the trunk too, which the actor's step (waiting for the actor's copy alone)
+    changed while it was copied: the critic's steps held the trunk of later steps, or a mix."""
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    torch.manual_seed(0)
+    trunk = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(3)))  # copies that take a while
+    actor, critic = torch.nn.Sequential(trunk, torch.nn.Linear(2048, 8)), torch.nn.Sequential(trunk, torch.nn.Linear(2048, 1))
+    opt_actor, opt_critic = torch.optim.SGD(actor.parameters(), lr=1.0), torch.optim.SGD(critic[1].parameters(), lr=1.0)
+    config = Checkpoint(enable=True, interval=1, keep_latest_k=0, async_mode="async")
+    saved = {}
+    with CheckpointManager(replace(config, folder=str(tmp_path / "actor")), [actor], optimizers=opt_actor) as a, \
+            CheckpointManager(replace(config, folder=str(tmp_path / "critic")), [critic], optimizers=opt_critic) as c:
+        for p in itertools.chain(actor.parameters(), critic.parameters()):
+            p.grad = torch.ones_like(p)
+        for step in range(1, 5):
+            opt_actor.step()  # waits for the actor manager's copy, never for the critic one's
+            opt_critic.step()
+            saved[step] = {k: v.clone() for k, v in critic.state_dict().items()}
+            a.save(step)
+            c.save(step)  # its copy begins after the actor's, which the next actor step waits for alone
+    for step, expected in saved.items():
+        got = read_checkpoint(str(tmp_path / "critic" / f"step-{step}"))
+        assert_same({k: got[k] for k in expected}, expected)

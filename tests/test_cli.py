@@ -26,6 +26,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from tqdm import tqdm
 
 from torchtitan_ckpt import Checkpoint, CheckpointError, CheckpointManager, cli, commit, layout
+from torchtitan_ckpt.dcp import storage
 from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_adapter, hf_config
 from torchtitan_ckpt.hf import save_hf
 from torchtitan_ckpt.hf.files import RECORDED_CONFIG
@@ -54,9 +55,10 @@ def folder(tmp_path_factory) -> str:
     """step-2 (model, optimizer, train_state), step-3 partial (ours, no marker), step-4 (model only)."""
     folder = str(tmp_path_factory.mktemp("ckpt"))
     _save_step(folder, 2, _state(), ["model", "optimizer", "train_state"])
-    shutil.copytree(layout.step_dir(folder, 2), layout.step_dir(folder, 3))
-    os.remove(os.path.join(layout.step_dir(folder, 3), commit.MARKER))
-    commit.mark_in_progress(layout.step_dir(folder, 3))  # a save of ours that did not finish
+    partial = layout.step_dir(folder, 3)  # a save of ours that did not finish: marked, written, not committed
+    os.makedirs(partial)
+    commit.mark_in_progress(partial)
+    dcp.save(_state(), storage_writer=storage.make_storage_writer(partial))
     _save_step(folder, 4, {"model.w": _state()["model.w"]}, ["model"])
     return folder
 

@@ -148,6 +148,46 @@ def test_a_crashed_save_of_ours_is_partial_never_loaded_and_cleaned(tmp_path, ca
     assert [s.step for s in layout.scan(folder)] == [2]
 
 
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")  # PyTorch's writer, as TorchTitan meets it
+def test_a_step_another_program_finished_in_a_folder_of_ours_is_foreign(tmp_path, capsys, caplog):
+    """TorchTitan's manager saves into a `step-N` it finds, removing nothing first (PyTorch's own
+    writer): over a save of ours that was killed (its in-progress marker left), or over a step of
+    ours (a job gone back with `load_step`). Its step is then loaded as TorchTitan's, unverified,
+    and never deleted; one whose `.metadata` is ours stays ours, however new its time."""
+    job = make_job(str(tmp_path), steps=20, interval=2, keep_latest_k=0)
+    job.run_to(4, steps=20)
+    job.manager.close()
+    folder = _folder(tmp_path)
+    killed, rewritten = layout.step_dir(folder, 4), layout.step_dir(folder, 2)
+    theirs = {k: v + 1 if torch.is_tensor(v) and v.is_floating_point() else v
+              for k, v in read_checkpoint(killed).items()}
+    for name in (commit.MARKER, METADATA_FILE):  # our save of step 4, killed while writing its data
+        os.remove(os.path.join(killed, name))
+    assert layout.status_of(killed) == layout.PARTIAL
+    metadata = os.path.join(rewritten, METADATA_FILE)
+    later = os.stat(os.path.join(rewritten, commit.MARKER)).st_mtime_ns + 10**9
+    os.utime(metadata, ns=(later, later))  # as a copy may leave it: read, and found ours
+    assert layout.status_of(rewritten) == layout.COMPLETE
+
+    for path in (killed, rewritten):
+        dcp.save(theirs, storage_writer=dcp.FileSystemWriter(path, overwrite=True))
+        assert layout.status_of(path) == layout.FOREIGN
+    fresh = make_job(str(tmp_path), steps=20, interval=2, keep_latest_k=1, verify_on_load=True, init_seed=7)
+    with caplog.at_level(logging.INFO, logger="torchtitan_ckpt"):
+        assert fresh.manager.load()
+    assert f"loading {killed}: a foreign dcp checkpoint (written by another program over a save of ours" in caplog.text
+    assert fresh.train_state.step == 4
+    assert_same(fresh.model.state_dict(), {k: v for k, v in theirs.items() if k in fresh.model.state_dict()})
+    fresh.manager.save(6)
+    fresh.manager.save(8)
+    fresh.manager.close()
+    assert cli.main(["clean", folder]) == 0
+    assert [(s.step, s.status) for s in layout.scan(folder)] == [(2, "foreign"), (4, "foreign"), (8, "complete")]
+    capsys.readouterr()
+    assert cli.main(["verify", rewritten]) == 2
+    assert "holds another program's step, written over a step of ours" in capsys.readouterr().err
+
+
 def test_a_committed_step_keeps_its_in_progress_marker_out_of_its_manifest(tmp_path):
     """Kept until the folder is removed (`commit`'s docstring: a copy taken mid-commit holds one
     marker at least), never one of the step's files."""

@@ -370,6 +370,10 @@ def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
         if not commit.is_committed(store.fetch(local, [commit.MARKER])):
             raise CheckpointNotFoundError(f"{path} has no {commit.MARKER}: not a complete step"
                                           + (_where_steps_are(path) if scheme_of(path) is None else ""))
+        if scheme_of(path) is None and layout.status_of(local) == layout.FOREIGN:
+            raise CheckpointNotFoundError(f"{path} holds another program's step, written over a step of ours (its "
+                                          f".metadata names another save than its {commit.IN_PROGRESS}): its "
+                                          f"{commit.MARKER} does not describe its files, which cannot be verified")
         store.fetch(local)
         info = store.read_marker(local)
         with progress:

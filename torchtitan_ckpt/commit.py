@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from .io import IO_THREADS, durable, safe_open
 from .io.untrusted import brief
@@ -88,7 +89,36 @@ def is_in_progress(path: str) -> bool:
 
 def mark_in_progress(path: str) -> None:
     """Mark `path` as a step folder this package is writing (see the module docstring)."""
-    durable.write_json(os.path.join(path, IN_PROGRESS), {"started": time.time()})
+    durable.write_json(os.path.join(path, IN_PROGRESS), new_mark())
+
+
+MARK_BYTES = 4096
+"""An in-progress marker is read up to this many bytes (ours are about 70)."""
+
+
+def new_mark() -> dict[str, Any]:
+    """The in-progress marker of a save starting now: when, and an id of this save, which a DCP
+    `.metadata` it writes records too (`started_by`)."""
+    return {"started": time.time(), "save": os.urandom(16).hex()}
+
+
+def mark_id(data: bytes) -> str | None:
+    """The id of the save an in-progress marker's bytes name (`new_mark`); None for one naming
+    none (an older version's, or the commit marker `uncommit` moved onto it) or not a mark."""
+    try:
+        mark = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return mark.get("save") if isinstance(mark, dict) and isinstance(mark.get("save"), str) else None
+
+
+def started_by(path: str) -> str | None:
+    """The id of the save whose in-progress marker the folder `path` holds (`mark_id`); None
+    where it holds none that can be read."""
+    try:
+        return mark_id(safe_open.read_bounded(os.path.join(path, IN_PROGRESS), "the in-progress marker", MARK_BYTES))
+    except (OSError, CheckpointError):
+        return None
 
 
 def read_marker(path: str) -> CommitInfo:

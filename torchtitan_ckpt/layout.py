@@ -9,7 +9,9 @@ step folder is:
   once a newer step of ours is complete;
 - foreign: not ours, but a finished checkpoint by its own format's test: a DCP `.metadata`
   (DCP renames it into place last; TorchTitan's own test) or a Hugging Face
-  `model.safetensors(.index.json)`. Loaded, unverified; never deleted;
+  `model.safetensors(.index.json)`. Loaded, unverified; never deleted. So is a folder of ours
+  in which another program has since finished a step (its `.metadata` names another save than
+  our in-progress marker: TorchTitan's manager saving into a `step-N` it finds);
 - unknown: not ours and neither of those (another program's save in flight, or not a
   checkpoint), a folder whose markers are not files (a folder or a fifo by their names), or a
   file by a step's name (nothing this package writes). Never loaded, never deleted;
@@ -119,10 +121,38 @@ def status_of(path: str) -> str:
     if any(kind not in (None, stat.S_IFREG) for kind in kinds):
         return UNKNOWN  # ours are files (or links to files: a hub cache's snapshot), never a folder or a fifo
     if kinds[0] is not None:
-        return COMPLETE
+        return FOREIGN if _finished_by_another(path, committed=True) else COMPLETE
     if kinds[1] is not None or _marking(path) or _committing(path):
-        return PARTIAL  # ours: started
+        return FOREIGN if _finished_by_another(path, committed=False) else PARTIAL  # else ours: started
     return FOREIGN if foreign_format(path) else UNKNOWN
+
+
+def _finished_by_another(path: str, committed: bool) -> bool:
+    """Whether another program finished a step of its own in `path`, a folder a save of ours
+    began (TorchTitan's manager saves into a `step-N` it finds, removing nothing first): its
+    format's index names another save than our in-progress marker does. A committed folder's
+    index is read only where it is newer than the commit marker (ours is written before it)."""
+    fmt = foreign_format(path)
+    if fmt is None or (committed and not _newer(path, FORMATS[fmt].index_files, commit.MARKER)):
+        return False
+    ours = commit.started_by(path)
+    theirs = FORMATS[fmt].finished_by(path) if ours is not None else None
+    return theirs is not None and theirs != ours
+
+
+def _newer(path: str, names: tuple[str, ...], than: str) -> bool:
+    """Whether one of the files `names` in `path` was modified after its file `than`."""
+    try:
+        mark = os.stat(os.path.join(path, than)).st_mtime_ns
+    except OSError:
+        return False
+    for name in names:
+        try:
+            if os.stat(os.path.join(path, name)).st_mtime_ns > mark:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 COMMITTING = commit.MARKER + durable.TMP_SUFFIX

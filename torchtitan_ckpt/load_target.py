@@ -302,8 +302,9 @@ class TargetFinder:
         count would change the first real update's bias correction)."""
         fmt = self._foreign_format(path).name
         if self._group.is_coordinator:
-            logger.info("loading %s: a foreign %s checkpoint (no %s: not written by torchtitan_ckpt), "
-                        "unverified%s", store.describe(path), fmt, commit.MARKER,
+            whose = (f"written by another program over a save of ours: its {commit.IN_PROGRESS} names another save"
+                     if commit.is_in_progress(path) else f"no {commit.MARKER}: not written by torchtitan_ckpt")
+            logger.info("loading %s: a foreign %s checkpoint (%s), unverified%s", store.describe(path), fmt, whose,
                         "; step 0, a seed: its model alone" if step == 0 else "")
         model_only = model_only or step == 0
         target = self._target(path, step, model_only, store, fmt)

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from . import commit, gc_pause, layout, storage
 from .deleter import BackgroundDeleter
 from .policy.retention import newer_steps, steps_to_delete
+from .storage.users import FolderUser
 from .config import BUILTIN_STATES, Checkpoint
 from .errors import (
     CheckpointError,
@@ -59,6 +60,7 @@ from .load_request import LoadRequest
 from .load_target import LoadTarget, TargetFinder
 from .progress import fmt_bytes, gb_per_s
 from .policy.schedule import SaveKind, hf_copy_due, save_format, save_kind
+from .io.stagers import Deferred, nothing_deferred
 from .staging import BackgroundSaves, SaveJob, Staged, make_strategy
 from .states import (CheckedState, DataLoaderState, LRSchedulerState, ModelPart, ModelState, OptimizerState,
                      StateLike, own_state_dict, replicated_digest, unwrapped)
@@ -160,7 +162,6 @@ class CheckpointManager:
         if not parts:
             raise ValueError("model_parts is empty; pass the model (or its pipeline stages)")
         self._model = ModelState(parts)
-        self._parameters = self._model.parameter_names()
         self._closed = False
         self._pid = os.getpid()
         """The process that made the manager: a forked child's copy owns none of its threads."""
@@ -192,6 +193,8 @@ class CheckpointManager:
         self._close_pending = False
         """`close()` was called from inside another call on its thread; that call closes as it ends."""
         self._hooks: list = []
+        self._user: FolderUser | None = None
+        """This manager's use of its folder, beside other managers of the process (`FolderUser`)."""
         self._unclosed: weakref.finalize | None = None
         """Lets go of what a manager collected without `close()` holds (`_collected_unclosed`)."""
         self._waiting: _TrainingWait | None = None
@@ -222,6 +225,7 @@ class CheckpointManager:
         """Open the storage, check the job against the config, and start the strategies."""
         config = self.config
         self._store = storage.open_store(self.folder, "checkpoint.folder", rank, config)
+        self._user = FolderUser(self._store.url)
         self.folder = self._store.root  # where the formats write and read: the folder, or a local stage
         initial = config.initial_load_path
         self._initial = storage.open_store(initial, "checkpoint.initial_load_path", rank, config) if initial else None
@@ -458,6 +462,8 @@ class CheckpointManager:
             self._closed = True
             return
         self._closed = True
+        if self._user is not None:
+            self._user.close()
         if self._unclosed is not None:
             self._unclosed.detach()
         for hook in self._hooks:
@@ -508,6 +514,7 @@ class CheckpointManager:
         step = layout.check_step(curr_step, "save")
         if not self.config.enable:
             return False
+        self._user.use(f"save({step})")
         if self._half_loaded is not None:
             raise CheckpointError(f"save({step}) refused: the job's state is not one step's ({self._half_loaded})")
         kind = save_kind(step, last_step, self.config, force)
@@ -585,21 +592,22 @@ class CheckpointManager:
             staged = Staged(state)
             job.run(lambda: staged)
         else:
-            self._saves.submit(state, job, self._deferred)
+            self._saves.submit(state, job, self._deferred())
         if held is not None:
             held.seconds += time.perf_counter() - start
             self._waiting = held
 
-    def _deferred(self, path: tuple) -> bool:
-        """Whether a background save may copy the tensor at `path` of the state after `save()`
-        returns: a parameter, or the optimizer's state of one, which only the optimizer's step
-        changes (and it waits: `_before_optimizer_step`). Buffers (a norm's running statistics
-        change in the forward pass) and every other state's tensors are copied in `save()`; so
-        is every tensor of a manager given no optimizer (an EMA's, or a model another manager's
-        optimizer steps: no step of its own would wait for the copy)."""
+    def _deferred(self) -> Deferred:
+        """Which tensors of the state a background save may copy after `save()` returns: the
+        parameters this manager's optimizers hold and their state, which only their steps change
+        (and those wait: `_before_optimizer_step`). Buffers (a norm's running statistics change
+        in the forward pass), a parameter none of them holds (a trunk shared with a model whose
+        optimizer is another manager's, an EMA's) and every other state's tensors are copied in
+        `save()`; so is every tensor of a manager given no optimizer."""
         if not self._hooks:
-            return False
-        return path[0] in self._parameters if len(path) == 1 else path[:2] == ("optimizer", "state")
+            return nothing_deferred
+        stepped = self._model.parameter_names(self._states["optimizer"].optimizers)
+        return lambda path: path[0] in stepped if len(path) == 1 else path[:2] == ("optimizer", "state")
 
     def _before_optimizer_step(self, *_: Any) -> None:
         """Step pre-hook of every optimizer given to the manager: the step changes what a
@@ -812,6 +820,7 @@ class CheckpointManager:
         step = layout.check_step(step, "load", low=-1)
         if not self.config.enable:
             return False
+        self._user.use(f"load({step})")
         self._load_called = True
         self._saves.wait()
         self._committed = self._ended_at = None  # the job's state is the loaded step's now (`_load`), or undefined

@@ -195,9 +195,12 @@ class ModelState(CheckedState):
         params = {canonical_name(n): p for part in self.parts for n, p in part.named_parameters(remove_duplicate=False)}
         return None if name not in params else params.get(other) is params[name]
 
-    def parameter_names(self) -> set[str]:
-        """The keys of `state_dict()` that are parameters (both names of a tied one)."""
-        return {canonical_name(n) for part in self.parts for n, _ in part.named_parameters(remove_duplicate=False)}
+    def parameter_names(self, optimizers: Sequence[torch.optim.Optimizer]) -> set[str]:
+        """The keys of `state_dict()` that are parameters `optimizers` hold (both names of a
+        tied one)."""
+        held = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
+        return {canonical_name(n) for part in self.parts for n, p in part.named_parameters(remove_duplicate=False)
+                if id(p) in held}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Each part takes its own keys out of the merged dict (DCP already checked that every

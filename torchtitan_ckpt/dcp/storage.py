@@ -52,7 +52,7 @@ from ..io import filewriter, own_writes, reader, safe_open, torch_archive
 from ..errors import UnsafePickleError
 from ..io.checksum import crc32, hex_crc
 from ..io.tensors import local_values
-from .. import gc_pause
+from .. import commit, gc_pause
 from ..config import Checkpoint
 from ..policy.split import balanced_groups
 from . import load_plan
@@ -375,11 +375,23 @@ def _staged() -> None:
 
 class _LoadableWriter(FileSystemWriter):
     """DCP's file-system writer whose `.metadata` is checked to be one a load reads
-    (`check_loadable`): DCP's `finish` runs on rank 0 alone, and its failure is every rank's."""
+    (`check_loadable`): DCP's `finish` runs on rank 0 alone, and its failure is every rank's.
+    The `.metadata` records the id of the save the folder's in-progress marker names, where it
+    has one (`commit.started_by`): another program's step written into the folder later is
+    told from ours by it (`layout.status_of`)."""
+
+    _mark: str | None = None
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self._mark = commit.started_by(str(self.path))
         super().finish(metadata, results)
         check_loadable(os.path.join(self.path, METADATA_FILE), metadata)
+
+    def storage_meta(self) -> StorageMeta | None:
+        meta = super().storage_meta()
+        if meta is not None and self._mark is not None:
+            meta.save_id = self._mark
+        return meta
 
 
 class DataFileWriter(_LoadableWriter):

@@ -139,6 +139,13 @@ class StepFormat(ABC):
         return any(os.path.isfile(os.path.join(path, name)) for name in cls.index_files)
 
     @classmethod
+    def finished_by(cls, path: str) -> str | None:
+        """The id of the save that finished the step in the folder `path`, where its index
+        records one: for a save of ours, its in-progress marker's (`commit.started_by`). None
+        where it records none, or cannot be read (a load says why)."""
+        return None
+
+    @classmethod
     @abstractmethod
     def contents(cls, path: str) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], list[str]]:
         """What the step at `path` holds, from its index alone (no tensor data is read): its

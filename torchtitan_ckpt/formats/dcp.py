@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from .. import faults
 from ..config import BUILTIN_STATES
-from ..errors import CorruptCheckpointError, RankFailed, different_copies
+from ..errors import CheckpointError, CorruptCheckpointError, RankFailed, different_copies
 from ..group import CheckpointGroup
 from ..dcp import storage
 from ..dcp.metadata import METADATA_FILE, metadata_bytes, read_metadata
@@ -56,6 +56,16 @@ class DcpFormat(StepFormat):
         self._plan_caches: dict[SaveKind, PlanCache] = {}  # the last save plan of each kind
         if context.group.pg is None:
             storage.quiet_single_process()
+
+    @classmethod
+    def finished_by(cls, path: str) -> str | None:
+        """`.metadata`'s `storage_meta.save_id` (DCP's writer makes one per save; ours writes its
+        in-progress marker's)."""
+        try:
+            meta = read_metadata(os.path.join(path, METADATA_FILE)).storage_meta
+        except (OSError, CheckpointError):
+            return None
+        return meta.save_id if meta is not None and isinstance(meta.save_id, str) else None
 
     @classmethod
     def contents(cls, path: str) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], list[str]]:

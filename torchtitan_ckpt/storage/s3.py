@@ -86,9 +86,6 @@ a negative one) is refused before the size reaches a download."""
 MAX_PARTS = 10_000
 """Parts of one multipart upload at most (S3's limit)."""
 
-_MARK_BYTES = 4096
-"""An in-progress marker is read up to this many bytes (ours are about 70)."""
-
 MAX_UPLOAD_PAGES = 100
 """Pages of unfinished uploads (a thousand each) a sweep of a step folder goes through at most:
 a server paging on without end is not followed (`S3Store._abort_uploads`)."""
@@ -276,25 +273,20 @@ class S3Store(Store):
 
     def _mark_in_progress(self, key: str) -> str:
         """Mark the step `key` ours and partial; returns the mark's id of this save."""
-        save = os.urandom(16).hex()
-        self._put(f"{key}/{commit.IN_PROGRESS}", json.dumps({"started": time.time(), "save": save}).encode())
-        return save
+        mark = commit.new_mark()
+        self._put(f"{key}/{commit.IN_PROGRESS}", json.dumps(mark).encode())
+        return mark["save"]
 
     def _started_by(self, key: str) -> str | None:
         """The id of the save whose mark the step `key` holds (`_mark_in_progress`), None where
         it holds no mark of a save (committed since, or marked by an older version)."""
         size = self._list(key, commit.IN_PROGRESS).get(commit.IN_PROGRESS)
-        if size is None or size > _MARK_BYTES:  # none, or no mark of ours
+        if size is None or size > commit.MARK_BYTES:  # none, or no mark of ours
             return None
         with tempfile.TemporaryFile() as f:  # read as any object is: a body cut short is retried
             if size:
                 self._get_range(f"{key}/{commit.IN_PROGRESS}", f.fileno(), 0, size)
-            data = f.read()
-        try:
-            mark = json.loads(data)
-        except ValueError:
-            return None
-        return mark.get("save") if isinstance(mark, dict) and isinstance(mark.get("save"), str) else None
+            return commit.mark_id(f.read())
 
     def _remove_step(self, key: str, names: list[str]) -> None:
         """Delete the objects `names` under `key/`, a step the caller has marked in progress,
