@@ -608,6 +608,82 @@ def test_a_script_that_exits_with_a_save_in_flight_still_commits_it(tmp_path, mo
         run.stderr
 
 
+_ENDS_IN_A_CHILD = """
+import multiprocessing, sys, torch
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.config import Checkpoint
+def train(how, folder):
+    config = Checkpoint(enable=True, interval=1, async_mode="async_with_pinned_mem", keep_latest_k=0)
+    manager = CheckpointManager(config, [torch.nn.Linear(1024, 1024)], base_folder=folder)
+    manager.save(1)
+    if how == "raises":  # the frames of its traceback keep the manager
+        raise RuntimeError("the training failed")
+if __name__ == "__main__":
+    child = multiprocessing.get_context("spawn").Process(target=train, args=sys.argv[1:])
+    child.start()
+    child.join(90)
+    print("exit code", child.exitcode)
+    child.kill()
+"""
+
+
+@pytest.mark.parametrize("how", ["returns", "raises"])
+def test_a_process_multiprocessing_started_exits_with_its_manager_unclosed(tmp_path, how):
+    """A rank `torch.multiprocessing.spawn` or a `Process` runs whose manager is not closed:
+    `multiprocessing` ends such a process by joining its children before the interpreter's exit
+    hooks run, and the writer process, which ignores the SIGTERM sent first, was waited for
+    forever. Its save in flight is finished and the writer stopped first."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(_ENDS_IN_A_CHILD)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, str(script), how, str(tmp_path)], capture_output=True, text=True,
+                         timeout=150, env={**os.environ, "PYTHONPATH": root})
+    assert run.stdout.splitlines() == [f"exit code {int(how == 'raises')}"], run.stdout + run.stderr[-3000:]
+    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1], run.stderr
+
+
+_IN_A_POOL = """
+import multiprocessing, sys, threading, torch
+from torchtitan_ckpt import CheckpointManager, ConfigError
+from torchtitan_ckpt.config import Checkpoint
+def trial(mode):
+    config = Checkpoint(enable=True, interval=1, async_mode=mode, folder=sys.argv[1] + "/" + mode)
+    try:
+        with CheckpointManager(config, [torch.nn.Linear(2, 2)]) as manager:
+            manager.save(1)
+        said = "saved"
+    except ConfigError as e:
+        said = str(e)
+    return said, sorted(t.name for t in threading.enumerate() if t.name.startswith("ckpt-"))
+if __name__ == "__main__":
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # a sweep's worker: a daemonic process
+        for said, threads in pool.map(trial, ["async_with_pinned_mem", "async"]):
+            print(said, threads)
+"""
+
+
+def test_a_daemonic_process_is_told_it_cannot_start_the_writer_process(tmp_path):
+    """A `multiprocessing.Pool`'s worker (a hyper-parameter sweep's) may start no process:
+    `async_with_pinned_mem` failed there on `multiprocessing`'s bare AssertionError, leaving its
+    threads running."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "sweep.py"
+    script.write_text(_IN_A_POOL)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=150,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [
+        "checkpoint.async_mode = 'async_with_pinned_mem': saves through a writer process, which this process may not "
+        "start: it is daemonic (a multiprocessing.Pool's worker, a Process(daemon=True)); use async, which needs "
+        "none []", "saved []"]
+
+
 _FORKS_WITH_A_SAVE_IN_FLIGHT = """
 import multiprocessing, sys, time, torch
 from torchtitan_ckpt import CheckpointManager

@@ -239,6 +239,38 @@ def test_a_manager_closed_after_the_world_was_made_again_closes(tmp_path):
         dist.destroy_process_group()
 
 
+def _shut_down_with_a_save_in_flight(rank: int, world_size: int, folder: str) -> None:
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from torchtitan_ckpt import Checkpoint, CheckpointManager
+
+    manager = CheckpointManager(Checkpoint(enable=True, interval=1, async_mode="async"),
+                                [torch.nn.Linear(4096, 4096)], base_folder=folder)
+    manager.save(1)
+    assert manager.save_in_flight  # 64 MB to write: the save goes on past the teardown
+    dist.destroy_process_group()  # a training script's teardown, before close()
+    with pytest.raises(Exception, match=r"shut down torch.distributed|torch.distributed was shut down "
+                                        r"\(destroy_process_group\(\)\) while the checkpoint still had collectives"):
+        manager.close()
+    watch = [t for t in threading.enumerate() if t.name == "ckpt-collective-watch"]  # it held the job's store
+    for thread in watch:
+        thread.join(10)  # woken by close(): it ends at once
+    assert not any(t.is_alive() for t in watch)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/again", rank=rank, world_size=world_size)
+
+
+def test_a_world_shut_down_with_a_save_in_flight_is_named(tmp_path):
+    """`destroy_process_group()` before `close()` with a background save in flight: DCP went on
+    as a single process on the rank that shut down first ("a rank reused its cached save plan,
+    but the coordinator has none", as rank 0's on rank 1), its peer was told that another rank
+    had not joined, and the watch of the checkpoint's collectives stayed, holding the job's
+    store."""
+    spawn(2, _shut_down_with_a_save_in_flight, str(tmp_path))
+
+
 _LEAVING = """
 import atexit, logging, sys
 from torchtitan_ckpt.group import leave

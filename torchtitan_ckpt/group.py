@@ -107,8 +107,8 @@ class CheckpointGroup:
         """Destroy the group made here (its sockets, pipes and threads: about 5 descriptors and 3
         threads a rank, which a process making a manager per evaluation ran out of), once this
         rank is done with its collectives; a group the caller gave is the caller's."""
-        if self._arrivals is not None and dist.is_initialized():
-            self._arrivals.close()
+        if self._arrivals is not None:
+            self._arrivals.close(mark=dist.is_initialized())
         self._arrivals = None
         if self._given is not None:
             _GIVEN.pop(self._given, None)
@@ -118,6 +118,8 @@ class CheckpointGroup:
                 dist.destroy_process_group(self.pg)
             except ValueError:  # gone with the world it was made in (re-initialised since: a restart in the process)
                 pass
+        if self._made:
+            self.pg = None  # its connections close with the last reference to it
         self._made = False
 
     @property
@@ -158,6 +160,10 @@ class CheckpointGroup:
         every later one (`_broken`)."""
         if self._broken is not None:
             raise CollectiveError(self._broken)
+        if self.world_size > 1 and not dist.is_initialized():  # DCP's calls would go on as a single process
+            raise CollectiveError(f"rank {self.rank}: torch.distributed was shut down (destroy_process_group()) while "
+                                  "the checkpoint still had collectives to run (a save in flight): call the manager's "
+                                  "close(), or wait(), before destroy_process_group()")
         arrivals = self._arrivals if entered else None
         start = time.monotonic()
         if arrivals is not None:
@@ -169,7 +175,8 @@ class CheckpointGroup:
             behind = arrivals.behind(entered) if arrivals is not None and waited >= arrivals.warn_after_s else []
             who = (f"rank(s) {few(behind)} had not entered it after {waited:.0f} s (this rank waits {self._timeout}): "
                    "stuck, in another call of the manager, or gone (see their logs)" if behind else
-                   f"another rank did not join it within {self._timeout}, or failed or died (see its log)")
+                   f"another rank did not join it within {self._timeout}, or failed, died or shut down "
+                   "torch.distributed (see its log)")
             raise CollectiveError(
                 f"a collective among the checkpoint's {self.world_size} ranks failed on rank {self.rank} ({e}): "
                 f"{who}. Every rank {alike}") from e
@@ -379,13 +386,14 @@ class _Arrivals:
                 return False
         return True
 
-    def close(self) -> None:
-        """Stop the watch, and mark this rank's counter closed: a peer still in a round, or
-        reporting one, does not take it for a rank that never came."""
+    def close(self, mark: bool = True) -> None:
+        """Stop the watch, and with `mark` (the job's store is still there: its world was not
+        destroyed) mark this rank's counter closed: a peer still in a round, or reporting one,
+        does not take it for a rank that never came."""
         with self._changed:
             self._closed = True
             self._changed.notify()
-        if not self._broken:
+        if mark and not self._broken:
             try:
                 self._store.add(str(self._rank), self._CLOSED)
             except RuntimeError:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -241,9 +242,10 @@ class BackgroundSaves:
         try:
             _start_threads(self._pool, _THREADS)
             stager.start(saves)
-        except RuntimeError as e:
-            self._pool.shutdown(wait=False)
-            if not no_thread(e):
+        except BaseException as e:
+            starved = isinstance(e, RuntimeError) and no_thread(e)
+            self._pool.shutdown(wait=not starved)  # the threads started are idle: gone at once
+            if not starved:
                 raise
             raise ConfigError("checkpoint.async_mode", stager.mode,
                               f"its background saves need threads of their own, and this process may start no "
@@ -407,7 +409,9 @@ def _wait_at_exit(saves: Any) -> None:
     """Have the interpreter's exit finish `saves` (`finish_at_exit`) before `concurrent.futures`
     stops taking work (its exit hook is registered the same way, earlier, and runs later) and
     before any `atexit` function (`multiprocessing` joins its children in one):
-    `threading._register_atexit`, private, where this Python has it."""
+    `threading._register_atexit`, private, where this Python has it. In a process that
+    `multiprocessing` started (`torch.multiprocessing.spawn`'s ranks), which joins its children
+    as its target returns, before those hooks: in a finalizer of its own, run first."""
     register = getattr(threading, "_register_atexit", None)
     if register is None:
         return
@@ -422,6 +426,12 @@ def _wait_at_exit(saves: Any) -> None:
             if made_in == pid == os.getpid():
                 alive.finish_at_exit()
     register(finish)
+    multiprocessing.util.Finalize(None, finish, exitpriority=_FINISH_FIRST)
+
+
+_FINISH_FIRST = 100
+"""The priority of the `multiprocessing` finalizer that finishes the saves in flight: among
+the first to run (any value of at least 0 runs before the children are joined)."""
 
 
 def _log_failure(save: Future) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import copy
 import logging
+import multiprocessing
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -208,6 +209,10 @@ class SharedArenas(Stager):
         """Start the writer process where the job saves, so that it is up by the first save (it
         takes seconds to import torch); else by the first save, should one come (`sink`)."""
         if saves:
+            if multiprocessing.current_process().daemon:
+                raise ConfigError("checkpoint.async_mode", self.mode, "saves through a writer process, which this "
+                                  "process may not start: it is daemonic (a multiprocessing.Pool's worker, a "
+                                  "Process(daemon=True)); use async, which needs none")
             self.writer = WriterProcess()
 
     def sink(self) -> Sink:
@@ -304,10 +309,11 @@ class SharedArenas(Stager):
             self.writer = None
 
     def release(self) -> None:
-        """Drop every arena (unpinning the pinned ones)."""
+        """Drop every arena (unpinning the pinned ones), and the count shared with the writer."""
         for address in list(self._pinned):
             self._unpin(address)
         self._places.clear()
+        self.count = None
 
     def abandon(self) -> None:
         self.release()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import multiprocessing.process
+import multiprocessing.util
 import os
 import pickle
 import queue
@@ -86,6 +87,7 @@ class WriterProcess:
         self._replies = threading.Thread(target=self._receive, name="ckpt-writer-replies", daemon=True)
         self._replies.start()
         _OPEN.add(self)
+        _close_before_children_joined()
 
     def _start(self) -> None:
         """Leaves the process's default start method as it was: `spawn` asks for it (to hand it
@@ -279,6 +281,20 @@ def _close_at_exit() -> None:
 
 if (_register_atexit := getattr(threading, "_register_atexit", None)) is not None:
     _register_atexit(_close_at_exit)
+
+
+_FINALIZED: set[int] = set()
+"""The processes where `_close_before_children_joined` is registered."""
+
+
+def _close_before_children_joined() -> None:
+    """In a process `multiprocessing` started (a `torch.multiprocessing.spawn` rank), whose end
+    joins its children before the interpreter's exit hooks run: `_close_at_exit` in a finalizer
+    of that process, run before the join (priority 0 and more). Once per process, by its first
+    writer (a finalizer registered before a fork is not run in the child)."""
+    if os.getpid() not in _FINALIZED:
+        _FINALIZED.add(os.getpid())
+        multiprocessing.util.Finalize(None, _close_at_exit, exitpriority=0)
 
 
 def _forget_writers() -> None:

@@ -77,7 +77,9 @@ class LocalStore(Store):
         return lock.claim(os.path.join(self.root, LOCK_FILE), f"{self.root} to save into",
                           "one job saves into a folder at a time; stop that job first, or give this one a folder of "
                           "its own (where its host is down, NFSv3 keeps its lock until that host is up again: once "
-                          "sure no job saves there, remove the lock file)")
+                          "sure no job saves there, remove the lock file). Where that process is a rank of this job, its "
+                          "ranks made their managers without joining one process group: call "
+                          "torch.distributed.init_process_group() before making the CheckpointManager")
 
     @property
     def sole_writer(self) -> bool:
