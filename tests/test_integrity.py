@@ -601,6 +601,11 @@ def test_two_managers_of_one_process_never_use_one_folder_in_turn(tmp_path):
     again.save(2)
     with pytest.raises(CheckpointError, match=r"save\(3\) refused"):
         critic.save(3)
+    frozen = torch.nn.Linear(2, 2)  # a reference model's: its manager only reads
+    reference = CheckpointManager(Checkpoint(enable=True, folder=str(folder), load_only=True), [frozen])
+    assert reference.load() and frozen.weight.eq(1.0).all()
+    again.save(3)
+    reference.close()
     critic.close()
     again.close()
 

@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import socket
@@ -201,6 +202,15 @@ def test_a_kill_during_a_save_leaves_the_previous_step_loadable(bucket, tmp_path
     assert "run/step-2/COMMITTED.json" not in names and "run/step-2/IN_PROGRESS.json" in names
     if failpoint.startswith("upload"):
         assert "run/step-2/__1_0.distcp" in names  # rank 1's data is up, the step is still invisible
+    if failpoint.startswith("commit"):  # its .metadata is up and names the save the mark names: ours, partial
+        s3 = boto3.client("s3")
+        mark = s3.get_object(Bucket=bucket, Key="run/step-2/IN_PROGRESS.json")["Body"].read()
+        metadata = s3.get_object(Bucket=bucket, Key="run/step-2/.metadata")["Body"].read()
+        assert pickle.loads(metadata).storage_meta.save_id == commit.mark_id(mark)  # our own bytes: trusted
+        initial = _config(str(tmp_path / "c"), str(tmp_path / "d"), initial_load_path=f"{url}/step-2")
+        with pytest.raises(CheckpointNotFoundError, match="its save did not finish"), \
+                CheckpointManager(initial, [torch.nn.Linear(2, 2)]) as manager:
+            manager.load()
     spawn(2, _resume_step_1, url, str(tmp_path / "b"), str(tmp_path / "step-1.pt"))
     assert {k for k in _objects(bucket) if k.endswith(".json")} == {"run/step-2/COMMITTED.json"}
 

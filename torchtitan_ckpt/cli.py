@@ -244,8 +244,10 @@ def _state_of(key: str, states: Collection[str]) -> str:
 def _describe(path: str, where: str, listed: str | None) -> dict[str, Any]:
     """The `inspect --json` document of the step folder `path` (`where` as the user named it),
     its status `listed` (`_opened_step`) or else `layout.status_of`'s. Its states are the commit
-    marker's; without a marker, the `KNOWN_STATES` its keys show."""
-    info = commit.read_marker(path) if commit.is_committed(path) else None
+    marker's; without a marker (or with one left in a folder another program has since written
+    over: foreign), the `KNOWN_STATES` its keys show."""
+    ours = commit.is_committed(path) and (listed or layout.status_of(path)) != layout.FOREIGN
+    info = commit.read_marker(path) if ours else None
     fmt = info.format if info else layout.foreign_format(path)
     if fmt is None:
         raise CheckpointNotFoundError(f"{where} holds no checkpoint: " + ", ".join(

@@ -183,8 +183,8 @@ def _marker_problem(info: CommitInfo, path: str) -> str | None:
 
 def uncommit(path: str) -> None:
     """Make a step invisible before it is rewritten or deleted; a crash afterwards leaves it
-    partial, and still ours. The commit marker is renamed the in-progress one (whose content
-    nothing reads), in one atomic step that needs no free space: on a full disk, deleting a
+    partial, and still ours. The commit marker is renamed the in-progress one (which then names
+    no save: `started_by` gives None), in one atomic step that needs no free space: on a full disk, deleting a
     step must not need what only deleting it gives back. A step folder that is a symlink (a run
     linked in from elsewhere) is never acted on through."""
     if os.path.islink(path):

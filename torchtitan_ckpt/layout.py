@@ -25,6 +25,7 @@ from as its status says, never counted by retention, deleted or replaced.
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import re
@@ -133,26 +134,36 @@ def _finished_by_another(path: str, committed: bool) -> bool:
     format's index names another save than our in-progress marker does. A committed folder's
     index is read only where it is newer than the commit marker (ours is written before it)."""
     fmt = foreign_format(path)
-    if fmt is None or (committed and not _newer(path, FORMATS[fmt].index_files, commit.MARKER)):
+    index = _first_file(path, FORMATS[fmt].index_files) if fmt is not None else None
+    if index is None:
         return False
+    if committed:
+        try:
+            if index.st_mtime_ns <= os.stat(os.path.join(path, commit.MARKER)).st_mtime_ns:
+                return False
+        except OSError:
+            return False
     ours = commit.started_by(path)
-    theirs = FORMATS[fmt].finished_by(path) if ours is not None else None
+    theirs = _recorded_save(fmt, path, (index.st_ino, index.st_size, index.st_mtime_ns)) if ours else None
     return theirs is not None and theirs != ours
 
 
-def _newer(path: str, names: tuple[str, ...], than: str) -> bool:
-    """Whether one of the files `names` in `path` was modified after its file `than`."""
-    try:
-        mark = os.stat(os.path.join(path, than)).st_mtime_ns
-    except OSError:
-        return False
+def _first_file(path: str, names: tuple[str, ...]) -> os.stat_result | None:
+    """The first of the files `names` in `path` that is there."""
     for name in names:
         try:
-            if os.stat(os.path.join(path, name)).st_mtime_ns > mark:
-                return True
+            return os.stat(os.path.join(path, name))
         except OSError:
             continue
-    return False
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _recorded_save(fmt: str, path: str, version: tuple[int, int, int]) -> str | None:
+    """`finished_by` of the step in `path` (format `fmt`), read once per `version` of its index
+    (inode, size, time): in a run folder copied by `cp -r`, every step's index may be newer than
+    its commit marker, and each scan would read them all again."""
+    return FORMATS[fmt].finished_by(path)
 
 
 COMMITTING = commit.MARKER + durable.TMP_SUFFIX

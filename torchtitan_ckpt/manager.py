@@ -225,7 +225,7 @@ class CheckpointManager:
         """Open the storage, check the job against the config, and start the strategies."""
         config = self.config
         self._store = storage.open_store(self.folder, "checkpoint.folder", rank, config)
-        self._user = FolderUser(self._store.url)
+        self._user = FolderUser(self._store.url, saves=not config.load_only)
         self.folder = self._store.root  # where the formats write and read: the folder, or a local stage
         initial = config.initial_load_path
         self._initial = storage.open_store(initial, "checkpoint.initial_load_path", rank, config) if initial else None
@@ -462,8 +462,6 @@ class CheckpointManager:
             self._closed = True
             return
         self._closed = True
-        if self._user is not None:
-            self._user.close()
         if self._unclosed is not None:
             self._unclosed.detach()
         for hook in self._hooks:
@@ -480,6 +478,7 @@ class CheckpointManager:
 
     def _let_go(self) -> None:
         """What `close()` lets go of once no save is in flight."""
+        self._user.close()
         if self._deleter is not None:
             self._deleter.close()
         self._close_stores()

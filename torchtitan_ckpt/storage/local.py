@@ -68,10 +68,10 @@ class LocalStore(Store):
         hold, with a warning (`users`: only one of the two may save or load there)."""
         self._lock, first = self._claim()
         if not first:  # shared: neither deletes the other's steps in flight (`sole_writer`)
-            logger.warning("another CheckpointManager of this process holds %s and is not closed: once either one "
-                           "saves or loads there, the other's save() and load() are refused. close() the first (a "
-                           "trainer building its manager again; one dropped without close() holds the folder until "
-                           "the process ends), or give each manager a folder of its own", self.root)
+            logger.warning("another CheckpointManager of this process holds %s and is not closed: while both are "
+                           "used, the second one to save or load there is refused. close() the first (a trainer "
+                           "building its manager again; one dropped without close() holds the folder until the "
+                           "process ends), or give each manager a folder of its own", self.root)
 
     def _claim(self) -> tuple[str, bool]:
         return lock.claim(os.path.join(self.root, LOCK_FILE), f"{self.root} to save into",

@@ -390,12 +390,17 @@ class S3Store(Store):
         faults.hit("prepare", step)
 
     def prepare_rank(self, path: str) -> None:
-        """An empty local staging folder for this rank's files of the step."""
+        """An empty local staging folder for this rank's files of the step; on rank 0, with the
+        step's in-progress mark (never uploaded: not a file of the step's), whose save a DCP
+        `.metadata` written there records (`commit.started_by`)."""
         if path == self._held:
             self._held, self._whole = None, False
             self._files.clear()
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path)
+        if (save := self._saving.get(self._key(path))) is not None:
+            with open(os.path.join(path, commit.IN_PROGRESS), "w") as f:
+                json.dump({"save": save}, f)
 
     def publish(self, path: str, files: dict[str, tuple[int, str]], group: CheckpointGroup,
                 joint: Sequence[str] = (), last: Sequence[str] = ()) -> dict[str, tuple[int, str]]:
