@@ -568,46 +568,45 @@ def test_a_folder_another_user_saved_into_is_held_by_the_next_users_job(tmp_path
 
 
 
-def test_two_managers_of_one_process_never_use_one_folder_in_turn(tmp_path):
+def test_two_managers_of_one_process_never_save_into_one_folder_in_turn(tmp_path):
     """An RLHF job's actor and critic (or an EMA copy) given one `[checkpoint]` section: each
-    one's saves replaced the other's steps, and the actor's load() took the critic's weights
-    (same shapes) with a warning alone. Now the first to save or load holds the folder, the
-    other's calls are refused (however the folder is named) until it is closed; a trainer that
-    builds its manager again without closing the first goes on."""
+    one's saves replaced the other's steps, and a resumed actor's load() took the critic's
+    weights (same shapes), with a warning alone. Now once one has saved there, the other's
+    save() is refused (however the folder is named) until the first is closed; loads, a
+    `load_only` manager's, and a trainer that makes its manager again without closing the first
+    go on."""
     folder = tmp_path / "checkpoint"
     folder.mkdir()
     (tmp_path / "link").symlink_to(folder)
-
     models = {}
 
-    def manager(name: str, where=folder) -> CheckpointManager:
+    def manager(name: str, where=folder, **settings) -> CheckpointManager:
         models[name] = torch.nn.Linear(2, 2)
         torch.nn.init.constant_(models[name].weight, {"actor": 1.0, "critic": 2.0}.get(name, 3.0))
-        return CheckpointManager(Checkpoint(enable=True, folder=str(where), interval=1), [models[name]])
+        return CheckpointManager(Checkpoint(enable=True, folder=str(where), interval=1, **settings), [models[name]])
 
     actor, critic = manager("actor"), manager("critic", tmp_path / "link")
-    assert not actor.load()
-    with pytest.raises(CheckpointError, match=r"load\(-1\) refused: another CheckpointManager of this process, not "
-                                              r"closed, has saved or loaded in .*link since this one was made"):
-        critic.load()
+    assert not actor.load() and not critic.load()
     actor.save(1)
-    with pytest.raises(CheckpointError, match=r"save\(1\) refused"):
+    with pytest.raises(CheckpointError, match=r"save\(1\) refused: another CheckpointManager of this process, not "
+                                              r"closed, has saved into .*link since this one was made"):
         critic.save(1)
     assert read_checkpoint(str(folder / "step-1"))["weight"].eq(1.0).all()
+    assert critic.load() and models["critic"].weight.eq(1.0).all()  # an evaluation's load of the actor's step
     actor.close()
-    assert critic.load() and models["critic"].weight.eq(1.0).all()  # the folder is the critic's now
-    again = manager("rebuilt")  # the critic's trainer built again, the first not closed
+    critic.save(2)  # the folder is the critic's now
+    again = manager("rebuilt")  # the critic's trainer made again, the first not closed
     assert again.load() and models["rebuilt"].weight.eq(1.0).all()
-    again.save(2)
-    with pytest.raises(CheckpointError, match=r"save\(3\) refused"):
-        critic.save(3)
-    frozen = torch.nn.Linear(2, 2)  # a reference model's: its manager only reads
-    reference = CheckpointManager(Checkpoint(enable=True, folder=str(folder), load_only=True), [frozen])
-    assert reference.load() and frozen.weight.eq(1.0).all()
     again.save(3)
-    reference.close()
-    critic.close()
-    again.close()
+    with pytest.raises(CheckpointError, match=r"save\(4\) refused"):
+        critic.save(4)
+    reference = manager("reference", load_only=True)  # a frozen reference model's: it only reads
+    assert reference.load() and models["reference"].weight.eq(1.0).all()
+    reference.save(4)  # does nothing (load_only), and holds nothing back
+    again.save(4)
+    assert layout.committed_steps(str(folder)) == [1, 2, 3, 4]
+    for m in (reference, critic, again):
+        m.close()
 
 
 def test_the_hold_is_one_however_the_folder_is_named_and_lets_go_of_what_it_cannot_use(tmp_path):

@@ -194,7 +194,7 @@ class CheckpointManager:
         """`close()` was called from inside another call on its thread; that call closes as it ends."""
         self._hooks: list = []
         self._user: FolderUser | None = None
-        """This manager's use of its folder, beside other managers of the process (`FolderUser`)."""
+        """This manager's saves into its folder, beside other managers of the process (`FolderUser`)."""
         self._unclosed: weakref.finalize | None = None
         """Lets go of what a manager collected without `close()` holds (`_collected_unclosed`)."""
         self._waiting: _TrainingWait | None = None
@@ -513,7 +513,7 @@ class CheckpointManager:
         step = layout.check_step(curr_step, "save")
         if not self.config.enable:
             return False
-        self._user.use(f"save({step})")
+        self._user.save(f"save({step})")
         if self._half_loaded is not None:
             raise CheckpointError(f"save({step}) refused: the job's state is not one step's ({self._half_loaded})")
         kind = save_kind(step, last_step, self.config, force)
@@ -819,7 +819,6 @@ class CheckpointManager:
         step = layout.check_step(step, "load", low=-1)
         if not self.config.enable:
             return False
-        self._user.use(f"load({step})")
         self._load_called = True
         self._saves.wait()
         self._committed = self._ended_at = None  # the job's state is the loaded step's now (`_load`), or undefined

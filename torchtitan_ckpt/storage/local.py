@@ -68,8 +68,8 @@ class LocalStore(Store):
         hold, with a warning (`users`: only one of the two may save or load there)."""
         self._lock, first = self._claim()
         if not first:  # shared: neither deletes the other's steps in flight (`sole_writer`)
-            logger.warning("another CheckpointManager of this process holds %s and is not closed: while both are "
-                           "used, the second one to save or load there is refused. close() the first (a trainer "
+            logger.warning("another CheckpointManager of this process holds %s and is not closed: while both save, "
+                           "the second one to save there is refused. close() the first (a trainer "
                            "building its manager again; one dropped without close() holds the folder until the "
                            "process ends), or give each manager a folder of its own", self.root)
 
