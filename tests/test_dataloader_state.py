@@ -111,6 +111,38 @@ def test_a_loader_told_its_data_parallel_rank_is_saved_at_it(tmp_path):
     assert next(iter(loader)).tolist() == expected
 
 
+def test_a_loader_of_its_own_told_its_data_parallel_rank_resumes_and_a_stateful_one_of_another_layout_is_refused(
+        tmp_path):
+    """Any loader given `dp_rank` and `dp_world_size` but a plain `StatefulDataLoader` was taken
+    for TorchTitan's, its state saved as it gave it: every step saved, and no load read it (a
+    state of another layout). A loader of the user's own is given the layout; a
+    `StatefulDataLoader` subclass of its own `state_dict()` not in it is refused at the save."""
+    model = torch.nn.Linear(2, 2)
+    saved = _Position(3)
+    saved.dp_rank, saved.dp_world_size = 0, 1
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], dataloader=saved,
+                           base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    fresh = _Position(0)
+    fresh.dp_rank, fresh.dp_world_size = 0, 1
+    with CheckpointManager(Checkpoint(enable=True), [model], dataloader=fresh, base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert fresh.position == 3
+
+    class Epochs(StatefulDataLoader):
+        def state_dict(self):
+            return {"epoch": 2, "inner": super().state_dict()}
+
+    loader = Epochs(_DATA, batch_size=4)
+    loader.dp_rank, loader.dp_world_size = 0, 1
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], dataloader=loader,
+                           base_folder=str(tmp_path / "epochs")) as manager:
+        with pytest.raises(CheckpointError, match=r"taken to save TorchTitan's layout \('dp_rank_0' and 'world_size'.*"
+                                                  r"its state is not in it \(\['epoch', 'inner'\]\): no load would read "
+                                                  r"it, so it is not saved"):
+            manager.save(1)
+
+
 def test_a_dataloader_state_of_another_layout_is_refused_not_dropped(tmp_path):
     """It loaded with no error and the loader started from the beginning, with a warning that
     0 data-parallel ranks had saved it. The step holds it as an older torchtitan_ckpt saved it

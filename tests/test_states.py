@@ -625,6 +625,42 @@ _SCHEDULES = {
 
 @pytest.mark.parametrize("tensor_lr", [False, True])
 @pytest.mark.parametrize("schedule", sorted(_SCHEDULES))
+def test_a_schedule_left_out_of_the_load_starts_afresh(tmp_path, schedule, tensor_lr):
+    """The warning's advice for a learning rate changed since the save: leave the scheduler out
+    of the load, and its schedule starts afresh. The optimizer's load put the rates reached at
+    the save over the fresh schedule's (`lr`, `initial_lr`): its first step ran at the old rate,
+    and chained schedules went on from it (the warm-up and cosine gave 5x its peak)."""
+    def job(base: float, **config):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(base) if tensor_lr else base, momentum=0.9)
+        sched = _SCHEDULES[schedule](opt)
+        config = {"enable": True, "interval": 1, "keep_latest_k": 0, **config}
+        return model, opt, sched, CheckpointManager(Checkpoint(**config), [model], optimizers=opt,
+                                                    lr_schedulers=sched, base_folder=str(tmp_path))
+
+    def rates(model, opt, sched, steps):
+        used = []
+        for _ in range(steps):
+            used.append(float(opt.param_groups[0]["lr"]))
+            _train_one(model, opt, sched)
+        return used
+
+    model, opt, sched, manager = job(0.1)
+    for step in range(1, 6):
+        rates(model, opt, sched, 1)
+        manager.save(step)
+    manager.close()
+    model, opt, sched, manager = job(0.2, exclude_from_loading=["lr_scheduler"])
+    assert manager.load()
+    resumed = rates(model, opt, sched, 6)
+    manager.close()
+    model, opt, sched, _ = job(0.2, enable=False)
+    assert resumed == rates(model, opt, sched, 6)  # the fresh schedule of the new rate, from its start
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True])
+@pytest.mark.parametrize("schedule", sorted(_SCHEDULES))
 def test_a_schedule_loaded_without_its_optimizer_goes_on_at_the_rates_it_reached(tmp_path, schedule, tensor_lr):
     """docs/quickstart.md: after changing the optimizer, leave it out of the load. The schedule
     loaded at step 4, and the new optimizer kept the rate it was built with: 4x the saved run's

@@ -980,13 +980,15 @@ class CheckpointManager:
         state undefined: `PartialLoadError` on every rank, and `save()` refuses until a load
         succeeds. Returns the bytes of tensors the ranks read, together (not the step folder's
         size: a model-only load of a full step reads a part of it)."""
+        optimizer = self._states.get("optimizer")
+        rates = optimizer.scheduled() if optimizer is not None else None  # before the read writes tensor rates
         state = self._group.each(lambda: self._request.state(target), f"loading {target.path}")
         if target.format.named_as_state:
             self._request.warn_unloaded(target, state)
         held = local_bytes(state)  # before `_apply`, which hands the tensors read to the states
 
         def apply() -> int:
-            self._apply(state, target.path)
+            self._apply(state, target.path, rates)
             return held
         try:
             where = target.store.describe(target.path)
@@ -1021,17 +1023,22 @@ class CheckpointManager:
                 except Exception as e:
                     raise _cannot_apply(where, name, e) from e
 
-    def _apply(self, state: dict[str, Any], path: str) -> None:
+    def _apply(self, state: dict[str, Any], path: str, rates: list[list[dict[str, Any]]] | None) -> None:
         """Hand what was read to the states (checked by `_check_loaded`). A state that still
         cannot take it (a job's own state, or a dataloader, refusing its values) is a
-        `PartialLoadError`: the model's tensors are loaded by now."""
+        `PartialLoadError`: the model's tensors are loaded by now. With the optimizer read and
+        its schedulers not, the param groups get back the `rates` they had before the load
+        (`OptimizerState.scheduled`): the job's schedule starts afresh from its own."""
         name = "model"
+        fresh = "optimizer" in state and "lr_scheduler" in self._states and "lr_scheduler" not in state
         try:
             self._model.join_ties(state)
             self._model.load_state_dict({k: v for k, v in state.items() if k not in self._states})
             for name in sorted(self._states, key=lambda n: not isinstance(self._states[n], DataLoaderState)):
                 if name in state:
                     self._states[name].load_state_dict(state[name])
+            if fresh and rates is not None:
+                self._states["optimizer"].reschedule(rates)
         except Exception as e:
             raise PartialLoadError(path, e if isinstance(e, CheckpointError) else _cannot_apply(path, name, e)) from e
 

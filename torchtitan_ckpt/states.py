@@ -378,6 +378,27 @@ class OptimizerState(CheckedState):
                     raise CorruptCheckpointError(f"optimizer.param_groups.{fqn}.{key} is {brief(value)}, where this "
                                                  f"job's optimizer has {brief(live[fqn][key])}")
 
+    def scheduled(self) -> list[list[dict[str, Any]]]:
+        """Each param group's settings an LR scheduler sets: its learning rate, and those its
+        optimizer was not made with (`initial_lr`, OneCycleLR's `max_lr`, ...); a tensor's value
+        copied (a load writes a tensor rate in place)."""
+        return [[{k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in group.items()
+                  if k == "lr" or (k != "params" and k not in opt.defaults)}
+                 for group in opt.param_groups] for opt in self.optimizers]
+
+    def reschedule(self, settings: list[list[dict[str, Any]]]) -> None:
+        """Give each param group back the settings `scheduled` gave (after a load of the
+        optimizer without its schedulers: the job's fresh schedule starts from its own rates),
+        a tensor rate in place."""
+        for opt, groups in zip(self.optimizers, settings):
+            for group, own in zip(opt.param_groups, groups):
+                for key, value in own.items():
+                    live = group.get(key)
+                    if isinstance(live, torch.Tensor) and isinstance(value, torch.Tensor) and live.shape == value.shape:
+                        live.copy_(value)
+                    else:
+                        group[key] = value
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for opt, names in self.named:
             current = opt.state_dict()
@@ -870,10 +891,11 @@ class DataLoaderState(CheckedState):
     (tensor parallel) save the same entry once. The pickle is read back without running code.
 
     A loader is at the data-parallel rank and degree its `dp_rank` and `dp_world_size`
-    attributes say, else at the checkpoint group's rank, of its size. A loader of its own class
-    with those attributes (TorchTitan's) saves this layout itself: its state passes through as
-    it is. Set them on a plain `StatefulDataLoader` whose ranks share a data-parallel rank
-    (tensor or pipeline parallelism)."""
+    attributes say, else at the checkpoint group's rank, of its size. A `StatefulDataLoader` of
+    its own `state_dict()` with those attributes (TorchTitan's `ParallelAwareDataloader`) saves
+    this layout itself: its state passes through as it is (one not in the layout is refused at
+    the save). Set them on any other loader whose ranks share a data-parallel rank (tensor or
+    pipeline parallelism)."""
 
     def __init__(self, dataloader: Any, rank: int, world_size: int):
         self.dataloader = dataloader
@@ -881,9 +903,8 @@ class DataLoaderState(CheckedState):
         self.dp_rank = dataloader.dp_rank if declared else rank
         self.dp_world_size = dataloader.dp_world_size if declared else world_size
         # told by its class, not by a state_dict() call: a StatefulDataLoader's starts its workers
-        plain = isinstance(dataloader, StatefulDataLoader) and \
-            type(dataloader).state_dict is StatefulDataLoader.state_dict
-        self.own_layout = declared and not plain
+        self.own_layout = declared and isinstance(dataloader, StatefulDataLoader) and \
+            type(dataloader).state_dict is not StatefulDataLoader.state_dict
         self.yielded: int | None = None
         """The batches yielded as of the last `state_dict()`, where its state says (`compared`)."""
 
@@ -896,6 +917,13 @@ class DataLoaderState(CheckedState):
         reads without running code (a NumPy RNG state) is refused now, not at the resume."""
         sd = self.dataloader.state_dict() if self.own_layout else {
             self.key: pickle.dumps(self.dataloader.state_dict()), "world_size": self.dp_world_size}
+        if self.own_layout and not (isinstance(sd, dict) and self.key in sd):
+            raise CheckpointError(
+                f"the dataloader, a {type(self.dataloader).__name__} with dp_rank and dp_world_size and a "
+                f"state_dict() of its own, is taken to save TorchTitan's layout ({self.key!r} and 'world_size', as "
+                f"its ParallelAwareDataloader does), and its state is not in it ({brief(sorted(sd)[:4] if isinstance(sd, dict) else sd)}): "
+                "no load would read it, so it is not saved. Return that layout from its state_dict() (and read it "
+                "in load_state_dict()), or remove the attributes")
         try:
             position = self._position(sd) if self.key in sd else None  # else left to the loader's own load
         except CorruptCheckpointError as e:
