@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import os
 import threading
 import warnings
@@ -887,6 +888,24 @@ def test_states_the_job_no_longer_has_are_told_to_a_job_that_trains_on(tmp_path,
         assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == ([] if load_only else [
             f"{step} holds the state(s) ['ema', 'lr_scheduler'], which this job has none of: not loaded, they start "
             "anew if the job makes them again (removed from the job since the save?)"])
+
+
+def test_a_learning_rate_changed_under_a_sequence_of_schedulers_is_told_too(tmp_path, caplog):
+    """SequentialLR and ChainedScheduler keep their base rates in their schedulers' states
+    alone: a changed rate was dropped without a word."""
+    def job(lr: float) -> CheckpointManager:
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        sched = lr_scheduler.SequentialLR(
+            opt, [lr_scheduler.LinearLR(opt, 0.1, total_iters=3), lr_scheduler.CosineAnnealingLR(opt, 7)], [3])
+        return CheckpointManager(Checkpoint(enable=True, interval=1), [model], optimizers=opt, lr_schedulers=sched,
+                                 base_folder=str(tmp_path))
+
+    with job(0.1) as manager:
+        manager.save(1)
+    with job(0.05) as manager, caplog.at_level(logging.WARNING, logger="torchtitan_ckpt"):
+        assert manager.load()
+    assert "lr_scheduler 0: the step's base learning rates [0.1] replace the [0.05] this job's optimizer" in caplog.text
 
 
 def test_a_learning_rate_changed_since_the_save_is_told_to_be_replaced_by_the_steps(tmp_path, caplog):

@@ -749,7 +749,7 @@ class LRSchedulerState(CheckedState):
         for i, scheduler in enumerate(self.schedulers):
             own = scheduler.state_dict()
             shared = {k: as_live(v, own.get(k)) for k, v in self._shared(state_dict, i)[1].items()}
-            rates, built = _rates(shared.get("base_lrs")), _rates(own.get("base_lrs"))
+            rates, built = _base_rates(shared), _base_rates(own)
             if self.tells and rates is not None and built is not None and (len(rates) != len(built) or not all(
                     math.isclose(a, b, rel_tol=1e-6) for a, b in zip(rates, built))):  # a float32 tensor's rate too
                 logger.warning("lr_scheduler %d: the step's base learning rates %s replace the %s this job's optimizer "
@@ -842,6 +842,15 @@ def _rates(value: Any) -> list[float] | None:
         return [float(rate) for rate in value]
     except (TypeError, ValueError, RuntimeError):
         return None
+
+
+def _base_rates(state: dict[str, Any]) -> list[float] | None:
+    """A scheduler state's base rates (`_rates`); a scheduler of schedulers (SequentialLR,
+    ChainedScheduler) keeps them in its first one's state alone."""
+    inner = state.get("_schedulers")
+    if "base_lrs" not in state and isinstance(inner, list) and inner and isinstance(inner[0], dict):
+        return _rates(inner[0].get("base_lrs"))
+    return _rates(state.get("base_lrs"))
 
 
 _PER_SCHEDULER = ("base_lrs", "_last_lr")
