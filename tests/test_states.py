@@ -624,6 +624,15 @@ _SCHEDULES = {
 }
 
 
+def _rates_used(model, opt, sched, steps: int) -> list[float]:
+    """Train `steps` steps; the learning rate of each."""
+    used = []
+    for _ in range(steps):
+        used.append(float(opt.param_groups[0]["lr"]))
+        _train_one(model, opt, sched)
+    return used
+
+
 @pytest.mark.parametrize("tensor_lr", [False, True])
 @pytest.mark.parametrize("schedule", sorted(_SCHEDULES))
 def test_a_schedule_left_out_of_the_load_starts_afresh(tmp_path, schedule, tensor_lr):
@@ -640,24 +649,17 @@ def test_a_schedule_left_out_of_the_load_starts_afresh(tmp_path, schedule, tenso
         return model, opt, sched, CheckpointManager(Checkpoint(**config), [model], optimizers=opt,
                                                     lr_schedulers=sched, base_folder=str(tmp_path))
 
-    def rates(model, opt, sched, steps):
-        used = []
-        for _ in range(steps):
-            used.append(float(opt.param_groups[0]["lr"]))
-            _train_one(model, opt, sched)
-        return used
-
     model, opt, sched, manager = job(0.1)
     for step in range(1, 6):
-        rates(model, opt, sched, 1)
+        _rates_used(model, opt, sched, 1)
         manager.save(step)
     manager.close()
     model, opt, sched, manager = job(0.2, exclude_from_loading=["lr_scheduler"])
     assert manager.load()
-    resumed = rates(model, opt, sched, 6)
+    resumed = _rates_used(model, opt, sched, 6)
     manager.close()
     model, opt, sched, _ = job(0.2, enable=False)
-    assert resumed == rates(model, opt, sched, 6)  # the fresh schedule of the new rate, from its start
+    assert resumed == _rates_used(model, opt, sched, 6)  # the fresh schedule of the new rate, from its start
 
 
 @pytest.mark.parametrize("tensor_lr", [False, True])
@@ -677,17 +679,10 @@ def test_a_schedule_loaded_without_its_optimizer_goes_on_at_the_rates_it_reached
                                                     [model], optimizers=opt, lr_schedulers=sched,
                                                     base_folder=str(tmp_path))
 
-    def rates(model, opt, sched, steps):
-        used = []
-        for _ in range(steps):
-            used.append(float(opt.param_groups[0]["lr"]))
-            _train_one(model, opt, sched)
-        return used
-
     model, opt, sched, manager = job(functools.partial(torch.optim.SGD, momentum=0.9))
     saved_rates = []
     for step in range(1, 11):
-        saved_rates += rates(model, opt, sched, 1)
+        saved_rates += _rates_used(model, opt, sched, 1)
         manager.save(step)
     manager.close()
     model, opt, sched, manager = job(torch.optim.Adam, load_only=True, exclude_from_loading=["optimizer"])
@@ -695,7 +690,7 @@ def test_a_schedule_loaded_without_its_optimizer_goes_on_at_the_rates_it_reached
     manager.close()
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor) == tensor_lr
     assert sched.get_last_lr() == saved_rates[4:5]
-    assert rates(model, opt, sched, 6) == pytest.approx(saved_rates[4:], rel=1e-6)
+    assert _rates_used(model, opt, sched, 6) == pytest.approx(saved_rates[4:], rel=1e-6)
 
 
 @pytest.mark.parametrize("saved_tensor_lr", [False, True])
