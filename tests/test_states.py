@@ -19,6 +19,7 @@ from torch.optim import lr_scheduler
 
 from torchtitan_ckpt import CheckpointManager, layout
 from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.dcp import validate
 from torchtitan_ckpt.errors import CheckpointError, CheckpointSaveError
 
 from .helpers import Holder, read_checkpoint, spawn
@@ -393,6 +394,30 @@ def test_a_value_past_the_loads_bounds_is_refused_by_the_save(tmp_path):
     _, manager = _manager(str(tmp_path), data=_Values({"seen": {2**62 + i for i in range(5000)}}))
     _save_refused(tmp_path, manager, CheckpointSaveError, r"state value 'data.seen' \(builtins.set\) would be "
                   r"refused by every load: its pickle .* more than 4096 .*as a list or a tensor")
+
+
+_STRING, _LIST = ("x" * (80 << 10), "builtins.str"), ([bytes([i]) * 1024 for i in range(80)], "builtins.list")
+
+
+@pytest.mark.parametrize("mode, value, shown", [
+    ("disabled", *_STRING), ("async", *_STRING), ("async_with_pinned_mem", *_STRING), ("disabled", *_LIST),
+], ids=["string-disabled", "string-async", "string-async_with_pinned_mem", "list-disabled"])
+def test_a_value_larger_than_a_load_reads_is_refused_by_the_save(tmp_path, monkeypatch, mode, value, shown):
+    """A value larger than a load reads of one (`MAX_VALUE_BYTES`, 1 GiB, lowered here to 64 KB
+    for both): the step was saved, and every load called it damaged, even one leaving that state
+    out. The save now fails naming it; a value within the bound saves and loads."""
+    monkeypatch.setattr(validate, "MAX_VALUE_BYTES", 64 << 10)
+    _, manager = _manager(str(tmp_path), mode, train_state=_Values({"ok": 1, "big": value}))
+    _save_refused(tmp_path, manager, CheckpointSaveError,
+                  rf"state value 'train_state.big' \({shown}\) takes \d+ bytes saved, more than the 65536 a load reads")
+    small = _Values({"ok": 1, "big": value[:len(value) // 2]})
+    _, manager = _manager(str(tmp_path), mode, train_state=small)
+    manager.save(1)
+    manager.close()
+    loaded = _Values({"ok": 0, "big": None})
+    _, manager = _manager(str(tmp_path), mode, train_state=loaded)
+    assert manager.load() == 1 and loaded.loaded == small.values
+    manager.close()
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError
 from ..io import torch_archive
+from . import validate
 from ..errors import UnsafePickleError
 from ..policy.dedup import Assignment, DedupSummary, Item, Key, Write, make_policy, summarize
 
@@ -238,7 +239,7 @@ class DedupSavePlanner(DefaultSavePlanner):
             if not plain_scalar(value):
                 save = functools.partial(DefaultSavePlanner.resolve_data, self, write_item)
                 return _loadable(write_item.index.fqn, value, save)
-            return io.BytesIO(_saved_scalar(pickle.dumps(value, protocol=2)))
+            return _within_bound(write_item.index.fqn, value, io.BytesIO(_saved_scalar(pickle.dumps(value, protocol=2))))
         chunk = write_item.tensor_data.chunk
         source = self._source_of(write_item.index.fqn, chunk)
         if source.tensor_data.chunk.sizes == chunk.sizes:
@@ -275,15 +276,16 @@ def plain_scalar(value: object) -> bool:
 
 
 def _loadable(fqn: str, value: object, save: Callable[[], io.BytesIO]) -> io.BytesIO:
-    """`save()` (DCP's `torch.save` of `value`), once the load's own reader (`load_plain`: no
-    code from the file runs) reads it back: a NumPy value, a namedtuple or any other object a
-    load refuses would commit a step that no load takes."""
+    """`save()` (DCP's `torch.save` of `value`), once `_within_bound` and the load's own reader
+    (`load_plain`: no code from the file runs) reads it back: a NumPy value, a namedtuple or any
+    other object a load refuses would commit a step that no load takes."""
     try:
         data = save()
     except Exception as e:  # a lambda, a lock: nothing pickles it
         raise CheckpointError(f"state value '{fqn}' ({type(value).__name__}) cannot be saved: "
                               f"{type(e).__name__}: {e}") from None
-    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    kind = _kind(value)
+    _within_bound(fqn, value, data)
     try:
         torch_archive.load_plain(data.getvalue())
     except UnsafePickleError as e:
@@ -297,6 +299,23 @@ def _loadable(fqn: str, value: object, save: Callable[[], io.BytesIO]) -> io.Byt
             f"every load ({torch_archive.refusal(e)}): a load runs no code from a checkpoint, so it reads plain "
             "data only (numbers, strings, bytes, lists, tuples, dicts, sets, tensors, dtypes, devices); store it "
             "as such (a NumPy value as .item() or .tolist(), a NumPy array as torch.from_numpy(...))") from None
+    return data
+
+
+def _kind(value: object) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _within_bound(fqn: str, value: object, data: io.BytesIO) -> io.BytesIO:
+    """`data`, the saved `value`, unless it is larger than a load reads of a value (a string, a
+    list, a loader's position: `validate.MAX_VALUE_BYTES`), which would commit a step that every
+    load calls damaged."""
+    size = data.getbuffer().nbytes
+    if size > validate.MAX_VALUE_BYTES:
+        raise CheckpointError(
+            f"state value '{fqn}' ({_kind(value)}) takes {size} bytes saved, more than the "
+            f"{validate.MAX_VALUE_BYTES} a load reads of a value that is not a tensor (a crafted file "
+            "could ask for any size): store its bulk as tensors")
     return data
 
 
