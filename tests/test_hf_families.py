@@ -455,9 +455,17 @@ def test_an_unsupported_model_type_names_the_supported_ones():
         adapter_for_config({**FAMILIES["qwen3"][1], "model_type": "gpt2"})
 
 
-def test_a_family_without_an_adapter_is_refused_for_its_model_type_not_for_a_key():
+def test_a_family_without_an_adapter_is_refused_for_its_model_type_not_for_a_key(tmp_path):
     """OLMoE gives no `moe_intermediate_size` (its experts are `intermediate_size` wide), which
-    Qwen3-MoE must give."""
+    Qwen3-MoE must give; GPT-2 names its sizes otherwise (`n_embd`), and its folder was refused for
+    "hidden_size = None: required"."""
+    gpt2 = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4)
+    gpt2.save_pretrained(tmp_path)
+    for where, make in [("config.json", lambda: adapter_for_config(gpt2.to_dict())),
+                        (f"{tmp_path}/config.json", lambda: adapter_for_hf_dir(str(tmp_path))),
+                        (f"{tmp_path}/config.json", lambda: convert("dcp", str(tmp_path), str(tmp_path / "out")))]:
+        with pytest.raises(ConfigError, match=rf"^{re.escape(where)}: model_type = 'gpt2': no adapter for it"):
+            make()
     olmoe = transformers.OlmoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                      num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                                      num_experts_per_tok=2)

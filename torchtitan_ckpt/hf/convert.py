@@ -46,7 +46,7 @@ from ..io.tensors import local_bytes
 from .adapter import ROPE_LAYOUTS, TIED_HEAD, StateDictAdapter
 from .files import CONFIG_FILE, MAX_RECORDED_LAYOUT_BYTES, RECORDED_CONFIG, RECORDED_LAYOUT
 from .load import check_hf_dir, load_hf
-from .model_config import read_hf_config
+from .model_config import read_config_json
 from .registry import adapter_for_config
 from .save import save_hf
 
@@ -81,8 +81,8 @@ def to_dcp(hf_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pat
     """Write the HF folder `hf_dir` as a model-only DCP step folder `dst`, with its tensors
     renamed and permuted by the adapter of its `config.json` (or `hf_assets_path`'s)."""
     config_path = os.path.join(hf_assets_path or hf_dir, CONFIG_FILE)
-    config = read_hf_config(config_path)
-    adapter = adapter_for_config(config, hf_assets_path or hf_dir, adapter_name, config_path, rope_layout)
+    adapter = adapter_for_config(read_config_json(config_path), hf_assets_path or hf_dir, adapter_name, config_path,
+                                 rope_layout)
     shapes = adapter.state_dict_shapes()
     meta = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}
     sources = adapter.hf_sources(meta)
@@ -92,7 +92,7 @@ def to_dcp(hf_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pat
     nbytes = local_bytes(state)
     load_hf(state, hf_dir, adapter)
     report("reading", nbytes, nbytes)
-    _write_dcp(state, dst, config.raw, adapter.rope_layout)
+    _write_dcp(state, dst, adapter.config.raw, adapter.rope_layout)
     report("writing", nbytes, nbytes)
 
 
@@ -112,12 +112,12 @@ def to_hf(step_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pa
             f"{config_path} not found: --hf-assets must name an HF folder holding the model's {CONFIG_FILE}"
             if hf_assets_path else f"{step_dir} records no HF config ({RECORDED_CONFIG}); pass --hf-assets "
             f"with the HF folder whose {CONFIG_FILE} describes the model")
-    config, layout = read_hf_config(config_path), rope_layout or recorded_rope_layout(step_dir)
-    adapter = adapter_for_config(config, hf_assets_path, adapter_name, config_path, layout)
+    layout = rope_layout or recorded_rope_layout(step_dir)
+    adapter = adapter_for_config(read_config_json(config_path), hf_assets_path, adapter_name, config_path, layout)
     if layout is None and adapter.rope_layout != "interleaved":
         raise CheckpointError(
             f"{step_dir} does not record the RoPE layout of its model (a step the training job saved), and "
-            f"{adapter_name or config.model_type} models differ in it: pass --rope-layout halves (TorchTitan's "
+            f"{adapter_name or adapter.config.model_type} models differ in it: pass --rope-layout halves (TorchTitan's "
             "Qwen3) or interleaved (this package's example model)")
     shapes, dtypes, stored = _dcp_tensors(step_dir, adapter)
     held = empty_state_dict({stored[k]: shape for k, shape in shapes.items()},

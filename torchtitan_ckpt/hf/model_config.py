@@ -120,17 +120,21 @@ class HFModelConfig:
             tie_word_embeddings=get.flag("tie_word_embeddings", False), raw=raw, where=where, **moe)
 
 
-def read_hf_config(path: str) -> HFModelConfig:
-    """Read and check the `config.json` at `path`: a regular file (a FIFO or a device there is
-    refused, never waited on) inside its folder (a link out of it is not followed) of at most
-    `MAX_CONFIG_BYTES`."""
+def read_config_json(path: str) -> Any:
+    """The `config.json` at `path` as JSON, unchecked (`HFModelConfig.parse` checks it): a regular
+    file (a FIFO or a device there is refused, never waited on) inside its folder (a link out of
+    it is not followed) of at most `MAX_CONFIG_BYTES`."""
     if not os.path.lexists(path):
         raise CheckpointNotFoundError(f"{path} not found: the folder holds no Hugging Face model config")
     try:
-        raw = json.loads(safe_open.read_bounded(path, "the model config", MAX_CONFIG_BYTES))
+        return json.loads(safe_open.read_bounded(path, "the model config", MAX_CONFIG_BYTES))
     except (OSError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"cannot read the model config {path}: {e}") from e
-    return HFModelConfig.parse(raw, path)
+
+
+def read_hf_config(path: str) -> HFModelConfig:
+    """Read (`read_config_json`) and check the `config.json` at `path`."""
+    return HFModelConfig.parse(read_config_json(path), path)
 
 
 _MISSING: Any = object()

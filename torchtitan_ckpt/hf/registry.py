@@ -9,7 +9,7 @@ from ..errors import ConfigError
 from .adapter import StateDictAdapter
 from .files import CONFIG_FILE
 from .llama import LlamaAdapter, MixtralAdapter, Qwen2Adapter, Qwen3Adapter, Qwen3MoeAdapter
-from .model_config import HFModelConfig, read_hf_config
+from .model_config import HFModelConfig, read_config_json
 
 ADAPTERS: dict[str, type[StateDictAdapter]] = {
     "llama": LlamaAdapter,
@@ -21,18 +21,19 @@ ADAPTERS: dict[str, type[StateDictAdapter]] = {
 }
 
 
-def adapter_for_config(config: HFModelConfig | dict[str, Any], hf_assets_path: str | None = None,
+def adapter_for_config(config: HFModelConfig | Any, hf_assets_path: str | None = None,
                        adapter: str | None = None, where: str = CONFIG_FILE,
                        rope_layout: str | None = None) -> StateDictAdapter:
     """The adapter of `config` (an `HFModelConfig` or a parsed `config.json`), chosen by its
     `model_type` unless `adapter` names one of `ADAPTERS`, for a model of `rope_layout`
     (`adapter.ROPE_LAYOUTS`; None: the family's, as TorchTitan's model of it has)."""
+    raw = config.raw if isinstance(config, HFModelConfig) else config
+    name = adapter or (raw.get("model_type") if isinstance(raw, dict) else None)
+    if isinstance(raw, dict) and not (isinstance(name, str) and name in ADAPTERS):  # first: another family's
+        key = "adapter" if adapter else f"{where}: model_type"  # config names its sizes otherwise (GPT-2)
+        raise ConfigError(key, name, f"no adapter for it; supported: {', '.join(sorted(ADAPTERS))}")
     if not isinstance(config, HFModelConfig):
         config = HFModelConfig.parse(config, where)
-    name = adapter or config.model_type
-    if name not in ADAPTERS:
-        key = "adapter" if adapter else f"{where}: model_type"
-        raise ConfigError(key, name, f"no adapter for it; supported: {', '.join(sorted(ADAPTERS))}")
     return ADAPTERS[name](config, hf_assets_path, rope_layout)
 
 
@@ -40,4 +41,4 @@ def adapter_for_hf_dir(hf_dir: str, adapter: str | None = None, rope_layout: str
     """The adapter of the HF folder `hf_dir`, from its `config.json`; exports copy its config
     and file split."""
     path = os.path.join(hf_dir, CONFIG_FILE)
-    return adapter_for_config(read_hf_config(path), hf_dir, adapter, path, rope_layout)
+    return adapter_for_config(read_config_json(path), hf_dir, adapter, path, rope_layout)
