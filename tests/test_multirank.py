@@ -623,6 +623,55 @@ def test_optimizer_state_no_rank_holds_is_said_once(tmp_path):
     spawn(2, _frozen_since_the_save, str(tmp_path / "checkpoint"))
 
 
+def _trainable_since_the_save(rank: int, world_size: int, folder: str) -> None:
+    """Each rank a pipeline stage of names of its own; saved with stage1.bias frozen (rank 1's
+    optimizer over its weight alone, at a rate the schedule lowered to 0.05), resumed with it
+    trainable: first in the weight's group, then in a group of its own at 0.2."""
+    def stage(groups: list[dict]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(rank)
+        part = torch.nn.ModuleDict({f"stage{rank}": torch.nn.Linear(2, 2)})
+        named = dict(part.named_parameters())
+        return part, torch.optim.AdamW([{**g, "params": [named[n] for n in g["params"]]} for g in groups], lr=0.1)
+
+    weight, bias = f"stage{rank}.weight", f"stage{rank}.bias"
+    part, opt = stage([{"params": [weight, bias] if rank == 0 else [weight]}])
+    part[f"stage{rank}"](torch.ones(1, 2)).sum().backward()
+    opt.step()
+    opt.param_groups[0]["lr"] = 0.05
+    saved = opt.state_dict()["state"][0]["exp_avg"].clone()
+    config = Checkpoint(enable=True, folder=folder, interval=1, last_save_model_only=False)
+    with CheckpointManager(config, [part], optimizers=opt) as manager:
+        manager.save(1)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchtitan_ckpt").addHandler(handler)
+    for groups, rates in [([{"params": [bias, weight]}], [0.05]),
+                          ([{"params": [weight]}, {"params": [bias], "lr": 0.2}], [0.05, 0.2])]:
+        part, opt = stage(groups)
+        with CheckpointManager(config, [part], optimizers=opt) as manager:
+            assert manager.load()
+        state = {name: opt.state[p] for name, p in part.named_parameters()}
+        assert torch.equal(state[weight]["exp_avg"], saved) and (rank == 0) == bool(state[bias])
+        assert [g["lr"] for g in opt.param_groups] == (rates if rank else [0.05] * len(groups))
+        part[f"stage{rank}"](torch.ones(1, 2)).sum().backward()
+        opt.step()  # the new parameter's state starts now
+        assert all(opt.state[p] for p in part.parameters())
+    if rank == 0:
+        warned = [m for m in said if "no optimizer state or settings" in m]
+        assert warned == 2 * [f"{folder}/step-1 holds no optimizer state or settings for 1 parameters this job's "
+                              "optimizer holds, e.g. ['stage1.bias']: they start without state, with their param "
+                              "group's settings (trainable since the save?)"]
+
+
+def test_a_parameter_trainable_since_the_save_starts_fresh_and_is_said_once(tmp_path):
+    """Gradual unfreezing: a parameter frozen when saved, trainable at the resume, refused the
+    whole optimizer's load ("no optimizer settings ... for 1 parameters"), whose only way out
+    (exclude the optimizer) dropped every other parameter's moments. Now it starts without
+    state and the rest loads; a group it shares with saved parameters takes their settings."""
+    spawn(2, _trainable_since_the_save, str(tmp_path / "checkpoint"))
+
+
 class _RanksTokens:
     """A rank's count of tokens seen, keyed by rank as docs/quickstart.md says to key per-rank values."""
 

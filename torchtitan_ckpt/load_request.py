@@ -90,11 +90,12 @@ class LoadRequest:
         """What the step holds and no rank loads, which DCP leaves unread, said once on rank 0:
         model tensors that no rank's model parts have (a layer removed since the save), the
         optimizer state of parameters that no rank's optimizer holds (frozen since, or an
-        optimizer built over fewer parameters by mistake), whose moments are then lost, and
+        optimizer built over fewer parameters by mistake), whose moments are then lost, the
+        parameters an optimizer holds that the step has nothing of (trainable since), and
         entries of the job's own states none asks for (those of ranks gone, keyed by rank); and, to
         a job that goes on training, the states its marker lists that the job has none of. Each rank
         marks what it holds (a pipeline stage has its own layers) in bitmaps over the step's
-        names, the same on every rank, and one gather joins them."""
+        names, the same on every rank, and one gather joins them, with the names the step lacks."""
         names = self._model_names(target)
         keys = target.index.keys()
         params = sorted({_param_of(k) for k in keys if k.startswith(_SETTINGS)}) if "optimizer" in state else []
@@ -105,11 +106,17 @@ class LoadRequest:
         asked = flatten_state_dict({n: state[n] for n in own})[0]
         nested = {k: v for k, v in state.items() if k not in self._states and isinstance(v, (dict, list))}
         model = set(state).union(flatten_state_dict(nested)[0])  # a module's `_extra_state` of tensors: by entry
-        held_model, held_params, held_entries = map(_joined, zip(*self._group.all_gather((
+        fresh = sorted(mine.difference(params)) if params else []  # trainable since the save
+        gathered = self._group.all_gather((
             _bitmap(names, model.__contains__), _bitmap(params, mine.__contains__),
-            _bitmap(entries, asked.__contains__)))))
+            _bitmap(entries, asked.__contains__), fresh))
+        held_model, held_params, held_entries = map(_joined, zip(*(bitmaps for *bitmaps, _ in gathered)))
         if not self._group.is_coordinator:
             return
+        if new := sorted({name for *_, names in gathered for name in names}):
+            logger.warning("%s holds no optimizer state or settings for %d parameters this job's optimizer holds, "
+                           "e.g. %s: they start without state, with their param group's settings (trainable since "
+                           "the save?)", target.path, len(new), new[:3])
         if not self.config.load_only and not target.model_only and (
                 gone := sorted(set(target.listed) - {"model", *self._states})):
             logger.warning("%s holds the state(s) %s, which this job has none of: not loaded, they start anew if "

@@ -325,7 +325,10 @@ class OptimizerState(CheckedState):
         `saved_tensors` are tensors (their shapes): the state tensors of every parameter the
         checkpoint has state for, and the settings it has, in the kinds it holds them
         (`in_saved_kinds`: a float or a tensor `lr`); a setting a newer PyTorch added keeps its
-        present value. An optimizer that has no state yet is left without one (its
+        present value. A parameter the step holds nothing of (frozen when saved, trainable now)
+        starts without state, in its group with the settings of the group's others (its own
+        group's, if none was saved), as `warn_unloaded` says; when no parameter has settings in
+        the step, the load is refused. An optimizer that has no state yet is left without one (its
         state is made here to be read into and is given to it when the load is applied), so a
         load refused before then leaves it as it was; one that has state for some parameters
         only (others had no gradient yet) gets state made for the rest that the checkpoint has."""
@@ -343,11 +346,15 @@ class OptimizerState(CheckedState):
             {fqn: {k: v for k, v in settings.items() if f"param_groups.{fqn}.{k}" in saved_keys}
              for fqn, settings in sd["param_groups"].items()},
             saved_tensors, set(saved_keys) - set(saved_tensors), "param_groups")
-        bare = [fqn for fqn, settings in sd["param_groups"].items() if not settings]
-        if bare:
-            raise CheckpointError(f"the checkpoint has no optimizer settings (optimizer.param_groups.<fqn>.lr, "
-                                  f"...) for {len(bare)} parameters, e.g. {bare[:3]}; add 'optimizer' to "
-                                  "checkpoint.exclude_from_loading to start it fresh")
+        if bare := [fqn for fqn, settings in sd["param_groups"].items() if not settings]:
+            named = {key[:i] for key in saved_keys for i, ch in enumerate(key) if ch == "."} | set(saved_keys)
+            odd = [fqn for fqn in bare if {f"param_groups.{fqn}", f"state.{fqn}"} & named] or (
+                bare if len(bare) == len(sd["param_groups"]) else [])
+            if odd:  # saved otherwise (a crafted value), or nothing of the optimizer's is in the step
+                raise CheckpointError(f"the checkpoint has no optimizer settings (optimizer.param_groups.<fqn>.lr, "
+                                      f"...) for {len(odd)} parameters, e.g. {odd[:3]}; add 'optimizer' to "
+                                      "checkpoint.exclude_from_loading to start it fresh")
+            sd["param_groups"] = {fqn: settings for fqn, settings in sd["param_groups"].items() if settings}
         return sd
 
     def check_loaded(self, state_dict: dict[str, Any]) -> None:
@@ -403,9 +410,10 @@ class OptimizerState(CheckedState):
         for opt, names in self.named:
             current = opt.state_dict()
             state = {index: state_dict["state"][name] for index, name in enumerate(names) if name in state_dict["state"]}
-            groups = [{**group, **{k: as_live(v, group.get(k)) for k, v in
-                                   state_dict["param_groups"].get(names[group["params"][0]], {}).items()}}
-                      if group["params"] else group for group in current["param_groups"]]
+            saved = state_dict["param_groups"]
+            groups = [{**group, **{k: as_live(v, group.get(k)) for k, v in next(
+                (saved[names[i]] for i in group["params"] if names[i] in saved), {}).items()}}
+                for group in current["param_groups"]]
             for group in groups:
                 group["params"] = _Indices(group["params"])
             params = [p for group in opt.param_groups for p in group["params"]]
