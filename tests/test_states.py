@@ -20,7 +20,7 @@ from torch.optim import lr_scheduler
 from torchtitan_ckpt import CheckpointManager, layout
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.dcp import validate
-from torchtitan_ckpt.errors import CheckpointError, CheckpointSaveError
+from torchtitan_ckpt.errors import CheckpointError, CheckpointSaveError, PartialLoadError
 
 from .helpers import Holder, read_checkpoint, spawn
 
@@ -339,6 +339,44 @@ class _Values:
 
     def load_state_dict(self, sd):
         self.loaded = sd
+
+
+class _Unreadable(_Values):
+    """A job's own state whose load fails in its own code (a file it reads is gone)."""
+
+    def load_state_dict(self, sd):
+        raise FileNotFoundError("tokens.bin")
+
+
+def _failing_hook(*_):
+    raise RuntimeError("the hook failed")
+
+
+@pytest.mark.parametrize("where", ["model", "extra"])
+def test_a_state_whose_own_load_fails_is_named_with_a_way_out_the_config_takes(tmp_path, where):
+    """A model's load hook raising was a damaged checkpoint, "add 'model' to
+    checkpoint.exclude_from_loading", which the config refuses; a job's own state raising in its
+    own code was called damaged too."""
+    _, manager = _manager(str(tmp_path), extra=_Values({"n": 1}))
+    manager.save(1)
+    manager.close()
+    model, manager = _manager(str(tmp_path), extra=_Unreadable({"n": 0}) if where == "extra" else _Values({"n": 0}))
+    if where == "model":
+        model.register_load_state_dict_pre_hook(_failing_hook)
+    way_out = r"or load another step \(the model cannot be left out of a load\)" if where == "model" else \
+        r"load another step, or add 'extra' to checkpoint.exclude_from_loading to start it fresh"
+    raised = "its load_state_dict \\(or a hook of it\\) raised RuntimeError: the hook failed" if where == "model" \
+        else "its load_state_dict raised FileNotFoundError: tokens.bin"
+    with pytest.raises(PartialLoadError, match=rf"\(CheckpointError: .*step-1: this job's '{where}' state did not "
+                                               rf"take what the step holds: {raised}\. Fix that code if the fault is "
+                                               rf"its own, {way_out}\)"):
+        manager.load()
+    manager.close()
+    if where == "extra":
+        model = nn.Linear(2, 2)
+        with CheckpointManager(Checkpoint(enable=True, exclude_from_loading=["extra"]), [model],
+                               states={"extra": _Unreadable({"n": 0})}, base_folder=str(tmp_path)) as manager:
+            assert manager.load()
 
 
 class _Loader:

@@ -1040,7 +1040,19 @@ class CheckpointManager:
             if fresh and rates is not None:
                 self._states["optimizer"].reschedule(rates)
         except Exception as e:
-            raise PartialLoadError(path, e if isinstance(e, CheckpointError) else _cannot_apply(path, name, e)) from e
+            raise PartialLoadError(path, e if isinstance(e, CheckpointError) else _not_taken(path, name, e)) from e
+
+def _not_taken(path: str, name: str, error: Exception) -> CheckpointError:
+    """The `load_state_dict` of the job's state `name` (the model's, with its hooks) raised
+    `error` on what the step holds: the state's own code failed, or the step was saved by
+    another job; the model cannot be left out of a load."""
+    way_out = "or load another step (the model cannot be left out of a load)" if name == "model" else \
+        f"load another step, or add '{name}' to checkpoint.exclude_from_loading to start it fresh"
+    return CheckpointError(
+        f"{path}: this job's '{name}' state did not take what the step holds: its load_state_dict"
+        f"{' (or a hook of it)' if name == 'model' else ''} raised {type(error).__name__}: {error}. Fix that code "
+        f"if the fault is its own, {way_out}")
+
 
 def _cannot_apply(path: str, name: str, error: Exception) -> CorruptCheckpointError:
     return CorruptCheckpointError(
