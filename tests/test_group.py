@@ -61,6 +61,12 @@ def _interrupted_and_out_of_step(rank: int, world_size: int) -> None:
         group._rounds += 1  # as a rank that left a round before its gather (a signal between the two)
     with pytest.raises(CollectiveError, match=r"out of step: .* rounds are \[4, 3\]"):
         group.run(lambda: rank)
+    if rank == 1:  # in another call of the manager (load() where rank 0 saves): a plain gather
+        assert group.all_gather(("load", -1))[0][0] == 5
+    else:  # which it unpacked as a round: ValueError
+        with pytest.raises(CollectiveError, match=r"out of step: .* rounds are \[5, 'another exchange'\]; .* or the "
+                                                  "ranks called them otherwise"):
+            group.run(lambda: rank)
 
 
 def test_an_interrupted_rank_fails_the_round_on_every_rank_and_ranks_out_of_step_are_named():

@@ -231,13 +231,13 @@ class CheckpointGroup:
             raise
         if interrupted is not None:
             raise interrupted
-        rounds = [r for r, _, _ in gathered]
+        rounds = [g[0] if type(g) is tuple and len(g) == 3 else "another exchange" for g in gathered]
         if len(set(rounds)) > 1:
             raise CollectiveError(
                 f"the checkpoint's ranks are out of step: rank {self.rank} is in its round {self._rounds} of "
                 f"checkpoint collectives, the ranks' rounds are {rounds}; a rank left a save(), load() or close() "
-                "part-way (interrupted by a signal, or an error outside them) and the others cannot pair their "
-                "collectives with it any more. Restart the job: the last committed step is intact")
+                "part-way (interrupted by a signal, or an error outside them), or the ranks called them otherwise, "
+                "and they cannot pair their collectives any more. Restart the job: the last committed step is intact")
         failed = [(r, f) for r, (_, _, f) in enumerate(gathered) if f is not None]
         if failed:
             rank, (message, _) = next(((r, f) for r, f in failed if r == self.rank), failed[0])
