@@ -23,7 +23,7 @@ from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.train import build_model, shard_model
 from torchtitan_ckpt.storage.local import LOCK_FILE
 
-from .helpers import (DEBUG_CONFIG, ROOT, assert_same, losses, read_checkpoint, run_job, spawn, stay_until,
+from .helpers import (DEBUG_CONFIG, ROOT, Holder, assert_same, losses, read_checkpoint, run_job, spawn, stay_until,
                       then_release, within)
 
 pytestmark = pytest.mark.multirank
@@ -500,14 +500,20 @@ def _replicas_that_differ(rank: int, world_size: int, folder: str, how: str) -> 
 
     width = 32 if how == "shape" and rank == 1 else 16
     model = torch.nn.Linear(width, 4).to(torch.bfloat16 if how == "dtype" and rank == 1 else torch.float32)
-    differ = {"shape": r"float32\[4, 16\] and float32\[4, 32\]", "dtype": r"float32\[4, 16\] and bfloat16\[4, 16\]"}
-    with CheckpointManager(Checkpoint(enable=True, folder=folder, interval=1), [model]) as manager:
-        with pytest.raises(CheckpointSaveError, match=rf"saving step 1 .* ranks 0 and 1 hold weight otherwise "
-                                                      rf"\({differ[how]}\): every rank saves the same model"):
+    tokens = {"seen": torch.zeros(3 + rank if how == "state" else 3)}  # a rank's own, under one name
+    differ = {"shape": r"weight otherwise \(float32\[4, 16\] and float32\[4, 32\]\)",
+              "dtype": r"weight otherwise \(float32\[4, 16\] and bfloat16\[4, 16\]\)",
+              "state": r"tokens.seen otherwise \(float32\[3\] and float32\[4\]\)"}
+    with CheckpointManager(Checkpoint(enable=True, folder=folder, interval=1), [model],
+                           states={"tokens": Holder(tokens)}) as manager:
+        with pytest.raises(CheckpointSaveError, match=rf"saving step 1 .* ranks 0 and 1 hold {differ[how]}: the ranks "
+                                                      r"save one tensor of each name, so the ranks' models differ, or a "
+                                                      r"state keeps each rank's own tensor under one name \(key it by "
+                                                      r"rank: docs/quickstart.md\)"):
             manager.save(1)
 
 
-@pytest.mark.parametrize("how", ["shape", "dtype"])
+@pytest.mark.parametrize("how", ["shape", "dtype", "state"])
 def test_ranks_whose_replicas_differ_fail_the_save(tmp_path, how):
     """Each tensor was written by one of the ranks holding it: a step of both models was
     committed, which fit neither (shapes) or held two dtypes without a word."""

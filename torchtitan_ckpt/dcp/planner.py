@@ -63,8 +63,9 @@ def writers_of(plans: Sequence[SavePlan]) -> Assignment:
 def _check_alike(plans: Sequence[SavePlan]) -> None:
     """Every rank that holds a tensor holds it alike: one whole shape and dtype, and a piece at
     one offset of one size. Ranks whose models differ (a replica built with another width or
-    dtype) would otherwise give one step of both, each piece taken from one of them: the
-    step's shapes would fit neither model, or its dtypes be mixed without a word."""
+    dtype), or a state of each rank's own tensor under one name, would otherwise give one step
+    of both, each piece taken from one of them: the step's shapes would fit neither, or its
+    dtypes be mixed without a word."""
     seen: dict[str, tuple[int, tuple, dict]] = {}
     for rank, plan in enumerate(plans):
         for item in plan.items:
@@ -80,8 +81,9 @@ def _check_alike(plans: Sequence[SavePlan]) -> None:
                 differ = f"pieces at {list(offset)} of {list(pieces[offset])} and {list(sizes)} elements"
             else:
                 continue
-            raise ValueError(f"ranks {first} and {rank} hold {item.index.fqn} otherwise ({differ}): every rank saves "
-                             "the same model, and these ranks' models differ")
+            raise ValueError(f"ranks {first} and {rank} hold {item.index.fqn} otherwise ({differ}): the ranks save one "
+                             "tensor of each name, so the ranks' models differ, or a state keeps each rank's own "
+                             "tensor under one name (key it by rank: docs/quickstart.md)")
 
 
 def _shape(size: tuple, dtype: torch.dtype) -> str:
