@@ -169,7 +169,10 @@ class CheckpointSaveError(CheckpointError):
         self.unsaved: int | None = None
         """The step of the `save()` that raised this failure of an earlier background save: it
         saved nothing of its own."""
-        super().__init__(f"saving step {step} to {path} failed: {type(cause).__name__}: {cause}{hint}")
+        where, text = "", f"{type(cause).__name__}: {cause}"
+        if isinstance(cause, RankFailed):  # another rank's failure, as it described it
+            where, text = f" on rank {cause.rank}", str(cause)[len(f"rank {cause.rank}: "):]
+        super().__init__(f"saving step {step} to {path} failed{where}: {text}{hint}")
 
     def __str__(self) -> str:
         text = super().__str__()
@@ -244,7 +247,8 @@ class MalformedArchive(Exception):
 
 class RankFailed(Exception):
     """A function run by `CheckpointGroup.run` failed on some rank. Every rank raises it, the
-    failing ones and the others alike, so no rank waits forever on one that gave up."""
+    failing ones and the others alike, so no rank waits forever on one that gave up. DCP's save
+    failing on another rank is one too (`dcp.storage.root_cause`)."""
 
     def __init__(self, rank: int, message: str, kinds: tuple[str, ...], error: BaseException | None):
         super().__init__(f"rank {rank}: {message}")

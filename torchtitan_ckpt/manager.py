@@ -803,7 +803,7 @@ class CheckpointManager:
         try:
             return self._group.run(fn, coordinator_only)
         except RankFailed as failed:
-            raise CheckpointSaveError(step, self._store.describe(path), failed.error or RuntimeError(str(failed)),
+            raise CheckpointSaveError(step, self._store.describe(path), failed.error or failed,
                                       _failure_hint(path, self._store.staged, failed.error)) from failed.error
 
     # ------------------------------------------------------------------ loading

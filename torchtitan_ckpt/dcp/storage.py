@@ -49,7 +49,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.futures import Future
 
 from ..io import filewriter, own_writes, reader, safe_open, torch_archive
-from ..errors import UnsafePickleError
+from ..errors import RankFailed, UnsafePickleError
 from ..io.checksum import crc32, hex_crc
 from ..io.tensors import local_values
 from .. import commit, gc_pause
@@ -266,13 +266,13 @@ def load_on_this_rank(state: dict[str, Any], storage_reader: SafeFileSystemReade
 def root_cause(error: BaseException, rank: int | None = None) -> BaseException:
     """DCP wraps every rank's failure in one `CheckpointException` (a BaseException whose message
     is a traceback dump); return the lowest failing rank's own exception instead. Given this
-    process's `rank`, another rank's failure comes as a RuntimeError naming that rank (a
+    process's `rank`, another rank's failure comes as a `RankFailed` naming that rank (a
     background save failing on rank 1 read on rank 0 as if it were its own)."""
     if isinstance(error, CheckpointException) and error.failures:
         failed = min(error.failures)
         exc, _trace = error.failures[failed]
         if rank is not None and failed != rank:
-            return RuntimeError(f"rank {failed}: {type(exc).__name__}: {exc}")
+            return RankFailed(failed, f"{type(exc).__name__}: {exc}", tuple(c.__name__ for c in type(exc).__mro__), None)
         return exc
     return error
 
