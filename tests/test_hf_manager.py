@@ -223,6 +223,20 @@ def test_an_export_into_a_folder_named_with_glob_characters_touches_only_its_own
     assert commit.verify(step2) == []
 
 
+class SameNames:  # docs/hf.md's
+    def __init__(self, hf_assets_path: str, tied: bool):
+        self.hf_assets_path = hf_assets_path
+        self.fqn_to_index_mapping = None
+        self.tied = tied
+
+    def to_hf(self, state_dict):
+        return {k: v for k, v in state_dict.items() if not (self.tied and k == "lm_head.weight")}
+
+    def from_hf(self, hf_state_dict):
+        head = {"lm_head.weight": hf_state_dict["model.embed_tokens.weight"]} if self.tied else {}
+        return {**hf_state_dict, **head}
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_a_transformers_model_comes_in_and_goes_out_through_an_adapter_that_renames_nothing(tmp_path, tied):
     """What docs/hf.md says for a model with Hugging Face's own names: an adapter of TorchTitan's
@@ -234,19 +248,6 @@ def test_a_transformers_model_comes_in_and_goes_out_through_an_adapter_that_rena
                             num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
     torch.manual_seed(0)
     LlamaForCausalLM(hf_config).save_pretrained(tmp_path / "hf")
-
-    class SameNames:  # docs/hf.md's
-        def __init__(self, hf_assets_path: str, tied: bool):
-            self.hf_assets_path = hf_assets_path
-            self.fqn_to_index_mapping = None
-            self.tied = tied
-
-        def to_hf(self, state_dict):
-            return {k: v for k, v in state_dict.items() if not (self.tied and k == "lm_head.weight")}
-
-        def from_hf(self, hf_state_dict):
-            head = {"lm_head.weight": hf_state_dict["model.embed_tokens.weight"]} if self.tied else {}
-            return {**hf_state_dict, **head}
 
     torch.manual_seed(1)
     model = LlamaForCausalLM(hf_config)
@@ -281,6 +282,40 @@ def test_a_transformers_model_comes_in_and_goes_out_through_an_adapter_that_rena
         with CheckpointManager(config, model, state_dict_adapter=adapter_for_hf_dir(str(tmp_path / "hf")),
                                base_folder=str(tmp_path / "run2")) as manager:
             manager.load()
+
+
+def test_an_export_under_names_the_assets_model_does_not_have_is_refused_when_the_manager_is_built(tmp_path):
+    """A peft model (its modules under `base_model.model`) exported through docs/hf.md's adapter
+    that renames nothing: the export held peft's names under Llama's config.json, and
+    `transformers` loaded it as a model started at random, with a warning table. Its names are
+    now checked against the family of the assets' config when the manager is built; an adapter
+    that gives the Hub's names exports."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    LlamaForCausalLM(hf_config).save_pretrained(tmp_path / "hf")
+    wrapped = torch.nn.Module()  # peft's `PeftModel.base_model.model`
+    wrapped.base_model = torch.nn.Module()
+    wrapped.base_model.model = LlamaForCausalLM(hf_config)
+    config = Checkpoint(enable=True, last_save_in_hf=True, export_dtype="float32")
+    with pytest.raises(ConfigError, match=re.escape(
+            "checkpoint.last_save_in_hf = True: the state-dict adapter's to_hf gives 12 tensor name(s) that the "
+            f"Hugging Face model of {tmp_path}/hf/config.json does not have, e.g. ['base_model.model.lm_head.weight', "
+            "'base_model.model.model.embed_tokens.weight', 'base_model.model.model.layers.0.input_layernorm.weight']: "
+            "transformers would leave them unread")):
+        CheckpointManager(config, wrapped, state_dict_adapter=SameNames(str(tmp_path / "hf"), False),
+                          base_folder=str(tmp_path / "run"))
+
+    class Unwrapped(SameNames):
+        def to_hf(self, state_dict):
+            return super().to_hf({k.removeprefix("base_model.model."): v for k, v in state_dict.items()})
+
+    with CheckpointManager(config, wrapped, state_dict_adapter=Unwrapped(str(tmp_path / "hf"), False),
+                           base_folder=str(tmp_path / "run")) as manager:
+        manager.save(1, last_step=True)
+    back = LlamaForCausalLM.from_pretrained(layout.step_dir(_folder(tmp_path / "run"), 1))
+    assert_same(back.state_dict(), wrapped.base_model.model.state_dict())
 
 
 def test_tensors_another_adapters_export_leaves_out_are_told_when_the_manager_is_built(tmp_path, caplog):

@@ -50,7 +50,9 @@ from .errors import (
 from .group import CheckpointGroup, refuse_unjoined_launch
 from .formats import FORMATS, Context, StepFormat, Written
 from .hf import StateDictAdapter
-from .hf.adapter import EMBEDDING, TIED_HEAD, as_adapter
+from .hf.adapter import EMBEDDING, TIED_HEAD, ForeignAdapter, as_adapter
+from .hf.files import CONFIG_FILE
+from .hf.registry import known_hf_names
 from .hf.save import assets_file_split, read_assets
 from .io.dtypes import EXPORT_DTYPES, exported_state
 from .io import safe_open
@@ -334,9 +336,22 @@ class CheckpointManager:
         """Where the adapter knows the tensors it exports (one of ours): that it maps each of this
         rank's model tensors (a LoRA adapter's, a parametrization's `original0`, a module's
         `_extra_state` are none of them), known now rather than at the export after the training,
-        which the job's last save would have been. Another's (TorchTitan's) may leave some out by
-        design: those of this rank, to be told (None: not known before the export)."""
-        return self._adapter.left_out(self._model.state_dict())
+        which the job's last save would have been. Another's (TorchTitan's, the user's) may leave
+        some out by design: those of this rank, to be told (None: not known before the export);
+        the names its `to_hf` gives must be the model's of its assets' `config.json`, where that
+        names a family of ours (`known_hf_names`): `transformers` loads an export of others (a
+        peft model's, under an adapter renaming nothing) as a model started at random, with a
+        warning."""
+        state = self._model.state_dict()
+        adapter = self._adapter
+        if isinstance(adapter, ForeignAdapter) and (known := known_hf_names(adapter.hf_assets_path)) is not None:
+            if unknown := [name for name in adapter.exported_names(state) or () if name not in known]:
+                raise CheckpointError(
+                    f"the state-dict adapter's to_hf gives {len(unknown)} tensor name(s) that the Hugging Face model of "
+                    f"{adapter.hf_assets_path}/{CONFIG_FILE} does not have, e.g. {unknown[:3]}: transformers would "
+                    "leave them unread and start its own at random. Map the model's names to the Hub's in to_hf (a "
+                    "peft model: merge each LoRA pair into its base weight, docs/hf.md), or export another way")
+        return adapter.left_out(state)
 
     def _untied(self) -> str | None:
         """Why the model cannot be exported under the adapter's config, which ties the head to

@@ -17,7 +17,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -383,17 +383,28 @@ class ForeignAdapter:
     def left_out(self, state_dict: dict[str, Any]) -> list[str] | None:
         """The tensors of `state_dict` that an export through this adapter leaves out (TorchTitan's
         Qwen3-MoE adapter: each MoE layer's `expert_bias`, for which the Hub's format has no
-        place), found by a round trip through `to_hf` and `from_hf` of empty (meta) tensors of
-        their whole shapes; None where the adapter cannot take such tensors."""
+        place), found by a round trip through `to_hf` and `from_hf` of empty tensors (`_of_empty`);
+        None where the adapter cannot take such tensors."""
+        mapped = self._of_empty(state_dict, lambda empty: self.adapter.from_hf(self.adapter.to_hf(empty)))
+        tensors = {k for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+        return None if mapped is None else sorted(tensors - set(mapped))
+
+    def exported_names(self, state_dict: dict[str, Any]) -> list[str] | None:
+        """The Hugging Face names `to_hf` gives the tensors of `state_dict` (`_of_empty`), or None
+        where the adapter cannot take empty tensors."""
+        mapped = self._of_empty(state_dict, self.adapter.to_hf)
+        return None if mapped is None else sorted(mapped)
+
+    def _of_empty(self, state_dict: dict[str, Any], fn: Callable[[dict[str, torch.Tensor]], Any]) -> Any:
+        """`fn` of empty (meta) tensors of the whole shapes of `state_dict`'s tensors; None
+        where it fails."""
         try:  # a tensor of no shape of its own (a nested tensor) too
-            empty = {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
-                     for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
-            back = self.adapter.from_hf(self.adapter.to_hf(empty))
+            return fn({k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+                       for k, v in state_dict.items() if isinstance(v, torch.Tensor)})
         except Exception as e:  # its own code, on tensors it was not written for: unknown then
-            logger.debug("%s cannot map empty tensors (%s: %s): the tensors its export leaves out are not known "
-                         "before it", type(self.adapter).__name__, type(e).__name__, e)
+            logger.debug("%s cannot map empty tensors (%s: %s): what its export holds is not known before it",
+                         type(self.adapter).__name__, type(e).__name__, e)
             return None
-        return sorted(set(empty) - set(back))
 
     def export_config(self, dtype: torch.dtype) -> dict[str, Any]:
         config = _assets_config(self.hf_assets_path)

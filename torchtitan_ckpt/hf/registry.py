@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from .adapter import StateDictAdapter
 from .files import CONFIG_FILE
 from .llama import LlamaAdapter, MixtralAdapter, Qwen2Adapter, Qwen3Adapter, Qwen3MoeAdapter
@@ -42,3 +42,17 @@ def adapter_for_hf_dir(hf_dir: str, adapter: str | None = None, rope_layout: str
     and file split."""
     path = os.path.join(hf_dir, CONFIG_FILE)
     return adapter_for_config(read_config_json(path), hf_dir, adapter, path, rope_layout)
+
+
+def known_hf_names(hf_assets_path: str | None) -> set[str] | None:
+    """The tensor names of the Hugging Face model whose assets are in `hf_assets_path`, where its
+    `config.json` names a family of `ADAPTERS`: what `transformers` reads of an export beside
+    that config (a tied head's copy too, which it takes or leaves); None where not known."""
+    path = os.path.join(hf_assets_path, CONFIG_FILE) if hf_assets_path is not None else None
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        family = adapter_for_config(read_config_json(path), where=path)
+    except CheckpointError:  # another family, or a config the export's own checks refuse
+        return None
+    return {*family.hf_names, *family.tied_copies}
