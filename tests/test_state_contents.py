@@ -332,3 +332,23 @@ def test_values_of_the_same_bytes_load_as_their_own_objects_where_they_can_chang
         assert got[a] is not got[b]
         got[a].clear()
         assert got[b]
+
+
+def test_wrapped_weights_in_a_state_of_the_jobs_own_are_saved_and_loaded_as_their_values(tmp_path):
+    """An EMA's (or a teacher's) copy of a model of float8 training weights, given in states=:
+    refused as tensor subclasses (with the advice to register the wrapper, which was), where the
+    model itself saved them as their values."""
+    model, ema = _wrapped(0), _wrapped(1)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], states={"ema": ema},
+                           base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    saved = _plain(ema.state_dict())
+    again = _wrapped(2)
+    with CheckpointManager(Checkpoint(enable=True), [_wrapped(3)], states={"ema": again},
+                           base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+    assert isinstance(again[0].weight, _CastOnUse)
+    theirs = {f"ema.{k}": torch.empty_like(v) for k, v in saved.items()}
+    dcp.load(theirs, storage_reader=dcp.FileSystemReader(str(tmp_path / "checkpoint" / "step-1")), no_dist=True)
+    for key, value in _plain(again.state_dict()).items():
+        assert torch.equal(value, saved[key]) and torch.equal(theirs[f"ema.{key}"], saved[key]), key

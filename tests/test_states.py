@@ -1169,8 +1169,9 @@ class _Tagged(torch.Tensor):  # as torchao's low-bit optimizer states are: a sub
 class _QuantizedMoments(torch.optim.Optimizer):
     """SGD with momentum kept in a tensor subclass, as torchao's AdamW8bit keeps its moments."""
 
-    def __init__(self, params):
+    def __init__(self, params, kind=_Tagged):
         super().__init__(params, {"lr": 0.1})
+        self.kind = kind
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -1178,7 +1179,7 @@ class _QuantizedMoments(torch.optim.Optimizer):
             for p in group["params"]:
                 state = self.state[p]
                 if not state:
-                    state["momentum"] = torch.Tensor._make_subclass(_Tagged, torch.zeros_like(p))
+                    state["momentum"] = torch.Tensor._make_subclass(self.kind, torch.zeros_like(p))
                 state["momentum"].mul_(0.9).add_(p.grad)
                 p.add_(state["momentum"], alpha=-group["lr"])
 
@@ -1198,6 +1199,28 @@ def test_an_optimizer_state_of_tensor_subclasses_is_refused_by_save_naming_it(tm
             manager.save(1)
             manager.wait()  # a background save's first round raises it
     assert layout.scan(os.path.join(tmp_path, "checkpoint")) == []
+
+
+@pytest.mark.parametrize("engine", ["fast", "torch"])
+def test_a_fresh_optimizer_of_tensor_subclasses_is_refused_by_load_before_anything_is_read(tmp_path, engine):
+    """torchao's AdamW8bit not stepped yet, resuming a step saved with plain moments: the state
+    made to read into was not checked, and the load failed half-way (the fast engine, the model
+    already overwritten) or requantized the moments in silence (io_engine = "torch")."""
+    model = nn.Linear(2, 2, bias=False)
+    opt = _QuantizedMoments(model.parameters(), kind=torch.Tensor)  # the same moments, plain
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    config = Checkpoint(enable=True, interval=1, io_engine=engine)
+    with CheckpointManager(config, [model], optimizers=opt, base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    fresh = nn.Linear(2, 2, bias=False)
+    before = fresh.weight.detach().clone()
+    with CheckpointManager(config, [fresh], optimizers=_QuantizedMoments(fresh.parameters()),
+                           base_folder=str(tmp_path)) as manager:
+        with pytest.raises(CheckpointError, match=r"\['optimizer.state.weight.momentum \(_Tagged\)'\] are tensor "
+                                                  r"subclasses"):
+            manager.load()
+    assert torch.equal(fresh.weight, before)
 
 
 def test_an_optimizer_given_as_a_state_of_the_jobs_own_is_refused(tmp_path):

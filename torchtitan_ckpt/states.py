@@ -224,13 +224,17 @@ class ModelState(CheckedState):
 def own_state_dict(name: str, stateful: Stateful, call: str, model: Collection[str]) -> Any:
     """`stateful.state_dict()` of a job's own `states[name]`: a container DCP saves entry by entry
     (a dict, a list of tensors), whose names (its own too) are not the `model`'s, and whose
-    tensors have memory and can be filled in place (`ModelState.check_materialised`): a step
-    saved otherwise never loads."""
+    tensors have memory and can be filled in place (`ModelState.check_materialised`: wrappers
+    that keep their values in one plain tensor as that tensor): a step saved otherwise never
+    loads."""
     if name in model:  # `{**model, **states}` would put the state in its place
         raise CheckpointError(f"{call}: states[{name!r}] has the name of the model's {name!r} (a parameter or "
                               "buffer of its top level): a step keeps one value per name; name the state otherwise")
     state = stateful.state_dict()
     flat = flatten_state_dict({name: state})[0]
+    if any(isinstance(v, torch.Tensor) and unwrapped_values(v) is not v for v in flat.values()):
+        state = _unwrapped_tree(state)  # a model's copy (an EMA's, a teacher's) of wrapped weights
+        flat = flatten_state_dict({name: state})[0]
     if name in flat:  # kept whole: no entries for a load to fill
         raise CheckpointError(f"{call}: states[{name!r}].state_dict() returned a {type(state).__name__}, which DCP "
                               "keeps as one value where a load needs entries to fill: return a dict")
@@ -238,6 +242,18 @@ def own_state_dict(name: str, stateful: Stateful, call: str, model: Collection[s
         raise CheckpointError(f"{call}: states[{name!r}] holds {clash[:3]}, which are names of the model too: a step "
                               "keeps one value per name; name the state otherwise")
     ModelState.check_materialised(flat, call, f"states[{name!r}]'s")
+    return state
+
+
+def _unwrapped_tree(state: Any) -> Any:
+    """`state` (dicts and lists, as DCP nests them) with each wrapper that keeps its values in one
+    plain tensor as that tensor (`unwrapped_values`, as `ModelState.state_dict` gives them)."""
+    if isinstance(state, torch.Tensor):
+        return unwrapped_values(state)
+    if isinstance(state, Mapping):
+        return {k: _unwrapped_tree(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_unwrapped_tree(v) for v in state]
     return state
 
 
@@ -340,7 +356,9 @@ class OptimizerState(CheckedState):
         for opt, names in self.named:
             lacking = {name for name in names if name in prefixes and name not in sd["state"]}
             if lacking:
-                sd["state"].update(_made_state(opt, names, lacking, self._made_kinds))
+                made = _made_state(opt, names, lacking, self._made_kinds)
+                _refuse_subclassed(made)  # a fresh low-bit optimizer's: read into, then requantized
+                sd["state"].update(made)
         sd["state"] = {fqn: values for fqn, values in sd["state"].items() if fqn in prefixes}
         sd["param_groups"] = in_saved_kinds(
             {fqn: {k: v for k, v in settings.items() if f"param_groups.{fqn}.{k}" in saved_keys}
