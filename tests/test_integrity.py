@@ -22,7 +22,7 @@ from torchtitan_ckpt import (CheckpointError, CheckpointManager, CheckpointSaveE
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.storage.local import LOCK_FILE
 
-from .helpers import ROOT, assert_same, read_checkpoint
+from .helpers import ROOT, Holder, assert_same, read_checkpoint
 from .jobs import make_job
 
 
@@ -607,6 +607,26 @@ def test_two_managers_of_one_process_never_save_into_one_folder_in_turn(tmp_path
     assert layout.committed_steps(str(folder)) == [1, 2, 3, 4]
     for m in (reference, critic, again):
         m.close()
+
+
+def test_a_manager_made_again_without_closing_the_first_waits_for_its_save_in_flight(tmp_path):
+    """A trainer that makes its manager again (a notebook's cell run again) while the first one's
+    background save is in flight: the new one's load() passed over that step as unfinished and
+    started from scratch, and its save of the same step would meet the first one's."""
+    def manager(seen: list[int]) -> tuple[Holder, CheckpointManager]:
+        data = Holder({"seen": seen})
+        return data, CheckpointManager(Checkpoint(enable=True, interval=1, async_mode="async"), [torch.nn.Linear(2, 2)],
+                                       states={"data": data}, base_folder=str(tmp_path))
+
+    seen = list(range(500_000))  # a value written (and read back, `_loadable`) for a while: still in flight below
+    _, first = manager(seen)
+    first.save(1)
+    data, again = manager([])
+    assert again.load() and data.value == {"seen": seen}
+    again.save(2)
+    again.close()
+    first.close()
+    assert layout.committed_steps(str(tmp_path / "checkpoint")) == [1, 2]
 
 
 def test_the_hold_is_one_however_the_folder_is_named_and_lets_go_of_what_it_cannot_use(tmp_path):

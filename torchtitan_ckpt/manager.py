@@ -228,12 +228,14 @@ class CheckpointManager:
         config = self.config
         self._store = storage.open_store(self.folder, "checkpoint.folder", rank, config)
         self._user = FolderUser(self._store.url, saves=not config.load_only)
+        self._user.settle_earlier()  # before this manager's collectives and reads
         self.folder = self._store.root  # where the formats write and read: the folder, or a local stage
         initial = config.initial_load_path
         self._initial = storage.open_store(initial, "checkpoint.initial_load_path", rank, config) if initial else None
         try:
             self._check_job()
             self._saves = make_strategy(config.async_mode, config.verify_staging, saves=not config.load_only)
+            self._user.settle = self._saves.settle
         except BaseException:  # no manager to close: let go of what the stores took (the folder's hold)
             self._close_stores()
             raise
@@ -838,6 +840,7 @@ class CheckpointManager:
         if not self.config.enable:
             return False
         self._load_called = True
+        self._user.settle_earlier()
         self._saves.wait()
         self._committed = self._ended_at = None  # the job's state is the loaded step's now (`_load`), or undefined
         if (self.config.last_save_in_hf or self.config.hf_export_interval) and (problem := self._untied()):

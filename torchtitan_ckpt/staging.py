@@ -139,6 +139,9 @@ class SynchronousSaves:
     def wait(self) -> None:
         """Nothing is ever in flight."""
 
+    def settle(self) -> None:
+        """Nothing is ever in flight."""
+
     def wait_for_staging(self) -> None:
         """Nothing is ever staged."""
 
@@ -319,6 +322,11 @@ class BackgroundSaves:
         if pending is not None:
             pending.result()
         _compare(check, "the next save(), wait(), load() or close()")  # a save that did not fail
+
+    def settle(self) -> None:
+        """Block until the save in flight has ended, raising nothing: its failure is logged, and
+        raised by `wait()`."""
+        wait_for([f for f in (self._pending, self._staging) if f is not None])
 
     def finish_at_exit(self) -> None:
         """A script that ends without `close()`: a save in flight is waited for (and its failure

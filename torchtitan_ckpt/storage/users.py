@@ -4,13 +4,15 @@ steps of the same number, and a later load could take the other's weights. A man
 only while no other manager of this process, not closed, has saved there since it was made.
 Loads are not held back (an evaluation reading the steps the training saves), nor is a manager
 that only loads (`load_only`). A trainer that makes its manager again without closing the first
-one goes on: the first does not save after the second is made."""
+one goes on: the first does not save after the second is made, and its save in flight is waited
+for by the second's first call (`settle_earlier`)."""
 
 from __future__ import annotations
 
 import itertools
 import os
 import weakref
+from collections.abc import Callable
 
 from ..errors import CheckpointError
 from . import scheme_of
@@ -30,12 +32,26 @@ class FolderUser:
         self._place = url if scheme_of(url) else os.path.realpath(url)
         self._made = next(_CLOCK)
         self._saved = 0
+        self.settle: Callable[[], None] = _nothing
+        """Wait for the manager's save in flight, raising nothing (set once its saves start)."""
         if saves:
             _USERS.add(self)
 
+    def settle_earlier(self) -> None:
+        """Wait for the save in flight of each manager of this process made before this one and
+        not closed that saves into the folder: a trainer that made its manager again (a
+        notebook's cell run again) loaded the step before that save's, passing over the one in
+        flight as unfinished, and saved the same step over it. A manager that only loads waits
+        for none."""
+        if self in _USERS:
+            for user in [u for u in list(_USERS) if u is not self and u._place == self._place and u._made < self._made]:
+                user.settle()
+
     def save(self, call: str) -> None:
         """At each `save()` (`call`), on every rank: refused where another manager of this
-        process has saved in the folder since this one was made."""
+        process has saved in the folder since this one was made; an earlier one's save in flight
+        waited for first."""
+        self.settle_earlier()
         if any(u is not self and u._place == self._place and u._saved > self._made for u in list(_USERS)):
             raise CheckpointError(
                 f"{call} refused: another CheckpointManager of this process, not closed, has saved into {self.url} "
@@ -46,3 +62,7 @@ class FolderUser:
 
     def close(self) -> None:
         _USERS.discard(self)
+
+
+def _nothing() -> None:
+    """A manager's `settle` until its saves start."""
