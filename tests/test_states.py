@@ -966,6 +966,41 @@ def test_a_learning_rate_changed_under_a_sequence_of_schedulers_is_told_too(tmp_
     assert "lr_scheduler 0: the step's base learning rates [0.1] replace the [0.05] this job's optimizer" in caplog.text
 
 
+def test_a_learning_rate_changed_under_several_schedulers_is_the_steps_as_under_one(tmp_path, caplog):
+    """Pipeline stages, a scheduler each (TorchTitan's layout keeps the first one's state): each
+    kept the job's base rates while its optimizer loaded the step's rate, so a changed rate took
+    effect one step late, without a word, where one scheduler goes on at the step's, told."""
+    def job(lr: float, stages: int) -> tuple[list, list, CheckpointManager]:
+        parts = [nn.ModuleDict({f"stage{i}": nn.Linear(3, 1)}) for i in range(stages)]
+        opts = [torch.optim.SGD(part.parameters(), lr=lr) for part in parts]
+        scheds = [lr_scheduler.LambdaLR(opt, lambda step: 1 / (step + 1)) for opt in opts]
+        return opts, scheds, CheckpointManager(Checkpoint(enable=True, interval=1), parts, optimizers=opts,
+                                               lr_schedulers=scheds, base_folder=str(tmp_path / str(stages)))
+
+    def rates(opts, scheds) -> list[list[float]]:
+        used = []
+        for _ in range(2):
+            used.append([opt.param_groups[0]["lr"] for opt in opts])
+            for opt, sched in zip(opts, scheds):
+                opt.step()
+                sched.step()
+        return used
+
+    for stages in (1, 2):
+        opts, scheds, manager = job(0.1, stages)
+        assert rates(opts, scheds) == [[0.1] * stages, [0.05] * stages]
+        manager.save(2)
+        manager.close()
+        caplog.clear()
+        opts, scheds, manager = job(0.5, stages)
+        with caplog.at_level(logging.WARNING, logger="torchtitan_ckpt"):
+            assert manager.load()
+        assert rates(opts, scheds) == [[0.1 / 3] * stages, [0.1 / 4] * stages]
+        assert [m.split(":")[0] for m in caplog.messages if "replace the [0.5]" in m] == [
+            f"lr_scheduler {i}" for i in range(stages)]
+        manager.close()
+
+
 def test_a_learning_rate_changed_since_the_save_is_told_to_be_replaced_by_the_steps(tmp_path, caplog):
     """A job resumed with another lr (lowered after a loss spike) went on at the step's rates
     without a word: the step's base rates replace the job's. Told, with the way to take the new one."""

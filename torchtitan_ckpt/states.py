@@ -691,8 +691,9 @@ class LRSchedulerState(CheckedState):
     top of the state: TorchTitan 0.2.2's layout, whose `last_epoch` is all 0.3.0 reads).
 
     Loading takes whichever of those keys the checkpoint has (0.3.0 saves `last_epoch` alone)
-    over each scheduler's own state; each scheduler keeps its own `base_lrs` when there are
-    several, and its last learning rates are its optimizer's, which load before it.
+    over each scheduler's own state; when there are several and the step holds the first one's
+    `base_lrs`, each one's are its optimizer's `initial_lr`s as loaded (`_initial_rates`); its
+    last learning rates are its optimizer's, which load before it.
 
     TorchTitan's layout assumes the schedulers alike (built from one config). Where a later one's
     state differs from the first's in more than those (another kind, other settings), every
@@ -775,6 +776,8 @@ class LRSchedulerState(CheckedState):
         for i, scheduler in enumerate(self.schedulers):
             own = scheduler.state_dict()
             shared = {k: as_live(v, own.get(k)) for k, v in self._shared(state_dict, i)[1].items()}
+            if "base_lrs" in own and "base_lrs" in state_dict and "base_lrs" not in shared and not self.sets_rates:
+                shared["base_lrs"] = _initial_rates(scheduler, own["base_lrs"])  # one of several, the first's saved
             rates, built = _base_rates(shared), _base_rates(own)
             if self.tells and rates is not None and built is not None and (len(rates) != len(built) or not all(
                     math.isclose(a, b, rel_tol=1e-6) for a, b in zip(rates, built))):  # a float32 tensor's rate too
@@ -791,6 +794,18 @@ class LRSchedulerState(CheckedState):
                 _set_rates(i, scheduler, shared.get("_last_lr", state_dict.get("_last_lr") if alike else None))
             elif "_last_lr" not in shared and hasattr(scheduler, "optimizer"):
                 scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
+def _initial_rates(scheduler: Any, own: list[Any]) -> list[Any]:
+    """The base rates of one of several schedulers saved in TorchTitan 0.2.2's layout (the first
+    one's state alone): its optimizer's `initial_lr`s, as the step's optimizer settings gave them,
+    where the optimizer loaded them; else `own`. A learning rate changed since the save is then
+    the step's, as under one scheduler, not the job's one step later."""
+    groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", [])
+    rates = [group.get("initial_lr") for group in groups]
+    if len(rates) != len(own) or not all(isinstance(r, (float, torch.Tensor)) for r in rates):
+        return own
+    return [r.detach().clone() if isinstance(r, torch.Tensor) else r for r in rates]
 
 
 _DIGESTED_BYTES = 1 << 20
