@@ -678,6 +678,32 @@ def test_a_parameter_trainable_since_the_save_starts_fresh_and_is_said_once(tmp_
     spawn(2, _trainable_since_the_save, str(tmp_path / "checkpoint"))
 
 
+def _buffers_per_rank(rank: int, world_size: int, folder: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchtitan_ckpt").addHandler(handler)
+    with CheckpointManager(Checkpoint(enable=True, folder=folder, interval=1), [model]) as manager:
+        manager.save(1)  # the statistics alike: nothing said
+        model(torch.full((4, 2), float(rank)) + torch.arange(4.0)[:, None])  # each rank's own batch, not synced
+        manager.save(2)
+        manager.save(3)  # said once
+    if rank == 0:
+        assert [m for m in said if "buffers" in m] == [
+            "the model's buffers hold other values on rank(s) 1 than on rank(s) 0 (running statistics that FSDP does "
+            "not sync, say): a step keeps one copy of each tensor that is not a DTensor (as replicated), each from any "
+            "one rank, and a load gives every rank that copy. Sync them before a save (SyncBatchNorm, DDP's "
+            "broadcast_buffers)"]
+
+
+def test_model_buffers_that_differ_by_rank_are_warned_of_once(tmp_path):
+    """BatchNorm under FSDP2, whose statistics no one syncs: each rank's came back as a mix of
+    the ranks' (running_mean of one, running_var of another), without a word."""
+    spawn(2, _buffers_per_rank, str(tmp_path / "checkpoint"))
+
+
 class _RanksTokens:
     """A rank's count of tokens seen, keyed by rank as docs/quickstart.md says to key per-rank values."""
 

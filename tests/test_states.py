@@ -8,6 +8,7 @@ import collections
 import functools
 import logging
 import os
+import re
 import threading
 import warnings
 
@@ -339,6 +340,21 @@ class _Values:
 
     def load_state_dict(self, sd):
         self.loaded = sd
+
+
+def test_a_state_whose_names_changed_since_the_save_is_told_what_the_step_holds(tmp_path):
+    """An EMA of a DDP model (`module.` in its names) resumed without DDP on fewer ranks: told
+    that a state keyed by rank has none for the ranks added, where none were added, and not
+    what the step holds instead."""
+    _, manager = _manager(str(tmp_path), ema=_Values({"module": {"w": torch.ones(2)}}))
+    manager.save(1)
+    manager.close()
+    _, manager = _manager(str(tmp_path), ema=_Values({"w": torch.zeros(2)}))
+    with pytest.raises(CheckpointError, match=re.escape(
+            "lacks 1 entries of the state 'ema' this job has, e.g. ['ema.w'], where it holds ['ema.module.w']; add "
+            "'ema' to checkpoint.exclude_from_loading")):
+        manager.load()
+    manager.close()
 
 
 class _Unreadable(_Values):

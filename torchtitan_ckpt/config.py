@@ -107,7 +107,9 @@ class Checkpoint:
     `model.hf_assets_path`) is a Hugging Face safetensors folder (needs `initial_load_model_only`)."""
 
     last_save_model_only: bool = True
-    """At the last step save only the model, cast to `export_dtype`; otherwise a full checkpoint."""
+    """At the last step save only the model, cast to `export_dtype` (the optimizer, schedulers,
+    dataloader and the job's own states, an EMA's weights among them, are not in that step: a
+    resume goes back to the last full one); otherwise a full checkpoint."""
 
     last_save_in_hf: bool = False
     """Write the last step in Hugging Face safetensors format, loadable by `transformers` as it

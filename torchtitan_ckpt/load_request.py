@@ -78,9 +78,15 @@ class LoadRequest:
                     "checkpoint.exclude_from_loading to start it fresh"))
             else:
                 state[name] = own_state_dict(name, stateful, "load()", state)  # filled in place; applied once read
-                if lacking := [k for k in flatten_state_dict({name: state[name]})[0] if k not in keys]:
-                    resized = target.resized(self._group.world_size)
-                    why = f"{resized}: a state keyed by rank has none for the ranks added" if resized else ""
+                asked = flatten_state_dict({name: state[name]})[0]
+                if lacking := [k for k in asked if k not in keys]:
+                    if target.world_size is not None and target.world_size < self._group.world_size:
+                        why = f"{target.resized(self._group.world_size)}: a state keyed by rank has none for the " \
+                              "ranks added"
+                    elif others := [k for k in saved if k not in asked]:  # named otherwise (a wrapper's prefix)?
+                        why = f", where it holds {others[:3]}"
+                    else:
+                        why = " (entries added to the state since the save?)"
                     raise CheckpointError(
                         f"{target.path} lacks {len(lacking)} entries of the state '{name}' this job has, e.g. "
                         f"{lacking[:3]}{why}; add '{name}' to checkpoint.exclude_from_loading to start it fresh")

@@ -659,9 +659,11 @@ class CheckpointManager:
 
     def _digests(self, state: dict[str, Any]) -> dict[str, tuple[bytes, bytes]]:
         """What a save compares among the ranks of each state in `state` (`_warn_per_rank`): its
-        `replicated_digest`, the dataloader's position (`DataLoaderState.compared`); not the
-        optimizer's (replicated or DTensors by training's own design)."""
-        out = {}
+        `replicated_digest`, the dataloader's position (`DataLoaderState.compared`), the model's
+        buffers' (BatchNorm's statistics, which FSDP does not sync); not the optimizer's or the
+        model's parameters (replicated or DTensors by training's own design)."""
+        buffers = {k: state[k] for k in self._model.buffer_names() if k in state}
+        out = {_BUFFERS: replicated_digest(buffers)} if buffers else {}
         for name, s in self._states.items():
             if name not in state or isinstance(s, OptimizerState):
                 continue
@@ -685,7 +687,13 @@ class CheckpointManager:
             if not differ:
                 continue
             self._told_per_rank.add(name)
-            if isinstance(self._states.get(name), DataLoaderState):
+            if name == _BUFFERS:
+                logger.warning("the model's buffers hold other values on rank(s) %s than on rank(s) %s (running "
+                               "statistics that FSDP does not sync, say): a step keeps one copy of each tensor that is "
+                               "not a DTensor (as replicated), each from any one rank, and a load gives every rank "
+                               "that copy. Sync them before a save (SyncBatchNorm, DDP's broadcast_buffers)",
+                               few(differ), few(lower))
+            elif isinstance(self._states.get(name), DataLoaderState):
                 logger.warning("the dataloader's position on rank(s) %s differs from that on rank(s) %s, of the same "
                                "data-parallel rank: a step keeps one position per data-parallel rank, whichever "
                                "rank's, and a load gives it to each of them. Keep the loaders of a data-parallel "
@@ -1160,6 +1168,10 @@ def _described(call: Any) -> str:
         return "is not saving (it is in another call of the manager, load() say)"
     step, kind, fmt, last = call
     return f"saves step {step} ({kind}, {fmt}{', last_step' if last else ''})"
+
+
+_BUFFERS = "\0buffers"
+"""The key of the model's buffers among `_digests`' (no state's: their names are identifiers)."""
 
 
 def _tell_left_out(export: str, left_out: list[list[str] | None]) -> None:

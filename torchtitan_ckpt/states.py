@@ -109,7 +109,10 @@ class ModelState(CheckedState):
                 if owner.setdefault(key, index) != index:  # the flat dict would keep one part's value
                     raise ValueError(f"model parts {owner[key]} and {index} both have a state named {key!r}; "
                                      "the parts' names must differ (pipeline stages keep the whole model's "
-                                     "names: layers.0, layers.1, ...)")
+                                     "names: layers.0, layers.1, ...). Models of their own (a GAN's generator "
+                                     "and discriminator) go in as one part naming each: nn.ModuleDict("
+                                     "{'generator': g, 'discriminator': d}), each one's optimizer and scheduler "
+                                     "in the lists")
 
     def state_dict(self) -> dict[str, Any]:
         """Wrapper subclasses that keep their values in one plain tensor as that tensor (`held`)."""
@@ -194,6 +197,10 @@ class ModelState(CheckedState):
         None when no part holds `name`."""
         params = {canonical_name(n): p for part in self.parts for n, p in part.named_parameters(remove_duplicate=False)}
         return None if name not in params else params.get(other) is params[name]
+
+    def buffer_names(self) -> set[str]:
+        """The keys of `state_dict()` that may be buffers (running statistics, counters)."""
+        return {canonical_name(n) for part in self.parts for n, _ in part.named_buffers(remove_duplicate=False)}
 
     def parameter_names(self, optimizers: Sequence[torch.optim.Optimizer]) -> set[str]:
         """The keys of `state_dict()` that are parameters `optimizers` hold (both names of a
