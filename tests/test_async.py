@@ -13,7 +13,7 @@ import torch
 
 from torchtitan_ckpt import CheckpointSaveError, layout, staging
 
-from .helpers import ROOT, Holder, TensorState, assert_same, read_checkpoint
+from .helpers import ROOT, TensorState, assert_same, read_checkpoint
 from .jobs import make_job
 
 MODES = ["async", "async_with_pinned_mem"]
@@ -1028,43 +1028,3 @@ def test_a_trunk_another_manager_s_optimizer_trains_is_copied_in_save(tmp_path, 
     for step, expected in saved.items():
         got = read_checkpoint(str(tmp_path / "critic" / f"step-{step}"))
         assert_same({k: got[k] for k in expected}, expected)
-
-
-class _FailsToGather(Holder):
-    fail = False
-
-    def state_dict(self):
-        if self.fail:
-            raise KeyError("tokens.bin")
-        return super().state_dict()
-
-
-def _state_failing_on_rank_1(rank: int, world_size: int, folder: str, mode: str) -> None:
-    from torchtitan_ckpt import CheckpointManager
-    from torchtitan_ckpt.config import Checkpoint
-
-    state = _FailsToGather({"n": torch.zeros(1)})
-    with CheckpointManager(Checkpoint(enable=True, interval=1, async_mode=mode), [torch.nn.Linear(2, 2)],
-                           states={"extra": state}, base_folder=folder) as manager:
-        manager.save(1)
-        state.fail = rank == 1
-        if rank == 1:  # its own: raised by this save(), not an interval later by the next one
-            with pytest.raises(CheckpointSaveError, match=r"saving step 2 to .*step-2 failed: KeyError: 'tokens.bin'"):
-                manager.save(2)
-        else:  # the others' save(2) went on in the background: the next call raises it
-            assert manager.save(2)
-            with pytest.raises(CheckpointSaveError, match=r"saving step 2 to .*step-2 failed on rank 1: KeyError: "
-                                                          r"'tokens.bin'"):
-                manager.wait()
-        state.fail = False
-        manager.save(3)
-    assert layout.committed_steps(os.path.join(folder, "checkpoint")) == [1, 3]
-
-
-@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
-def test_a_state_that_cannot_be_gathered_fails_its_ranks_save_at_once(tmp_path, mode):
-    """Its save() returned True, the failure logged and raised an interval later, by the next
-    save(); the other ranks still hear of it at their next call."""
-    from .helpers import spawn
-
-    spawn(2, _state_failing_on_rank_1, str(tmp_path), mode)

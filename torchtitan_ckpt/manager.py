@@ -598,16 +598,13 @@ class CheckpointManager:
             digests = self._digests(state)
         except Exception as e:  # every rank hears of it in the save's first round, not left waiting there
             state, failure, digests = {}, e, {}
-        # a state that could not be gathered fails the save here, not at the next save(), an interval later (every
-        # rank hears of it in the save's first round, which the others run in the background)
-        here = fmt.on_training_thread or failure is not None
-        if here:  # after the save in flight (this step's own, for an HF copy): its clock after
+        if fmt.on_training_thread:  # after the save in flight (this step's own, for an HF copy): its clock after
             waited += self._wait_for_earlier(step)
-        copied = not here and isinstance(self._saves, BackgroundSaves)  # staged for the thread
+        copied = not fmt.on_training_thread and isinstance(self._saves, BackgroundSaves)  # staged for the thread
         # a save whose time the line tells apart from the training's (not the job's last, which save() waits for)
         held = _TrainingWait() if copied and not last else None
         job = self._save_job(step, kind, folder, fmt, failure, last, waited, digests, held, copied)
-        if here:
+        if fmt.on_training_thread:
             staged = Staged(state)
             job.run(lambda: staged)
         else:
