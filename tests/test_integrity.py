@@ -621,6 +621,22 @@ def test_a_manager_made_again_without_closing_the_first_waits_for_its_save_in_fl
     seen = list(range(500_000))  # a value written (and read back, `_loadable`) for a while: still in flight below
     _, first = manager(seen)
     first.save(1)
+    pid = os.fork()
+    if pid == 0:  # a forked child's manager waits for none of its parent's saves (whose threads it has not)
+        code = 1
+        try:
+            manager([])
+        except ConfigError as e:
+            code = 0 if "another process" in str(e) else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not done[0]:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done[0] and done[1] == 0, "the forked child did not refuse the folder in time"
     data, again = manager([])
     assert again.load() and data.value == {"seen": seen}
     again.save(2)

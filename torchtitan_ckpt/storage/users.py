@@ -32,6 +32,7 @@ class FolderUser:
         self._place = url if scheme_of(url) else os.path.realpath(url)
         self._made = next(_CLOCK)
         self._saved = 0
+        self._pid = os.getpid()
         self.settle: Callable[[], None] = _nothing
         """Wait for the manager's save in flight, raising nothing (set once its saves start)."""
         if saves:
@@ -42,9 +43,10 @@ class FolderUser:
         not closed that saves into the folder: a trainer that made its manager again (a
         notebook's cell run again) loaded the step before that save's, passing over the one in
         flight as unfinished, and saved the same step over it. A manager that only loads waits
-        for none."""
+        for none, nor does a forked child for its parent's (whose threads it has not)."""
         if self in _USERS:
-            for user in [u for u in list(_USERS) if u is not self and u._place == self._place and u._made < self._made]:
+            for user in [u for u in list(_USERS) if u is not self and u._place == self._place
+                         and u._made < self._made and u._pid == os.getpid()]:
                 user.settle()
 
     def save(self, call: str) -> None:
