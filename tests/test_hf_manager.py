@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 
@@ -284,12 +285,12 @@ def test_a_transformers_model_comes_in_and_goes_out_through_an_adapter_that_rena
             manager.load()
 
 
-def test_an_export_under_names_the_assets_model_does_not_have_is_refused_when_the_manager_is_built(tmp_path):
+def test_an_export_under_names_the_assets_model_does_not_have_is_refused_when_the_manager_is_built(tmp_path, caplog):
     """A peft model (its modules under `base_model.model`) exported through docs/hf.md's adapter
     that renames nothing: the export held peft's names under Llama's config.json, and
     `transformers` loaded it as a model started at random, with a warning table. Its names are
     now checked against the family of the assets' config when the manager is built; an adapter
-    that gives the Hub's names exports."""
+    that gives the Hub's names exports, a name of the model's own beside them told."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -300,10 +301,10 @@ def test_an_export_under_names_the_assets_model_does_not_have_is_refused_when_th
     wrapped.base_model.model = LlamaForCausalLM(hf_config)
     config = Checkpoint(enable=True, last_save_in_hf=True, export_dtype="float32")
     with pytest.raises(ConfigError, match=re.escape(
-            "checkpoint.last_save_in_hf = True: the state-dict adapter's to_hf gives 12 tensor name(s) that the "
-            f"Hugging Face model of {tmp_path}/hf/config.json does not have, e.g. ['base_model.model.lm_head.weight', "
+            "checkpoint.last_save_in_hf = True: none of the 12 tensor names the state-dict adapter's to_hf gives is "
+            f"one of the Hugging Face model of {tmp_path}/hf/config.json, e.g. ['base_model.model.lm_head.weight', "
             "'base_model.model.model.embed_tokens.weight', 'base_model.model.model.layers.0.input_layernorm.weight']: "
-            "transformers would leave them unread")):
+            "transformers would read none of them")):
         CheckpointManager(config, wrapped, state_dict_adapter=SameNames(str(tmp_path / "hf"), False),
                           base_folder=str(tmp_path / "run"))
 
@@ -311,11 +312,16 @@ def test_an_export_under_names_the_assets_model_does_not_have_is_refused_when_th
         def to_hf(self, state_dict):
             return super().to_hf({k.removeprefix("base_model.model."): v for k, v in state_dict.items()})
 
-    with CheckpointManager(config, wrapped, state_dict_adapter=Unwrapped(str(tmp_path / "hf"), False),
-                           base_folder=str(tmp_path / "run")) as manager:
-        manager.save(1, last_step=True)
+    wrapped.base_model.model.register_buffer("seen", torch.zeros(1))  # a name of its own: exported, told
+    with caplog.at_level(logging.WARNING, logger="torchtitan_ckpt"):
+        with CheckpointManager(config, wrapped, state_dict_adapter=Unwrapped(str(tmp_path / "hf"), False),
+                               base_folder=str(tmp_path / "run")) as manager:
+            manager.save(1, last_step=True)
+    assert [m for m in caplog.messages if "does not have" in m] == [
+        f"the state-dict adapter's to_hf gives 1 tensor name(s) that the Hugging Face model of {tmp_path}/hf/config.json "
+        "does not have, e.g. ['seen']: exported, and left unread by transformers"]
     back = LlamaForCausalLM.from_pretrained(layout.step_dir(_folder(tmp_path / "run"), 1))
-    assert_same(back.state_dict(), wrapped.base_model.model.state_dict())
+    assert_same(back.state_dict(), {k: v for k, v in wrapped.base_model.model.state_dict().items() if k != "seen"})
 
 
 def test_tensors_another_adapters_export_leaves_out_are_told_when_the_manager_is_built(tmp_path, caplog):

@@ -340,19 +340,25 @@ class CheckpointManager:
         `_extra_state` are none of them), known now rather than at the export after the training,
         which the job's last save would have been. Another's (TorchTitan's, the user's) may leave
         some out by design: those of this rank, to be told (None: not known before the export);
-        the names its `to_hf` gives must be the model's of its assets' `config.json`, where that
-        names a family of ours (`known_hf_names`): `transformers` loads an export of others (a
-        peft model's, under an adapter renaming nothing) as a model started at random, with a
-        warning."""
+        some of the names its `to_hf` gives must be the model's of its assets' `config.json`,
+        where that names a family of ours (`known_hf_names`): `transformers` loads an export of
+        none of them (a peft model's, under an adapter renaming nothing) as a model started at
+        random, with a warning table; others (an extra buffer) are warned of."""
         state = self._model.state_dict()
         adapter = self._adapter
         if isinstance(adapter, ForeignAdapter) and (known := known_hf_names(adapter.hf_assets_path)) is not None:
-            if unknown := [name for name in adapter.exported_names(state) or () if name not in known]:
+            names = adapter.exported_names(state) or []
+            config = f"{adapter.hf_assets_path}/{CONFIG_FILE}"
+            if (unknown := [name for name in names if name not in known]) and len(unknown) == len(names):
                 raise CheckpointError(
-                    f"the state-dict adapter's to_hf gives {len(unknown)} tensor name(s) that the Hugging Face model of "
-                    f"{adapter.hf_assets_path}/{CONFIG_FILE} does not have, e.g. {unknown[:3]}: transformers would "
-                    "leave them unread and start its own at random. Map the model's names to the Hub's in to_hf (a "
-                    "peft model: merge each LoRA pair into its base weight, docs/hf.md), or export another way")
+                    f"none of the {len(names)} tensor names the state-dict adapter's to_hf gives is one of the Hugging "
+                    f"Face model of {config}, e.g. {unknown[:3]}: transformers would read none of them and start the "
+                    "model at random. Map the model's names to the Hub's in to_hf (a peft model: merge each LoRA pair "
+                    "into its base weight, docs/hf.md), or export another way")
+            if unknown and self._group.is_coordinator:
+                logger.warning("the state-dict adapter's to_hf gives %d tensor name(s) that the Hugging Face model of "
+                               "%s does not have, e.g. %s: exported, and left unread by transformers", len(unknown),
+                               config, unknown[:3])
         return adapter.left_out(state)
 
     def _untied(self) -> str | None:
@@ -1064,20 +1070,28 @@ class CheckpointManager:
                 if name in state:
                     self._states[name].load_state_dict(state[name])
             if fresh and rates is not None:
+                name = "optimizer"
                 self._states["optimizer"].reschedule(rates)
         except Exception as e:
             raise PartialLoadError(path, e if isinstance(e, CheckpointError) else _not_taken(path, name, e)) from e
 
+
 def _not_taken(path: str, name: str, error: Exception) -> CheckpointError:
     """The `load_state_dict` of the job's state `name` (the model's, with its hooks) raised
-    `error` on what the step holds: the state's own code failed, or the step was saved by
-    another job; the model cannot be left out of a load."""
-    way_out = "or load another step (the model cannot be left out of a load)" if name == "model" else \
-        f"load another step, or add '{name}' to checkpoint.exclude_from_loading to start it fresh"
-    return CheckpointError(
-        f"{path}: this job's '{name}' state did not take what the step holds: its load_state_dict"
-        f"{' (or a hook of it)' if name == 'model' else ''} raised {type(error).__name__}: {error}. Fix that code "
-        f"if the fault is its own, {way_out}")
+    `error` on what the step holds: the state's own code failed (the job's: the model's, a
+    dataloader's, its own states'), or the step was saved by another job; the model cannot be
+    left out of a load."""
+    what = f"raised {type(error).__name__}: {error}"
+    if name == "model":
+        advice = f"its load_state_dict (or a hook of it) {what}. Fix that code if the fault is its own, or load " \
+                 "another step (the model cannot be left out of a load)"
+    elif name in ("optimizer", "lr_scheduler"):
+        advice = f"its load {what} (saved by another kind of {name.replace('_', ' ')}?). Load another step, or add " \
+                 f"'{name}' to checkpoint.exclude_from_loading to start it fresh"
+    else:
+        advice = f"its load_state_dict {what}. Fix that code if the fault is its own, load another step, or add " \
+                 f"'{name}' to checkpoint.exclude_from_loading to start it fresh"
+    return CheckpointError(f"{path}: this job's '{name}' state did not take what the step holds: {advice}")
 
 
 def _cannot_apply(path: str, name: str, error: Exception) -> CorruptCheckpointError:
