@@ -359,7 +359,7 @@ class OptimizerState(CheckedState):
         # a parameter that had no state when saved (no gradient yet) has none after the load; one
         # that had state of other names (another optimizer) is still asked for its own, and refused
         held = {key[len("state."):] for key in saved_keys if key.startswith("state.")}
-        prefixes = {key[:i] for key in held for i, ch in enumerate(key) if ch == "."}  # every `fqn` of `fqn.name...`
+        prefixes = _prefixes(held)  # every `fqn` of `fqn.name...`
         for opt, names in self.named:
             lacking = {name for name in names if name in prefixes and name not in sd["state"]}
             if lacking:
@@ -372,7 +372,7 @@ class OptimizerState(CheckedState):
              for fqn, settings in sd["param_groups"].items()},
             saved_tensors, set(saved_keys) - set(saved_tensors), "param_groups")
         if bare := [fqn for fqn, settings in sd["param_groups"].items() if not settings]:
-            named = {key[:i] for key in saved_keys for i, ch in enumerate(key) if ch == "."} | set(saved_keys)
+            named = _prefixes(saved_keys) | set(saved_keys)
             odd = [fqn for fqn in bare if {f"param_groups.{fqn}", f"state.{fqn}"} & named] or (
                 bare if len(bare) == len(sd["param_groups"]) else [])
             if odd:  # saved otherwise (a crafted value), or nothing of the optimizer's is in the step
@@ -482,6 +482,11 @@ class _Indices(list):
 
 
 _NOT_SETTINGS = ("params", "param_names")
+
+
+def _prefixes(keys: Iterable[str]) -> set[str]:
+    """Every part of each of `keys` before one of its dots (`a` and `a.b` of `a.b.c`)."""
+    return {key[:i] for key in keys for i, ch in enumerate(key) if ch == "."}
 
 
 def _refuse_subclassed(state: dict[str, Any]) -> None:

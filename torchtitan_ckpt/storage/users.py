@@ -5,7 +5,7 @@ only while no other manager of this process, not closed, has saved there since i
 Loads are not held back (an evaluation reading the steps the training saves), nor is a manager
 that only loads (`load_only`). A trainer that makes its manager again without closing the first
 one goes on: the first does not save after the second is made, and its save in flight is waited
-for by the second's first call (`settle_earlier`)."""
+for by the second when it is made and at each of its calls (`settle_earlier`)."""
 
 from __future__ import annotations
 
