@@ -1147,6 +1147,18 @@ def test_save_and_load_take_a_torchtitan_adapter_as_it_is(tmp_path):
     assert_same(back, saved)
 
 
+@pytest.mark.parametrize("text, why", [("[1, 2]", r"a config.json must hold a JSON object"),
+                                       ('{"model_type": ', r"cannot read the model config .*config.json: ")])
+def test_a_torchtitan_adapters_assets_config_that_is_no_json_object_is_refused_naming_it(tmp_path, text, why):
+    """The export copies the assets' config.json: one that is not a JSON object is our error
+    naming the file, before anything is written."""
+    assets = os.path.dirname(_config_file(tmp_path / "assets", text))
+    with pytest.raises(CheckpointError) as raised:
+        save_hf({"a": torch.ones(2)}, str(tmp_path / "hf"), _Renamed(assets))
+    assert f"{assets}/config.json" in str(raised.value) and re.search(why, str(raised.value))
+    assert not (tmp_path / "hf").exists()
+
+
 _MANY_FILES = """
 import os, resource, sys
 import torch

@@ -31,7 +31,7 @@ from ..io import safe_open
 from ..io.dtypes import same_bytes
 from ..io.tensors import local_values
 from .files import CONFIG_FILE, INDEX_FILE, MAX_INDEX_BYTES, file_number
-from .model_config import MAX_CONFIG_BYTES, HFModelConfig, read_hf_config
+from .model_config import HFModelConfig, config_object, read_config_json, read_hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -331,9 +331,9 @@ def _assets_config_path(hf_assets_path: str | None) -> str | None:
 
 
 def _assets_config(hf_assets_path: str | None) -> dict[str, Any] | None:
-    """The `config.json` of an assets folder, or None without one."""
+    """The `config.json` of an assets folder (a JSON object, its keys unchecked), or None without one."""
     path = _assets_config_path(hf_assets_path)
-    return None if path is None else json.loads(safe_open.read_bounded(path, "the model config", MAX_CONFIG_BYTES))
+    return None if path is None else config_object(read_config_json(path), path)
 
 
 def _for_export(config: dict[str, Any], dtype: torch.dtype, where: str) -> dict[str, Any]:

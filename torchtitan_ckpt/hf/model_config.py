@@ -99,8 +99,7 @@ class HFModelConfig:
     def parse(cls, raw: Any, where: str = CONFIG_FILE) -> HFModelConfig:
         """Check `raw` (a parsed `config.json`) and keep its shapes; raises `ConfigError` naming
         `where` and the key of the first bad value."""
-        if not isinstance(raw, dict):
-            raise ConfigError(where, type(raw).__name__, "a config.json must hold a JSON object")
+        raw = config_object(raw, where)
         model_type = _Reader(raw, where).text("model_type")
         get = _Reader(raw, where, FAMILY_DEFAULTS.get(model_type, {}))
         hidden, heads = get.integer("hidden_size", MAX_HIDDEN), get.integer("num_attention_heads", MAX_HEADS)
@@ -130,6 +129,14 @@ def read_config_json(path: str) -> Any:
         return json.loads(safe_open.read_bounded(path, "the model config", MAX_CONFIG_BYTES))
     except (OSError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"cannot read the model config {path}: {e}") from e
+
+
+def config_object(raw: Any, where: str) -> dict[str, Any]:
+    """`raw` (a parsed `config.json`, read from `where`) when it is a JSON object, as every
+    config must be; else `ConfigError` naming `where`."""
+    if not isinstance(raw, dict):
+        raise ConfigError(where, type(raw).__name__, "a config.json must hold a JSON object")
+    return raw
 
 
 def read_hf_config(path: str) -> HFModelConfig:
