@@ -65,6 +65,7 @@ bench: $(STAMP)
 
 docs: $(STAMP)
 	$(PY) -m torchtitan_ckpt.docgen torchtitan_ckpt.example.config:JobConfig > docs/config.md
+	$(PY) -m torchtitan_ckpt.apidoc > docs/api.md
 
 clean:
 	rm -rf $(VENV) $(LATEST) outputs

@@ -10,7 +10,7 @@ import shutil
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan_ckpt import cli, commit, docgen, layout
+from torchtitan_ckpt import apidoc, cli, commit, docgen, layout
 
 EXAMPLE_ROOT = "torchtitan_ckpt.example.config:JobConfig"
 
@@ -88,6 +88,11 @@ def test_cli_md_documents_what_list_prints(tmp_path, capsys):
 def test_config_reference_is_fresh():
     with open(os.path.join(ROOT, "docs", "config.md")) as f:
         assert f.read() == docgen.render(docgen.load_root(EXAMPLE_ROOT), EXAMPLE_ROOT), "docs/config.md is stale: run `make docs`"
+
+
+def test_api_reference_is_fresh():
+    with open(os.path.join(ROOT, "docs", "api.md")) as f:
+        assert f.read() == apidoc.render(apidoc.PACKAGES), "docs/api.md is stale: run `make docs`"
 
 
 def test_every_option_is_in_the_docs():

@@ -80,6 +80,11 @@ T = TypeVar("T")
 
 @dataclass
 class Checkpoint:
+    """The `[checkpoint]` section of a job's config: what `CheckpointManager` saves, when,
+    where and how, and what `load()` resumes from. Built by `load_config` from the job's TOML
+    and `--checkpoint.key value` overrides, from TorchTitan's section (`from_torchtitan`), or in
+    Python (checked by the manager with `validate`). docs/config.md describes every key."""
+
     enable: bool = False
     """Save checkpoints and resume from them. When false, `save()` and `load()` do nothing."""
 
@@ -489,19 +494,26 @@ def sections(root: type) -> dict[str, type]:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Field name -> the docstring written under it in the class body."""
+    """Field name -> the docstring written under it in the class body, on one line."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs: dict[str, str] = {}
+    return {name: " ".join(doc.split()) for name, (_, doc) in attribute_docs(tree.body[0].body).items()}
+
+
+def attribute_docs(body: list[ast.stmt]) -> dict[str, tuple[ast.expr | None, str]]:
+    """Name -> the value assigned to it in `body` (a class's or a module's statements; None for
+    an annotation alone) and the docstring written under that assignment, as written."""
+    docs: dict[str, tuple[ast.expr | None, str]] = {}
     for node, nxt in zip(body, body[1:]):
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
         if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
+            len(targets) == 1
+            and isinstance(targets[0], ast.Name)
             and isinstance(nxt, ast.Expr)
             and isinstance(nxt.value, ast.Constant)
             and isinstance(nxt.value.value, str)
         ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
+            docs[targets[0].id] = (node.value, nxt.value.value)  # type: ignore[union-attr]
     return docs
 
 

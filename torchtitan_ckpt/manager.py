@@ -528,9 +528,10 @@ class CheckpointManager:
         `async_mode`, staged and handed to the background writer). The last step's save is
         always waited for. `force`: save the step in full off the schedule, for a resume from
         it (a preemption's save; `last_step` is the run's end, whose save may hold only the
-        model). A step that holds the job's state already (saved or loaded by it:
-        `_saved_already`) is not saved again (False). Raises the failure of an earlier
-        background save, if any. The garbage collector is paused during the call (`gc_pause`)."""
+        model). A step that holds the job's state already (saved or loaded by this manager)
+        is not saved again (False). Raises the failure of an earlier background save, if any.
+        The garbage collector is paused during the call (the many small objects it builds would
+        otherwise set off full collections of the whole process)."""
         if self._closed:
             raise CheckpointError("save() called after close()")
         step = layout.check_step(curr_step, "save")
@@ -844,7 +845,7 @@ class CheckpointManager:
     def load(self, step: int = -1) -> bool:
         """Restore `step` (when >= 0, else `load_step`), or else the newest loadable step, else
         `initial_load_path`, else nothing. Returns True when a checkpoint was loaded. The
-        garbage collector is paused during the call (`gc_pause`)."""
+        garbage collector is paused during the call, as in `save()`."""
         if self._closed:
             raise CheckpointError("load() called after close()")
         step = layout.check_step(step, "load", low=-1)

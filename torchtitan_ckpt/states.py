@@ -50,9 +50,13 @@ class StateLike(Protocol):
     """What `CheckpointManager(states=...)` takes as a value: torch's `Stateful`, an `nn.Module`
     (an EMA copy), or any object with these two methods, whatever `load_state_dict` returns."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """The object's state: tensors and plain data, in dicts and lists."""
+        ...
 
-    def load_state_dict(self, state_dict: dict[str, Any], /) -> object: ...
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> object:
+        """Take back a state `state_dict()` gave (read from the checkpoint)."""
+        ...
 
 
 ModelPart = Union[nn.Module, FSDPModule, Callable[..., Any]]

@@ -169,6 +169,8 @@ class StateDictAdapter:
         raise NotImplementedError
 
     def add(self, ours: str, hf: str, shape: tuple[int, ...], row_order: tuple[int, ...] = ()) -> None:
+        """Our tensor `ours` of `shape` <- the HF tensor `hf`, its rows within each head in
+        `row_order` (`rope_rows`; empty: as they are)."""
         self.sources[ours] = HFSource(hf, row_order)
         self.shapes[ours] = shape
 
@@ -184,6 +186,7 @@ class StateDictAdapter:
 
     @property
     def tied(self) -> bool:
+        """Whether the model's output head is its token embedding (`tie_word_embeddings`)."""
         return self.config.tie_word_embeddings
 
     def state_dict_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -261,7 +264,7 @@ class StateDictAdapter:
     def export_config(self, dtype: torch.dtype) -> dict[str, Any]:
         """The assets' `config.json` when there is one, else the adapter's, its dtype set to
         `dtype` (the one of the exported tensors). The assets' must describe the adapter's
-        model (`_check_describes`): `transformers` builds the model from it."""
+        model (its shapes are checked): `transformers` builds the model from it."""
         path = _assets_config_path(self.hf_assets_path)
         if path is None:
             return _for_export(dict(self.config.raw), dtype, self.config.where)
