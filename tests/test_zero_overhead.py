@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from torchtitan_ckpt import CheckpointManager, ConfigError, StagingMismatchError, layout
+from torchtitan_ckpt import CheckpointManager, ConfigError, StagingMismatchError, layout, step_hooks
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.io.stagers import FreshCopies, SharedArenas
-from torchtitan_ckpt.staging import SaveJob, make_strategy
+from torchtitan_ckpt.staging import BackgroundSaves, SaveJob, make_strategy
 
 from .helpers import TensorState, assert_same, read_checkpoint, spawn
 
@@ -64,7 +64,7 @@ def _next_step_right_after_save(rank: int, world_size: int, folder: str) -> None
                 counter.value.add_(1)
                 opt.zero_grad()
             after = _snapshot(model, opt, counter)
-        assert not opt._optimizer_step_pre_hooks  # noqa: SLF001 - close() removes the manager's hook
+        assert not step_hooks.waits(opt)  # close() detaches the manager from the optimizer's steps
         for step, values in expected.items():  # read on every rank: dcp.load is a collective
             saved = read_checkpoint(layout.step_dir(os.path.join(folder, mode, "checkpoint"), step))
             assert_same({k: saved[k] for k in values}, values)
@@ -119,6 +119,64 @@ def test_maybe_wait_for_staging_makes_a_change_by_hand_safe(tmp_path, mode):
     manager.close()
     saved = _saved(tmp_path, 1)
     assert_same({k: saved[k] for k in before}, before)
+
+
+def _staging_held(monkeypatch) -> threading.Event:
+    """Staging in the background begins only once the event returned is set: a copy slower than
+    the next step's forward and backward, made certain."""
+    gate = threading.Event()
+    stage = BackgroundSaves._stage  # noqa: SLF001
+
+    def held(self, *args, **kwargs):
+        gate.wait(60)
+        return stage(self, *args, **kwargs)
+
+    monkeypatch.setattr(BackgroundSaves, "_stage", held)
+    return gate
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_close_on_another_thread_still_holds_back_the_next_optimizer_step(tmp_path, monkeypatch, mode):
+    """A watchdog's close() right after save(), the copy still to be made: the training thread's
+    next optimizer step waits for the copy as it would without the close() (which let it through
+    at once: the step saved held the next step's values)."""
+    gate = _staging_held(monkeypatch)
+    model, opt, manager = _job(tmp_path, mode)
+    _train_step(model, opt)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    manager.save(1)
+    closer = threading.Thread(target=manager.close)
+    closer.start()
+    while not manager._closed:  # noqa: SLF001
+        time.sleep(0.005)
+    time.sleep(0.1)  # close() waits for the save in flight
+    threading.Timer(0.3, gate.set).start()
+    _train_step(model, opt)
+    closer.join()
+    saved = _saved(tmp_path, 1)
+    assert_same({k: saved[k] for k in before}, before)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_close_while_an_optimizer_step_waits_in_its_hooks_fails_no_step(tmp_path, monkeypatch, mode):
+    """close() on another thread while the training thread's optimizer step waits in the
+    manager's hook for the copy, a hook of the user's after it: the step goes through (removing
+    the manager's hook while torch walked them failed it: "OrderedDict mutated during
+    iteration")."""
+    gate = _staging_held(monkeypatch)
+    model, opt, manager = _job(tmp_path, mode)
+    calls = []
+    opt.register_step_pre_hook(lambda *_: calls.append(1))
+    _train_step(model, opt)
+    manager.save(1)
+    weight = model[0].weight.detach().clone()
+    closer = threading.Timer(0.2, manager.close)
+    closer.start()
+    threading.Timer(1.0, gate.set).start()
+    _train_step(model, opt)  # its step waits for the copy until the gate opens; close() comes meanwhile
+    closer.join()
+    assert len(calls) == 2 and not torch.equal(model[0].weight, weight)
+    assert not step_hooks.waits(opt)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import commit, gc_pause, layout, storage
+from . import commit, gc_pause, layout, step_hooks, storage
 from .deleter import BackgroundDeleter
 from .policy.retention import newer_steps, steps_to_delete
 from .storage.users import FolderUser
@@ -194,7 +194,8 @@ class CheckpointManager:
         """The call in progress, seen by a call re-entering it on its own thread (`_one_call`)."""
         self._close_pending = False
         """`close()` was called from inside another call on its thread; that call closes as it ends."""
-        self._hooks: list = []
+        self._stepped: list[torch.optim.Optimizer] = []
+        """The optimizers whose steps wait for this manager's staging (`step_hooks`), until `close()`."""
         self._user: FolderUser | None = None
         """This manager's saves into its folder, beside other managers of the process (`FolderUser`)."""
         self._unclosed: weakref.finalize | None = None
@@ -241,10 +242,10 @@ class CheckpointManager:
             raise
         self._deleter: BackgroundDeleter | None = None
         try:
-            _remove_left_hooks()
             if optimizer := self._states.get("optimizer"):
-                hook = torch.compiler.disable(_step_pre_hook(weakref.ref(self)))
-                self._hooks = [opt.register_step_pre_hook(hook) for opt in optimizer.optimizers]
+                for opt in optimizer.optimizers:
+                    step_hooks.attach(opt, self._before_optimizer_step)
+                    self._stepped.append(opt)
             if self._group.is_coordinator:
                 self._deleter = BackgroundDeleter(self._store.remove, self._store.describe)
             context = Context(config, self._group, self._adapter, self._store.staged)
@@ -256,7 +257,7 @@ class CheckpointManager:
             self.close()
             raise
         self._unclosed = weakref.finalize(self, _collected_unclosed, self._saves.abandoner(), self._deleter,
-                                          self._hooks, self._pid, self._store.describe(self.folder))
+                                          self._pid, self._store.describe(self.folder))
         self._unclosed.atexit = False  # the exit waits for a save in flight its own way (`staging`)
 
     def _check_job(self) -> None:
@@ -487,25 +488,31 @@ class CheckpointManager:
         self._closed = True
         if self._unclosed is not None:
             self._unclosed.detach()
-        for hook in self._hooks:
-            hook.remove()
         if self._forked:  # a forked child's copy: the saves, the writer and the deleter are
-            return  # the parent's (its save in flight was waited for forever; the parent's writer stopped)
+            self._unhook()  # the parent's (its save in flight was waited for forever; the parent's writer stopped)
+            return
         try:
             self._saves.close()
         except BaseException:
             if not self._saves.in_flight():
                 self._let_go()
-            raise  # interrupted with a save in flight: it goes on (the exit waits for it) with the group
-        self._let_go()  # and the folder's hold it needs, which the process's end lets go of
+            raise  # interrupted with a save in flight: it goes on (the exit waits for it) with the group,
+        self._let_go()  # the folder's hold and the optimizers' waits it needs, which the process's end lets go of
 
     def _let_go(self) -> None:
         """What `close()` lets go of once no save is in flight."""
+        self._unhook()
         self._user.close()
         if self._deleter is not None:
             self._deleter.close()
         self._close_stores()
         self._group.close()
+
+    def _unhook(self) -> None:
+        """The optimizers' steps no longer wait for this manager: once no save of its is copying
+        (a step let through before would change what the save holds)."""
+        for opt in self._stepped:
+            step_hooks.detach(opt, self._before_optimizer_step)
 
     def _close_stores(self) -> None:
         """Let go of what the stores hold on this node (`Store.close`)."""
@@ -627,16 +634,14 @@ class CheckpointManager:
         in the forward pass), a parameter none of them holds (a trunk shared with a model whose
         optimizer is another manager's, an EMA's) and every other state's tensors are copied in
         `save()`; so is every tensor of a manager given no optimizer."""
-        if not self._hooks:
+        if not self._stepped:
             return nothing_deferred
         stepped = self._model.parameter_names(self._states["optimizer"].optimizers)
         return lambda path: path[0] in stepped if len(path) == 1 else path[:2] == ("optimizer", "state")
 
     def _before_optimizer_step(self, *_: Any) -> None:
-        """Step pre-hook of every optimizer given to the manager: the step changes what a
-        background save may still be copying. Registered never to be compiled with an optimizer
-        step compiled by `torch.compile`: a wait on another thread, which Dynamo traced again and
-        again (with `verify_staging`, up to its recompile limit). The wait counts as the
+        """Called before each step of every optimizer given to the manager (`step_hooks`): the
+        step changes what a background save may still be copying. The wait counts as the
         training's time spent on the save (`_TrainingWait`)."""
         if self._forked:  # a forked child steps its own copy of the state
             return
@@ -1221,35 +1226,7 @@ def _save_errors(step: int, path: str, fn):
     return run
 
 
-def _step_pre_hook(manager: weakref.ref[CheckpointManager]) -> Callable[..., None]:
-    """The step pre-hook of the optimizers given to `manager` (`_before_optimizer_step`), which
-    does not keep it alive: a manager dropped without `close()` (a trainer building its manager
-    again) is collected, not kept by each optimizer with its threads. The hook of a collected
-    manager does nothing; it stays registered until the next manager is made (`_LEFT_HOOKS`), as
-    removing it inside a garbage collection could land in the optimizer's walk over its hooks."""
-    def before_step(*args: Any) -> None:
-        live = manager()
-        if live is not None:
-            live._before_optimizer_step(*args)
-    return before_step
-
-
-_LEFT_HOOKS: list[Any] = []
-"""The step pre-hooks (their handles) of managers collected unclosed, removed as a manager is made."""
-
-
-def _remove_left_hooks() -> None:
-    """Remove the hooks of managers collected unclosed: as a manager is made, where no optimizer
-    walks its hooks."""
-    while True:
-        try:
-            handle = _LEFT_HOOKS.pop()
-        except IndexError:  # none left (another thread's manager may take the last one)
-            return
-        handle.remove()
-
-
-def _collected_unclosed(abandon: Callable[[], None], deleter: BackgroundDeleter | None, hooks: list[Any], pid: int,
+def _collected_unclosed(abandon: Callable[[], None], deleter: BackgroundDeleter | None, pid: int,
                         where: str) -> None:
     """A manager collected without `close()` (no save of its is in flight: a save holds it): its
     threads and its writer process end, its staging buffers go (`abandon`), and the deletions
@@ -1264,4 +1241,3 @@ def _collected_unclosed(abandon: Callable[[], None], deleter: BackgroundDeleter 
     abandon()
     if deleter is not None:
         deleter.stop()
-    _LEFT_HOOKS.extend(hooks)
