@@ -1173,6 +1173,34 @@ def _collected(ref: weakref.ref, limit_s: float = 30) -> bool:
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("whose", ["ours", "torchtitan"])
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_a_step_folder_as_the_checkpoint_folder_is_refused_before_anything_is_written(tmp_path, whose, below):
+    """`checkpoint.folder` naming a step (or a folder in one) where the folder of steps was meant:
+    refused naming the key and the way out, where `load()` started from scratch and the next
+    save wrote its step and lock into that step (which then failed its `verify`)."""
+    model = torch.nn.Linear(4, 4)
+    folder = tmp_path / "checkpoint"
+    if whose == "ours":
+        with CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path)) as manager:
+            manager.save(2)
+    else:  # TorchTitan's step: a DCP checkpoint of its own
+        dcp.save(model.state_dict(), checkpoint_id=str(folder / "step-2"))
+    step = folder / "step-2"
+    before = sorted(p.name for p in step.iterdir())
+    named = step / below if below else step
+    for config in (Checkpoint(enable=True, interval=1, folder=str(named)),
+                   Checkpoint(enable=True, interval=1, folder=str(named), load_only=True)):
+        with pytest.raises(ConfigError, match=rf"checkpoint.folder = .*: is{' inside' if below else ''} the step "
+                                              rf"folder {re.escape(str(step))}, not a folder of steps .*resume from "
+                                              rf"{re.escape(str(folder))}, .* checkpoint.initial_load_path"):
+            CheckpointManager(config, [model])
+    assert sorted(p.name for p in step.iterdir()) == before
+    with CheckpointManager(Checkpoint(enable=True, interval=1, folder=str(tmp_path / "next"),
+                                      initial_load_path=str(step)), [model]) as manager:
+        assert manager.load()  # the step itself is what initial_load_path takes
+
+
 @pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
 def test_a_manager_dropped_unclosed_is_collected_and_lets_go(tmp_path, mode, caplog):
     """A manager dropped without close() (a trainer building its manager again): the optimizer's

@@ -478,7 +478,7 @@ def _no_job_saving(folder: str, force: bool) -> Iterator[None]:
 def _check_output(dst: str) -> None:
     """Refuse, before any work, an output folder the command cannot write: a URL (convert and
     consolidate write local files and upload nothing), a path to something else than a folder
-    (the finished output could not be renamed to it), or one inside a step folder of ours."""
+    (the finished output could not be renamed to it), or one inside a step folder."""
     if scheme_of(dst) is not None:
         raise CheckpointError(f"{dst}: OUT_DIR must be a local folder (this command uploads nothing); write "
                               "a local folder, then upload it with your own tool")
@@ -486,11 +486,8 @@ def _check_output(dst: str) -> None:
         raise CheckpointError(f"{dst} is a link; name the folder itself ({os.path.realpath(dst)})")
     if os.path.lexists(dst) and not os.path.isdir(dst):
         raise CheckpointError(f"{dst} exists and is not a folder; remove it or name a new folder")
-    parent = os.path.dirname(os.path.abspath(dst))
-    while parent != os.path.dirname(parent):  # a file added to a step fails its verify; a partial one is removed
-        if layout.status_of(parent) in (layout.COMPLETE, layout.PARTIAL):
-            raise CheckpointError(f"{dst} is inside the step folder {parent}; name a folder outside it")
-        parent = os.path.dirname(parent)
+    if step := layout.step_folder_around(os.path.dirname(os.path.abspath(dst))):
+        raise CheckpointError(f"{dst} is inside the step folder {step}; name a folder outside it")
 
 
 @contextlib.contextmanager

@@ -128,6 +128,19 @@ def status_of(path: str) -> str:
     return FOREIGN if foreign_format(path) else UNKNOWN
 
 
+def step_folder_around(path: str) -> str | None:
+    """`path`, or the nearest folder above it, when it is a step folder: ours (finished or not)
+    or another program's DCP checkpoint (TorchTitan's `step-N`). A checkpoint folder or an
+    output there would write into that step (a file added to a step fails its `verify`)."""
+    here = os.path.abspath(path)
+    while True:
+        if os.path.isdir(here) and (status_of(here) in (COMPLETE, PARTIAL) or foreign_format(here) == "dcp"):
+            return here
+        if (up := os.path.dirname(here)) == here:
+            return None
+        here = up
+
+
 def _finished_by_another(path: str, committed: bool) -> bool:
     """Whether another program finished a step of its own in `path`, a folder a save of ours
     began (TorchTitan's manager saves into a `step-N` it finds, removing nothing first): its

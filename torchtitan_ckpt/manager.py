@@ -313,6 +313,11 @@ class CheckpointManager:
         """Every store reached before any makes anything (a staging folder, the checkpoint
         folder): a bucket that cannot be used leaves nothing behind. The checkpoint folder's
         check, which on a file system makes the folder, goes last."""
+        if storage.scheme_of(self.folder) is None and (step := layout.step_folder_around(self.folder)):
+            raise ConfigError("checkpoint.folder", self.folder, (
+                f"{'is' if step == os.path.abspath(self.folder) else 'is inside'} the step folder {step}, not "
+                f"a folder of steps (a save would write into that step): resume from {os.path.dirname(step)}, "
+                "the folder holding the step-N folders, or start from that step with checkpoint.initial_load_path"))
         stores = [(self._store, not self.config.load_only)] + ([(self._initial, False)] if self._initial else [])
         for store, write in stores:
             store.reach(self._group, write)
