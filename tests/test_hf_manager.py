@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from torchtitan_ckpt import CheckpointManager, ConfigError, commit, layout
+from torchtitan_ckpt import CheckpointError, CheckpointManager, ConfigError, commit, layout
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.hf.files import MAX_ASSET_BYTES
 
@@ -145,6 +145,32 @@ def test_model_tensors_the_adapter_cannot_export_are_refused_when_the_manager_st
             CheckpointManager(Checkpoint(enable=True, **{key: True if key == "last_save_in_hf" else 5}), [model],
                               base_folder=str(tmp_path), state_dict_adapter=hf_adapter(model.args))
     assert not os.path.exists(_folder(tmp_path)) or not layout.scan(_folder(tmp_path))
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    ("vocab_size", 320, r"tok_embeddings.weight is \[320, 64\] where it gives \[256, 64\]; output.weight is "
+                        r"\[320, 64\] where it gives \[256, 64\]"),
+    ("n_heads", 2, r"layers.0.attention.wk.weight is \[64, 64\] where it gives \[32, 64\]")])
+def test_a_model_of_other_sizes_than_the_adapters_config_is_refused_when_the_manager_starts(tmp_path, field, value,
+                                                                                           problem):
+    """A model built with other sizes than the adapter's config.json (a vocabulary padded, another
+    head count): the last save exported its tensors under that config, which transformers refuses,
+    or failed inside the RoPE permutation with a bare shape error; `save_hf` too, writing nothing."""
+    import dataclasses
+
+    from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_adapter
+    from torchtitan_ckpt.hf import save_hf
+
+    model = Transformer(dataclasses.replace(FLAVORS["debugmodel"], **{field: value}))
+    adapter = hf_adapter(FLAVORS["debugmodel"])
+    with pytest.raises(ConfigError, match=r"checkpoint.last_save_in_hf = True: the model is not of the sizes of the "
+                                          r"adapter's Hugging Face config \(the llama model's config\): \d+ "
+                                          rf"tensor\(s\) of other shapes, e.g. {problem}"):
+        CheckpointManager(Checkpoint(enable=True, last_save_in_hf=True), [model], base_folder=str(tmp_path),
+                          state_dict_adapter=adapter)
+    with pytest.raises(CheckpointError, match=rf"of other shapes, e.g. {problem}"):
+        save_hf(model.state_dict(), str(tmp_path / "hf"), adapter)
+    assert not (tmp_path / "hf").exists() and not os.path.exists(_folder(tmp_path))
 
 
 def test_a_modules_extra_state_of_tensors_resumes_without_a_word_of_unloaded_tensors(tmp_path, caplog):

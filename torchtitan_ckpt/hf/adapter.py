@@ -214,11 +214,28 @@ class StateDictAdapter:
             if export else {}
         check_names("state dict -> HF", ours, self.sources if complete else ours & set(self.sources), **hint)
 
+    def check_model_shapes(self, state_dict: dict[str, Any]) -> None:
+        """Raise `CheckpointError` unless each tensor of `state_dict` that the adapter maps has
+        the shape its config gives it (a DTensor's whole shape): an export would write the
+        model's tensors under a `config.json` of other sizes, which `transformers` refuses (a
+        vocabulary padded or cut), or fail inside the RoPE permutation (another `head_dim`)."""
+        expected = self.state_dict_shapes()
+        wrong = [f"{name} is {list(value.shape)} where it gives {list(expected[name])}"
+                 for name, value in state_dict.items()
+                 if name in expected and isinstance(value, torch.Tensor) and tuple(value.shape) != expected[name]]
+        if wrong:
+            raise CheckpointError(f"the model is not of the sizes of the adapter's Hugging Face config "
+                                  f"({self.config.where}): {len(wrong)} tensor(s) of other shapes, e.g. "
+                                  f"{'; '.join(wrong[:3])}. Build the model from that config, or give the adapter "
+                                  "the model's (its hf_assets_path)")
+
     def left_out(self, state_dict: dict[str, Any]) -> list[str]:
         """The tensors of `state_dict` (the model's, or a pipeline stage's) that an export leaves
         out: its `unmapped` ones; a tensor the adapter does not know is an `AdapterMismatchError`
-        (`check_model_names`)."""
+        (`check_model_names`), one of another shape than its config's a `CheckpointError`
+        (`check_model_shapes`)."""
         self.check_model_names(state_dict, complete=False, export=True)
+        self.check_model_shapes(state_dict)
         return sorted(self.unmapped & set(state_dict))
 
     def to_hf(self, state_dict: dict[str, Any], complete: bool = True) -> dict[str, Any]:
@@ -227,6 +244,7 @@ class StateDictAdapter:
         `complete=False` takes part of the model (a pipeline stage's: the caller checks that
         the ranks' parts make the whole, against `hf_names`)."""
         self.check_model_names(state_dict, complete, export=True)
+        self.check_model_shapes(state_dict)
         out: dict[str, Any] = {}
         for name, value in state_dict.items():
             if name in self.unmapped:
