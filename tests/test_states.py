@@ -46,6 +46,28 @@ def _train(model, opt, sched, layers=("a", "b")) -> None:
     sched.step()
 
 
+def test_a_parameter_in_two_optimizers_is_refused_when_the_manager_is_made(tmp_path):
+    """The state is kept by parameter name: a parameter in two optimizers was saved with one's
+    state and settings for both, and the job's own step then failed to load, saying to build the
+    param groups as saved."""
+    model = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)})
+    both = [torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.Adam([model["b"].weight], lr=0.01)]
+    with pytest.raises(ValueError, match=r"^the parameter b.weight is in optimizers 0 and 1: the state is kept by "
+                                         r"parameter name .* give each parameter to one optimizer$"):
+        CheckpointManager(Checkpoint(enable=True), [model], optimizers=both, base_folder=str(tmp_path))
+    assert not os.path.exists(tmp_path / "checkpoint")
+
+
+@pytest.mark.parametrize("name", [1, "optimizer", "a.b"])
+def test_a_states_key_that_is_no_name_of_its_own_is_refused(tmp_path, name):
+    """A key of `states=` must be an identifier the manager does not use itself; one that is not
+    a string (an int) raised an AttributeError from inside the check."""
+    model = nn.Linear(3, 3)
+    with pytest.raises(ValueError, match=rf"^states key {re.escape(repr(name))} is reserved or not an identifier"):
+        CheckpointManager(Checkpoint(enable=True), [model], states={name: Holder({"x": torch.ones(1)})},
+                          base_folder=str(tmp_path))
+
+
 def test_an_optimizer_with_state_for_some_parameters_loads_the_state_of_all(tmp_path):
     """The loading job took a step in which only `a` had a gradient, so its optimizer had state
     for `a` alone: the load asked the checkpoint for `a`'s state only and left `b` with none."""

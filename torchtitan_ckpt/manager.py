@@ -404,7 +404,7 @@ class CheckpointManager:
             raise TypeError(f"states is a {type(extra).__name__}; expected a dict of name -> a state with "
                             "state_dict() and load_state_dict()")
         for name, state in extra.items():
-            if name in BUILTIN_STATES or not name.isidentifier():
+            if not isinstance(name, str) or name in BUILTIN_STATES or not name.isidentifier():
                 raise ValueError(f"states key {name!r} is reserved or not an identifier; "
                                  f"reserved: {', '.join(BUILTIN_STATES)}")
             if not isinstance(state, Stateful):

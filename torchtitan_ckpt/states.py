@@ -326,7 +326,16 @@ class OptimizerState(CheckedState):
         """Each optimizer with the canonical names of its parameters, by their index in its state
         dict: named at each use, as its parameters may change (`add_param_group`)."""
         names = {id(p): canonical_name(n) for part in self.parts for n, p in part.named_parameters()}
-        return [(opt, _parameter_names(names, opt)) for opt in self.optimizers]
+        named = [(opt, _parameter_names(names, opt)) for opt in self.optimizers]
+        first: dict[str, int] = {}
+        for i, (_, held) in enumerate(named):
+            for name in held:
+                if (other := first.setdefault(name, i)) != i:
+                    raise ValueError(f"the parameter {name} is in optimizers {other} and {i}: the state is kept by "
+                                     "parameter name (TorchTitan's layout), so one optimizer's state and settings "
+                                     "would stand for both's and neither loads as saved; give each parameter to "
+                                     "one optimizer")
+        return named
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizers' state as it is: a parameter without state (its optimizer took no step
