@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import zlib
 
@@ -220,6 +221,34 @@ def test_the_deleter_outlives_a_failed_deletion_and_drain_waits_for_the_queue(tm
     after.start()
     after.join(5)
     assert not after.is_alive()
+
+
+def test_a_step_deleted_while_retention_listed_the_folder_is_not_deleted_again(tmp_path, caplog):
+    """Retention lists the folder while the deleter ends an earlier retention's deletion of a
+    step: that step, listed before it went, is not queued again (its second removal found it
+    gone and warned that another job might be saving into the folder)."""
+    from torchtitan_ckpt.deleter import BackgroundDeleter
+    from torchtitan_ckpt.storage.local import LocalStore
+
+    folder = tmp_path / "checkpoint"
+    for step in (1, 2):
+        _committed_step(str(folder / f"step-{step}"))
+    store = LocalStore(str(folder))
+    deleter = BackgroundDeleter(store.remove, store.describe)
+    listed_at = deleter.mark()  # this retention's listing begins
+    listed = store.scan(str(folder))
+    deleter.submit([f for f in listed if f.step == 1])  # an earlier retention's deletion, ending meanwhile
+    assert deleter.drain(timeout_s=60) and not os.path.exists(folder / "step-1")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="torchtitan_ckpt"):
+        deleter.submit([f for f in listed if f.step == 1], listed_at)
+        assert deleter.drain(timeout_s=60)
+    assert "could not delete" not in caplog.text and "deleted" not in caplog.text
+    _committed_step(str(folder / "step-1"))  # saved again (a step counter gone back), listed after: deleted
+    listed_at = deleter.mark()
+    deleter.submit([f for f in store.scan(str(folder)) if f.step == 1], listed_at)
+    deleter.close()
+    assert not os.path.exists(folder / "step-1") and os.path.exists(folder / "step-2")
 
 
 def _committed_step(path: str) -> None:

@@ -26,17 +26,31 @@ class BackgroundDeleter:
         self._pending: set[str] = set()
         """The folders queued or being deleted: retention picks a step again until it is gone,
         and a second removal would fail (FileNotFoundError) and warn about a step deleted fine."""
+        self._ended = 0
+        """How many deletions have ended (`mark`)."""
+        self._gone: dict[str, int] = {}
+        """Each folder deleted: the count of deletions ended once its own had."""
         self._lock = threading.Lock()
         self._emptied = threading.Condition(self._lock)
         """Notified as each deletion ends: `drain` waits on it until `_pending` is empty."""
         self._thread = threading.Thread(target=self._run, name="ckpt-deleter", daemon=True)
         self._thread.start()
 
-    def submit(self, folders: list[StepFolder]) -> None:
-        """Queue the deletion of `folders`, but of none already queued or being deleted."""
+    def mark(self) -> int:
+        """Taken before listing the folders to `submit`: a folder whose deletion ended after it was
+        listed before it went, and is not deleted again (which would find it gone, and warn of
+        another job saving into the folder)."""
+        with self._lock:
+            return self._ended
+
+    def submit(self, folders: list[StepFolder], listed_at: int | None = None) -> None:
+        """Queue the deletion of `folders`, but of none already queued or being deleted, nor, with
+        `listed_at` (the `mark` taken before they were listed), of one deleted since. Without it,
+        they were listed while no deletion was in flight (after `drain`)."""
         for folder in folders:
             with self._lock:
-                if folder.path in self._pending:
+                if folder.path in self._pending or (listed_at is not None
+                                                    and self._gone.get(folder.path, -1) > listed_at):
                     continue
                 self._pending.add(folder.path)
             self._queue.put(folder)
@@ -77,5 +91,7 @@ class BackgroundDeleter:
                 logger.warning("could not delete %s: %s", self._describe(folder.path), why)
             finally:
                 with self._lock:
+                    self._ended += 1
+                    self._gone[folder.path] = self._ended
                     self._pending.discard(folder.path)
                     self._emptied.notify_all()

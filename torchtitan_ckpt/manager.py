@@ -785,9 +785,10 @@ class CheckpointManager:
     def _retain(self, folder: str, step: int) -> None:
         """Rank 0, once `step` is committed: hand the steps retention drops to the deleter, and
         warn of steps newer than it."""
+        listed_at = self._deleter.mark()  # a step the deleter removes while the folder is listed is not queued again
         folders = self._store.scan(folder)
         left = self._left if folder == self.folder else set()
-        self._deleter.submit(steps_to_delete(folders, self.config.keep_latest_k, step, left))
+        self._deleter.submit(steps_to_delete(folders, self.config.keep_latest_k, step, left), listed_at)
         passed = self._targets.passed if folder == self.folder else set()
         newer = [f.step for f in newer_steps(folders, step) if f.step not in passed]
         if not {(folder, s) for s in newer} <= self._told_newer:
