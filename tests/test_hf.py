@@ -1147,6 +1147,53 @@ def test_save_and_load_take_a_torchtitan_adapter_as_it_is(tmp_path):
     assert_same(back, saved)
 
 
+@pytest.mark.parametrize("mode", ["one_pass", "rank0"])
+@pytest.mark.parametrize("how", ["meta", "sparse"])
+def test_an_export_of_a_tensor_without_memory_leaves_the_earlier_export_as_it_was(tmp_path, mode, how):
+    """A state dict holding a meta tensor (or a sparse one) failed inside the copy (torch's
+    NotImplementedError, naming no tensor) after the earlier export in the folder was cleared."""
+    out = tmp_path / "out"
+    save_hf(our_model().state_dict(), str(out), hf_adapter(ARGS), mode=mode)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    state = our_model().state_dict()
+    state["norm.weight"] = torch.empty(ARGS.dim, device="meta") if how == "meta" else state["norm.weight"].to_sparse()
+    problem = "have no memory yet" if how == "meta" else "are not dense tensors"
+    with pytest.raises(CheckpointError, match=rf"^save_hf: .*{problem}") as raised:
+        save_hf(state, str(out), hf_adapter(ARGS), mode=mode)
+    assert "['norm.weight']" in str(raised.value)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_load_into_tensors_without_memory_is_refused(tmp_path):
+    """load_hf into a model built on the meta device read nothing and returned as if it had."""
+    save_hf(our_model().state_dict(), str(tmp_path), hf_adapter(ARGS))
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    with pytest.raises(CheckpointError, match=r"load_hf: \d+ of the state dict's tensors have no memory yet"):
+        load_hf(model.state_dict(), str(tmp_path), hf_adapter(ARGS))
+
+
+@pytest.mark.parametrize("call", [save_hf, load_hf])
+def test_the_hf_calls_name_an_argument_of_the_wrong_kind(tmp_path, call):
+    """A module for its state dict, a value that is no tensor, no adapter, a thread count as text:
+    each named, where each failed deep inside (an AttributeError or a TypeError naming nothing)."""
+    name, model, adapter = call.__name__, our_model(), hf_adapter(ARGS)
+    save_hf(model.state_dict(), str(tmp_path / "in"), adapter)
+    where = str(tmp_path / ("out" if call is save_hf else "in"))
+    with pytest.raises(TypeError, match=rf"^{name} takes a state dict of tensors \(model.state_dict\(\)\), not a "
+                                        r"Transformer$"):
+        call(model, where, adapter)
+    with pytest.raises(TypeError, match=rf"^{name}: the state dict holds values that are not tensors, e.g. "
+                                        r"\['step \(int\)'\]"):
+        call({**model.state_dict(), "step": 3}, where, adapter)
+    with pytest.raises(TypeError, match=rf"^{name} needs the model's state-dict adapter"):
+        call(model.state_dict(), where, None)
+    for threads in ("4", 0):
+        with pytest.raises(ValueError, match=rf"^{name}: num_threads = {threads!r}; expected an integer of 1 or more"):
+            call(model.state_dict(), where, adapter, num_threads=threads)
+    assert not os.path.exists(tmp_path / "out")
+
+
 @pytest.mark.parametrize("text, why", [("[1, 2]", r"a config.json must hold a JSON object"),
                                        ('{"model_type": ', r"cannot read the model config .*config.json: ")])
 def test_a_torchtitan_adapters_assets_config_that_is_no_json_object_is_refused_naming_it(tmp_path, text, why):

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from .config import BUILTIN_STATES, Checkpoint
 from .errors import CheckpointError
 from .group import CheckpointGroup
+from .io.materialised import check_materialised
 from .io.untrusted import brief
 from .load_target import LoadTarget
 from .states import (DP_RANK_PREFIX, DataLoaderState, LRSchedulerState, ModelState, OptimizerState, StateLike,
@@ -42,7 +43,7 @@ class LoadRequest:
         """The model's state dict and each loaded state's entries, as `target` holds them, to be
         filled in place (refused when a state the job restores is not there)."""
         state: dict[str, Any] = self._model.state_dict()
-        self._model.check_materialised(state, "load()")
+        check_materialised(state, "load()")
         self._model.split_ties(state, target.index.tensors if target.format.named_as_state else ())
         if target.model_only:
             return state

@@ -57,6 +57,7 @@ from .hf.save import assets_file_split, read_assets
 from .io.dtypes import EXPORT_DTYPES, exported_state
 from .io import safe_open
 from .io.filewriter import Sink
+from .io.materialised import check_materialised
 from .io.tensors import local_bytes
 from .load_request import LoadRequest
 from .load_target import LoadTarget, TargetFinder
@@ -830,7 +831,7 @@ class CheckpointManager:
         """The state as of now: model tensors at the top level, every other state resolved to
         its `state_dict()` (so a background save sees this step's values)."""
         model_sd = self._model.state_dict()
-        self._model.check_materialised(model_sd, "save()")
+        check_materialised(model_sd, "save()")
         if kind is SaveKind.MODEL_ONLY:
             dtype = EXPORT_DTYPES[self.config.export_dtype]
             return exported_state(model_sd, dtype)

@@ -38,7 +38,8 @@ except ImportError:
     _FSDP1 = None
 
 from .errors import CheckpointError, CorruptCheckpointError
-from .io.dtypes import same_bytes, storable
+from .io.dtypes import same_bytes
+from .io.materialised import check_materialised
 from .io.tensors import memory_of, unwrapped_values
 from .io.torch_archive import load_plain_pickle, refusal
 from .io.untrusted import brief
@@ -123,52 +124,6 @@ class ModelState(CheckedState):
         return {canonical_name(k): unwrapped_values(v) if isinstance(v, torch.Tensor) else v
                 for part in self.parts for k, v in part.state_dict().items()}
 
-    @staticmethod
-    def check_materialised(state: dict[str, Any], call: str, whose: str = "the model's") -> None:
-        """A `CheckpointError` unless every tensor of `state` (this model's `state_dict()`) has
-        memory: one on the meta device (a model built there, not yet `to_empty`-ed and
-        initialised) or a lazy module's parameter (not yet shaped by a forward pass) would make
-        `load()` fill nothing and report success, or `save()` fail after making the step folder.
-        Nor may one repeat an element (an `expand()` view): its step would be saved, and every
-        load of it fail once other tensors were filled. Sparse, quantized and nested tensors are
-        refused here too, before the step folder is made: DCP's writer fails on each, and on
-        tensors of sub-byte dtypes."""
-        empty = [k for k, v in state.items()
-                 if isinstance(v, torch.Tensor) and (v.is_meta or nn.parameter.is_lazy(v))]
-        if empty:
-            raise CheckpointError(f"{call}: {len(empty)} of {whose} tensors have no memory yet, e.g. {empty[:3]} "
-                                  "(on the meta device, or a lazy module's before its first forward pass): "
-                                  "materialise them first (model.to_empty(device=...), then its init)")
-        subclassed = [f"{k} ({type(local).__name__})" for k, v in state.items() if isinstance(v, torch.Tensor)
-                      and type(local := v._local_tensor if isinstance(v, DTensor) else v)
-                      not in (torch.Tensor, nn.Parameter)]
-        if subclassed:  # the writers would read the subclass's storage, which holds none of its values
-            raise CheckpointError(f"{call}: {subclassed[:3]} are tensor subclasses (a quantized weight's, say), "
-                                  "which no step of this package holds: DCP saves them as pickles no load may read, "
-                                  "as reading them would run their code. Save their plain tensors (dequantized, or "
-                                  "the subclass's inner tensors); a wrapper whose one inner tensor holds its values "
-                                  "as they are can be declared so (torchtitan_ckpt.register_holding_wrapper)")
-        unusual = [k for k, v in state.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
-                   and (v.layout != torch.strided or v.is_quantized or v.is_nested)]
-        if unusual:
-            raise CheckpointError(f"{call}: {unusual[:3]} are not dense tensors (sparse, MKL-DNN, quantized or "
-                                  "nested), which DCP can neither write nor fill in place: store them dense "
-                                  "(.to_dense(), .dequantize()), or register them with persistent=False if they "
-                                  "are derived")
-        odd = [f"{k} ({v.dtype})" for k, v in state.items() if isinstance(v, torch.Tensor) and not storable(v.dtype)]
-        if odd:
-            raise CheckpointError(f"{call}: {odd[:3]} are of dtypes DCP cannot write (sub-byte and bit dtypes): "
-                                  "store them packed in uint8 (.view(torch.uint8) where the layout allows), or "
-                                  "register them with persistent=False if they are derived")
-        # a load fills each tensor in place, which one whose elements share memory cannot take
-        shared = [k for k, v in state.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
-                  and v.layout == torch.strided
-                  and any(stride == 0 and size > 1 for stride, size in zip(v.stride(), v.shape))]
-        if shared:
-            raise CheckpointError(f"{call}: {shared[:3]} repeat one element along a dimension (an expand() "
-                                  "view, stride 0): no load can fill such a tensor in place; register it with "
-                                  "persistent=False if it is derived, or store it as .contiguous()")
-
     def split_ties(self, state: dict[str, Any], saved: Collection[str]) -> None:
         """In `state` (this model's `state_dict()`, for a load of a step holding the tensors
         `saved`): where one tensor is the model's under several names (tied weights) and the
@@ -235,7 +190,7 @@ class ModelState(CheckedState):
 def own_state_dict(name: str, stateful: Stateful, call: str, model: Collection[str]) -> Any:
     """`stateful.state_dict()` of a job's own `states[name]`: a container DCP saves entry by entry
     (a dict, a list of tensors), whose names (its own too) are not the `model`'s, and whose
-    tensors have memory and can be filled in place (`ModelState.check_materialised`: wrappers
+    tensors have memory and can be filled in place (`check_materialised`: wrappers
     that keep their values in one plain tensor as that tensor): a step saved otherwise never
     loads."""
     if name in model:  # `{**model, **states}` would put the state in its place
@@ -252,7 +207,7 @@ def own_state_dict(name: str, stateful: Stateful, call: str, model: Collection[s
     if clash := sorted(k for k in flat if k in model):
         raise CheckpointError(f"{call}: states[{name!r}] holds {clash[:3]}, which are names of the model too: a step "
                               "keeps one value per name; name the state otherwise")
-    ModelState.check_materialised(flat, call, f"states[{name!r}]'s")
+    check_materialised(flat, call, f"states[{name!r}]'s")
     return state
 
 

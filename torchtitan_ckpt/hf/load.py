@@ -29,6 +29,7 @@ from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, is_model_file, is_unuse
 from .model_config import read_hf_config
 from ..io import IO_THREADS, safe_open
 from ..io.dtypes import converts
+from ..io.materialised import check_materialised, check_tensor_dict
 from ..io.posio import tensor_bytes
 from ..io.tensors import local_values, memory_of
 from .safetensors_io import TensorEntry, read_exact, read_header
@@ -102,9 +103,10 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str | os.PathLike[str], adapter:
     streams keep a disk busier than one (one reads when most bytes need a buffer, e.g. a
     checkpoint in another dtype, since the threads would take turns at it). `adapter` is ours
     or any with TorchTitan's surface (`to_hf`, `from_hf`), which reads whole tensors."""
-    if num_threads < 1:
-        raise ValueError(f"load_hf: num_threads = {num_threads}; expected 1 or more")
+    check_tensor_dict(state_dict, "load_hf", num_threads)
     hf_dir = os.fspath(hf_dir)
+    if adapter is None:
+        raise TypeError("load_hf needs the model's state-dict adapter (adapter_for_hf_dir(hf_dir), or TorchTitan's)")
     adapter = as_adapter(adapter)
     start = time.perf_counter()
     group = CheckpointGroup(process_group or cpu_world())
@@ -115,7 +117,8 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str | os.PathLike[str], adapter:
         every.update(part)
     planned: list[tuple[Callable[[], int], int]] = []
     try:  # every rank raises if one failed: its own error, or one naming the failing rank
-        group.run(lambda: (planned.append(_checked(state_dict, hf_dir, adapter, num_threads, every,
+        group.run(lambda: (check_materialised(state_dict, "load_hf", "the state dict's"),
+                           planned.append(_checked(state_dict, hf_dir, adapter, num_threads, every,
                                                    group.is_coordinator)), check()))
     except RankFailed as failed:
         failed.reraise(f"reading {hf_dir}")

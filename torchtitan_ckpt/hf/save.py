@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from ..dcp.storage import root_cause
 from ..io import IO_THREADS, durable, safe_open
 from ..io.dtypes import CAST_ON_EXPORT, exported_state
+from ..io.materialised import check_materialised, check_tensor_dict
 from .consolidate import OnePassPlan, clear_model_files, consolidate_safetensors, create_replacing, plan_one_pass
 from .consolidate import write_safetensors_one_pass
 from ..errors import AdapterMismatchError, CheckpointError, RankFailed
@@ -71,8 +72,11 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str | os.PathLike[str], a
     if dtype is not None and dtype not in CAST_ON_EXPORT:
         raise ValueError(f"dtype = {dtype}: an export is cast to one of {', '.join(map(str, CAST_ON_EXPORT))}, "
                          "or keeps the model's dtypes (None)")
+    check_tensor_dict(model_state_dict, "save_hf", num_threads)
     start = time.perf_counter()
     out_dir = os.fspath(out_dir)
+    if adapter is None:
+        raise TypeError("save_hf needs the model's state-dict adapter (adapter_for_hf_dir, or TorchTitan's)")
     adapter = as_adapter(adapter)
     group = CheckpointGroup(process_group or cpu_world())
     plan = _plan(group, adapter, model_state_dict, dtype)
@@ -127,8 +131,11 @@ def _plan(group: CheckpointGroup, adapter: StateDictAdapter | ForeignAdapter, st
     step (a pipeline stage's rank converts its part), so that a failure on one rank (a cast that
     finds no memory) fails every rank there; then the ranks' tensors together must be the whole
     model, checked alike on every rank."""
-    plan = plan_one_pass(lambda: adapter.to_hf(exported_state(state_dict, dtype, widen=True), complete=False), group,
-                         adapter.hf_names)
+    def converted() -> dict[str, Any]:  # a tensor without memory fails the export before its folder is touched
+        check_materialised(state_dict, "save_hf", "the state dict's", subclasses=True)
+        return adapter.to_hf(exported_state(state_dict, dtype, widen=True), complete=False)
+
+    plan = plan_one_pass(converted, group, adapter.hf_names)
     if adapter.hf_names is not None:
         check_names("the ranks' state dicts -> HF", plan.specs, adapter.hf_names)
     return plan
