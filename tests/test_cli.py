@@ -67,6 +67,14 @@ def _du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
 
 
+def test_a_rank_variable_that_is_no_number_is_a_plain_process(tmp_path):
+    """`RANK` set by something else than a launcher: the command runs as a plain process (it
+    raised a ValueError traceback while setting up its log)."""
+    done = subprocess.run([sys.executable, "-m", "torchtitan_ckpt.cli", "list", str(tmp_path)], env={**ENV, "RANK": "abc"},
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (1, "") and "no step folders" in done.stdout  # 1: none loadable
+
+
 def _run_json(capsys, *argv: str) -> tuple[int, dict]:
     code = cli.main([*argv, "--json", "--quiet"])
     out = capsys.readouterr()

@@ -93,6 +93,17 @@ def test_the_adapter_comes_from_model_type():
     assert type(adapter_for_config({**FAMILIES["llama31"][1], "model_type": "mistral"})) is LlamaAdapter
 
 
+def test_a_config_without_a_model_type_takes_the_adapter_named(tmp_path):
+    """An adapter named for a config.json without `model_type` (what the name is for) is taken;
+    the config was refused for its missing model_type. Without a name, it still is."""
+    untyped = {k: v for k, v in FAMILIES["qwen3"][1].items() if k != "model_type"}
+    adapter = adapter_for_config(untyped, adapter="qwen3")
+    assert type(adapter) is Qwen3Adapter and adapter.config.model_type == "qwen3"
+    assert adapter.config.hidden_size == untyped["hidden_size"]
+    with pytest.raises(ConfigError, match=r"^config.json: model_type = None: no adapter for it"):
+        adapter_for_config(untyped)
+
+
 def test_the_rope_layout_is_the_familys_as_torchtitan_models_it_unless_given():
     """q and k rows (and Qwen3's q/k norms) are permuted for a model that rotates interleaved
     pairs (TorchTitan's Llama 3, the example model), not for one that rotates halves as HF
@@ -453,6 +464,18 @@ def test_an_unsupported_model_type_names_the_supported_ones():
     with pytest.raises(ConfigError, match=r"model_type = 'gpt2': no adapter for it; supported: llama, mistral, "
                                           r"mixtral, qwen2, qwen3, qwen3_moe"):
         adapter_for_config({**FAMILIES["qwen3"][1], "model_type": "gpt2"})
+
+
+def test_more_heads_than_channels_without_a_head_dim_is_refused_for_that(tmp_path):
+    """A config of more attention heads than `hidden_size` and no `head_dim`: named for that, where
+    it was refused for a `head_dim = 0` the file does not give."""
+    crowded = {**FAMILIES["llama31"][1], "num_attention_heads": 64, "num_key_value_heads": 8}
+    crowded.pop("head_dim", None)
+    crowded["hidden_size"] = 32
+    with pytest.raises(ConfigError, match=r"^config.json: num_attention_heads = 64: is more than hidden_size \(32\) "
+                                          r"and the config gives no head_dim"):
+        adapter_for_config(crowded)
+    assert adapter_for_config({**crowded, "head_dim": 8}).config.head_dim == 8
 
 
 def test_a_family_without_an_adapter_is_refused_for_its_model_type_not_for_a_key(tmp_path):

@@ -57,7 +57,7 @@ from .io.dtypes import EXPORT_DTYPES
 from .io.untrusted import brief
 from .hf.planner import parse_size
 from .hf.save import MODES
-from .progress import DEFAULT_INTERVAL, Progress, fmt_bytes, this_rank_draws
+from .progress import DEFAULT_INTERVAL, Progress, fmt_bytes, launched_rank, this_rank_draws
 from .storage import check_url, open_store, scheme_of
 from .storage import lock
 from .storage.base import Store
@@ -719,7 +719,7 @@ def _setup_logging(args: argparse.Namespace) -> None:
     root = logging.getLogger()
     if root.handlers:
         return
-    rank = int(os.environ.get("RANK", "0"))
+    rank = launched_rank()
     level = logging.WARNING if args.quiet or rank != 0 else logging.INFO
     logging.basicConfig(level=level, stream=sys.stderr,
                         format=f"[rank{rank}] %(asctime)s %(name)s %(levelname)s: %(message)s")

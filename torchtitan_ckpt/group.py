@@ -473,6 +473,9 @@ def launched_group(backend: str = "gloo") -> Iterator[None]:
     same message (a launched rank's entry point leaves without that shutdown: `leave`)."""
     launched = "WORLD_SIZE" in os.environ and not dist.is_initialized()
     if launched:
+        logger.info("joining the WORLD_SIZE = %s ranks (torchrun's) at %s:%s; waits until each has started (a "
+                    "WORLD_SIZE set by hand, with no other rank started, waits until torch.distributed's timeout)",
+                    os.environ["WORLD_SIZE"], os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?"))
         dist.init_process_group(backend)
     try:
         yield

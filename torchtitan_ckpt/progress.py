@@ -45,9 +45,16 @@ def _fmt_seconds(s: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
+def launched_rank() -> int:
+    """This process's rank as a launcher (torchrun) gives it in `RANK`; 0 in a plain process, or
+    where `RANK` holds no number (set by something else)."""
+    value = os.environ.get("RANK", "0").strip()
+    return int(value) if value.isdecimal() else 0
+
+
 def this_rank_draws() -> bool:
     """Under torchrun only rank 0 shows progress; a plain process is rank 0."""
-    return int(os.environ.get("RANK", "0")) == 0
+    return launched_rank() == 0
 
 
 class Progress:

@@ -106,6 +106,10 @@ class HFModelConfig:
         kv = get.integer("num_key_value_heads", heads, default=heads)
         if heads % kv:
             raise ConfigError(f"{where}: num_key_value_heads", kv, f"must divide num_attention_heads ({heads})")
+        if hidden < heads and get._value("head_dim", None) is None:
+            raise ConfigError(f"{where}: num_attention_heads", heads, f"is more than hidden_size ({hidden}) and the "
+                              "config gives no head_dim: each head would have hidden_size // num_attention_heads = 0 "
+                              "channels")
         head_dim = get.integer("head_dim", MAX_HIDDEN, default=hidden // heads)
         if head_dim % 2:
             raise ConfigError(f"{where}: head_dim", head_dim, "must be even (RoPE rotates pairs of channels)")

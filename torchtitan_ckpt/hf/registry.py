@@ -26,13 +26,16 @@ def adapter_for_config(config: HFModelConfig | Any, hf_assets_path: str | None =
                        rope_layout: str | None = None) -> StateDictAdapter:
     """The adapter of `config` (an `HFModelConfig` or a parsed `config.json`), chosen by its
     `model_type` unless `adapter` names one of `ADAPTERS`, for a model of `rope_layout`
-    (`adapter.ROPE_LAYOUTS`; None: the family's, as TorchTitan's model of it has)."""
+    (`adapter.ROPE_LAYOUTS`; None: the family's, as TorchTitan's model of it has). A config
+    without a `model_type` takes `adapter`'s (the family's name is its `model_type`)."""
     raw = config.raw if isinstance(config, HFModelConfig) else config
     name = adapter or (raw.get("model_type") if isinstance(raw, dict) else None)
     if isinstance(raw, dict) and not (isinstance(name, str) and name in ADAPTERS):  # first: another family's
         key = "adapter" if adapter else f"{where}: model_type"  # config names its sizes otherwise (GPT-2)
         raise ConfigError(key, name, f"no adapter for it; supported: {', '.join(sorted(ADAPTERS))}")
     if not isinstance(config, HFModelConfig):
+        if adapter and isinstance(raw, dict) and raw.get("model_type") is None:
+            config = {**raw, "model_type": adapter}
         config = HFModelConfig.parse(config, where)
     return ADAPTERS[name](config, hf_assets_path, rope_layout)
 
