@@ -533,6 +533,19 @@ def test_progress_lines_off_a_terminal(small_step, tmp_path):
     assert not os.path.exists(out + cli.PARTIAL_SUFFIX)
 
 
+def test_verify_reports_progress_inside_a_file(tmp_path):
+    """A file is checksummed chunk by chunk, and so reported: a rank's data file of several GB
+    showed nothing until it was done."""
+    with CheckpointManager(Checkpoint(enable=True), [torch.nn.Linear(2048, 2048)], base_folder=str(tmp_path)) as m:
+        m.save(1, last_step=True)  # one 16 MB data file
+    step = layout.step_dir(str(tmp_path / "checkpoint"), 1)
+    done = subprocess.run([*CMD, "verify", step, "--threads", "1", "--progress-every", "0"], capture_output=True,
+                          text=True, env=ENV, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = re.findall(r"verify: verifying ([\d.]+ [KMG]?B) of ([\d.]+ MB) \(\d+%\)", done.stderr)
+    assert len(lines) >= 2, done.stderr
+
+
 def _read_until(fd: int, text: bytes, timeout: float = 120) -> bytes:
     seen, deadline = b"", time.monotonic() + timeout
     while text not in seen:

@@ -350,11 +350,10 @@ def cmd_inspect(args: argparse.Namespace, progress: Progress) -> int:
 
 
 def _verify_files(path: str, info: commit.CommitInfo, threads: int, progress: Progress) -> list[dict[str, Any]]:
-    """One record per manifest file, checked `threads` at a time, reporting bytes as files finish;
-    then one per file in the folder the manifest does not list (added after the commit)."""
+    """One record per manifest file, checked `threads` at a time, reporting bytes as they are
+    read; then one per file in the folder the manifest does not list (added after the commit)."""
     names = sorted(info.files)
-    found = commit.check_files(path, info, names, threads,
-                               lambda rel: progress("verifying", info.files[rel]["size"], info.total_bytes))
+    found = commit.check_files(path, info, names, threads, lambda n: progress("verifying", n, info.total_bytes))
     listed = [{"file": rel, "bytes": info.files[rel]["size"], "crc32": info.files[rel]["crc32"], "ok": problem is None,
                "problem": problem} for rel, problem in zip(names, found)]
     unlisted = sorted(set(commit.files_in(path)) - set(info.files))

@@ -258,8 +258,9 @@ def write_marker(path: str, info: CommitInfo,
     return info
 
 
-def check_file(path: str, rel: str, entry: dict) -> str | None:
-    """The problem with one file of a step against its manifest `entry`, or None."""
+def check_file(path: str, rel: str, entry: dict, read: Callable[[int], None] | None = None) -> str | None:
+    """The problem with one file of a step against its manifest `entry`, or None; `read(nbytes)`
+    hears of its bytes as they are checksummed."""
     full = os.path.join(path, rel)
     if not os.path.lexists(full):
         return f"{full}: missing"
@@ -271,7 +272,7 @@ def check_file(path: str, rel: str, entry: dict) -> str | None:
         size = os.fstat(fd).st_size
         if size != entry["size"]:
             return f"{full}: {size} bytes, the manifest says {entry['size']}"
-        crc = stream_crc32(f)
+        crc = stream_crc32(f, read)
     if crc != entry["crc32"]:
         return f"{full}: CRC-32 {crc}, the manifest says {entry['crc32']}"
     return None
@@ -286,20 +287,14 @@ def verify(path: str, files: list[str] | None = None, threads: int = IO_THREADS)
 
 
 def check_files(path: str, info: CommitInfo, files: list[str], threads: int,
-                done: Callable[[str], None] | None = None) -> list[str | None]:
+                read: Callable[[int], None] | None = None) -> list[str | None]:
     """`check_file` of each of `files` against the manifest `info` of the step `path`, `threads`
-    at a time, in order; `done(file)` is called as each is checked."""
+    at a time, in order; `read(nbytes)` hears of the bytes checksummed, from any of the threads."""
     if type(threads) is not int or threads < 1:
         raise ValueError(f"threads = {threads!r}: files are checked on at least 1 thread")
 
-    def check(rel: str) -> str | None:
-        problem = check_file(path, rel, info.files[rel])
-        if done is not None:
-            done(rel)
-        return problem
-
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        return list(pool.map(check, files))
+        return list(pool.map(lambda rel: check_file(path, rel, info.files[rel], read), files))
 
 
 def files_in(path: str) -> list[str]:

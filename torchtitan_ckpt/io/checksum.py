@@ -10,6 +10,8 @@ for x86-64 and ARM64 only (a dependency there); elsewhere zlib computes the same
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 try:
     from isal.isal_zlib import crc32
 except ImportError:  # a machine isal has no wheel for
@@ -31,9 +33,12 @@ def file_crc32(path: str) -> str:
         return stream_crc32(f)
 
 
-def stream_crc32(f) -> str:
-    """The CRC-32 of the rest of an open binary file, as 8 hex digits."""
+def stream_crc32(f, read: Callable[[int], None] | None = None) -> str:
+    """The CRC-32 of the rest of an open binary file, as 8 hex digits; `read(nbytes)` hears of
+    each chunk as it is checksummed (a progress report)."""
     crc = 0
     while chunk := f.read(_CHUNK):
         crc = crc32(chunk, crc)
+        if read is not None:
+            read(len(chunk))
     return hex_crc(crc)
