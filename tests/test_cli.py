@@ -155,9 +155,13 @@ def test_an_empty_step_folder_is_listed_as_one_a_save_replaces(folder, tmp_path,
     assert row.endswith("a save that stopped (or is starting) before its first file, ours or another program's: "
                         "never loaded; a save of its step replaces it, clean keeps it")
     assert cli.main(["clean", work, "-q"]) == 0
-    assert capsys.readouterr().out.splitlines()[:2] == [f"kept {empty} (unknown: not removed by clean)",
+    assert capsys.readouterr().out.splitlines()[:2] == [f"kept {empty} (empty: not removed by clean)",
                                                         f"kept {theirs} (unknown: not removed by clean)"]
     assert [s.step for s in layout.scan(work)] == [2, 4, 5, 6]
+    with open(os.path.join(layout.step_dir(work, 4), commit.MARKER), "w") as f:  # a step of ours kept: named
+        f.write("{")
+    assert cli.main(["clean", work, "-q"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"kept {layout.step_dir(work, 4)} (corrupt: not removed by clean)"
 
 
 def test_list_counts_foreign_steps_as_loadable(folder, tmp_path, capsys):

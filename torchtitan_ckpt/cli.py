@@ -416,10 +416,13 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
                               "retention deletes the partial steps older than it (docs/storage.md)")
     _require_folder(args.folder)
     with _no_job_saving(args.folder, args.force):
-        steps = layout.scan(args.folder)
-        for s in steps:
-            if not s.ours or s.linked:
-                print(f"kept {s.path} ({s.status}{', linked in' if s.linked else ''}: not removed by clean)")
+        steps, store = layout.scan(args.folder), open_store(args.folder, "folder", 0, Checkpoint())
+        for s in steps:  # every folder kept but a healthy step of ours, by its status in `list`
+            if s.status != layout.PARTIAL or s.linked:
+                record = _step_record(s, store)
+                if record is not None and (record["status"] != layout.COMPLETE or s.linked):
+                    print(f"kept {s.path} ({record['status']}{', linked in' if s.linked else ''}: not removed by "
+                          "clean)")
         sizes = {s.path: layout.folder_bytes(s.path) for s in steps if s.status == layout.PARTIAL and not s.linked}
         total = sum(sizes.values())
         removed, freed, code = 0, 0, EXIT_OK
