@@ -10,7 +10,7 @@ import shutil
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan_ckpt import apidoc, cli, commit, docgen, layout
+from torchtitan_ckpt import Checkpoint, CheckpointManager, apidoc, cli, commit, docgen, layout
 
 EXAMPLE_ROOT = "torchtitan_ckpt.example.config:JobConfig"
 
@@ -51,6 +51,16 @@ def test_cli_errors_name_the_path(tmp_path, capsys):
     assert capsys.readouterr().err.endswith(
         f"error: {tmp_path} holds no checkpoint: no .metadata (DCP), no model.safetensors.index.json or "
         "model.safetensors (Hugging Face); name a step folder\n")
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [torch.nn.Linear(2, 2)], base_folder=str(tmp_path)) as m:
+        m.save(1)
+        m.save(2)
+    ckpt = str(tmp_path / "checkpoint")
+    assert cli.main(["inspect", ckpt]) == 2  # a folder of steps named for a step: which ones it holds
+    assert capsys.readouterr().err.endswith(": it holds the step folders step-1 to step-2; name one of them\n")
+    assert cli.main(["clean", layout.step_dir(ckpt, 2)]) == 2  # and the other way round
+    assert capsys.readouterr().err.endswith(f"error: {layout.step_dir(ckpt, 2)} is the step folder "
+                                            f"{layout.step_dir(ckpt, 2)}: clean works on the folder holding the "
+                                            f"step-N folders ({ckpt})\n")
 
 
 def test_inspect_refuses_a_format_it_does_not_know(tmp_path, capsys):

@@ -250,8 +250,9 @@ def _describe(path: str, where: str, listed: str | None) -> dict[str, Any]:
     info = commit.read_marker(path) if ours else None
     fmt = info.format if info else layout.foreign_format(path)
     if fmt is None:
+        hint = (_where_steps_are(path) if scheme_of(where) is None else "") or "; name a step folder"
         raise CheckpointNotFoundError(f"{where} holds no checkpoint: " + ", ".join(
-            f"no {' or '.join(f.index_files)} ({f.title})" for f in FORMATS.values()) + "; name a step folder")
+            f"no {' or '.join(f.index_files)} ({f.title})" for f in FORMATS.values()) + hint)
     if fmt not in FORMATS:
         raise CorruptCheckpointError(f"{where}: its {commit.MARKER} names the format {fmt!r}; inspect reads "
                                      f"{', '.join(FORMATS)}")
@@ -415,6 +416,10 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
         raise CheckpointError(f"{args.folder}: clean works on a local folder; on object storage the next save's "
                               "retention deletes the partial steps older than it (docs/storage.md)")
     _require_folder(args.folder)
+    if step := layout.step_folder_around(args.folder):
+        raise CheckpointError(f"{args.folder} is{' inside' if step != os.path.abspath(args.folder) else ''} the step "
+                              f"folder {step}: clean works on the folder holding the step-N folders "
+                              f"({os.path.dirname(step)})")
     with _no_job_saving(args.folder, args.force):
         steps, store = layout.scan(args.folder), open_store(args.folder, "folder", 0, Checkpoint())
         for s in steps:  # every folder kept but a healthy step of ours, by its status in `list`
