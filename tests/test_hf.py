@@ -1194,6 +1194,23 @@ def test_the_hf_calls_name_an_argument_of_the_wrong_kind(tmp_path, call):
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_assets_without_a_model_type_export_through_the_adapter_named_for_them(tmp_path):
+    """A `config.json` without `model_type`, its adapter named: the export copies the config
+    with the adapter's `model_type` (which `transformers` needs); it was refused for lacking it."""
+    from torchtitan_ckpt.hf import adapter_for_hf_dir
+
+    untyped = {k: v for k, v in hf_config(ARGS).items() if k != "model_type"}
+    assets = os.path.dirname(_config_file(tmp_path / "assets", json.dumps(untyped)))
+    adapter = adapter_for_hf_dir(assets, adapter="llama")
+    model = our_model()
+    save_hf(model.state_dict(), str(tmp_path / "out"), adapter)
+    with open(tmp_path / "out" / "config.json") as f:
+        assert json.load(f)["model_type"] == "llama"
+    back = our_model(seed=1)
+    load_hf(back.state_dict(), str(tmp_path / "out"), adapter)
+    assert_same(back.state_dict(), model.state_dict())
+
+
 @pytest.mark.parametrize("text, why", [("[1, 2]", r"a config.json must hold a JSON object"),
                                        ('{"model_type": ', r"cannot read the model config .*config.json: ")])
 def test_a_torchtitan_adapters_assets_config_that_is_no_json_object_is_refused_naming_it(tmp_path, text, why):

@@ -1196,6 +1196,9 @@ def test_a_step_folder_as_the_checkpoint_folder_is_refused_before_anything_is_wr
                                               rf"{re.escape(str(folder))}, .* checkpoint.initial_load_path"):
             CheckpointManager(config, [model])
     assert sorted(p.name for p in step.iterdir()) == before
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "scratch" / ".metadata").write_bytes(b"")  # a folder not named as a step is none
+    CheckpointManager(Checkpoint(enable=True, interval=1, folder=str(tmp_path / "scratch" / "run")), [model]).close()
     with CheckpointManager(Checkpoint(enable=True, interval=1, folder=str(tmp_path / "next"),
                                       initial_load_path=str(step)), [model]) as manager:
         assert manager.load()  # the step itself is what initial_load_path takes

@@ -163,6 +163,23 @@ def test_weights_wrapped_to_be_cast_on_use_are_saved_and_loaded_as_their_values(
     _round_trip_of_wrapped_weights(0, 1, str(tmp_path / "whole"), mode)
 
 
+def test_weights_wrapped_to_be_cast_on_use_are_read_in_place_by_load_hf(tmp_path):
+    """`load_hf` into a model whose weights are registered holding wrappers (torchao's float8
+    training weights): read into the tensors holding their values, as `save_hf` exports those."""
+    from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_adapter
+    from torchtitan_ckpt.hf import load_hf, save_hf
+
+    torch.manual_seed(0)
+    source, adapter = Transformer(FLAVORS["debugmodel"]), hf_adapter(FLAVORS["debugmodel"])
+    save_hf(source.state_dict(), str(tmp_path), adapter)
+    model = Transformer(FLAVORS["debugmodel"])
+    values = torch.zeros_like(model.norm.weight)
+    model.norm.weight = nn.Parameter(_CastOnUse(values), requires_grad=False)
+    load_hf(model.state_dict(), str(tmp_path), adapter)
+    assert torch.equal(values, source.norm.weight.detach())
+    assert torch.equal(model.layers["0"].attention.wq.weight, source.layers["0"].attention.wq.weight)
+
+
 def _refuse_scaled_shard(rank: int, world_size: int, folder: str) -> None:
     model = _wrapped(0, _Scaled)
     fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))

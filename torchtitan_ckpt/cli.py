@@ -155,10 +155,22 @@ unknown (an empty folder has no marker of ours)."""
 
 
 def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any] | None:
-    """One step of `list --json`. A marker that cannot be read makes that step `corrupt`, its
-    reason in `problem` (naming the step as the user does), rather than ending the listing of
-    every other step; one gone since the folder was listed is a step removed meanwhile (by the
-    retention of a job saving there): None, not listed."""
+    """One step of `list --json`; None for one gone since the folder was listed (`_listed`)."""
+    if (listed := _listed(s, store)) is None:
+        return None
+    status, problem, info = listed
+    fmt = info.format if info else layout.foreign_format(s.path) if status == layout.FOREIGN else None
+    return {"step": s.step, "path": store.describe(s.path), "status": status, "bytes": store.size(s.path),
+            "format": fmt, "states": info.states if info else None,
+            "world_size": info.world_size if info else None, "linked": s.linked, "problem": problem}
+
+
+def _listed(s: layout.StepFolder, store: Store) -> tuple[str, str | None, commit.CommitInfo | None] | None:
+    """The status `list` gives the step `s`, why (its `problem`) and its commit marker. A marker
+    that cannot be read makes the step `corrupt`, its reason in `problem` (naming the step as
+    the user does), rather than ending the listing of every other step; one gone since the
+    folder was listed is a step removed meanwhile (by the retention of a job saving there):
+    None."""
     info, status, problem, where = None, s.status, None, store.describe(s.path)
     if s.committed:
         try:
@@ -175,10 +187,7 @@ def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any] | None:
             status, problem = MISNAMED, wrong
     elif status == layout.UNKNOWN and store.replaceable(s):
         status = EMPTY
-    fmt = info.format if info else layout.foreign_format(s.path) if status == layout.FOREIGN else None
-    return {"step": s.step, "path": where, "status": status, "bytes": store.size(s.path),
-            "format": fmt, "states": info.states if info else None,
-            "world_size": info.world_size if info else None, "linked": s.linked, "problem": problem}
+    return status, problem, info
 
 
 def _contents(s: dict[str, Any]) -> str:
@@ -423,11 +432,9 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
     with _no_job_saving(args.folder, args.force):
         steps, store = layout.scan(args.folder), open_store(args.folder, "folder", 0, Checkpoint())
         for s in steps:  # every folder kept but a healthy step of ours, by its status in `list`
-            if s.status != layout.PARTIAL or s.linked:
-                record = _step_record(s, store)
-                if record is not None and (record["status"] != layout.COMPLETE or s.linked):
-                    print(f"kept {s.path} ({record['status']}{', linked in' if s.linked else ''}: not removed by "
-                          "clean)")
+            if (s.status != layout.PARTIAL or s.linked) and (listed := _listed(s, store)) is not None \
+                    and (listed[0] != layout.COMPLETE or s.linked):
+                print(f"kept {s.path} ({listed[0]}{', linked in' if s.linked else ''}: not removed by clean)")
         sizes = {s.path: layout.folder_bytes(s.path) for s in steps if s.status == layout.PARTIAL and not s.linked}
         total = sum(sizes.values())
         removed, freed, code = 0, 0, EXIT_OK

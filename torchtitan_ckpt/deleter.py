@@ -81,8 +81,10 @@ class BackgroundDeleter:
 
     def _run(self) -> None:
         while (folder := self._queue.get()) is not None:
+            removed = False
             try:
                 self._remove(folder)
+                removed = True
                 logger.info("deleted %s %d (%s)", "old checkpoint step" if folder.loadable else
                             "the unfinished save of step", folder.step, self._describe(folder.path))
             except Exception as e:  # any failure: the thread keeps serving the next deletions
@@ -92,6 +94,7 @@ class BackgroundDeleter:
             finally:
                 with self._lock:
                     self._ended += 1
-                    self._gone[folder.path] = self._ended
+                    if removed:  # one that failed is deleted again by the next retention that lists it
+                        self._gone[folder.path] = self._ended
                     self._pending.discard(folder.path)
                     self._emptied.notify_all()

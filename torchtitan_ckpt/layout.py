@@ -130,11 +130,13 @@ def status_of(path: str) -> str:
 
 def step_folder_around(path: str) -> str | None:
     """`path`, or the nearest folder above it, when it is a step folder: ours (finished or not)
-    or another program's DCP checkpoint (TorchTitan's `step-N`). A checkpoint folder or an
-    output there would write into that step (a file added to a step fails its `verify`)."""
+    or another program's DCP checkpoint named as a step (TorchTitan's `step-N`). A checkpoint
+    folder or an output there would write into that step (a file added to a step fails its
+    `verify`)."""
     here = os.path.abspath(path)
     while True:
-        if os.path.isdir(here) and (status_of(here) in (COMPLETE, PARTIAL) or foreign_format(here) == "dcp"):
+        if os.path.isdir(here) and (status_of(here) in (COMPLETE, PARTIAL) or (
+                parse_step(os.path.basename(here)) is not None and foreign_format(here) == "dcp")):
             return here
         if (up := os.path.dirname(here)) == here:
             return None

@@ -31,7 +31,7 @@ from ..io import safe_open
 from ..io.dtypes import same_bytes
 from ..io.tensors import local_values
 from .files import CONFIG_FILE, INDEX_FILE, MAX_INDEX_BYTES, file_number
-from .model_config import HFModelConfig, config_object, read_config_json, read_hf_config
+from .model_config import HFModelConfig, config_object, read_config_json
 
 logger = logging.getLogger(__name__)
 
@@ -282,11 +282,15 @@ class StateDictAdapter:
     def export_config(self, dtype: torch.dtype) -> dict[str, Any]:
         """The assets' `config.json` when there is one, else the adapter's, its dtype set to
         `dtype` (the one of the exported tensors). The assets' must describe the adapter's
-        model (its shapes are checked): `transformers` builds the model from it."""
+        model (its shapes are checked): `transformers` builds the model from it. One without a
+        `model_type` (an adapter named for it) is given the adapter's, which `transformers` needs."""
         path = _assets_config_path(self.hf_assets_path)
         if path is None:
             return _for_export(dict(self.config.raw), dtype, self.config.where)
-        assets = read_hf_config(path)
+        raw = config_object(read_config_json(path), path)
+        if raw.get("model_type") is None:
+            raw = {**raw, "model_type": self.config.model_type}
+        assets = HFModelConfig.parse(raw, path)
         _check_describes(assets, self.config)
         return _for_export(dict(assets.raw), dtype, path)
 

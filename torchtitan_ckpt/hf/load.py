@@ -31,7 +31,7 @@ from ..io import IO_THREADS, safe_open
 from ..io.dtypes import converts
 from ..io.materialised import check_materialised, check_tensor_dict
 from ..io.posio import tensor_bytes
-from ..io.tensors import local_values, memory_of
+from ..io.tensors import local_values, memory_of, unwrapped_values
 from .safetensors_io import TensorEntry, read_exact, read_header
 from .shards import plan_reads, read_all
 
@@ -117,7 +117,8 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str | os.PathLike[str], adapter:
         every.update(part)
     planned: list[tuple[Callable[[], int], int]] = []
     try:  # every rank raises if one failed: its own error, or one naming the failing rank
-        group.run(lambda: (check_materialised(state_dict, "load_hf", "the state dict's"),
+        group.run(lambda: (check_materialised({k: unwrapped_values(v) for k, v in state_dict.items()}, "load_hf",
+                                              "the state dict's"),
                            planned.append(_checked(state_dict, hf_dir, adapter, num_threads, every,
                                                    group.is_coordinator)), check()))
     except RankFailed as failed:
