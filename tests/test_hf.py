@@ -1164,6 +1164,15 @@ def test_an_export_of_a_tensor_without_memory_leaves_the_earlier_export_as_it_wa
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_an_export_takes_a_view_that_repeats_an_element(tmp_path):
+    """What no in-place load could fill (an `expand()` view) is still values to export."""
+    state = our_model().state_dict()
+    state["norm.weight"] = torch.full((1,), 0.5).expand(ARGS.dim)
+    save_hf(state, str(tmp_path), hf_adapter(ARGS))
+    assert torch.equal(load_file(str(tmp_path / "model-00001-of-00001.safetensors"))["model.norm.weight"],
+                       torch.full((ARGS.dim,), 0.5))
+
+
 def test_a_load_into_tensors_without_memory_is_refused(tmp_path):
     """load_hf into a model built on the meta device read nothing and returned as if it had."""
     save_hf(our_model().state_dict(), str(tmp_path), hf_adapter(ARGS))

@@ -132,7 +132,7 @@ def _plan(group: CheckpointGroup, adapter: StateDictAdapter | ForeignAdapter, st
     finds no memory) fails every rank there; then the ranks' tensors together must be the whole
     model, checked alike on every rank."""
     def converted() -> dict[str, Any]:  # a tensor without memory fails the export before its folder is touched
-        check_materialised(state_dict, "save_hf", "the state dict's", subclasses=True)
+        check_materialised(state_dict, "save_hf", "the state dict's", export=True)
         return adapter.to_hf(exported_state(state_dict, dtype, widen=True), complete=False)
 
     plan = plan_one_pass(converted, group, adapter.hf_names)

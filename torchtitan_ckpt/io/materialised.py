@@ -13,7 +13,7 @@ from ..errors import CheckpointError
 from .dtypes import storable
 
 
-def check_materialised(state: dict[str, Any], call: str, whose: str = "the model's", subclasses: bool = False) -> None:
+def check_materialised(state: dict[str, Any], call: str, whose: str = "the model's", export: bool = False) -> None:
     """A `CheckpointError` unless every tensor of `state` (a model's `state_dict()`, or a
     state's) has memory: one on the meta device (a model built there, not yet `to_empty`-ed and
     initialised) or a lazy module's parameter (not yet shaped by a forward pass) would make
@@ -21,8 +21,9 @@ def check_materialised(state: dict[str, Any], call: str, whose: str = "the model
     Nor may one repeat an element (an `expand()` view): its step would be saved, and every
     load of it fail once other tensors were filled. Sparse, quantized and nested tensors are
     refused here too, before the step folder is made: DCP's writer fails on each, and on
-    tensors of sub-byte dtypes. So are tensor subclasses, unless `subclasses` (an HF export,
-    which reads their values through a cast, where DCP would pickle them)."""
+    tensors of sub-byte dtypes. So are tensor subclasses, which DCP would pickle. An HF export
+    (`export`) reads values through a cast into files of its own: subclasses and repeated
+    elements are fine there."""
     empty = [k for k, v in state.items()
              if isinstance(v, torch.Tensor) and (v.is_meta or nn.parameter.is_lazy(v))]
     if empty:
@@ -30,7 +31,7 @@ def check_materialised(state: dict[str, Any], call: str, whose: str = "the model
                               "(on the meta device, or a lazy module's before its first forward pass): "
                               "materialise them first (model.to_empty(device=...), then its init)")
     subclassed = [f"{k} ({type(local).__name__})" for k, v in state.items()
-                  if not subclasses and isinstance(v, torch.Tensor)
+                  if not export and isinstance(v, torch.Tensor)
                   and type(local := v._local_tensor if isinstance(v, DTensor) else v)
                   not in (torch.Tensor, nn.Parameter)]
     if subclassed:  # the writers would read the subclass's storage, which holds none of its values
@@ -52,7 +53,7 @@ def check_materialised(state: dict[str, Any], call: str, whose: str = "the model
                               "store them packed in uint8 (.view(torch.uint8) where the layout allows), or "
                               "register them with persistent=False if they are derived")
     # a load fills each tensor in place, which one whose elements share memory cannot take
-    shared = [k for k, v in state.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
+    shared = [k for k, v in state.items() if not export and isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
               and v.layout == torch.strided
               and any(stride == 0 and size > 1 for stride, size in zip(v.stride(), v.shape))]
     if shared:
