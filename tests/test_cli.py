@@ -537,6 +537,17 @@ def test_progress_lines_off_a_terminal(small_step, tmp_path):
     assert not os.path.exists(out + cli.PARTIAL_SUFFIX)
 
 
+def test_convert_to_dcp_of_a_dcp_step_says_which_way_it_goes(small_step, tmp_path, capsys):
+    """A DCP step given to `convert --to dcp` (the direction mistaken): said so, where it said the
+    folder holds no Hugging Face model config."""
+    os.makedirs(tmp_path / "step")
+    shutil.copy(os.path.join(small_step, ".metadata"), tmp_path / "step")
+    assert cli.main(["convert", "--to", "dcp", str(tmp_path / "step"), str(tmp_path / "out"), "-q"]) == cli.EXIT_INPUT
+    assert capsys.readouterr().err.endswith(f"error: {tmp_path / 'step'} is a DCP checkpoint (it holds .metadata), "
+                                            "not a Hugging Face folder: convert --to hf exports it\n")
+    assert not os.path.exists(tmp_path / "out")
+
+
 def test_verify_reports_progress_inside_a_file(tmp_path):
     """A file is checksummed chunk by chunk, and so reported: a rank's data file of several GB
     showed nothing until it was done."""

@@ -81,6 +81,9 @@ def to_dcp(hf_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pat
     """Write the HF folder `hf_dir` as a model-only DCP step folder `dst`, with its tensors
     renamed and permuted by the adapter of its `config.json` (or `hf_assets_path`'s)."""
     config_path = os.path.join(hf_assets_path or hf_dir, CONFIG_FILE)
+    if os.path.isfile(os.path.join(hf_dir, METADATA_FILE)) and not os.path.lexists(config_path):
+        raise CheckpointNotFoundError(f"{hf_dir} is a DCP checkpoint (it holds {METADATA_FILE}), not a Hugging Face "
+                                      "folder: convert --to hf exports it")
     adapter = adapter_for_config(read_config_json(config_path), hf_assets_path or hf_dir, adapter_name, config_path,
                                  rope_layout)
     shapes = adapter.state_dict_shapes()
