@@ -716,6 +716,19 @@ def shards(tmp_path_factory) -> str:
     return path
 
 
+def test_consolidate_with_a_mapping_missing_a_tensor_names_the_option(tmp_path, capsys):
+    """It named `fqn_to_index_mapping` alone, the API's name for what the command calls --mapping."""
+    shards = str(tmp_path / "shards")
+    dcp.save({"w": torch.zeros(2), "x": torch.ones(3)},
+             storage_writer=HuggingFaceStorageWriter(shards, save_distributed=True))
+    mapping = tmp_path / "mapping.json"
+    mapping.write_text(json.dumps({"w": 1}))
+    assert cli.main(["consolidate", shards, str(tmp_path / "out"), "--mapping", str(mapping), "-q"]) != cli.EXIT_OK
+    assert ("the file split given (fqn_to_index_mapping; consolidate's --mapping) has no file index for 1 tensor(s) "
+            "the shards hold, e.g. ['x']") in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out")
+
+
 def _writing(command: str, hf_folder: str, shards: str) -> list[str]:
     """The arguments of `command` before its OUT_DIR."""
     return ["convert", "--to", "dcp", hf_folder] if command == "convert" else ["consolidate", shards]

@@ -168,7 +168,8 @@ def plan_output_files(specs: Mapping[str, TensorSpec],
     mapping = fqn_to_index_mapping or dict.fromkeys(specs, 1)
     missing = sorted(set(specs) - set(mapping))
     if missing:
-        raise ValueError(f"fqn_to_index_mapping has no file index for {missing[:5]}")
+        raise ValueError(f"the file split given (fqn_to_index_mapping; consolidate's --mapping) has no file index "
+                         f"for {len(missing)} tensor(s) the shards hold, e.g. {missing[:5]}: give every tensor one")
     used = sorted({mapping[fqn] for fqn in specs}) or [1]
     groups: dict[int, list[TensorSpec]] = {i: [] for i in used}
     for fqn, spec in specs.items():
