@@ -52,8 +52,9 @@ def _annotation(annotation: Any) -> str:
 def _signature(name: str, fn: Any, skip_first: bool = False) -> str:
     """`name(parameters) -> result` of `fn`, annotations as written in the code, in a code block."""
     sig = inspect.signature(fn)
+    given = list(sig.parameters.values())
     params, star_done = [], False
-    for i, p in enumerate(sig.parameters.values()):
+    for i, p in enumerate(given):
         if skip_first and i == 0:
             continue
         text = p.name
@@ -69,8 +70,7 @@ def _signature(name: str, fn: Any, skip_first: bool = False) -> str:
         if p.default is not p.empty:
             text += f" = {_default(p.default)}"
         params.append(text)
-        if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(sig.parameters)
-                                            or list(sig.parameters.values())[i + 1].kind is not p.POSITIONAL_ONLY):
+        if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(given) or given[i + 1].kind is not p.POSITIONAL_ONLY):
             params.append("/")
     result = "" if sig.return_annotation is sig.empty else f" -> {_annotation(sig.return_annotation)}"
     line = f"{name}({', '.join(params)}){result}"

@@ -426,9 +426,8 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
                               "retention deletes the partial steps older than it (docs/storage.md)")
     _require_folder(args.folder)
     if step := layout.step_folder_around(args.folder):
-        raise CheckpointError(f"{args.folder} is{' inside' if step != os.path.abspath(args.folder) else ''} the step "
-                              f"folder {step}: clean works on the folder holding the step-N folders "
-                              f"({os.path.dirname(step)})")
+        raise CheckpointError(f"{args.folder} {layout.in_step(args.folder, step)}: clean works on the folder holding "
+                              f"the step-N folders ({os.path.dirname(step)})")
     with _no_job_saving(args.folder, args.force):
         steps, store = layout.scan(args.folder), open_store(args.folder, "folder", 0, Checkpoint())
         for s in steps:  # every folder kept but a healthy step of ours, by its status in `list`
@@ -501,7 +500,7 @@ def _check_output(dst: str) -> None:
     if os.path.lexists(dst) and not os.path.isdir(dst):
         raise CheckpointError(f"{dst} exists and is not a folder; remove it or name a new folder")
     if step := layout.step_folder_around(os.path.dirname(os.path.abspath(dst))):
-        raise CheckpointError(f"{dst} is inside the step folder {step}; name a folder outside it")
+        raise CheckpointError(f"{dst} {layout.in_step(dst, step)}; name a folder outside it")
 
 
 @contextlib.contextmanager

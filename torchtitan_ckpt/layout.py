@@ -143,6 +143,11 @@ def step_folder_around(path: str) -> str | None:
         here = up
 
 
+def in_step(path: str, step: str) -> str:
+    """What `path` is to the step folder `step` around it (`step_folder_around`), for a message."""
+    return f"{'is' if step == os.path.abspath(path) else 'is inside'} the step folder {step}"
+
+
 def _finished_by_another(path: str, committed: bool) -> bool:
     """Whether another program finished a step of its own in `path`, a folder a save of ours
     began (TorchTitan's manager saves into a `step-N` it finds, removing nothing first): its

@@ -316,9 +316,9 @@ class CheckpointManager:
         check, which on a file system makes the folder, goes last."""
         if storage.scheme_of(self.folder) is None and (step := layout.step_folder_around(self.folder)):
             raise ConfigError("checkpoint.folder", self.folder, (
-                f"{'is' if step == os.path.abspath(self.folder) else 'is inside'} the step folder {step}, not "
-                f"a folder of steps (a save would write into that step): resume from {os.path.dirname(step)}, "
-                "the folder holding the step-N folders, or start from that step with checkpoint.initial_load_path"))
+                f"{layout.in_step(self.folder, step)}, not a folder of steps (a save would write into that step): "
+                f"resume from {os.path.dirname(step)}, the folder holding the step-N folders, or start from that "
+                "step with checkpoint.initial_load_path"))
         stores = [(self._store, not self.config.load_only)] + ([(self._initial, False)] if self._initial else [])
         for store, write in stores:
             store.reach(self._group, write)
