@@ -258,6 +258,39 @@ def test_a_recorded_rope_layout_that_is_not_one_is_refused_naming_the_file(qwen3
         convert("hf", str(bad), str(tmp_path / "hf"))
 
 
+@pytest.mark.parametrize("titan", ["0.2", "0.3"])
+def test_convert_to_hf_refuses_a_model_tensor_it_would_drop_and_names_the_bias_it_leaves_out(titan, tmp_path, caplog):
+    """`convert --to hf` of a step holding every tensor the adapter knows and one more (a trained
+    scale of the user's) exported without it, silently: refused, naming it. TorchTitan's routing
+    bias (`moe.expert_bias`, 0.3's `moe.expert_bias_E`), which the Hub's format has no place
+    for, is left out and said so, as the manager's export says."""
+    from torchtitan_ckpt.hf.convert import _titan_03_name
+
+    src = str(tmp_path / "hf")
+    make_hf_model("qwen3_moe").save_pretrained(src)
+    convert("dcp", src, str(tmp_path / "dcp"))
+    state = read_checkpoint(str(tmp_path / "dcp"))
+    state.update({f"layers.{i}.moe.expert_bias": torch.full((6,), 0.05) for i in MOE_LAYERS["qwen3_moe"]})
+    if titan == "0.3":
+        state = {_titan_03_name(k) if ".moe.expert_bias" not in k else k + "_E": v for k, v in state.items()}
+    biases = sorted(k for k in state if ".moe.expert_bias" in k)
+    for name, extra in (("step-1", {}), ("step-2", {"lora_scale": torch.ones(1)})):
+        dcp.save({**state, **extra}, checkpoint_id=str(tmp_path / name))
+        for recorded in (RECORDED_CONFIG, RECORDED_LAYOUT):
+            shutil.copy(tmp_path / "dcp" / recorded, tmp_path / name)
+    with pytest.raises(AdapterMismatchError, match=re.escape(
+            f"{tmp_path / 'step-2'}: tensors in the checkpoint (unknown) vs the HF config's (missing): 1 unknown "
+            "name(s) ['lora_scale [1]'] and 0 missing name(s) []")):
+        convert("hf", str(tmp_path / "step-2"), str(tmp_path / "refused"))
+    assert not os.path.exists(tmp_path / "refused")
+    with caplog.at_level("WARNING", logger="torchtitan_ckpt.hf.convert"):
+        convert("hf", str(tmp_path / "step-1"), str(tmp_path / "out"))
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"{tmp_path / 'step-1'}: the export leaves out 2 model tensor(s) that the adapter maps "
+        f"to no Hugging Face tensor, e.g. {biases}: the exported model lacks them"]
+    assert_same_file(src, str(tmp_path / "out"))
+
+
 def test_torchtitans_load_balancing_bias_is_set_to_zero_on_import_and_told_as_left_out_of_an_export(tmp_path, caplog):
     """TorchTitan's Qwen3-MoE holds a routing bias per MoE layer (`moe.expert_bias`, trained by
     its load balancing) that the Hub's model has none of: the adapter refused the model, for an

@@ -159,9 +159,11 @@ _TITAN_03_NAMES = ((".attention.wq.", ".attention.qkv_linear.wq."), (".attention
                    (".attention.wv.", ".attention.qkv_linear.wv."),
                    (".moe.experts.w1", ".moe.routed_experts.inner_experts.w1_EFD"),
                    (".moe.experts.w3", ".moe.routed_experts.inner_experts.w3_EFD"),
-                   (".moe.experts.w2", ".moe.routed_experts.inner_experts.w2_EDF"))
-"""How TorchTitan 0.3 renamed the tensors that the adapters know by TorchTitan 0.2's (and this
-package's example's) names, part for part, in the same layout; and the head, `lm_head.weight`."""
+                   (".moe.experts.w2", ".moe.routed_experts.inner_experts.w2_EDF"),
+                   (".moe.expert_bias", ".moe.expert_bias_E"))
+"""How TorchTitan 0.3 renamed the tensors that the adapters know (or leave out: `unmapped`) by
+TorchTitan 0.2's (and this package's example's) names, part for part, in the same layout; and
+the head, `lm_head.weight`."""
 _TITAN_03_HEAD = "lm_head.weight"
 
 
@@ -186,22 +188,28 @@ def _dcp_tensors(path: str, adapter: StateDictAdapter) -> tuple[dict[str, tuple[
                                                                  dict[str, str]]:
     """The shapes and dtypes of the adapter's tensors in the DCP folder `path`, checked against
     the config's shapes and their data files (`_check_stored`) before anything is allocated (a
-    tied head may be absent), and the names the step holds them under (`_step_names`)."""
+    tied head may be absent), and the names the step holds them under (`_step_names`). Every
+    other model tensor of the step is an `AdapterMismatchError` (an export would drop it), but
+    for those the adapter leaves out (`unmapped`), which are logged."""
     metadata = read_metadata(os.path.join(path, METADATA_FILE))
     saved = metadata.state_dict_metadata
     every = adapter.state_dict_shapes()
-    stored = _step_names(every, saved)
+    stored = _step_names([*every, *adapter.unmapped], saved)
     shapes = {k: v for k, v in every.items() if stored[k] in saved or k in adapter.shapes}
     found = {f"{stored[k]} {list(saved[stored[k]].size)}" for k in shapes
              if stored[k] in saved and hasattr(saved[stored[k]], "size")}
     expected = {f"{stored[k]} {list(v)}" for k, v in shapes.items()}
-    if found != expected:  # the step's other model tensors are named too: a renamed module shows as both
-        states = set(commit.read_marker(path).states if commit.is_committed(path) else BUILTIN_STATES) - {"model"}
-        held = {stored[k] for k in shapes}
-        others = {f"{k} {list(v.size)}" for k, v in saved.items()
-                  if k not in held and hasattr(v, "size") and k.partition(".")[0] not in states}
+    states = set(commit.read_marker(path).states if commit.is_committed(path) else BUILTIN_STATES) - {"model"}
+    held = {stored[k] for k in shapes}
+    left = sorted(stored[k] for k in adapter.unmapped if stored[k] in saved)
+    others = {f"{k} {list(v.size)}" for k, v in saved.items()  # a renamed module shows as unknown and missing
+              if k not in held and k not in left and hasattr(v, "size") and k.partition(".")[0] not in states}
+    if found != expected or others:
         raise AdapterMismatchError(f"{path}: tensors in the checkpoint (unknown) vs the HF config's (missing)",
                                    list(found - expected | others), list(expected - found))
+    if left:
+        logger.warning("%s: the export leaves out %d model tensor(s) that the adapter maps to no Hugging Face "
+                       "tensor, e.g. %s: the exported model lacks them", path, len(left), left[:3])
     _check_stored(path, metadata, [stored[k] for k in shapes])
     return shapes, {k: saved[stored[k]].properties.dtype for k in shapes}, {k: stored[k] for k in shapes}
 
