@@ -5,6 +5,7 @@ alone; bad configs refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import filecmp
 import glob
 import json
@@ -482,6 +483,39 @@ def test_keys_a_config_leaves_out_take_the_defaults_transformers_gives_its_famil
            "mixtral": "MixtralForCausalLM"}[config["model_type"]]
     _, info = getattr(transformers, cls).from_pretrained(str(tmp_path), output_loading_info=True)
     assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe", "mixtral"])
+def test_a_config_built_in_python_exports_what_transformers_loads(family, tmp_path):
+    """An `HFModelConfig` made from its fields (no config.json; a RoPE setting is none of them)
+    was refused by `adapter_for_config` ("model_type = None") and, given to an adapter, exported a
+    config.json holding only the dtype, which transformers cannot load: its fields are now
+    written as transformers names them."""
+    src = str(tmp_path / "src")
+    make_hf_model(family).save_pretrained(src)
+    parsed = HFModelConfig.parse(read_config(src))
+    built = HFModelConfig(**{f.name: getattr(parsed, f.name) for f in dataclasses.fields(parsed) if f.compare})
+    assert built == parsed and built.raw["model_type"] == FAMILIES[family][1]["model_type"]
+    model = Transformer(args_from_hf_config(read_config(src)))
+    load_hf(model.state_dict(), src, adapter_for_hf_dir(src, rope_layout=ROPE_LAYOUT))
+    save_hf(model.state_dict(), str(tmp_path / "out"), adapter_for_config(built, rope_layout=ROPE_LAYOUT))
+    back = getattr(transformers, FAMILIES[family][0]).from_pretrained(str(tmp_path / "out")).eval()
+    assert (logits_of(back) - logits_of(make_hf_model(family))).abs().max() < 1e-5
+
+
+def test_a_config_built_in_python_is_checked_as_a_files_is():
+    fields = {f.name: getattr(HFModelConfig.parse(FAMILIES[family][1]), f.name)
+              for family in ("qwen3_moe",) for f in dataclasses.fields(HFModelConfig) if f.compare}
+    with pytest.raises(ConfigError, match=re.escape("HFModelConfig: decoder_sparse_step = 0: expected an integer in "
+                                                    "[1, 3]")):
+        HFModelConfig(**{**fields, "decoder_sparse_step": 0})
+    with pytest.raises(ConfigError, match=re.escape("HFModelConfig: hidden_size = '48': expected an integer")):
+        HFModelConfig(**{**fields, "hidden_size": "48"})
+    mixtral = {**fields, "model_type": "mixtral", "mlp_only_layers": (), "norm_topk_prob": True}
+    with pytest.raises(ConfigError, match=re.escape("HFModelConfig: moe_intermediate_size = 20: a mixtral config "
+                                                    "with these fields gives 80")):
+        HFModelConfig(**mixtral)
+    assert HFModelConfig(**{**mixtral, "moe_intermediate_size": 80}).raw["num_local_experts"] == 6
 
 
 def test_a_default_that_does_not_fit_the_config_says_it_is_the_default():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
@@ -59,7 +59,10 @@ router always renormalises them."""
 
 @dataclass(frozen=True)
 class HFModelConfig:
-    """The shapes of a decoder-only HF model; `raw` is the `config.json` object as read."""
+    """The shapes of a decoder-only HF model; `raw` is the `config.json` object as read. One built
+    in Python (no `raw`) gets as `raw` its fields as the `config.json` that `transformers` reads
+    (what an export writes), checked as `parse` checks a file's: a bad field, or one its family
+    fixes otherwise (a Mixtral's experts are `intermediate_size` wide), is a `ConfigError`."""
 
     model_type: str
     hidden_size: int
@@ -81,6 +84,35 @@ class HFModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     where: str = field(default=CONFIG_FILE, compare=False, repr=False)
     """The file read, for messages about a key an adapter needs (`moe_intermediate_size`)."""
+
+    def __post_init__(self) -> None:
+        if self.raw:
+            return
+        where = "HFModelConfig" if self.where == CONFIG_FILE else self.where
+        if isinstance(self.mlp_only_layers, list):
+            object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        raw = self._as_json()
+        checked = HFModelConfig.parse(raw, where)
+        for f in fields(self):
+            if f.compare and getattr(checked, f.name) != getattr(self, f.name):
+                raise ConfigError(f"{where}: {f.name}", getattr(self, f.name),
+                                  f"a {self.model_type} config with these fields gives {getattr(checked, f.name)!r}")
+        object.__setattr__(self, "raw", raw)
+        object.__setattr__(self, "where", where)
+
+    def _as_json(self) -> dict[str, Any]:
+        """The fields as `transformers` names them in a `config.json`."""
+        raw = {"model_type": self.model_type, **{k: getattr(self, k) for k in (
+            "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "intermediate_size", "vocab_size", "tie_word_embeddings")}}
+        if self.num_experts:
+            raw.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
+            if "width" not in EXPERT_RULES.get(self.model_type, {}):
+                raw.update(moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                           decoder_sparse_step=self.decoder_sparse_step,
+                           mlp_only_layers=list(self.mlp_only_layers) if isinstance(self.mlp_only_layers, tuple)
+                           else self.mlp_only_layers)
+        return raw
 
     def expert_width(self, who: str) -> int:
         """`moe_intermediate_size`, which `who` (a model or an adapter of Qwen3-MoE's layout)

@@ -29,7 +29,8 @@ def adapter_for_config(config: HFModelConfig | Any, hf_assets_path: str | None =
     (`adapter.ROPE_LAYOUTS`; None: the family's, as TorchTitan's model of it has). A config
     without a `model_type` takes `adapter`'s (the family's name is its `model_type`)."""
     raw = config.raw if isinstance(config, HFModelConfig) else config
-    name = adapter or (raw.get("model_type") if isinstance(raw, dict) else None)
+    name = adapter or (config.model_type if isinstance(config, HFModelConfig) else
+                       raw.get("model_type") if isinstance(raw, dict) else None)
     if isinstance(raw, dict) and not (isinstance(name, str) and name in ADAPTERS):  # first: another family's
         key = "adapter" if adapter else f"{where}: model_type"  # config names its sizes otherwise (GPT-2)
         raise ConfigError(key, name, f"no adapter for it; supported: {', '.join(sorted(ADAPTERS))}")
