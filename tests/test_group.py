@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from torchtitan_ckpt.errors import CollectiveError, RankFailed
+from torchtitan_ckpt.errors import (AdapterMismatchError, CheckpointSaveError, CollectiveError, ConfigError,
+                                    PartialLoadError, RankFailed, StorageError, UnsafePickleError)
 from torchtitan_ckpt.group import CheckpointGroup
 
 from .helpers import spawn, stay_until, then_release
@@ -403,3 +406,19 @@ def test_a_rank_torchrun_launched_without_a_process_group_is_refused(tmp_path, m
     monkeypatch.setenv("WORLD_SIZE", "1")  # a launch of one rank is a job of one
     with CheckpointManager(Checkpoint(enable=True), [torch.nn.Linear(2, 2)], base_folder=str(tmp_path)) as manager:
         assert manager.save(500)
+
+
+def test_errors_whose_constructor_takes_other_arguments_than_their_message_pickle_and_copy():
+    """torch.distributed passes a rank's failure to the others pickled (DCP's load and save): an
+    error made by `cls(*error.args)` failed to unpickle (tests/test_hf_multirank.py has one on
+    two ranks), and `copy.copy` of one failed alike."""
+    saved = CheckpointSaveError(3, "/ck/step-3", OSError(28, "No space left on device"), "; free some")
+    saved.unsaved = 4
+    for error in (ConfigError("checkpoint.interval", 0, "expected an integer >= 1"), saved,
+                  PartialLoadError("/ck/step-2", KeyboardInterrupt()), UnsafePickleError("a.pt", "is cut", True),
+                  AdapterMismatchError("state dict -> HF", ["x"], ["y"], "hint"), StorageError(5, "refused"),
+                  RankFailed(1, "ValueError: bad", ("ValueError", "Exception"), None)):
+        for back in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+            assert type(back) is type(error) and str(back) == str(error) and back.args == error.args
+            assert {k: str(v) for k, v in vars(back).items()} == {k: str(v) for k, v in vars(error).items()}
+    assert pickle.loads(pickle.dumps(StorageError(5, "refused"))).errno == 5

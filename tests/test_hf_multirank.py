@@ -311,6 +311,35 @@ def test_a_read_error_on_one_rank_is_raised_on_every_rank(tmp_path):
     spawn(2, _one_rank_fails_to_read, src, damaged)
 
 
+def _one_rank_fails_to_read_a_step(rank: int, world_size: int, step: str, out: str) -> None:
+    import errno
+
+    from torchtitan_ckpt.io import reader
+
+    if rank == 1:
+        def failing(self, planner):
+            real(self, planner)
+            raise OSError(errno.EIO, "Input/output error")  # the disk, once this rank's rows are filled
+
+        real, reader.ItemReader.fill = reader.ItemReader.fill, failing
+    with pytest.raises(CheckpointError) as failed:
+        convert("hf", step, out)
+    assert str(failed.value).startswith(f"reading {step} failed: PartialLoadError: loading {step} failed after it "
+                                        "had begun writing the job's tensors in place (OSError: [Errno 5] "
+                                        "Input/output error)"), str(failed.value)
+
+
+def test_a_read_error_of_convert_on_one_rank_is_its_own_on_every_rank(tmp_path):
+    """DCP hands a rank's failure to every rank pickled: ours, whose constructors take other
+    parameters than their message, failed to unpickle, and every rank raised a TypeError
+    ("__init__() missing 1 required positional argument")."""
+    args = FLAVORS[load_job_config(DEBUG_CONFIG, []).model.flavor]
+    src, step = str(tmp_path / "hf"), str(tmp_path / "step")
+    save_hf(Transformer(args).state_dict(), src, hf_adapter(args))
+    convert("dcp", src, step)
+    spawn(2, _one_rank_fails_to_read_a_step, step, str(tmp_path / "out"))
+
+
 class _CopyFails(torch.Tensor):
     """A tensor whose copy by the method `failing` runs out of memory, as a cast or a copy to
     host memory of a large tensor can on one rank."""

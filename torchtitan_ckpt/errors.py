@@ -42,7 +42,27 @@ def different_copies(what: str, ranks: Sequence[int]) -> str:
             "Give every rank the same files (a file system they share) and load again")
 
 
-class CheckpointError(Exception):
+def _rebuilt(cls: type[BaseException], args: tuple, state: dict) -> BaseException:
+    """An error of class `cls` with `args` and attributes `state`, made without calling its
+    `__init__` (whose parameters are not its `args`): what `_Rebuilt` unpickles."""
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
+class _Rebuilt:
+    """Pickled (and copied) as its args and attributes: an error whose `__init__` takes other
+    parameters than the message it passes on failed to unpickle, and torch.distributed passes
+    one rank's failure to the others pickled (DCP's `dcp.load` and `dcp.save`), or a process
+    pool to its caller."""
+
+    def __reduce__(self) -> tuple:
+        error: BaseException = self  # type: ignore[assignment]
+        return _rebuilt, (type(error), error.args, dict(error.__dict__))
+
+
+class CheckpointError(_Rebuilt, Exception):
     """Base class of every error this package raises to its caller deliberately; those at the end
     of this module, from `WriterProcessError` on, pass between its parts and reach a caller
     inside one of these (as a `CheckpointSaveError`'s cause, say)."""
@@ -245,7 +265,7 @@ class MalformedArchive(Exception):
     `torch.load`. The message says what is wrong, for the caller to name the file."""
 
 
-class RankFailed(Exception):
+class RankFailed(_Rebuilt, Exception):
     """A function run by `CheckpointGroup.run` failed on some rank. Every rank raises it, the
     failing ones and the others alike, so no rank waits forever on one that gave up. DCP's save
     failing on another rank is one too (`dcp.storage.root_cause`)."""
