@@ -68,6 +68,7 @@ def _error(argv, path=None) -> ConfigError:
     (["--checkpoint.interval", "1_000"], "checkpoint.interval", "expected an integer"),
     (["--checkpoint.interval", "2.0"], "checkpoint.interval", "expected an integer"),
     (["--checkpoint.collective_timeout_s", "nan"], "checkpoint.collective_timeout_s", "expected a finite number"),
+    (["--checkpoint.interval", "9" * 5000], "checkpoint.interval", "expected an integer"),  # int()'s digit limit
     (["--checkpoint.keep_latest_k", "1", "--checkpoint.folderr", "x"], "checkpoint.folderr", "did you mean 'folder'"),
     (["--checkpoint.zzz", "1"], "checkpoint.zzz", "unknown key; valid: "),
     (["--checkpoint.interval", "0"], "checkpoint.interval", "expected >= 1"),
@@ -148,6 +149,10 @@ def test_toml_type_errors_and_unknown_sections(tmp_path):
     bad.write_text("[checkpoint\n")
     assert _error([], bad).key == "--config"
     assert _error([], tmp_path / "missing.toml").key == "--config"
+    bad.write_text("[checkpoint]\ninterval = " + "9" * 5000 + "\n")  # past int()'s digit limit: a raw ValueError
+    assert "is not valid TOML: Exceeds the limit (4300 digits)" in str(_error([], bad))
+    bad.write_text("[checkpoint]\ncollective_timeout_s = 1" + "0" * 400 + "\n")  # no float holds it: OverflowError
+    assert str(_error([], bad)) == "checkpoint.collective_timeout_s = <an int of 1329 bits>: expected a finite number"
 
 
 @pytest.mark.parametrize("key, text", [

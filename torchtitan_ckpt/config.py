@@ -548,7 +548,7 @@ def _read_toml(path: str) -> dict[str, Any]:
     with open(path, "rb") as f:
         try:
             return tomllib.load(f)
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # TOMLDecodeError, UnicodeDecodeError, an int of over 4300 digits
             raise ConfigError("--config", path, f"is not valid TOML: {e}") from e
         except RecursionError:
             raise ConfigError("--config", path, "is nested too deeply to be a job config") from None
@@ -731,7 +731,10 @@ def _convert_number(key: str, value: Any, kind: type) -> int | float:
     if isinstance(value, _CliText):
         if not (_CLI_INT if kind is int else _CLI_NUMBER).fullmatch(value):  # int() takes other digits and `_`
             raise ConfigError(key, value, f"expected {what}")
-        value = kind(value)
+        try:
+            value = kind(value)
+        except ValueError:  # an int of over 4300 digits
+            raise ConfigError(key, value, f"expected {what}") from None
     if not isinstance(value, (bool, str)) and isinstance(value, numbers.Real):  # NumPy's too, as a trainer may give
         value = int(value) if isinstance(value, numbers.Integral) else float(value) if kind is float else value
     ok = (int,) if kind is int else (int, float)
@@ -739,6 +742,14 @@ def _convert_number(key: str, value: Any, kind: type) -> int | float:
         raise ConfigError(key, value, f"expected {what}")
     if kind is int and not -(2**63) <= value < 2**63:
         raise ConfigError(key, value, f"expected {what}")
-    if kind is float and not math.isfinite(value):
+    if kind is float and not _finite(value):
         raise ConfigError(key, value, f"expected {what}")
     return kind(value)
+
+
+def _finite(value: int | float) -> bool:
+    """Whether `value` is a finite float, or an int a float holds."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond the floats
+        return False
