@@ -195,6 +195,19 @@ def test_inspect_json(folder, capsys):
     assert (code, doc["status"], doc["step"]) == (0, "partial", None)
 
 
+def test_inspect_of_a_step_copied_in_under_another_name_says_misnamed_as_list_does(folder, tmp_path, capsys):
+    """It said `complete` where `list` says `misnamed` (and `load()` passes it over)."""
+    work = shutil.copytree(folder, str(tmp_path / "work"))
+    shutil.copytree(layout.step_dir(work, 2), layout.step_dir(work, 14))
+    _, listed = _run_json(capsys, "list", work)
+    assert [s["status"] for s in listed["steps"] if s["step"] == 14] == ["misnamed"]
+    code, doc = _run_json(capsys, "inspect", layout.step_dir(work, 14))
+    assert (code, doc["status"], doc["step"]) == (0, "misnamed", 2)
+    assert cli.main(["inspect", layout.step_dir(work, 14), "-q"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (f"{layout.step_dir(work, 14)}: misnamed: it holds step 2, "
+                                                       "saved by 1 rank(s) (dcp)")
+
+
 def test_inspect_a_step_without_our_marker(tmp_path, capsys):
     """TorchTitan's layout, no commit marker: the model's keys are at the top level; only the
     known state names (the manager's and TorchTitan's train_state) are states."""

@@ -274,7 +274,11 @@ def _describe(path: str, where: str, listed: str | None) -> dict[str, Any]:
                 "shape": list(shape), "bytes": math.prod(shape) * dtype.itemsize} for key, dtype, shape in held]
     objects = [{"key": key, "state": _state_of(key, states)} for key in values]
     found = {e["state"] for e in tensors + objects}
-    return {"path": where, "status": listed or layout.status_of(path), "step": info.step if info else None,
+    status = listed or layout.status_of(path)
+    named = layout.parse_step(os.path.basename(where.rstrip("/")))
+    if info is not None and named is not None and info.misnamed(where, named):
+        status = MISNAMED  # as `list` tells it (`_listed`)
+    return {"path": where, "status": status, "step": info.step if info else None,
             "format": fmt, "world_size": info.world_size if info else None,
             "states": info.states if info else [name for name in KNOWN_STATES if name in found],
             "tensor_bytes": sum(t["bytes"] for t in tensors), "tensors": tensors, "objects": objects}
@@ -295,7 +299,9 @@ def _escaped(text: str) -> str:
 
 def _print_inspect(doc: dict[str, Any]) -> None:
     status = (f"complete, step {doc['step']}, saved by {doc['world_size']} rank(s)"
-              if doc["status"] == layout.COMPLETE else f"{doc['status']}, no commit marker")
+              if doc["status"] == layout.COMPLETE else
+              f"misnamed: it holds step {doc['step']}, saved by {doc['world_size']} rank(s)"
+              if doc["status"] == MISNAMED else f"{doc['status']}, no commit marker")
     print(f"{doc['path']}: {status} ({doc['format']})")
     for state in dict.fromkeys([*doc["states"], "model"]):
         tensors = [t for t in doc["tensors"] if t["state"] == state]
