@@ -561,6 +561,19 @@ def test_convert_to_dcp_of_a_dcp_step_says_which_way_it_goes(small_step, tmp_pat
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_convert_to_dcp_refuses_the_options_of_an_hf_export(small_step, tmp_path, capsys):
+    """`--to dcp --dtype bfloat16` wrote float32 tensors and exited 0: the options of an HF
+    export were dropped without a word (`--threads` now sets the reads' threads)."""
+    out = str(tmp_path / "out")
+    for given, named in ((["--dtype", "bfloat16"], "--dtype"),
+                         (["--threads", "2", "--max-shard-size", "1MB"], "--max-shard-size"),
+                         (["--consolidation", "rank0"], "--consolidation")):
+        assert cli.main(["convert", "--to", "dcp", small_step, out, "-q", *given]) == cli.EXIT_INPUT
+        assert capsys.readouterr().err == (f"error: {named}: an option of an HF export (--to hf); --to dcp writes the "
+                                           "tensors as the HF folder holds them\n")
+        assert not os.path.exists(out) and not os.path.exists(out + cli.PARTIAL_SUFFIX)
+
+
 def test_verify_reports_progress_inside_a_file(tmp_path):
     """A file is checksummed chunk by chunk, and so reported: a rank's data file of several GB
     showed nothing until it was done."""

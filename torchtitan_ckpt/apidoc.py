@@ -98,7 +98,7 @@ def _member(cls: type, name: str, member: Any) -> list[str]:
 
 
 def _class(name: str, cls: type) -> list[str]:
-    bases = ", ".join(b.__name__ for b in cls.__bases__ if b is not object)
+    bases = ", ".join(b.__name__ for b in cls.__bases__ if b is not object and not b.__name__.startswith("_"))
     out = [f"### class `{name}`" + (f"({bases})" if bases else ""), ""]
     doc = _doc(cls)
     if dataclasses.is_dataclass(cls):  # its own docstring, not the signature dataclass writes without one

@@ -583,6 +583,7 @@ def _left_by_us(tmp: str) -> bool:
 
 
 def cmd_convert(args: argparse.Namespace, progress: Progress) -> int:
+    export = _export_options(args)
     _check_output(args.dst)
     if os.path.isdir(args.dst) and os.listdir(args.dst):
         raise CheckpointError(f"{args.dst} exists and is not empty; remove it or name a new folder")
@@ -591,12 +592,23 @@ def cmd_convert(args: argparse.Namespace, progress: Progress) -> int:
         if args.to == "hf":
             _check_exportable(local, args.src)
         with _staged(args.dst) as out, progress:
-            convert(args.to, local, out, args.adapter, hf_assets_path=args.hf_assets,
-                    dtype=args.dtype, max_shard_size=args.max_shard_size, consolidation=args.consolidation,
-                    threads=args.threads, progress=progress, rope_layout=args.rope_layout)
+            convert(args.to, local, out, args.adapter, hf_assets_path=args.hf_assets, progress=progress,
+                    rope_layout=args.rope_layout, **export)
     if this_rank_draws():
         print(f"converted {args.src} -> {args.dst} ({args.to})")
     return EXIT_OK
+
+
+def _export_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options given to `convert` of those of an HF export and `--threads` (the others take
+    `convert`'s defaults); an export's with `--to dcp`, which writes the tensors as they are, a
+    `ValueError` naming them."""
+    given = {option: value for option, value in (("dtype", args.dtype), ("max_shard_size", args.max_shard_size),
+                                                  ("consolidation", args.consolidation)) if value is not None}
+    if given and args.to == "dcp":
+        raise ValueError(f"{', '.join('--' + o.replace('_', '-') for o in given)}: an option of an HF export "
+                         "(--to hf); --to dcp writes the tensors as the HF folder holds them")
+    return given if args.threads is None else {**given, "threads": args.threads}
 
 
 def _check_exportable(path: str, shown: str) -> None:
@@ -710,12 +722,14 @@ def _add_convert(sub: Any) -> None:
                         "Llama 3) or halves (HF's, TorchTitan's Qwen3); default: --to dcp TorchTitan's for the "
                         "family, --to hf the one the step records (a Qwen3 step that records none needs it)")
     p.add_argument("--hf-assets", help="HF folder whose config.json (and file split) gives the model; default: the HF source (--to dcp) or the config the DCP step recorded (--to hf)")
+    # None when not given: --to dcp refuses the options of an HF export (`_export_options`)
     p.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="cast floating tensors of an HF export")
-    p.add_argument("--max-shard-size", type=_size, default=Checkpoint.hf_max_shard_size,
-                   help="largest HF file when there is no assets index (default %(default)s)")
-    p.add_argument("--consolidation", default=Checkpoint.consolidation, choices=MODES,
-                   help="how the HF files are written (see checkpoint.consolidation)")
-    p.add_argument("--threads", type=_threads, default=IO_THREADS, help="I/O threads per rank for the HF files")
+    p.add_argument("--max-shard-size", type=_size,
+                   help=f"largest HF file when there is no assets index (default {Checkpoint.hf_max_shard_size})")
+    p.add_argument("--consolidation", choices=MODES,
+                   help=f"how the HF files are written (see checkpoint.consolidation; default {Checkpoint.consolidation})")
+    p.add_argument("--threads", type=_threads, help=f"I/O threads per rank for the HF files, read (--to dcp) or "
+                   f"written (--to hf) (default {IO_THREADS})")
 
 
 def _add_consolidate(sub: Any) -> None:

@@ -64,12 +64,13 @@ def convert(to: str, src: str, dst: str, adapter_name: str | None = None, *, hf_
     The adapter is `adapter_name` (one of `ADAPTERS`), else the config's `model_type`, for a
     model whose RoPE is `rope_layout` (`adapter.ROPE_LAYOUTS`; None: the family's default).
     `progress` hears of the bytes read (once the read is done) and written (as the HF files are
-    written, or once the DCP save is done)."""
+    written, or once the DCP save is done). `dtype`, `max_shard_size` and `consolidation` are
+    `save_hf`'s, for `to` "hf"; `threads` reads (`to` "dcp") or writes (`to` "hf") the HF files."""
     if to not in ("hf", "dcp"):
         raise ValueError(f"--to {to!r}: expected 'hf' or 'dcp'")
     report = progress or (lambda phase, nbytes, total: None)
     if to == "dcp":
-        to_dcp(src, dst, adapter_name, hf_assets_path, report, rope_layout)
+        to_dcp(src, dst, adapter_name, hf_assets_path, report, rope_layout, threads)
     else:
         to_hf(src, dst, adapter_name, hf_assets_path, report, rope_layout,
               dtype=EXPORT_DTYPES[dtype] if dtype else None, max_shard_size=max_shard_size,
@@ -77,9 +78,11 @@ def convert(to: str, src: str, dst: str, adapter_name: str | None = None, *, hf_
 
 
 def to_dcp(hf_dir: str, dst: str, adapter_name: str | None = None, hf_assets_path: str | None = None,
-           report: Progress = lambda phase, nbytes, total: None, rope_layout: str | None = None) -> None:
+           report: Progress = lambda phase, nbytes, total: None, rope_layout: str | None = None,
+           threads: int = IO_THREADS) -> None:
     """Write the HF folder `hf_dir` as a model-only DCP step folder `dst`, with its tensors
-    renamed and permuted by the adapter of its `config.json` (or `hf_assets_path`'s)."""
+    renamed and permuted by the adapter of its `config.json` (or `hf_assets_path`'s), read with
+    `threads` threads per rank."""
     config_path = os.path.join(hf_assets_path or hf_dir, CONFIG_FILE)
     if os.path.isfile(os.path.join(hf_dir, METADATA_FILE)) and not os.path.lexists(config_path):
         raise CheckpointNotFoundError(f"{hf_dir} is a DCP checkpoint (it holds {METADATA_FILE}), not a Hugging Face "
@@ -93,7 +96,7 @@ def to_dcp(hf_dir: str, dst: str, adapter_name: str | None = None, hf_assets_pat
     dtypes = {k: layout[source.hf_names[0]].dtype for k, source in sources.items()}
     state = empty_state_dict(shapes, dtypes)
     nbytes = local_bytes(state)
-    load_hf(state, hf_dir, adapter)
+    load_hf(state, hf_dir, adapter, num_threads=threads)
     report("reading", nbytes, nbytes)
     _write_dcp(state, dst, adapter.config.raw, adapter.rope_layout)
     report("writing", nbytes, nbytes)
