@@ -806,6 +806,15 @@ def test_an_unknown_dtype_fails_naming_the_file_before_reading_data(hf_checkpoin
         load_hf(our_model(seed=1).state_dict(), str(folder), hf_adapter(ARGS))
 
 
+def test_a_model_safetensors_holding_no_tensor_is_said_to(tmp_path):
+    """It was called a stray model file beside itself ("holds ['model.safetensors'] besides the
+    checkpoint that model.safetensors describes; move them away")."""
+    save_file({}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CorruptCheckpointError, match=rf"^{re.escape(str(tmp_path / 'model.safetensors'))} holds no "
+                                                     r"tensor: no model to read$"):
+        load_hf(our_model(seed=1).state_dict(), str(tmp_path), hf_adapter(ARGS))
+
+
 def test_a_file_cut_after_its_header_was_read_fails_naming_it(tmp_path):
     path = tmp_path / "model.safetensors"
     path.write_bytes(b"x" * 10)

@@ -71,7 +71,9 @@ def _weight_map(hf_dir: str) -> tuple[str, dict[str, str]]:
         return index, read_index(index)
     if os.path.isfile(os.path.join(hf_dir, SINGLE_FILE)):
         index = os.path.join(hf_dir, SINGLE_FILE)
-        return index, dict.fromkeys(read_header(index), SINGLE_FILE)
+        if not (header := read_header(index)):  # else called a stray beside itself (`_check_unlisted`)
+            raise CorruptCheckpointError(f"{index} holds no tensor: no model to read")
+        return index, dict.fromkeys(header, SINGLE_FILE)
     if os.path.isfile(hf_dir):
         raise CheckpointNotFoundError(f"{hf_dir} is a file: name the folder that holds it (its {INDEX_FILE} or "
                                       f"{SINGLE_FILE} and config.json)")
