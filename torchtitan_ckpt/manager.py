@@ -541,8 +541,9 @@ class CheckpointManager:
         `async_mode`, staged and handed to the background writer). The last step's save is
         always waited for. `force`: save the step in full off the schedule, for a resume from
         it (a preemption's save; `last_step` is the run's end, whose save may hold only the
-        model). A step that holds the job's state already (saved or loaded by this manager)
-        is not saved again (False). Raises the failure of an earlier background save, if any.
+        model). Step 0 is saved only as the seed checkpoint (`create_seed_checkpoint`), forced
+        or not: no step has trained yet. A step that holds the job's state already (saved or
+        loaded by this manager) is not saved again (False). Raises the failure of an earlier background save, if any.
         The garbage collector is paused during the call (the many small objects it builds would
         otherwise set off full collections of the whole process)."""
         if self._closed:
