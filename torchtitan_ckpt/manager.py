@@ -543,9 +543,9 @@ class CheckpointManager:
         it (a preemption's save; `last_step` is the run's end, whose save may hold only the
         model). Step 0 is saved only as the seed checkpoint (`create_seed_checkpoint`), forced
         or not: no step has trained yet. A step that holds the job's state already (saved or
-        loaded by this manager) is not saved again (False). Raises the failure of an earlier background save, if any.
-        The garbage collector is paused during the call (the many small objects it builds would
-        otherwise set off full collections of the whole process)."""
+        loaded by this manager) is not saved again (False). Raises the failure of an earlier
+        background save, if any. The garbage collector is paused during the call (the many
+        small objects it builds would otherwise set off full collections of the whole process)."""
         if self._closed:
             raise CheckpointError("save() called after close()")
         step = layout.check_step(curr_step, "save")

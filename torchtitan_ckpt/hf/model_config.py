@@ -111,7 +111,7 @@ class HFModelConfig:
                 raw.update(moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
                            decoder_sparse_step=self.decoder_sparse_step,
                            mlp_only_layers=list(self.mlp_only_layers) if isinstance(self.mlp_only_layers, tuple)
-                           else self.mlp_only_layers)
+                           else self.mlp_only_layers)  # anything else: for `parse` to refuse
         return raw
 
     def expert_width(self, who: str) -> int:
