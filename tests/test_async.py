@@ -173,6 +173,31 @@ def test_background_failure_surfaces_with_its_step(tmp_path, mode):
     assert [(s.step, s.committed) for s in layout.scan(folder)] == [(1, True), (3, True)]
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_staging_copy_failing_in_the_background_fails_its_save_and_the_next_goes_on(tmp_path, mode, monkeypatch):
+    """The copy runs after `save()` returned (no `verify_staging`): one failing (host memory, a
+    device error) ends the count the write waits on, so the save fails instead of waiting for
+    copies that never come, and the job's next save is made."""
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+    from torchtitan_ckpt.io import stagers
+
+    def failing(self):
+        raise MemoryError("injected: no memory for the staging copy")
+
+    with CheckpointManager(Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0),
+                           [torch.nn.Linear(64, 64)], base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+        manager.wait()
+        monkeypatch.setattr(stagers.Copies, "run", failing)
+        assert manager.save(2)
+        with pytest.raises(CheckpointSaveError, match=r"saving step 2 to .*step-2 failed: MemoryError: injected"):
+            manager.wait()
+        monkeypatch.undo()
+        manager.save(3)
+    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1, 3]
+
+
 def test_close_waits_for_the_save_in_flight(tmp_path):
     job = make_job(str(tmp_path), steps=10, interval=3, async_mode="async")
     job.run_to(3, steps=10)

@@ -107,6 +107,22 @@ def test_verify_on_load_falls_back_to_the_newest_intact_step(tmp_path, caplog):
         make_job(str(tmp_path), steps=6).manager.load()
 
 
+def test_when_every_step_fails_verification_the_load_refuses_and_keeps_them(tmp_path, caplog):
+    """`verify_fallback` passing over every step must not start the job from scratch: its
+    first save's retention would then delete the damaged steps, which a repair may still save."""
+    folder = _saved(tmp_path, steps=6, last_save_model_only=False)
+    steps = [s.step for s in layout.scan(folder)]
+    for step in steps:
+        _flip_byte(os.path.join(layout.step_dir(folder, step), "__0_0.distcp"), 100)
+    job = make_job(str(tmp_path), steps=6, verify_on_load=True)
+    with pytest.raises(CorruptCheckpointError, match=f"^every complete step in {re.escape(folder)} failed "
+                                                     "verification or holds another step than its folder's name"):
+        job.manager.load()
+    job.manager.close()
+    assert [s.step for s in layout.scan(folder)] == steps and len(steps) >= 2
+    assert all(f"step {step} is corrupt, trying the previous complete step" in caplog.text for step in steps)
+
+
 def test_a_damaged_commit_marker_is_a_problem_verify_fallback_passes_over(tmp_path, caplog):
     folder = _saved(tmp_path, steps=6, last_save_model_only=False)
     marker = os.path.join(layout.step_dir(folder, 6), commit.MARKER)

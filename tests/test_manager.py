@@ -8,6 +8,8 @@ import pathlib
 import pickle
 import re
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -1409,3 +1411,30 @@ def test_a_module_renamed_since_the_save_is_named_with_the_saved_names_of_its_sh
                                                   r"2 tensors of those shapes that this rank loads none of, e.g. "
                                                   r"\['head.bias', 'head.weight'\]: renamed since the save\?$"):
             manager.load()
+
+
+def test_a_manager_whose_start_fails_lets_go_of_the_folder_and_the_optimizer(tmp_path, monkeypatch):
+    """A failure once the folder is held and the optimizer hooked (here: finding the steps to
+    load) closes what was started: the folder is not held (`clean` takes it), the optimizer's
+    step waits on no manager, and the trainer's next manager, made in the same process, saves."""
+    from torchtitan_ckpt import manager as manager_module
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected: the steps could not be listed")
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = Checkpoint(enable=True, interval=1)
+    monkeypatch.setattr(manager_module, "TargetFinder", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        CheckpointManager(config, [model], optimizers=opt, base_folder=str(tmp_path))
+    monkeypatch.undo()
+    assert not step_hooks.waits(opt)
+    folder = str(tmp_path / "checkpoint")
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    clean = subprocess.run([sys.executable, "-m", "torchtitan_ckpt.cli", "clean", folder, "-q"], capture_output=True,
+                           text=True, timeout=120, env=env)
+    assert clean.returncode == 0, clean.stderr
+    with CheckpointManager(config, [model], optimizers=opt, base_folder=str(tmp_path)) as manager:
+        assert not manager.load() and manager.save(1)
+    assert layout.committed_steps(folder) == [1]
