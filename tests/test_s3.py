@@ -1416,3 +1416,35 @@ def test_listing_the_steps_lists_no_other_objects_under_the_prefix(bucket, tmp_p
         assert manager.load()
     listings = [path for method, path, _ in proxy.seen if method == "GET" and "list-type=2" in path]
     assert listings and all("prefix=run%2Fstep-" in path for path in listings), listings
+
+
+def test_a_step_saved_again_replaces_the_complete_one_and_a_prefix_of_another_program_is_refused(bucket, tmp_path,
+                                                                                                 caplog):
+    """A job that went back to step 1 saves step 2 again: the complete step 2 is replaced (its
+    commit marker deleted first, so a crash leaves it partial, never a mix), said so, and the
+    newest load reads the new values. Objects another program put under a step's prefix are
+    never replaced: that save is refused and they stay."""
+    url, stage = f"s3://{bucket}/run", str(tmp_path / "stage")
+    model, opt = _job()
+    with CheckpointManager(_config(url, stage, keep_latest_k=0), [model], optimizers=opt) as manager:
+        manager.save(1)
+        manager.save(2)
+    again, opt = _job(seed=1)
+    with CheckpointManager(_config(url, stage, keep_latest_k=0, load_step=1), [again], optimizers=opt) as manager:
+        assert manager.load()
+        with torch.no_grad():
+            again[1].bias.add_(1.0)
+        expected = {k: v.clone() for k, v in again.state_dict().items()}
+        assert manager.save(2)
+    assert f"replacing {url}/step-2, a complete step saved before" in caplog.text
+    newest, opt = _job(seed=2)
+    with CheckpointManager(_config(url, stage, keep_latest_k=0), [newest], optimizers=opt) as manager:
+        assert manager.load()
+        assert_same(newest.state_dict(), expected)
+        # put there after the load (which refuses a folder holding them where the job will save)
+        boto3.client("s3").put_object(Bucket=bucket, Key="run/step-3/notes.txt", Body=b"mine")
+        with pytest.raises(CheckpointError, match=rf"{re.escape(url)}/step-3 exists and was not written by "
+                                                  r"torchtitan_ckpt; it is never replaced"):
+            manager.save(3)
+    body = boto3.client("s3").get_object(Bucket=bucket, Key="run/step-3/notes.txt")["Body"].read()
+    assert body == b"mine"
