@@ -200,15 +200,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             obj = _read_value(read_item, data)
             if small and len(self._values) < _CACHED_VALUES and plain_scalar(obj):
                 self._values[data] = obj
-        if self.flatten_state_dict:
-            # the flattened key maps back to a path of keys into the caller's nested dict
-            *parents, last = self.mappings[read_item.dest_index.fqn]
-            node = self.original_state_dict
-            for key in parents:
-                node = node[self._own_key(node, key)]
-            node[self._own_key(node, last)] = obj
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+        # the flattened key (`make_load_planner`'s planner flattens) maps back to a path of keys
+        # into the caller's nested dict
+        *parents, last = self.mappings[read_item.dest_index.fqn]
+        node = self.original_state_dict
+        for key in parents:
+            node = node[self._own_key(node, key)]
+        node[self._own_key(node, last)] = obj
 
 
 _UNREAD = object()
