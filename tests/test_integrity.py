@@ -147,6 +147,31 @@ def test_clean_removes_partial_folders(tmp_path, capsys):
     assert [(s.step, s.committed) for s in layout.scan(folder)] == [(2, True), (4, True)]
 
 
+def test_clean_keeps_a_partial_step_committed_after_it_was_listed(tmp_path, capsys, monkeypatch):
+    """A job's save committed between clean's listing and its removal of that step (`--force`,
+    or a file system whose lock does not reach the job's node): looked at again, and kept."""
+    folder = _saved(tmp_path)
+    step = layout.step_dir(folder, 9)
+    shutil.copytree(layout.step_dir(folder, 2), step)
+    with open(os.path.join(step, commit.MARKER), "rb") as f:
+        marker = f.read()
+    commit.uncommit(step)
+    sized = layout.folder_bytes
+
+    def committed_meanwhile(path: str) -> int:  # the sizes are taken after the listing
+        if path == step:
+            with open(os.path.join(step, commit.MARKER), "wb") as f:
+                f.write(marker)
+            os.remove(os.path.join(step, commit.IN_PROGRESS))
+        return sized(path)
+
+    monkeypatch.setattr(layout, "folder_bytes", committed_meanwhile)
+    assert cli.main(["clean", folder]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"kept {step} (no longer partial: a job is writing there?)",
+                                                    "0 partial step folder(s) removed, 0 B"]
+    assert os.listdir(step) and layout.status_of(step) == layout.COMPLETE
+
+
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A real 3 MB file system (tmpfs): saves into it run out of space."""
