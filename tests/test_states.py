@@ -58,6 +58,17 @@ def test_a_parameter_in_two_optimizers_is_refused_when_the_manager_is_made(tmp_p
     assert not os.path.exists(tmp_path / "checkpoint")
 
 
+def test_an_optimizer_of_a_parameter_outside_the_model_parts_is_refused_when_the_manager_is_made(tmp_path):
+    """A learnable scale kept beside the model (a temperature, say) has no name in the model's
+    state dict to keep its optimizer state by."""
+    model, scale = nn.Linear(3, 3), nn.Parameter(torch.ones(1))
+    opt = torch.optim.AdamW([*model.parameters(), scale])
+    with pytest.raises(ValueError, match=r"^AdamW optimizes 1 parameters that are in none of the model parts "
+                                         r"\(indices \[2\]\); pass every part its parameters are in$"):
+        CheckpointManager(Checkpoint(enable=True), [model], optimizers=opt, base_folder=str(tmp_path))
+    assert not os.path.exists(tmp_path / "checkpoint")
+
+
 @pytest.mark.parametrize("name", [1, "optimizer", "a.b"])
 def test_a_states_key_that_is_no_name_of_its_own_is_refused(tmp_path, name):
     """A key of `states=` must be an identifier the manager does not use itself; one that is not
