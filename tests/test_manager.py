@@ -1438,3 +1438,24 @@ def test_a_manager_whose_start_fails_lets_go_of_the_folder_and_the_optimizer(tmp
     with CheckpointManager(config, [model], optimizers=opt, base_folder=str(tmp_path)) as manager:
         assert not manager.load() and manager.save(1)
     assert layout.committed_steps(folder) == [1]
+
+
+def test_retention_failing_after_a_load_fails_no_load(tmp_path, monkeypatch, caplog):
+    """The step is in memory once loaded: retention's failure (a permission, a file system) is
+    a warning, and the job goes on with the older steps kept."""
+    from torchtitan_ckpt import manager as manager_module
+
+    job = make_job(str(tmp_path), steps=8, interval=2, keep_latest_k=0)
+    job.run_to(6, steps=8)
+    job.manager.close()
+
+    def failing(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "injected")
+
+    monkeypatch.setattr(manager_module, "steps_to_delete", failing)
+    resumed = make_job(str(tmp_path), steps=8, interval=2, keep_latest_k=1)
+    assert resumed.manager.load() and resumed.train_state.step == 6
+    resumed.manager.close()
+    assert ("step 6 is loaded, but retention could not run: [Errno 13] Permission denied: 'injected'; older steps "
+            "are kept until a later save") in caplog.text
+    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [2, 4, 6]
