@@ -198,6 +198,34 @@ def test_a_staging_copy_failing_in_the_background_fails_its_save_and_the_next_go
     assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1, 3]
 
 
+def test_a_save_the_writer_process_could_not_be_sent_fails_and_the_next_starts_a_new_writer(tmp_path):
+    """The pipe to the writer process broke while a save's files were sent: what the writer read
+    of the message is unknown, so it is stopped, that save fails, and the next save starts
+    another writer and is made."""
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    with CheckpointManager(Checkpoint(enable=True, interval=1, async_mode="async_with_pinned_mem", keep_latest_k=0),
+                           [torch.nn.Linear(64, 64)], base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+        manager.wait()
+        writer = manager._saves.stager.writer  # noqa: SLF001 - the pipe to it is what breaks
+        first, conn = writer._proc.pid, writer._conn  # noqa: SLF001
+
+        def broken(message) -> None:
+            del conn.send_bytes  # once
+            raise BrokenPipeError(32, "Broken pipe")
+
+        conn.send_bytes = broken
+        manager.save(2)
+        with pytest.raises(CheckpointSaveError, match=r"saving step 2 to .*step-2 failed"):
+            manager.wait()
+        manager.save(3)
+        manager.wait()
+        assert manager._saves.stager.writer._proc.pid != first  # noqa: SLF001
+    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1, 3]
+
+
 def test_close_waits_for_the_save_in_flight(tmp_path):
     job = make_job(str(tmp_path), steps=10, interval=3, async_mode="async")
     job.run_to(3, steps=10)
