@@ -824,6 +824,17 @@ def test_a_server_that_ignores_the_range_is_read_no_further_than_it(bucket, tmp_
     assert [body.tell() for body in bodies] == [11]  # not the whole MiB the server sent
 
 
+def test_a_download_cut_short_every_time_fails_after_its_retries(bucket, tmp_path, proxied):
+    """Only a download retried into success was tested: one cut every time ends, after
+    `storage_retries`, in our error naming the object, not in a hang or a short read."""
+    boto3.client("s3").put_object(Bucket=bucket, Key="run/step-1/data", Body=bytes(1 << 20))
+    proxy = proxied(lambda n, method, path: "cut" if method == "GET" and path.endswith("/step-1/data") else None)
+    store, path = _store(bucket, tmp_path, storage_retries=1)
+    with pytest.raises(StorageError, match=rf"^downloading s3://{bucket}/run/step-1/data failed after 1 retries: "):
+        store.fetch_ranges(path, {"data": [(0, 1 << 20)]})
+    assert proxy.injected["cut"] == 2
+
+
 def _listing_with(pattern: str, replacement: str):
     """An `edit` rewriting the server's listings."""
     return lambda path, body: re.sub(pattern.encode(), replacement.encode(), body) if "list-type=2" in path else body
