@@ -126,6 +126,22 @@ class TensorState:
         self.value.copy_(sd["value"])
 
 
+def fail_reads_after_fill() -> None:
+    """Make this rank process's checkpoint reads fail as a disk does (EIO), once the rank's
+    tensors are filled: a load that fails after it began writing them in place."""
+    import errno
+
+    from torchtitan_ckpt.io import reader
+
+    real = reader.ItemReader.fill
+
+    def failing(self, planner):
+        real(self, planner)
+        raise OSError(errno.EIO, "Input/output error")
+
+    reader.ItemReader.fill = failing
+
+
 def stay_until(path: str, limit_s: float = 120) -> None:
     """Keep this rank (and its groups) alive until another rank creates `path`: a rank that
     never joins a collective must not leave before the others time out, or they fail on its

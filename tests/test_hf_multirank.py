@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from tests.helpers import DEBUG_CONFIG, assert_same, perturbed, spawn
+from tests.helpers import DEBUG_CONFIG, assert_same, fail_reads_after_fill, perturbed, spawn
 from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.errors import CheckpointError, ConsolidationError, CorruptCheckpointError
 from torchtitan_ckpt.example.model import FLAVORS, ModelArgs, Transformer, hf_adapter, hf_config
@@ -312,16 +312,8 @@ def test_a_read_error_on_one_rank_is_raised_on_every_rank(tmp_path):
 
 
 def _one_rank_fails_to_read_a_step(rank: int, world_size: int, step: str, out: str) -> None:
-    import errno
-
-    from torchtitan_ckpt.io import reader
-
     if rank == 1:
-        def failing(self, planner):
-            real(self, planner)
-            raise OSError(errno.EIO, "Input/output error")  # the disk, once this rank's rows are filled
-
-        real, reader.ItemReader.fill = reader.ItemReader.fill, failing
+        fail_reads_after_fill()
     with pytest.raises(CheckpointError) as failed:
         convert("hf", step, out)
     assert str(failed.value).startswith(f"reading {step} failed: PartialLoadError: loading {step} failed after it "

@@ -23,8 +23,8 @@ from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.train import build_model, shard_model
 from torchtitan_ckpt.storage.local import LOCK_FILE
 
-from .helpers import (DEBUG_CONFIG, ROOT, Holder, assert_same, losses, read_checkpoint, run_job, spawn, stay_until,
-                      then_release, within)
+from .helpers import (DEBUG_CONFIG, ROOT, Holder, assert_same, fail_reads_after_fill, losses, read_checkpoint, run_job,
+                      spawn, stay_until, then_release, within)
 
 pytestmark = pytest.mark.multirank
 
@@ -161,18 +161,11 @@ def test_a_load_tells_the_bytes_every_rank_read(tmp_path):
 
 
 def _load_failing_on_rank_1(rank: int, world_size: int, folder: str) -> None:
-    import errno
-
     from torchtitan_ckpt.errors import PartialLoadError
-    from torchtitan_ckpt.io import reader
 
     with _saved_then_fresh(world_size, folder) as manager:
         if rank == 1:
-            def failing(self, planner):
-                real(self, planner)
-                raise OSError(errno.EIO, "Input/output error")  # the disk, once this rank's tensors are filled
-
-            real, reader.ItemReader.fill = reader.ItemReader.fill, failing
+            fail_reads_after_fill()
         with pytest.raises(PartialLoadError) as failed:
             manager.load()
         step = os.path.join(folder, "checkpoint", "step-1")
