@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pickle
@@ -78,7 +79,7 @@ def test_an_interrupted_rank_fails_the_round_on_every_rank_and_ranks_out_of_step
     spawn(2, _interrupted_and_out_of_step)
 
 
-def _interrupted_inside_a_collective(rank: int, world_size: int, folder: str) -> None:
+def _interrupted_inside_a_collective(rank: int, world_size: int, folder: str, gone: str) -> None:
     import signal
     import time
 
@@ -95,28 +96,31 @@ def _interrupted_inside_a_collective(rank: int, world_size: int, folder: str) ->
         def interrupt(*_):
             raise KeyboardInterrupt
         signal.signal(signal.SIGALRM, interrupt)
-        signal.setitimer(signal.ITIMER_REAL, 0.5)
-        with pytest.raises(KeyboardInterrupt):
-            manager.save(2)
-        start = time.monotonic()
-        with pytest.raises(CheckpointError, match=r"rank 1 was interrupted \(KeyboardInterrupt\) inside a collective "
-                                                  r"among the checkpoint's 2 ranks, which cannot pair their later "
-                                                  r"collectives with its own any more: restart the job"):
-            manager.save(3)  # at once: no collective entered
-        assert time.monotonic() - start < 1
+        signal.setitimer(signal.ITIMER_REAL, 1)
+        with then_release(gone):  # rank 0 comes to save(2) once this rank has left its collectives
+            with pytest.raises(KeyboardInterrupt):
+                manager.save(2)
+            start = time.monotonic()
+            with pytest.raises(CheckpointError, match=r"rank 1 was interrupted \(KeyboardInterrupt\) inside a "
+                                                      r"collective among the checkpoint's 2 ranks, which cannot pair "
+                                                      r"their later collectives with its own any more: restart the "
+                                                      r"job"):
+                manager.save(3)  # at once: no collective entered
+            assert time.monotonic() - start < 1
+            manager.close()
     else:
-        time.sleep(2)
+        stay_until(gone)
         with pytest.raises(CheckpointError, match="CollectiveError: a collective among the checkpoint's 2 ranks "
                                                   "failed on rank 0"):
             manager.save(2)  # its partner gone, not garbage unpickled
-    manager.close()
+        manager.close()
 
 
 def test_a_rank_interrupted_inside_a_collective_enters_no_other(tmp_path):
     """A KeyboardInterrupt between the two exchanges of an object all-gather: the rank's next
     collective paired with the rest of that one on rank 0, which unpickled garbage, and gloo
     aborted the interrupted rank (SIGABRT)."""
-    spawn(2, _interrupted_inside_a_collective, str(tmp_path))
+    spawn(2, _interrupted_inside_a_collective, str(tmp_path), str(tmp_path / "gone"))
 
 
 def _own_failure_kept(rank: int, world_size: int, done: str) -> None:
@@ -307,19 +311,18 @@ def test_leave_ends_a_launched_rank_without_teardown_once_its_output_is_flushed(
     assert ("atexit ran" in done.stderr) is not launched
 
 
-def _late_after_the_other_gave_up(rank: int, world_size: int, folder: str) -> None:
+def _late_after_the_other_gave_up(rank: int, world_size: int, folder: str, gone: str) -> None:
     """Rank 1 comes to save(2) after rank 0's wait ran out and rank 0 closed its manager."""
-    import time
-
     import torch
 
     from torchtitan_ckpt import Checkpoint, CheckpointManager, CheckpointSaveError
 
     config = Checkpoint(enable=True, interval=1, keep_latest_k=0, collective_timeout_s=3)
-    with CheckpointManager(config, [torch.nn.Linear(2, 2)], base_folder=folder) as manager:
+    gave_up = then_release(gone) if rank == 0 else contextlib.nullcontext()
+    with gave_up, CheckpointManager(config, [torch.nn.Linear(2, 2)], base_folder=folder) as manager:
         manager.save(1)
         if rank == 1:
-            time.sleep(6)
+            stay_until(gone)  # rank 0 waited its 3 s out and closed its manager
         with pytest.raises(CheckpointSaveError) as failed:
             manager.save(2)
     said = str(failed.value)
@@ -332,7 +335,7 @@ def _late_after_the_other_gave_up(rank: int, world_size: int, folder: str) -> No
 def test_a_rank_that_comes_after_its_peer_gave_up_does_not_name_the_peer(tmp_path):
     """The rank that gave up closed its counter (it was deleted, and read back as 0: the late
     rank named as missing the rank that had waited for it)."""
-    spawn(2, _late_after_the_other_gave_up, str(tmp_path))
+    spawn(2, _late_after_the_other_gave_up, str(tmp_path), str(tmp_path / "gone"))
 
 
 def _rank_0_at_its_part_of_a_round(rank: int, world_size: int) -> None:
