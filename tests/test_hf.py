@@ -63,12 +63,14 @@ def tensors_by_file(folder: str) -> dict[str, dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("text, expected", [
     ("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("1.5KB", 1500), ("512MiB", 512 * 2**20),
     (" 2 gib ", 2 * 2**30), ("100", 100), (4096, 4096),
+    ("9007199254740993", 2**53 + 1), ("4611686018427387904B", 2**62), ("0.000000001TB", 1000),
 ])
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["5 parsecs", "GB", "-1GB", "0", "", 0, True, None])
+@pytest.mark.parametrize("bad", ["5 parsecs", "GB", "-1GB", "0", "", 0, True, None, "4611686018427387905",
+                                 "9" * 5000 + "TiB"])
 def test_parse_size_rejects_with_the_value(bad):
     with pytest.raises(ValueError, match=re.escape(repr(bad))):
         parse_size(bad)

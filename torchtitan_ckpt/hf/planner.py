@@ -8,6 +8,7 @@ fewest files that fit `max_shard_size` are filled as evenly as contiguous groups
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -24,7 +25,7 @@ def parse_size(value: str | int) -> int:
         m = _SIZE.match(value) if isinstance(value, str) else None
         if m is None or m.group(2).lower() not in _UNITS:
             raise ValueError(f"size {value!r} is not a byte count like '5GB', '500MB' or '512MiB'")
-        amount = float(m.group(1)) * _UNITS[m.group(2).lower()]  # inf for hundreds of digits
+        amount = Decimal(m.group(1)) * _UNITS[m.group(2).lower()]  # exact to 28 digits: 2**62 has 19
         size = int(amount) if amount <= _MAX_SIZE else _MAX_SIZE + 1
     if not 0 < size <= _MAX_SIZE:
         raise ValueError(f"size {value!r} must be positive and at most 2**62 bytes")
