@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import tracemalloc
 import uuid
 import zlib
@@ -409,6 +410,33 @@ def test_an_endpoint_that_never_answers_fails_after_storage_timeout_s_per_try(bu
     finally:
         silent.close()
     assert time.monotonic() - start < 40  # 2 tries of 1 s, with backoff; botocore's default: 120 s
+
+
+@pytest.mark.parametrize("endpoint", ["http://ckptuser:s3cr3t@127.0.0.1:{closed}", "http://ckptuser:s3cr3t@127.0.0.1:{silent}",
+                                      "ckptuser:s3cr3t@127.0.0.1"], ids=["refused", "silent", "no-scheme"])
+def test_a_password_in_the_endpoint_url_is_in_no_message_traceback_or_log(bucket, tmp_path, monkeypatch, caplog,
+                                                                          endpoint):
+    """botocore writes the endpoint URL as given into its connection errors, which ours quoted
+    (and chained): `user:password@` reached the ConfigError, its traceback, its pickle (sent to
+    every rank) and the log of a background save."""
+    closed, silent = socket.socket(), socket.socket()
+    for s in (closed, silent):
+        s.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint.format(closed=closed.getsockname()[1],
+                                                           silent=silent.getsockname()[1]))
+    model, opt = _job()
+    caplog.set_level(logging.DEBUG, logger="torchtitan_ckpt")
+    try:
+        with pytest.raises(ConfigError, match=r"\*\*\*@127\.0\.0\.1") as failed:
+            CheckpointManager(_config(f"s3://{bucket}/run", str(tmp_path), storage_retries=0, storage_timeout_s=1),
+                              [model], opt)
+    finally:
+        closed.close()
+        silent.close()
+    told = ["".join(traceback.format_exception(failed.value)), caplog.text,
+            pickle.dumps(failed.value).decode("latin-1")]
+    assert not [t for t in told if "s3cr3t" in t or "ckptuser" in t], told
 
 
 @pytest.mark.parametrize("key, value, message", [

@@ -111,6 +111,27 @@ def _folder_name(url: str) -> str:
     return f"{name[:150]}-{hashlib.sha256(url.encode()).hexdigest()[:32]}"
 
 
+_USERINFO = re.compile(r"""(?:(?<=://)|(?<=[\s"'(])|^)[^\s"'()/@]+@""")
+"""The `user:password@` of a URL (or of a bare `user:password@host`) in a message."""
+
+
+def _masked(text: str) -> str:
+    """`text` with any URL's user and password replaced by `***`: botocore writes the endpoint,
+    as the environment or a profile gave it, into its connection errors, and ours quote them."""
+    return _USERINFO.sub("***@", text)
+
+
+def _failure(message: str, cause: BaseException) -> StorageError:
+    """Our error for `message` (which quotes `cause`), its user and password masked; chained to
+    `cause` only when nothing was masked, since a chained traceback prints `cause` as it is."""
+    error = StorageError(_masked(message))
+    if error.args[0] == message:
+        error.__cause__ = cause
+    else:
+        error.__suppress_context__ = True
+    return error
+
+
 def _client(key: str, url: str, config: Checkpoint) -> Any:
     try:
         import boto3  # noqa: PLC0415 - an optional dependency, needed only for s3:// folders
@@ -118,9 +139,13 @@ def _client(key: str, url: str, config: Checkpoint) -> Any:
     except ImportError:
         raise ConfigError(key, url, "object storage needs boto3: pip install 'torchtitan_ckpt[s3]'") from None
     retry = {"total_max_attempts": config.storage_retries + 1, "mode": "standard"}
-    return boto3.session.Session().client(
-        "s3", config=Config(retries=retry, max_pool_connections=config.upload_parallel_parts + 2,
-                            connect_timeout=config.storage_timeout_s, read_timeout=config.storage_timeout_s))
+    try:
+        return boto3.session.Session().client(
+            "s3", config=Config(retries=retry, max_pool_connections=config.upload_parallel_parts + 2,
+                                connect_timeout=config.storage_timeout_s, read_timeout=config.storage_timeout_s))
+    except ValueError as e:  # an endpoint that is no URL ("Invalid endpoint: ...")
+        raise ConfigError(key, url, f"no S3 client can be made: {_masked(str(e))}. Check the endpoint "
+                                    "(AWS_ENDPOINT_URL, or endpoint_url in the AWS profile): docs/storage.md") from None
 
 
 _NOT_IN_XML = re.compile("[^\t\n\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
@@ -204,7 +229,7 @@ class S3Store(Store):
         try:
             return fn(Bucket=self.bucket, **kwargs)
         except (BotoCoreError, ClientError, ResponseParserError, ValueError) as e:  # ValueError: a field
-            raise StorageError(f"{what} {self.where(key)} failed: {type(e).__name__}: {e}") from e  # it parses
+            raise _failure(f"{what} {self.where(key)} failed: {type(e).__name__}: {e}", e)  # it parses
 
     def _field(self, reply: Mapping, name: str, what: str, key: str) -> str:
         """The string field `name` of a server's `reply` to `what`; a `StorageError` naming the
@@ -735,7 +760,7 @@ class S3Store(Store):
                     raise IncompleteReadError(actual_bytes=len(data), expected_bytes=declared)
             except (IncompleteReadError, ReadTimeoutError, ResponseStreamingError) as e:  # the body broke or stalled
                 if attempt == self.retries:
-                    raise StorageError(f"downloading {self.where(key)} failed after {attempt} retries: {e}") from e
+                    raise _failure(f"downloading {self.where(key)} failed after {attempt} retries: {e}", e)
                 time.sleep(min(2 ** attempt * 0.1, 5))
                 continue
             finally:
