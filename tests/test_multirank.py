@@ -545,6 +545,40 @@ def test_a_save_whose_metadata_a_load_would_refuse_fails_on_every_rank(tmp_path,
     spawn(2, _metadata_past_the_load_bound, str(tmp_path / "checkpoint"), engine)
 
 
+def _a_file_rank_0_does_not_see(rank: int, world_size: int, folder: str, engine: str) -> None:
+    from torchtitan_ckpt.dcp import storage  # noqa: PLC0415
+    from torchtitan_ckpt.errors import CheckpointSaveError  # noqa: PLC0415
+
+    config = Checkpoint(enable=True, folder=folder, interval=1, io_engine=engine, keep_latest_k=1)
+    with CheckpointManager(config, [torch.nn.Linear(16, 4)]) as manager:
+        manager.save(1)
+        if rank == 1:  # its file is written and reported, then gone from where rank 0 looks (a disk of its own)
+            writer = storage.TorchFileWriter if engine == "torch" else storage.DataFileWriter
+            reported = writer.durable
+
+            def then_lost(self):
+                files = reported(self)
+                assert files, "rank 1 wrote no file"
+                for rel in files:
+                    os.unlink(os.path.join(self.path, rel))
+                return files
+            writer.durable = then_lost
+        with pytest.raises(CheckpointSaveError, match=r"saving step 2 .*\['__1_0.distcp'\] \(1 files\) were written "
+                                                      r"but are not in the step folder; the step is not committed"):
+            manager.save(2)
+    with CheckpointManager(config, [torch.nn.Linear(16, 4)]) as manager:
+        assert manager.load()  # step 1, which retention kept
+        assert layout.committed_steps(folder) == [1]
+
+
+@pytest.mark.parametrize("engine", ["fast", "torch"])
+def test_a_save_fails_when_rank_0_does_not_see_a_file_another_rank_wrote(tmp_path, engine):
+    """With `io_engine = "torch"` no rank reported its files: rank 0 committed the step from its
+    own listing, without the file it could not see, and retention then deleted the last step
+    that loaded."""
+    spawn(2, _a_file_rank_0_does_not_see, str(tmp_path / "checkpoint"), engine)
+
+
 def _ddp_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))

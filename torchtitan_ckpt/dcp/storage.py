@@ -50,7 +50,7 @@ from torch.futures import Future
 
 from ..io import filewriter, own_writes, reader, safe_open, torch_archive
 from ..errors import RankFailed, UnsafePickleError
-from ..io.checksum import crc32, hex_crc
+from ..io.checksum import crc32, file_crc32, hex_crc
 from ..io.tensors import local_values
 from .. import commit, gc_pause
 from ..config import Checkpoint
@@ -578,12 +578,13 @@ def _resolve(planner: SavePlanner, item: WriteItem) -> bytes | torch.Tensor:
 
 class TorchFileWriter(_LoadableWriter):
     """PyTorch's own writer, for `io_engine = "torch"`: the same calls as `DataFileWriter`, but
-    nothing is written early and no checksum is computed while writing (the commit reads each
-    file once for its CRC-32)."""
+    nothing is written early and no checksum is computed while writing (`durable` reads each
+    file this rank wrote once for its CRC-32)."""
 
     def __init__(self, path: str, staged: Callable[[], None] = _staged, **kwargs: Any):
         super().__init__(path, **kwargs)
         self._staged = staged
+        self._written: Future[list[WriteResult]] | None = None
 
     def write_early(self, state: dict[str, Any], rank: int, world_size: int, cache: PlanCache | None = None,
                     ready: Callable[[torch.Tensor], None] | None = None,
@@ -592,14 +593,19 @@ class TorchFileWriter(_LoadableWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._staged()
-        return super().write_data(plan, planner)
+        self._written = super().write_data(plan, planner)
+        return self._written
 
     def wait_early(self) -> None:
         """Nothing was written early."""
 
     def durable(self) -> dict[str, tuple[int, str]]:
-        """`dcp.save` returned after fsyncing every file (`sync_files`): no checksums known."""
-        return {}
+        """`dcp.save` returned after fsyncing every file (`sync_files`); each file this rank wrote
+        is read here once for its CRC-32. Reported to the commit, a file rank 0 does not see (a
+        rank writing to a disk of its own) fails the commit."""
+        names = {result.storage_data.relative_path for result in (self._written.wait() if self._written else [])}
+        return {rel: (os.path.getsize(full), file_crc32(full)) for rel in sorted(names)
+                for full in [os.path.join(self.path, rel)]}
 
 
 def make_storage_writer(path: str, sink: filewriter.Sink = filewriter.write_files, step: int | None = None,
