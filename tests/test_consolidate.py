@@ -125,6 +125,24 @@ def test_full_tensors_rejects_gaps_and_overlaps():
         C.full_tensors([a, C.Block("t", "BF16", (2, 0), (1, 4), "s2")])
 
 
+def test_full_tensors_checks_the_blocks_against_shapes_the_caller_knows():
+    """The files record no whole shape: without `shapes` the lost last block of a tensor (a rank's
+    file) leaves a smaller tensor that its blocks cover."""
+    a = C.Block("t", "F32", (0, 0), (2, 4), "s1")
+    assert C.full_tensors([a])["t"].shape == (2, 4)
+    assert C.full_tensors([a], {"t": (2, 4)})["t"].shape == (2, 4)
+    with pytest.raises(C.InvalidShardsError, match=r"tensor 't' of shape \[3, 4\]: .* cover 8 of 12 elements"):
+        C.full_tensors([a], {"t": (3, 4)})
+    with pytest.raises(C.InvalidShardsError, match=r"tensor 't': its blocks in \['s1'\] reach \[2, 4\], outside "
+                                                   r"its shape \[1, 4\]"):
+        C.full_tensors([a], {"t": (1, 4)})
+    with pytest.raises(C.InvalidShardsError, match=r"tensor 't': .* reach \[2, 4\], outside its shape \[8\]"):
+        C.full_tensors([a], {"t": (8,)})
+    with pytest.raises(C.InvalidShardsError, match=r"the shard files hold tensors \[\] the export has not and lack "
+                                                   r"\['u'\] of it \(1 in all\); a rank's shard file is missing"):
+        C.full_tensors([a], {"t": (2, 4), "u": (1,)})
+
+
 @pytest.mark.parametrize("blocks, overlap", [
     ([((0, c), (4, 1)) for c in range(1000)], None),  # 1,000 columns (Shard(1) on as many ranks)
     ([((0, c), (4, 1)) for c in range(998)] + [((0, 997), (4, 3))], (997, 998)),

@@ -455,3 +455,35 @@ def test_tensors_of_no_elements_export_from_fsdp_shards(tmp_path):
     os.makedirs(tmp_path / "assets")
     (tmp_path / "assets" / "config.json").write_text('{"model_type": "llama", "torch_dtype": "float32"}')
     spawn(2, _export_tensors_of_no_elements, str(tmp_path))
+
+
+def _a_shard_file_rank_0_does_not_see(rank: int, world_size: int, root: str) -> None:
+    from torchtitan_ckpt.hf import save as hf_save  # noqa: PLC0415
+
+    model = build_model(load_job_config(DEBUG_CONFIG, []))
+    shard_model(model, world_size)
+    consolidate = hf_save.consolidate_safetensors
+    if rank == 1:  # its shard files are written, then gone from where rank 0 looks (a disk of its own)
+        def after_losing_mine(shards_dir, *args, **kwargs):
+            mine = glob.glob(os.path.join(shards_dir, "shard-00002-*.safetensors"))  # numbered from 1
+            assert mine
+            for path in mine:
+                os.unlink(path)
+            dist.barrier()
+            return consolidate(shards_dir, *args, **kwargs)
+        hf_save.consolidate_safetensors = after_losing_mine
+    else:
+        hf_save.consolidate_safetensors = lambda *args, **kwargs: (dist.barrier(), consolidate(*args, **kwargs))
+    for mode in ("rank0", "all_ranks"):
+        out = os.path.join(root, mode)
+        with pytest.raises(CheckpointError, match=r"of shape \[\d+, \d+\]: the shards in .* cover \d+ of \d+ "
+                                                  r"elements; a rank's shard file is missing"):
+            save_hf(ModelState([model]).state_dict(), out, hf_adapter(model.args), mode=mode)
+        assert not os.path.exists(os.path.join(out, "model.safetensors.index.json"))
+
+
+def test_a_two_phase_export_missing_the_last_rank_shard_file_fails(tmp_path):
+    """Consolidation took each tensor's shape from the blocks it found: without the last rank's
+    file (a rank writing to a disk of its own) `rank0` exported every sharded tensor cut short
+    (its first half), with an index, and said nothing."""
+    spawn(2, _a_shard_file_rank_0_does_not_see, str(tmp_path))

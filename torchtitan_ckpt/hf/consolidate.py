@@ -220,18 +220,30 @@ def plan_tasks(blocks: Sequence[Block], files: Sequence[OutputFile], specs: Mapp
             for ranges in byte_ranges([b.nbytes for b in ordered], workers)]
 
 
-def full_tensors(blocks: Sequence[Block]) -> dict[str, TensorSpec]:
+def full_tensors(blocks: Sequence[Block], shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, TensorSpec]:
     """The full tensors the blocks make up; raises `InvalidShardsError` naming the tensor and the
-    files when blocks disagree on dtype or rank, overlap, or leave part of a tensor uncovered."""
+    files when blocks disagree on dtype or rank, overlap, or leave part of a tensor uncovered.
+    Each tensor's shape is `shapes[name]` where given (then every name of it must have blocks),
+    else the extent of its blocks: the files record no whole shape, so a lost file of the blocks
+    at a tensor's end goes unseen without `shapes`."""
     by_fqn: dict[str, list[Block]] = {}
     for b in blocks:
         by_fqn.setdefault(b.fqn, []).append(b)
+    if shapes is not None and (unknown := sorted(by_fqn.keys() ^ shapes.keys())):
+        raise InvalidShardsError(f"the shard files hold tensors {sorted(by_fqn.keys() - shapes.keys())[:5]} the "
+                                 f"export has not and lack {sorted(shapes.keys() - by_fqn.keys())[:5]} of it "
+                                 f"({len(unknown)} in all); a rank's shard file is missing or another's is in the "
+                                 "folder")
     specs = {}
     for fqn, group in sorted(by_fqn.items()):
         files = sorted({b.src for b in group})
         if len({b.dtype for b in group}) > 1 or len({len(b.shape) for b in group}) > 1:
             raise InvalidShardsError(f"tensor {brief(fqn)}: its blocks in {files} disagree on dtype or rank")
-        shape = tuple(max(b.offsets[d] + b.shape[d] for b in group) for d in range(len(group[0].shape)))
+        extent = tuple(max(b.offsets[d] + b.shape[d] for b in group) for d in range(len(group[0].shape)))
+        shape = extent if shapes is None else tuple(shapes[fqn])
+        if len(shape) != len(extent) or any(e > n for e, n in zip(extent, shape)):
+            raise InvalidShardsError(f"tensor {brief(fqn)}: its blocks in {files} reach {list(extent)}, outside "
+                                     f"its shape {list(shape)}")
         _check_coverage(fqn, group, shape, files)
         specs[fqn] = TensorSpec(fqn, group[0].dtype, shape)
     return specs
@@ -598,7 +610,8 @@ def _write_everything(group: CheckpointGroup, output_dir: str, files: list[Outpu
 
 def consolidate_safetensors(input_dir: str, output_dir: str, fqn_to_index_mapping: Mapping[str, int] | None = None,
                             *, process_group=None, num_threads: int = IO_THREADS, remove_shards: bool = False,
-                            all_ranks: bool = True, progress: ProgressFn | None = None) -> None:
+                            all_ranks: bool = True, progress: ProgressFn | None = None,
+                            shapes: Mapping[str, Sequence[int]] | None = None) -> None:
     """Consolidate DCP HF shard files (`HuggingFaceStorageWriter(save_distributed=True)`) from
     `input_dir` into `model-0000X-of-0000N.safetensors` and `model.safetensors.index.json` in
     `output_dir`. Collective over `process_group` (a dedicated gloo group over every rank when
@@ -606,14 +619,16 @@ def consolidate_safetensors(input_dir: str, output_dir: str, fqn_to_index_mappin
     lets rank 0 copy every byte (the others still take part in the collectives). The shard files
     are kept (as PyTorch's own consolidation keeps them) unless `remove_shards`, which deletes them
     after success. `progress(nbytes, total)` is called as this rank's copy threads write (from
-    those threads). Raises `InvalidShardsError` for bad input."""
+    those threads). `shapes` (name -> whole shape, every tensor's), where the caller knows
+    them, are checked against the blocks (`full_tensors`). Raises `InvalidShardsError` for bad
+    input."""
     group = CheckpointGroup(process_group)
     t0 = time.perf_counter()
     shard_files = _step(group, "listing shards", lambda: find_shard_files(input_dir) if group.rank == 0 else None)[0]
     mine = shard_files[group.rank::group.world_size]
     blocks = [b for part in _step(group, "reading shard headers",
                                   lambda: [b for p in mine for b in read_shard_blocks(p)]) for b in part]
-    specs = full_tensors(blocks)
+    specs = full_tensors(blocks, shapes)
     if fqn_to_index_mapping is not None and set(fqn_to_index_mapping) - set(specs):
         missing = sorted(set(fqn_to_index_mapping) - set(specs))
         raise InvalidShardsError(f"{input_dir}: no shard holds {missing[:5]} (named in fqn_to_index_mapping)")

@@ -117,7 +117,8 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str | os.PathLike[str], a
             root = root_cause(e, group.rank)
             raise root from root.__cause__  # DCP's wrapping left out, the failure's own cause kept
         consolidate_safetensors(shards, out_dir, mapping, process_group=group.pg, num_threads=num_threads,
-                                remove_shards=not keep_shards, all_ranks=mode == "all_ranks", progress=progress)
+                                remove_shards=not keep_shards, all_ranks=mode == "all_ranks", progress=progress,
+                                shapes={name: spec.shape for name, spec in plan.specs.items()})
     if group.rank == 0:
         secs = time.perf_counter() - start
         total = sum(spec.nbytes for spec in plan.specs.values())
