@@ -59,6 +59,7 @@ def _save(folder: str, bump: float) -> str:
 # or foreign (DCP's files alone), or an HF folder of run "a" or of "a" with one more tensor
 CASES = {
     "same copies": ("a", "a"),
+    "flipped on rank 0": ("a flipped", "a"),
     "other run": ("a", "b"),
     "other foreign run": ("a foreign", "b foreign"),
     "foreign on rank 0 only": ("a foreign", None),
@@ -86,6 +87,12 @@ def _disks(tmp) -> None:
                 save_file(weights, str(step / "model.safetensors"))
                 continue
             shutil.copytree(runs[what.split()[0]], step)
+            if what.endswith("flipped"):  # the data file rank 1 verifies in the copy it reads
+                with open(step / "__0_0.distcp", "r+b") as f:
+                    f.seek(100)
+                    byte = f.read(1)
+                    f.seek(100)
+                    f.write(bytes([byte[0] ^ 1]))
             if what.endswith("foreign"):
                 os.remove(step / commit.MARKER)
                 os.remove(step / commit.IN_PROGRESS)
@@ -107,6 +114,7 @@ def _load_each(rank: int, world_size: int, tmp: str) -> None:
         model = _model(seed=123)
         hf = "hf" in str(CASES[case][0])
         config = Checkpoint(enable=True, load_only=not hf, collective_timeout_s=60,
+                            verify_on_load="flipped" in str(CASES[case][0]),
                             **(dict(folder=os.path.join(tmp, "empty", case), initial_load_in_hf=True,
                                     initial_load_path=os.path.join(tmp, "local", case, "checkpoint", "step-20"))
                                if hf else {}))
@@ -144,6 +152,10 @@ def test_ranks_that_see_different_files_are_refused_alike_never_load_different_s
         f"CorruptCheckpointError: {tmp_path}/local/other foreign run/checkpoint/step-20/.metadata {differs}")
     assert found[0]["other hf"]["error"].startswith(
         f"CorruptCheckpointError: {tmp_path}/local/other hf/checkpoint/step-20 (its safetensors files) {differs}")
+    for rank in (0, 1):  # rank 1 checked the data file in its copy, and no rank the one rank 0 reads
+        assert found[rank]["flipped on rank 0"]["error"] == (
+            f"CorruptCheckpointError: every complete step in {tmp_path}/local/flipped on rank 0/checkpoint failed "
+            "verification or holds another step than its folder's name (each is named above)"), found[rank]
     assert "CorruptCheckpointError: " in found[1]["foreign on rank 0 only"]["error"]
     assert found[0]["foreign on rank 0 only"]["error"].startswith(
         f"CheckpointError: reading {tmp_path}/local/foreign on rank 0 only/checkpoint/step-20/.metadata failed on "

@@ -185,7 +185,8 @@ class Checkpoint:
     verify_on_load: bool = False
     """Before loading a step of ours (from `folder` or `initial_load_path`), check its files
     against the sizes and CRC-32s recorded when they were written (each rank checks a share of
-    the files). Another program's step has none to check."""
+    the files; ranks that read a copy on their own node's disk share out that copy's). Another
+    program's step has none to check."""
 
     verify_fallback: bool = True
     """With `verify_on_load` and `load_step = -1`: a newest step that fails the check is reported

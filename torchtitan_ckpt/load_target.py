@@ -349,16 +349,26 @@ class TargetFinder:
             f"{self._model_only_advice(path)}, or add those states to checkpoint.exclude_from_loading")
 
     def _verify(self, path: str, store: Store) -> list[str]:
-        """With `verify_on_load`: every rank checks its share of the files of the step of ours
-        at `path` in `store`; every rank gets every problem found. Without it: nothing to report."""
+        """With `verify_on_load`: every rank checks its share of the files of the copy of the
+        step of ours at `path` in `store` that it reads (`Store.copy_of`: ranks reading one copy
+        share its files out); every rank gets every problem found. Without it: nothing to report."""
         if not self.config.verify_on_load:
             return []
+        try:
+            copies = self._group.run(lambda: store.copy_of(path))
+        except RankFailed as failed:
+            failed.reraise(f"verifying {store.describe(path)}")
+        readers = [rank for rank, copy in enumerate(copies) if copy == copies[self._group.rank]]
+        if len(readers) < self._group.world_size and self._group.is_coordinator:
+            logger.info("%s: the ranks read %d copies of it (a copy on each node's disk); each copy is verified "
+                        "whole", store.describe(path), len(set(copies)))
+
         def mine() -> list[str]:
             try:
                 names = sorted(store.read_marker(path).files)
             except CorruptCheckpointError as e:  # a problem like any other: `verify_fallback` applies
                 return [str(e)]
-            share = names[self._group.rank :: self._group.world_size]
+            share = names[readers.index(self._group.rank) :: len(readers)]
             try:
                 store.fetch(path, share)
             except CorruptCheckpointError as e:  # objects that cannot be its files

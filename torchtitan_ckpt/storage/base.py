@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 from .. import commit
 from ..commit import CommitInfo
@@ -119,6 +119,13 @@ class Store(ABC):
             if (where := self.describe(path)) == path:
                 raise
             raise type(e)(str(e).replace(path, where)) from e  # each of these takes its message alone
+
+    def copy_of(self, path: str) -> Hashable:
+        """What tells apart the copies of the step at `path` that ranks read: ranks that give
+        the same value read one copy (a shared folder, a bucket), and `verify_on_load` shares
+        its files out among them; ranks reading a copy of their own (a step copied to each
+        node's disk) check all of it."""
+        return None
 
     def fetch_ranges(self, path: str, ranges: Mapping[str, Sequence[tuple[int, int]]]) -> None:
         """Every rank, before reading byte ranges of files of `path` ({file relative to `path`:

@@ -134,6 +134,16 @@ class LocalStore(Store):
     def unremovable(self, folder: layout.StepFolder) -> str | None:
         return safe_open.removal_denied(folder.path)
 
+    def copy_of(self, path: str) -> tuple[int, int] | None:
+        """The commit marker's inode and modification time: one file on a shared file system
+        (NFS and parallel file systems give every client the server's), another for a copy on
+        each node's disk; None where it cannot be read (the verification says why)."""
+        try:
+            st = os.stat(os.path.join(path, commit.MARKER))
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
     def commit(self, path: str, info: commit.CommitInfo, checksums: dict[str, tuple[int, str]]) -> None:
         """Not where another job has claimed the folder since (`lock.taken_over`): the two would
         replace each other's steps in flight."""
