@@ -23,8 +23,8 @@ from torchtitan_ckpt.example.config import load_job_config
 from torchtitan_ckpt.example.train import build_model, shard_model
 from torchtitan_ckpt.storage.local import LOCK_FILE
 
-from .helpers import (DEBUG_CONFIG, ROOT, Holder, assert_same, fail_reads_after_fill, losses, read_checkpoint, run_job,
-                      spawn, stay_until, then_release, within)
+from .helpers import (DEBUG_CONFIG, ROOT, Holder, TensorState, assert_same, fail_reads_after_fill, losses,
+                      read_checkpoint, run_job, spawn, stay_until, then_release, within)
 
 pytestmark = pytest.mark.multirank
 
@@ -776,3 +776,26 @@ def test_a_state_keyed_by_rank_resumed_at_another_world_size_is_said_so(tmp_path
     spawn(1, _per_rank_job, str(tmp_path / "shrink"), False)
     spawn(1, _per_rank_job, str(tmp_path / "grow"), True)
     spawn(2, _per_rank_job, str(tmp_path / "grow"), False)
+
+
+def _states_on_some_ranks(rank: int, world_size: int, folder: str) -> None:
+    from torchtitan_ckpt.errors import CheckpointError  # noqa: PLC0415
+
+    model = torch.nn.Linear(4, 4)
+    config = Checkpoint(enable=True, folder=folder, interval=1)
+    optimizer = torch.optim.AdamW(model.parameters()) if rank == 0 else None  # rank 1's part: no parameters
+    with pytest.raises(CheckpointError, match=r"every rank must pass the manager the same kinds of state besides "
+                                              r"the model; rank 0 passes \['optimizer'\], rank 1 none: "):
+        CheckpointManager(config, [model], optimizer)
+    user = {"user": TensorState(torch.zeros(2))} if rank == 1 else {}
+    with pytest.raises(CheckpointError, match=r"rank 0 passes none, rank 1 \['user'\]"):
+        CheckpointManager(config, [model], states=user)
+    with CheckpointManager(config, [model]) as manager:  # nothing was held: a manager alike on every rank saves
+        assert manager.save(1)
+
+
+def test_ranks_passing_other_kinds_of_state_are_refused_at_start(tmp_path):
+    """Rank 0 with an optimizer, rank 1 without (a pipeline stage with no parameters): the save
+    committed rank 0's list of states, and every load then failed, rank 1 blaming node-local
+    disks and rank 0 ranks out of step."""
+    spawn(2, _states_on_some_ranks, str(tmp_path / "checkpoint"))

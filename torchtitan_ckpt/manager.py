@@ -294,19 +294,25 @@ class CheckpointManager:
         self._check_stores()
 
     def _check_alike(self) -> None:
-        """Every rank has the same folder and settings (but `_PER_RANK`), before any check of
-        the job whose round only ranks of some settings enter (`_check_export`); every rank
-        fails, not only those that differ."""
+        """Every rank has the same folder, settings (but `_PER_RANK`) and kinds of state, before
+        any check of the job whose round only ranks of some settings enter (`_check_export`);
+        every rank fails, not only those that differ."""
         if self._group.world_size == 1:
             return
         agreed = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)
                   if f.name not in _PER_RANK}
         digest = hashlib.blake2b(repr(sorted(agreed.items())).encode(), digest_size=16).digest()
-        folders, digests = zip(*self._group.all_gather((self._store.url, digest)))
+        folders, digests, kinds = zip(*self._group.all_gather((self._store.url, digest, sorted(self._states))))
         if other := next((r for r, url in enumerate(folders) if url != folders[0]), None):
             raise ConfigError("checkpoint.folder", self._store.url,
                               f"every rank must use the same folder; rank 0 uses {folders[0]}, rank {other} "
                               f"{folders[other]} (a relative folder resolved in another working directory?)")
+        if other := next((r for r, names in enumerate(kinds) if names != kinds[0]), None):
+            raise CheckpointError(
+                f"every rank must pass the manager the same kinds of state besides the model; rank 0 passes "
+                f"{kinds[0] or 'none'}, rank {other} {kinds[other] or 'none'}: a step records one list of states, "
+                "and no load could restore them alike. A rank whose model part has no parameters has no optimizer: "
+                "give every pipeline stage parameters, or keep a state out of the checkpoint on every rank")
         if len(set(digests)) > 1:  # rare: every rank's settings, to name those that differ
             _refuse_differing(agreed, self._group.all_gather(agreed))
 
