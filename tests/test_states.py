@@ -900,7 +900,10 @@ def _save_per_rank_states(rank: int, world_size: int, folder: str) -> None:
     logging.getLogger("torchtitan_ckpt").addHandler(handler)
     keyed = Holder({f"rank{rank}": torch.full((2,), float(rank))})  # the way the warning says: saved apart
     names = Holder({"names": {"alpha", "beta", "gamma", "delta"}})  # printed in another order by each process
-    states = {"rng": _Rng(), "alike": _Count(7), "own": _Count(rank), "keyed": keyed, "names": names}
+    ema = Holder({"w": torch.full((1 << 19,), float(rank))})  # 2 MiB, past what is digested whole
+    big = Holder({"w": torch.arange(1 << 19, dtype=torch.float32)})
+    states = {"rng": _Rng(), "alike": _Count(7), "own": _Count(rank), "keyed": keyed, "names": names, "ema": ema,
+              "big": big}
     with CheckpointManager(Checkpoint(enable=True, interval=1), [nn.Linear(2, 2)], states=states,
                            base_folder=folder) as manager:
         manager.save(1)
@@ -916,7 +919,7 @@ def test_a_state_whose_values_differ_by_rank_is_warned_of_once(tmp_path):
     spawn(2, _save_per_rank_states, str(tmp_path))
     said = (tmp_path / "log-0").read_text().splitlines()
     warned = [line for line in said if "holds other values on rank(s) 1 than on rank(s) 0" in line]
-    assert [line.split(" holds")[0] for line in warned] == ["states['rng']", "states['own']"]
+    assert [line.split(" holds")[0] for line in warned] == ["states['rng']", "states['own']", "states['ema']"]
     assert "key its values by rank in the state (a dict of {f'rank{rank}': ...})" in warned[0]
     assert not (tmp_path / "log-1").read_text()
 

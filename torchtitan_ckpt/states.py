@@ -789,9 +789,10 @@ def _initial_rates(scheduler: Any, own: list[Any]) -> list[Any]:
 
 
 _DIGESTED_BYTES = 1 << 20
-"""CPU tensors of up to this many bytes are digested whole by `replicated_digest`; others (an
-EMA's replicated weights, a tensor on a GPU: no copy on the training thread) by their dtype and
-shape alone."""
+"""CPU tensors of up to this many bytes are digested whole by `replicated_digest`; larger
+contiguous ones (an EMA's replicated weights) by as many bytes of elements taken at an even
+stride through them (copies that drifted apart differ throughout); others (a tensor on a GPU: no
+copy on the training thread) by their dtype and shape alone."""
 
 
 def replicated_digest(state: Any) -> tuple[bytes, bytes]:
@@ -809,9 +810,13 @@ def replicated_digest(state: Any) -> tuple[bytes, bytes]:
             values.update(repr(_canonical(value)).encode())
             continue
         values.update(f"{value.dtype}{list(value.shape)}".encode())
-        if value.device.type == "cpu" and value.numel() * value.element_size() <= _DIGESTED_BYTES:
+        whole = value.numel() * value.element_size() <= _DIGESTED_BYTES
+        if value.device.type == "cpu" and (whole or value.is_contiguous()):
             try:
-                values.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                flat = value.detach().reshape(-1)
+                if not whole:
+                    flat = flat[:: -(-flat.numel() * value.element_size() // _DIGESTED_BYTES)]
+                values.update(flat.contiguous().view(torch.uint8).numpy().tobytes())
             except (RuntimeError, TypeError):  # no bytes to read (sparse, quantized)
                 pass
     return keys.digest(), values.digest()
