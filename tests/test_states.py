@@ -899,7 +899,8 @@ def _save_per_rank_states(rank: int, world_size: int, folder: str) -> None:
     handler = logging.FileHandler(os.path.join(folder, f"log-{rank}"))
     logging.getLogger("torchtitan_ckpt").addHandler(handler)
     keyed = Holder({f"rank{rank}": torch.full((2,), float(rank))})  # the way the warning says: saved apart
-    names = Holder({"names": {"alpha", "beta", "gamma", "delta"}})  # printed in another order by each process
+    names = Holder({"names": {"alpha", "beta", "gamma", "delta"},  # printed in another order by each process
+                    "settings": ({"lr": 1, "wd": 0} if rank == 0 else {"wd": 0, "lr": 1},)})  # filled in other orders
     ema = Holder({"w": torch.full((1 << 19,), float(rank))})  # 2 MiB, past what is digested whole
     big = Holder({"w": torch.arange(1 << 19, dtype=torch.float32)})
     states = {"rng": _Rng(), "alike": _Count(7), "own": _Count(rank), "keyed": keyed, "names": names, "ema": ema,

@@ -824,13 +824,14 @@ def replicated_digest(state: Any) -> tuple[bytes, bytes]:
 
 def _canonical(value: Any) -> Any:
     """`value` with its sets sorted (by their items' `repr`), which each process prints in an order
-    of its own (its string hashes' seed)."""
+    of its own (its string hashes' seed), and its dicts' items by their keys' `repr` (ranks may
+    fill one dict in other orders)."""
     if isinstance(value, (set, frozenset)):
         return sorted(map(repr, map(_canonical, value)))
     if isinstance(value, (list, tuple)):
         return [_canonical(v) for v in value]
     if isinstance(value, dict):
-        return [(repr(k), _canonical(v)) for k, v in value.items()]
+        return sorted(((repr(k), _canonical(v)) for k, v in value.items()), key=lambda item: item[0])
     return value
 
 
