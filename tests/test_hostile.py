@@ -15,6 +15,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import traceback
 import zlib
 from dataclasses import replace
 
@@ -531,8 +532,10 @@ def test_a_file_cut_while_it_is_read_leaves_the_job_refusing_to_save(tmp_path):
     shutil.copytree(step, tmp_path / "intact")
     job = make_job(dump, steps=4, interval=2, extra_states={"saboteur": _Saboteur(cut=step)})
     partial = "failed after it had begun writing .*cut short.* do not train or save"
-    with pytest.raises(PartialLoadError, match=partial), within(60):
+    with pytest.raises(PartialLoadError, match=partial) as half, within(60):
         job.manager.load()
+    assert half.value.__cause__ is not half.value  # raised from itself: a walk of the causes never ended
+    assert "cut short" in "".join(traceback.format_exception(half.value.__cause__))
     with pytest.raises(CheckpointError, match="save\\(4\\) refused: the job's state is not one step's"):
         job.manager.save(4, last_step=True)
     with pytest.raises(CheckpointError, match="cut short") as refused, within(60):

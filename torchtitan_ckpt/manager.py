@@ -1055,7 +1055,7 @@ class CheckpointManager:
                 failed.reraise(f"loading {target.path}")
             own = failed.error if isinstance(failed.error, PartialLoadError) else None
             self._half_loaded = own or PartialLoadError(target.path, failed)
-            raise self._half_loaded from failed.error
+            raise self._half_loaded from (own.cause if own is not None else failed.error)  # never from itself
         except BaseException as e:  # Ctrl-C, or a handler's exit, may land once tensors are being filled
             if not isinstance(e, Exception):
                 self._half_loaded = PartialLoadError(target.path, e)
