@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import pathlib
@@ -1459,3 +1460,37 @@ def test_retention_failing_after_a_load_fails_no_load(tmp_path, monkeypatch, cap
     assert ("step 6 is loaded, but retention could not run: [Errno 13] Permission denied: 'injected'; older steps "
             "are kept until a later save") in caplog.text
     assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [2, 4, 6]
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async_with_pinned_mem"])
+def test_a_job_whose_default_device_is_not_the_cpu_saves_loads_and_exports(tmp_path, mode):
+    """A training script's `torch.set_default_device` (CUDA; meta stands in for it here) reached
+    the tensors the package makes for its own CPU work: a synchronous save failed, a cast load on
+    one thread failed, the pinned mode's shared counter was refused, and the Hugging Face export's
+    q/k rows were permuted through an index of uninitialised memory and committed."""
+    from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_adapter  # noqa: PLC0415
+    from torchtitan_ckpt.hf import load_hf, save_hf  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = Transformer(FLAVORS["debugmodel"])
+    reference = str(tmp_path / "reference")
+    save_hf(model.state_dict(), reference, hf_adapter(model.args))
+    narrow = Transformer(FLAVORS["debugmodel"])
+    for p in narrow.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    config = Checkpoint(enable=True, interval=1, async_mode=mode, load_threads=1, keep_latest_k=0)
+    with torch.device("meta"):
+        with CheckpointManager(config, [model], base_folder=str(tmp_path)) as manager:
+            assert manager.save(1)
+            manager.wait()
+        with CheckpointManager(dataclasses.replace(config, load_only=True), [narrow],
+                               base_folder=str(tmp_path)) as manager:
+            assert manager.load()  # float32 into bfloat16: read through a buffer of the reader's
+        save_hf(model.state_dict(), str(tmp_path / "hf"), hf_adapter(model.args))
+    assert_same(dict(narrow.named_parameters()), {k: v.to(torch.bfloat16) for k, v in model.named_parameters()})
+    for name in sorted(os.listdir(reference)):
+        assert (tmp_path / "hf" / name).read_bytes() == (tmp_path / "reference" / name).read_bytes(), name
+    loaded = Transformer(FLAVORS["debugmodel"])
+    with torch.device("meta"):
+        load_hf(loaded.state_dict(), str(tmp_path / "hf"), hf_adapter(model.args))
+    assert_same(loaded.state_dict(), model.state_dict())

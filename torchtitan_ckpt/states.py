@@ -527,7 +527,8 @@ def _sparse_first_state(opt: torch.optim.Optimizer) -> None:
     given = [p for group in opt.param_groups for p in group["params"] if p.grad is None]
     for p in given:
         p.grad = torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.long, device=p.device),
-                                         p.new_empty((0, *p.shape[1:])), p.shape, check_invariants=True)
+                                         p.new_empty((0, *p.shape[1:])), p.shape, check_invariants=True,
+                                         device=p.device)
     try:
         for group in opt.param_groups:
             group["lr"] = 0.0
@@ -597,7 +598,7 @@ def in_saved_kinds(state: Any, saved_tensors: Mapping[str, tuple[int, ...]], sav
     if _scalar_tensor(state) and key in saved_values:
         return state.item()
     if _plain_number(state) and key in saved_tensors:
-        return torch.zeros(saved_tensors[key], dtype=torch.float64)
+        return torch.zeros(saved_tensors[key], dtype=torch.float64, device="cpu")
     return state
 
 

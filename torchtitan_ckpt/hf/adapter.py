@@ -496,8 +496,8 @@ def reorder_rows(w: Any, row_order: tuple[int, ...]) -> Any:
 
 
 def _permute_rows(w: torch.Tensor, row_order: tuple[int, ...]) -> torch.Tensor:
-    inverse = torch.empty(len(row_order), dtype=torch.long)
-    inverse[torch.tensor(row_order)] = torch.arange(len(row_order))
+    inverse = torch.empty(len(row_order), dtype=torch.long, device=w.device)
+    inverse[torch.tensor(row_order, device=w.device)] = torch.arange(len(row_order), device=w.device)
     blocks = w.reshape(-1, len(row_order), *w.shape[1:])
     return blocks[:, inverse].reshape(w.shape)
 

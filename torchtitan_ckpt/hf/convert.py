@@ -246,7 +246,7 @@ def empty_state_dict(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch
     """Uninitialised tensors of `shapes` and `dtypes`, split by rows over every rank when
     torch.distributed is initialised (so each rank holds about 1/N of the model)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return {k: torch.empty(shape, dtype=dtypes[k]) for k, shape in shapes.items()}
+        return {k: torch.empty(shape, dtype=dtypes[k], device="cpu") for k, shape in shapes.items()}
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     return {k: dtensor.empty(*shape, dtype=dtypes[k], device_mesh=mesh, placements=[dtensor.Shard(0)])
             for k, shape in shapes.items()}

@@ -413,7 +413,7 @@ def _read_whole(layout: dict[str, TensorEntry]) -> dict[str, torch.Tensor]:
     for path, entries in sorted(by_file.items()):
         with safe_open.open_path(path, "a safetensors file") as f:
             for name, entry in sorted(entries, key=lambda ne: ne[1].offset):
-                out[name] = torch.empty(entry.shape, dtype=entry.dtype)
+                out[name] = torch.empty(entry.shape, dtype=entry.dtype, device="cpu")
                 read_exact(f.fileno(), [tensor_bytes(out[name])], entry.offset, path)
     return out
 

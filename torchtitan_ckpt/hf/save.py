@@ -161,7 +161,7 @@ def _whole_tensors(hf_sd: dict[str, Any]) -> tuple[dict[str, Any], int]:
                 gathered += t.numel() * t.element_size() if isinstance(t, DTensor) else 0
             value = full[id(value.tensor)][value.index]
         elif isinstance(value, DTensor) and not value.numel():  # FSDP2 shards it as (0, 0): its shape is lost
-            value = torch.empty(value.shape, dtype=value.dtype)
+            value = torch.empty(value.shape, dtype=value.dtype, device="cpu")
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and not value.is_contiguous():
             value = value.contiguous()
         out[name] = value

@@ -116,7 +116,7 @@ def _plan_tensor(local: torch.Tensor, offsets: tuple[int, ...], source: HFSource
         first, last = max(lo, start), min(hi, stop)
         rows: slice | torch.Tensor = slice(first - start, last - start)
         if order is not None:  # our row g is HF row order[g % block] of g's block
-            ours = torch.arange(first, last)
+            ours = torch.arange(first, last, device="cpu")
             rows = ours - ours % len(order) + order[ours % len(order)] - start
         reads.append(Read(entry.path, entry.offset + start * row_bytes, entry.dtype, (stop - start, *shape[1:]),
                           local[first - lo:last - lo], rows, inner))
@@ -143,7 +143,7 @@ def _local_part(name: str, value: Any) -> tuple[torch.Tensor, tuple[int, ...]]:
 
 @functools.lru_cache(maxsize=16)
 def _order_tensor(row_order: tuple[int, ...]) -> torch.Tensor:
-    return torch.tensor(row_order)
+    return torch.tensor(row_order, device="cpu")
 
 
 def read_all(reads: list[Read], num_threads: int) -> int:
@@ -201,7 +201,7 @@ class _Scratch:
     thread at a time. Its pages are touched, so counted, only as pieces use them."""
 
     def __init__(self, nbytes: int):
-        self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
         self.lock = threading.Lock()
 
 

@@ -321,7 +321,7 @@ class _Output:
 
 
 def _storage_bytes(t: torch.Tensor) -> memoryview:
-    raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+    raw = torch.empty(0, dtype=torch.uint8, device="cpu").set_(t.untyped_storage())
     return memoryview(raw.numpy()).cast("B")
 
 
@@ -498,7 +498,8 @@ def exact_storage(t: torch.Tensor, copy: bool = True) -> torch.Tensor | None:
     elif t.untyped_storage().nbytes() != nbytes:
         if _fills_one_stretch(t):
             start = t.storage_offset() * t.element_size()
-            t = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage()[start:start + nbytes], 0, t.shape, t.stride())
+            t = torch.empty(0, dtype=t.dtype, device="cpu").set_(t.untyped_storage()[start:start + nbytes], 0, t.shape,
+                                                                 t.stride())
         else:
             t = t.clone(memory_format=torch.contiguous_format) if copy else None
     return t

@@ -615,7 +615,7 @@ def _copy_pieces(item: _Item, start: int, region: torch.Tensor, dest: torch.Tens
         return
     span = 1 + sum((n - 1) * s for n, s in zip(region.size(), region.stride()))
     if span * itemsize <= _PIECE_BYTES or region.numel() == 1:
-        tmp = torch.empty(span, dtype=region.dtype)
+        tmp = torch.empty(span, dtype=region.dtype, device="cpu")
         item.readinto(start + region.storage_offset() * itemsize, posio.tensor_bytes(tmp))
         dest.copy_(tmp.as_strided(region.size(), region.stride(), 0))
         return

@@ -200,7 +200,7 @@ class SharedArenas(Stager):
         """Address registered with CUDA -> (its arena, the device whose tensors it receives)."""
         self.writer: WriterProcess | None = None
         try:
-            self.count = torch.zeros(1, dtype=torch.int64).share_memory_()
+            self.count = torch.zeros(1, dtype=torch.int64, device="cpu").share_memory_()
         except RuntimeError as e:  # first: nothing is started yet that a failure would leave behind
             raise ConfigError("checkpoint.async_mode", self.mode, "needs shared memory, which this machine "
                               f"refuses ({e}); use async, which needs none") from e
@@ -269,7 +269,7 @@ class SharedArenas(Stager):
             offsets[path] = size
             size += -(-local_values(t).nbytes // _ALIGN) * _ALIGN
         try:
-            arena = torch.empty(size, dtype=torch.uint8).share_memory_()
+            arena = torch.empty(size, dtype=torch.uint8, device="cpu").share_memory_()
         except RuntimeError as e:
             if "shm" not in str(e) and "shared memory" not in str(e):  # not shared memory's (no memory at all)
                 raise

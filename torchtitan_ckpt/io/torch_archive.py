@@ -419,7 +419,8 @@ def _storage_from_archive(archive: Any) -> torch.storage.TypedStorage:
     numel = struct.unpack("<q", f.read(8).ljust(8, b"\xff"))[0]
     if not isinstance(ref, _StorageRef) or keys != [ref.key] or numel != ref.numel or f.tell() + numel * ref.dtype.itemsize != len(archive):
         raise UnrecognisedArchive(f"a tensor's storage of {brief(numel)} elements in {len(archive) - f.tell()} bytes")
-    data = torch.frombuffer(bytearray(archive[f.tell():]), dtype=torch.uint8) if numel else torch.empty(0, dtype=torch.uint8)
+    data = (torch.frombuffer(bytearray(archive[f.tell():]), dtype=torch.uint8) if numel
+            else torch.empty(0, dtype=torch.uint8, device="cpu"))
     return torch.storage.TypedStorage(wrap_storage=data.untyped_storage(), dtype=ref.dtype, _internal=True)
 
 
@@ -429,7 +430,8 @@ def _plain_tensor(storage, storage_offset, size, stride, requires_grad, hooks, m
     could claim any number, which a copy of it would allocate)."""
     if not isinstance(storage, torch.storage.TypedStorage) or hooks or metadata or not isinstance(requires_grad, bool):
         raise UnrecognisedArchive("a tensor with hooks or metadata")
-    t = torch.empty((0,), dtype=storage.dtype).set_(storage._untyped_storage, storage_offset, size, stride)
+    t = torch.empty((0,), dtype=storage.dtype, device="cpu").set_(storage._untyped_storage, storage_offset, size,
+                                                                  stride)
     held = storage._untyped_storage.nbytes() // storage.dtype.itemsize  # its size(), which warns of TypedStorage
     if t.numel() > held:
         raise UnrecognisedArchive(f"a view of {t.numel()} elements of a storage of {held}")

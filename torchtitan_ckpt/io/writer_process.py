@@ -196,7 +196,7 @@ class WriterProcess:
         if key not in self._registered:
             buffer_id = next(self._ids)
             self._registered[key] = (buffer_id, storage)
-            register[buffer_id] = torch.empty(0, dtype=torch.uint8).set_(storage)
+            register[buffer_id] = torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage)
         self._used.add(key)
         return ("buffer", self._registered[key][0], data.dtype, data.storage_offset(),
                 tuple(data.shape), tuple(data.stride()))
@@ -410,7 +410,8 @@ def _serve(conn, parent: int) -> None:
 def _resolve(ref: Any, buffers: dict[int, torch.Tensor]) -> Any:
     if isinstance(ref, tuple) and ref and ref[0] == "buffer":
         _, buffer_id, dtype, offset, size, stride = ref
-        return torch.empty(0, dtype=dtype).set_(buffers[buffer_id].untyped_storage(), offset, size, stride)
+        return torch.empty(0, dtype=dtype, device="cpu").set_(buffers[buffer_id].untyped_storage(), offset, size,
+                                                             stride)
     return ref
 
 
