@@ -142,6 +142,26 @@ def fail_reads_after_fill() -> None:
     reader.ItemReader.fill = failing
 
 
+def syscalls(monkeypatch) -> list[tuple[str, str]]:
+    """The file system calls of this process, in order, as (call, path; a rename's new path): the
+    calls go through to the file system; fsync's descriptor is named by the path it has open."""
+    calls: list[tuple[str, str]] = []
+
+    def recorded(name: str, real):
+        def call(*args, **kwargs):
+            if name == "fsync":
+                fd = args[0] if isinstance(args[0], int) else args[0].fileno()
+                calls.append((name, os.readlink(f"/proc/self/fd/{fd}")))
+            else:
+                calls.append((name, os.fspath(args[1] if name in ("rename", "replace") else args[0])))
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("fsync", "replace", "rename", "remove", "unlink"):
+        monkeypatch.setattr(os, name, recorded(name, getattr(os, name)))
+    return calls
+
+
 def stay_until(path: str, limit_s: float = 120) -> None:
     """Keep this rank (and its groups) alive until another rank creates `path`: a rank that
     never joins a collective must not leave before the others time out, or they fail on its

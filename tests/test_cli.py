@@ -31,7 +31,7 @@ from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_adapter, hf_c
 from torchtitan_ckpt.hf import save_hf
 from torchtitan_ckpt.hf.files import RECORDED_CONFIG
 
-from .helpers import ROOT, run_job
+from .helpers import ROOT, run_job, syscalls
 
 CMD = [sys.executable, "-m", "torchtitan_ckpt.cli"]
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
@@ -894,3 +894,13 @@ def test_a_step_removed_while_verified_is_said_removed(tmp_path, monkeypatch, ca
     assert cli.main(["verify", step]) == 2
     out = capsys.readouterr()
     assert "was removed while it was verified" in out.err and "CORRUPT" not in out.out
+
+
+def test_convert_makes_its_output_s_name_durable(small_step, tmp_path, monkeypatch):
+    """OUT.partial was made and renamed to OUT with no fsync of their folder: after a power loss
+    the command's output could be gone though it had said "converted"."""
+    calls = syscalls(monkeypatch)
+    out = str(tmp_path / "hf")
+    assert cli.main(["convert", "--to", "hf", small_step, out, "-q"]) == 0
+    renamed = calls.index(("rename", out))
+    assert ("fsync", str(tmp_path)) in calls[renamed:], calls[renamed:]

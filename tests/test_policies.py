@@ -15,6 +15,8 @@ from torchtitan_ckpt.layout import StepFolder
 from torchtitan_ckpt.policy.retention import newer_steps, steps_to_delete
 from torchtitan_ckpt.policy.schedule import SaveKind, save_kind
 
+from .helpers import syscalls
+
 
 def _kinds(config: Checkpoint, steps: int) -> dict[int, SaveKind]:
     out = {}
@@ -345,3 +347,37 @@ def test_a_commit_refuses_a_step_missing_a_file_its_writers_wrote(tmp_path):
     with pytest.raises(OSError, match=r"\['__1_0.distcp'\] \(1 files\) were written but are not in the step folder"):
         commit.write_marker(path, commit.CommitInfo(step=3, states=["model"], world_size=2), written)
     assert not commit.is_committed(path)
+
+
+def test_a_commit_makes_the_files_entries_durable_before_its_marker(tmp_path, monkeypatch):
+    """The step folder was first fsynced after the marker's rename: a power loss could keep the
+    marker and lose the entry of a data file or of `.metadata` (a file system that does not
+    order metadata writes), a step `list` calls complete and no load reads."""
+    from .jobs import make_job  # noqa: PLC0415
+
+    job = make_job(str(tmp_path), steps=2, interval=2)
+    calls = syscalls(monkeypatch)
+    job.run_to(2, steps=2)
+    job.manager.close()
+    step = str(tmp_path / "checkpoint" / "step-2")
+    marker = next(i for i, c in enumerate(calls) if c == ("replace", os.path.join(step, commit.MARKER)))
+    metadata = max(i for i, (_, path) in enumerate(calls[:marker]) if path.endswith(".metadata"))
+    assert ("fsync", step) in calls[metadata:marker], calls[metadata:marker]
+
+
+def test_a_removal_makes_the_files_removals_durable_before_the_marker_s(tmp_path, monkeypatch):
+    """The step folder was fsynced only after its marker's removal: a power loss could keep that
+    removal and not a data file's, leaving files without a marker, which read as another
+    program's step (loaded unverified)."""
+    path = str(tmp_path / "step-3")
+    os.makedirs(path)
+    for name in ("__0_0.distcp", ".metadata"):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(b"x")
+    commit.write_marker(path, commit.CommitInfo(step=3, states=["model"], world_size=1))
+    calls = syscalls(monkeypatch)
+    commit.remove_step(path)
+    marker = calls.index(("remove", os.path.join(path, commit.IN_PROGRESS)))
+    last_data = max(i for i, (call, name) in enumerate(calls) if call == "unlink" and name in ("__0_0.distcp",
+                                                                                               ".metadata"))
+    assert ("fsync", path) in calls[last_data:marker], calls

@@ -38,7 +38,7 @@ from typing import Any, NoReturn
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .io import IO_THREADS
+from .io import IO_THREADS, durable
 from . import commit, layout
 from .dcp import storage
 from .dcp.metadata import METADATA_FILE
@@ -535,6 +535,7 @@ def _staged(dst: str) -> Iterator[str]:
             if os.path.isdir(dst):
                 os.rmdir(dst)
             os.rename(tmp, dst)
+            durable.fsync_path(os.path.dirname(os.path.abspath(dst)))  # the output's name survives a crash
     except BaseException:
         if rank0:
             _removed(tmp)
@@ -571,7 +572,7 @@ def _new_partial(tmp: str) -> None:
             raise CheckpointError(f"{tmp} exists and was not left by an interrupted run of this command; "
                                   "it is never removed: move it away or name another output")
         shutil.rmtree(tmp)
-    os.makedirs(tmp)
+    durable.make_dir(tmp)
     commit.mark_in_progress(tmp)
 
 

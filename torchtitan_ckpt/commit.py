@@ -216,6 +216,7 @@ def remove_step(path: str, removed: Callable[[int], None] | None = None) -> None
         for name in folders:  # a link to a folder is listed here, and was not walked into
             is_link = stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
             (os.unlink if is_link else os.rmdir)(name, dir_fd=fd)
+    durable.fsync_path(path)  # the removals made durable before the marker's: a crash keeps no file without it
     if os.path.lexists(marker):
         os.remove(marker)
     try:
@@ -253,6 +254,7 @@ def write_marker(path: str, info: CommitInfo,
     info.created = time.time()
     for rel in info.files.keys() - (checksums or {}).keys():
         durable.fsync_path(os.path.join(path, rel))
+    durable.fsync_path(path)  # the files' entries in the folder, before the marker that lists them
     durable.write_json(os.path.join(path, MARKER), asdict(info), indent=1, sort_keys=True,
                        before_replace=lambda: faults.hit("commit", info.step))
     return info

@@ -516,6 +516,7 @@ def clear_model_files(folder: str) -> None:
     index = os.path.join(folder, INDEX_FILE)
     if os.path.lexists(index):
         os.remove(index)
+        durable.fsync_path(folder)  # gone for good before any file of the new export is made
     for name in filter(is_model_file, os.listdir(folder)):
         os.remove(os.path.join(folder, name))
 
@@ -525,7 +526,7 @@ def _create_files(output_dir: str, files: Sequence[OutputFile], sync: Collection
     export's (`clear_model_files`); run by one rank, which fsyncs those named in `sync` now and
     the others with the tensor bytes it writes into them.
     Without `header`: a rank's own copy of files another rank heads (a folder not shared)."""
-    os.makedirs(output_dir, exist_ok=True)
+    durable.make_dir(output_dir, exist_ok=True)
     clear_model_files(output_dir)
     for f in files:
         fd = create_replacing(os.path.join(output_dir, f.name))

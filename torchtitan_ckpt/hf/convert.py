@@ -268,7 +268,7 @@ def _write_dcp(state: dict[str, Any], path: str, hf_config: dict[str, Any], rope
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if rank == 0:
-        os.makedirs(path, exist_ok=True)
+        durable.make_dir(path, exist_ok=True)
         durable.write_json(os.path.join(path, RECORDED_CONFIG), hf_config, indent=2)
         durable.write_json(os.path.join(path, RECORDED_LAYOUT), {"rope_layout": rope_layout})
     if dist.is_initialized():

@@ -203,7 +203,7 @@ def _clear_and_write_config(out_dir: str, config: dict[str, Any], assets: dict[s
     paths. A link there is replaced, never written through: a hub cache's `config.json` links to
     a blob of the cache, and any link may lead out of the folder. Not atomically: the folder has
     no index until the export is done."""
-    os.makedirs(out_dir, exist_ok=True)
+    durable.make_dir(out_dir, exist_ok=True)
     _clear(out_dir)
     files = {CONFIG_FILE: json.dumps(config, indent=2).encode(), **assets}
     for name, data in files.items():

@@ -21,16 +21,22 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def make_dir(path: str) -> None:
+def make_dir(path: str, exist_ok: bool = False) -> None:
     """Create the folder `path` and the folders above it that are missing, each one's entry
     fsynced in its parent, so a crash cannot lose a folder (and the files in it) that a write
-    after this one counted on. `FileExistsError` if `path` exists."""
+    after this one counted on. `FileExistsError` if `path` exists, unless `exist_ok` (then its
+    entry is fsynced all the same: another process may have made it a moment ago); a folder
+    above it that another process makes meanwhile is taken as made."""
     missing, above = [], os.path.dirname(os.path.abspath(path))
-    while not os.path.isdir(above):
+    while not os.path.lexists(above):  # a file there: mkdir below it says NotADirectoryError
         missing.append(above)
         above = os.path.dirname(above)
     for folder in [*reversed(missing), path]:
-        os.mkdir(folder)
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            if (folder == path and not exist_ok) or not os.path.isdir(folder):
+                raise
         fsync_path(os.path.dirname(os.path.abspath(folder)))
 
 

@@ -95,7 +95,7 @@ class LocalStore(Store):
     def _write_probe(self, probe: str) -> None:
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise NotADirectoryError(f"{self.root} is a file, not a folder")
-        os.makedirs(self.root, exist_ok=True)
+        durable.make_dir(self.root, exist_ok=True)
         with open(probe, "w"):
             pass
 
