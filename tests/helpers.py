@@ -157,7 +157,7 @@ def syscalls(monkeypatch) -> list[tuple[str, str]]:
             return real(*args, **kwargs)
         return call
 
-    for name in ("fsync", "replace", "rename", "remove", "unlink"):
+    for name in ("fsync", "mkdir", "replace", "rename", "remove", "unlink"):
         monkeypatch.setattr(os, name, recorded(name, getattr(os, name)))
     return calls
 

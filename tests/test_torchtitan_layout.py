@@ -21,7 +21,7 @@ from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.dcp.metadata import METADATA_FILE
 from torchtitan_ckpt.example.model import hf_adapter
 
-from .helpers import assert_same, hub_snapshot, read_checkpoint
+from .helpers import assert_same, hub_snapshot, read_checkpoint, syscalls
 from .jobs import make_job
 
 
@@ -385,20 +385,18 @@ def test_a_save_replaces_the_folder_a_save_left_before_marking_it(tmp_path, left
     folder that is empty or holds only the marker's temporary file: saving that step again
     replaces it (it was refused for good as another program's). The new folder's entry is
     fsynced in its parent before anything is written into it."""
-    from torchtitan_ckpt.io import durable
-
-    step2 = layout.step_dir(_folder(tmp_path), 2)
+    step2 = os.path.abspath(layout.step_dir(_folder(tmp_path), 2))
     os.makedirs(step2)
     for name in left:
         open(os.path.join(step2, name), "w").close()
-    synced = []
-    real = durable.fsync_path
-    monkeypatch.setattr(durable, "fsync_path", lambda path: (synced.append(os.path.abspath(path)), real(path)))
+    calls = syscalls(monkeypatch)
     job = make_job(str(tmp_path), steps=4, interval=2)
     job.run_to(2, steps=4)
     job.manager.close()
     assert layout.committed_steps(_folder(tmp_path)) == [2]
-    assert os.path.abspath(_folder(tmp_path)) in synced[:2]
+    made = calls.index(("mkdir", step2))  # (later ones are writers making sure it exists)
+    inside = next(i for i, (_, path) in enumerate(calls[made:], made) if path.startswith(step2 + os.sep))
+    assert ("fsync", os.path.dirname(step2)) in calls[made:inside], calls[made:inside]
 
 
 def test_every_builtin_state_has_torchtitans_keys(tmp_path):
