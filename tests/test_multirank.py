@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -799,3 +800,43 @@ def test_ranks_passing_other_kinds_of_state_are_refused_at_start(tmp_path):
     committed rank 0's list of states, and every load then failed, rank 1 blaming node-local
     disks and rank 0 ranks out of step."""
     spawn(2, _states_on_some_ranks, str(tmp_path / "checkpoint"))
+
+
+class _SlowToTake(TensorState):
+    """A state whose load waits until `release` exists on rank 1 (a rank stuck in its own part)."""
+
+    def __init__(self, value: torch.Tensor, release: str | None):
+        super().__init__(value)
+        self.release = release
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        if self.release is not None:
+            stay_until(self.release)
+        super().load_state_dict(sd)
+
+
+def _a_rank_stuck_in_its_load(rank: int, world_size: int, folder: str, release: str) -> None:
+    from torchtitan_ckpt.errors import PartialLoadError  # noqa: PLC0415
+
+    torch.manual_seed(0)  # one model on both ranks (a replicated one is saved once)
+    model = torch.nn.Linear(4, 4)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    slow = _SlowToTake(torch.zeros(2), release if rank == 1 else None)
+    config = Checkpoint(enable=True, folder=folder, interval=1, collective_timeout_s=3)
+    stack = then_release(release) if rank == 0 else contextlib.nullcontext()
+    with stack, CheckpointManager(config, [model], states={"slow": slow}) as manager:
+        manager.save(1)
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        with pytest.raises(PartialLoadError):
+            manager.load(step=1)  # rank 0 waits its 3 s out for rank 1, whose tensors are read too
+        assert torch.equal(model.weight, saved["weight"])  # read in place before the states' part
+        with pytest.raises(CheckpointError, match=r"save\(2\) refused: the job's state is not one step's"):
+            manager.save(2)
+
+
+def test_a_load_whose_round_times_out_after_the_reads_is_a_partial_load(tmp_path):
+    """A rank stuck in its states' part of a load (after every rank's tensors were read in place):
+    the others' wait timed out with a CollectiveError, and nothing stopped them saving the
+    half-loaded state."""
+    spawn(2, _a_rank_stuck_in_its_load, str(tmp_path / "checkpoint"), str(tmp_path / "release"))

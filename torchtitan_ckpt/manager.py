@@ -1049,13 +1049,17 @@ class CheckpointManager:
             nbytes = sum(self._group.run(apply))
             self._half_loaded = None  # only a load that succeeded clears it: a refused one changed nothing
         except RankFailed as failed:
-            # a rank interrupted mid-read (Ctrl-C, a handler's exit) may have left any rank's tensors half filled
-            interrupted = not {"KeyboardInterrupt", "SystemExit"}.isdisjoint(failed.kinds)
+            # a rank interrupted mid-read (Ctrl-C, a handler's exit), or stuck past the timeout, may have left
+            # any rank's tensors half filled
+            interrupted = not {"KeyboardInterrupt", "SystemExit", CollectiveError.__name__}.isdisjoint(failed.kinds)
             if PartialLoadError.__name__ not in failed.kinds and not interrupted:
                 failed.reraise(f"loading {target.path}")
             own = failed.error if isinstance(failed.error, PartialLoadError) else None
             self._half_loaded = own or PartialLoadError(target.path, failed)
             raise self._half_loaded from (own.cause if own is not None else failed.error)  # never from itself
+        except CollectiveError as e:  # a rank stuck past the timeout, maybe once tensors were being filled
+            self._half_loaded = PartialLoadError(target.path, e)
+            raise self._half_loaded from e
         except BaseException as e:  # Ctrl-C, or a handler's exit, may land once tensors are being filled
             if not isinstance(e, Exception):
                 self._half_loaded = PartialLoadError(target.path, e)
