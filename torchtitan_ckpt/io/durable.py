@@ -24,9 +24,9 @@ def fsync_path(path: str) -> None:
 def make_dir(path: str, exist_ok: bool = False) -> None:
     """Create the folder `path` and the folders above it that are missing, each one's entry
     fsynced in its parent, so a crash cannot lose a folder (and the files in it) that a write
-    after this one counted on. `FileExistsError` if `path` exists, unless `exist_ok` (then its
-    entry is fsynced all the same: another process may have made it a moment ago); a folder
-    above it that another process makes meanwhile is taken as made."""
+    after this one counted on. `FileExistsError` if `path` exists, unless `exist_ok`; a folder
+    that another process makes meanwhile (another rank) is taken as made, its entry fsynced by
+    that process. A folder that exists is never opened (its parent may not be readable)."""
     missing, above = [], os.path.dirname(os.path.abspath(path))
     while not os.path.lexists(above):  # a file there: mkdir below it says NotADirectoryError
         missing.append(above)
@@ -37,6 +37,7 @@ def make_dir(path: str, exist_ok: bool = False) -> None:
         except FileExistsError:
             if (folder == path and not exist_ok) or not os.path.isdir(folder):
                 raise
+            continue
         fsync_path(os.path.dirname(os.path.abspath(folder)))
 
 
