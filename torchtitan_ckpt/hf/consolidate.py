@@ -229,7 +229,7 @@ def full_tensors(blocks: Sequence[Block], shapes: Mapping[str, Sequence[int]] | 
     by_fqn: dict[str, list[Block]] = {}
     for b in blocks:
         by_fqn.setdefault(b.fqn, []).append(b)
-    if shapes is not None and (unknown := sorted(by_fqn.keys() ^ shapes.keys())):
+    if shapes is not None and (unknown := by_fqn.keys() ^ shapes.keys()):
         raise InvalidShardsError(f"the shard files hold tensors {sorted(by_fqn.keys() - shapes.keys())[:5]} the "
                                  f"export has not and lack {sorted(shapes.keys() - by_fqn.keys())[:5]} of it "
                                  f"({len(unknown)} in all); a rank's shard file is missing or another's is in the "
