@@ -85,6 +85,17 @@ def _run_json(capsys, *argv: str) -> tuple[int, dict]:
 # ------------------------------------------------------------------------------- --json
 
 
+def test_the_package_runs_as_the_command(folder):
+    """`python -m torchtitan_ckpt` (a venv's scripts folder off the PATH) is the same command."""
+    ran = [subprocess.run([sys.executable, "-m", module, "list", "--json", folder], capture_output=True, text=True,
+                          env=ENV, cwd=ROOT, timeout=120) for module in ("torchtitan_ckpt", "torchtitan_ckpt.cli")]
+    assert ran[0].returncode == ran[1].returncode == 0, ran[0].stderr
+    assert ran[0].stdout == ran[1].stdout and json.loads(ran[0].stdout)
+    usage = subprocess.run([sys.executable, "-m", "torchtitan_ckpt", "--help"], capture_output=True, text=True,
+                           env=ENV, cwd=ROOT, timeout=120)
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: torchtitan-ckpt ")
+
+
 def test_list_json(folder, capsys):
     code, doc = _run_json(capsys, "list", folder)
     assert code == 0

@@ -1,0 +1,6 @@
+"""`python -m torchtitan_ckpt ...` is the `torchtitan-ckpt` command, for an environment whose
+scripts folder is not on the PATH (a venv used without activating it, `pip install --user`)."""
+
+from .cli import entry
+
+entry()
