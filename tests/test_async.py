@@ -291,6 +291,65 @@ def test_a_failure_on_one_rank_reaches_every_rank(tmp_path):
     spawn(2, _failing_rank_1, str(tmp_path), "async")
 
 
+@pytest.mark.parametrize("async_mode", ["async", "async_with_pinned_mem"])
+def test_training_held_by_a_stuck_save_is_told_in_the_log(tmp_path, caplog, monkeypatch, async_mode):
+    """A save that keeps training waiting (its writer process stopped, or its file written held
+    up here) is named in the log each `_SLOW_WAIT_S` s while it does, and the save ends
+    committed once it goes on."""
+    import signal
+    import threading
+    import time
+
+    from torchtitan_ckpt.io import filewriter
+
+    monkeypatch.setattr(staging, "_SLOW_WAIT_S", 0.2)
+    job = make_job(str(tmp_path), steps=10, interval=1, async_mode=async_mode, keep_latest_k=0)
+    job.run_to(1, steps=10)
+    job.manager.wait()
+    writer = job.manager._saves.stager.writer  # noqa: SLF001 - the writer process is what is held
+    held, release = threading.Event(), threading.Event()
+    if writer is None:  # written on a thread of this process: the file's write is held
+        write = filewriter.write_files
+
+        def held_write(*args, **kwargs):
+            held.set()
+            release.wait(60)
+            return write(*args, **kwargs)
+        monkeypatch.setattr(job.manager._saves.stager, "sink", lambda: held_write)  # noqa: SLF001
+    job.step()
+    waited: list[BaseException | None] = []
+
+    def wait() -> None:
+        try:
+            job.manager.wait()
+            waited.append(None)
+        except BaseException as e:
+            waited.append(e)
+    told: list[str] = []
+    caplog.clear()  # the first save may have waited for the writer process to start
+    with caplog.at_level("WARNING", logger="torchtitan_ckpt.staging"):
+        if writer is not None:
+            os.kill(writer.pid, signal.SIGSTOP)
+        try:
+            assert job.manager.save(2)
+            waiting = threading.Thread(target=wait)
+            waiting.start()
+            deadline = time.monotonic() + 60
+            while len(told) < 2 and time.monotonic() < deadline:
+                told = [r.getMessage() for r in caplog.records if "training has waited" in r.getMessage()]
+                time.sleep(0.05)
+        finally:
+            if writer is not None:
+                os.kill(writer.pid, signal.SIGCONT)
+            release.set()
+        waiting.join(60)
+    assert waited == [None]
+    assert len(told) >= 2 and all("step-2, still being written or committed" in m for m in told), told
+    assert all(f"writer process (pid {writer.pid})" in m for m in told) if writer is not None else held.is_set()
+    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint")) == [1, 2]
+    job.manager.close()
+
+
 def test_pinned_mode_writes_in_its_own_process_and_survives_losing_it(tmp_path):
     """The files are written by a writer process; when it dies, the save in flight fails naming
     its step, the previous step stays loadable, and the next save starts a new writer."""

@@ -37,6 +37,7 @@ import multiprocessing.util
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -218,6 +219,10 @@ class _CopyStream:
 _THREADS = 2
 """A background save's threads: one stages, the other writes and commits."""
 
+_SLOW_WAIT_S = 60.0
+"""How long training waits for a background save before the log says so, and again each time
+as long after."""
+
 
 class BackgroundSaves:
     """Stage, write and commit on a background thread; `submit()` returns before the copy. Where
@@ -299,11 +304,24 @@ class BackgroundSaves:
             raise
         copies.finish()
 
+    def _wait_for(self, futures: list[Future]) -> None:
+        """Block until `futures` are done, saying in the log every `_SLOW_WAIT_S` s that training
+        still waits: a writer process, file system or rank that is stuck would otherwise hold
+        it in silence."""
+        start = time.monotonic()
+        while wait_for(futures, timeout=_SLOW_WAIT_S).not_done:
+            staging = self._staging is not None and not self._staging.done()
+            writer = self.stager.writer
+            logger.warning("training has waited %.0f s for the background save to %s, still being %s; a file "
+                           "system, a rank%s that is stuck would hold it", time.monotonic() - start, self._path,
+                           "staged" if staging else "written or committed",
+                           "" if writer is None else f" or this rank's writer process (pid {writer.pid})")
+
     def wait_for_staging(self) -> None:
         """Block until the last submitted state is staged (a staging failure is raised by
         `wait()`, with its step); with `verify`, check the deferred tensors first."""
         if self._staging is not None:
-            wait_for([self._staging])
+            self._wait_for([self._staging])
         check, self._check = self._check, []  # each save's tensors are compared once
         _compare(check, "the optimizer's step")
 
@@ -317,7 +335,7 @@ class BackgroundSaves:
         that failed early may leave it copying into the arenas the next save reuses); raise
         the save's failure if it had one."""
         pending, staging = self._pending, self._staging
-        wait_for([f for f in (pending, staging) if f is not None])  # interrupted: both still tracked
+        self._wait_for([f for f in (pending, staging) if f is not None])  # interrupted: both still tracked
         self._pending, self._staging, check, self._check = None, None, self._check, []
         if pending is not None:
             pending.result()
@@ -326,7 +344,7 @@ class BackgroundSaves:
     def settle(self) -> None:
         """Block until the save in flight has ended, raising nothing: its failure is logged, and
         raised by `wait()`."""
-        wait_for([f for f in (self._pending, self._staging) if f is not None])
+        self._wait_for([f for f in (self._pending, self._staging) if f is not None])
 
     def finish_at_exit(self) -> None:
         """A script that ends without `close()`: a save in flight is waited for (and its failure

@@ -54,6 +54,8 @@ class Stager(ABC):
     """Whether copies go into pinned memory (a GPU source's copy then does not block the host)."""
     count: torch.Tensor | None = None
     """See `Copies`: the copies made, in shared memory, for a writer process; None without one."""
+    writer: WriterProcess | None = None
+    """The process that writes the files, while one runs (`async_with_pinned_mem`)."""
 
     def layout(self, state: Any, owned: Deferred = nothing_deferred) -> Copies:
         """Where each tensor of `state` is staged (allocating what is new), and the staged
@@ -198,7 +200,6 @@ class SharedArenas(Stager):
         save after a model-only one reuses them)."""
         self._pinned: dict[int, tuple[torch.Tensor, torch.device]] = {}
         """Address registered with CUDA -> (its arena, the device whose tensors it receives)."""
-        self.writer: WriterProcess | None = None
         try:
             self.count = torch.zeros(1, dtype=torch.int64, device="cpu").share_memory_()
         except RuntimeError as e:  # first: nothing is started yet that a failure would leave behind

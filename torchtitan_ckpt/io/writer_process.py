@@ -202,6 +202,11 @@ class WriterProcess:
                 tuple(data.shape), tuple(data.stride()))
 
     @property
+    def pid(self) -> int | None:
+        """The writer's process id, for the log (None before it started)."""
+        return self._proc.pid
+
+    @property
     def alive(self) -> bool:
         with self._reap:
             return self._proc.is_alive()
