@@ -123,6 +123,42 @@ def test_a_rank_interrupted_inside_a_collective_enters_no_other(tmp_path):
     spawn(2, _interrupted_inside_a_collective, str(tmp_path), str(tmp_path / "gone"))
 
 
+def _stuck_inside_dcp(rank: int, world_size: int, folder: str, gone: str) -> None:
+    import torch
+
+    from torchtitan_ckpt import Checkpoint, CheckpointManager, CheckpointSaveError
+    from torchtitan_ckpt.dcp import planner
+
+    config = Checkpoint(enable=True, interval=1, keep_latest_k=0, collective_timeout_s=3)
+    with CheckpointManager(config, [torch.nn.Linear(2, 2)], base_folder=folder) as manager:
+        manager.save(1)
+        if rank == 1:  # stuck in DCP's planning (a slow state, a hung file system) until rank 0 gave up
+            plan = planner.DedupSavePlanner.create_local_plan
+
+            def stuck(self):
+                stay_until(gone)
+                return plan(self)
+            planner.DedupSavePlanner.create_local_plan = stuck
+        with then_release(gone) if rank == 0 else contextlib.nullcontext():
+            with pytest.raises(CheckpointSaveError, match=f"saving step 2 .* failed: CollectiveError: a collective "
+                                                          f"among the checkpoint's 2 ranks failed on rank {rank} "):
+                manager.save(2)
+            with pytest.raises(CheckpointSaveError, match=f"CollectiveError: rank {rank}: an earlier collective "
+                                                          "among the checkpoint's 2 ranks failed .*restart the job"):
+                manager.save(3)  # not a wait for a peer whose connection is gone
+        if rank == 0:
+            stay_until(gone + ".1")
+        else:
+            open(gone + ".1", "w").close()
+
+
+def test_a_collective_of_dcp_that_times_out_is_named_and_no_later_one_is_entered(tmp_path):
+    """A rank stuck inside `dcp.save` (in DCP's own collectives, not the group's rounds): gloo's
+    timeout reached the caller as a bare RuntimeError quoting gloo's source, and the next save
+    waited for a peer gloo had cut off."""
+    spawn(2, _stuck_inside_dcp, str(tmp_path), str(tmp_path / "gone"))
+
+
 def _own_failure_kept(rank: int, world_size: int, done: str) -> None:
     group = CheckpointGroup(timeout_s=10)
     if rank == 1:

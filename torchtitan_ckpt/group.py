@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .errors import CheckpointError, CollectiveError, RankFailed, few
 
@@ -63,10 +64,10 @@ class CheckpointGroup:
         """Rounds of `run` this rank has entered: shared in each round, so ranks that are not in
         the same round (one left a round without gathering) fail instead of pairing up wrongly."""
         self._broken: str | None = None
-        """Why this rank may not enter another collective: it was interrupted inside one (a
-        KeyboardInterrupt between the two exchanges of an object all-gather), so its next
-        collective would pair with the rest of that one on the other ranks (garbage unpickled,
-        or gloo aborting the process)."""
+        """Why this rank may not enter another collective: one failed (gloo closes the connection
+        to a peer that timed out), or it was interrupted inside one (a KeyboardInterrupt between
+        the two exchanges of an object all-gather), so its next collective would pair with the
+        rest of that one on the other ranks (garbage unpickled, or gloo aborting the process)."""
         if dist.is_available() and dist.is_initialized():
             if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
                 raise ValueError(f"the process_group given is {process_group!r}, not a group: this rank (rank "
@@ -170,6 +171,8 @@ class CheckpointGroup:
             arrivals.watch(entered)
         try:
             yield
+        except (CheckpointError, CheckpointException):  # a failure DCP's collectives carried to every rank
+            raise
         except RuntimeError as e:
             waited = time.monotonic() - start
             behind = arrivals.behind(entered) if arrivals is not None and waited >= arrivals.warn_after_s else []
@@ -177,6 +180,9 @@ class CheckpointGroup:
                    "stuck, in another call of the manager, or gone (see their logs)" if behind else
                    f"another rank did not join it within {self._timeout}, or failed, died or shut down "
                    "torch.distributed (see its log)")
+            self._broken = (f"rank {self.rank}: an earlier collective among the checkpoint's {self.world_size} ranks "
+                            f"failed ({e}), which leaves the ranks unable to pair their later ones: restart the job "
+                            "(the last committed step is intact)")
             raise CollectiveError(
                 f"a collective among the checkpoint's {self.world_size} ranks failed on rank {self.rank} ({e}): "
                 f"{who}. Every rank {alike}") from e
@@ -256,6 +262,14 @@ class CheckpointGroup:
         except RankFailed as failed:
             failed.reraise(what)
         return mine[0]
+
+    @contextlib.contextmanager
+    def carrying(self) -> Iterator[None]:
+        """Around a call that runs collectives of its own on `pg` (`dcp.save`): a collective of
+        it that fails (gloo's timeout, raised as it is: DCP carries its steps' own failures to
+        every rank in a `CheckpointException`, which passes) fails as this group's own do."""
+        with self._failing(self._arrive()):
+            yield
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""

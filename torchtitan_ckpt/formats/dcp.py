@@ -86,7 +86,8 @@ class DcpFormat(StepFormat):
                                              direct=ck.direct_io, staged=staged.done)
         try:
             writer.write_early(state, group.rank, group.world_size, cache, staged.ready, staged.wait_across)
-            dcp.save(state, storage_writer=writer, planner=planner, process_group=group.pg)
+            with group.carrying():
+                dcp.save(state, storage_writer=writer, planner=planner, process_group=group.pg)
         except (Exception, CheckpointException) as e:
             writer.wait_early()
             self._plan_caches.pop(kind, None)  # the save failed (on every rank, for dcp.save): all plan afresh

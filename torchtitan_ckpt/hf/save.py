@@ -112,7 +112,8 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str | os.PathLike[str], a
                                "projections whose shards cut a head), %s held at once on each: consolidation = "
                                "'one_pass' writes them from the ranks holding them", out_dir, mode,
                                fmt_bytes(gathered))
-            dcp.save(whole, storage_writer=writer, process_group=group.pg)
+            with group.carrying():
+                dcp.save(whole, storage_writer=writer, process_group=group.pg)
         except CheckpointException as e:  # a BaseException, past a training loop's `except Exception`
             root = root_cause(e, group.rank)
             raise root from root.__cause__  # DCP's wrapping left out, the failure's own cause kept
