@@ -72,6 +72,46 @@ def test_initial_load_in_hf(tmp_path):
     job.manager.close()
 
 
+def test_initial_load_in_hf_checks_the_folder_as_any_initial_load(tmp_path):
+    """`initial_load_in_hf` read the folder as it was: an HF step of ours whose save did not
+    finish loaded, `verify_on_load` was skipped (a flipped byte loaded), and a DCP step gave an
+    error naming neither the setting nor the format."""
+    from torchtitan_ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+
+    source = make_job(str(tmp_path / "a"), steps=3, interval=2, last_save_in_hf=True, keep_latest_k=0)
+    source.run_to(3, steps=3)
+    source.manager.close()
+    dcp_step, hf_step = (layout.step_dir(_folder(tmp_path / "a"), step) for step in (2, 3))
+    assert [commit.read_marker(step).format for step in (dcp_step, hf_step)] == ["dcp", "hf"]
+
+    def load(path: str, **config) -> None:
+        job = make_job(str(tmp_path / "b"), init_seed=9, initial_load_in_hf=True, initial_load_path=path, **config)
+        try:
+            assert job.manager.load()
+            assert_same(job.model.state_dict(), source.model.state_dict())
+        finally:
+            job.manager.close()
+
+    load(hf_step, verify_on_load=True)
+    with pytest.raises(CheckpointError, match=rf"^checkpoint.initial_load_path = {re.escape(dcp_step)} is a DCP "
+                                              r"checkpoint, and checkpoint.initial_load_in_hf = true asks for a "
+                                              r"Hugging Face safetensors folder: set it to false"):
+        load(dcp_step)
+    data = next(os.path.join(hf_step, n) for n in os.listdir(hf_step) if n.endswith(".safetensors"))
+    with open(data, "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CorruptCheckpointError, match=rf"^checkpoint.initial_load_path = {re.escape(hf_step)} "
+                                                     r"failed verification: .*CRC-32"):
+        load(hf_step, verify_on_load=True)
+    os.remove(os.path.join(hf_step, commit.MARKER))  # its save never finished: IN_PROGRESS.json stays
+    assert commit.is_in_progress(hf_step)
+    with pytest.raises(CheckpointNotFoundError, match="its save did not finish"):
+        load(hf_step)
+
+
 def test_hf_options_need_an_adapter(tmp_path):
     with pytest.raises(ConfigError, match="checkpoint.last_save_in_hf.*state_dict_adapter="):
         CheckpointManager(Checkpoint(enable=True, last_save_in_hf=True), [torch.nn.Linear(2, 2)],

@@ -58,6 +58,7 @@ def test_foreign_steps_resume_and_are_never_deleted(tmp_path, capsys, caplog):
     with caplog.at_level(logging.INFO, logger="torchtitan_ckpt"):
         assert fresh.manager.load()
     assert "step-4: a foreign dcp checkpoint (no COMMITTED.json: not written by torchtitan_ckpt), unverified" in caplog.text
+    assert not [r for r in caplog.records if "a foreign dcp checkpoint" in r.getMessage() and r.levelno > logging.INFO]
     assert "ignoring" in caplog.text and "step-5: not written by torchtitan_ckpt" in caplog.text
     assert "step(s) 5, ahead of step 4 this job starts from, were not written by torchtitan_ckpt" in caplog.text
     assert (fresh.train_state.step, fresh.sched.last_epoch) == (4, 4)
@@ -79,6 +80,16 @@ def test_foreign_steps_resume_and_are_never_deleted(tmp_path, capsys, caplog):
     assert len(layout.scan(folder)) == 4
     assert cli.main(["inspect", layout.step_dir(folder, 2)]) == 0
     assert "optimizer.state.output.weight.exp_avg" in capsys.readouterr().out
+
+    verifying = make_job(str(tmp_path), steps=20, interval=2, init_seed=7, load_only=True, verify_on_load=True,
+                         verify_fallback=False, load_step=4)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="torchtitan_ckpt"):
+        assert verifying.manager.load()  # no manifest to verify against: loaded, not quietly
+    said = [r for r in caplog.records if "a foreign dcp checkpoint" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING], said
+    assert "unverified (checkpoint.verify_on_load needs the manifest a save of ours writes)" in said[0].getMessage()
+    verifying.manager.close()
 
 
 def test_load_step_and_initial_load_path_may_name_a_foreign_step(tmp_path):

@@ -109,7 +109,9 @@ class Checkpoint:
 
     initial_load_in_hf: bool = False
     """`initial_load_path` (or, when unset, the adapter's `hf_assets_path`: a TorchTitan job's
-    `model.hf_assets_path`) is a Hugging Face safetensors folder (needs `initial_load_model_only`)."""
+    `model.hf_assets_path`) is a Hugging Face safetensors folder (needs `initial_load_model_only`);
+    another format there is refused, and an HF step of ours is checked as any initial load
+    (finished, and verified with `verify_on_load`)."""
 
     last_save_model_only: bool = True
     """At the last step save only the model, cast to `export_dtype` (the optimizer, schedulers,

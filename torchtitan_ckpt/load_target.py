@@ -101,15 +101,20 @@ class TargetFinder:
             if self.config.initial_load_path and self._group.is_coordinator:
                 logger.info("%s has loadable steps; ignoring initial_load_path", self._store.describe(self.folder))
             return self._newest_target(loadable)
-        if self.config.initial_load_in_hf:
-            store = self._initial or storage.open_store(self._adapter.hf_assets_path, "hf_assets_path",
-                                                        self._group.rank, self.config)
-            return self._target(store.root, None, True, store, "hf")
         if self._initial:
-            return self._initial_target(self._group.each(
-                lambda: self._initial.fetch(self._initial.root, layout.TELLING),
-                f"fetching checkpoint.initial_load_path = {self.config.initial_load_path}"))
-        return None
+            named, store = f"checkpoint.initial_load_path = {self.config.initial_load_path}", self._initial
+        elif self.config.initial_load_in_hf:
+            named = f"the adapter's hf_assets_path = {self._adapter.hf_assets_path}"
+            store = storage.open_store(self._adapter.hf_assets_path, "hf_assets_path", self._group.rank, self.config)
+        else:
+            return None
+        target = self._initial_target(self._group.each(lambda: store.fetch(store.root, layout.TELLING),
+                                                       f"fetching {named}"), store, named)
+        if self.config.initial_load_in_hf and target.format.name != "hf":
+            raise CheckpointError(f"{named} is a {target.format.title} checkpoint, and checkpoint.initial_load_in_hf = "
+                                  "true asks for a Hugging Face safetensors folder: set it to false (the format of "
+                                  "initial_load_path is found from its files)")
+        return target
 
     def check_steps_ahead(self, folders: list[layout.StepFolder], target: LoadTarget | None) -> None:
         """A save never replaces a step folder this package did not write (`Store.prepare`).
@@ -256,36 +261,34 @@ class TargetFinder:
         """The states besides the model that a load restores."""
         return [name for name in self._states if name not in self.config.exclude_from_loading]
 
-    def _initial_target(self, path: str) -> LoadTarget:
-        """The checkpoint `initial_load_path` names at `path`: one of ours (verified) or another
-        program's; a folder holding none, a file, or a save that did not finish are refused."""
+    def _initial_target(self, path: str, store: Store, named: str) -> LoadTarget:
+        """The checkpoint a job without steps starts from, at `path` in `store` (`named`: the
+        setting that names it, for messages): one of ours (verified) or another program's; a
+        folder holding none, a file, or a save that did not finish are refused."""
         status = self._group.broadcast(self._group.each(  # one decision (`_agreed_steps`)
-            lambda: layout.status_of(path), f"looking at checkpoint.initial_load_path = {path}"))
+            lambda: layout.status_of(path), f"looking at {named}"))
         if status == layout.UNKNOWN:
             found = ("holds no finished checkpoint of a known format" if os.path.isdir(path) else
                      _a_file(path) if os.path.exists(path) else "does not exist")
-            if steps := [f.step for f in self._initial.scan(path) if f.loadable]:
+            if steps := [f.step for f in store.scan(path) if f.loadable]:
                 found += f" (it holds the steps {steps}: name one of their folders)"
             raise CheckpointNotFoundError(
-                f"checkpoint.initial_load_path = {self.config.initial_load_path} {found}, and "
-                f"{self._store.describe(self.folder)} has no loadable step to resume from; formats: "
-                f"{', '.join(FORMATS)}")
+                f"{named} {found}, and {self._store.describe(self.folder)} has no loadable step to resume from; "
+                f"formats: {', '.join(FORMATS)}")
         if status == layout.PARTIAL:
-            raise CheckpointNotFoundError(f"checkpoint.initial_load_path = {self.config.initial_load_path}: its save did not finish "
-                                          f"(no {commit.MARKER}); it is never loaded")
+            raise CheckpointNotFoundError(f"{named}: its save did not finish (no {commit.MARKER}); it is never loaded")
         ours = status == layout.COMPLETE
-        if ours and (problems := self._verify(path, self._initial)):
-            raise CorruptCheckpointError(f"checkpoint.initial_load_path = {self.config.initial_load_path} failed "
-                                         f"verification: {'; '.join(problems)}")
+        if ours and (problems := self._verify(path, store)):
+            raise CorruptCheckpointError(f"{named} failed verification: {'; '.join(problems)}")
         target = (self._committed_target if ours else self._foreign_target)(
-            path, None, self._initial, self.config.initial_load_model_only)
+            path, None, store, self.config.initial_load_model_only)
         if target.model_only and not self.config.initial_load_model_only and self._resumes():
             what, besides = (("a model-only save of torchtitan_ckpt: a run's last save, or a seed", "") if ours else
                              (f"a {target.format.name} checkpoint of another program",
                               " (another framework's optimizer files beside it, a Trainer's optimizer.pt say, are "
                               "never read)"))
             raise CheckpointError(
-                f"checkpoint.initial_load_path = {self.config.initial_load_path} holds only the model ({what}) and "
+                f"{named} holds only the model ({what}) and "
                 f"checkpoint.initial_load_model_only = false asks for this job's {', '.join(self._loaded_states())} "
                 f"state too: set it to true to start from its model{besides}")
         return target
@@ -304,8 +307,11 @@ class TargetFinder:
         if self._group.is_coordinator:
             whose = (f"written by another program over a save of ours: its {commit.IN_PROGRESS} names another save"
                      if commit.is_in_progress(path) else f"no {commit.MARKER}: not written by torchtitan_ckpt")
-            logger.info("loading %s: a foreign %s checkpoint (%s), unverified%s", store.describe(path), fmt, whose,
-                        "; step 0, a seed: its model alone" if step == 0 else "")
+            asked = self.config.verify_on_load  # no manifest to verify against: said louder when asked for
+            logger.log(logging.WARNING if asked else logging.INFO, "loading %s: a foreign %s checkpoint (%s), "
+                       "unverified%s%s", store.describe(path), fmt, whose,
+                       " (checkpoint.verify_on_load needs the manifest a save of ours writes)" if asked else "",
+                       "; step 0, a seed: its model alone" if step == 0 else "")
         model_only = model_only or step == 0
         target = self._target(path, step, model_only, store, fmt)
         if not target.model_only:  # a model-only save has none of the other states
