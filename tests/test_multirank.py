@@ -647,7 +647,7 @@ def _frozen_since_the_save(rank: int, world_size: int, folder: str) -> None:
         assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], saved)  # the weight's, loaded
     if rank == 0:
         assert [[m for m in ms if "optimizer state" in m] for ms in said] == [[], [
-            f"{folder}/step-1 holds optimizer state for 1 parameters no optimizer of this job holds, e.g. "
+            f"{folder}/step-1 holds optimizer state for 1 parameter no optimizer of this job holds, e.g. "
             "['stage1.bias']: it is not loaded, and their optimizer state starts anew if they are trained again "
             "(frozen since the save, or left out of the optimizer by mistake?)"]]
 
@@ -758,12 +758,12 @@ def _per_rank_job(rank: int, world_size: int, folder: str, save: bool) -> None:
             manager.save(1)
         elif world_size == 1:  # after 2 ranks: rank 0's entry loads, rank 1's is said to be left
             assert manager.load() and tokens.tokens.item() == 1000
-            assert f"{folder}/step-1 holds 1 entries of the job's own states that no rank loads, e.g. " \
+            assert f"{folder}/step-1 holds 1 entry of the job's own states that no rank loads, e.g. " \
                    "['tokens.rank_1'] (saved by 2 ranks, this job has 1): a state keyed by rank keeps the entries " \
                    "of the ranks a job has; they are not loaded" in " ".join(said)
         else:  # after 1 rank: rank 1 has no entry, and the message says why (it blamed the model)
-            with pytest.raises(CheckpointError, match=r"lacks 1 entries of the state 'tokens' this job has, e\.g\. "
-                                                      r"\['tokens\.rank_1'\] \(saved by 1 ranks, this job has 2\): a "
+            with pytest.raises(CheckpointError, match=r"lacks 1 entry of the state 'tokens' this job has, e\.g\. "
+                                                      r"\['tokens\.rank_1'\] \(saved by 1 rank, this job has 2\): a "
                                                       "state keyed by rank has none for the ranks added; add 'tokens' "
                                                       "to checkpoint.exclude_from_loading"):
                 manager.load()

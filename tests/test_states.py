@@ -384,7 +384,7 @@ def test_a_state_whose_names_changed_since_the_save_is_told_what_the_step_holds(
     manager.close()
     _, manager = _manager(str(tmp_path), ema=_Values({"w": torch.zeros(2)}))
     with pytest.raises(CheckpointError, match=re.escape(
-            "lacks 1 entries of the state 'ema' this job has, e.g. ['ema.w'], where it holds ['ema.module.w']; add "
+            "lacks 1 entry of the state 'ema' this job has, e.g. ['ema.w'], where it holds ['ema.module.w']; add "
             "'ema' to checkpoint.exclude_from_loading")):
         manager.load()
     manager.close()

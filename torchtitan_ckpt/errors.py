@@ -34,6 +34,11 @@ def few(items: Sequence[object], shown: int = 10) -> str:
     return f"{listed} and {len(items) - shown} more" if len(items) > shown else listed
 
 
+def counted(n: int, noun: str, nouns: str = "") -> str:
+    """`n` with its noun for a message: "1 rank", "2 ranks" (`nouns` where not `noun` + "s")."""
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
+
+
 def different_copies(what: str, ranks: Sequence[int]) -> str:
     """What to say of `what` (a file or folder) read differently by `ranks` than by rank 0
     (`CheckpointGroup.differing`)."""

@@ -18,7 +18,7 @@ from typing import Any
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from .config import BUILTIN_STATES, Checkpoint
-from .errors import CheckpointError
+from .errors import CheckpointError, counted
 from .group import CheckpointGroup
 from .io.materialised import check_materialised
 from .io.untrusted import brief
@@ -89,8 +89,9 @@ class LoadRequest:
                     else:
                         why = " (entries added to the state since the save?)"
                     raise CheckpointError(
-                        f"{target.path} lacks {len(lacking)} entries of the state '{name}' this job has, e.g. "
-                        f"{lacking[:3]}{why}; add '{name}' to checkpoint.exclude_from_loading to start it fresh")
+                        f"{target.path} lacks {counted(len(lacking), 'entry', 'entries')} of the state '{name}' this "
+                        f"job has, e.g. {lacking[:3]}{why}; add '{name}' to checkpoint.exclude_from_loading to start "
+                        "it fresh")
         return state
 
     def warn_unloaded(self, target: LoadTarget, state: dict[str, Any]) -> None:
@@ -130,18 +131,19 @@ class LoadRequest:
                            "the job makes them again (removed from the job since the save?)", target.path, gone)
         # none of the model's names among the step's (nested under a prefix?): the load's refusal says why
         if held_model and (unloaded := _unmarked(names, held_model)):
-            logger.warning("%s holds %d model tensors this job's model does not have, e.g. %s: they are not loaded "
-                           "(a layer removed since the save?)", target.path, len(unloaded), unloaded[:3])
+            logger.warning("%s holds %s this job's model does not have, e.g. %s: they are not loaded (a layer "
+                           "removed since the save?)", target.path, counted(len(unloaded), "model tensor"),
+                           unloaded[:3])
         if unasked := _unmarked(entries, held_entries):
             resized = target.resized(self._group.world_size)
             why = f"{resized}: a state keyed by rank keeps the entries of the ranks a job has" if resized else ""
-            logger.warning("%s holds %d entries of the job's own states that no rank loads, e.g. %s%s; they are not "
-                           "loaded", target.path, len(unasked), unasked[:3], why)
+            logger.warning("%s holds %s of the job's own states that no rank loads, e.g. %s%s; they are not loaded",
+                           target.path, counted(len(unasked), "entry", "entries"), unasked[:3], why)
         if unheld := _unmarked(params, held_params):
-            logger.warning("%s holds optimizer state for %d parameters no optimizer of this job holds, e.g. %s: it "
+            logger.warning("%s holds optimizer state for %s no optimizer of this job holds, e.g. %s: it "
                            "is not loaded, and their optimizer state starts anew if they are trained again (frozen "
                            "since the save, or left out of the optimizer by mistake?)",
-                           target.path, len(unheld), unheld[:3])
+                           target.path, counted(len(unheld), "parameter"), unheld[:3])
 
     def _model_names(self, target: LoadTarget) -> list[str]:
         """The step's model tensors, in order."""
@@ -162,8 +164,8 @@ class LoadRequest:
         if degree == loader.dp_world_size and loader.key in saved:
             return True
         if self._group.is_coordinator:
-            logger.warning("the dataloader state was saved by %d data-parallel ranks and this job has %d; "
-                           "the dataloader starts from the beginning", degree, loader.dp_world_size)
+            logger.warning("the dataloader state was saved by %s and this job has %d; the dataloader starts "
+                           "from the beginning", counted(degree, "data-parallel rank"), loader.dp_world_size)
         return False
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from . import commit, layout, storage
 from .config import Checkpoint
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, MisnamedStepError, RankFailed, \
-    different_copies, few
+    counted, different_copies, few
 from .formats import FORMATS, StepFormat, StepIndex
 from .group import CheckpointGroup
 from .hf import StateDictAdapter
@@ -52,7 +52,7 @@ class LoadTarget:
         """A note that the step was saved by another number of ranks than `world_size`, or ""."""
         if self.world_size is None or self.world_size == world_size:
             return ""
-        return f" (saved by {self.world_size} ranks, this job has {world_size})"
+        return f" (saved by {counted(self.world_size, 'rank')}, this job has {world_size})"
 
 
 class TargetFinder:
