@@ -420,6 +420,56 @@ def test_an_export_copies_the_assets_generation_and_tokenizer_files(tmp_path, mo
     assert generation.eos_token_id == [2, 8, 9] and generation.temperature == 0.6
 
 
+def _tokenizer(chat_template) -> "transformers.PreTrainedTokenizerFast":
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(ARGS.vocab_size)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t2", unk_token="t0")
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+@pytest.mark.parametrize("mode", ["one_pass", "rank0"])
+def test_an_export_copies_the_assets_named_chat_templates(tmp_path, mode, caplog):
+    """`transformers` keeps a tokenizer's named chat templates in `additional_chat_templates/`:
+    an export without them gave a tokenizer whose tool-use template, asked for by name, was its
+    name's text (no error). A file there of no template's name is left out, said."""
+    assets = _assets(tmp_path / "assets", ARGS)
+    _tokenizer({"default": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+                "tool_use": "TOOLS {{ tools }}"}).save_pretrained(assets)
+    (tmp_path / "assets" / "additional_chat_templates" / ".hidden.jinja").write_text("not a template of a name")
+    with caplog.at_level(logging.WARNING, logger="torchtitan_ckpt.hf"):
+        save_hf(our_model().state_dict(), str(tmp_path / "out"), hf_adapter(ARGS, hf_assets_path=assets), mode=mode)
+    assert os.listdir(tmp_path / "out" / "additional_chat_templates") == ["tool_use.jinja"]
+    assert "additional_chat_templates/.hidden.jinja: not a chat template's file" in caplog.text
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    theirs = transformers.AutoTokenizer.from_pretrained(assets).chat_template
+    assert exported.chat_template == {name: t for name, t in theirs.items() if name != ".hidden"}
+    assert list(exported.chat_template) == ["default", "tool_use"]
+    chat = [{"role": "user", "content": "t5"}]
+    assert exported.apply_chat_template(chat, chat_template="tool_use", tools=[], tokenize=False) == "TOOLS []"
+
+
+def test_an_export_into_a_folder_says_which_tokenizer_files_of_before_stay(tmp_path, caplog):
+    """Assets whose template is inside `tokenizer_config.json` (many Hub repos), exported where an
+    earlier export wrote a `chat_template.jinja`: transformers reads the old file's template over
+    the new one's. The files stay (they may be the user's), said by name."""
+    first, second = (_assets(tmp_path / name, ARGS) for name in ("first", "second"))
+    _tokenizer("TEMPLATE-A").save_pretrained(first)
+    _tokenizer({"default": "TEMPLATE-B", "tool_use": "TOOLS"}).save_pretrained(second)
+    os.remove(os.path.join(second, "chat_template.jinja"))
+    shutil.rmtree(os.path.join(second, "additional_chat_templates"))
+    save_hf(our_model().state_dict(), str(tmp_path / "out"), hf_adapter(ARGS, hf_assets_path=second))
+    assert not caplog.records
+    save_hf(our_model().state_dict(), str(tmp_path / "out"), hf_adapter(ARGS, hf_assets_path=first))
+    with caplog.at_level(logging.WARNING, logger="torchtitan_ckpt.hf"):
+        save_hf(our_model().state_dict(), str(tmp_path / "out"), hf_adapter(ARGS, hf_assets_path=second))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path / 'out'}: chat_template.jinja left from before, which the assets of this export do not have: they "
+        "stay, and transformers reads them with this export's files; remove them if they belong to an earlier export"]
+
+
 FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 
 

@@ -112,6 +112,32 @@ def test_initial_load_in_hf_checks_the_folder_as_any_initial_load(tmp_path):
         load(hf_step)
 
 
+def test_a_last_save_in_hf_commits_the_assets_named_chat_templates(tmp_path):
+    """The templates' folder of the assets is a folder of the step: listed in its manifest
+    (`verify` checks it), and read back by `AutoTokenizer`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_adapter, hf_config
+
+    model = Transformer(FLAVORS["debugmodel"])
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps(hf_config(model.args)))
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(8)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0")
+    tokenizer.chat_template = {"default": "{{ messages }}", "tool_use": "TOOLS {{ tools }}"}
+    tokenizer.save_pretrained(str(assets))
+    config = Checkpoint(enable=True, interval=1, last_save_in_hf=True)
+    with CheckpointManager(config, [model], base_folder=str(tmp_path),
+                           state_dict_adapter=hf_adapter(model.args, hf_assets_path=str(assets))) as manager:
+        manager.save(1, last_step=True)
+    step = layout.step_dir(_folder(tmp_path), 1)
+    assert commit.read_marker(step).files["additional_chat_templates/tool_use.jinja"]["size"] == len("TOOLS {{ tools }}")
+    assert commit.verify(step) == []
+    assert list(transformers.AutoTokenizer.from_pretrained(step).chat_template) == ["default", "tool_use"]
+
+
 def test_hf_options_need_an_adapter(tmp_path):
     with pytest.raises(ConfigError, match="checkpoint.last_save_in_hf.*state_dict_adapter="):
         CheckpointManager(Checkpoint(enable=True, last_save_in_hf=True), [torch.nn.Linear(2, 2)],

@@ -15,13 +15,20 @@ SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 """The model's `transformers` config."""
 ASSET_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-               "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+               "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+               "tekken.json")
 """The files of an assets folder besides `config.json` that an export copies, so that the folder
 generates and tokenizes as the assets' model does: `generation_config.json` holds the tokens
 `generate` stops at (three for Llama 3.1 Instruct, one in its `config.json`), the others what
-`AutoTokenizer` reads. Only these: an assets folder may hold anything else (the weights)."""
+`AutoTokenizer` reads (`tekken.json`: Mistral's own tokenizer, for `mistral_common`). Only these
+and `TEMPLATES`: an assets folder may hold anything else (the weights)."""
+TEMPLATES = "additional_chat_templates"
+"""The folder where `transformers` keeps a tokenizer's named chat templates, one `NAME.jinja`
+each, beside the default one's `chat_template.jinja`: an export copies it, or a tool-use template
+asked for by name would be taken as the template's text."""
 MAX_ASSET_BYTES = 64 << 20
-"""Largest of `ASSET_FILES` copied: a tokenizer of 250,000 tokens is about 20 MB."""
+"""Largest of `ASSET_FILES` copied, and of `TEMPLATES` all together: a tokenizer of 250,000
+tokens is about 20 MB."""
 DCP_SHARD_NAME = "shard-0000R-model-0000X-of-0000N.safetensors"
 """The form of the names of DCP's per-rank shard files, for messages (`is_dcp_shard_file`)."""
 _NUMBERED = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 import typing
 from collections.abc import Callable, Collection
@@ -41,7 +42,8 @@ from ..config import Checkpoint, Consolidation
 from ..group import CheckpointGroup, cpu_world
 from ..progress import fmt_bytes, gb_per_s
 from .adapter import ForeignAdapter, PermutedRows, RowOf, StateDictAdapter, as_adapter, check_names
-from .files import ASSET_FILES, CONFIG_FILE, INDEX_FILE, MAX_ASSET_BYTES, SAFETENSORS_DTYPES, is_dcp_shard_file
+from .files import (ASSET_FILES, CONFIG_FILE, INDEX_FILE, MAX_ASSET_BYTES, SAFETENSORS_DTYPES, TEMPLATES,
+                    is_dcp_shard_file)
 from .planner import parse_size, plan_files
 
 logger = logging.getLogger(__name__)
@@ -191,11 +193,27 @@ def assets_file_split(adapter: Any, exported: Collection[str], log: bool = True)
 
 def read_assets(hf_assets_path: str | None) -> dict[str, bytes]:
     """The assets' files of `ASSET_FILES` there are (a hub cache's links to its blobs followed),
-    by name; each at most `MAX_ASSET_BYTES`."""
+    each at most `MAX_ASSET_BYTES`, and the templates of `TEMPLATES` (at most that in all), by
+    path in the folder."""
     if hf_assets_path is None:
         return {}
-    return {name: safe_open.read_bounded(os.path.join(hf_assets_path, name), f"the assets' {name}", MAX_ASSET_BYTES)
-            for name in ASSET_FILES if os.path.isfile(os.path.join(hf_assets_path, name))}
+    assets = {name: safe_open.read_bounded(os.path.join(hf_assets_path, name), f"the assets' {name}",
+                                           MAX_ASSET_BYTES)
+              for name in ASSET_FILES if os.path.isfile(os.path.join(hf_assets_path, name))}
+    templates = os.path.join(hf_assets_path, TEMPLATES)
+    if os.path.isdir(templates):
+        left = MAX_ASSET_BYTES
+        for name in sorted(os.listdir(templates)):
+            if not _TEMPLATE.fullmatch(name) or not os.path.isfile(os.path.join(templates, name)):
+                logger.warning("%s: not a chat template's file (NAME.jinja, of letters, digits, '_', '-' and '.'); "
+                               "not exported", os.path.join(templates, name))
+                continue
+            data = safe_open.read_bounded(os.path.join(templates, name), f"the assets' {TEMPLATES}", left)
+            assets[f"{TEMPLATES}/{name}"], left = data, left - len(data)
+    return assets
+
+
+_TEMPLATE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.jinja", re.ASCII)
 
 
 def _clear_and_write_config(out_dir: str, config: dict[str, Any], assets: dict[str, bytes], sync: bool) -> list[str]:
@@ -206,7 +224,10 @@ def _clear_and_write_config(out_dir: str, config: dict[str, Any], assets: dict[s
     no index until the export is done."""
     durable.make_dir(out_dir, exist_ok=True)
     _clear(out_dir)
+    _tell_left_assets(out_dir, assets)
     files = {CONFIG_FILE: json.dumps(config, indent=2).encode(), **assets}
+    if any(name.startswith(TEMPLATES + "/") for name in files):
+        _own_folder(os.path.join(out_dir, TEMPLATES))
     for name, data in files.items():
         with os.fdopen(create_replacing(os.path.join(out_dir, name)), "wb") as f:
             f.write(data)
@@ -214,8 +235,32 @@ def _clear_and_write_config(out_dir: str, config: dict[str, Any], assets: dict[s
                 f.flush()
                 os.fsync(f.fileno())
     if sync:
+        if any(name.startswith(TEMPLATES + "/") for name in files):
+            durable.fsync_path(os.path.join(out_dir, TEMPLATES))
         durable.fsync_path(out_dir)
     return [os.path.join(out_dir, name) for name in files]
+
+
+def _own_folder(path: str) -> None:
+    """Make the folder `path` of an export (a link there is replaced, never followed)."""
+    if os.path.islink(path) or os.path.lexists(path) and not os.path.isdir(path):
+        os.remove(path)
+    durable.make_dir(path, exist_ok=True)
+
+
+def _tell_left_assets(out_dir: str, assets: dict[str, bytes]) -> None:
+    """Warn of the tokenizer and generation files an earlier export (or the user) left in
+    `out_dir` that these assets do not replace: they are not removed (they may be the user's),
+    and `AutoTokenizer` would read them with the new ones (an old `chat_template.jinja` wins over
+    the new assets' template inside `tokenizer_config.json`)."""
+    templates = os.path.join(out_dir, TEMPLATES)
+    found = [name for name in ASSET_FILES if os.path.lexists(os.path.join(out_dir, name))]
+    if os.path.isdir(templates) and not os.path.islink(templates):
+        found += [f"{TEMPLATES}/{name}" for name in sorted(os.listdir(templates))]
+    if left := [name for name in found if name not in assets]:
+        logger.warning("%s: %s left from before, which the assets of this export do not have: they stay, and "
+                       "transformers reads them with this export's files; remove them if they belong to an earlier "
+                       "export", out_dir, ", ".join(left))
 
 
 def _clear(out_dir: str) -> None:
