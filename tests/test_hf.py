@@ -442,7 +442,7 @@ def test_an_export_copies_the_assets_named_chat_templates(tmp_path, mode, caplog
     with caplog.at_level(logging.WARNING, logger="torchtitan_ckpt.hf"):
         save_hf(our_model().state_dict(), str(tmp_path / "out"), hf_adapter(ARGS, hf_assets_path=assets), mode=mode)
     assert os.listdir(tmp_path / "out" / "additional_chat_templates") == ["tool_use.jinja"]
-    assert "additional_chat_templates/.hidden.jinja: not a chat template's file" in caplog.text
+    assert "additional_chat_templates: .hidden.jinja, not a chat template's file" in caplog.text
     exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
     theirs = transformers.AutoTokenizer.from_pretrained(assets).chat_template
     assert exported.chat_template == {name: t for name, t in theirs.items() if name != ".hidden"}

@@ -37,7 +37,7 @@ from ..io.dtypes import CAST_ON_EXPORT, exported_state
 from ..io.materialised import check_materialised, check_tensor_dict
 from .consolidate import OnePassPlan, clear_model_files, consolidate_safetensors, create_replacing, plan_one_pass
 from .consolidate import write_safetensors_one_pass
-from ..errors import AdapterMismatchError, CheckpointError, RankFailed
+from ..errors import AdapterMismatchError, CheckpointError, RankFailed, few
 from ..config import Checkpoint, Consolidation
 from ..group import CheckpointGroup, cpu_world
 from ..progress import fmt_bytes, gb_per_s
@@ -202,14 +202,16 @@ def read_assets(hf_assets_path: str | None) -> dict[str, bytes]:
               for name in ASSET_FILES if os.path.isfile(os.path.join(hf_assets_path, name))}
     templates = os.path.join(hf_assets_path, TEMPLATES)
     if os.path.isdir(templates):
-        left = MAX_ASSET_BYTES
+        left, others = MAX_ASSET_BYTES, []
         for name in sorted(os.listdir(templates)):
             if not _TEMPLATE.fullmatch(name) or not os.path.isfile(os.path.join(templates, name)):
-                logger.warning("%s: not a chat template's file (NAME.jinja, of letters, digits, '_', '-' and '.'); "
-                               "not exported", os.path.join(templates, name))
+                others.append(name)
                 continue
             data = safe_open.read_bounded(os.path.join(templates, name), f"the assets' {TEMPLATES}", left)
             assets[f"{TEMPLATES}/{name}"], left = data, left - len(data)
+        if others:
+            logger.warning("%s: %s, not a chat template's file (NAME.jinja, of letters, digits, '_', '-' and '.'); "
+                           "not exported", templates, few(others, 3))
     return assets
 
 
