@@ -159,6 +159,29 @@ def test_a_collective_of_dcp_that_times_out_is_named_and_no_later_one_is_entered
     spawn(2, _stuck_inside_dcp, str(tmp_path), str(tmp_path / "gone"))
 
 
+def _two_groups_over_one(rank: int, world_size: int, done: str) -> None:
+    import time
+
+    made = CheckpointGroup(timeout_s=3)
+    over = CheckpointGroup(made.pg)  # as an HF export makes one over its manager's group
+    if rank == 1:
+        stay_until(done)  # never joins
+        return
+    with then_release(done):
+        with pytest.raises(CollectiveError, match="failed on rank 0"):
+            over.all_gather(1)
+        start = time.monotonic()
+        with pytest.raises(CollectiveError, match=r"^rank 0: an earlier collective among the checkpoint's 2 ranks "
+                                                  r"failed .*restart the job"):
+            made.all_gather(2)
+        assert time.monotonic() - start < 1
+    made.close()
+
+
+def test_a_failed_collective_is_known_to_every_group_over_the_same_process_group(tmp_path):
+    spawn(2, _two_groups_over_one, str(tmp_path / "done"))
+
+
 def _own_failure_kept(rank: int, world_size: int, done: str) -> None:
     group = CheckpointGroup(timeout_s=10)
     if rank == 1:

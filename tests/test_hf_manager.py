@@ -84,6 +84,13 @@ def test_initial_load_in_hf_checks_the_folder_as_any_initial_load(tmp_path):
     dcp_step, hf_step = (layout.step_dir(_folder(tmp_path / "a"), step) for step in (2, 3))
     assert [commit.read_marker(step).format for step in (dcp_step, hf_step)] == ["dcp", "hf"]
 
+    def flip(data: str) -> None:
+        with open(data, "r+b") as f:
+            f.seek(-100, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-100, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
     def load(path: str, **config) -> None:
         job = make_job(str(tmp_path / "b"), init_seed=9, initial_load_in_hf=True, initial_load_path=path, **config)
         try:
@@ -93,16 +100,22 @@ def test_initial_load_in_hf_checks_the_folder_as_any_initial_load(tmp_path):
             job.manager.close()
 
     load(hf_step, verify_on_load=True)
+    flip(next(os.path.join(dcp_step, n) for n in os.listdir(dcp_step) if n.endswith(".distcp")))
     with pytest.raises(CheckpointError, match=rf"^checkpoint.initial_load_path = {re.escape(dcp_step)} is a DCP "
                                               r"checkpoint, and checkpoint.initial_load_in_hf = true asks for a "
                                               r"Hugging Face safetensors folder: set it to false"):
-        load(dcp_step)
-    data = next(os.path.join(hf_step, n) for n in os.listdir(hf_step) if n.endswith(".safetensors"))
-    with open(data, "r+b") as f:
-        f.seek(-100, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-100, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 0xFF]))
+        load(dcp_step, verify_on_load=True)  # refused for its format before its files are read
+    from torchtitan_ckpt.example.model import hf_adapter
+
+    model = source.model
+    config = Checkpoint(enable=True, initial_load_in_hf=True)
+    with pytest.raises(CheckpointError, match=rf"^the adapter's hf_assets_path = {re.escape(dcp_step)} is a DCP "
+                                              r"checkpoint, .*: to start from it, set checkpoint.initial_load_path = "
+                                              rf"{re.escape(dcp_step)} and checkpoint.initial_load_in_hf = false$"):
+        with CheckpointManager(config, [model], base_folder=str(tmp_path / "d"),
+                               state_dict_adapter=hf_adapter(model.args, hf_assets_path=dcp_step)) as manager:
+            manager.load()
+    flip(next(os.path.join(hf_step, n) for n in os.listdir(hf_step) if n.endswith(".safetensors")))
     with pytest.raises(CorruptCheckpointError, match=rf"^checkpoint.initial_load_path = {re.escape(hf_step)} "
                                                      r"failed verification: .*CRC-32"):
         load(hf_step, verify_on_load=True)

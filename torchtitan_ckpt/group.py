@@ -44,6 +44,12 @@ the background) not closed yet -> that user: a group carries one manager's colle
 time. The groups the package makes over a manager's group for one call are not counted."""
 
 
+_BROKEN: dict[dist.ProcessGroup, str] = {}
+"""Process groups on which a collective of this process failed, or was interrupted -> why no
+later one may run on them (`CheckpointGroup._failing`). Kept by process group rather than by
+`CheckpointGroup`: an HF export makes one of its own over its manager's group."""
+
+
 class CheckpointGroup:
     """Ranks that save and load together.
 
@@ -63,11 +69,7 @@ class CheckpointGroup:
         self._rounds = 0
         """Rounds of `run` this rank has entered: shared in each round, so ranks that are not in
         the same round (one left a round without gathering) fail instead of pairing up wrongly."""
-        self._broken: str | None = None
-        """Why this rank may not enter another collective: one failed (gloo closes the connection
-        to a peer that timed out), or it was interrupted inside one (a KeyboardInterrupt between
-        the two exchanges of an object all-gather), so its next collective would pair with the
-        rest of that one on the other ranks (garbage unpickled, or gloo aborting the process)."""
+        self.pg: dist.ProcessGroup | None = None
         if dist.is_available() and dist.is_initialized():
             if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
                 raise ValueError(f"the process_group given is {process_group!r}, not a group: this rank (rank "
@@ -91,7 +93,7 @@ class CheckpointGroup:
             if process_group is None:
                 _warn_few_files(self.rank, self.world_size)
             with self._failing(alike=_MADE_ALIKE):  # made collectively: a rank that never comes times it out
-                self.pg: dist.ProcessGroup | None = process_group or dist.new_group(
+                self.pg = process_group or dist.new_group(
                     backend="gloo", timeout=timedelta(seconds=timeout_s))
             self._made = process_group is None
             if process_group is not None and user is not None:
@@ -120,12 +122,26 @@ class CheckpointGroup:
             except ValueError:  # gone with the world it was made in (re-initialised since: a restart in the process)
                 pass
         if self._made:
+            _BROKEN.pop(self.pg, None)
             self.pg = None  # its connections close with the last reference to it
         self._made = False
 
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
+
+    @property
+    def _broken(self) -> str | None:
+        """Why this rank may not enter another collective on its group: one failed (gloo closes
+        the connection to a peer that timed out), or it was interrupted inside one (a
+        KeyboardInterrupt between the two exchanges of an object all-gather), so its next
+        collective would pair with the rest of that one on the other ranks (garbage unpickled,
+        or gloo aborting the process)."""
+        return _BROKEN.get(self.pg) if self.pg is not None else None
+
+    def _break(self, why: str) -> None:
+        if self.pg is not None:
+            _BROKEN[self.pg] = why
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank."""
@@ -180,18 +196,18 @@ class CheckpointGroup:
                    "stuck, in another call of the manager, or gone (see their logs)" if behind else
                    f"another rank did not join it within {self._timeout}, or failed, died or shut down "
                    "torch.distributed (see its log)")
-            self._broken = (f"rank {self.rank}: an earlier collective among the checkpoint's {self.world_size} ranks "
-                            f"failed ({e}), which leaves the ranks unable to pair their later ones: restart the job "
-                            "(the last committed step is intact)")
+            self._break(f"rank {self.rank}: an earlier collective among the checkpoint's {self.world_size} ranks "
+                        f"failed ({e}), which leaves the ranks unable to pair their later ones: restart the job "
+                        "(the last committed step is intact)")
             raise CollectiveError(
                 f"a collective among the checkpoint's {self.world_size} ranks failed on rank {self.rank} ({e}): "
                 f"{who}. Every rank {alike}") from e
         except Exception:
             raise
         except BaseException as e:  # KeyboardInterrupt, a signal handler's SystemExit: part-way, maybe
-            self._broken = (f"rank {self.rank} was interrupted ({type(e).__name__}) inside a collective among the "
-                            f"checkpoint's {self.world_size} ranks, which cannot pair their later collectives with its "
-                            "own any more: restart the job (the last committed step is intact)")
+            self._break(f"rank {self.rank} was interrupted ({type(e).__name__}) inside a collective among the "
+                        f"checkpoint's {self.world_size} ranks, which cannot pair their later collectives with its "
+                        "own any more: restart the job (the last committed step is intact)")
             raise
         finally:
             if arrivals is not None:

@@ -103,18 +103,16 @@ class TargetFinder:
             return self._newest_target(loadable)
         if self._initial:
             named, store = f"checkpoint.initial_load_path = {self.config.initial_load_path}", self._initial
+            instead = "set it to false (the format of initial_load_path is found from its files)"
         elif self.config.initial_load_in_hf:
             named = f"the adapter's hf_assets_path = {self._adapter.hf_assets_path}"
             store = storage.open_store(self._adapter.hf_assets_path, "hf_assets_path", self._group.rank, self.config)
+            instead = (f"to start from it, set checkpoint.initial_load_path = {self._adapter.hf_assets_path} and "
+                       "checkpoint.initial_load_in_hf = false")
         else:
             return None
-        target = self._initial_target(self._group.each(lambda: store.fetch(store.root, layout.TELLING),
-                                                       f"fetching {named}"), store, named)
-        if self.config.initial_load_in_hf and target.format.name != "hf":
-            raise CheckpointError(f"{named} is a {target.format.title} checkpoint, and checkpoint.initial_load_in_hf = "
-                                  "true asks for a Hugging Face safetensors folder: set it to false (the format of "
-                                  "initial_load_path is found from its files)")
-        return target
+        path = self._group.each(lambda: store.fetch(store.root, layout.TELLING), f"fetching {named}")
+        return self._initial_target(path, store, named, instead if self.config.initial_load_in_hf else None)
 
     def check_steps_ahead(self, folders: list[layout.StepFolder], target: LoadTarget | None) -> None:
         """A save never replaces a step folder this package did not write (`Store.prepare`).
@@ -261,10 +259,12 @@ class TargetFinder:
         """The states besides the model that a load restores."""
         return [name for name in self._states if name not in self.config.exclude_from_loading]
 
-    def _initial_target(self, path: str, store: Store, named: str) -> LoadTarget:
+    def _initial_target(self, path: str, store: Store, named: str, hf_or: str | None = None) -> LoadTarget:
         """The checkpoint a job without steps starts from, at `path` in `store` (`named`: the
         setting that names it, for messages): one of ours (verified) or another program's; a
-        folder holding none, a file, or a save that did not finish are refused."""
+        folder holding none, a file, or a save that did not finish are refused. With `hf_or`
+        (`initial_load_in_hf`: what to do instead), a checkpoint of another format than Hugging
+        Face's is refused before anything of it is read."""
         status = self._group.broadcast(self._group.each(  # one decision (`_agreed_steps`)
             lambda: layout.status_of(path), f"looking at {named}"))
         if status == layout.UNKNOWN:
@@ -278,6 +278,13 @@ class TargetFinder:
         if status == layout.PARTIAL:
             raise CheckpointNotFoundError(f"{named}: its save did not finish (no {commit.MARKER}); it is never loaded")
         ours = status == layout.COMPLETE
+        if hf_or is not None:
+            found = self._group.broadcast(self._group.each(
+                lambda: store.read_marker(path).format if ours else layout.foreign_format(path), f"looking at {named}"))
+            if found != "hf":
+                title = self._formats[found].title if found in self._formats else repr(found)
+                raise CheckpointError(f"{named} is a {title} checkpoint, and checkpoint.initial_load_in_hf = true asks "
+                                      f"for a Hugging Face safetensors folder: {hf_or}")
         if ours and (problems := self._verify(path, store)):
             raise CorruptCheckpointError(f"{named} failed verification: {'; '.join(problems)}")
         target = (self._committed_target if ours else self._foreign_target)(

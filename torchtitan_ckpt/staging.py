@@ -220,8 +220,7 @@ _THREADS = 2
 """A background save's threads: one stages, the other writes and commits."""
 
 _SLOW_WAIT_S = 60.0
-"""How long training waits for a background save before the log says so, and again each time
-as long after."""
+"""How long a caller waits for a background save before the log says so."""
 
 
 class BackgroundSaves:
@@ -305,17 +304,17 @@ class BackgroundSaves:
         copies.finish()
 
     def _wait_for(self, futures: list[Future]) -> None:
-        """Block until `futures` are done, saying in the log every `_SLOW_WAIT_S` s that training
-        still waits: a writer process, file system or rank that is stuck would otherwise hold
-        it in silence."""
-        start = time.monotonic()
-        while wait_for(futures, timeout=_SLOW_WAIT_S).not_done:
-            staging = self._staging is not None and not self._staging.done()
-            writer = self.stager.writer
-            logger.warning("training has waited %.0f s for the background save to %s, still being %s; a file "
-                           "system, a rank%s that is stuck would hold it", time.monotonic() - start, self._path,
-                           "staged" if staging else "written or committed",
-                           "" if writer is None else f" or this rank's writer process (pid {writer.pid})")
+        """Block until `futures` are done, saying in the log after `_SLOW_WAIT_S` s, and again
+        after twice as long each time, that the caller still waits: a writer process, file
+        system or rank that is stuck would otherwise hold it in silence."""
+        start, wait = time.monotonic(), _SLOW_WAIT_S
+        while wait_for(futures, timeout=wait).not_done:
+            staging, writer = self._staging, self.stager.writer
+            logger.warning("waited %.0f s so far for the background save to %s, still being %s: slow, or held by a "
+                           "file system, a rank%s that is stuck", time.monotonic() - start, self._path,
+                           "staged" if staging is not None and not staging.done() else "written or committed",
+                           f" or this rank's writer process (pid {writer.pid})" if writer is not None else "")
+            wait *= 2
 
     def wait_for_staging(self) -> None:
         """Block until the last submitted state is staged (a staging failure is raised by
