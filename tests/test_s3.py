@@ -1312,6 +1312,30 @@ def test_the_default_staging_folder_is_the_users_own_and_never_a_link(bucket, tm
     assert os.listdir(tmp_path / "theirs") == [] and os.listdir(own) == []
 
 
+def test_the_folders_made_in_a_staging_folder_set_are_refused_when_not_the_users_alone(bucket, tmp_path):
+    """A `staging_folder` of the user's choosing may be open to others (a shared scratch disk):
+    the folder for the URL and each rank's under it, which another user could have made first
+    (to read the staged shards, or add files to a step before its upload), were taken as they
+    were."""
+    model, opt = _job()
+    stage = tmp_path / "stage"
+    with CheckpointManager(_config(f"s3://{bucket}/run", str(stage)), [model], opt) as manager:
+        manager.save(1)
+    (url_folder,) = [p for p in stage.iterdir() if p.is_dir()]
+    url_folder.chmod(0o777)  # as another user's, made first for everyone to write to
+    with pytest.raises(ConfigError, match=rf"checkpoint.staging_folder.*{re.escape(str(url_folder))} is not this "
+                                          r"user's alone \(open to others, mode 777\)"):
+        CheckpointManager(_config(f"s3://{bucket}/run", str(stage)), [model], opt)
+    url_folder.chmod(0o700)
+    rank = url_folder / "rank-0"
+    shutil.rmtree(rank)
+    (tmp_path / "theirs").mkdir()
+    rank.symlink_to(tmp_path / "theirs")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(rank))} is not this user's alone \(a link or a file\)"):
+        CheckpointManager(_config(f"s3://{bucket}/run", str(stage)), [model], opt)
+    assert os.listdir(tmp_path / "theirs") == []
+
+
 def test_a_marker_larger_than_any_is_refused_before_it_is_downloaded(bucket, tmp_path, proxied):
     """The listing gives an object's size before its GET: a `COMMITTED.json` past the marker
     reader's limit is refused naming its URL, and none of it is downloaded (it was, whole,

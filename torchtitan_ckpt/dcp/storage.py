@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # as DCP's own planning
 from torch.futures import Future
 
-from ..io import filewriter, own_writes, reader, safe_open, torch_archive
+from ..io import durable, filewriter, own_writes, reader, safe_open, torch_archive
 from ..errors import RankFailed, UnsafePickleError
 from ..io.checksum import crc32, file_crc32, hex_crc
 from ..io.tensors import local_values
@@ -350,7 +350,7 @@ class ChecksummingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with open(path, mode) as f:
+        with os.fdopen(durable.create_replacing(os.fspath(path)), mode) as f:
             stream = _ChecksummedStream(f)
             yield stream
         with self._lock:

@@ -455,7 +455,7 @@ class _Writer:
                 return held[path]
             while len(held) >= OPEN_PER_THREAD:
                 _close(*held.popitem(last=False)[1])
-            fd = os.open(path, os.O_WRONLY if output else os.O_RDONLY)
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW if output else os.O_RDONLY)
             held[path] = (fd, Writeback(fd, enabled=self.writeback) if output else None)
             return held[path]
 
@@ -501,14 +501,6 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
     return posio.tensor_bytes(t.detach().cpu().contiguous())
 
 
-def create_replacing(path: str) -> int:
-    """Create `path` for writing (returns its descriptor), replacing whatever is there and never
-    writing through a link: a link into a hub cache, or out of the folder, stays intact."""
-    if os.path.lexists(path):
-        os.remove(path)
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-
-
 def clear_model_files(folder: str) -> None:
     """Remove an earlier export's index, first (the folder stops being complete), then its model
     files (`is_model_file`): one left beside a new export of other files would make the folder
@@ -529,7 +521,7 @@ def _create_files(output_dir: str, files: Sequence[OutputFile], sync: Collection
     durable.make_dir(output_dir, exist_ok=True)
     clear_model_files(output_dir)
     for f in files:
-        fd = create_replacing(os.path.join(output_dir, f.name))
+        fd = durable.create_replacing(os.path.join(output_dir, f.name))
         try:
             posio.grow(fd, f.size)
             if header:

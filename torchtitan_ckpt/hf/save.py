@@ -35,7 +35,7 @@ from ..dcp.storage import root_cause
 from ..io import IO_THREADS, durable, safe_open
 from ..io.dtypes import CAST_ON_EXPORT, exported_state
 from ..io.materialised import check_materialised, check_tensor_dict
-from .consolidate import OnePassPlan, clear_model_files, consolidate_safetensors, create_replacing, plan_one_pass
+from .consolidate import OnePassPlan, clear_model_files, consolidate_safetensors, plan_one_pass
 from .consolidate import write_safetensors_one_pass
 from ..errors import AdapterMismatchError, CheckpointError, RankFailed, few
 from ..config import Checkpoint, Consolidation
@@ -231,7 +231,7 @@ def _clear_and_write_config(out_dir: str, config: dict[str, Any], assets: dict[s
     if any(name.startswith(TEMPLATES + "/") for name in files):
         _own_folder(os.path.join(out_dir, TEMPLATES))
     for name, data in files.items():
-        with os.fdopen(create_replacing(os.path.join(out_dir, name)), "wb") as f:
+        with os.fdopen(durable.create_replacing(os.path.join(out_dir, name)), "wb") as f:
             f.write(data)
             if sync:
                 f.flush()

@@ -30,7 +30,7 @@ import threading
 import numpy as np
 
 from .. import faults
-from . import posio
+from . import durable, posio
 from .checksum import crc32
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def open_direct(path: str) -> int | None:
     if not flag:
         return None
     try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | flag, 0o644)
+        return durable.create_replacing(path, flag)
     except OSError as e:
         if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
             raise

@@ -21,6 +21,17 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def create_replacing(path: str, flags: int = 0) -> int:
+    """Create the file `path` for writing (returns its descriptor), removing whatever entry is
+    there first, and never writing through a link or into a file that was there: a link (into a
+    hub cache, out of the folder, or one another user planted in a folder others may write to)
+    or a hard link to someone's file stays intact; one planted again meanwhile fails the create.
+    `flags`: more `os.open` flags (`O_DIRECT`). Its mode is the umask's, as `open()` gives."""
+    if os.path.lexists(path):
+        os.remove(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | flags, 0o666)
+
+
 def make_dir(path: str, exist_ok: bool = False) -> None:
     """Create the folder `path` and the folders above it that are missing, each one's entry
     fsynced in its parent, so a crash cannot lose a folder (and the files in it) that a write
@@ -46,7 +57,7 @@ def write_json(path: str, obj: Any, *, before_replace: Callable[[], None] | None
     crash leaves either the old state or the whole new file. `before_replace` runs between the
     fsync and the rename (a fail point)."""
     tmp = path + TMP_SUFFIX
-    with open(tmp, "w") as f:
+    with os.fdopen(create_replacing(tmp), "w") as f:
         json.dump(obj, f, **dump_args)
         f.flush()
         os.fsync(f.fileno())

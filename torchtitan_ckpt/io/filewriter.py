@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import faults
-from . import safe_open
+from . import durable, safe_open
 from .checksum import crc32, hex_crc
 from . import torch_archive
 from .direct import DirectOutput, open_direct
@@ -356,7 +356,7 @@ _LookedUp = tuple[object, "_Buffers | Callable[[], _Buffers]", "Callable[[], Non
 def _write(path: str, entries: list[_LookedUp], direct: bool, step: int | None, sync: bool) -> WrittenFile:
     step = step if faults.armed() else None
     fd = open_direct(path) if direct and sync else None
-    f = open(path, "wb", buffering=0) if fd is None else io.FileIO(fd, "w")
+    f = io.FileIO(durable.create_replacing(path) if fd is None else fd, "w")
     try:
         out: _Output | DirectOutput = _Output(f.fileno(), step, sync) if fd is None else DirectOutput(fd, step)
     except BaseException:

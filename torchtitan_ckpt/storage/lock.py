@@ -47,9 +47,9 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
     """Hold the lock file `lock` (made if need be, never through a link) for this process;
     returns its name to `release` it by, and True when no other store of this process held it.
     Held by another process: a `CheckpointError` saying that process (its pid, written in the
-    file) uses `what`, and the `remedy`. The file is as writable as its folder (a team's folder:
-    by each user who may save there, whose exclusive lock NFS grants only on a file open for
-    writing); one this user cannot write is held all the same where the file system allows,
+    file) uses `what`, and the `remedy`. The file is as writable by its group as its folder (a
+    team's folder: by each user who may save there, whose exclusive lock NFS grants only on a
+    file open for writing), never by other users; one this user cannot write is held all the same where the file system allows,
     its holder's pid left as it was, as it is without `named` (a short hold, `clean`'s, that a
     job on another node seeing its lock file changed would take for a job's: `taken_over`). On
     a file system without locks, `what` is used unheld, as before."""
@@ -96,8 +96,8 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
         hold = _Hold(fd)
         if writable and named:
             if info.st_uid == os.geteuid():  # as writable as the folder: NFS locks only what one may write
-                try:
-                    os.fchmod(fd, stat.S_IMODE(os.stat(os.path.dirname(key)).st_mode) & 0o666)
+                try:  # never by others: in a folder any user may write to (/tmp) one would stop every save
+                    os.fchmod(fd, stat.S_IMODE(os.stat(os.path.dirname(key)).st_mode) & 0o664)
                 except OSError as e:  # FAT has no modes (ENOSYS through FUSE): the lock holds without one
                     logger.info("%s: held, but its mode could not be set on %s (%s)", what, key, e.strerror)
             os.ftruncate(fd, 0)

@@ -64,7 +64,7 @@ from ..errors import (CheckpointError, CheckpointNotFoundError, ConfigError, Cor
 from ..group import CheckpointGroup
 from ..hf.files import INDEX_FILE, MAX_INDEX_BYTES, MAX_RECORDED_LAYOUT_BYTES, RECORDED_LAYOUT
 from ..hf.planner import parse_size
-from ..io import posio, safe_open
+from ..io import durable, posio, safe_open
 from ..io.checksum import crc32, hex_crc
 from ..io.untrusted import brief
 from ..progress import gb_per_s
@@ -165,16 +165,25 @@ def private_staging_folder() -> str:
     path = os.path.join(tempfile.gettempdir(), f"torchtitan_ckpt-{os.getuid()}")
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
-        st = os.lstat(path)
+        why = _not_private(path)
     except OSError as e:
         raise ConfigError("checkpoint.staging_folder", "", f"the default staging folder {path} cannot be made: "
                           f"{e}; set checkpoint.staging_folder to a folder of your own") from None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+    if why:
         raise ConfigError("checkpoint.staging_folder", "",
                           f"the default staging folder {path} is not a folder of this user's that only this user "
-                          "can read (a link, another user's, or open to others): remove it, or set "
-                          "checkpoint.staging_folder to a folder of your own")
+                          f"can read ({why}): remove it, or set checkpoint.staging_folder to a folder of your own")
     return path
+
+
+def _not_private(path: str) -> str | None:
+    """Why the folder `path` is not this user's alone, or None."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        return "a link or a file"
+    if st.st_uid != os.getuid():
+        return f"another user's, uid {st.st_uid}"
+    return f"open to others, mode {stat.S_IMODE(st.st_mode):o}" if st.st_mode & 0o077 else None
 
 
 class S3Store(Store):
@@ -353,6 +362,9 @@ class S3Store(Store):
         made for the URL and the rank are this user's alone, in any `staging_folder`."""
         for folder in (os.path.dirname(self.root), self.root):
             os.makedirs(folder, mode=0o700, exist_ok=True)
+            if why := _not_private(folder):  # another user's made first: it would read, or add to, the steps
+                raise PermissionError(f"{folder} is not this user's alone ({why}): remove it, or stage in a "
+                                      "folder of your own")
         with tempfile.TemporaryFile(dir=self.root):
             pass
         if self._lock is not None:
@@ -424,7 +436,7 @@ class S3Store(Store):
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path)
         if (save := self._saving.get(self._key(path))) is not None:
-            with open(os.path.join(path, commit.IN_PROGRESS), "w") as f:
+            with os.fdopen(durable.create_replacing(os.path.join(path, commit.IN_PROGRESS)), "w") as f:
                 json.dump({"save": save}, f)
 
     def publish(self, path: str, files: dict[str, tuple[int, str]], group: CheckpointGroup,
