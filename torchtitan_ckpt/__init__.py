@@ -20,6 +20,7 @@ from .errors import (
 )
 from .io.tensors import register_holding_wrapper
 from .manager import CheckpointManager
+from .rng_state import RngState
 from .states import ModelPart, StateLike
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "NewerVersionError",
     "OlderVersionError",
     "PartialLoadError",
+    "RngState",
     "StagingMismatchError",
     "StateLike",
     "StorageError",
