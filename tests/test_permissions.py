@@ -186,3 +186,31 @@ def test_a_lock_file_this_user_may_not_open_is_named_with_its_owner(team_folder)
     assert out.startswith(f"ConfigError: checkpoint.folder = {ckpt!r}: ") and \
         f"cannot be held by this job: {lock}: Permission denied for user " in out and \
         "mode ----------); ask its owner" in out, out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another user's folder needs root to make")
+def test_convert_into_another_users_empty_folder_in_a_sticky_folder_is_refused_before_the_work(team_folder):
+    """An empty output folder is replaced by the finished output (renamed into its place): another
+    user's, in a sticky folder (`/tmp`), cannot be, and convert failed once its work was done
+    with a bare "[Errno 1] Operation not permitted"."""
+    from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_adapter
+    from torchtitan_ckpt.hf import save_hf
+
+    model = Transformer(FLAVORS["debugmodel"])
+    hf = os.path.join(team_folder, "hf")
+    save_hf(model.state_dict(), hf, hf_adapter(model.args))
+    sticky = os.path.join(team_folder, "sticky")
+    os.makedirs(os.path.join(sticky, "out"))
+    os.chmod(sticky, 0o1777)
+    code = f"""
+import contextlib, io
+from torchtitan_ckpt import cli
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    status = cli.main(["convert", "--to", "dcp", {hf!r}, {os.path.join(sticky, "out")!r}])
+print(status, err.getvalue().strip().splitlines()[-1])
+"""
+    out = _as_another_user(team_folder, "from torchtitan_ckpt import cli", code).splitlines()[-1]
+    assert out.startswith(f"2 error: {os.path.join(sticky, 'out')}: an empty folder this user may not replace for "
+                          "user ") and "remove it, or name another output folder" in out, out
+    assert os.listdir(sticky) == ["out"]  # no `out.partial` made, nothing written
