@@ -58,13 +58,15 @@ def test_a_data_file_is_never_written_through_a_link_at_its_name(tmp_path, direc
 
 
 @pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
-def test_a_dcp_save_never_writes_through_links_in_its_folder(tmp_path):
-    """DCP's `.metadata` goes through a temporary name the writer makes as any data file."""
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "torch"])
+def test_a_dcp_save_never_writes_through_links_in_its_folder(tmp_path, fast):
+    """DCP's `.metadata` goes through a temporary name the writer makes as any data file; the
+    torch engine's files too (PyTorch's writer, through the file system given to it)."""
     victim = _victim(tmp_path)
     step = str(tmp_path / "step-1")
     _plant(step, ["__0_0.distcp", ".metadata.tmp", ".metadata"], victim)
     state = {"w": torch.arange(12.0).reshape(3, 4)}
-    dcp.save(state, storage_writer=storage.make_storage_writer(step))
+    dcp.save(state, storage_writer=storage.make_storage_writer(step, fast=fast))
     assert open(victim, "rb").read() == PRECIOUS
     assert_same(read_checkpoint(step), state)
 

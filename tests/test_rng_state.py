@@ -112,8 +112,52 @@ def _per_rank(rank: int, world_size: int, folder: str, saving: bool) -> None:
         assert manager.load()
         assert _draws() == torch.load(os.path.join(folder, f"draws-{rank}.pt"))
         if world_size == 1:  # rank 1's generators stay in the step, said
-            assert any("holds 8 entries of the job's own states that no rank loads" in m and "rng.rank_1." in m
+            assert any("holds 9 entries of the job's own states that no rank loads" in m and "rng.rank_1." in m
                        for m in said), said
+
+
+def test_a_step_saved_with_a_cuda_generator_loads_on_a_host_without(tmp_path):
+    """Its CUDA part is left (this host has no such generator); the others are set."""
+    model = torch.nn.Linear(2, 2)
+    _seed(4)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], states={"rng": _Crafted({"cuda": bytes(16)})},
+                           base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+        uninterrupted = _draws()
+    _seed(5)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], states={"rng": RngState()},
+                           base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+        assert _draws() == uninterrupted
+
+
+def _in_a_subgroup(rank: int, world_size: int, folder: str) -> None:
+    import torch.distributed as dist
+
+    group = dist.new_group([1])  # a manager of rank 1 alone
+    if rank == 1:
+        _seed(21)
+        with CheckpointManager(Checkpoint(enable=True, interval=1), [torch.nn.Linear(2, 2)],
+                               states={"rng": RngState(group)}, process_group=group, base_folder=folder) as manager:
+            manager.save(1)
+            torch.save(_draws(), os.path.join(folder, "draws.pt"))
+    dist.barrier()
+
+
+def _alone(rank: int, world_size: int, folder: str) -> None:
+    _seed(0)
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [torch.nn.Linear(2, 2)],
+                           states={"rng": RngState()}, base_folder=folder) as manager:
+        assert manager.load()
+        assert _draws() == torch.load(os.path.join(folder, "draws.pt"))
+
+
+@pytest.mark.multirank
+def test_a_manager_on_a_subgroup_keys_the_generators_by_the_rank_in_it(tmp_path):
+    """Rank 1 of the world, alone in its manager's group, saves `rank_0`: a job of one rank
+    resumes it (keyed by the world's rank, it was refused as lacking `rank_0`)."""
+    spawn(2, _in_a_subgroup, str(tmp_path))
+    spawn(1, _alone, str(tmp_path))
 
 
 @pytest.mark.multirank

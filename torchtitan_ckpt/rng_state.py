@@ -24,20 +24,20 @@ class RngState(CheckedState):
     """Python's `random`, NumPy's global generator, torch's CPU generator and, where CUDA is
     available, the current CUDA device's, as one of the manager's states
     (`states={"rng": RngState()}`). Each rank draws streams of its own, so the state is keyed by
-    rank (`rank_N`, N the process's rank in `torch.distributed`, else 0, or `rank` given): a
-    resume on fewer ranks leaves the others' entries, with a warning; on more, the load is
+    rank (`rank_N`, N the rank in `process_group`: give the manager's, where it was given one):
+    a resume on fewer ranks leaves the others' entries, with a warning; on more, the load is
     refused naming the state (exclude it, `checkpoint.exclude_from_loading`, to start the
-    generators from the job's seeds). What a load read is checked whole before any generator
+    generators from the job's seeds). A step saved without CUDA leaves a CUDA generator as it
+    is, and a CUDA one loads without. What a load read is checked whole before any generator
     is set (`check_loaded`)."""
 
-    def __init__(self, rank: int | None = None):
-        self._rank = rank
+    def __init__(self, process_group: dist.ProcessGroup | None = None):
+        self._group = process_group
 
     @property
     def key(self) -> str:
         """This rank's entry in the state: `rank_N`."""
-        rank = self._rank if self._rank is not None else dist.get_rank() if dist.is_initialized() else 0
-        return f"rank_{rank}"
+        return f"rank_{dist.get_rank(self._group) if dist.is_initialized() else 0}"
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's generators as they are now, under `key`."""
@@ -49,8 +49,8 @@ class RngState(CheckedState):
                       "cached_gaussian": float(cached)},
             "torch": torch.get_rng_state().numpy().tobytes(),
         }
-        if torch.cuda.is_available():
-            entry["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
+        # always there, None without CUDA: a load's template is this state's, and a step lacking it would be refused
+        entry["cuda"] = torch.cuda.get_rng_state().numpy().tobytes() if torch.cuda.is_available() else None
         return {self.key: entry}
 
     def check_loaded(self, state_dict: dict[str, Any]) -> None:
@@ -93,9 +93,10 @@ class RngState(CheckedState):
                                          f"cached_gaussian {cached} are not a generator's (0 to {_WORDS}, 0 or 1, a "
                                          "finite float)")
         cpu = _generator_state(_field(entry, "torch", bytes, self.key), "cpu", f"{self.key}.torch")
-        cuda = None
-        if torch.cuda.is_available() and "cuda" in entry:
-            cuda = _generator_state(_field(entry, "cuda", bytes, self.key), "cuda", f"{self.key}.cuda")
+        cuda = entry.get("cuda")  # None: saved without CUDA, that generator stays as it is
+        if cuda is not None:
+            cuda = _field(entry, "cuda", bytes, self.key)
+        cuda = _generator_state(cuda, "cuda", f"{self.key}.cuda") if cuda and torch.cuda.is_available() else None
         return ((3, tuple(words), gauss),
                 ("MT19937", np.array(keys, dtype=np.uint32), pos, has_gauss, cached), cpu, cuda)
 

@@ -312,7 +312,21 @@ class _ChecksummedStream:
         return True
 
 
-class ChecksummingFileSystem(FileSystem):
+class _NewFiles(FileSystem):
+    """DCP's file system, but each file written is created new (`durable.create_replacing`): a
+    link or hard link that another user put at its name is never written through."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with os.fdopen(durable.create_replacing(os.fspath(path)), mode) as f:
+            yield f
+
+
+class ChecksummingFileSystem(_NewFiles):
     """DCP's local file system, recording the size and CRC-32 of every file written through it
     (DCP's `.metadata`) or handed to it (`add`, the data files, still on their way to the disk).
     `durable()` waits for the data files and returns every file's (size, crc32 hex) by its path
@@ -350,7 +364,7 @@ class ChecksummingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with os.fdopen(durable.create_replacing(os.fspath(path)), mode) as f:
+        with super().create_stream(path, mode) as f:
             stream = _ChecksummedStream(f)
             yield stream
         with self._lock:
@@ -583,6 +597,7 @@ class TorchFileWriter(_LoadableWriter):
 
     def __init__(self, path: str, staged: Callable[[], None] = _staged, **kwargs: Any):
         super().__init__(path, **kwargs)
+        self.fs = _NewFiles()
         self._staged = staged
         self._written: Future[list[WriteResult]] | None = None
 
