@@ -29,19 +29,25 @@ def _seed(seed: int) -> None:
     np.random.seed(seed)
 
 
-def test_a_resumed_job_draws_what_an_uninterrupted_one_would(tmp_path):
-    _seed(1)
-    random.gauss(0, 1), np.random.standard_normal()  # a cached second value pending in each
+def _resumed(folder: str, saved: object) -> None:
+    """Save `saved` as the state `rng` and draw; seed afresh and load into an `RngState`: it draws
+    the same."""
     model = torch.nn.Linear(2, 2)
-    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], states={"rng": RngState()},
-                           base_folder=str(tmp_path)) as manager:
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], states={"rng": saved},
+                           base_folder=folder) as manager:
         manager.save(1)
         uninterrupted = _draws()
     _seed(7)
     with CheckpointManager(Checkpoint(enable=True, interval=1), [model], states={"rng": RngState()},
-                           base_folder=str(tmp_path)) as manager:
+                           base_folder=folder) as manager:
         assert manager.load()
         assert _draws() == uninterrupted
+
+
+def test_a_resumed_job_draws_what_an_uninterrupted_one_would(tmp_path):
+    _seed(1)
+    random.gauss(0, 1), np.random.standard_normal()  # a cached second value pending in each
+    _resumed(str(tmp_path), RngState())
 
 
 class _Crafted:
@@ -118,17 +124,8 @@ def _per_rank(rank: int, world_size: int, folder: str, saving: bool) -> None:
 
 def test_a_step_saved_with_a_cuda_generator_loads_on_a_host_without(tmp_path):
     """Its CUDA part is left (this host has no such generator); the others are set."""
-    model = torch.nn.Linear(2, 2)
     _seed(4)
-    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], states={"rng": _Crafted({"cuda": bytes(16)})},
-                           base_folder=str(tmp_path)) as manager:
-        manager.save(1)
-        uninterrupted = _draws()
-    _seed(5)
-    with CheckpointManager(Checkpoint(enable=True, interval=1), [model], states={"rng": RngState()},
-                           base_folder=str(tmp_path)) as manager:
-        assert manager.load()
-        assert _draws() == uninterrupted
+    _resumed(str(tmp_path), _Crafted({"cuda": bytes(16)}))
 
 
 def _in_a_subgroup(rank: int, world_size: int, folder: str) -> None:

@@ -360,11 +360,10 @@ class ChecksummingFileSystem(_NewFiles):
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
         with super().create_stream(path, mode) as f:
+            if "w" not in mode:
+                yield f
+                return
             stream = _ChecksummedStream(f)
             yield stream
         with self._lock:
