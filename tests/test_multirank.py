@@ -174,6 +174,7 @@ def _load_failing_on_rank_1(rank: int, world_size: int, folder: str) -> None:
                "tensors in place (OSError: [Errno 5] Input/output error); the model and optimizer"
         assert str(failed.value).startswith(says), str(failed.value)
         assert str(failed.value).count("loading") == 1 and "RankFailed" not in str(failed.value)
+        assert str(failed.value).endswith("do not train or save them; load a step again, or restart the job")
 
 
 def test_a_load_failing_on_one_rank_is_told_once_on_the_others_naming_the_rank(tmp_path):
@@ -828,8 +829,10 @@ def _a_rank_stuck_in_its_load(rank: int, world_size: int, folder: str, release: 
         manager.save(1)
         with torch.no_grad():
             model.weight.add_(1.0)
-        with pytest.raises(PartialLoadError):
+        with pytest.raises(PartialLoadError) as failed:
             manager.load(step=1)  # rank 0 waits its 3 s out for rank 1, whose tensors are read too
+        # a later load would be refused: the text does not offer one
+        assert str(failed.value).endswith("; restart the job (a collective failed: the ranks cannot run another)")
         assert torch.equal(model.weight, saved["weight"])  # read in place before the states' part
         with pytest.raises(CheckpointError, match=r"save\(2\) refused: the job's state is not one step's"):
             manager.save(2)

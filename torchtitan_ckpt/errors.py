@@ -151,19 +151,26 @@ class PartialLoadError(CheckpointError):
 
     _TEXT = ("loading {path} failed{where} after it had begun writing the job's tensors in place ({cause}); the "
              "model and optimizer in memory are now part that step, part what they were: do not train or save "
-             "them; load a step again, or restart the job")
+             "them; {then}")
+    _THEN = ("load a step again, or restart the job",
+             "restart the job (a collective failed: the ranks cannot run another)")
+    """What to do next: after a failed collective no later load can run."""
 
     def __init__(self, path: str, cause: BaseException):
         self.path = path
         self.cause = cause
         where, text = "", f"{type(cause).__name__}: {cause}"
+        collective = (CollectiveError.__name__ in cause.kinds if isinstance(cause, RankFailed) else
+                      in_chain(cause, lambda e: isinstance(e, CollectiveError)) is not None)
         if isinstance(cause, RankFailed):  # another rank's failure, as it described it: this text, once
             where, text = f" on rank {cause.rank}", str(cause)[len(f"rank {cause.rank}: "):]
-            head, _, tail = self._TEXT.format(path=path, where="", cause="\0").partition("\0")
-            head = f"{PartialLoadError.__name__}: {head}"
-            if text.startswith(head) and text.endswith(tail):
-                text = text[len(head):len(text) - len(tail)]
-        super().__init__(self._TEXT.format(path=path, where=where, cause=text))
+            for then in self._THEN:
+                head, _, tail = self._TEXT.format(path=path, where="", cause="\0", then=then).partition("\0")
+                head = f"{PartialLoadError.__name__}: {head}"
+                if text.startswith(head) and text.endswith(tail):
+                    text = text[len(head):len(text) - len(tail)]
+                    break
+        super().__init__(self._TEXT.format(path=path, where=where, cause=text, then=self._THEN[collective]))
 
 
 class AdapterMismatchError(CheckpointError, KeyError):
