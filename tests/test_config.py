@@ -439,6 +439,15 @@ class _Slotted:
     __slots__ = ("enable", "folder")
 
 
+def test_an_option_given_without_its_value_is_said_so():
+    """`--checkpoint.folder --checkpoint.interval 5` read the folder as `true` and said only
+    "checkpoint.folder = True: expected a string"."""
+    with pytest.raises(ConfigError, match=r"^checkpoint.folder = True: expected a string .*; --checkpoint.folder was "
+                                          r"given without a value \(alone, an option sets a boolean key to true\)$"):
+        load_job_config(None, ["--checkpoint.folder", "--checkpoint.interval", "5"])
+    assert load_job_config(None, ["--checkpoint.enable", "--checkpoint.interval", "5"]).checkpoint.enable
+
+
 def test_sizes_are_taken_as_a_number_of_bytes_too(tmp_path):
     """`hf_max_shard_size = 5000000000` in a TOML file said "expected a string"."""
     toml = tmp_path / "job.toml"

@@ -527,9 +527,10 @@ def load_config(root: type[T], path: str | os.PathLike[str] | None = None,
     `argv`; convert every value to its field's type and validate every table that has a
     `validate(prefix)` method, children before parents. Raises `ConfigError`."""
     raw: dict[str, Any] = _read_toml(os.fspath(path)) if path is not None else {}
-    for key, value in _parse_overrides(_strings(argv)):
+    overrides = _parse_overrides(_strings(argv))
+    for key, value in overrides:
         _set_dotted(raw, key, value)
-    config = _build(root, raw, "")
+    config = _build(root, raw, "", frozenset(key for key, value in overrides if value is True))
     validate_tree(config)
     return config
 
@@ -616,7 +617,9 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     node[name] = value
 
 
-def _build(cls: type[T], table: dict[str, Any], prefix: str) -> T:
+def _build(cls: type[T], table: dict[str, Any], prefix: str, bare: frozenset[str] = frozenset()) -> T:
+    """The `cls` of `table`'s values, converted and checked; `bare`: the keys given on the command
+    line without a value (`true`)."""
     hints = typing.get_type_hints(cls)
     values = {}
     theirs = cls is Checkpoint  # TorchTitan's keys, wherever the section is in the tree
@@ -634,9 +637,15 @@ def _build(cls: type[T], table: dict[str, Any], prefix: str) -> T:
         if dataclasses.is_dataclass(hints[key]):
             if not isinstance(value, dict):
                 raise ConfigError(dotted, value, f"expected a TOML table [{dotted}]")
-            values[key] = _build(hints[key], value, dotted + ".")
+            values[key] = _build(hints[key], value, dotted + ".", bare)
         else:
-            values[key] = _convert(dotted, value, hints[key])
+            try:
+                values[key] = _convert(dotted, value, hints[key])
+            except ConfigError as e:  # `--a.b` alone before another option: a value forgotten, not `true` meant
+                if dotted not in bare:
+                    raise
+                raise ConfigError(dotted, value, f"{e.expected}; --{dotted} was given without a value (alone, an "
+                                                 "option sets a boolean key to true)") from None
     return cls(**values)
 
 
