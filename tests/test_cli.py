@@ -94,6 +94,9 @@ def test_the_package_runs_as_the_command(folder):
     usage = subprocess.run([sys.executable, "-m", "torchtitan_ckpt", "--help"], capture_output=True, text=True,
                            env=ENV, cwd=ROOT, timeout=120)
     assert usage.returncode == 0 and usage.stdout.startswith("usage: torchtitan-ckpt ")
+    imported = subprocess.run([sys.executable, "-c", "import torchtitan_ckpt.__main__"], capture_output=True,
+                              text=True, env=ENV, cwd=ROOT, timeout=120)  # a tool importing every module
+    assert (imported.returncode, imported.stdout, imported.stderr) == (0, "", "")
 
 
 def test_list_json(folder, capsys):

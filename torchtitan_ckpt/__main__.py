@@ -3,4 +3,5 @@ scripts folder is not on the PATH (a venv used without activating it, `pip insta
 
 from .cli import entry
 
-entry()
+if __name__ == "__main__":  # a tool importing every module of the package (docs, a scan) runs nothing
+    entry()
