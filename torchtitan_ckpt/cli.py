@@ -517,7 +517,7 @@ def _staged(dst: str) -> Iterator[str]:
     if os.path.isdir(dst) and os.listdir(dst):
         yield dst
         return
-    if os.path.isdir(dst) and not _replaceable(dst):  # refused now, not once the work is done
+    if os.path.isdir(dst) and safe_open.unlink_denied(dst) is not None:  # refused now, not once the work is done
         raise CheckpointError(f"{safe_open.denied(dst, 'an empty folder this user may not replace')} (another "
                               "user's, in a folder with the sticky bit): remove it, or name another output folder")
     tmp = dst.rstrip(os.sep) + PARTIAL_SUFFIX
@@ -543,16 +543,6 @@ def _staged(dst: str) -> Iterator[str]:
         if rank0:
             _removed(tmp)
         raise
-
-
-def _replaceable(folder: str) -> bool:
-    """Whether this user may remove the empty `folder` (to rename the output into its place): not
-    another user's in a sticky folder not this user's either (`/tmp`)."""
-    above = os.path.dirname(os.path.abspath(folder))
-    parent, own = os.stat(above), os.lstat(folder)
-    uid = os.geteuid()
-    sticky = parent.st_mode & stat.S_ISVTX and uid not in (0, own.st_uid, parent.st_uid)
-    return not sticky and os.access(above, os.W_OK | os.X_OK)
 
 
 def _removed(tmp: str) -> None:

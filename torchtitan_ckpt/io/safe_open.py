@@ -119,21 +119,30 @@ PERMISSION = {errno.EACCES, errno.EPERM}
 """The errors of a file or folder this user may not use: not the checkpoint's fault."""
 
 
+def unlink_denied(path: str) -> str | None:
+    """Why this user may not remove the entry `path` from its folder (that folder not writable to
+    this user, or its sticky bit over another user's entry), for a message; None when it may."""
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        st, up = os.lstat(path), os.stat(parent)
+    except OSError:
+        return None  # gone, or not looked into: the caller's own errors say so
+    sticky = up.st_mode & stat.S_ISVTX and os.geteuid() not in (0, st.st_uid, up.st_uid)
+    return None if os.access(parent, os.W_OK | os.X_OK) and not sticky else denied(parent, "not removable")
+
+
 def removal_denied(path: str) -> str | None:
     """Why this user may not remove the folder `path` and its files (another user's step in a
     team's folder: its folder not writable to this user, or the parent's sticky bit), for a
     message; None when it may. A save would fail over it after the training up to it."""
-    parent = os.path.dirname(path)
+    if (why := unlink_denied(path)) is not None:
+        return why
     try:
-        st, up = os.lstat(path), os.stat(parent)
+        st = os.lstat(path)
     except OSError:
-        return None  # gone, or not looked into: the save's own errors say so
-    sticky = up.st_mode & stat.S_ISVTX and os.geteuid() not in (0, st.st_uid, up.st_uid)
-    for where, ok in ((parent, os.access(parent, os.W_OK | os.X_OK) and not sticky),
-                      (path, not stat.S_ISDIR(st.st_mode) or os.access(path, os.R_OK | os.W_OK | os.X_OK))):
-        if not ok:
-            return denied(where, "not removable")
-    return None
+        return None
+    return None if not stat.S_ISDIR(st.st_mode) or os.access(path, os.R_OK | os.W_OK | os.X_OK) else \
+        denied(path, "not removable")
 
 
 def removal_refused(path: str, error: PermissionError) -> str:
