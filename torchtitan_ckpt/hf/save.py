@@ -228,7 +228,8 @@ def _clear_and_write_config(out_dir: str, config: dict[str, Any], assets: dict[s
     _clear(out_dir)
     _tell_left_assets(out_dir, assets)
     files = {CONFIG_FILE: json.dumps(config, indent=2).encode(), **assets}
-    if any(name.startswith(TEMPLATES + "/") for name in files):
+    templates = any(name.startswith(TEMPLATES + "/") for name in files)
+    if templates:
         _own_folder(os.path.join(out_dir, TEMPLATES))
     for name, data in files.items():
         with os.fdopen(durable.create_replacing(os.path.join(out_dir, name)), "wb") as f:
@@ -237,7 +238,7 @@ def _clear_and_write_config(out_dir: str, config: dict[str, Any], assets: dict[s
                 f.flush()
                 os.fsync(f.fileno())
     if sync:
-        if any(name.startswith(TEMPLATES + "/") for name in files):
+        if templates:
             durable.fsync_path(os.path.join(out_dir, TEMPLATES))
         durable.fsync_path(out_dir)
     return [os.path.join(out_dir, name) for name in files]
