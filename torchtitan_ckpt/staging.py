@@ -310,10 +310,10 @@ class BackgroundSaves:
         start, wait = time.monotonic(), _SLOW_WAIT_S
         while wait_for(futures, timeout=wait).not_done:
             staging, writer = self._staging, self.stager.writer
-            logger.warning("waited %.0f s so far for the background save to %s, still being %s: slow, or held by a "
-                           "file system, a rank%s that is stuck", time.monotonic() - start, self._path,
+            logger.warning("waited %.0f s so far for the background save to %s, still being %s: slow, or held by "
+                           "something stuck (a file system, a rank%s)", time.monotonic() - start, self._path,
                            "staged" if staging is not None and not staging.done() else "written or committed",
-                           f" or this rank's writer process (pid {writer.pid})" if writer is not None else "")
+                           f", this rank's writer process (pid {writer.pid})" if writer is not None else "")
             wait *= 2
 
     def wait_for_staging(self) -> None:

@@ -49,10 +49,10 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
     Held by another process: a `CheckpointError` saying that process (its pid, written in the
     file) uses `what`, and the `remedy`. The file is as writable by its group as its folder (a
     team's folder: by each user who may save there, whose exclusive lock NFS grants only on a
-    file open for writing), never by other users; one this user cannot write is held all the same where the file system allows,
-    its holder's pid left as it was, as it is without `named` (a short hold, `clean`'s, that a
-    job on another node seeing its lock file changed would take for a job's: `taken_over`). On
-    a file system without locks, `what` is used unheld, as before."""
+    file open for writing), never by other users; one this user cannot write is held all the
+    same where the file system allows, its holder's pid left as it was, as it is without `named`
+    (a short hold, `clean`'s, that a job on another node seeing its lock file changed would take
+    for a job's: `taken_over`). On a file system without locks, `what` is used unheld, as before."""
     key = _key(lock)
     if key in _HOLDERS:
         _HOLDERS[key].stores += 1
