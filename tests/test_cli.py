@@ -219,7 +219,7 @@ def test_inspect_of_a_step_copied_in_under_another_name_says_misnamed_as_list_do
     assert (code, doc["status"], doc["step"]) == (0, "misnamed", 2)
     assert cli.main(["inspect", layout.step_dir(work, 14), "-q"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == (f"{layout.step_dir(work, 14)}: misnamed: it holds step 2, "
-                                                       "saved by 1 rank(s) (dcp)")
+                                                       "saved by 1 rank (dcp)")
 
 
 def test_inspect_a_step_without_our_marker(tmp_path, capsys):
@@ -391,7 +391,7 @@ def test_clean_reports_bytes_removed(folder, tmp_path, capsys):
     work = shutil.copytree(folder, str(tmp_path / "c"))
     partial = _du(layout.step_dir(work, 3))
     assert cli.main(["clean", work, "--quiet"]) == 0
-    assert f"1 partial step folder(s) removed, {cli.fmt_bytes(partial)}" in capsys.readouterr().out
+    assert f"1 partial step folder removed, {cli.fmt_bytes(partial)}" in capsys.readouterr().out
     assert layout.committed_steps(work) == [2, 4] and len(layout.scan(work)) == 2
 
 
@@ -447,7 +447,7 @@ def test_clean_keeps_a_step_whose_marker_is_a_folder(tmp_path, capsys, ours, fif
     assert cli.main(["clean", folder, "-q"]) == 0
     assert capsys.readouterr().out == (f"kept {theirs} (unknown: not removed by clean)\n"
                                        f"removed {partial} (partial)\n"
-                                       f"1 partial step folder(s) removed, {cli.fmt_bytes(size)}\n")
+                                       f"1 partial step folder removed, {cli.fmt_bytes(size)}\n")
     with open(os.path.join(theirs, "keep" if fifo else commit.MARKER, "notes.txt")) as f:
         assert f.read() == "theirs"
     assert [s.step for s in layout.scan(folder)] == [11]

@@ -34,7 +34,7 @@ def test_list_and_inspect(tmp_path, capsys):
 
     assert cli.main(["inspect", layout.step_dir(folder, 4)]) == 0
     out = capsys.readouterr().out
-    assert "complete, step 4, saved by 1 rank(s)" in out
+    assert "complete, step 4, saved by 1 rank" in out
     assert "tok_embeddings.weight" in out and "bfloat16" in out and "[256, 64]" in out
 
     assert cli.main(["inspect", layout.step_dir(folder, 2)]) == 0

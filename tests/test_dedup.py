@@ -220,8 +220,8 @@ def test_planner_writes_each_rank_its_slices():
     assert torch.equal(written[("w", 0)], state["w"][:5]) and torch.equal(written[("w", 1)], state["w"][5:])
     assert planners[0].summary.bytes_per_rank == (92, 84)
     assert planners[0].summary_line() == (
-        "dedup replica_slices: 2 rank(s) write 0.000 GB of tensors, the busiest 0.000 GB (max/mean 1.045); "
-        "replicated values in 2 file(s), a rank reloads its own from up to 2")
+        "dedup replica_slices: 2 ranks write 176 B of tensors, the busiest 92 B (max/mean 1.045); "
+        "replicated values in 2 files, a rank reloads its own from up to 2 files")
 
 
 def test_summary_line_is_known_only_after_planning():

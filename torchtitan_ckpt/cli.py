@@ -48,7 +48,7 @@ from .formats import FORMATS
 from .config import BUILTIN_STATES, MAX_THREADS, Checkpoint
 from .group import CheckpointGroup, launched_group, leave
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NewerVersionError,
-                     OlderVersionError, RankFailed, in_chain, restate)
+                     OlderVersionError, RankFailed, counted, in_chain, restate)
 from .hf.convert import convert
 from .hf.adapter import ROPE_LAYOUTS
 from .hf.registry import ADAPTERS
@@ -298,9 +298,9 @@ def _escaped(text: str) -> str:
 
 
 def _print_inspect(doc: dict[str, Any]) -> None:
-    status = (f"complete, step {doc['step']}, saved by {doc['world_size']} rank(s)"
+    status = (f"complete, step {doc['step']}, saved by {counted(doc['world_size'], 'rank')}"
               if doc["status"] == layout.COMPLETE else
-              f"misnamed: it holds step {doc['step']}, saved by {doc['world_size']} rank(s)"
+              f"misnamed: it holds step {doc['step']}, saved by {counted(doc['world_size'], 'rank')}"
               if doc["status"] == MISNAMED else f"{doc['status']}, no commit marker")
     print(f"{doc['path']}: {status} ({doc['format']})")
     for state in dict.fromkeys([*doc["states"], "model"]):
@@ -464,7 +464,7 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
                     continue
                 removed, freed = removed + 1, freed + size
                 print(f"removed {path} (partial)")
-        print(f"{removed} partial step folder(s) removed, {fmt_bytes(freed)}")
+        print(f"{counted(removed, 'partial step folder')} removed, {fmt_bytes(freed)}")
         return code
 
 

@@ -24,6 +24,9 @@ import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ..errors import counted
+from ..progress import fmt_bytes
+
 logger = logging.getLogger(__name__)
 
 Key = Hashable
@@ -176,11 +179,11 @@ class DedupSummary:
         return max(self.bytes_per_rank) * len(self.bytes_per_rank) / total if total else 1.0
 
     def line(self) -> str:
-        return (f"dedup {self.policy}: {len(self.bytes_per_rank)} rank(s) write "
-                f"{sum(self.bytes_per_rank) / 1e9:.3f} GB of tensors, the busiest "
-                f"{max(self.bytes_per_rank, default=0) / 1e9:.3f} GB (max/mean {self.imbalance:.3f}); "
-                f"replicated values in {self.replicated_files} file(s), a rank reloads its own "
-                f"from up to {self.max_files_to_load}")
+        return (f"dedup {self.policy}: {counted(len(self.bytes_per_rank), 'rank')} write "
+                f"{fmt_bytes(sum(self.bytes_per_rank))} of tensors, the busiest "
+                f"{fmt_bytes(max(self.bytes_per_rank, default=0))} (max/mean {self.imbalance:.3f}); "
+                f"replicated values in {counted(self.replicated_files, 'file')}, a rank reloads its own "
+                f"from up to {counted(self.max_files_to_load, 'file')}")
 
 
 def summarize(layout: Layout, assignment: Assignment, policy: str) -> DedupSummary:
