@@ -52,7 +52,7 @@ def test_kill_during_a_save_then_resume_is_bit_identical(tmp_path, uninterrupted
 
     log = run_job(dump, *JOB, nproc=2)
     assert f"ignoring {layout.step_dir(folder, step)}: its save did not finish" in log
-    assert f"loaded {layout.step_dir(folder, previous)}" in log
+    assert f"loaded step {previous} from {layout.step_dir(folder, previous)}" in log
     resumed = losses(log)
     assert resumed == {s: v for s, v in uninterrupted["losses"].items() if s > previous}
     assert_same(read_checkpoint(layout.step_dir(folder, 20)), uninterrupted["final"])

@@ -333,8 +333,15 @@ def test_a_load_tells_the_bytes_it_read_not_the_folders(tmp_path, caplog):
         with caplog.at_level("INFO", logger="torchtitan_ckpt.manager"):
             assert job.manager.load()
         line = next(m for m in caplog.messages if m.startswith("loaded "))
+        assert line.startswith(f"loaded the initial checkpoint {step2}{' (model only)' if model_only else ''}: "), line
         assert f": {fmt_bytes(told)} in " in line, line
         job.manager.close()
+    resumed = make_job(str(tmp_path / "a"), steps=4, interval=2)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="torchtitan_ckpt.manager"):
+        assert resumed.manager.load()
+    assert next(m for m in caplog.messages if m.startswith("loaded ")).startswith(f"loaded step 2 from {step2}: ")
+    resumed.manager.close()
     assert model < everything < layout.folder_bytes(step2)
 
 

@@ -340,7 +340,7 @@ def test_kill_during_background_save_resumes_from_previous_step(tmp_path, mode):
     assert previous < killed_at
     log = run_job(dump, "--checkpoint.interval", "2", nproc=2)
     if previous:
-        assert f"loaded {layout.step_dir(folder, previous)}" in log
+        assert f"loaded step {previous} from {layout.step_dir(folder, previous)}" in log
     assert f"ignoring {layout.step_dir(folder, killed_at)}: its save did not finish" in log
     assert sorted(losses(log)) == list(range(previous + 1, 21))
 

@@ -36,7 +36,7 @@ def test_the_job_resumes_bit_identically_and_exports_the_same_bytes(tmp_path, de
     straight = run_job(str(tmp_path / "straight"), *job)
     run_job(str(tmp_path / "resumed"), *job, "--training.stop_at_step", "4")
     resumed = run_job(str(tmp_path / "resumed"), *job)
-    assert f"({device}" in straight and "step-4" in re.search(r"loaded (\S+)", resumed)[1], resumed[-2000:]
+    assert f"({device}" in straight and "step-4" in re.search(r"loaded step 4 from (\S+)", resumed)[1], resumed[-2000:]
     expected = {s: loss for s, loss in losses(straight).items() if s > 4}
     assert losses(resumed) == expected and len(expected) == 4
     a, b = (tmp_path / run / "checkpoint" / "step-8" for run in ("straight", "resumed"))

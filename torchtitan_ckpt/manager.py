@@ -940,7 +940,8 @@ class CheckpointManager:
                                    self._store.describe(self.folder), read)
         if self._group.is_coordinator:
             secs = time.perf_counter() - start
-            logger.info("loaded %s%s: %s in %.2f s, %.2f GB/s", target.store.describe(target.path),
+            what = "the initial checkpoint" if target.step is None else f"step {target.step} from"
+            logger.info("loaded %s %s%s: %s in %.2f s, %.2f GB/s", what, target.store.describe(target.path),
                         " (model only)" if target.model_only else "", fmt_bytes(nbytes), secs, gb_per_s(nbytes, secs))
         self._retain_loaded(target, folders)
         return True
