@@ -439,10 +439,13 @@ def test_an_export_copies_the_assets_named_chat_templates(tmp_path, mode, caplog
     _tokenizer({"default": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
                 "tool_use": "TOOLS {{ tools }}"}).save_pretrained(assets)
     (tmp_path / "assets" / "additional_chat_templates" / ".hidden.jinja").write_text("not a template of a name")
+    (tmp_path / "assets" / "additional_chat_templates" / "x\nfake log line\x1b[2J").write_text("")
     with caplog.at_level(logging.WARNING, logger="torchtitan_ckpt.hf"):
         save_hf(our_model().state_dict(), str(tmp_path / "out"), hf_adapter(ARGS, hf_assets_path=assets), mode=mode)
     assert os.listdir(tmp_path / "out" / "additional_chat_templates") == ["tool_use.jinja"]
-    assert "additional_chat_templates: .hidden.jinja, not a chat template's file" in caplog.text
+    told = caplog.records[0].getMessage()  # a name that is not printable, escaped (no line of its own, no escape code)
+    assert "additional_chat_templates: .hidden.jinja, 'x\\nfake log line\\x1b[2J', not a chat template's file" in told
+    assert len(caplog.records) == 1 and told.isprintable()
     exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
     theirs = transformers.AutoTokenizer.from_pretrained(assets).chat_template
     assert exported.chat_template == {name: t for name, t in theirs.items() if name != ".hidden"}

@@ -54,7 +54,7 @@ from .hf.adapter import ROPE_LAYOUTS
 from .hf.registry import ADAPTERS
 from .io import safe_open
 from .io.dtypes import EXPORT_DTYPES
-from .io.untrusted import brief
+from .io.untrusted import shown
 from .hf.planner import parse_size
 from .hf.save import MODES
 from .progress import DEFAULT_INTERVAL, Progress, fmt_bytes, launched_rank, this_rank_draws
@@ -284,13 +284,6 @@ def _describe(path: str, where: str, listed: str | None) -> dict[str, Any]:
             "tensor_bytes": sum(t["bytes"] for t in tensors), "tensors": tensors, "objects": objects}
 
 
-def _shown(name: str) -> str:
-    """A name read from a checkpoint as a terminal may show it: as it is when printable, else
-    quoted with escapes (an escape code, a newline faking a row, a lone surrogate no encoding
-    takes)."""
-    return name if name.isprintable() else brief(name)
-
-
 def _escaped(text: str) -> str:
     """A message that may hold names read from a checkpoint, each character a terminal would
     act on (a newline faking an "ok" row, an escape code) written as its escape."""
@@ -310,9 +303,9 @@ def _print_inspect(doc: dict[str, Any]) -> None:
             continue
         print(f"\n[{state}]")
         for t in tensors:
-            print(f"  {_shown(t['key']):<60} {t['dtype']:<9} {str(t['shape']):<16} {fmt_bytes(t['bytes']):>10}")
+            print(f"  {shown(t['key']):<60} {t['dtype']:<9} {str(t['shape']):<16} {fmt_bytes(t['bytes']):>10}")
         for o in objects:
-            print(f"  {_shown(o['key']):<60} {'object':<9}")
+            print(f"  {shown(o['key']):<60} {'object':<9}")
         total = sum(t["bytes"] for t in tensors)
         print(f"  {'total tensor bytes':<60} {'':<9} {'':<16} {fmt_bytes(total):>10}")
 

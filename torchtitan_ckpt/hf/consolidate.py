@@ -52,10 +52,10 @@ from ..io.filewriter import Writeback
 from ..io.untrusted import MAX_DIMS, brief
 from .. import faults
 from ..dcp.storage import dtensor_chunk
-from ..errors import ConsolidationError, CorruptCheckpointError, InvalidShardsError, RankFailed
+from ..errors import ConsolidationError, CorruptCheckpointError, InvalidShardsError, RankFailed, counted
 from ..group import CheckpointGroup
 from ..policy.split import byte_ranges
-from ..progress import gb_per_s
+from ..progress import fmt_bytes, gb_per_s
 from .adapter import LOCAL_PLACEMENTS, PermutedRows, RowOf
 from .files import DCP_SHARD_NAME, DTYPE_NAMES, DTYPE_SIZES, INDEX_FILE, MAX_HEADER_BYTES, MAX_INDEX_BYTES
 from .files import file_number, is_dcp_shard_file, is_model_file, model_file_name
@@ -637,8 +637,9 @@ def consolidate_safetensors(input_dir: str, output_dir: str, fqn_to_index_mappin
         total = sum(s.nbytes for s in specs.values())
         seconds = time.perf_counter() - t0
         copiers = f"{group.world_size} ranks" if all_ranks and group.world_size > 1 else "rank 0"
-        logger.info("consolidated %d shard files (%.3f GB) into %d files in %s on %s in %.2f s (%.2f GB/s)",
-                    len(shard_files), total / 1e9, len(files), output_dir, copiers, seconds, gb_per_s(total, seconds))
+        logger.info("consolidated %s (%s) into %s in %s on %s in %.2f s (%.2f GB/s)",
+                    counted(len(shard_files), "shard file"), fmt_bytes(total), counted(len(files), "file"),
+                    output_dir, copiers, seconds, gb_per_s(total, seconds))
 
 
 @dataclass(frozen=True)

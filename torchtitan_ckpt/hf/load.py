@@ -23,7 +23,7 @@ from ..dcp.storage import dtensor_chunk
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..errors import PartialLoadError, RankFailed, few
 from ..group import CheckpointGroup, cpu_world
-from ..progress import gb_per_s
+from ..progress import fmt_bytes, gb_per_s
 from .adapter import ForeignAdapter, HFSource, StateDictAdapter, as_adapter, check_names, read_index
 from .files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, is_model_file, is_unused_tensor
 from .model_config import read_hf_config
@@ -132,8 +132,8 @@ def load_hf(state_dict: dict[str, Any], hf_dir: str | os.PathLike[str], adapter:
         raise PartialLoadError(hf_dir, failed.error or failed) from failed.error
     secs = time.perf_counter() - start
     if group.is_coordinator:
-        logger.info("loaded %s: %.3f GB (%.3f GB read by rank 0) in %.2f s, %.2f GB/s per rank", hf_dir,
-                    total / 1e9, nbytes / 1e9, secs, gb_per_s(nbytes, secs))
+        logger.info("loaded %s: %s (%s read by rank 0) in %.2f s, %.2f GB/s per rank", hf_dir,
+                    fmt_bytes(total), fmt_bytes(nbytes), secs, gb_per_s(nbytes, secs))
     return state_dict
 
 

@@ -35,9 +35,10 @@ from ..dcp.storage import root_cause
 from ..io import IO_THREADS, durable, safe_open
 from ..io.dtypes import CAST_ON_EXPORT, exported_state
 from ..io.materialised import check_materialised, check_tensor_dict
+from ..io.untrusted import shown
 from .consolidate import OnePassPlan, clear_model_files, consolidate_safetensors, plan_one_pass
 from .consolidate import write_safetensors_one_pass
-from ..errors import AdapterMismatchError, CheckpointError, RankFailed, few
+from ..errors import AdapterMismatchError, CheckpointError, RankFailed, counted, few
 from ..config import Checkpoint, Consolidation
 from ..group import CheckpointGroup, cpu_world
 from ..progress import fmt_bytes, gb_per_s
@@ -125,8 +126,8 @@ def save_hf(model_state_dict: dict[str, Any], out_dir: str | os.PathLike[str], a
     if group.rank == 0:
         secs = time.perf_counter() - start
         total = sum(spec.nbytes for spec in plan.specs.values())
-        logger.debug("exported %s (%s): %d file(s), %.3f GB in %.2f s, %.2f GB/s", out_dir, mode,
-                    len(set(mapping.values())), total / 1e9, secs, gb_per_s(total, secs))
+        logger.debug("exported %s (%s): %s, %s in %.2f s, %.2f GB/s", out_dir, mode,
+                    counted(len(set(mapping.values())), "file"), fmt_bytes(total), secs, gb_per_s(total, secs))
 
 
 def _plan(group: CheckpointGroup, adapter: StateDictAdapter | ForeignAdapter, state_dict: dict[str, Any],
@@ -211,7 +212,7 @@ def read_assets(hf_assets_path: str | None) -> dict[str, bytes]:
             assets[f"{TEMPLATES}/{name}"], left = data, left - len(data)
         if others:
             logger.warning("%s: %s, not a chat template's file (NAME.jinja, of letters, digits, '_', '-' and '.'); "
-                           "not exported", templates, few(others, 3))
+                           "not exported", templates, few([shown(name) for name in others], 3))
     return assets
 
 
@@ -263,7 +264,7 @@ def _tell_left_assets(out_dir: str, assets: dict[str, bytes]) -> None:
     if left := [name for name in found if name not in assets]:
         logger.warning("%s: %s left from before, which the assets of this export do not have: they stay, and "
                        "transformers reads them with this export's files; remove them if they belong to an earlier "
-                       "export", out_dir, ", ".join(left))
+                       "export", out_dir, ", ".join(map(shown, left)))
 
 
 def _clear(out_dir: str) -> None:

@@ -28,6 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError, ConfigError
+from ..progress import fmt_bytes
 from .filewriter import CountWait, Sink, write_files
 from .tensors import local_values
 from .writer_process import WriterProcess
@@ -479,10 +480,9 @@ def _no_shared_memory(size: int, error: Exception) -> str:
     shared memory rather than to the checkpoint's disk, which the error's errno suggests."""
     try:
         stat = os.statvfs(_SHARED_MEMORY)
-        room = (f"; {_SHARED_MEMORY} has {stat.f_bavail * stat.f_frsize / 1e9:.3f} GB free of "
-                f"{stat.f_blocks * stat.f_frsize / 1e9:.3f} GB")
+        room = f"; {_SHARED_MEMORY} has {fmt_bytes(stat.f_bavail * stat.f_frsize)} free of {fmt_bytes(stat.f_blocks * stat.f_frsize)}"
     except OSError:
         room = ""
-    return (f"async_with_pinned_mem could not stage {size / 1e9:.3f} GB in shared memory ({error}){room}: give "
+    return (f"async_with_pinned_mem could not stage {fmt_bytes(size)} in shared memory ({error}){room}: give "
             f"the machine or container more (docker run --shm-size), or use checkpoint.async_mode = \"async\", "
             "which stages in the process's own memory")

@@ -286,3 +286,10 @@ class _Brief(BoundedRepr):
 
 brief = _Brief().repr
 """A repr of `value` of at most a few hundred characters, computed in bounded time."""
+
+
+def shown(name: str) -> str:
+    """A name read from a checkpoint or folder as a terminal or log may show it: as it is when
+    printable, else quoted with escapes (an escape code, a newline faking a line, a lone
+    surrogate no encoding takes)."""
+    return name if name.isprintable() else brief(name)

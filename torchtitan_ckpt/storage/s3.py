@@ -67,7 +67,7 @@ from ..hf.planner import parse_size
 from ..io import durable, posio, safe_open
 from ..io.checksum import crc32, hex_crc
 from ..io.untrusted import brief
-from ..progress import gb_per_s
+from ..progress import fmt_bytes, gb_per_s
 from . import lock
 from .base import Store, warn_replacing
 
@@ -850,7 +850,7 @@ def _status(names: set[str]) -> str:
 
 def _log_rate(what: str, nbytes: int, start: float) -> None:
     secs = time.perf_counter() - start
-    logger.info("%s: %.3f GB in %.2f s, %.2f GB/s", what, nbytes / 1e9, secs, gb_per_s(nbytes, secs))
+    logger.info("%s: %s in %.2f s, %.2f GB/s", what, fmt_bytes(nbytes), secs, gb_per_s(nbytes, secs))
 
 
 def _size_or_none(local: str) -> int | None:
