@@ -23,7 +23,7 @@ from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.dcp import validate
 from torchtitan_ckpt.errors import CheckpointError, CheckpointSaveError, PartialLoadError
 
-from .helpers import Holder, read_checkpoint, spawn
+from .helpers import Holder, assert_same, read_checkpoint, spawn
 
 
 def _job(folder: str, seed: int, chained: bool = False):
@@ -63,8 +63,9 @@ def test_an_optimizer_of_a_parameter_outside_the_model_parts_is_refused_when_the
     state dict to keep its optimizer state by."""
     model, scale = nn.Linear(3, 3), nn.Parameter(torch.ones(1))
     opt = torch.optim.AdamW([*model.parameters(), scale])
-    with pytest.raises(ValueError, match=r"^AdamW optimizes 1 parameters that are in none of the model parts "
-                                         r"\(indices \[2\]\); pass every part its parameters are in$"):
+    with pytest.raises(ValueError, match=r"^AdamW optimizes 1 parameter that are in none of the model parts "
+                                         r"\(indices \[2\]\); pass every part its parameters are in \(an optimizer "
+                                         r"built before fully_shard holds the parameters fully_shard replaced"):
         CheckpointManager(Checkpoint(enable=True), [model], optimizers=opt, base_folder=str(tmp_path))
     assert not os.path.exists(tmp_path / "checkpoint")
 
@@ -602,8 +603,15 @@ def test_a_tensor_dcp_cannot_write_is_refused_before_the_step_folder_is_made(tmp
 def test_an_optimizer_whose_step_needs_a_closure_is_saved_before_its_first_step_and_named_when_loaded_into(tmp_path):
     """Saved before its first step, it holds no state; a step holding its state cannot be read
     into one that has none (its state is made by a step, which needs a closure)."""
+    class NeedsClosure(torch.optim.SGD):
+        """A step needs a closure, as sharpness-aware minimisation's two passes do."""
+
+        def step(self, closure):  # noqa: ANN001, ANN201
+            closure()
+            return super().step()
+
     model = nn.Linear(2, 2)
-    opt = torch.optim.LBFGS(model.parameters())
+    opt = NeedsClosure(model.parameters(), lr=0.1, momentum=0.9)
 
     def closure():
         opt.zero_grad()
@@ -617,9 +625,9 @@ def test_an_optimizer_whose_step_needs_a_closure_is_saved_before_its_first_step_
         assert not opt.state
         opt.step(closure)
         manager.save(2)
-    fresh = torch.optim.LBFGS(model.parameters())
+    fresh = NeedsClosure(model.parameters(), lr=0.1, momentum=0.9)
     with CheckpointManager(config, [model], optimizers=fresh, base_folder=str(tmp_path)) as manager:
-        with pytest.raises(CheckpointError, match=r"LBFGS has no state yet, and a step at learning rate 0 on zero "
+        with pytest.raises(CheckpointError, match=r"NeedsClosure has no state yet, and a step at learning rate 0 on zero "
                                                   r"gradients, which makes it, failed \(TypeError: .*add 'optimizer' "
                                                   r"to checkpoint.exclude_from_loading"):
             manager.load()
@@ -717,6 +725,43 @@ def test_a_module_with_a_child_named_like_compiles_wrapped_module_is_no_compiled
         "bias", "head.bias", "head.weight", "weight"]  # the segment is dropped from names, as compile's is
 
 
+def test_dataparallel_is_looked_through_as_ddp_is(tmp_path):
+    """A step saved from `nn.DataParallel(model)` kept its `module.` prefix: it loaded into no
+    other wrapping (the bare model, DDP, FSDP), refused as an older version's DDP step."""
+    torch.manual_seed(0)
+    saved = nn.DataParallel(nn.Linear(4, 4))
+    opt = torch.optim.SGD(saved.parameters(), lr=0.1, momentum=0.9)
+    saved(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    with CheckpointManager(Checkpoint(enable=True, interval=1), [saved], optimizers=opt,
+                           base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    held = read_checkpoint(os.path.join(tmp_path, "checkpoint", "step-1"))
+    assert sorted(k for k in held if not k.startswith("optimizer.")) == ["bias", "weight"]
+    for loaded in (nn.Linear(4, 4), nn.DataParallel(nn.Linear(4, 4))):
+        again = torch.optim.SGD(loaded.parameters(), lr=0.1, momentum=0.9)
+        with CheckpointManager(Checkpoint(enable=True), [loaded], optimizers=again,
+                               base_folder=str(tmp_path)) as manager:
+            assert manager.load()
+        expected = saved if isinstance(loaded, nn.DataParallel) else saved.module
+        assert_same(dict(loaded.named_parameters()), dict(expected.named_parameters()))
+        for i in (0, 1):
+            assert torch.equal(again.state[again.param_groups[0]["params"][i]]["momentum_buffer"],
+                               opt.state[opt.param_groups[0]["params"][i]]["momentum_buffer"])
+
+
+def test_lbfgs_is_refused_when_the_manager_is_made(tmp_path):
+    """LBFGS's state is lists that grow from step to step (its history): a step of it loaded only
+    into an LBFGS holding lists of the same lengths, else refused as damaged or as another kind
+    of optimizer's, once steps were saved."""
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"^optimizers\[1\] is an LBFGS, whose state is its history .* Not supported: "
+                                        r"leave it out of optimizers="):
+        CheckpointManager(Checkpoint(enable=True), [model], base_folder=str(tmp_path),
+                          optimizers=[torch.optim.SGD([model.weight]), torch.optim.LBFGS([model.bias])])
+    assert not os.path.exists(tmp_path / "checkpoint")
+
+
 def test_a_step_saved_with_ddps_prefix_by_an_earlier_version_is_named_so(tmp_path):
     held = nn.Module()
     held.module = nn.Linear(2, 2)  # the names DistributedDataParallel gave, which earlier saves kept
@@ -724,7 +769,8 @@ def test_a_step_saved_with_ddps_prefix_by_an_earlier_version_is_named_so(tmp_pat
         manager.save(1)
     with CheckpointManager(Checkpoint(enable=True), [nn.Linear(2, 2)], base_folder=str(tmp_path)) as manager:
         with pytest.raises(CheckpointError, match=r"lacks 2 tensors this job has, e.g. \['weight', 'bias'\]; its names "
-                                                  r"carry DistributedDataParallel's 'module.' prefix"):
+                                                  r"carry the 'module.' prefix of DistributedDataParallel "
+                                                  r"\(or DataParallel\)"):
             manager.load()
 
 

@@ -37,7 +37,7 @@ try:  # FSDP1, deprecated: refused (`_refuse_fsdp1`) where this torch still has 
 except ImportError:
     _FSDP1 = None
 
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, counted
 from .io.dtypes import same_bytes
 from .io.materialised import check_materialised
 from .io.tensors import memory_of, unwrapped_values
@@ -76,13 +76,13 @@ def canonical_name(name: str) -> str:
 
 
 def unwrapped(part: nn.Module) -> nn.Module:
-    """The module that `DistributedDataParallel` and `torch.compile` wrappers around a model part
-    hold: their `module.` and `_orig_mod.` prefixes are no part of its keys (PyTorch's
-    `get_model_state_dict` leaves DDP's out too), so a step saved under DDP loads into the bare
-    model, on one rank or under FSDP, and the Hugging Face adapters see the model's names."""
+    """The module that `DistributedDataParallel`, `DataParallel` and `torch.compile` wrappers
+    around a model part hold: their `module.` and `_orig_mod.` prefixes are no part of its keys
+    (PyTorch's `get_model_state_dict` leaves DDP's out too), so a step saved under DDP loads into
+    the bare model, on one rank or under FSDP, and the Hugging Face adapters see the model's names."""
     compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", ())  # not imported: none
     while True:
-        if isinstance(part, DistributedDataParallel):
+        if isinstance(part, (DistributedDataParallel, nn.DataParallel)):
             part = part.module
         elif isinstance(part, compiled):
             part = part._orig_mod
@@ -271,6 +271,11 @@ class OptimizerState(CheckedState):
     def __init__(self, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]):
         self.parts = list(parts)
         self.optimizers = list(optimizers)
+        if lbfgs := [i for i, opt in enumerate(self.optimizers) if isinstance(opt, torch.optim.LBFGS)]:
+            raise TypeError(f"optimizers[{lbfgs[0]}] is an LBFGS, whose state is its history of directions and "
+                            "steps, lists that grow from step to step: a load fills the job's own state in place, "
+                            "and a resumed LBFGS holds lists of other lengths (or none), so no step of it would "
+                            "load. Not supported: leave it out of optimizers= (its history starts afresh on resume)")
         self.named  # every optimizer's parameters are in the parts, checked now
         self._made_kinds: dict[str, dict[str, tuple[torch.dtype, torch.device]]] = {}
         """The dtype and device of each state tensor `state_dict_to_load` made (`_made_state`),
@@ -503,7 +508,7 @@ def _made_state(opt: torch.optim.Optimizer, names: list[str], wanted: Collection
 def _make_state(opt: torch.optim.Optimizer) -> None:
     """`opt`'s first state made by a step at learning rate 0 on zero gradients, unless it has
     state, its step hooks set aside (state made to read a load into is no step to an EMA or a
-    step count). An optimizer whose step cannot be taken so (LBFGS's needs a closure) is named,
+    step count). An optimizer whose step cannot be taken so (one whose step needs a closure, as sharpness-aware minimisation's does) is named,
     with what to do."""
     try:
         with _hooks_aside(opt):
@@ -661,8 +666,10 @@ def _parameter_names(names: dict[int, str], opt: torch.optim.Optimizer) -> list[
     params = [p for group in opt.param_groups for p in group["params"]]
     unknown = [i for i, p in enumerate(params) if id(p) not in names]
     if unknown:
-        raise ValueError(f"{type(opt).__name__} optimizes {len(unknown)} parameters that are in none of "
-                         f"the model parts (indices {unknown[:5]}); pass every part its parameters are in")
+        raise ValueError(f"{type(opt).__name__} optimizes {counted(len(unknown), 'parameter')} that are in none "
+                         f"of the model parts (indices {unknown[:5]}); pass every part its parameters are in (an "
+                         "optimizer built before fully_shard holds the parameters fully_shard replaced: build it "
+                         "after)")
     return [names[id(p)] for p in params]
 
 

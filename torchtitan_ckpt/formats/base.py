@@ -91,8 +91,9 @@ class StepIndex:
             hint += (f" It holds {len(alike)} tensors of those shapes that this rank loads none of, e.g. "
                      f"{alike[:3]}: renamed since the save?")
         if prefix == "module.":
-            hint = ("its names carry DistributedDataParallel's 'module.' prefix, which saves of torchtitan_ckpt "
-                    "before 2026-12-05 kept (now no step holds it): load it with that version")
+            hint = ("its names carry the 'module.' prefix of DistributedDataParallel (or DataParallel), which saves "
+                    "of torchtitan_ckpt before 2026-12-05 (DataParallel's: 2026-12-07) kept (now no step holds it): "
+                    "load it with that version")
         elif prefix:
             hint = (f"it holds every one under the prefix {prefix!r}: another framework's checkpoint, which nests "
                     "the model (accelerate's FSDP folders under 'model.', Lightning's under 'state_dict.'); save its "
