@@ -508,8 +508,8 @@ def _made_state(opt: torch.optim.Optimizer, names: list[str], wanted: Collection
 def _make_state(opt: torch.optim.Optimizer) -> None:
     """`opt`'s first state made by a step at learning rate 0 on zero gradients, unless it has
     state, its step hooks set aside (state made to read a load into is no step to an EMA or a
-    step count). An optimizer whose step cannot be taken so (one whose step needs a closure, as sharpness-aware minimisation's does) is named,
-    with what to do."""
+    step count). An optimizer whose step cannot be taken so (one that needs a closure, as
+    sharpness-aware minimisation's does) is named, with what to do."""
     try:
         with _hooks_aside(opt):
             if isinstance(opt, torch.optim.SparseAdam):  # its step takes sparse gradients only
