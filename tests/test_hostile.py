@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import math
 import os
 import pickle
@@ -664,6 +665,46 @@ def test_names_from_a_checkpoint_reach_the_terminal_escaped(ckpt, capsys):
     assert "CORRUPT" in out and "\\nok      /all/fine\\x1b[2K" in out and "\x1b" not in out + err
     assert [line for line in out.splitlines() if line.startswith("ok")] == []
     assert "\\x1b[31m\\nerror: injected" in err and len(err.splitlines()) == 1
+
+
+FORGED = "x\n[rank0] FAKE\x1b[2J\rY"
+"""A name that, written raw, starts a log line of its own, clears the terminal and overwrites a line."""
+
+
+def _forges(text: str) -> bool:
+    return "\x1b" in text or "\r" in text or any(line.startswith("[rank0] FAKE") for line in text.splitlines())
+
+
+def test_fields_of_a_checkpoint_reach_logs_errors_and_listings_escaped(ckpt, capsys, caplog):
+    """A marker's CRC-32 text reached the ERROR of a corrupt step (`verify_on_load`) and the
+    error raised, raw; a state's name of the marker, `list`'s contents column; a subfolder's
+    name, `list`'s hint; an unknown config key, its `ConfigError`."""
+    dump, step, _ = ckpt
+    path = os.path.join(step, commit.MARKER)
+    raw = json.loads(open(path).read())
+    raw["files"][next(iter(raw["files"]))]["crc32"] = FORGED
+    raw["states"].append(FORGED)
+    open(path, "w").write(json.dumps(raw))
+    with caplog.at_level(logging.INFO, logger="torchtitan_ckpt"), pytest.raises(CorruptCheckpointError) as fell:
+        _load(dump, verify_on_load=True)
+    told = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(told) == 1 and "the manifest says x\\n[rank0] FAKE\\x1b[2J\\rY" in told[0], told
+    assert not _forges(told[0]) and "each is named above" in str(fell.value)
+    with pytest.raises(CorruptCheckpointError) as fell:
+        _load(dump, verify_on_load=True, verify_fallback=False)
+    assert "x\\n[rank0] FAKE\\x1b[2J\\rY" in str(fell.value) and not _forges(str(fell.value))
+    os.makedirs(os.path.join(dump, "a" + FORGED, "step-1"))  # the first subfolder holding steps
+    with within(30):
+        cli.main(["list", os.path.dirname(step)])
+        cli.main(["inspect", step])
+        cli.main(["list", dump])
+    out = capsys.readouterr().out
+    assert out.count("FAKE") == 2 and not _forges(out), out  # the contents column, the hint
+    toml = os.path.join(dump, "job.toml")
+    open(toml, "w").write(f"[checkpoint]\n{json.dumps(FORGED)} = 1\n")  # a TOML basic string is JSON's
+    with pytest.raises(ConfigError) as fell:
+        load_job_config(toml, [])
+    assert "FAKE" in str(fell.value) and not _forges(str(fell.value))
 
 
 def _listed_corrupt(step: str, capsys, problem: str) -> None:

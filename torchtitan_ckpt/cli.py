@@ -48,7 +48,7 @@ from .formats import FORMATS
 from .config import BUILTIN_STATES, MAX_THREADS, Checkpoint
 from .group import CheckpointGroup, launched_group, leave
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NewerVersionError,
-                     OlderVersionError, RankFailed, counted, in_chain, restate)
+                     OlderVersionError, RankFailed, counted, in_chain, printable, restate)
 from .hf.convert import convert
 from .hf.adapter import ROPE_LAYOUTS
 from .hf.registry import ADAPTERS
@@ -226,12 +226,12 @@ def cmd_list(args: argparse.Namespace, progress: Progress) -> int:
         _print_json({"folder": args.folder, "latest_complete": _newest(steps, layout.COMPLETE),
                      "latest_loadable": loadable, "steps": steps})
     elif not steps:
-        print(f"{args.folder}: no step folders" + (_where_steps_are(args.folder) if scheme_of(args.folder) is None
-                                                    else ""))
+        print(printable(f"{args.folder}: no step folders" + (_where_steps_are(args.folder)
+                                                              if scheme_of(args.folder) is None else "")))
     else:
         print(f"{'step':>8}  {'status':<10}  {'size':>10}  contents")
         for s in steps:
-            print(f"{s['step']:>8}  {s['status']:<10}  {fmt_bytes(s['bytes']):>10}  {_contents(s)}")
+            print(f"{s['step']:>8}  {s['status']:<10}  {fmt_bytes(s['bytes']):>10}  {printable(_contents(s))}")
     return EXIT_OK if loadable is not None else EXIT_FAILED
 
 
@@ -284,24 +284,18 @@ def _describe(path: str, where: str, listed: str | None) -> dict[str, Any]:
             "tensor_bytes": sum(t["bytes"] for t in tensors), "tensors": tensors, "objects": objects}
 
 
-def _escaped(text: str) -> str:
-    """A message that may hold names read from a checkpoint, each character a terminal would
-    act on (a newline faking an "ok" row, an escape code) written as its escape."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
 def _print_inspect(doc: dict[str, Any]) -> None:
     status = (f"complete, step {doc['step']}, saved by {counted(doc['world_size'], 'rank')}"
               if doc["status"] == layout.COMPLETE else
               f"misnamed: it holds step {doc['step']}, saved by {counted(doc['world_size'], 'rank')}"
               if doc["status"] == MISNAMED else f"{doc['status']}, no commit marker")
-    print(f"{doc['path']}: {status} ({doc['format']})")
+    print(printable(f"{doc['path']}: {status} ({doc['format']})"))
     for state in dict.fromkeys([*doc["states"], "model"]):
         tensors = [t for t in doc["tensors"] if t["state"] == state]
         objects = [o for o in doc["objects"] if o["state"] == state]
         if not tensors and not objects:
             continue
-        print(f"\n[{state}]")
+        print(f"\n[{shown(state)}]")
         for t in tensors:
             print(f"  {shown(t['key']):<60} {t['dtype']:<9} {str(t['shape']):<16} {fmt_bytes(t['bytes']):>10}")
         for o in objects:
@@ -399,9 +393,9 @@ def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
     else:
         for f in files:
             if not f["ok"]:
-                print(f"CORRUPT {_escaped(f['problem'])}")
+                print(f"CORRUPT {printable(f['problem'])}")
             elif args.verbose:
-                print(f"ok      {_escaped(os.path.join(path, f['file']))}")
+                print(f"ok      {printable(os.path.join(path, f['file']))}")
         if not failed:
             print(f"{path}: {len(files)} files, {fmt_bytes(info.total_bytes)}, all intact")
         else:
@@ -452,7 +446,7 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
                 except (CheckpointError, OSError) as e:  # files appeared, permissions: the others are still cleaned
                     why = safe_open.removal_refused(path, e) if isinstance(e, PermissionError) else e
                     problem = str(e) if isinstance(e, CheckpointError) else f"{path} could not be removed: {why}"
-                    print(f"error: {_escaped(problem)}", file=sys.stderr)
+                    print(f"error: {printable(problem)}", file=sys.stderr)
                     code, freed = EXIT_FAILED, freed + done[0]
                     continue
                 removed, freed = removed + 1, freed + size
@@ -848,7 +842,7 @@ def _run(args: argparse.Namespace) -> int:
         return _stdout_closed()
     except (CheckpointError, OSError, ValueError) as e:
         full = _full(args, e)
-        print(f"error: {_escaped(str(e))}{full}", file=sys.stderr)
+        print(f"error: {printable(str(e))}{full}", file=sys.stderr)
         return EXIT_FAILED if full else EXIT_INPUT
     except (KeyboardInterrupt, CheckpointException, RuntimeError) as e:  # DCP wraps a Ctrl-C in its own exception
         if isinstance(e, RuntimeError) and not _STOPPED_BY:
@@ -858,7 +852,7 @@ def _run(args: argparse.Namespace) -> int:
             cause = _interruption(_STOPPED_BY[0])  # on its way (a second signal in `Condition.wait`: its lock)
         if not isinstance(cause, KeyboardInterrupt):
             full = _full(args, cause)
-            print(f"error: {type(cause).__name__}: {_escaped(str(cause))}{full}", file=sys.stderr)
+            print(f"error: {type(cause).__name__}: {printable(str(cause))}{full}", file=sys.stderr)
             return EXIT_FAILED if full else EXIT_INPUT
         print(f"torchtitan-ckpt {args.command}: interrupted", file=sys.stderr)
         return 128 + cause.signum if isinstance(cause, _Terminated) else EXIT_INTERRUPTED
@@ -878,7 +872,7 @@ def _full(args: argparse.Namespace, error: BaseException) -> str:
         fs = os.statvfs(where if os.path.exists(where) else os.path.dirname(os.path.abspath(where)))
     except OSError:
         return " (a file system is full: free space and run it again)"
-    return (f" (the file system holding {_escaped(where)} is full, {fs.f_bavail * fs.f_frsize} bytes free: free "
+    return (f" (the file system holding {printable(where)} is full, {fs.f_bavail * fs.f_frsize} bytes free: free "
             "space and run it again)")
 
 

@@ -27,6 +27,13 @@ def no_thread(error: BaseException | None) -> bool:
     return in_chain(error, lambda e: isinstance(e, RuntimeError) and "can't start new thread" in str(e)) is not None
 
 
+def printable(text: str) -> str:
+    """`text` with each character a terminal or log would act on (a newline faking a line of its
+    own, an escape code, a lone surrogate no encoding takes) written as its escape: messages
+    carry names and fields read from checkpoints."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def few(items: Sequence[object], shown: int = 10) -> str:
     """`items` (steps, paths, ranks) for a message: the first `shown`, then how many more (a
     crashed job's folder, or a run's copy, may hold thousands; a job, thousands of ranks)."""
@@ -71,6 +78,10 @@ class CheckpointError(_Rebuilt, Exception):
     """Base class of every error this package raises to its caller deliberately; those at the end
     of this module, from `WriterProcessError` on, pass between its parts and reach a caller
     inside one of these (as a `CheckpointSaveError`'s cause, say)."""
+
+    def __str__(self) -> str:
+        """The message `printable`: it may hold names read from a checkpoint."""
+        return printable(super().__str__())
 
 
 class BoundedRepr(reprlib.Repr):
@@ -187,8 +198,8 @@ class AdapterMismatchError(CheckpointError, KeyError):
         super().__init__(where, self.unknown, self.missing)
 
     def __str__(self) -> str:  # KeyError would print the repr of its args
-        return (f"{self.where}: {len(self.unknown)} unknown name(s) {self.unknown} and "
-                f"{len(self.missing)} missing name(s) {self.missing}; {self.hint}")
+        return printable(f"{self.where}: {len(self.unknown)} unknown name(s) {self.unknown} and "
+                         f"{len(self.missing)} missing name(s) {self.missing}; {self.hint}")
 
 
 class CheckpointSaveError(CheckpointError):

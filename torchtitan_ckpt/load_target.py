@@ -20,7 +20,7 @@ from typing import Any
 from . import commit, layout, storage
 from .config import Checkpoint
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, MisnamedStepError, RankFailed, \
-    counted, different_copies, few
+    counted, different_copies, few, printable
 from .formats import FORMATS, StepFormat, StepIndex
 from .group import CheckpointGroup
 from .hf import StateDictAdapter
@@ -178,7 +178,7 @@ class TargetFinder:
             if problems and self.config.verify_fallback:
                 if self._group.is_coordinator:
                     logger.error("step %d is corrupt, trying the previous complete step: %s",
-                                 newest.step, "; ".join(problems))
+                                 newest.step, printable("; ".join(problems)))
                 corrupt.append(newest.step)
                 self.passed.add(newest.step)
                 continue

@@ -32,6 +32,7 @@ from ..io.dtypes import converts
 from ..io.materialised import check_materialised, check_tensor_dict
 from ..io.posio import tensor_bytes
 from ..io.tensors import local_values, memory_of, unwrapped_values
+from ..io.untrusted import shown
 from .safetensors_io import TensorEntry, read_exact, read_header
 from .shards import plan_reads, read_all
 
@@ -388,7 +389,7 @@ def _wanted_layout(hf_dir: str, wanted: set[str] | None, log: bool) -> tuple[dic
                        and (scale := name + FP8_SCALE_SUFFIX) in layout}
     if (extra := sorted(set(layout) - wanted)) and log:
         logger.info("%s: ignoring %d tensors of the folder that the model does not have, such as %s", hf_dir,
-                    len(extra), ", ".join(extra[:3]))
+                    len(extra), ", ".join(map(shown, extra[:3])))
     return {name: layout[name] for name in wanted}, extra
 
 

@@ -188,7 +188,7 @@ def assets_file_split(adapter: Any, exported: Collection[str], log: bool = True)
                                    "model exports (missing)", [], sorted(missing))
     if (extra := sorted(set(mapping) - exported)) and log:
         logger.info("%s: leaving %d tensors of the file split out of the export, which the model does not have, "
-                    "such as %s", where, len(extra), ", ".join(extra[:3]))
+                    "such as %s", where, len(extra), ", ".join(map(shown, extra[:3])))
     return {name: i for name, i in mapping.items() if name in exported}
 
 
