@@ -375,6 +375,35 @@ def test_a_transposed_tensor_exports_in_every_mode(tmp_path, mode):
         assert_same(got[name], expected[name])
 
 
+class _Prefixed:
+    """An adapter of TorchTitan's surface that only prefixes the names."""
+
+    def __init__(self, hf_assets_path: str):
+        self.hf_assets_path = hf_assets_path
+
+    def to_hf(self, sd: dict) -> dict:
+        return {"hf." + k: v for k, v in sd.items()}
+
+    def from_hf(self, sd: dict) -> dict:
+        return {k.removeprefix("hf."): v for k, v in sd.items()}
+
+
+@pytest.mark.parametrize("mode", ["one_pass", "all_ranks", "rank0"])
+def test_a_one_element_tensor_of_any_stride_exports_and_loads(tmp_path, mode):
+    """One element of strides (5, 3), contiguous as torch counts: `one_pass` read its bytes
+    through a byte view that torch refuses for a stride that is not 1 (a bare RuntimeError)."""
+    (tmp_path / "assets").mkdir()
+    (tmp_path / "assets" / "config.json").write_text("{}")
+    adapter = _Prefixed(str(tmp_path / "assets"))
+    odd = torch.zeros(6).as_strided((1, 1), (5, 3), 1).fill_(2.5)
+    save_hf({"w": odd}, str(tmp_path / "out"), adapter, mode=mode)
+    assert_same(tensors_by_file(str(tmp_path / "out"))["model-00001-of-00001.safetensors"],
+                {"hf.w": torch.full((1, 1), 2.5)})
+    into = {"w": torch.zeros(6).as_strided((1, 1), (5, 3), 1)}
+    load_hf(into, str(tmp_path / "out"), adapter)
+    assert into["w"].item() == 2.5 and into["w"].stride() == (5, 3)
+
+
 @pytest.mark.parametrize("mode", ["one_pass", "rank0"])
 def test_an_export_replaces_a_config_json_link_instead_of_writing_through_it(tmp_path, mode):
     """A folder of the hub cache links its config.json to a blob that other revisions share;

@@ -434,13 +434,17 @@ def _export_tensors_of_no_elements(rank: int, world_size: int, tmp: str) -> None
     model.deep = torch.nn.Parameter(torch.empty(2, 0, 3))
     fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
     assert model.empty.to_local().shape == (0, 0)  # FSDP2's local shard of no elements, not (4, 0)
+    full = torch.arange(24.0).reshape(4, 6)  # and a Shard(1) DTensor whose local shard is a transposed view
+    transposed = distribute_tensor(full.t().contiguous(), init_device_mesh("cpu", (world_size,)), [Shard(0)]).t()
+    assert not transposed.to_local().is_contiguous()
     for mode in MODES:
         out = os.path.join(tmp, mode)
-        save_hf(model.state_dict(), out, _SameNames(os.path.join(tmp, "assets")), mode=mode)
+        save_hf({**model.state_dict(), "t": transposed}, out, _SameNames(os.path.join(tmp, "assets")), mode=mode)
         dist.barrier()
         got = load_file(os.path.join(out, "model-00001-of-00001.safetensors"))
-        assert {k: tuple(v.shape) for k, v in got.items()} == {"w": (8, 2), "empty": (8, 0), "deep": (2, 0, 3)}
-        assert torch.equal(got["w"], torch.arange(16.0).reshape(8, 2))
+        assert {k: tuple(v.shape) for k, v in got.items()} == {"w": (8, 2), "empty": (8, 0), "deep": (2, 0, 3),
+                                                               "t": (4, 6)}
+        assert torch.equal(got["w"], torch.arange(16.0).reshape(8, 2)) and torch.equal(got["t"], full)
         back = torch.nn.Module()
         back.w, back.empty, back.deep = (torch.nn.Parameter(torch.zeros(s)) for s in ((8, 2), (8, 0), (2, 0, 3)))
         fully_shard(back, mesh=init_device_mesh("cpu", (world_size,)))
@@ -448,10 +452,12 @@ def _export_tensors_of_no_elements(rank: int, world_size: int, tmp: str) -> None
         assert torch.equal(back.w.full_tensor(), torch.arange(16.0).reshape(8, 2))
 
 
-def test_tensors_of_no_elements_export_from_fsdp_shards(tmp_path):
+def test_tensors_of_no_elements_and_transposed_shards_export_from_every_rank(tmp_path):
     """A parameter of no elements (8 x 0), which FSDP2 shards as (0, 0) on every rank, failed the
     export ("local tensor of shape [0, 0], expected [4, 0]": a run's last save lost), or was
-    exported as (4, 0) by the two-phase modes; the export's import failed on it too."""
+    exported as (4, 0) by the two-phase modes; the export's import failed on it too. A DTensor
+    whose local shard is not contiguous (the transpose of a `Shard(0)` one) failed the two-phase
+    modes in PyTorch's safetensors writer ("non contiguous tensor")."""
     os.makedirs(tmp_path / "assets")
     (tmp_path / "assets" / "config.json").write_text('{"model_type": "llama", "torch_dtype": "float32"}')
     spawn(2, _export_tensors_of_no_elements, str(tmp_path))

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan_ckpt import commit, layout
+from torchtitan_ckpt import Checkpoint, CheckpointManager, commit, layout
 from torchtitan_ckpt.dcp import storage
 from torchtitan_ckpt.dcp.metadata import METADATA_FILE, read_metadata
 
@@ -104,3 +104,32 @@ def test_a_step_removed_after_its_check_is_read_as_checked(tmp_path, engine):
     dcp.load(state, storage_reader=reader, planner=storage.make_load_planner(), no_dist=True)
     assert os.listdir(path) == []
     assert_same(state, expected)
+
+
+def _one_element_views() -> dict[str, torch.Tensor]:
+    """Tensors of one element whose stride is not 1, contiguous as torch counts (a dimension of
+    size 1 may have any stride), as slices and columns of larger tensors give them."""
+    return {"sliced": torch.zeros(2)[::2], "column": torch.zeros(6).as_strided((1, 1), (5, 3), 1)}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_one_element_tensors_of_any_stride_save_and_load(tmp_path, engine):
+    """The fast engine read into such a tensor through a byte view, which torch refuses for a
+    stride that is not 1 ("self.stride(-1) must be 1"): a PartialLoadError, and saves refused
+    after it. PyTorch's reader fills them."""
+    def part(values: dict[str, torch.Tensor]) -> torch.nn.Module:
+        m = torch.nn.Module()
+        for name, value in values.items():
+            m.register_buffer(name, value)
+        return m
+
+    saved = part({name: t.fill_(2.5 + i) for i, (name, t) in enumerate(_one_element_views().items())})
+    config = Checkpoint(enable=True, interval=1, io_engine=engine)
+    with CheckpointManager(config, [saved], base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+    loaded = part(_one_element_views())
+    with CheckpointManager(config, [loaded], base_folder=str(tmp_path)) as manager:
+        assert manager.load()
+        assert manager.save(2, force=True)
+    assert_same(dict(loaded.named_buffers()), dict(saved.named_buffers()))
+    assert loaded.sliced.stride() == (2,) and loaded.column.stride() == (5, 3)  # filled in place

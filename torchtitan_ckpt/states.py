@@ -40,6 +40,7 @@ except ImportError:
 from .errors import CheckpointError, CorruptCheckpointError, counted
 from .io.dtypes import same_bytes
 from .io.materialised import check_materialised
+from .io.posio import byte_view
 from .io.tensors import memory_of, unwrapped_values
 from .io.torch_archive import load_plain_pickle, refusal
 from .io.untrusted import brief
@@ -824,7 +825,7 @@ def replicated_digest(state: Any) -> tuple[bytes, bytes]:
                 flat = value.detach().reshape(-1)
                 if not whole:
                     flat = flat[:: -(-flat.numel() * value.element_size() // _DIGESTED_BYTES)]
-                values.update(flat.contiguous().view(torch.uint8).numpy().tobytes())
+                values.update(byte_view(flat.contiguous()).numpy().tobytes())
             except (RuntimeError, TypeError):  # no bytes to read (sparse, quantized)
                 pass
     return keys.digest(), values.digest()

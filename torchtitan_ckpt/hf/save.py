@@ -166,7 +166,10 @@ def _whole_tensors(hf_sd: dict[str, Any]) -> tuple[dict[str, Any], int]:
             value = full[id(value.tensor)][value.index]
         elif isinstance(value, DTensor) and not value.numel():  # FSDP2 shards it as (0, 0): its shape is lost
             value = torch.empty(value.shape, dtype=value.dtype, device="cpu")
-        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and not value.is_contiguous():
+        if isinstance(value, DTensor) and not value.to_local().is_contiguous():  # a transposed shard, say
+            value = DTensor.from_local(value.to_local().contiguous(), value.device_mesh, value.placements,
+                                       shape=value.shape, stride=torch.empty(value.shape, device="meta").stride())
+        elif isinstance(value, torch.Tensor) and not value.is_contiguous():
             value = value.contiguous()
         out[name] = value
     return out, gathered

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .posio import byte_view
 from .tensors import local_values
 
 EXPORT_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -134,5 +135,5 @@ def storable(dtype: torch.dtype) -> bool:
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one shape and dtype (DTensors: their local shards) hold the same
     bytes, a NaN equal to itself, wherever each lives."""
-    a, b = (local_values(t).detach().cpu().reshape(-1).view(torch.uint8) for t in (a, b))
+    a, b = (byte_view(local_values(t).detach().cpu().contiguous()) for t in (a, b))
     return torch.equal(a, b)

@@ -15,10 +15,19 @@ _MAX_IO = 1 << 30
 """Bytes per `pwrite` call: Linux moves at most about 2 GiB per call."""
 
 
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The memory of the contiguous tensor `t` as a 1-D uint8 tensor of the same memory. A
+    dimension of one element may have any stride in a contiguous tensor (`zeros(2)[::2]`, the
+    view `[:, 0:1]` of a column), which `view(-1)` keeps and a byte view refuses: its elements
+    are one dense run all the same."""
+    flat = t.view(-1)
+    return flat.as_strided((flat.numel(),), (1,)).view(torch.uint8)
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The memory of the contiguous CPU tensor `t` as a writable byte view (a buffer these
     functions read into or write from without a copy)."""
-    return memoryview(t.view(-1).view(torch.uint8).numpy())
+    return memoryview(byte_view(t).numpy())
 
 
 def read_into(fd: int, bufs: list[memoryview], offset: int) -> int:
