@@ -262,7 +262,7 @@ def test_clean_leaves_a_linked_partial_step_alone(tmp_path, capsys):
     os.makedirs(tmp_path / "ckpt")
     os.symlink(target, tmp_path / "ckpt" / "step-3")
     assert cli.main(["clean", str(tmp_path / "ckpt")]) == 0
-    assert "0 partial step folder(s) removed" in capsys.readouterr().out
+    assert "0 partial step folders removed" in capsys.readouterr().out
     assert (target / "keep").read_bytes() == SENTINEL
 
 

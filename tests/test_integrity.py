@@ -143,7 +143,7 @@ def test_clean_removes_partial_folders(tmp_path, capsys):
     shutil.copytree(layout.step_dir(folder, 2), layout.step_dir(folder, 9))
     commit.uncommit(layout.step_dir(folder, 9))
     assert cli.main(["clean", folder]) == 0
-    assert "1 partial step folder(s) removed" in capsys.readouterr().out
+    assert "1 partial step folder removed" in capsys.readouterr().out
     assert [(s.step, s.committed) for s in layout.scan(folder)] == [(2, True), (4, True)]
 
 
@@ -168,7 +168,7 @@ def test_clean_keeps_a_partial_step_committed_after_it_was_listed(tmp_path, caps
     monkeypatch.setattr(layout, "folder_bytes", committed_meanwhile)
     assert cli.main(["clean", folder]) == 0
     assert capsys.readouterr().out.splitlines() == [f"kept {step} (no longer partial: a job is writing there?)",
-                                                    "0 partial step folder(s) removed, 0 B"]
+                                                    "0 partial step folders removed, 0 B"]
     assert os.listdir(step) and layout.status_of(step) == layout.COMPLETE
 
 

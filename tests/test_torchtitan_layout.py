@@ -74,7 +74,7 @@ def test_foreign_steps_resume_and_are_never_deleted(tmp_path, capsys, caplog):
     assert cli.main(["clean", folder]) == 0
     assert cli.main(["list", folder]) == 0
     out = capsys.readouterr().out
-    assert "0 partial step folder(s) removed" in out
+    assert "0 partial step folders removed" in out
     rows = [line.split()[:2] for line in out.splitlines() if line.split()[:1] in (["2"], ["4"], ["5"], ["8"])]
     assert rows == [["2", "foreign"], ["4", "foreign"], ["5", "unknown"], ["8", "complete"]]
     assert len(layout.scan(folder)) == 4
@@ -149,7 +149,7 @@ def test_a_crashed_save_of_ours_is_partial_never_loaded_and_cleaned(tmp_path, ca
     with pytest.raises(CheckpointNotFoundError, match="its save did not finish"):
         make_job(str(tmp_path / "b"), steps=20, initial_load_path=crashed).manager.load()
     assert cli.main(["clean", folder]) == 0
-    assert "1 partial step folder(s) removed" in capsys.readouterr().out
+    assert "1 partial step folder removed" in capsys.readouterr().out
     assert [s.step for s in layout.scan(folder)] == [2]
     shutil.copytree(layout.step_dir(folder, 2), crashed)
     commit.uncommit(crashed)
