@@ -152,7 +152,7 @@ def main() -> int:
 
 
 def _loaded_step(log: str) -> int | None:
-    m = re.search(r"loaded \S*/step-(\d+)", log)
+    m = re.search(r"loaded step (\d+) from ", log)
     return int(m.group(1)) if m else None
 
 

@@ -220,7 +220,7 @@ def test_planner_writes_each_rank_its_slices():
     assert torch.equal(written[("w", 0)], state["w"][:5]) and torch.equal(written[("w", 1)], state["w"][5:])
     assert planners[0].summary.bytes_per_rank == (92, 84)
     assert planners[0].summary_line() == (
-        "dedup replica_slices: 2 ranks write 176 B of tensors, the busiest 92 B (max/mean 1.045); "
+        "dedup replica_slices: 176 B of tensors written by 2 ranks, the busiest 92 B (max/mean 1.045); "
         "replicated values in 2 files, a rank reloads its own from up to 2 files")
 
 

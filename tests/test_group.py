@@ -484,3 +484,14 @@ def test_errors_whose_constructor_takes_other_arguments_than_their_message_pickl
             assert type(back) is type(error) and str(back) == str(error) and back.args == error.args
             assert {k: str(v) for k, v in vars(back).items()} == {k: str(v) for k, v in vars(error).items()}
     assert pickle.loads(pickle.dumps(StorageError(5, "refused"))).errno == 5
+
+
+def test_another_ranks_partial_load_of_a_path_no_terminal_shows_is_told_once():
+    """Another rank's `PartialLoadError` reaches this one as its escaped text (`RankFailed`): the
+    part this rank's error says anyway was matched against the raw path, so a path holding a
+    newline gave the whole text twice."""
+    path = "/ck\npt/step-3"
+    theirs = PartialLoadError(path, OSError(5, "Input/output error"))
+    mine = PartialLoadError(path, RankFailed(1, f"{type(theirs).__name__}: {theirs}", ("PartialLoadError",), None))
+    assert str(mine).count("Input/output error") == 1 and str(mine).count("ck\\npt") == 1, str(mine)
+    assert "\n" not in str(mine)

@@ -783,7 +783,7 @@ def test_llama2_rope_buffers_are_ignored_on_import_and_in_the_assets_file_split(
     with caplog.at_level(logging.INFO, logger="torchtitan_ckpt.hf.load"):
         load_hf(model.state_dict(), str(folder), hf_adapter(ARGS))
     assert (logits_of(model) - expected).abs().max() < 1e-5
-    assert [m for m in caplog.messages if "ignoring" in m] == [f"{folder}: ignoring 2 tensor(s) like model.layers.0.self_attn.rotary_emb.inv_freq, "
+    assert [m for m in caplog.messages if "ignoring" in m] == [f"{folder}: ignoring 2 tensors like model.layers.0.self_attn.rotary_emb.inv_freq, "
                                "buffers that transformers recomputes from the config"]
     # an export with these assets follows their file split, without the buffers
     save_hf(model.state_dict(), str(tmp_path / "out"), hf_adapter(ARGS, hf_assets_path=str(folder)))

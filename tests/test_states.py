@@ -63,7 +63,7 @@ def test_an_optimizer_of_a_parameter_outside_the_model_parts_is_refused_when_the
     state dict to keep its optimizer state by."""
     model, scale = nn.Linear(3, 3), nn.Parameter(torch.ones(1))
     opt = torch.optim.AdamW([*model.parameters(), scale])
-    with pytest.raises(ValueError, match=r"^AdamW optimizes 1 parameter that are in none of the model parts "
+    with pytest.raises(ValueError, match=r"^AdamW optimizes 1 parameter of none of the model parts "
                                          r"\(indices \[2\]\); pass every part its parameters are in \(an optimizer "
                                          r"built before fully_shard holds the parameters fully_shard replaced"):
         CheckpointManager(Checkpoint(enable=True), [model], optimizers=opt, base_folder=str(tmp_path))

@@ -177,7 +177,7 @@ class PartialLoadError(CheckpointError):
             where, text = f" on rank {cause.rank}", str(cause)[len(f"rank {cause.rank}: "):]
             for then in self._THEN:
                 head, _, tail = self._TEXT.format(path=path, where="", cause="\0", then=then).partition("\0")
-                head = f"{PartialLoadError.__name__}: {head}"
+                head, tail = printable(f"{PartialLoadError.__name__}: {head}"), printable(tail)  # as str() gave it
                 if text.startswith(head) and text.endswith(tail):
                     text = text[len(head):len(text) - len(tail)]
                     break

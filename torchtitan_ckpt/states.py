@@ -667,10 +667,9 @@ def _parameter_names(names: dict[int, str], opt: torch.optim.Optimizer) -> list[
     params = [p for group in opt.param_groups for p in group["params"]]
     unknown = [i for i, p in enumerate(params) if id(p) not in names]
     if unknown:
-        raise ValueError(f"{type(opt).__name__} optimizes {counted(len(unknown), 'parameter')} that are in none "
-                         f"of the model parts (indices {unknown[:5]}); pass every part its parameters are in (an "
-                         "optimizer built before fully_shard holds the parameters fully_shard replaced: build it "
-                         "after)")
+        raise ValueError(f"{type(opt).__name__} optimizes {counted(len(unknown), 'parameter')} of none of the "
+                         f"model parts (indices {unknown[:5]}); pass every part its parameters are in (an optimizer "
+                         "built before fully_shard holds the parameters fully_shard replaced: build it after)")
     return [names[id(p)] for p in params]
 
 

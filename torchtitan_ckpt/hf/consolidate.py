@@ -592,8 +592,8 @@ def _write_everything(group: CheckpointGroup, output_dir: str, files: list[Outpu
     _step(group, "writing the index", lambda: _write_index(output_dir, files, specs) if group.rank == 0 else None)
     seconds = time.perf_counter() - t0
     mine = sum(t.stop - t.start for t in tasks)
-    logger.debug("rank %d wrote %.3f GB into %d files in %.2f s (%.2f GB/s)", group.rank, mine / 1e9,
-                len(files), seconds, gb_per_s(mine, seconds))
+    logger.debug("rank %d wrote %s into %s in %.2f s (%.2f GB/s)", group.rank, fmt_bytes(mine),
+                 counted(len(files), "file"), seconds, gb_per_s(mine, seconds))
     return seconds
 
 

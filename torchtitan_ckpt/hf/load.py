@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from ..dcp.storage import dtensor_chunk
 from ..errors import AdapterMismatchError, CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..errors import PartialLoadError, RankFailed, few
+from ..errors import PartialLoadError, RankFailed, counted, few
 from ..group import CheckpointGroup, cpu_world
 from ..progress import fmt_bytes, gb_per_s
 from .adapter import ForeignAdapter, HFSource, StateDictAdapter, as_adapter, check_names, read_index
@@ -49,8 +49,8 @@ def read_hf_layout(hf_dir: str) -> dict[str, TensorEntry]:
     _check_unlisted(hf_dir, index, set(weight_map.values()))
     unused = {name for name in weight_map if is_unused_tensor(name)}
     if unused:
-        logger.info("%s: ignoring %d tensor(s) like %s, buffers that transformers recomputes from the config",
-                    hf_dir, len(unused), min(unused))
+        logger.info("%s: ignoring %s like %s, buffers that transformers recomputes from the config",
+                    hf_dir, counted(len(unused), "tensor"), shown(min(unused)))
     entries: dict[str, TensorEntry] = {}
     for file in sorted(set(weight_map.values())):
         path = os.path.join(hf_dir, file)
@@ -388,8 +388,8 @@ def _wanted_layout(hf_dir: str, wanted: set[str] | None, log: bool) -> tuple[dic
     wanted = wanted | {scale for name in wanted if name in layout and _fp8(layout[name].dtype)
                        and (scale := name + FP8_SCALE_SUFFIX) in layout}
     if (extra := sorted(set(layout) - wanted)) and log:
-        logger.info("%s: ignoring %d tensors of the folder that the model does not have, such as %s", hf_dir,
-                    len(extra), ", ".join(map(shown, extra[:3])))
+        logger.info("%s: ignoring %s of the folder that the model does not have, such as %s", hf_dir,
+                    counted(len(extra), "tensor"), ", ".join(map(shown, extra[:3])))
     return {name: layout[name] for name in wanted}, extra
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CorruptCheckpointError, printable
+from ..errors import CorruptCheckpointError
 from .files import MAX_HEADER_BYTES, SAFETENSORS_DTYPES
 from ..io import posio, safe_open
 from ..io.untrusted import MAX_DIMS, brief
@@ -119,8 +119,8 @@ def _entry(name: str, fields: dict, path: str, data_start: int) -> TensorEntry:
 
 def _shown(name: str) -> str:
     """A tensor's name as messages give it: at most its first 200 characters (a crafted header
-    may hold a name of megabytes), `printable`."""
-    return printable(name[:200])
+    may hold a name of megabytes; the `CorruptCheckpointError` it reaches the caller in escapes it)."""
+    return name[:200]
 
 
 def _is_count(value: object) -> bool:

@@ -190,8 +190,8 @@ def assets_file_split(adapter: Any, exported: Collection[str], log: bool = True)
         raise AdapterMismatchError(f"{where}, the file split of the adapter's hf_assets_path, lacks tensors the "
                                    "model exports (missing)", [], sorted(missing))
     if (extra := sorted(set(mapping) - exported)) and log:
-        logger.info("%s: leaving %d tensors of the file split out of the export, which the model does not have, "
-                    "such as %s", where, len(extra), ", ".join(map(shown, extra[:3])))
+        logger.info("%s: leaving %s of the file split out of the export, which the model does not have, "
+                    "such as %s", where, counted(len(extra), "tensor"), ", ".join(map(shown, extra[:3])))
     return {name: i for name, i in mapping.items() if name in exported}
 
 

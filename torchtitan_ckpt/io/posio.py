@@ -20,6 +20,8 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     dimension of one element may have any stride in a contiguous tensor (`zeros(2)[::2]`, the
     view `[:, 0:1]` of a column), which `view(-1)` keeps and a byte view refuses: its elements
     are one dense run all the same."""
+    if not t.is_contiguous():  # `view(-1)` takes some such tensors (`arange(10)[::2]`): not their values' bytes
+        raise ValueError(f"byte_view of a tensor that is not contiguous (strides {t.stride()})")
     flat = t.view(-1)
     return flat.as_strided((flat.numel(),), (1,)).view(torch.uint8)
 

@@ -480,7 +480,8 @@ def _no_shared_memory(size: int, error: Exception) -> str:
     shared memory rather than to the checkpoint's disk, which the error's errno suggests."""
     try:
         stat = os.statvfs(_SHARED_MEMORY)
-        room = f"; {_SHARED_MEMORY} has {fmt_bytes(stat.f_bavail * stat.f_frsize)} free of {fmt_bytes(stat.f_blocks * stat.f_frsize)}"
+        free, total = stat.f_bavail * stat.f_frsize, stat.f_blocks * stat.f_frsize
+        room = f"; {_SHARED_MEMORY} has {fmt_bytes(free)} free of {fmt_bytes(total)}"
     except OSError:
         room = ""
     return (f"async_with_pinned_mem could not stage {fmt_bytes(size)} in shared memory ({error}){room}: give "

@@ -179,8 +179,8 @@ class DedupSummary:
         return max(self.bytes_per_rank) * len(self.bytes_per_rank) / total if total else 1.0
 
     def line(self) -> str:
-        return (f"dedup {self.policy}: {counted(len(self.bytes_per_rank), 'rank')} write "
-                f"{fmt_bytes(sum(self.bytes_per_rank))} of tensors, the busiest "
+        return (f"dedup {self.policy}: {fmt_bytes(sum(self.bytes_per_rank))} of tensors written by "
+                f"{counted(len(self.bytes_per_rank), 'rank')}, the busiest "
                 f"{fmt_bytes(max(self.bytes_per_rank, default=0))} (max/mean {self.imbalance:.3f}); "
                 f"replicated values in {counted(self.replicated_files, 'file')}, a rank reloads its own "
                 f"from up to {counted(self.max_files_to_load, 'file')}")

@@ -118,7 +118,8 @@ class Store(ABC):
         except (CorruptCheckpointError, NewerVersionError, OlderVersionError) as e:
             if (where := self.describe(path)) == path:
                 raise
-            raise type(e)(str(e).replace(path, where)) from e  # each of these takes its message alone
+            said = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)  # unescaped: `path` as it is
+            raise type(e)(said.replace(path, where)) from e  # each of these takes its message alone
 
     def copy_of(self, path: str) -> Hashable:
         """What tells apart the copies of the step at `path` that ranks read: ranks that give
