@@ -17,9 +17,9 @@ _MAX_IO = 1 << 30
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """The memory of the contiguous tensor `t` as a 1-D uint8 tensor of the same memory. A
-    dimension of one element may have any stride in a contiguous tensor (`zeros(2)[::2]`, the
-    view `[:, 0:1]` of a column), which `view(-1)` keeps and a byte view refuses: its elements
-    are one dense run all the same."""
+    dimension of one element may have any stride in a contiguous tensor (`zeros(2)[::2]`, one
+    element sliced out of a matrix), which `view(-1)` keeps and a byte view refuses: its
+    elements are one dense run all the same."""
     if not t.is_contiguous():  # `view(-1)` takes some such tensors (`arange(10)[::2]`): not their values' bytes
         raise ValueError(f"byte_view of a tensor that is not contiguous (strides {t.stride()})")
     flat = t.view(-1)
