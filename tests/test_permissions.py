@@ -214,3 +214,75 @@ print(status, err.getvalue().strip().splitlines()[-1])
     assert out.startswith(f"2 error: {os.path.join(sticky, 'out')}: an empty folder this user may not replace for "
                           "user ") and "remove it, or name another output folder" in out, out
     assert os.listdir(sticky) == ["out"]  # no `out.partial` made, nothing written
+
+
+def test_a_reader_that_may_not_write_the_folder_lists_and_loads_as_a_writer_does(team_folder):
+    """An evaluation job reading a training's folder it may not write: an empty step folder (a
+    save starting, or killed before its first file) was "not written by torchtitan_ckpt" at
+    WARNING in its load and `unknown` in `list` (to a writer it is `empty`, at INFO); one step
+    whose marker it may not read ended `list` with no step listed; a folder it may enter but not
+    list, and an HF folder too, gave a bare "[Errno 13] Permission denied"."""
+    from torchtitan_ckpt.example.model import FLAVORS, Transformer, hf_adapter
+    from torchtitan_ckpt.hf import save_hf
+
+    ckpt = _save_steps(team_folder, [1, 2])
+    os.makedirs(layout.step_dir(ckpt, 3))
+    os.chmod(os.path.join(layout.step_dir(ckpt, 1), commit.MARKER), 0o600)
+    os.chmod(ckpt, 0o755)
+    hf = os.path.join(team_folder, "hf")
+    save_hf(Transformer(FLAVORS["debugmodel"]).state_dict(), hf, hf_adapter(FLAVORS["debugmodel"]))
+    os.chmod(hf, 0o711)
+    code = f"""
+import contextlib, io, json, logging
+from torchtitan_ckpt import cli
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
+m = CheckpointManager(Checkpoint(enable=True, load_only=True), [model()], base_folder={team_folder!r})
+print("loaded", m.load())
+logging.disable()
+def cli_run(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = cli.main(list(argv))
+    return status, out.getvalue(), err.getvalue().strip()
+status, out, _ = cli_run("list", "--json", {ckpt!r})
+print("list", status, [(s["step"], s["status"]) for s in json.loads(out)["steps"]])
+print("inspect", cli_run("inspect", {hf!r}))
+"""
+    out = _as_another_user(team_folder, "from torchtitan_ckpt import cli", code).splitlines()
+    ignored = [line for line in out if "step-3" in line]
+    assert ignored == [f"INFO ignoring {layout.step_dir(ckpt, 3)}: empty: a save that stopped (or is starting) "
+                       "before its first file; the save of its step replaces it"], out
+    assert "loaded True" in out, out
+    assert "list 0 [(1, 'denied'), (2, 'complete'), (3, 'empty')]" in out, out
+    inspected = next(line for line in out if line.startswith("inspect "))
+    assert f"'error: {hf}: Permission denied for user " in inspected and "mode drwx--x--x); ask its owner" in inspected
+    os.chmod(ckpt, 0o711)
+    code = f"""
+m = CheckpointManager(Checkpoint(enable=True, load_only=True, load_step=2), [model()], base_folder={team_folder!r})
+print(refusal(lambda: m, lambda m: m.load()))
+"""
+    out = _as_another_user(team_folder, "", code).splitlines()[-1]
+    assert out.startswith(f"CheckpointError: the step folders cannot be listed: {ckpt}: Permission denied for user ") \
+        and "mode drwx--x--x); ask its owner" in out, out
+
+
+def test_clean_on_a_read_only_file_system_says_so_before_touching_anything(tmp_path):
+    """A snapshot or an export mounted read-only: clean printed a bare "[Errno 30] Read-only
+    file system: '.../.torchtitan_ckpt.lock'" (the lock file it opens to write), or without a
+    lock file tried every partial step and failed on each."""
+    ckpt = _save_steps(str(tmp_path), [1])
+    step2 = layout.step_dir(ckpt, 2)
+    os.makedirs(step2)
+    commit.mark_in_progress(step2)
+    for lock in (False, True):
+        if lock:
+            open(os.path.join(ckpt, ".torchtitan_ckpt.lock"), "w").close()
+        script = (f"mount --bind {ckpt} {ckpt} && mount -o remount,bind,ro {ckpt} && "
+                  f"PYTHONPATH={ROOT} {sys.executable} -m torchtitan_ckpt clean {ckpt}")
+        proc = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+        if "mount:" in proc.stderr or "unshare:" in proc.stderr:
+            pytest.skip(f"no read-only mount can be made here: {proc.stderr.strip()}")
+        assert proc.returncode == 2 and proc.stderr.strip() == (
+            f"error: {ckpt} is on a read-only file system: clean removes nothing there (1 partial step folder; "
+            "clean it where it is mounted writable)"), proc.stderr
+        assert sorted(os.listdir(ckpt)) == sorted(["step-1", "step-2"] + [".torchtitan_ckpt.lock"] * lock)

@@ -149,9 +149,9 @@ MISNAMED = "misnamed"
 JSON, fields of the wrong shape), written by a newer version or an older one this one does not
 read, or naming another step than the folder's name: never counted as complete or loadable."""
 EMPTY = "empty"
-"""`list`'s status of an empty step folder that a save would replace (`Store.replaceable`):
-one a save left when it stopped before its first file, which `layout.status_of` tells as
-unknown (an empty folder has no marker of ours)."""
+"""`list`'s status of an empty step folder (`Store.empty`): one a save left when it stopped
+before its first file, which `layout.status_of` tells as unknown (an empty folder has no marker
+of ours), whether or not this user may write the folder."""
 
 
 def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any] | None:
@@ -167,10 +167,10 @@ def _step_record(s: layout.StepFolder, store: Store) -> dict[str, Any] | None:
 
 def _listed(s: layout.StepFolder, store: Store) -> tuple[str, str | None, commit.CommitInfo | None] | None:
     """The status `list` gives the step `s`, why (its `problem`) and its commit marker. A marker
-    that cannot be read makes the step `corrupt`, its reason in `problem` (naming the step as
-    the user does), rather than ending the listing of every other step; one gone since the
-    folder was listed is a step removed meanwhile (by the retention of a job saving there):
-    None."""
+    that cannot be read makes the step `corrupt` (`denied` where this user may not read it), its
+    reason in `problem` (naming the step as the user does), rather than ending the listing of
+    every other step; one gone since the folder was listed is a step removed meanwhile (by the
+    retention of a job saving there): None."""
     info, status, problem, where = None, s.status, None, store.describe(s.path)
     if s.committed:
         try:
@@ -183,9 +183,13 @@ def _listed(s: layout.StepFolder, store: Store) -> tuple[str, str | None, commit
             status, problem = NEWER, str(e)
         except OlderVersionError as e:
             status, problem = OLDER, str(e)
+        except CheckpointError as e:
+            if not in_chain(e, lambda cause: isinstance(cause, PermissionError)):
+                raise
+            status, problem = layout.DENIED, str(e)
         if info is not None and (wrong := info.misnamed(where, s.step)):
             status, problem = MISNAMED, wrong
-    elif status == layout.UNKNOWN and store.replaceable(s):
+    elif status == layout.UNKNOWN and store.empty(s):
         status = EMPTY
     return status, problem, info
 
@@ -421,6 +425,11 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
     if step := layout.step_folder_around(args.folder):
         raise CheckpointError(f"{args.folder} {layout.in_step(args.folder, step)}: clean works on the folder holding "
                               f"the step-N folders ({os.path.dirname(step)})")
+    if os.statvfs(args.folder).f_flag & os.ST_RDONLY:  # a snapshot, a read-only export: nothing to hold or remove
+        partial = [s for s in layout.scan(args.folder) if s.status == layout.PARTIAL and not s.linked]
+        raise CheckpointError(f"{args.folder} is on a read-only file system: clean removes nothing there "
+                              f"({counted(len(partial), 'partial step folder')}; clean it where it is mounted "
+                              "writable)")
     with _no_job_saving(args.folder, args.force):
         steps, store = layout.scan(args.folder), open_store(args.folder, "folder", 0, Checkpoint())
         for s in steps:  # every folder kept but a healthy step of ours, by its status in `list`
@@ -842,7 +851,10 @@ def _run(args: argparse.Namespace) -> int:
         return _stdout_closed()
     except (CheckpointError, OSError, ValueError) as e:
         full = _full(args, e)
-        print(f"error: {printable(str(e))}{full}", file=sys.stderr)
+        said = str(e)
+        if isinstance(e, PermissionError) and isinstance(e.filename, str):  # whom to ask, as the library's own say
+            said = f"{safe_open.denied(e.filename, e.strerror)}; ask its owner for access"
+        print(f"error: {printable(said)}{full}", file=sys.stderr)
         return EXIT_FAILED if full else EXIT_INPUT
     except (KeyboardInterrupt, CheckpointException, RuntimeError) as e:  # DCP wraps a Ctrl-C in its own exception
         if isinstance(e, RuntimeError) and not _STOPPED_BY:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import commit
+from .errors import CheckpointError
 from .io import durable, safe_open
 from .io.untrusted import brief
 from .formats import FORMATS
@@ -246,11 +247,17 @@ def linked_in(path: str) -> bool:
 def scan(folder: str) -> list[StepFolder]:
     """Every `step-N` folder under `folder`, complete or not, oldest first. A missing folder is
     empty. An entry by a step's name that is not a folder (a file, a dangling link) is listed as
-    unknown: never loaded or deleted, and in the way of a save of that step."""
+    unknown: never loaded or deleted, and in the way of a save of that step. A folder this user
+    may enter but not list (mode 711) is refused naming its owner: its steps cannot be found."""
     if not os.path.isdir(folder):
         return []
+    try:
+        entries = list(os.scandir(folder))
+    except PermissionError as e:
+        raise CheckpointError(f"the step folders cannot be listed: {safe_open.denied(folder, e.strerror)}; ask its owner "
+                              "to make it readable to you") from e
     found = []
-    for entry in os.scandir(folder):
+    for entry in entries:
         step = parse_step(entry.name)
         if step is not None:
             status = status_of(entry.path) if entry.is_dir() else UNKNOWN

@@ -91,8 +91,9 @@ class TargetFinder:
                 raise CheckpointError(f"{self._store.describe(f.path)}, newer than every step this job may read, "
                                       f"{_not_loadable(f)}")
             if not f.loadable and f.step > newest_step:
-                begun = f.status == layout.PARTIAL or self._store.replaceable(f)  # or empty: one stopped before
-                ignored.setdefault((_not_loadable(f, begun), begun), []).append(self._store.describe(f.path))
+                empty = self._store.empty(f)  # a save stopped or starting there, whether this job may write or not
+                begun = f.status == layout.PARTIAL or empty
+                ignored.setdefault((_not_loadable(f, empty), begun), []).append(self._store.describe(f.path))
         for (why, begun), paths in ignored.items() if self._group.is_coordinator else ():
             # a job that only loads (an evaluation beside the training) meets the training's save in flight at each load
             level = logging.INFO if begun and self.config.load_only else logging.WARNING
@@ -469,9 +470,9 @@ def _a_file(path: str) -> str:
     return "is a file, not a step folder: name the folder holding it"
 
 
-def _not_loadable(folder: layout.StepFolder, replaceable: bool = False) -> str:
-    """Why `folder` is not loaded; `replaceable`: a save of its step would replace it
-    (`Store.replaceable`)."""
+def _not_loadable(folder: layout.StepFolder, empty: bool = False) -> str:
+    """Why `folder` is not loaded; `empty`: one a save stopped in (or is starting in) before its
+    first file (`Store.empty`)."""
     if os.path.islink(folder.path) and not os.path.exists(folder.path):
         with contextlib.suppress(OSError):  # gone since the scan: told as any other entry of no checkpoint
             return (f"a link to {os.readlink(folder.path)!r}, which leads nowhere (a copy of the folder that kept "
@@ -481,7 +482,7 @@ def _not_loadable(folder: layout.StepFolder, replaceable: bool = False) -> str:
     if folder.status == layout.DENIED:
         return (f"cannot be read: {safe_open.denied(folder.path, 'Permission denied')}; ask its owner to make it "
                 "readable to you, or move it out of the folder")
-    if replaceable and folder.status == layout.UNKNOWN:
+    if empty and folder.status == layout.UNKNOWN:
         return "empty: a save that stopped (or is starting) before its first file; the save of its step replaces it"
     return ("not written by torchtitan_ckpt, and holding no finished checkpoint of a known format "
             f"({', '.join(FORMATS)}): its save did not finish, or it is not a checkpoint")

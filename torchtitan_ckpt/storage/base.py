@@ -75,6 +75,12 @@ class Store(ABC):
         a link to one (a run linked in is loaded from, never changed)."""
         return folder.ours and not folder.linked
 
+    def empty(self, folder: StepFolder) -> bool:
+        """Whether `folder` is what a save leaves when it stops (or is seen starting) before its
+        first file: told as such to every reader, whether or not it may replace it. A store
+        without folders has no such thing."""
+        return False
+
     def unremovable(self, folder: StepFolder) -> str | None:
         """Why this user may not remove `folder` (for a message), or None: a store where a step
         is this user's to remove if it may write there has nothing to say."""

@@ -127,9 +127,12 @@ class LocalStore(Store):
         faults.hit("prepare", step)
 
     def replaceable(self, folder: layout.StepFolder) -> bool:
-        """Also a folder a save stopped in before marking it (`layout.empty_step`); either, only where
-        this user may remove it (`unremovable`)."""
-        return (super().replaceable(folder) or layout.empty_step(folder.path)) and self.unremovable(folder) is None
+        """Also a folder a save stopped in before marking it (`empty`); either, only where this user
+        may remove it (`unremovable`)."""
+        return (super().replaceable(folder) or self.empty(folder)) and self.unremovable(folder) is None
+
+    def empty(self, folder: layout.StepFolder) -> bool:
+        return layout.empty_step(folder.path)
 
     def unremovable(self, folder: layout.StepFolder) -> str | None:
         return safe_open.removal_denied(folder.path)
