@@ -1140,3 +1140,43 @@ def test_a_trunk_another_manager_s_optimizer_trains_is_copied_in_save(tmp_path, 
     for step, expected in saved.items():
         got = read_checkpoint(str(tmp_path / "critic" / f"step-{step}"))
         assert_same({k: got[k] for k in expected}, expected)
+
+
+_PICKLES_ITS_OWN_CLASS = """
+import pickle, sys, threading, torch
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.config import Checkpoint
+class Record:  # a class of the training script: pickled by reference to __main__
+    pass
+failures, stop = [], threading.Event()
+def report():  # a telemetry thread, a queue to a spawned worker
+    while not stop.is_set():
+        try:
+            pickle.dumps(Record())
+        except Exception as e:
+            failures.append(type(e).__name__)
+reporter = threading.Thread(target=report)
+reporter.start()
+config = Checkpoint(enable=True, interval=1, async_mode="async_with_pinned_mem", folder=sys.argv[1])
+with CheckpointManager(config, [torch.nn.Linear(8, 8)]) as manager:
+    manager.save(1)
+stop.set()
+reporter.join()
+print(len(failures), sorted(set(failures)))
+"""
+
+
+def test_another_thread_pickles_the_scripts_classes_while_the_writer_starts(tmp_path):
+    """The writer was started with `sys.modules["__main__"]` swapped for an empty module, for
+    the whole process: another thread pickling an object of a class of the script then failed
+    (thousands of PicklingErrors per start)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(_PICKLES_ITS_OWN_CLASS)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=150,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines() == ["0 []"], run.stdout

@@ -133,6 +133,9 @@ def test_the_manager_writes_direct_files_unless_told_not_to(tmp_path, mode, dire
     with CheckpointManager(config, [model], base_folder=str(tmp_path)) as manager:
         manager.save(1)
         manager.wait()
+        kept = len(direct._pool)
+    assert (kept > 0) == (direct_io and mode != "async_with_pinned_mem"), kept  # the writer process has its own
+    assert direct._pool == []  # close() unmapped the blocks kept for a next save (they were kept until exit)
     files = glob.glob(os.path.join(layout.step_dir(str(tmp_path / "checkpoint"), 1), "*.distcp"))
     assert files and sum(os.path.getsize(f) for f in files) > 4 << 20
     resident = sum(_resident(f) for f in files)

@@ -104,3 +104,66 @@ def test_a_child_forked_beside_a_writer_process_exits_cleanly(tmp_path):
                          text=True, timeout=240, env={**os.environ, "PYTHONPATH": ROOT})
     assert run.returncode == 0 and run.stdout.split() == ["child", "0"], run.stdout + run.stderr
     assert "Traceback" not in run.stderr and "AssertionError" not in run.stderr, run.stderr
+
+
+_FILE_SYSTEM_SHARING = """
+import os, sys, logging, torch, torch.multiprocessing
+torch.multiprocessing.set_sharing_strategy("file_system")  # a usual cure of a data loader's "too many open files"
+from torchtitan_ckpt import CheckpointManager, layout
+from torchtitan_ckpt.config import Checkpoint
+logging.basicConfig(level=logging.CRITICAL)
+torch.set_num_threads(1)
+
+def train():
+    model = torch.nn.Linear(64, 64)
+    config = Checkpoint(enable=True, folder=sys.argv[1], interval=1, async_mode="async_with_pinned_mem")
+    with CheckpointManager(config, [model]) as manager:
+        for step in range(1, 4):
+            if step == 2 and os.fork() == 0:  # a helper that exits through the frames holding the manager
+                sys.exit(0)
+            if step == 2:
+                os.wait()
+            try:
+                manager.save(step)
+                manager.wait()
+            except Exception as e:
+                print("step", step, type(e).__name__)
+
+train()
+print("committed", layout.committed_steps(sys.argv[1]))
+"""
+
+
+def test_a_child_that_exits_frees_nothing_the_writer_process_maps_under_file_system_sharing(tmp_path):
+    """With torch's `file_system` sharing strategy the staging memory was shared by name, counted
+    by the processes using it: a forked child exiting (its copy of the manager freed) unlinked
+    it, and every later save's writer failed to open it ("the checkpoint writer process exited
+    (exit code -9)") until the process restarted."""
+    run = subprocess.run([sys.executable, "-c", _FILE_SYSTEM_SHARING, str(tmp_path / "ckpt")], capture_output=True,
+                         text=True, timeout=240, env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines() == ["committed [1, 2, 3]"], run.stdout + run.stderr[-3000:]
+
+
+_ENDS_AT_ONCE = """
+import os, sys, torch
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.config import Checkpoint
+config = Checkpoint(enable=True, folder=sys.argv[1], interval=1, async_mode="async_with_pinned_mem")
+with CheckpointManager(config, [torch.nn.Linear(64, 64)]) as manager:
+    manager.save(1)
+sys.stdout.flush()
+os._exit(0)  # as a torchrun rank ends (`group.leave`), or one killed: no exit hook runs
+"""
+
+
+def test_handing_the_staged_state_to_the_writer_leaves_no_socket_folder_behind(tmp_path):
+    """The staged memory was handed over through `multiprocessing`'s fd server, which makes a
+    `pymp-*` folder holding a socket in the temporary folder that only an exit hook removes: each
+    rank of each torchrun run (which ends without them), and each killed one, left one."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    run = subprocess.run([sys.executable, "-c", _ENDS_AT_ONCE, str(tmp_path / "ckpt")], capture_output=True,
+                         text=True, timeout=240, env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert os.listdir(tmp_path / "ckpt") and os.listdir(tmp) == []

@@ -55,7 +55,7 @@ from .hf.files import CONFIG_FILE
 from .hf.registry import known_hf_names
 from .hf.save import assets_file_split, read_assets
 from .io.dtypes import EXPORT_DTYPES, exported_state
-from .io import safe_open
+from .io import direct, safe_open
 from .io.filewriter import Sink
 from .io.materialised import check_materialised
 from .io.tensors import local_bytes
@@ -519,6 +519,7 @@ class CheckpointManager:
             self._deleter.close()
         self._close_stores()
         self._group.close()
+        direct.drop_idle_blocks()  # up to 64 MiB mapped for the next save, which may never come
 
     def _unhook(self) -> None:
         """The optimizers' steps no longer wait for this manager: once no save of its is copying

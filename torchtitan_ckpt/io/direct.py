@@ -18,6 +18,7 @@ page cache from the same descriptor (`fcntl` clears the flag).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -74,6 +75,18 @@ def _give_block(block: mmap.mmap) -> None:
         block.close()
     except BufferError:  # a view of it is still alive somewhere: unmapped when that goes
         pass
+
+
+def drop_idle_blocks() -> None:
+    """Unmap the blocks kept for the next files (`_IDLE_BLOCKS`): when a job lets go of its
+    checkpointing (`CheckpointManager.close`), which may be long before the process ends. A later
+    save maps fresh ones."""
+    with _pool_lock:
+        idle = _pool[:]
+        _pool.clear()
+    for block in idle:
+        with contextlib.suppress(BufferError):  # a view of it still alive: unmapped when that goes
+            block.close()
 
 
 def _address(buffer) -> int:

@@ -31,7 +31,7 @@ from ..errors import CheckpointError, ConfigError
 from ..progress import fmt_bytes
 from .filewriter import CountWait, Sink, write_files
 from .tensors import local_values
-from .writer_process import WriterProcess
+from .writer_process import WriterProcess, fd_shared
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class SharedArenas(Stager):
         self._pinned: dict[int, tuple[torch.Tensor, torch.device]] = {}
         """Address registered with CUDA -> (its arena, the device whose tensors it receives)."""
         try:
-            self.count = torch.zeros(1, dtype=torch.int64, device="cpu").share_memory_()
+            self.count = fd_shared(torch.zeros(1, dtype=torch.int64, device="cpu"))
         except RuntimeError as e:  # first: nothing is started yet that a failure would leave behind
             raise ConfigError("checkpoint.async_mode", self.mode, "needs shared memory, which this machine "
                               f"refuses ({e}); use async, which needs none") from e
@@ -271,7 +271,7 @@ class SharedArenas(Stager):
             offsets[path] = size
             size += -(-local_values(t).nbytes // _ALIGN) * _ALIGN
         try:
-            arena = torch.empty(size, dtype=torch.uint8, device="cpu").share_memory_()
+            arena = fd_shared(torch.empty(size, dtype=torch.uint8, device="cpu"))
         except RuntimeError as e:
             if "shm" not in str(e) and "shared memory" not in str(e):  # not shared memory's (no memory at all)
                 raise

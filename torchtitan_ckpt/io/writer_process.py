@@ -5,8 +5,9 @@ The training process stages the state into a long-lived shared-memory arena and 
 DCP's planning and commit (collectives on the manager's gloo group, a few small messages). Only
 the byte-moving part of a save, `filewriter.write_files`, runs here: the writer has no process
 group and no DTensors, just files to write from shared memory. Each shared storage (the arena) is
-handed over once (a shared-memory handle) and named by an id afterwards, so a save sends only a list
-of (buffer id, view) references and small values through a pipe. A save hands over the files it
+handed over once (its file descriptor, sent beside the message: `fd_shared`) and named by an id
+afterwards, so a save sends only a list of (buffer id, view) references and small values through
+a pipe. A save hands over the files it
 can write before DCP has planned while the state is still being staged (`start`); the writer
 waits for each tensor's copy on a shared-memory count (`filewriter.CountWait`) and writes what it
 is handed in order, and a thread of the training process receives the replies.
@@ -20,23 +21,23 @@ so crash tests see what a killed rank would leave.
 from __future__ import annotations
 
 import collections
+import io
 import logging
 import multiprocessing.process
+import multiprocessing.spawn
 import multiprocessing.util
 import os
 import pickle
 import queue
 import signal
-import sys
+import socket
 import threading
 import traceback
-import types
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from itertools import count
-from multiprocessing import connection, resource_tracker
-from multiprocessing.reduction import ForkingPickler
+from multiprocessing import connection, reduction, resource_tracker
 from typing import Any
 
 import torch
@@ -126,8 +127,8 @@ class WriterProcess:
             files.append((job.path, [(e.key, self._ref(e.data, register), e.ready) for e in job.entries], job.direct))
         dropped = [k for k in self._registered if k not in self._used] if drop else []
         try:  # pickled first: a message that cannot be is refused before a byte reaches the writer
-            message = ForkingPickler.dumps({"step": step, "sync": sync, "register": register, "files": files,
-                                            "drop": [self._registered[k][0] for k in dropped]})
+            message, fds = _pickled({"step": step, "sync": sync, "register": register, "files": files,
+                                     "drop": [self._registered[k][0] for k in dropped]})
         except Exception as e:
             for key in [k for k, (buffer_id, _) in self._registered.items() if buffer_id in register]:
                 del self._registered[key]  # never sent: the writer does not know them
@@ -143,7 +144,7 @@ class WriterProcess:
                 raise self._gone
             self._waiting.append(done)
             try:
-                self._conn.send_bytes(message)
+                _send(self._conn, message, fds)
             except BaseException as e:
                 self._waiting.pop()
                 self._registered.clear()
@@ -190,7 +191,7 @@ class WriterProcess:
         if not isinstance(data, torch.Tensor) or data.device.type != "cpu":
             return data if not isinstance(data, torch.Tensor) else data.detach().cpu()
         storage = data.untyped_storage()
-        if not storage.is_shared():
+        if _fd_of(storage) is None:  # not shared, or shared by name (another's: sent by value)
             return data.detach()
         key = (storage.data_ptr(), storage.nbytes())
         if key not in self._registered:
@@ -242,7 +243,7 @@ class WriterProcess:
         buffers and lets go of this writer."""
         self._stopped = True
         try:
-            self._conn.send(_STOP)
+            _send(self._conn, *_pickled(_STOP))
         except OSError:  # gone already
             pass
 
@@ -254,7 +255,7 @@ class WriterProcess:
         with self._lock:
             idle = not self._waiting
             try:
-                self._conn.send(_STOP)
+                _send(self._conn, *_pickled(_STOP))
             except OSError:
                 pass
         if self._join(_IDLE_STOP_S if idle else 30):
@@ -318,13 +319,35 @@ os.register_at_fork(after_in_child=_forget_writers)
 def _main_hidden() -> Iterator[None]:
     """While the writer starts, hide the user's `__main__` from `spawn`, so the child runs only
     this module: it would otherwise run the training script again, and one without an
-    `if __name__ == "__main__":` guard would start training in the writer, which then dies."""
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
+    `if __name__ == "__main__":` guard would start training in the writer, which then dies.
+    Only this thread's start is told of no `__main__` (`_preparation_data`): `sys.modules` is
+    left as it is, as another thread of the job may be pickling an object of the script's
+    classes meanwhile."""
+    _hiding.main = True
+    installed = multiprocessing.spawn.get_preparation_data is not _preparation_data
+    if installed:
+        multiprocessing.spawn.get_preparation_data = _preparation_data
     try:
         yield
     finally:
-        sys.modules["__main__"] = main
+        _hiding.main = False
+        if installed and multiprocessing.spawn.get_preparation_data is _preparation_data:
+            multiprocessing.spawn.get_preparation_data = _spawn_preparation_data
+
+
+_spawn_preparation_data = multiprocessing.spawn.get_preparation_data
+_hiding = threading.local()
+"""`main`: whether the process this thread starts now is told of no `__main__`."""
+
+
+def _preparation_data(name: str) -> dict[str, Any]:
+    """What `spawn` hands a child to set itself up with, less how to run the parent's
+    `__main__` where this thread starts a writer (`_main_hidden`); as it is for any other."""
+    data = _spawn_preparation_data(name)
+    if getattr(_hiding, "main", False):
+        data.pop("init_main_from_name", None)
+        data.pop("init_main_from_path", None)
+    return data
 
 
 _launcher: tuple[int, queue.SimpleQueue] | None = None
@@ -395,9 +418,12 @@ def _serve(conn, parent: int) -> None:
     buffers: dict[int, torch.Tensor] = {}
     while True:
         try:
-            msg = conn.recv()
+            msg = _received(conn)
         except (EOFError, OSError):
             return
+        except Exception as e:  # read, but its shared memory not mapped: told as a write's failure is
+            conn.send(("error", (_picklable(e), traceback.format_exc())))
+            continue
         if msg is _STOP:
             return
         try:
@@ -418,6 +444,97 @@ def _resolve(ref: Any, buffers: dict[int, torch.Tensor]) -> Any:
         return torch.empty(0, dtype=dtype, device="cpu").set_(buffers[buffer_id].untyped_storage(), offset, size,
                                                              stride)
     return ref
+
+
+def fd_shared(t: torch.Tensor) -> torch.Tensor:
+    """`t`, its storage moved into shared memory that a file descriptor names, whatever torch's
+    sharing strategy: the writer maps it from a copy of that descriptor sent over its pipe
+    (`_pickled`). A segment shared by name (the `file_system` strategy) is freed when a forked
+    child that inherited it exits (it drops the last reference it counts), and every later save
+    fails; one named by a descriptor lives until every process holding it closed it, and leaves
+    nothing behind when one is killed."""
+    t.untyped_storage()._share_fd_cpu_()
+    return t
+
+
+def _fd_of(storage: torch.UntypedStorage) -> int | None:
+    """The descriptor of a CPU storage in shared memory named by one (`fd_shared`), else None."""
+    if storage.device.type != "cpu" or not storage.is_shared():
+        return None
+    try:
+        return storage._get_shared_fd()
+    except RuntimeError:  # shared by name
+        return None
+
+
+class _FdPickler(pickle.Pickler):
+    """Pickles every storage in shared memory named by a descriptor as its place in `fds`
+    (sent beside the bytes: no server process or socket file of `multiprocessing`'s is needed,
+    as torch's own reduction would start); any other storage by value."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.fds: list[int] = []
+        self._places: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.storage.TypedStorage):
+            return None
+        storage = obj._untyped_storage
+        if (fd := _fd_of(storage)) is None:
+            return None
+        place = self._places.setdefault(fd, len(self.fds))
+        if place == len(self.fds):
+            self.fds.append(fd)
+        return ("fd", place, storage.nbytes(), obj.dtype)
+
+
+class _FdUnpickler(pickle.Unpickler):
+    """Reads what `_FdPickler` wrote, mapping each storage from its descriptor in `fds`."""
+
+    def __init__(self, file: io.BytesIO, fds: list[int]) -> None:
+        super().__init__(file)
+        self._fds = fds
+        self._mapped: dict[int, torch.UntypedStorage] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        _, place, nbytes, dtype = pid
+        if place not in self._mapped:
+            self._mapped[place] = torch.UntypedStorage._new_shared_fd_cpu(self._fds[place], nbytes)
+        return torch.storage.TypedStorage(wrap_storage=self._mapped[place], dtype=dtype, _internal=True)
+
+
+def _pickled(obj: Any) -> tuple[bytes, list[int]]:
+    """`obj` for the writer: its bytes and the descriptors to send with them."""
+    buf = io.BytesIO()
+    pickler = _FdPickler(buf)
+    pickler.dump(obj)
+    return buf.getvalue(), pickler.fds
+
+
+def _send(conn: connection.Connection, message: bytes, fds: list[int]) -> None:
+    """One message to the writer: the count of descriptors and the pickle, then the descriptors
+    (over the same socket pair, `multiprocessing`'s `Pipe`)."""
+    conn.send_bytes(len(fds).to_bytes(4, "little") + message)
+    if fds:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            reduction.sendfds(sock, fds)
+
+
+def _received(conn: connection.Connection) -> Any:
+    """The writer's side of `_send`. The descriptors are closed once the storages they name are
+    mapped."""
+    raw = conn.recv_bytes()
+    count = int.from_bytes(raw[:4], "little")
+    fds: list[int] = []
+    if count:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            fds = list(reduction.recvfds(sock, count))
+    try:
+        return _FdUnpickler(io.BytesIO(raw[4:]), fds).load()
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _picklable(e: Exception) -> Exception:
