@@ -923,6 +923,27 @@ def test_a_model_without_memory_is_refused_before_anything_is_read_or_written(tm
     assert sorted(os.listdir(_folder(tmp_path))) == [LOCK_FILE, "step-1"]
 
 
+def test_an_optimizer_state_without_memory_is_refused_before_the_step_folder_is_made(tmp_path):
+    """Optimizer state made while the model was on the meta device (eagerly, as some
+    optimizers make it), kept through `to_empty` (FSDP2 keeps its parameters): save() failed
+    in torch ("Cannot copy out of meta tensor") after making the step folder."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    for p in list(model.parameters()):  # materialised keeping the objects the optimizer holds, as FSDP2's to_empty
+        torch.utils.swap_tensors(p, torch.nn.Parameter(torch.ones(p.shape)))
+    for mode in ("disabled", "async"):
+        config = Checkpoint(enable=True, interval=1, async_mode=mode)
+        with CheckpointManager(config, [model], optimizers=opt, base_folder=str(tmp_path)) as manager:
+            with pytest.raises(CheckpointError, match=r"save\(\): 4 of the optimizer state's tensors have no memory "
+                                                      r"yet, e.g. \['optimizer.state.weight.exp_avg', "):
+                manager.save(1)
+                manager.wait()
+        assert os.listdir(_folder(tmp_path)) == [LOCK_FILE]
+
+
 def test_a_model_changed_since_the_save_is_named_before_its_optimizer(tmp_path):
     """A layer added since the save: the error was the optimizer's missing settings, and
     excluding the optimizer as it advised only then showed the model's missing tensors."""
@@ -1501,3 +1522,20 @@ def test_a_job_whose_default_device_is_not_the_cpu_saves_loads_and_exports(tmp_p
     with torch.device("meta"):
         load_hf(loaded.state_dict(), str(tmp_path / "hf"), hf_adapter(model.args))
     assert_same(loaded.state_dict(), model.state_dict())
+
+
+def test_a_steps_metadata_names_no_path_it_was_written_to(tmp_path):
+    """`.metadata` kept the path the step was written at: a folder staged on a node's disk and
+    uploaded (a step on object storage named that node's path), or `convert`'s temporary
+    name, and two saves of one state differed in it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    for name in ("a", "b"):
+        with CheckpointManager(Checkpoint(enable=True, interval=1), [model], base_folder=str(tmp_path / name)) as m:
+            m.save(1)
+    metas = [FileSystemReader(layout.step_dir(_folder(tmp_path / name), 1)).read_metadata().storage_meta
+             for name in ("a", "b")]
+    assert [m.checkpoint_id for m in metas] == [None, None]
+    assert all(isinstance(m.save_id, str) and m.save_id for m in metas)

@@ -65,9 +65,16 @@ def test_an_optimizer_of_a_parameter_outside_the_model_parts_is_refused_when_the
     opt = torch.optim.AdamW([*model.parameters(), scale])
     with pytest.raises(ValueError, match=r"^AdamW optimizes 1 parameter of none of the model parts "
                                          r"\(indices \[2\]\); pass every part its parameters are in \(an optimizer "
-                                         r"built before fully_shard holds the parameters fully_shard replaced"):
+                                         r"built before fully_shard, or before to_empty on a model built on the meta "
+                                         r"device, holds the parameters these replaced"):
         CheckpointManager(Checkpoint(enable=True), [model], optimizers=opt, base_folder=str(tmp_path))
     assert not os.path.exists(tmp_path / "checkpoint")
+    with torch.device("meta"):  # the hint named fully_shard alone, for a plain model whose to_empty came after
+        model = nn.Linear(3, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model.to_empty(device="cpu")
+    with pytest.raises(ValueError, match=r"^AdamW optimizes 2 parameters of none of the model parts .* before to_empty"):
+        CheckpointManager(Checkpoint(enable=True), [model], optimizers=opt, base_folder=str(tmp_path))
 
 
 @pytest.mark.parametrize("name", [1, "optimizer", "a.b"])

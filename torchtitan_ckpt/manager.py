@@ -57,7 +57,7 @@ from .hf.save import assets_file_split, read_assets
 from .io.dtypes import EXPORT_DTYPES, exported_state
 from .io import direct, safe_open
 from .io.filewriter import Sink
-from .io.materialised import check_materialised
+from .io.materialised import check_materialised, check_memory
 from .io.tensors import local_bytes
 from .load_request import LoadRequest
 from .load_target import LoadTarget, TargetFinder
@@ -846,7 +846,10 @@ class CheckpointManager:
         if kind is SaveKind.SEED:
             return model_sd
         states = {name: s.state_dict() if isinstance(s, CheckedState) else own_state_dict(name, s, "save()", model_sd)
-                  for name, s in self._states.items()}  # ours build what a load fills: not checked at each save
+                  for name, s in self._states.items()}  # ours build what a load fills: only their memory is checked
+        for name, s in self._states.items():
+            if isinstance(s, CheckedState):
+                check_memory({name: states[name]}, "save()", f"the {name} state's")
         return {**model_sd, **states}
 
     def _agree(self, step: int, path: str, fn: Callable[[], Any], coordinator_only: bool = False) -> list[Any]:

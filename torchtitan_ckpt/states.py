@@ -669,7 +669,8 @@ def _parameter_names(names: dict[int, str], opt: torch.optim.Optimizer) -> list[
     if unknown:
         raise ValueError(f"{type(opt).__name__} optimizes {counted(len(unknown), 'parameter')} of none of the "
                          f"model parts (indices {unknown[:5]}); pass every part its parameters are in (an optimizer "
-                         "built before fully_shard holds the parameters fully_shard replaced: build it after)")
+                         "built before fully_shard, or before to_empty on a model built on the meta device, holds "
+                         "the parameters these replaced: build it after)")
     return [names[id(p)] for p in params]
 
 

@@ -399,9 +399,14 @@ class _LoadableWriter(FileSystemWriter):
         check_loadable(os.path.join(self.path, METADATA_FILE), metadata)
 
     def storage_meta(self) -> StorageMeta | None:
+        """DCP's, with the in-progress marker's save id, and without the path written to: a step
+        moves (renamed into place by `convert`, uploaded from a node's staging folder), and two
+        saves of one state differ in nothing else."""
         meta = super().storage_meta()
-        if meta is not None and self._mark is not None:
-            meta.save_id = self._mark
+        if meta is not None:
+            meta.checkpoint_id = None
+            if self._mark is not None:
+                meta.save_id = self._mark
         return meta
 
 

@@ -24,12 +24,7 @@ def check_materialised(state: dict[str, Any], call: str, whose: str = "the model
     tensors of sub-byte dtypes. So are tensor subclasses, which DCP would pickle. An HF export
     (`export`) reads values through a cast into files of its own: subclasses and repeated
     elements are fine there."""
-    empty = [k for k, v in state.items()
-             if isinstance(v, torch.Tensor) and (v.is_meta or nn.parameter.is_lazy(v))]
-    if empty:
-        raise CheckpointError(f"{call}: {len(empty)} of {whose} tensors have no memory yet, e.g. {empty[:3]} "
-                              "(on the meta device, or a lazy module's before its first forward pass): "
-                              "materialise them first (model.to_empty(device=...), then its init)")
+    check_memory(state, call, whose)
     subclassed = [f"{k} ({type(local).__name__})" for k, v in state.items()
                   if not export and isinstance(v, torch.Tensor)
                   and type(local := v._local_tensor if isinstance(v, DTensor) else v)
@@ -60,6 +55,31 @@ def check_materialised(state: dict[str, Any], call: str, whose: str = "the model
         raise CheckpointError(f"{call}: {shared[:3]} repeat one element along a dimension (an expand() "
                               "view, stride 0): no load can fill such a tensor in place; register it with "
                               "persistent=False if it is derived, or store it as .contiguous()")
+
+
+def check_memory(state: Any, call: str, whose: str) -> None:
+    """The first of `check_materialised`'s checks, alone: every tensor of `state` (a flat dict,
+    or dicts and lists nested) has memory. What an optimizer built over a model still on the
+    meta device holds (state made eagerly, as some optimizers do) is one the save would fail on
+    after making its step folder."""
+    empty = list(_without_memory(state, ""))
+    if empty:
+        raise CheckpointError(f"{call}: {len(empty)} of {whose} tensors have no memory yet, e.g. {empty[:3]} "
+                              "(on the meta device, or a lazy module's before its first forward pass): "
+                              "materialise them first (model.to_empty(device=...), then its init)")
+
+
+def _without_memory(state: Any, path: str):
+    """The dotted paths of the tensors of `state` that have no memory yet."""
+    if isinstance(state, torch.Tensor):
+        if state.is_meta or nn.parameter.is_lazy(state):
+            yield path
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            yield from _without_memory(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            yield from _without_memory(v, f"{path}.{i}" if path else str(i))
 
 
 def check_tensor_dict(state: Any, call: str, threads: Any = 1) -> None:
