@@ -697,7 +697,8 @@ def _trainable_since_the_save(rank: int, world_size: int, folder: str) -> None:
         warned = [m for m in said if "no optimizer state or settings" in m]
         assert warned == 2 * [f"{folder}/step-1 holds no optimizer state or settings for 1 parameters this job's "
                               "optimizer holds, e.g. ['stage1.bias']: they start without state, with their param "
-                              "group's settings (trainable since the save?)"]
+                              "group's settings (trainable since the save? or tied to another parameter then, and "
+                              "no longer: to_empty() on a model built on the meta device unties; tie them again)"]
 
 
 def test_a_parameter_trainable_since_the_save_starts_fresh_and_is_said_once(tmp_path):

@@ -124,7 +124,8 @@ class LoadRequest:
         if new := sorted({name for *_, names in gathered for name in names}):
             logger.warning("%s holds no optimizer state or settings for %d parameters this job's optimizer holds, "
                            "e.g. %s: they start without state, with their param group's settings (trainable since "
-                           "the save?)", target.path, len(new), new[:3])
+                           "the save? or tied to another parameter then, and no longer: to_empty() on a model built "
+                           "on the meta device unties; tie them again)", target.path, len(new), new[:3])
         if not self.config.load_only and not target.model_only and (
                 gone := sorted(set(target.listed) - {"model", *self._states})):
             logger.warning("%s holds the state(s) %s, which this job has none of: not loaded, they start anew if "
