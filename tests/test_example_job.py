@@ -181,3 +181,27 @@ def test_the_job_trains_with_config_equals_and_the_largest_seed(tmp_path):
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert "done at step 2" in log and os.path.isdir(os.path.join(dump, "checkpoint", "step-2"))
+
+
+@pytest.mark.parametrize("flavor", ["llama31_debug", "qwen3_debug", "qwen3_moe_debug"])
+def test_a_model_built_on_the_meta_device_is_whole_after_to_empty_and_init_weights(flavor):
+    """`init_weights` left the norms' weights and the rotary table as `to_empty` made them
+    (undefined memory; NaNs seen), and a tied head untied (`to_empty` makes each parameter
+    anew): a fresh start from a meta-built model trained on garbage."""
+    from torchtitan_ckpt.example.model import FLAVORS, Transformer
+
+    built = Transformer(FLAVORS[flavor])
+    torch.manual_seed(3)
+    built.init_weights()
+    with torch.device("meta"):
+        model = Transformer(FLAVORS[flavor])
+    model.to_empty(device="cpu")
+    for t in [*model.parameters(), *model.buffers()]:  # what to_empty's memory may hold
+        t.detach().view(torch.uint8).fill_(0xFF)
+    torch.manual_seed(3)
+    model.init_weights()
+    assert set(model.state_dict()) == set(built.state_dict())
+    for name, t in built.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
+    assert torch.equal(model.freqs_cis, built.freqs_cis)
+    assert (model.output.weight is model.tok_embeddings.weight) == FLAVORS[flavor].tie_embeddings

@@ -504,7 +504,16 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Deterministic given the global seed, identical on every rank."""
+        """Deterministic given the global seed, identical on every rank; every value the model
+        holds, so that one built on the meta device is whole after `to_empty` and this (the norms'
+        weights and the rotary table as well, which `to_empty` leaves undefined, and the tie of
+        head and embedding, which it undoes)."""
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        self.freqs_cis.copy_(precompute_freqs_cis(self.args))
         nn.init.normal_(self.tok_embeddings.weight)
         std_out = 0.02 / (2 * self.args.n_layers) ** 0.5
         for block in self.layers.values():
