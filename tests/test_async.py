@@ -1180,3 +1180,95 @@ def test_another_thread_pickles_the_scripts_classes_while_the_writer_starts(tmp_
                          env={**os.environ, "PYTHONPATH": root})
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.splitlines() == ["0 []"], run.stdout
+
+
+_WITH_A_DEFAULT_SOCKET_TIMEOUT = """
+import multiprocessing.spawn, socket, sys, torch
+socket.setdefaulttimeout(60)  # a job's HTTP client set it for every socket of the process
+theirs = multiprocessing.spawn.get_preparation_data
+seen = []
+def wrapped(name):  # another library's wrapper of spawn's preparation
+    seen.append(name)
+    return theirs(name)
+multiprocessing.spawn.get_preparation_data = wrapped
+from torchtitan_ckpt import CheckpointManager, layout
+from torchtitan_ckpt.config import Checkpoint
+config = Checkpoint(enable=True, interval=1, async_mode="async_with_pinned_mem", folder=sys.argv[1])
+with CheckpointManager(config, [torch.nn.Linear(8, 8)]) as manager:
+    for step in range(1, 4):
+        manager.save(step)
+        manager.wait()
+print(layout.committed_steps(sys.argv[1]), multiprocessing.spawn.get_preparation_data is wrapped, len(seen))
+"""
+
+
+def test_the_writer_process_works_under_a_default_socket_timeout_and_another_librarys_spawn_wrapper(tmp_path):
+    """`socket.setdefaulttimeout` made the socket object over the writer's pipe non-blocking, and
+    with it the pipe the replies come by: saves failed ("BlockingIOError") and the writer was
+    killed. Starting the writer put back the `spawn` preparation it found at import, undoing a
+    wrapper another library had put there since (and skipping it for the writer's start)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(_WITH_A_DEFAULT_SOCKET_TIMEOUT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True, text=True,
+                         timeout=150, env={**os.environ, "PYTHONPATH": root})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines() == ["[1, 2, 3] True 1"], run.stdout + run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.uint16, torch.float32])
+def test_an_empty_tensor_of_a_dtype_of_no_storage_class_is_saved_by_the_writer_process(tmp_path, dtype):
+    """Tensors handed to the writer by value (an empty one has no place in the staging memory)
+    were pickled plainly, which torch cannot read back for a dtype of no storage class
+    (float8, uint16): every save failed in the writer ("UntypedStorage has no attribute
+    dtype")."""
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    class Extra:
+        def __init__(self):
+            self.t = torch.zeros(0).to(dtype)
+
+        def state_dict(self):
+            return {"t": self.t, "u": torch.arange(4).to(dtype)}
+
+        def load_state_dict(self, state):
+            pass
+
+    config = Checkpoint(enable=True, interval=1, async_mode="async_with_pinned_mem")
+    with CheckpointManager(config, [torch.nn.Linear(2, 2)], states={"extra": Extra()},
+                           base_folder=str(tmp_path)) as manager:
+        manager.save(1)
+        manager.wait()
+    saved = read_checkpoint(layout.step_dir(str(tmp_path / "checkpoint"), 1))
+    assert saved["extra.t"].dtype == dtype and saved["extra.t"].numel() == 0
+    assert torch.equal(saved["extra.u"].view(torch.uint8), torch.arange(4).to(dtype).view(torch.uint8))
+
+
+def test_a_message_the_writer_process_cannot_map_stops_it_instead_of_leaving_it_a_buffer_short(tmp_path):
+    """A message whose shared buffers the writer could not map (here its limit of open files
+    leaves no room) was answered with its error and the writer went on, without the buffers
+    the message registered, which the training process counted as registered: every later
+    write of that memory failed with a bare KeyError. The writer now stops; the descriptors it
+    received are closed."""
+    import resource
+
+    from torchtitan_ckpt.errors import WriterProcessError
+    from torchtitan_ckpt.io.filewriter import Entry, FileJob
+    from torchtitan_ckpt.io.writer_process import WriterProcess, fd_shared
+
+    writer = WriterProcess()
+    try:
+        writer([FileJob(str(tmp_path / "warm"), [Entry("k", torch.zeros(4), None)])])
+        arena = fd_shared(torch.arange(256, dtype=torch.uint8))
+        limit = resource.prlimit(writer.pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(writer.pid, resource.RLIMIT_NOFILE, (3, limit[1]))  # no descriptor may be received
+        with pytest.raises(RuntimeError, match="the writer process received 0 of the 1 shared buffers sent"):
+            writer([FileJob(str(tmp_path / "a"), [Entry("k", arena[16:32], None)])])
+        with pytest.raises(WriterProcessError, match="the checkpoint writer process exited"):
+            writer([FileJob(str(tmp_path / "b"), [Entry("k", arena[16:32], None)])])
+    finally:
+        writer.close()

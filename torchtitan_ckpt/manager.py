@@ -846,10 +846,9 @@ class CheckpointManager:
         if kind is SaveKind.SEED:
             return model_sd
         states = {name: s.state_dict() if isinstance(s, CheckedState) else own_state_dict(name, s, "save()", model_sd)
-                  for name, s in self._states.items()}  # ours build what a load fills: only their memory is checked
-        for name, s in self._states.items():
-            if isinstance(s, CheckedState):
-                check_memory({name: states[name]}, "save()", f"the {name} state's")
+                  for name, s in self._states.items()}  # ours build what a load fills: not checked at each save
+        if isinstance(self._states.get("optimizer"), OptimizerState):  # but for state made on meta
+            check_memory({"optimizer": states["optimizer"]}, "save()", "the optimizer state's")
         return {**model_sd, **states}
 
     def _agree(self, step: int, path: str, fn: Callable[[], Any], coordinator_only: bool = False) -> list[Any]:

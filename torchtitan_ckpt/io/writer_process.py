@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from itertools import count
-from multiprocessing import connection, reduction, resource_tracker
+from multiprocessing import connection, resource_tracker
 from typing import Any
 
 import torch
@@ -66,10 +66,13 @@ class WriterProcess:
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child_conn, os.getpid()), daemon=True,
+        self._fds, child_fds = socket.socketpair()  # the descriptors' own: a socket object of the pipe's
+        self._fds.settimeout(None)  # fd would make it non-blocking under socket.setdefaulttimeout
+        self._proc = ctx.Process(target=_serve, args=(child_conn, child_fds, os.getpid()), daemon=True,
                                  name="ckpt-writer")
         _on_launcher(self._start)
         child_conn.close()
+        child_fds.close()
         self._ids = count()
         self._registered: dict[tuple[int, int], tuple[int, torch.UntypedStorage]] = {}
         """(data_ptr, nbytes) of a shared storage -> (id, the storage, kept alive so its address
@@ -144,7 +147,7 @@ class WriterProcess:
                 raise self._gone
             self._waiting.append(done)
             try:
-                _send(self._conn, message, fds)
+                _send(self._conn, self._fds, message, fds)
             except BaseException as e:
                 self._waiting.pop()
                 self._registered.clear()
@@ -243,7 +246,7 @@ class WriterProcess:
         buffers and lets go of this writer."""
         self._stopped = True
         try:
-            _send(self._conn, *_pickled(_STOP))
+            _send(self._conn, self._fds, *_pickled(_STOP))
         except OSError:  # gone already
             pass
 
@@ -255,7 +258,7 @@ class WriterProcess:
         with self._lock:
             idle = not self._waiting
             try:
-                _send(self._conn, *_pickled(_STOP))
+                _send(self._conn, self._fds, *_pickled(_STOP))
             except OSError:
                 pass
         if self._join(_IDLE_STOP_S if idle else 30):
@@ -267,6 +270,7 @@ class WriterProcess:
         self._join(None)
         self._replies.join()
         self._conn.close()
+        self._fds.close()
         self._registered.clear()
         _OPEN.discard(self)
 
@@ -320,34 +324,25 @@ def _main_hidden() -> Iterator[None]:
     """While the writer starts, hide the user's `__main__` from `spawn`, so the child runs only
     this module: it would otherwise run the training script again, and one without an
     `if __name__ == "__main__":` guard would start training in the writer, which then dies.
-    Only this thread's start is told of no `__main__` (`_preparation_data`): `sys.modules` is
-    left as it is, as another thread of the job may be pickling an object of the script's
-    classes meanwhile."""
-    _hiding.main = True
-    installed = multiprocessing.spawn.get_preparation_data is not _preparation_data
-    if installed:
-        multiprocessing.spawn.get_preparation_data = _preparation_data
+    Only this thread's start is told of no `__main__`: `sys.modules` is left as it is, as another
+    thread of the job may be pickling an object of the script's classes meanwhile, and whatever
+    `spawn.get_preparation_data` is now (another library's wrapper) is called as it is, and put
+    back after, unless it was replaced meanwhile."""
+    before, starting = multiprocessing.spawn.get_preparation_data, threading.get_ident()
+
+    def preparation_data(name: str) -> dict[str, Any]:
+        data = before(name)
+        if threading.get_ident() == starting:
+            data.pop("init_main_from_name", None)
+            data.pop("init_main_from_path", None)
+        return data
+
+    multiprocessing.spawn.get_preparation_data = preparation_data
     try:
         yield
     finally:
-        _hiding.main = False
-        if installed and multiprocessing.spawn.get_preparation_data is _preparation_data:
-            multiprocessing.spawn.get_preparation_data = _spawn_preparation_data
-
-
-_spawn_preparation_data = multiprocessing.spawn.get_preparation_data
-_hiding = threading.local()
-"""`main`: whether the process this thread starts now is told of no `__main__`."""
-
-
-def _preparation_data(name: str) -> dict[str, Any]:
-    """What `spawn` hands a child to set itself up with, less how to run the parent's
-    `__main__` where this thread starts a writer (`_main_hidden`); as it is for any other."""
-    data = _spawn_preparation_data(name)
-    if getattr(_hiding, "main", False):
-        data.pop("init_main_from_name", None)
-        data.pop("init_main_from_path", None)
-    return data
+        if multiprocessing.spawn.get_preparation_data is preparation_data:
+            multiprocessing.spawn.get_preparation_data = before
 
 
 _launcher: tuple[int, queue.SimpleQueue] | None = None
@@ -407,7 +402,7 @@ def _ignored_signals() -> list[signal.Signals]:
     return [getattr(signal, name) for name in _LEFT_TO_THE_RANK if hasattr(signal, name)]
 
 
-def _serve(conn, parent: int) -> None:
+def _serve(conn, fds: socket.socket, parent: int) -> None:
     """The writer's loop: write what each message lists, answer with the results or the error."""
     for sig in _ignored_signals():
         signal.signal(sig, signal.SIG_IGN)
@@ -415,15 +410,16 @@ def _serve(conn, parent: int) -> None:
     _die_with_parent(parent)
     faults.kill_also(parent)
     torch.set_num_threads(1)
+    fds.settimeout(None)
     buffers: dict[int, torch.Tensor] = {}
     while True:
         try:
-            msg = _received(conn)
+            msg = _received(conn, fds)
         except (EOFError, OSError):
             return
-        except Exception as e:  # read, but its shared memory not mapped: told as a write's failure is
-            conn.send(("error", (_picklable(e), traceback.format_exc())))
-            continue
+        except Exception as e:  # read, but its shared memory not mapped: told, and the next save starts
+            conn.send(("error", (_picklable(e), traceback.format_exc())))  # a writer that knows every buffer
+            return
         if msg is _STOP:
             return
         try:
@@ -462,15 +458,17 @@ def _fd_of(storage: torch.UntypedStorage) -> int | None:
     if storage.device.type != "cpu" or not storage.is_shared():
         return None
     try:
-        return storage._get_shared_fd()
+        fd = storage._get_shared_fd()
     except RuntimeError:  # shared by name
         return None
+    return fd if fd >= 0 else None  # an empty one, or a file's map
 
 
 class _FdPickler(pickle.Pickler):
     """Pickles every storage in shared memory named by a descriptor as its place in `fds`
     (sent beside the bytes: no server process or socket file of `multiprocessing`'s is needed,
-    as torch's own reduction would start); any other storage by value."""
+    as torch's own reduction would start); any other storage as its bytes (a plain pickle of
+    one of a dtype of no Python storage class, float8 or uint16, does not load)."""
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -478,15 +476,19 @@ class _FdPickler(pickle.Pickler):
         self._places: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.storage.TypedStorage):
+        if isinstance(obj, torch.storage.TypedStorage):  # a tensor's, of most dtypes
+            storage, dtype = obj._untyped_storage, obj.dtype
+        elif isinstance(obj, torch.UntypedStorage):  # one of a dtype of no storage class (float8, uint16)
+            storage, dtype = obj, None
+        else:
             return None
-        storage = obj._untyped_storage
         if (fd := _fd_of(storage)) is None:
-            return None
+            raw = torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes() if storage.nbytes() else b""
+            return ("bytes", raw, dtype)
         place = self._places.setdefault(fd, len(self.fds))
         if place == len(self.fds):
             self.fds.append(fd)
-        return ("fd", place, storage.nbytes(), obj.dtype)
+        return ("fd", place, storage.nbytes(), dtype)
 
 
 class _FdUnpickler(pickle.Unpickler):
@@ -498,10 +500,17 @@ class _FdUnpickler(pickle.Unpickler):
         self._mapped: dict[int, torch.UntypedStorage] = {}
 
     def persistent_load(self, pid: Any) -> Any:
-        _, place, nbytes, dtype = pid
-        if place not in self._mapped:
-            self._mapped[place] = torch.UntypedStorage._new_shared_fd_cpu(self._fds[place], nbytes)
-        return torch.storage.TypedStorage(wrap_storage=self._mapped[place], dtype=dtype, _internal=True)
+        if pid[0] == "bytes":
+            _, raw, dtype = pid
+            storage = torch.frombuffer(bytearray(raw), dtype=torch.uint8).untyped_storage() if raw else \
+                torch.UntypedStorage(0)
+        else:
+            _, place, nbytes, dtype = pid
+            if place not in self._mapped:
+                self._mapped[place] = torch.UntypedStorage._new_shared_fd_cpu(self._fds[place], nbytes)
+            storage = self._mapped[place]
+        # torch's rebuild of a tensor of a dtype of no storage class takes its bytes' typed storage
+        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype or torch.uint8, _internal=True)
 
 
 def _pickled(obj: Any) -> tuple[bytes, list[int]]:
@@ -512,25 +521,25 @@ def _pickled(obj: Any) -> tuple[bytes, list[int]]:
     return buf.getvalue(), pickler.fds
 
 
-def _send(conn: connection.Connection, message: bytes, fds: list[int]) -> None:
-    """One message to the writer: the count of descriptors and the pickle, then the descriptors
-    (over the same socket pair, `multiprocessing`'s `Pipe`)."""
+def _send(conn: connection.Connection, fds_sock: socket.socket, message: bytes, fds: list[int]) -> None:
+    """One message to the writer: the count of descriptors and the pickle over the pipe, then
+    the descriptors over the socket pair of their own."""
     conn.send_bytes(len(fds).to_bytes(4, "little") + message)
     if fds:
-        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-            reduction.sendfds(sock, fds)
+        socket.send_fds(fds_sock, [b"F"], fds)
 
 
-def _received(conn: connection.Connection) -> Any:
+def _received(conn: connection.Connection, fds_sock: socket.socket) -> Any:
     """The writer's side of `_send`. The descriptors are closed once the storages they name are
-    mapped."""
+    mapped (or the message failed: each that arrived)."""
     raw = conn.recv_bytes()
     count = int.from_bytes(raw[:4], "little")
     fds: list[int] = []
-    if count:
-        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-            fds = list(reduction.recvfds(sock, count))
     try:
+        if count:
+            _, fds, _, _ = socket.recv_fds(fds_sock, 1, count)
+            if len(fds) != count:  # this process's limit of open files, say
+                raise RuntimeError(f"the writer process received {len(fds)} of the {count} shared buffers sent")
         return _FdUnpickler(io.BytesIO(raw[4:]), fds).load()
     finally:
         for fd in fds:
