@@ -1272,3 +1272,33 @@ def test_a_message_the_writer_process_cannot_map_stops_it_instead_of_leaving_it_
             writer([FileJob(str(tmp_path / "b"), [Entry("k", arena[16:32], None)])])
     finally:
         writer.close()
+
+
+def test_the_writer_process_takes_a_message_naming_more_buffers_than_one_send_passes(tmp_path):
+    """Linux passes at most 253 descriptors in one message: a writer started (or restarted
+    after a failure) for a state of more arenas was handed them all at once, refused with
+    EINVAL, killed, and so again at every save."""
+    from torchtitan_ckpt.io.filewriter import Entry, FileJob
+    from torchtitan_ckpt.io.writer_process import WriterProcess, fd_shared
+
+    arenas = [fd_shared(torch.full((64,), i % 251, dtype=torch.uint8)) for i in range(300)]
+    writer = WriterProcess()
+    try:
+        written = writer([FileJob(str(tmp_path / "f"), [Entry(str(i), a[:8], None) for i, a in enumerate(arenas)])])
+    finally:
+        writer.close()
+    assert len(written) == 1 and written[0].size >= 300 * 8
+
+
+def test_a_small_view_handed_to_the_writer_process_by_value_sends_its_bytes_alone():
+    """A tensor not in the staging memory goes by value: a 16-byte view of a 64 MiB tensor sent
+    all 64 MiB through the pipe."""
+    from torchtitan_ckpt.io.writer_process import WriterProcess, _pickled
+
+    big = torch.zeros(16 << 20)
+    writer = WriterProcess()
+    try:
+        message, fds = _pickled(writer._ref(big[4:8], {}))
+    finally:
+        writer.close()
+    assert fds == [] and len(message) < 4096, len(message)

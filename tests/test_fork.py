@@ -167,3 +167,37 @@ def test_handing_the_staged_state_to_the_writer_leaves_no_socket_folder_behind(t
                          text=True, timeout=240, env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp)})
     assert run.returncode == 0, run.stderr[-3000:]
     assert os.listdir(tmp_path / "ckpt") and os.listdir(tmp) == []
+
+
+_FORKS_WHILE_THE_WRITER_STARTS = """
+import multiprocessing.spawn, os, signal, sys, tempfile, time, torch
+from torchtitan_ckpt.io.filewriter import Entry, FileJob
+from torchtitan_ckpt.io.writer_process import WriterProcess
+kids, before = [], multiprocessing.spawn.get_preparation_data
+def forking(name):  # another thread's fork (a data loader's worker) while the writer starts
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    kids.append(pid)
+    return before(name)
+multiprocessing.spawn.get_preparation_data = forking
+writer = WriterProcess()
+multiprocessing.spawn.get_preparation_data = before
+writer([FileJob(os.path.join(sys.argv[1], "a"), [Entry("k", torch.zeros(4), None)])])
+start = time.monotonic()
+writer.close()
+print("closed in", "under 10 s" if time.monotonic() - start < 10 else f"{time.monotonic() - start:.0f} s")
+for pid in kids:
+    os.kill(pid, signal.SIGKILL)
+"""
+
+
+def test_a_process_forked_while_the_writer_starts_does_not_hold_its_close(tmp_path):
+    """A process forked on another thread while the writer process started inherited the
+    writer's end of its pipe: the writer's exit was never seen, and `close()` (the job's exit
+    too) waited for as long as that process lived."""
+    run = subprocess.run([sys.executable, "-c", _FORKS_WHILE_THE_WRITER_STARTS, str(tmp_path)], capture_output=True,
+                         text=True, timeout=240, env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines() == ["closed in under 10 s"], run.stdout + run.stderr[-3000:]

@@ -51,6 +51,11 @@ logger = logging.getLogger(__name__)
 
 _STOP = None
 
+_LIVENESS_S = 1.0
+"""How often the reply thread, with no reply to read, asks whether the writer still runs: its
+pipe's closing tells its end only where no other process holds the writer's end (a process
+forked on another thread while the writer started, a data loader's worker, holds it)."""
+
 _IDLE_STOP_S = 10.0
 """How long `close()` lets a writer with no work in progress take to stop before killing it."""
 
@@ -162,6 +167,9 @@ class WriterProcess:
         not be matched to their calls any more; the next save starts a new one)."""
         try:
             while True:
+                while not self._conn.poll(_LIVENESS_S):
+                    if not self.alive:  # its end of the pipe held open by a process forked while it started
+                        raise EOFError("the writer exited")
                 status, value = self._conn.recv()
                 with self._lock:
                     done = self._waiting.popleft()
@@ -194,8 +202,8 @@ class WriterProcess:
         if not isinstance(data, torch.Tensor) or data.device.type != "cpu":
             return data if not isinstance(data, torch.Tensor) else data.detach().cpu()
         storage = data.untyped_storage()
-        if _fd_of(storage) is None:  # not shared, or shared by name (another's: sent by value)
-            return data.detach()
+        if _fd_of(storage) is None:  # not shared, or shared by name (another's: sent by value, its bytes alone)
+            return data.detach() if data.nbytes == storage.nbytes() else data.detach().clone()
         key = (storage.data_ptr(), storage.nbytes())
         if key not in self._registered:
             buffer_id = next(self._ids)
@@ -521,12 +529,17 @@ def _pickled(obj: Any) -> tuple[bytes, list[int]]:
     return buf.getvalue(), pickler.fds
 
 
+_FDS_PER_SEND = 253
+"""The most descriptors Linux passes in one message (`SCM_MAX_FD`): a writer started for a
+state of many arenas is handed them all at once."""
+
+
 def _send(conn: connection.Connection, fds_sock: socket.socket, message: bytes, fds: list[int]) -> None:
     """One message to the writer: the count of descriptors and the pickle over the pipe, then
     the descriptors over the socket pair of their own."""
     conn.send_bytes(len(fds).to_bytes(4, "little") + message)
-    if fds:
-        socket.send_fds(fds_sock, [b"F"], fds)
+    for start in range(0, len(fds), _FDS_PER_SEND):
+        socket.send_fds(fds_sock, [b"F"], fds[start:start + _FDS_PER_SEND])
 
 
 def _received(conn: connection.Connection, fds_sock: socket.socket) -> Any:
@@ -536,9 +549,11 @@ def _received(conn: connection.Connection, fds_sock: socket.socket) -> Any:
     count = int.from_bytes(raw[:4], "little")
     fds: list[int] = []
     try:
-        if count:
-            _, fds, _, _ = socket.recv_fds(fds_sock, 1, count)
-            if len(fds) != count:  # this process's limit of open files, say
+        for start in range(0, count, _FDS_PER_SEND):
+            wanted = min(_FDS_PER_SEND, count - start)
+            _, got, _, _ = socket.recv_fds(fds_sock, 1, wanted)
+            fds.extend(got)
+            if len(got) != wanted:  # this process's limit of open files, say
                 raise RuntimeError(f"the writer process received {len(fds)} of the {count} shared buffers sent")
         return _FdUnpickler(io.BytesIO(raw[4:]), fds).load()
     finally:
