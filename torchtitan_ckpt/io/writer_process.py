@@ -7,10 +7,10 @@ the byte-moving part of a save, `filewriter.write_files`, runs here: the writer 
 group and no DTensors, just files to write from shared memory. Each shared storage (the arena) is
 handed over once (its file descriptor, sent beside the message: `fd_shared`) and named by an id
 afterwards, so a save sends only a list of (buffer id, view) references and small values through
-a pipe. A save hands over the files it
-can write before DCP has planned while the state is still being staged (`start`); the writer
-waits for each tensor's copy on a shared-memory count (`filewriter.CountWait`) and writes what it
-is handed in order, and a thread of the training process receives the replies.
+a pipe. A save hands over the files it can write before DCP has planned while the state is still
+being staged (`start`); the writer waits for each tensor's copy on a shared-memory count
+(`filewriter.CountWait`) and writes what it is handed in order, and a thread of the training
+process receives the replies.
 
 The writer dies with its rank: it asks the kernel for SIGKILL when the thread that started it
 exits (Linux), which is one thread of this module's that lives as long as the process
@@ -71,8 +71,8 @@ class WriterProcess:
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
-        self._fds, child_fds = socket.socketpair()  # the descriptors' own: a socket object of the pipe's
-        self._fds.settimeout(None)  # fd would make it non-blocking under socket.setdefaulttimeout
+        self._fds, child_fds = socket.socketpair()  # the descriptors' own channel, blocking under
+        self._fds.settimeout(None)  # socket.setdefaulttimeout (a socket object on the pipe's fd made it not)
         self._proc = ctx.Process(target=_serve, args=(child_conn, child_fds, os.getpid()), daemon=True,
                                  name="ckpt-writer")
         _on_launcher(self._start)
