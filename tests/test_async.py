@@ -1302,3 +1302,66 @@ def test_a_small_view_handed_to_the_writer_process_by_value_sends_its_bytes_alon
     finally:
         writer.close()
     assert fds == [] and len(message) < 4096, len(message)
+
+
+class _Kept:
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return self.value
+
+    def load_state_dict(self, state):
+        self.value = state
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_a_tensor_that_requires_grad_and_is_no_leaf_inside_a_value_saves_as_a_sync_save_does(tmp_path, mode):
+    """A loss kept without `detach()` in a tuple of a user state (pickled whole by the save): the
+    synchronous save wrote it, the background modes failed each save with torch's deepcopy error
+    (which speaks of weight_norm)."""
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    w = torch.ones(3, requires_grad=True)
+    loss = (w * 2).sum()
+    assert not loss.is_leaf
+    config = Checkpoint(enable=True, folder=str(tmp_path / "ckpt"), interval=1, async_mode=mode)
+    with CheckpointManager(config, [torch.nn.Linear(1, 1)], states={"best": _Kept({"best": (loss, 7)})}) as manager:
+        assert manager.save(1)
+        manager.wait()
+    back = _Kept({"best": None})
+    with CheckpointManager(config, [torch.nn.Linear(1, 1)], states={"best": back}) as manager:
+        assert manager.load()
+    assert back.value["best"][1] == 7 and back.value["best"][0].item() == 6.0
+
+
+def test_verify_staging_and_tied_loads_compare_a_conjugated_parameter_by_its_values(tmp_path):
+    """A complex parameter held as `x.conj()` (a Parameter keeps the lazy bit): every
+    `verify_staging` save failed with torch's bare error on a byte view of it, and a load into
+    a model tying it failed blaming the model's `load_state_dict`."""
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    class Model(torch.nn.Module):
+        def __init__(self, tie: bool = False):
+            super().__init__()
+            self.c = torch.nn.Parameter(torch.complex(torch.arange(3.0), torch.arange(3.0) + 5).conj())
+            if tie:
+                self.d = self.c
+
+    model = Model()
+    assert model.c.is_conj()
+    config = Checkpoint(enable=True, folder=str(tmp_path / "a"), interval=1, async_mode="async", verify_staging=True)
+    with CheckpointManager(config, [model], optimizers=torch.optim.SGD(model.parameters(), lr=0.1)) as manager:
+        assert manager.save(1)
+        manager.wait()
+    tied = Checkpoint(enable=True, folder=str(tmp_path / "b"), interval=1)
+    with CheckpointManager(tied, [Model(tie=True)]) as manager:
+        assert manager.save(1)
+    back = Model(tie=True)
+    with torch.no_grad():
+        back.c.zero_()
+    with CheckpointManager(tied, [back]) as manager:
+        assert manager.load()
+    assert torch.equal(back.c, model.c) and back.d is back.c

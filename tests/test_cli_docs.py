@@ -91,8 +91,8 @@ def test_cli_md_documents_what_list_prints(tmp_path, capsys):
     assert list(example) == list(printed)
     assert {tuple(s) for s in example["steps"]} == {tuple(printed["steps"][0])}
     assert re.findall(r"^\| `(\w+)` \|", section, re.M) == [
-        layout.COMPLETE, layout.PARTIAL, cli.EMPTY, cli.CORRUPT, cli.NEWER, cli.OLDER, cli.MISNAMED, layout.FOREIGN,
-        layout.UNKNOWN, layout.DENIED]
+        layout.COMPLETE, layout.PARTIAL, cli.EMPTY, cli.CORRUPT, cli.NEWER, cli.OLDER, cli.MISNAMED, cli.CUT_SHORT,
+        layout.FOREIGN, layout.UNKNOWN, layout.DENIED]
 
 
 def test_config_reference_is_fresh():

@@ -495,3 +495,92 @@ def test_another_ranks_partial_load_of_a_path_no_terminal_shows_is_told_once():
     mine = PartialLoadError(path, RankFailed(1, f"{type(theirs).__name__}: {theirs}", ("PartialLoadError",), None))
     assert str(mine).count("Input/output error") == 1 and str(mine).count("ck\\npt") == 1, str(mine)
     assert "\n" not in str(mine)
+
+
+def _training_on_the_group_given(rank: int, world_size: int, folder: str, mode: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    train = dist.new_group(backend="gloo", timeout=timedelta(seconds=8))  # training's, carrying its gradients
+    torch.manual_seed(0)  # one model on both ranks
+    model = torch.nn.Linear(2, 2)
+    config = Checkpoint(enable=True, folder=folder, interval=1, async_mode=mode)
+    with CheckpointManager(config, [model], process_group=train) as manager:
+        for step in (1, 2, 3):
+            assert manager.save(step)
+            grad = torch.ones(4)
+            dist.all_reduce(grad, group=train)  # while the background save runs its collectives
+            dist.barrier(group=train)
+            assert grad.tolist() == [2.0] * 4
+        manager.wait()
+    from torchtitan_ckpt import layout
+
+    assert layout.committed_steps(folder)[-1] == 3
+    loaded = torch.nn.Linear(2, 2)
+    with CheckpointManager(config, [loaded], process_group=train) as again:  # its group is kept
+        assert again.load()
+    assert torch.equal(loaded.weight, model.weight)
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_training_collectives_on_the_group_given_do_not_cross_a_background_save(tmp_path, mode):
+    """A manager given the group the training uses (its data-parallel group) ran the background
+    save's collectives on it while the training thread ran a gradient all-reduce and a barrier
+    there: both ranks waited out the group's timeout and no step was committed. The manager's
+    collectives run on a gloo group of its own over the given group's ranks."""
+    spawn(2, _training_on_the_group_given, str(tmp_path / "ckpt"), mode)
+
+
+class _FailsOnRank:
+    def __init__(self, failing: int):
+        self.failing = failing
+
+    def state_dict(self):
+        import torch.distributed as dist
+
+        if dist.get_rank() == self.failing:
+            raise RuntimeError("no state here")
+        return {"x": torch.zeros(1)}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _subgroup_names_job_ranks(rank: int, world_size: int, folder: str) -> None:
+    import logging
+
+    import torch.distributed as dist
+
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+    from torchtitan_ckpt.errors import CheckpointSaveError
+
+    pair = dist.new_group([3, 1], backend="gloo")  # every rank makes it; 1 and 3 are in it
+    if rank not in (1, 3):
+        return
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("torchtitan_ckpt").addHandler(handler)
+    logging.getLogger("torchtitan_ckpt").setLevel(logging.INFO)
+    config = Checkpoint(enable=True, folder=folder, interval=1)
+    with CheckpointManager(config, [torch.nn.Linear(2, 2)], states={"odd": _FailsOnRank(3)},
+                           process_group=pair) as manager:
+        with pytest.raises(CheckpointSaveError) as failed:
+            manager.save(1)
+    assert "RuntimeError: no state here" in str(failed.value)  # rank 3's own, said as such
+    if rank == 1:
+        assert ("failed on rank 1 of the checkpoint's group (rank 3 of the job): RuntimeError: no state here"
+                in str(failed.value)), failed.value
+        assert any("the checkpoint's ranks are those of the process_group given, the job's ranks 1, 3" in s
+                   for s in said), said
+
+
+def test_a_manager_on_a_subgroup_names_the_jobs_rank_beside_the_groups(tmp_path):
+    """A manager on ranks 1 and 3 of four named a failure on rank 3 of the job "rank 1": the log
+    a user opens is the job's rank's."""
+    spawn(4, _subgroup_names_job_ranks, str(tmp_path / "ckpt"))

@@ -404,6 +404,26 @@ def test_a_one_element_tensor_of_any_stride_exports_and_loads(tmp_path, mode):
     assert into["w"].item() == 2.5 and into["w"].stride() == (5, 3)
 
 
+@pytest.mark.parametrize("mode", ["one_pass", "all_ranks", "rank0"])
+def test_lazily_conjugated_and_negated_views_export_and_load_their_values(tmp_path, mode):
+    """A rotary table kept as `polar(...).conj()` and a `_neg_view` (what `x.conj().imag` gives):
+    `all_ranks` and `rank0` wrote their memory (the values unconjugated, unnegated) in silence,
+    `one_pass` failed with torch's bare error after writing a zero-filled file; `load_hf` into
+    such a view of the file's dtype failed after writing the other tensors."""
+    (tmp_path / "assets").mkdir()
+    (tmp_path / "assets" / "config.json").write_text("{}")
+    adapter = _Prefixed(str(tmp_path / "assets"))
+    freqs = torch.polar(torch.ones(4), torch.arange(4.0)).conj()
+    neg = torch._neg_view(torch.tensor([1.0, 2.0]))
+    assert freqs.is_conj() and neg.is_neg()
+    save_hf({"freqs": freqs, "w": neg}, str(tmp_path / "out"), adapter, mode=mode)
+    assert_same(tensors_by_file(str(tmp_path / "out"))["model-00001-of-00001.safetensors"],
+                {"hf.freqs": freqs.resolve_conj(), "hf.w": torch.tensor([-1.0, -2.0])})
+    into = {"freqs": torch.zeros(4, dtype=torch.complex64).conj(), "w": torch._neg_view(torch.zeros(2))}
+    load_hf(into, str(tmp_path / "out"), adapter)
+    assert torch.equal(into["freqs"], freqs) and torch.equal(into["w"], torch.tensor([-1.0, -2.0]))
+
+
 @pytest.mark.parametrize("mode", ["one_pass", "rank0"])
 def test_an_export_replaces_a_config_json_link_instead_of_writing_through_it(tmp_path, mode):
     """A folder of the hub cache links its config.json to a blob that other revisions share;

@@ -101,10 +101,34 @@ def test_verify_on_load_falls_back_to_the_newest_intact_step(tmp_path, caplog):
     chosen = make_job(str(tmp_path), steps=6, verify_on_load=True, load_step=6)
     with pytest.raises(CorruptCheckpointError, match="step 6 failed verification"):
         chosen.manager.load()
-    # without verify_on_load the truncated-but-valid-looking file is not read through the check
+    # without verify_on_load a file cut short is found by its size alone
     os.truncate(os.path.join(layout.step_dir(folder, 6), ".metadata"), 10)
-    with pytest.raises(CorruptCheckpointError):
-        make_job(str(tmp_path), steps=6).manager.load()
+    with pytest.raises(CorruptCheckpointError, match=r"step 6 failed verification: .*step-6/.metadata: 10 bytes, the "
+                                                     r"manifest says \d+"):
+        make_job(str(tmp_path), steps=6, verify_fallback=False).manager.load()
+
+
+@pytest.mark.parametrize("cut", ["missing", "short"])
+def test_a_step_copied_without_some_of_its_files_is_passed_over_without_verify_on_load(tmp_path, caplog, capsys, cut):
+    """A copy cut short (rsync stopped, `cp step-6/* dst/`, which leaves `.metadata` out, a copy
+    taken while retention deleted the step) keeps its commit marker: `list` and `load()` took it
+    for whole, and the load failed on the file without trying the step before."""
+    folder = _saved(tmp_path, steps=6, last_save_model_only=False)
+    data = os.path.join(layout.step_dir(folder, 6), "__0_0.distcp")
+    if cut == "missing":
+        os.remove(data)
+    else:
+        os.truncate(data, os.path.getsize(data) // 2)
+    assert cli.main(["list", folder, "--json", "-q"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert (listed["latest_loadable"], listed["steps"][-1]["status"]) == (4, "cut_short")
+    assert "step-6/__0_0.distcp: " in listed["steps"][-1]["problem"]
+    job = make_job(str(tmp_path), steps=6)
+    assert job.manager.load()
+    assert job.train_state.step == 4
+    assert re.search(rf"step 6 is corrupt, trying the previous complete step: .*step-6/__0_0.distcp: "
+                     rf"{'missing' if cut == 'missing' else '[0-9]+ bytes, the manifest says [0-9]+'}", caplog.text)
+    job.manager.close()
 
 
 def test_when_every_step_fails_verification_the_load_refuses_and_keeps_them(tmp_path, caplog):
@@ -692,8 +716,9 @@ def test_the_hold_is_one_however_the_folder_is_named_and_lets_go_of_what_it_cann
     the other's step in flight as partial: neither is the folder's sole writer while both hold
     it (and the second is warned of). A fifo where the lock file goes kept its descriptor (and
     flock) open after a bare EINVAL; a hard link there to a user's file would have been
-    truncated. A forked child closing a manager died of a KeyError (its copy of the hold is
-    forgotten at the fork)."""
+    truncated (it is replaced by a file of the job's own, the user's untouched: a `cp -al` backup
+    of the folder stopped every restart of the job). A forked child closing a manager died of a
+    KeyError (its copy of the hold is forgotten at the fork)."""
     folder = tmp_path / "checkpoint"
     folder.mkdir()
     (tmp_path / "link").symlink_to(folder)
@@ -722,21 +747,26 @@ def test_the_hold_is_one_however_the_folder_is_named_and_lets_go_of_what_it_cann
     os.remove(folder / LOCK_FILE)
     (tmp_path / "notes.txt").write_text("the user's")
     os.link(tmp_path / "notes.txt", folder / LOCK_FILE)  # holding would truncate the user's file
-    with pytest.raises(ConfigError, match=rf"{LOCK_FILE} is a hard link, its file shared with another name \(a `cp "
-                                          r"-al` snapshot of the folder\?\), so .* cannot be held by this job. No "
-                                          r"process holds it now: remove it \(the job makes its own\)"):
-        CheckpointManager(Checkpoint(enable=True, folder=str(folder)), [torch.nn.Linear(2, 2)])
-    assert (tmp_path / "notes.txt").read_text() == "the user's"
-    # a snapshot's link to the lock of a job running there: that job is named, not the link (whose
-    # removal, as the message said, let a second job save beside the first)
+    # a snapshot's link to the lock of a job running there: that job is named, and the link
     running = os.open(folder / LOCK_FILE, os.O_RDWR)
     fcntl.flock(running, fcntl.LOCK_EX)
     try:
-        with pytest.raises(ConfigError, match=r"another process \(the user's\) uses"):
+        with pytest.raises(ConfigError, match=r"another process \(the user's\) uses .* \(its lock file .* is a hard "
+                                              r"link, shared with another folder's: a `cp -al`"):
             CheckpointManager(Checkpoint(enable=True, folder=str(folder)), [torch.nn.Linear(2, 2)])
     finally:
         os.close(running)
+    with CheckpointManager(Checkpoint(enable=True, folder=str(folder), interval=1), [torch.nn.Linear(2, 2)]) as manager:
+        assert manager.save(1)  # none holds the link now: replaced by a lock file of the job's
+        assert os.stat(folder / LOCK_FILE).st_nlink == 1
+        probe = os.open(folder / LOCK_FILE, os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):  # the new file is the one held
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(probe)
     assert (tmp_path / "notes.txt").read_text() == "the user's"
+    assert sorted(os.listdir(folder)) == [LOCK_FILE, "step-1"]
     os.remove(folder / LOCK_FILE)
     os.symlink(tmp_path / "notes.txt", folder / LOCK_FILE)  # a `cp -rs` copy's: "[Errno 40] Too many levels..."
     with pytest.raises(ConfigError, match=rf"{LOCK_FILE} is a symbolic link \(a `cp -rs` copy of the folder\?\), so "
@@ -920,3 +950,23 @@ def test_every_file_a_writer_reports_on_the_disk_was_fsynced_whole(tmp_path, mon
     step = layout.step_dir(str(tmp_path), 2)
     info = commit.read_marker(step)
     assert {rel: synced.get(rel) for rel in info.files} == {rel: e["size"] for rel, e in info.files.items()}
+
+
+def test_retention_leaves_a_step_holding_a_users_files_as_it_is(tmp_path, caplog):
+    """Evaluation results and a repository kept in a step folder were deleted with the step by
+    retention, the log saying only that the step was deleted."""
+    job = make_job(str(tmp_path), steps=6, interval=2, keep_latest_k=1)
+    job.run_to(2, steps=6)
+    step_2 = os.path.join(tmp_path, "checkpoint", "step-2")
+    os.makedirs(os.path.join(step_2, ".git"))
+    for name in ("eval_results.json", os.path.join(".git", "HEAD")):
+        with open(os.path.join(step_2, name), "w") as f:
+            f.write("mine")
+    job.run_to(6, steps=6)
+    job.manager.close()
+    assert layout.committed_steps(os.path.join(tmp_path, "checkpoint"))[0] == 2
+    with open(os.path.join(step_2, "eval_results.json")) as f:
+        assert f.read() == "mine"
+    assert re.search(r"could not delete .*step-2: .*step-2 holds 2 file\(s\) its COMMITTED.json does not list, not "
+                     r"written by torchtitan_ckpt \(.git/HEAD, eval_results.json\): the step is left as it is", caplog.text)
+    assert commit.verify(step_2) == []

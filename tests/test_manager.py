@@ -26,7 +26,7 @@ from torchtitan_ckpt.dcp.metadata import METADATA_FILE
 from torchtitan_ckpt.formats.base import _nesting
 from torchtitan_ckpt.storage.local import LOCK_FILE
 
-from .helpers import Holder, TensorState, assert_same, data_file_use, read_checkpoint
+from .helpers import Holder, TensorState, assert_same, data_file_use, forged_whole, read_checkpoint
 from .jobs import make_job
 
 
@@ -785,6 +785,7 @@ def test_metadata_that_would_run_code_is_refused(tmp_path):
     evidence = str(tmp_path / "pwned")
     with open(os.path.join(step2, METADATA_FILE), "wb") as f:
         pickle.dump(_RunsCode(evidence), f)
+    forged_whole(step2)
     with pytest.raises(CorruptCheckpointError, match=r"step-2/.metadata references _?io.open.*refusing"):
         make_job(str(tmp_path), steps=4).manager.load()
     assert not os.path.exists(evidence)

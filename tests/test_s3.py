@@ -680,6 +680,7 @@ def test_each_rank_downloads_only_the_bytes_its_load_plan_reads(bucket, tmp_path
     small = {n: os.path.getsize(tmp_path / "c" / n) for n in (".metadata", "COMMITTED.json")}
     assert {path: n for path, n in proxy.served.items() if "/step-1/" in path} == {
         **{f"/{bucket}/run/step-1/{n}": 2 * size for n, size in small.items()},  # every rank reads these
+        f"/{bucket}/run/step-1/COMMITTED.json": 3 * small["COMMITTED.json"],  # rank 0 lists what it names, too
         **{f"/{bucket}/run/step-1/{n}": item_bytes for n, (item_bytes, _) in used.items()}}
 
 
@@ -1357,10 +1358,12 @@ def test_a_marker_larger_than_any_is_refused_before_it_is_downloaded(bucket, tmp
 
 
 @pytest.mark.parametrize("damage, verify, message", [
-    (lambda body: b"garbage", False, r"^{url}/step-1/.metadata is not a DCP metadata file"),
+    (lambda body: b"g" * len(body), False, r"^{url}/step-1/.metadata is not a DCP metadata file"),
     (lambda body: bytes(len(body)), False, r"^{url}/step-1/__0_0.distcp: item .* is not a readable torch.save"),
     (lambda body: bytes(len(body)), True, r"step 1 failed verification: {url}/step-1/__0_0.distcp: CRC-32"),
-], ids=["metadata", "data", "verified"])
+    (lambda body: body[:len(body) // 2], False,
+     r"step 1 failed verification: {url}/step-1/__0_0.distcp: \d+ bytes, the manifest says \d+"),
+], ids=["metadata", "data", "verified", "cut_short"])
 def test_a_damaged_step_on_object_storage_is_named_by_its_url(bucket, tmp_path, capsys, damage, verify, message):
     """Readers name the files they read, which on object storage are the rank's staged copies:
     the errors named a folder under the staging folder instead of the step's URL."""

@@ -145,9 +145,11 @@ CORRUPT = "corrupt"
 NEWER = "newer"
 OLDER = "older"
 MISNAMED = "misnamed"
+CUT_SHORT = "cut_short"
 """`list`'s statuses of a step whose `COMMITTED.json` is there but unreadable (truncated, not
 JSON, fields of the wrong shape), written by a newer version or an older one this one does not
-read, or naming another step than the folder's name: never counted as complete or loadable."""
+read, naming another step than the folder's name, or naming files the folder does not hold at
+their size (`commit.cut_short`): never counted as complete or loadable."""
 EMPTY = "empty"
 """`list`'s status of an empty step folder (`Store.empty`): one a save left when it stopped
 before its first file, which `layout.status_of` tells as unknown (an empty folder has no marker
@@ -189,6 +191,8 @@ def _listed(s: layout.StepFolder, store: Store) -> tuple[str, str | None, commit
             status, problem = layout.DENIED, str(e)
         if info is not None and (wrong := info.misnamed(where, s.step)):
             status, problem = MISNAMED, wrong
+        elif info is not None and (cut := commit.cut_short(s.path, info, store.sizes(s.path, info.files))):
+            status, problem = CUT_SHORT, store.in_user_terms("; ".join(cut))
     elif status == layout.UNKNOWN and store.empty(s):
         status = EMPTY
     return status, problem, info
@@ -206,6 +210,8 @@ def _contents(s: dict[str, Any]) -> str:
                    "it fails; resume from it with that one",
             MISNAMED: f"{commit.MARKER} names another step (list --json: problem): renamed, or copied in under "
                       "another step's name; a load() passes it over",
+            CUT_SHORT: f"files {commit.MARKER} names are missing or shorter (list --json: problem): a copy cut "
+                       "short; a load() passes it over",
             layout.DENIED: "this user may not look into it: never loaded, replaced or deleted; a load() that "
                            "would pick it fails",
             EMPTY: "a save that stopped (or is starting) before its first file, ours or another program's: never "

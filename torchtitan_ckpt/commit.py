@@ -26,7 +26,7 @@ import json
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -35,7 +35,7 @@ from .io import IO_THREADS, durable, safe_open
 from .io.untrusted import brief
 from . import faults
 from .io.checksum import file_crc32, stream_crc32
-from .errors import CheckpointError, CorruptCheckpointError, NewerVersionError, OlderVersionError
+from .errors import CheckpointError, CorruptCheckpointError, NewerVersionError, OlderVersionError, few
 
 MARKER = "COMMITTED.json"
 IN_PROGRESS = "IN_PROGRESS.json"
@@ -196,6 +196,22 @@ def uncommit(path: str) -> None:
         durable.fsync_path(path)
 
 
+def refuse_unlisted(path: str) -> None:
+    """Refuse to remove the committed step `path` while it holds files its manifest does not
+    list (a user's evaluation results, notes, a repository): not written here, so never
+    removed here. A step whose marker cannot be read has no manifest to tell by: passed."""
+    if os.path.islink(path) or not os.path.lexists(os.path.join(path, MARKER)):
+        return
+    try:
+        listed = read_marker(path).files
+    except (CorruptCheckpointError, NewerVersionError, OlderVersionError):
+        return
+    if added := sorted(set(files_in(path)) - set(listed)):
+        raise CheckpointError(f"{path} holds {len(added)} file(s) its {MARKER} does not list, not written by "
+                              f"torchtitan_ckpt ({few(added, 3)}): the step is left as it is; move them out of it "
+                              "for it to be removed")
+
+
 def remove_step(path: str, removed: Callable[[int], None] | None = None) -> None:
     """Delete a step folder of ours: `uncommit` it, then remove every file but the in-progress
     marker, then the marker, then the folders. A crash at any point leaves a folder that reads
@@ -203,7 +219,9 @@ def remove_step(path: str, removed: Callable[[int], None] | None = None) -> None
     would read as another program's checkpoint (and, with DCP's `.metadata` left, as loadable).
     Links inside are removed, never followed, and every name is removed relative to its folder's
     open descriptor: a folder swapped for a link meanwhile (by another writer of the checkpoint
-    folder) is never removed through. `removed(nbytes)` hears of each file removed."""
+    folder) is never removed through. A committed step holding files its manifest does not
+    list is refused untouched (`refuse_unlisted`). `removed(nbytes)` hears of each file removed."""
+    refuse_unlisted(path)
     uncommit(path)
     marker = os.path.join(path, IN_PROGRESS)
     for root, folders, names, fd in os.fwalk(path, topdown=False):
@@ -278,6 +296,16 @@ def check_file(path: str, rel: str, entry: dict, read: Callable[[int], None] | N
     if crc != entry["crc32"]:
         return f"{full}: CRC-32 {crc}, the manifest says {entry['crc32']}"
     return None
+
+
+def cut_short(path: str, info: CommitInfo, held: Mapping[str, int | None]) -> list[str]:
+    """The files of the step at `path` its manifest `info` names that `held` (`Store.sizes` of
+    them: None for one not there) gives another size than recorded, one message each: a copy
+    cut short (an rsync stopped, `cp step/*`, which leaves `.metadata` out) that its marker calls
+    whole, found without reading a byte."""
+    return [f"{os.path.join(path, rel)}: " + ("missing" if held[rel] is None else
+                                              f"{held[rel]} bytes, the manifest says {entry['size']}")
+            for rel, entry in sorted(info.files.items()) if rel in held and held[rel] != entry["size"]]
 
 
 def verify(path: str, files: list[str] | None = None, threads: int = IO_THREADS) -> list[str]:

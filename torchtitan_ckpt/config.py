@@ -191,8 +191,10 @@ class Checkpoint:
     program's step has none to check."""
 
     verify_fallback: bool = True
-    """With `verify_on_load` and `load_step = -1`: a newest step that fails the check is reported
-    and the newest intact step is loaded instead. False raises `CorruptCheckpointError`."""
+    """With `load_step = -1`: a newest step that fails the check is reported and the newest intact
+    step is loaded instead. False raises `CorruptCheckpointError`. Without `verify_on_load` the
+    check is that every file its manifest names is there at its size (a listing: a copy cut
+    short, one taken while retention deleted the step)."""
 
     hf_max_shard_size: str | int = "5GB"
     """Largest Hugging Face file of an export when the adapter's `hf_assets_path` gives no file split
@@ -217,7 +219,8 @@ class Checkpoint:
     """Keep the per-rank shard files after a two-phase consolidation (`all_ranks`, `rank0`)."""
 
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
-    """Timeout of every collective on the checkpoint process group the manager creates: a rank
+    """Timeout of every collective on the checkpoint process group the manager creates (over the
+    group given, if any: the first manager's timeout stays with the group made over it): a rank
     whose peer died raises instead of waiting forever. At least 1 s: ranks wait on each other's
     ordinary work (a save's planning, a rank's upload), which a shorter timeout fails."""
 

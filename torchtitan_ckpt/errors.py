@@ -174,7 +174,7 @@ class PartialLoadError(CheckpointError):
         collective = (CollectiveError.__name__ in cause.kinds if isinstance(cause, RankFailed) else
                       in_chain(cause, lambda e: isinstance(e, CollectiveError)) is not None)
         if isinstance(cause, RankFailed):  # another rank's failure, as it described it: this text, once
-            where, text = f" on rank {cause.rank}", str(cause)[len(f"rank {cause.rank}: "):]
+            where, text = f" on {cause.who}", cause.message
             for then in self._THEN:
                 head, _, tail = self._TEXT.format(path=path, where="", cause="\0", then=then).partition("\0")
                 head, tail = printable(f"{PartialLoadError.__name__}: {head}"), printable(tail)  # as str() gave it
@@ -214,7 +214,7 @@ class CheckpointSaveError(CheckpointError):
         saved nothing of its own."""
         where, text = "", f"{type(cause).__name__}: {cause}"
         if isinstance(cause, RankFailed):  # another rank's failure, as it described it
-            where, text = f" on rank {cause.rank}", str(cause)[len(f"rank {cause.rank}: "):]
+            where, text = f" on {cause.who}", cause.message
         super().__init__(f"saving step {step} to {path} failed{where}: {text}{hint}")
 
     def __str__(self) -> str:
@@ -293,9 +293,15 @@ class RankFailed(_Rebuilt, Exception):
     failing ones and the others alike, so no rank waits forever on one that gave up. DCP's save
     failing on another rank is one too (`dcp.storage.root_cause`)."""
 
-    def __init__(self, rank: int, message: str, kinds: tuple[str, ...], error: BaseException | None):
-        super().__init__(f"rank {rank}: {message}")
+    def __init__(self, rank: int, message: str, kinds: tuple[str, ...], error: BaseException | None,
+                 who: str | None = None):
+        who = who or f"rank {rank}"
+        super().__init__(f"{who}: {message}")
         self.rank = rank
+        self.who = who
+        """The failing rank as messages name it (`CheckpointGroup.name`)."""
+        self.message = message
+        """Its failure, without `who`."""
         self.kinds = kinds
         """Class names of every failing rank's failure and their bases, e.g. to tell corrupt input
         from I/O errors; the same on every rank."""

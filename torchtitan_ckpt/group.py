@@ -40,8 +40,19 @@ network itself, and gloo may not."""
 
 _GIVEN: dict[dist.ProcessGroup, str] = {}
 """Process groups given to a `CheckpointGroup` of a `user` (a manager, which runs collectives in
-the background) not closed yet -> that user: a group carries one manager's collectives at a
-time. The groups the package makes over a manager's group for one call are not counted."""
+the background) not closed yet -> that user: a group given carries one manager at a time. The
+groups the package makes over a manager's group for one call are not counted."""
+
+
+_OWN: dict[dist.ProcessGroup, tuple[dist.ProcessGroup, float]] = {}
+"""Process group given to a manager -> the gloo group made over its ranks (by them alone) that
+carries the checkpoint's collectives: the training thread runs its own on the group given (a
+gradient all-reduce, a barrier) while a background save runs DCP's, and two streams of
+collectives on one group pair up wrongly (both wait out the timeout), and the timeout it was
+made with. Made the first time and
+kept for the next manager over the same group: torch names a group made by some ranks alone
+after its ranks and the count of groups alive, so one destroyed and made again could take the
+name of a group alive (refused), where one made once cannot."""
 
 
 _BROKEN: dict[dist.ProcessGroup, str] = {}
@@ -55,9 +66,11 @@ class CheckpointGroup:
 
     With `torch.distributed` initialised and no group given, a dedicated gloo group over every
     rank is created (collectively), so checkpoint traffic never queues behind training's
-    collectives, with `timeout_s` on every collective. A group given must serve CPU tensors
-    (gloo; an NCCL-only group is refused). Without `torch.distributed` it is a group of one and
-    every collective is local.
+    collectives, with `timeout_s` on every collective. A group given to a manager (`user`)
+    names its ranks: its collectives run on a gloo group over them (`_OWN`). One given to a
+    one-off call, whose collectives run on the caller's thread, carries them and must serve CPU
+    tensors (gloo; an NCCL-only group is refused). Without `torch.distributed` it is a group of
+    one and every collective is local.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, timeout_s: float = COLLECTIVE_TIMEOUT_S,
@@ -70,6 +83,9 @@ class CheckpointGroup:
         """Rounds of `run` this rank has entered: shared in each round, so ranks that are not in
         the same round (one left a round without gathering) fail instead of pairing up wrongly."""
         self.pg: dist.ProcessGroup | None = None
+        self.global_ranks: list[int] | None = None
+        """The job's rank of each rank of the group, where they differ (a subgroup): messages
+        name both (`name`)."""
         if dist.is_available() and dist.is_initialized():
             if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
                 raise ValueError(f"the process_group given is {process_group!r}, not a group: this rank (rank "
@@ -81,24 +97,40 @@ class CheckpointGroup:
                                  "is not closed: two managers' background saves on one group would cross their "
                                  "collectives (gloo aborts the process); pass none (each manager makes its own) or "
                                  "a group of its own")
-            devices = _device_types(process_group) if process_group is not None else ["cpu"]
+            own = process_group is not None and user is not None
+            devices = _device_types(process_group) if process_group is not None and not own else ["cpu"]
             if "cpu" not in devices:  # an NCCL-only group: its collectives would take tensors on a GPU
                 raise ValueError(
-                    f"the checkpoint's process_group serves only {devices} tensors; checkpoint collectives "
-                    "exchange CPU objects, from background threads too: pass a group with a CPU backend "
+                    f"the process_group given serves only {devices} tensors; checkpoint collectives "
+                    "exchange CPU objects: pass a group with a CPU backend "
                     "(dist.new_group(backend='gloo')), or none (one is made)")
-            self._timeout = (f"checkpoint.collective_timeout_s = {timeout_s:g} s" if process_group is None else
-                             "the process_group's timeout")
             self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
-            if process_group is None:
+            ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+            if ranks is not None and ranks != list(range(dist.get_world_size())):
+                self.global_ranks = ranks
+            mine = _OWN.get(process_group) if own else None
+            if mine is not None:
+                timeout_s = mine[1]
+            self._timeout_s = timeout_s
+            self._timeout = ("the process_group's timeout" if process_group is not None and not own else
+                             f"checkpoint.collective_timeout_s = {timeout_s:g} s")
+            if process_group is None or (own and mine is None):
                 _warn_few_files(self.rank, self.world_size)
             with self._failing(alike=_MADE_ALIKE):  # made collectively: a rank that never comes times it out
-                self.pg = process_group or dist.new_group(
-                    backend="gloo", timeout=timedelta(seconds=timeout_s))
+                if process_group is None:
+                    self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+                elif own:  # by the given group's ranks alone, numbered as in it
+                    if mine is None:
+                        mine = _OWN[process_group] = (dist.new_group(
+                            ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
+                            use_local_synchronization=True, sort_ranks=False), timeout_s)
+                    self.pg = mine[0]
+                else:
+                    self.pg = process_group
             self._made = process_group is None
             if process_group is not None and user is not None:
                 _GIVEN[process_group], self._given = user, process_group
-            if self._made and self.world_size > 1:  # over every rank (the job's), with the timeout it was made with
+            if self.pg is not process_group and self.world_size > 1:  # with the timeout it was made with
                 self._arrivals = _Arrivals.of(self.pg, self.rank, self.world_size, timeout_s * _WARN_AFTER,
                                               self._warn_waiting)
         else:
@@ -115,6 +147,8 @@ class CheckpointGroup:
         self._arrivals = None
         if self._given is not None:
             _GIVEN.pop(self._given, None)
+            if self._broken is not None and _OWN.get(self._given, (None,))[0] is self.pg:  # the next manager's anew
+                del _OWN[self._given]
             self._given = None
         if self._made and dist.is_initialized():
             try:
@@ -125,6 +159,19 @@ class CheckpointGroup:
             _BROKEN.pop(self.pg, None)
             self.pg = None  # its connections close with the last reference to it
         self._made = False
+
+    def name(self, rank: int) -> str:
+        """How messages name the group's `rank`: with its rank in the job where the two differ
+        (a manager on a subgroup), the job's rank being whose log a user opens."""
+        if self.global_ranks is None or not 0 <= rank < len(self.global_ranks):
+            return f"rank {rank}"
+        return f"rank {rank} of the checkpoint's group (rank {self.global_ranks[rank]} of the job)"
+
+    def names(self, ranks: list[int]) -> str:
+        """`ranks` of the group as messages name them (`name`), after "rank(s)"."""
+        if self.global_ranks is None:
+            return few(ranks)
+        return f"{few(ranks)} of the checkpoint's group (of the job: {few([self.global_ranks[r] for r in ranks])})"
 
     @property
     def is_coordinator(self) -> bool:
@@ -192,7 +239,7 @@ class CheckpointGroup:
         except RuntimeError as e:
             waited = time.monotonic() - start
             behind = arrivals.behind(entered) if arrivals is not None and waited >= arrivals.warn_after_s else []
-            who = (f"rank(s) {few(behind)} had not entered it after {waited:.0f} s (this rank waits {self._timeout}): "
+            who = (f"rank(s) {self.names(behind)} had not entered it after {waited:.0f} s (this rank waits {self._timeout}): "
                    "stuck, in another call of the manager, or gone (see their logs)" if behind else
                    f"another rank did not join it within {self._timeout}, or failed, died or shut down "
                    "torch.distributed (see its log)")
@@ -200,7 +247,7 @@ class CheckpointGroup:
                         f"failed ({e}), which leaves the ranks unable to pair their later ones: restart the job "
                         "(the last committed step is intact)")
             raise CollectiveError(
-                f"a collective among the checkpoint's {self.world_size} ranks failed on rank {self.rank} ({e}): "
+                f"a collective among the checkpoint's {self.world_size} ranks failed on {self.name(self.rank)} ({e}): "
                 f"{who}. Every rank {alike}") from e
         except Exception:
             raise
@@ -222,7 +269,7 @@ class CheckpointGroup:
         if behind := arrivals.behind(entered):
             logger.warning("a checkpoint collective has waited %g s (of %s) for rank(s) %s, which have not "
                            "entered it: stuck, or in another call of the manager (see their logs)",
-                           self._timeout_s * _WARN_AFTER, self._timeout, few(behind))
+                           self._timeout_s * _WARN_AFTER, self._timeout, self.names(behind))
 
     def run(self, fn: Callable[[], Any], coordinator_only: bool = False) -> list[Any]:
         """Run `fn` on every rank (or on rank 0 only), then share results and failures: returns
@@ -264,7 +311,7 @@ class CheckpointGroup:
         if failed:
             rank, (message, _) = next(((r, f) for r, f in failed if r == self.rank), failed[0])
             kinds = tuple(dict.fromkeys(kind for _, (_, ks) in failed for kind in ks))
-            raise RankFailed(rank, message, kinds, error) from error
+            raise RankFailed(rank, message, kinds, error, self.name(rank)) from error
         return [r for _, r, _ in gathered]
 
     def each(self, fn: Callable[[], T], what: str) -> T:

@@ -365,9 +365,10 @@ class TargetFinder:
     def _verify(self, path: str, store: Store) -> list[str]:
         """With `verify_on_load`: every rank checks its share of the files of the copy of the
         step of ours at `path` in `store` that it reads (`Store.copy_of`: ranks reading one copy
-        share its files out); every rank gets every problem found. Without it: nothing to report."""
+        share its files out); every rank gets every problem found. Without it, rank 0 checks
+        that its copy holds every file at the size recorded, from a listing (`_listed_whole`)."""
         if not self.config.verify_on_load:
-            return []
+            return self._listed_whole(path, store)
         try:
             copies = self._group.run(lambda: store.copy_of(path))
         except RankFailed as failed:
@@ -394,6 +395,23 @@ class TargetFinder:
         except RankFailed as failed:
             failed.reraise(f"verifying {store.describe(path)}")
         return list(dict.fromkeys(p for problems in found for p in problems))
+
+    def _listed_whole(self, path: str, store: Store) -> list[str]:
+        """`commit.cut_short` of the step of ours at `path` in `store`, as rank 0 finds it (one
+        listing of a bucket, not one a rank; a copy on each node's disk is `verify_on_load`'s)."""
+        def mine() -> list[str]:
+            try:
+                info = store.read_marker(path)
+            except CheckpointError:  # the load names it, as it reads the marker
+                return []
+            cut = commit.cut_short(path, info, store.sizes(path, info.files))
+            return [store.in_user_terms(problem) for problem in cut]
+
+        try:
+            found = self._group.run(mine, coordinator_only=True)
+        except RankFailed as failed:
+            failed.reraise(f"listing the files of {store.describe(path)}")
+        return found[0]
 
     def _target(self, path: str, step: int | None, model_only: bool, store: Store,
                 fmt_name: str = "dcp", listed: frozenset[str] = frozenset(),

@@ -216,6 +216,10 @@ class CheckpointManager:
                 or dist.get_rank() == 0
             for level, note in config.notes() if lead else ():
                 logger.log(level, "%s", note)
+            if lead and self._group is not None and self._group.global_ranks is not None:
+                logger.info("the checkpoint's ranks are those of the process_group given, the job's ranks %s: its "
+                            "messages and files number them 0 to %d in that order", few(self._group.global_ranks),
+                            world_size - 1)
             if self._group is not None:
                 self._start(rank)
             elif lead:

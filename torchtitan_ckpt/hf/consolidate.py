@@ -497,8 +497,9 @@ class _Writer:
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a block's values in CPU memory: a copy only of a GPU or non-contiguous tensor."""
-    return posio.tensor_bytes(t.detach().cpu().contiguous())
+    """The bytes of a block's values in CPU memory: a copy only of a GPU or non-contiguous tensor,
+    or of a lazily conjugated or negated view (whose memory holds other values than it shows)."""
+    return posio.tensor_bytes(t.detach().cpu().resolve_conj().resolve_neg().contiguous())
 
 
 def clear_model_files(folder: str) -> None:

@@ -166,13 +166,25 @@ def _whole_tensors(hf_sd: dict[str, Any]) -> tuple[dict[str, Any], int]:
             value = full[id(value.tensor)][value.index]
         elif isinstance(value, DTensor) and not value.numel():  # FSDP2 shards it as (0, 0): its shape is lost
             value = torch.empty(value.shape, dtype=value.dtype, device="cpu")
-        if isinstance(value, DTensor) and not value.to_local().is_contiguous():  # a transposed shard, say
-            value = DTensor.from_local(value.to_local().contiguous(), value.device_mesh, value.placements,
+        if isinstance(value, DTensor) and not _plain(value.to_local()):  # a transposed shard, say
+            value = DTensor.from_local(_values(value.to_local()), value.device_mesh, value.placements,
                                        shape=value.shape, stride=torch.empty(value.shape, device="meta").stride())
-        elif isinstance(value, torch.Tensor) and not value.is_contiguous():
-            value = value.contiguous()
+        elif isinstance(value, torch.Tensor) and not _plain(value):
+            value = _values(value)
         out[name] = value
     return out, gathered
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Whether `t`'s memory holds its values in order: contiguous, and not a lazily conjugated
+    or negated view (`x.conj()`, `x.conj().imag`), whose memory holds other values than it
+    shows and which the safetensors writer would write as they lie."""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` whose memory holds its values in order (`_plain`)."""
+    return t.resolve_conj().resolve_neg().contiguous()
 
 
 def assets_file_split(adapter: Any, exported: Collection[str], log: bool = True) -> dict[str, int] | None:

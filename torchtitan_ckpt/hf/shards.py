@@ -58,9 +58,10 @@ class Read:
 
     @property
     def whole_rows(self) -> bool:
-        """`dest` takes whole rows, in the file's dtype, into contiguous CPU memory."""
+        """`dest` takes whole rows, in the file's dtype, into contiguous CPU memory that holds its
+        values as they are (not a lazily conjugated or negated view, whose memory holds others)."""
         return (self.dest.dtype == self.dtype and self.dest.device.type == "cpu" and self.dest.is_contiguous()
-                and tuple(self.dest.shape[1:]) == self.shape[1:])
+                and not self.dest.is_conj() and not self.dest.is_neg() and tuple(self.dest.shape[1:]) == self.shape[1:])
 
     @property
     def direct(self) -> bool:

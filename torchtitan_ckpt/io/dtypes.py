@@ -134,6 +134,7 @@ def storable(dtype: torch.dtype) -> bool:
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one shape and dtype (DTensors: their local shards) hold the same
-    bytes, a NaN equal to itself, wherever each lives."""
-    a, b = (byte_view(local_values(t).detach().cpu().contiguous()) for t in (a, b))
+    bytes, a NaN equal to itself, wherever each lives: the bytes of the values each shows (a
+    lazily conjugated or negated view's, not its memory's)."""
+    a, b = (byte_view(local_values(t).detach().cpu().resolve_conj().resolve_neg().contiguous()) for t in (a, b))
     return torch.equal(a, b)

@@ -18,6 +18,7 @@ import copy
 import logging
 import multiprocessing
 import os
+import pickle
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -462,13 +463,19 @@ def _destination(t: torch.Tensor, into: torch.Tensor | None = None) -> tuple[tor
 
 
 def copied_value(value: Any, path: tuple) -> Any:
-    """A deep copy of the state's `value` at `path`; one nothing copies (a lock, an open file),
-    which no save could write either, named as a synchronous save names it."""
+    """A deep copy of the state's `value` at `path`. What `deepcopy` refuses and a pickle takes
+    (a tensor that requires grad and is not a leaf: a loss kept without `detach()`, which a
+    synchronous save writes) is copied through a pickle, as the save will write it; one neither
+    copies (a lock, an open file), which no save could write either, is named as a synchronous
+    save names it."""
     try:
         return copy.deepcopy(value)
     except Exception as e:
-        raise CheckpointError(f"state value '{'.'.join(map(str, path))}' ({type(value).__name__}) cannot be saved: "
-                              f"{type(e).__name__}: {e}") from None
+        try:
+            return pickle.loads(pickle.dumps(value))  # this process's own objects, pickled here
+        except Exception:
+            raise CheckpointError(f"state value '{'.'.join(map(str, path))}' ({type(value).__name__}) cannot be "
+                                  f"saved: {type(e).__name__}: {e}") from None
 
 
 _SHARED_MEMORY = "/dev/shm"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Mapping, Sequence
+import os
+import stat
+from collections.abc import Collection, Hashable, Mapping, Sequence
 
 from .. import commit
 from ..commit import CommitInfo
@@ -137,6 +139,26 @@ class Store(ABC):
     def fetch_ranges(self, path: str, ranges: Mapping[str, Sequence[tuple[int, int]]]) -> None:
         """Every rank, before reading byte ranges of files of `path` ({file relative to `path`:
         [(offset, length)]}): make those bytes readable at their offsets there."""
+
+    def sizes(self, path: str, names: Collection[str]) -> dict[str, int | None]:
+        """For each of `names` (files of the step folder `path`, relative to it), the bytes the
+        store holds of it, None where it holds nothing by that name: no byte of them is read. A
+        name held as something else than a file (a link that leads nowhere, a fifo) or that may
+        not be looked at is left out, for the read to name it."""
+        found: dict[str, int | None] = {}
+        for rel in names:
+            full = os.path.join(path, rel)
+            try:
+                st = os.stat(full)
+            except FileNotFoundError:
+                if not os.path.lexists(full):
+                    found[rel] = None
+                continue
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found[rel] = st.st_size
+        return found
 
     def size(self, path: str) -> int:
         """The bytes of every file under the folder `path` in the store."""

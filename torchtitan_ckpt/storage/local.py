@@ -181,6 +181,7 @@ class LocalStore(Store):
         if folder.status == layout.PARTIAL and (now := layout.status_of(folder.path)) != layout.PARTIAL:
             raise CheckpointError(f"{folder.path} was chosen as a partial step and is {now} now: left alone (does "
                                   "another job save into this folder?)")
+        commit.refuse_unlisted(folder.path)
         commit.uncommit(folder.path)  # a half-deleted folder must read as partial
         faults.hit("purge", folder.step)
         commit.remove_step(folder.path)

@@ -4,6 +4,7 @@ however it ends). Two jobs writing one folder would each replace the other's ste
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -31,6 +32,9 @@ class _Hold:
     """How many stores of this process use it."""
     written: bytes | None = None
     """The holder's description this process wrote in it (`taken_over`); None where none was."""
+    replaced: int = -1
+    """The descriptor of the hard-linked lock file this one replaced (`_unlinked`), kept locked
+    with it: a process that opened that file before the replacement must not lock it after."""
 
 
 _HOLDERS: dict[str, _Hold] = {}
@@ -72,6 +76,7 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
             raise
         raise CheckpointError(f"{key} is a symbolic link (a `cp -rs` copy of the folder?), so {what} cannot be "
                               "held by this job: remove it (the job makes its own) and start again") from None
+    replaced = -1
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -80,10 +85,8 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if info.st_nlink != 1:  # not locked by another: a hard link's other name is not ours to write
-                raise CheckpointError(
-                    f"{key} is a hard link, its file shared with another name (a `cp -al` snapshot of the folder?), "
-                    f"so {what} cannot be held by this job. No process holds it now: remove it (the job makes "
-                    "its own) and start again")
+                fd, replaced = _unlinked(key, what), fd
+                info, writable = os.fstat(fd), True
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 logger.warning("%s: not locked (%s); one job at a time is assumed: a second job saving there "
@@ -92,8 +95,11 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
                 _HOLDERS[key] = _Hold(-1)  # shared by this process's stores all the same
                 return key, True
             holder = os.pread(fd, _HOLDER_BYTES, 0).decode(errors="replace").strip()
-            raise CheckpointError(f"another process ({holder or 'pid unknown'}) uses {what}: {remedy}") from None
-        hold = _Hold(fd)
+            linked = (f" (its lock file {key} is a hard link, shared with another folder's: a `cp -al` or `rsync "
+                      "--link-dest` copy of a folder a job saves into? That process may be saving into the other "
+                      "folder; once it restarts, the two are apart)" if info.st_nlink != 1 else "")
+            raise CheckpointError(f"another process ({holder or 'pid unknown'}) uses {what}{linked}: {remedy}") from None
+        hold = _Hold(fd, replaced=replaced)
         if writable and named:
             if info.st_uid == os.geteuid():  # as writable as the folder: NFS locks only what one may write
                 try:  # never by others: in a folder any user may write to (/tmp) one would stop every save
@@ -109,9 +115,37 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
                 logger.info("%s: held, but its holder could not be written in %s (%s)", what, key, e.strerror)
     except BaseException:
         os.close(fd)
+        if replaced >= 0:
+            os.close(replaced)
         raise
     _HOLDERS[key] = hold
     return key, True
+
+
+def _unlinked(key: str, what: str) -> int:
+    """A new lock file in the place of `key`, locked, whose descriptor is returned: `key` is a
+    hard link (a `cp -al` or `rsync --link-dest` copy of the folder shares its file), whose
+    other name is not ours to write in, and which a job in the other folder would find locked.
+    Made under a name of its own and renamed over `key`, so a process opening `key` finds it
+    locked. Where this user may not make it, refused naming the link."""
+    made = f"{key}.{os.getpid()}.new"
+    try:
+        fd = os.open(made, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        raise CheckpointError(f"{key} is a hard link, its file shared with another name (a `cp -al` snapshot of the "
+                              f"folder?), so {what} cannot be held by this job, and no lock file can be made beside "
+                              f"it ({e.strerror}): remove it (the job makes its own) and start again") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(made, key)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.remove(made)
+        raise
+    logger.info("%s: its lock file %s was a hard link, shared with another name (a `cp -al` copy of the folder?): "
+                "replaced by one of its own", what, key)
+    return fd
 
 
 def held(key: str) -> bool:
@@ -175,8 +209,9 @@ def renew(key: str, claim_again: Callable[[], tuple[str, bool]]) -> None:
     except BaseException:
         _HOLDERS[key] = hold
         raise
-    if hold.fd >= 0:
-        os.close(hold.fd)
+    for fd in (hold.fd, hold.replaced):
+        if fd >= 0:
+            os.close(fd)
     _HOLDERS[again].stores = hold.stores
 
 
@@ -199,14 +234,17 @@ def release(key: str) -> None:
     if hold.fd >= 0:
         fcntl.flock(hold.fd, fcntl.LOCK_UN)
         os.close(hold.fd)
+    if hold.replaced >= 0:
+        os.close(hold.replaced)
 
 
 def _forget_holders() -> None:
     """In a forked child: its copies of the lock files' descriptors are closed (the parent
     still holds the locks), so that a child outliving its parent does not keep them."""
     for hold in _HOLDERS.values():
-        if hold.fd >= 0:
-            os.close(hold.fd)
+        for fd in (hold.fd, hold.replaced):
+            if fd >= 0:
+                os.close(fd)
     _HOLDERS.clear()
 
 

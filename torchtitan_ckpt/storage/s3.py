@@ -47,7 +47,7 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict
 from typing import Any
@@ -609,6 +609,10 @@ class S3Store(Store):
                 shutil.rmtree(old, ignore_errors=True)
             self._held, self._whole = path, False
             self._files.clear()
+
+    def sizes(self, path: str, names: Collection[str]) -> dict[str, int | None]:
+        listed = self._list(self._key(path))
+        return {rel: listed.get(rel) for rel in names}
 
     def size(self, path: str) -> int:
         return sum(self._list(self._key(path)).values())
