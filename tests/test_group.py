@@ -428,26 +428,32 @@ def _one_group_two_managers(rank: int, world_size: int, folder: str) -> None:
         config = Checkpoint(enable=True, folder=os.path.join(folder, name), interval=1, async_mode="async")
         return CheckpointManager(config, [torch.nn.Linear(2, 2)], process_group=group)
 
-    group = dist.new_group(backend="gloo")
-    model = manager("model", group)
+    whole = dist.new_group(backend="gloo")  # of every rank: each manager makes a group of its own over it
+    model, ema = manager("model", whole), manager("ema", whole)
+    assert model.save(1) and ema.save(1)
+    model.close()
+    ema.close()
+    pair = dist.new_group(ranks=[0, 1], backend="gloo")  # of some ranks: used as given
+    if rank == 2:  # a rank the group leaves out
+        with pytest.raises(ValueError, match=r"this rank \(rank 2 of the world\) is not in it"):
+            manager("pair", pair)
+        return
+    model = manager("model", pair)
     with pytest.raises(ValueError, match=r"the process_group given carries the collectives of the CheckpointManager "
                                          r"of .*/model, which is not closed: two managers' background saves on one "
                                          r"group would cross their collectives"):
-        manager("ema", group)
-    model.save(1)
+        manager("ema", pair)
+    model.save(2)
     model.close()
-    manager("ema", group).close()  # the group is free again
-    only_0 = dist.new_group(ranks=[0], backend="gloo")
-    if rank == 1:  # a rank the group leaves out
-        with pytest.raises(ValueError, match=r"this rank \(rank 1 of the world\) is not in it"):
-            manager("rank0", only_0)
+    manager("ema", pair).close()  # the group is free again
 
 
 def test_a_group_carries_one_managers_collectives_at_a_time(tmp_path):
     """One gloo group given to a model's manager and an EMA's: their background saves crossed
-    collectives and gloo aborted the process ("Received data size doesn't match"). A rank the
-    given group leaves out failed with an AttributeError."""
-    spawn(2, _one_group_two_managers, str(tmp_path))
+    collectives and gloo aborted the process ("Received data size doesn't match"); a group of
+    every rank is now only named, each manager making its own over it. A rank the given group
+    leaves out failed with an AttributeError."""
+    spawn(3, _one_group_two_managers, str(tmp_path))
 
 
 def test_a_rank_torchrun_launched_without_a_process_group_is_refused(tmp_path, monkeypatch):

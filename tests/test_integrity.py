@@ -765,6 +765,11 @@ def test_the_hold_is_one_however_the_folder_is_named_and_lets_go_of_what_it_cann
                 fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
             os.close(probe)
+        other = os.open(tmp_path / "notes.txt", os.O_RDONLY)
+        try:  # the other name's file is free: a job in the folder it belongs to starts
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(other)
     assert (tmp_path / "notes.txt").read_text() == "the user's"
     assert sorted(os.listdir(folder)) == [LOCK_FILE, "step-1"]
     os.remove(folder / LOCK_FILE)
@@ -970,3 +975,19 @@ def test_retention_leaves_a_step_holding_a_users_files_as_it_is(tmp_path, caplog
     assert re.search(r"could not delete .*step-2: .*step-2 holds 2 file\(s\) its COMMITTED.json does not list, not "
                      r"written by torchtitan_ckpt \(.git/HEAD, eval_results.json\): the step is left as it is", caplog.text)
     assert commit.verify(step_2) == []
+
+
+def test_a_step_ahead_holding_a_users_files_is_refused_before_training(tmp_path):
+    """A job resumed at step 2 with step 4 ahead holding a user's file trained on, and its save
+    of step 4 failed then: a save never removes what it did not write."""
+    job = make_job(str(tmp_path), steps=6, interval=2, keep_latest_k=0)
+    job.run_to(4, steps=6)
+    job.manager.close()
+    with open(os.path.join(tmp_path, "checkpoint", "step-4", "eval_results.json"), "w") as f:
+        f.write("mine")
+    again = make_job(str(tmp_path), steps=6, interval=2, keep_latest_k=0, load_step=2)
+    with pytest.raises(CheckpointError, match=r"step\(s\) 4 hold files their COMMITTED.json does not list "
+                                              r"\(eval_results.json: a user's\?\) and this job, starting from step 2, "
+                                              r"saves step 4 .* a save never replaces files it did not write"):
+        again.manager.load()
+    again.manager.close()

@@ -196,17 +196,24 @@ def uncommit(path: str) -> None:
         durable.fsync_path(path)
 
 
-def refuse_unlisted(path: str) -> None:
-    """Refuse to remove the committed step `path` while it holds files its manifest does not
-    list (a user's evaluation results, notes, a repository): not written here, so never
-    removed here. A step whose marker cannot be read has no manifest to tell by: passed."""
+def unlisted(path: str) -> list[str]:
+    """The files under the committed step `path` its manifest does not list (a user's
+    evaluation results, notes, a repository): not written here, so never removed here; for a
+    step that is no committed folder of ours, or whose marker cannot be read (no manifest
+    to tell by): none."""
     if os.path.islink(path) or not os.path.lexists(os.path.join(path, MARKER)):
-        return
+        return []
     try:
         listed = read_marker(path).files
     except (CorruptCheckpointError, NewerVersionError, OlderVersionError):
-        return
-    if added := sorted(set(files_in(path)) - set(listed)):
+        return []
+    return sorted(set(files_in(path)) - set(listed))
+
+
+def refuse_unlisted(path: str) -> None:
+    """Refuse to remove the committed step `path` while it holds files it does not list
+    (`unlisted`)."""
+    if added := unlisted(path):
         raise CheckpointError(f"{path} holds {len(added)} file(s) its {MARKER} does not list, not written by "
                               f"torchtitan_ckpt ({few(added, 3)}): the step is left as it is; move them out of it "
                               "for it to be removed")

@@ -220,7 +220,7 @@ class Checkpoint:
 
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     """Timeout of every collective on the checkpoint process group the manager creates (over the
-    group given, if any: the first manager's timeout stays with the group made over it): a rank
+    whole job, given as `process_group` or not): a rank
     whose peer died raises instead of waiting forever. At least 1 s: ranks wait on each other's
     ordinary work (a save's planning, a rank's upload), which a shorter timeout fails."""
 

@@ -41,18 +41,8 @@ network itself, and gloo may not."""
 _GIVEN: dict[dist.ProcessGroup, str] = {}
 """Process groups given to a `CheckpointGroup` of a `user` (a manager, which runs collectives in
 the background) not closed yet -> that user: a group given carries one manager at a time. The
-groups the package makes over a manager's group for one call are not counted."""
-
-
-_OWN: dict[dist.ProcessGroup, tuple[dist.ProcessGroup, float]] = {}
-"""Process group given to a manager -> the gloo group made over its ranks (by them alone) that
-carries the checkpoint's collectives: the training thread runs its own on the group given (a
-gradient all-reduce, a barrier) while a background save runs DCP's, and two streams of
-collectives on one group pair up wrongly (both wait out the timeout), and the timeout it was
-made with. Made the first time and
-kept for the next manager over the same group: torch names a group made by some ranks alone
-after its ranks and the count of groups alive, so one destroyed and made again could take the
-name of a group alive (refused), where one made once cannot."""
+groups the package makes over a manager's group for one call are not counted, nor are the
+groups of the whole job given, over which a manager makes its own (`CheckpointGroup`)."""
 
 
 _BROKEN: dict[dist.ProcessGroup, str] = {}
@@ -66,11 +56,16 @@ class CheckpointGroup:
 
     With `torch.distributed` initialised and no group given, a dedicated gloo group over every
     rank is created (collectively), so checkpoint traffic never queues behind training's
-    collectives, with `timeout_s` on every collective. A group given to a manager (`user`)
-    names its ranks: its collectives run on a gloo group over them (`_OWN`). One given to a
-    one-off call, whose collectives run on the caller's thread, carries them and must serve CPU
-    tensors (gloo; an NCCL-only group is refused). Without `torch.distributed` it is a group of
-    one and every collective is local.
+    collectives, with `timeout_s` on every collective. A group of every rank of the job given to
+    a manager (`user`) names the ranks' order: a gloo group is made over them so (collectively,
+    as without one: each rank makes the manager), since the training thread runs its own
+    collectives on the group given (a gradient all-reduce, a barrier) while a background save
+    runs DCP's, and two streams of collectives on one group pair up wrongly. A group of some of
+    the ranks is used as it is (a group made by its ranks alone takes a name torch derives from
+    each rank's count of groups, which ranks of uneven meshes do not share): it carries the
+    checkpoint's collectives, from background threads too, and must be one the training does
+    not use. A group used as given must serve CPU tensors (gloo; an NCCL-only group is
+    refused). Without `torch.distributed` it is a group of one and every collective is local.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, timeout_s: float = COLLECTIVE_TIMEOUT_S,
@@ -92,12 +87,13 @@ class CheckpointGroup:
                                  f"{dist.get_rank()} of the world) is not in it (dist.new_group gives the ranks it "
                                  "leaves out GroupMember.NON_GROUP_MEMBER); make the CheckpointManager on the "
                                  "group's ranks only")
-            if process_group is not None and user is not None and process_group in _GIVEN:
+            ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+            own = ranks is not None and user is not None and sorted(ranks) == list(range(dist.get_world_size()))
+            if process_group is not None and user is not None and not own and process_group in _GIVEN:
                 raise ValueError(f"the process_group given carries the collectives of {_GIVEN[process_group]}, which "
                                  "is not closed: two managers' background saves on one group would cross their "
                                  "collectives (gloo aborts the process); pass none (each manager makes its own) or "
                                  "a group of its own")
-            own = process_group is not None and user is not None
             devices = _device_types(process_group) if process_group is not None and not own else ["cpu"]
             if "cpu" not in devices:  # an NCCL-only group: its collectives would take tensors on a GPU
                 raise ValueError(
@@ -105,32 +101,19 @@ class CheckpointGroup:
                     "exchange CPU objects: pass a group with a CPU backend "
                     "(dist.new_group(backend='gloo')), or none (one is made)")
             self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
-            ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
             if ranks is not None and ranks != list(range(dist.get_world_size())):
                 self.global_ranks = ranks
-            mine = _OWN.get(process_group) if own else None
-            if mine is not None:
-                timeout_s = mine[1]
-            self._timeout_s = timeout_s
-            self._timeout = ("the process_group's timeout" if process_group is not None and not own else
-                             f"checkpoint.collective_timeout_s = {timeout_s:g} s")
-            if process_group is None or (own and mine is None):
+            self._made = process_group is None or own
+            self._timeout = (f"checkpoint.collective_timeout_s = {timeout_s:g} s" if self._made else
+                             "the process_group's timeout")
+            if self._made:
                 _warn_few_files(self.rank, self.world_size)
             with self._failing(alike=_MADE_ALIKE):  # made collectively: a rank that never comes times it out
-                if process_group is None:
-                    self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-                elif own:  # by the given group's ranks alone, numbered as in it
-                    if mine is None:
-                        mine = _OWN[process_group] = (dist.new_group(
-                            ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
-                            use_local_synchronization=True, sort_ranks=False), timeout_s)
-                    self.pg = mine[0]
-                else:
-                    self.pg = process_group
-            self._made = process_group is None
-            if process_group is not None and user is not None:
+                self.pg = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
+                                         sort_ranks=False) if self._made else process_group
+            if process_group is not None and user is not None and not own:
                 _GIVEN[process_group], self._given = user, process_group
-            if self.pg is not process_group and self.world_size > 1:  # with the timeout it was made with
+            if self._made and self.world_size > 1:  # over every rank (the job's), with the timeout it was made with
                 self._arrivals = _Arrivals.of(self.pg, self.rank, self.world_size, timeout_s * _WARN_AFTER,
                                               self._warn_waiting)
         else:
@@ -147,8 +130,6 @@ class CheckpointGroup:
         self._arrivals = None
         if self._given is not None:
             _GIVEN.pop(self._given, None)
-            if self._broken is not None and _OWN.get(self._given, (None,))[0] is self.pg:  # the next manager's anew
-                del _OWN[self._given]
             self._given = None
         if self._made and dist.is_initialized():
             try:

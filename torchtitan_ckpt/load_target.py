@@ -139,18 +139,22 @@ class TargetFinder:
         steps = few([f.step for f in ahead])
         denied = next(filter(None, (self._store.unremovable(f) for f in ahead
                                     if not f.linked and (f.ours or f.status == layout.DENIED))), None)
+        added = next(filter(None, (commit.unlisted(f.path) for f in ahead if f.committed and not f.linked)), None)
         whose = (f"include steps this user may not remove ({denied}; ask their owner, or save with umask 002 in a "
                  "folder without the sticky bit)" if denied else
+                 f"hold files their {commit.MARKER} does not list ({few(added, 3)}: a user's?)" if added else
                  "are links to folders elsewhere (a run linked in is never changed) or were not written by "
                  "torchtitan_ckpt" if any(f.linked for f in ahead) else
                  "were not written by torchtitan_ckpt (another program's, such as TorchTitan's last save)")
         restart = (f" (checkpoint.initial_load_path = {self._store.describe(target.path)!r} with "
                    "checkpoint.initial_load_model_only = false starts it from the same step there)"
                    if target is not None and target.step is not None else "")
+        never = "a folder it may not remove" if denied else "files it did not write" if added else \
+            "a folder it did not write"
         raise CheckpointError(
             f"{self._store.describe(self.folder)}: step(s) {steps} {whose} and this job, starting from step "
             f"{start}, saves step {ahead[0].step} (checkpoint.interval = {self.config.interval}); a save never "
-            f"replaces {'a folder it may not remove' if denied else 'a folder it did not write'}, so that save would "
+            f"replaces {never}, so that save would "
             "fail after the training up to it. Before "
             f"training, move "
             f"{self._store.describe(ahead[0].path)}{' and the others' if len(ahead) > 1 else ''} out of the folder, "

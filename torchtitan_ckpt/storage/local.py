@@ -128,8 +128,9 @@ class LocalStore(Store):
 
     def replaceable(self, folder: layout.StepFolder) -> bool:
         """Also a folder a save stopped in before marking it (`empty`); either, only where this user
-        may remove it (`unremovable`)."""
-        return (super().replaceable(folder) or self.empty(folder)) and self.unremovable(folder) is None
+        may remove it (`unremovable`) and it holds no file it does not list (`commit.unlisted`)."""
+        return ((super().replaceable(folder) or self.empty(folder)) and self.unremovable(folder) is None
+                and not commit.unlisted(folder.path))
 
     def empty(self, folder: layout.StepFolder) -> bool:
         return layout.empty_step(folder.path)

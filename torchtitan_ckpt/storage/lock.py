@@ -10,6 +10,7 @@ import errno
 import fcntl
 import logging
 import os
+import secrets
 import stat
 from collections.abc import Callable
 
@@ -32,9 +33,6 @@ class _Hold:
     """How many stores of this process use it."""
     written: bytes | None = None
     """The holder's description this process wrote in it (`taken_over`); None where none was."""
-    replaced: int = -1
-    """The descriptor of the hard-linked lock file this one replaced (`_unlinked`), kept locked
-    with it: a process that opened that file before the replacement must not lock it after."""
 
 
 _HOLDERS: dict[str, _Hold] = {}
@@ -76,7 +74,6 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
             raise
         raise CheckpointError(f"{key} is a symbolic link (a `cp -rs` copy of the folder?), so {what} cannot be "
                               "held by this job: remove it (the job makes its own) and start again") from None
-    replaced = -1
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -85,7 +82,8 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if info.st_nlink != 1:  # not locked by another: a hard link's other name is not ours to write
-                fd, replaced = _unlinked(key, what), fd
+                linked, fd = fd, _unlinked(key, what)
+                os.close(linked)  # the other folder's alone now, and free
                 info, writable = os.fstat(fd), True
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
@@ -99,7 +97,14 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
                       "--link-dest` copy of a folder a job saves into? That process may be saving into the other "
                       "folder; once it restarts, the two are apart)" if info.st_nlink != 1 else "")
             raise CheckpointError(f"another process ({holder or 'pid unknown'}) uses {what}{linked}: {remedy}") from None
-        hold = _Hold(fd, replaced=replaced)
+        try:
+            now = os.stat(key, follow_symlinks=False)
+        except FileNotFoundError:
+            now = None
+        if now is None or (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):  # replaced since opened
+            raise CheckpointError(f"another process took {what} while this job did (its lock file {key} was "
+                                  f"replaced meanwhile, as a job replaces a hard link there): {remedy}")
+        hold = _Hold(fd)
         if writable and named:
             if info.st_uid == os.geteuid():  # as writable as the folder: NFS locks only what one may write
                 try:  # never by others: in a folder any user may write to (/tmp) one would stop every save
@@ -115,8 +120,6 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
                 logger.info("%s: held, but its holder could not be written in %s (%s)", what, key, e.strerror)
     except BaseException:
         os.close(fd)
-        if replaced >= 0:
-            os.close(replaced)
         raise
     _HOLDERS[key] = hold
     return key, True
@@ -128,7 +131,7 @@ def _unlinked(key: str, what: str) -> int:
     other name is not ours to write in, and which a job in the other folder would find locked.
     Made under a name of its own and renamed over `key`, so a process opening `key` finds it
     locked. Where this user may not make it, refused naming the link."""
-    made = f"{key}.{os.getpid()}.new"
+    made = f"{key}.{os.getpid()}.{secrets.token_hex(4)}.new"
     try:
         fd = os.open(made, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
     except OSError as e:
@@ -209,9 +212,8 @@ def renew(key: str, claim_again: Callable[[], tuple[str, bool]]) -> None:
     except BaseException:
         _HOLDERS[key] = hold
         raise
-    for fd in (hold.fd, hold.replaced):
-        if fd >= 0:
-            os.close(fd)
+    if hold.fd >= 0:
+        os.close(hold.fd)
     _HOLDERS[again].stores = hold.stores
 
 
@@ -234,17 +236,14 @@ def release(key: str) -> None:
     if hold.fd >= 0:
         fcntl.flock(hold.fd, fcntl.LOCK_UN)
         os.close(hold.fd)
-    if hold.replaced >= 0:
-        os.close(hold.replaced)
 
 
 def _forget_holders() -> None:
     """In a forked child: its copies of the lock files' descriptors are closed (the parent
     still holds the locks), so that a child outliving its parent does not keep them."""
     for hold in _HOLDERS.values():
-        for fd in (hold.fd, hold.replaced):
-            if fd >= 0:
-                os.close(fd)
+        if hold.fd >= 0:
+            os.close(hold.fd)
     _HOLDERS.clear()
 
 
