@@ -972,9 +972,17 @@ def test_retention_leaves_a_step_holding_a_users_files_as_it_is(tmp_path, caplog
     assert layout.committed_steps(os.path.join(tmp_path, "checkpoint"))[0] == 2
     with open(os.path.join(step_2, "eval_results.json")) as f:
         assert f.read() == "mine"
-    assert re.search(r"could not delete .*step-2: .*step-2 holds 2 file\(s\) its COMMITTED.json does not list, not "
-                     r"written by torchtitan_ckpt \(.git/HEAD, eval_results.json\): the step is left as it is", caplog.text)
     assert commit.verify(step_2) == []
+    assert re.search(r"could not delete .*step-2: .*step-2 holds 3 file\(s\) or folder\(s\) its COMMITTED.json does "
+                     r"not list, not written by torchtitan_ckpt \(.git, .git/HEAD, eval_results.json\): the step is "
+                     r"left as it is", caplog.text)
+    os.remove(os.path.join(step_2, "eval_results.json"))
+    shutil.rmtree(os.path.join(step_2, ".git"))
+    os.makedirs(os.path.join(step_2, "empty"))  # a folder alone, and a link to one, are a user's as much
+    os.symlink(tmp_path, os.path.join(step_2, "results"))
+    with pytest.raises(CheckpointError, match=r"step-2 holds 2 file\(s\) or folder\(s\) .*\(empty, results\)"):
+        commit.remove_step(step_2)
+    assert os.path.isdir(os.path.join(step_2, "empty")) and commit.verify(step_2) == []
 
 
 def test_a_step_ahead_holding_a_users_files_is_refused_before_training(tmp_path):

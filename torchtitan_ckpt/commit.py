@@ -207,16 +207,28 @@ def unlisted(path: str) -> list[str]:
         listed = read_marker(path).files
     except (CorruptCheckpointError, NewerVersionError, OlderVersionError):
         return []
-    return sorted(set(files_in(path)) - set(listed))
+    held = {os.path.relpath(os.path.join(root, name), path)  # links to folders among the folders, not walked
+            for root, folders, names in os.walk(path) for name in folders + names}
+    folders = {os.path.dirname(rel) for rel in listed}
+    folders |= {parent for rel in folders for parent in _parents(rel)}
+    return sorted(held - set(listed) - folders - set(_NOT_DATA))
+
+
+def _parents(rel: str) -> list[str]:
+    """The folders above the relative path `rel`."""
+    parents = []
+    while rel := os.path.dirname(rel):
+        parents.append(rel)
+    return parents
 
 
 def refuse_unlisted(path: str) -> None:
     """Refuse to remove the committed step `path` while it holds files it does not list
     (`unlisted`)."""
     if added := unlisted(path):
-        raise CheckpointError(f"{path} holds {len(added)} file(s) its {MARKER} does not list, not written by "
-                              f"torchtitan_ckpt ({few(added, 3)}): the step is left as it is; move them out of it "
-                              "for it to be removed")
+        raise CheckpointError(f"{path} holds {len(added)} file(s) or folder(s) its {MARKER} does not list, not "
+                              f"written by torchtitan_ckpt ({few(added, 3)}): the step is left as it is; move them "
+                              "out of it for it to be removed")
 
 
 def remove_step(path: str, removed: Callable[[int], None] | None = None) -> None:

@@ -113,6 +113,7 @@ class LocalStore(Store):
             if denied := self.unremovable(folder):
                 raise CheckpointError(f"{path} exists and this user may not remove it ({denied}): ask its owner, "
                                       "or save into another folder")
+            commit.refuse_unlisted(path)
             if not self.replaceable(folder):
                 raise CheckpointError(f"{path} exists and was not written by torchtitan_ckpt; it is "
                                       "never replaced: move it away or save into another folder")

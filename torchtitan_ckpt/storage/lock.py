@@ -81,8 +81,17 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
                                   "remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            info = os.fstat(fd)  # as it is now it is locked: another job may have replaced it meanwhile
+            try:
+                now = os.stat(key, follow_symlinks=False)
+            except FileNotFoundError:
+                now = None
+            if now is None or (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+                how = "removed" if now is None else "replaced (as a job replaces a hard link there)"
+                raise CheckpointError(f"{what} cannot be held by this job: its lock file {key} was {how} while this "
+                                      f"job took it: {remedy}, or start again")
             if info.st_nlink != 1:  # not locked by another: a hard link's other name is not ours to write
-                linked, fd = fd, _unlinked(key, what)
+                linked, fd = fd, _unlinked(key, what)  # only the holder of its lock replaces it
                 os.close(linked)  # the other folder's alone now, and free
                 info, writable = os.fstat(fd), True
         except OSError as e:
@@ -97,13 +106,6 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
                       "--link-dest` copy of a folder a job saves into? That process may be saving into the other "
                       "folder; once it restarts, the two are apart)" if info.st_nlink != 1 else "")
             raise CheckpointError(f"another process ({holder or 'pid unknown'}) uses {what}{linked}: {remedy}") from None
-        try:
-            now = os.stat(key, follow_symlinks=False)
-        except FileNotFoundError:
-            now = None
-        if now is None or (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):  # replaced since opened
-            raise CheckpointError(f"another process took {what} while this job did (its lock file {key} was "
-                                  f"replaced meanwhile, as a job replaces a hard link there): {remedy}")
         hold = _Hold(fd)
         if writable and named:
             if info.st_uid == os.geteuid():  # as writable as the folder: NFS locks only what one may write

@@ -59,8 +59,8 @@ import torch.distributed as dist
 from .. import commit, faults, layout
 from ..config import Checkpoint
 from ..dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE
-from ..errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, NewerVersionError,
-                      OlderVersionError, RankFailed, StorageError, few, in_chain)
+from ..errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RankFailed,
+                      StorageError, few, in_chain)
 from ..group import CheckpointGroup
 from ..hf.files import INDEX_FILE, MAX_INDEX_BYTES, MAX_RECORDED_LAYOUT_BYTES, RECORDED_LAYOUT
 from ..hf.planner import parse_size
@@ -619,11 +619,15 @@ class S3Store(Store):
         return sum(self._list(self._key(path)).values())
 
     def _refuse_unlisted(self, path: str, names: list[str]) -> None:
-        """`commit.refuse_unlisted` of the committed step `path`, whose objects are `names`."""
+        """`commit.refuse_unlisted` of the committed step `path`, whose objects are `names`. A
+        marker that cannot be read leaves the step as it is: a fetch on another thread (a save's,
+        the deleter's) may have taken the local copy it is read from, and no object is deleted
+        that is not known to be ours."""
         try:
             listed = self.read_marker(path).files
-        except (CorruptCheckpointError, NewerVersionError, OlderVersionError):  # no manifest to tell by
-            return
+        except CheckpointError as e:
+            raise CheckpointError(f"{self.describe(path)}: its {commit.MARKER} could not be read to tell its objects "
+                                  f"from others' ({e}): the step is left as it is") from e
         if added := sorted(set(names) - set(listed) - {commit.MARKER, commit.IN_PROGRESS}):
             raise CheckpointError(f"{self.describe(path)} holds {len(added)} object(s) its {commit.MARKER} does not "
                                   f"list, not written by torchtitan_ckpt ({few(added, 3)}): the step is left as it "
