@@ -374,7 +374,8 @@ def test_commit_markers_with_fields_of_the_wrong_type_or_range(tmp_path, edits):
             listed = 1  # the step listed as corrupt: nothing loadable
         else:
             assert all(str(step) in p for p in problems)
-            listed = int(commit.read_marker(str(step)).step != 1)  # one naming another step is misnamed
+            cut = any(p.endswith(": missing") or "bytes, the manifest says" in p for p in problems)  # cut_short
+            listed = int(commit.read_marker(str(step)).step != 1 or cut)  # one naming another step is misnamed
         assert cli.main(["list", str(tmp_path / "ck")]) == listed
 
 
