@@ -13,7 +13,7 @@ import torch
 
 from torchtitan_ckpt import CheckpointSaveError, layout, staging
 
-from .helpers import ROOT, TensorState, assert_same, read_checkpoint
+from .helpers import ROOT, Holder, TensorState, assert_same, read_checkpoint
 from .jobs import make_job
 
 MODES = ["async", "async_with_pinned_mem"]
@@ -1304,17 +1304,6 @@ def test_a_small_view_handed_to_the_writer_process_by_value_sends_its_bytes_alon
     assert fds == [] and len(message) < 4096, len(message)
 
 
-class _Kept:
-    def __init__(self, value):
-        self.value = value
-
-    def state_dict(self):
-        return self.value
-
-    def load_state_dict(self, state):
-        self.value = state
-
-
 @pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
 def test_a_tensor_that_requires_grad_and_is_no_leaf_inside_a_value_saves_as_a_sync_save_does(tmp_path, mode):
     """A loss kept without `detach()` in a tuple of a user state (pickled whole by the save): the
@@ -1327,10 +1316,10 @@ def test_a_tensor_that_requires_grad_and_is_no_leaf_inside_a_value_saves_as_a_sy
     loss = (w * 2).sum()
     assert not loss.is_leaf
     config = Checkpoint(enable=True, folder=str(tmp_path / "ckpt"), interval=1, async_mode=mode)
-    with CheckpointManager(config, [torch.nn.Linear(1, 1)], states={"best": _Kept({"best": (loss, 7)})}) as manager:
+    with CheckpointManager(config, [torch.nn.Linear(1, 1)], states={"best": Holder({"best": (loss, 7)})}) as manager:
         assert manager.save(1)
         manager.wait()
-    back = _Kept({"best": None})
+    back = Holder({"best": None})
     with CheckpointManager(config, [torch.nn.Linear(1, 1)], states={"best": back}) as manager:
         assert manager.load()
     assert back.value["best"][1] == 7 and back.value["best"][0].item() == 6.0
