@@ -220,8 +220,8 @@ class CheckpointGroup:
         except RuntimeError as e:
             waited = time.monotonic() - start
             behind = arrivals.behind(entered) if arrivals is not None and waited >= arrivals.warn_after_s else []
-            who = (f"rank(s) {self.names(behind)} had not entered it after {waited:.0f} s (this rank waits {self._timeout}): "
-                   "stuck, in another call of the manager, or gone (see their logs)" if behind else
+            who = (f"rank(s) {self.names(behind)} had not entered it after {waited:.0f} s (this rank waits "
+                   f"{self._timeout}): stuck, in another call of the manager, or gone (see their logs)" if behind else
                    f"another rank did not join it within {self._timeout}, or failed, died or shut down "
                    "torch.distributed (see its log)")
             self._break(f"rank {self.rank}: an earlier collective among the checkpoint's {self.world_size} ranks "

@@ -130,10 +130,9 @@ class TargetFinder:
         ahead = [f for f in kept if save_kind(f.step, False, self.config) is not None]
         if (off := [f.step for f in kept if f not in ahead]) and self._group.is_coordinator:
             logger.warning("%s: step(s) %s, ahead of step %d this job starts from, were not written by "
-                           "torchtitan_ckpt (or are links, hold a user's files, or this user may not remove them) and are "
-                           "never replaced: "
-                           "a last save at one of them (a "
-                           "run ending there) would be refused after the training. Move them out of the folder if so",
+                           "torchtitan_ckpt (or are links, hold a user's files, or this user may not remove them) and "
+                           "are never replaced: a last save at one of them (a run ending there) would be refused after "
+                           "the training. Move them out of the folder if so",
                            self._store.describe(self.folder), few(off), start)
         if not ahead:
             return

@@ -105,7 +105,8 @@ def claim(lock: str, what: str, remedy: str, named: bool = True) -> tuple[str, b
             linked = (f" (its lock file {key} is a hard link, shared with another folder's: a `cp -al` or `rsync "
                       "--link-dest` copy of a folder a job saves into? That process may be saving into the other "
                       "folder; once it restarts, the two are apart)" if info.st_nlink != 1 else "")
-            raise CheckpointError(f"another process ({holder or 'pid unknown'}) uses {what}{linked}: {remedy}") from None
+            raise CheckpointError(
+                f"another process ({holder or 'pid unknown'}) uses {what}{linked}: {remedy}") from None
         hold = _Hold(fd)
         if writable and named:
             if info.st_uid == os.geteuid():  # as writable as the folder: NFS locks only what one may write
