@@ -197,10 +197,10 @@ def uncommit(path: str) -> None:
 
 
 def unlisted(path: str) -> list[str]:
-    """The files under the committed step `path` its manifest does not list (a user's
-    evaluation results, notes, a repository): not written here, so never removed here; for a
-    step that is no committed folder of ours, or whose marker cannot be read (no manifest
-    to tell by): none."""
+    """The files, folders and links under the committed step `path` its manifest does not list
+    (a user's evaluation results, notes, a repository): not written here, so never removed
+    here; for a step that is no committed folder of ours, or whose marker cannot be read (no
+    manifest to tell by): none."""
     if os.path.islink(path) or not os.path.lexists(os.path.join(path, MARKER)):
         return []
     try:

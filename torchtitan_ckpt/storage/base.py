@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
 import os
 import stat
+from abc import ABC, abstractmethod
 from collections.abc import Collection, Hashable, Mapping, Sequence
 
 from .. import commit
