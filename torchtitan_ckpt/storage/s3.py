@@ -60,7 +60,7 @@ from .. import commit, faults, layout
 from ..config import Checkpoint
 from ..dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE
 from ..errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RankFailed,
-                      StorageError, few, in_chain)
+                      StorageError, in_chain)
 from ..group import CheckpointGroup
 from ..hf.files import INDEX_FILE, MAX_INDEX_BYTES, MAX_RECORDED_LAYOUT_BYTES, RECORDED_LAYOUT
 from ..hf.planner import parse_size
@@ -419,7 +419,6 @@ class S3Store(Store):
             raise CheckpointError(f"{self.where(key)} exists and was not written by torchtitan_ckpt; it is "
                                   "never replaced: move it away or save under another prefix")
         if folder.status == layout.COMPLETE:
-            self._refuse_unlisted(path, names)
             warn_replacing(self.where(key))
         self._saving[key] = self._mark_in_progress(key)
         self._remove_step(key, names)
@@ -618,21 +617,6 @@ class S3Store(Store):
     def size(self, path: str) -> int:
         return sum(self._list(self._key(path)).values())
 
-    def _refuse_unlisted(self, path: str, names: list[str]) -> None:
-        """`commit.refuse_unlisted` of the committed step `path`, whose objects are `names`. A
-        marker that cannot be read leaves the step as it is: a fetch on another thread (a save's,
-        the deleter's) may have taken the local copy it is read from, and no object is deleted
-        that is not known to be ours."""
-        try:
-            listed = self.read_marker(path).files
-        except CheckpointError as e:
-            raise CheckpointError(f"{self.describe(path)}: its {commit.MARKER} could not be read to tell its objects "
-                                  f"from others' ({e}): the step is left as it is") from e
-        if added := sorted(set(names) - set(listed) - {commit.MARKER, commit.IN_PROGRESS}):
-            raise CheckpointError(f"{self.describe(path)} holds {len(added)} object(s) its {commit.MARKER} does not "
-                                  f"list, not written by torchtitan_ckpt ({few(added, 3)}): the step is left as it "
-                                  "is; move them out of it for it to be removed")
-
     def remove(self, folder: layout.StepFolder) -> None:
         """Marked in progress, then the commit marker, the data, and the in-progress marker last
         in a request of its own: a step whose deletion stops anywhere reads as ours and partial
@@ -642,8 +626,6 @@ class S3Store(Store):
         if folder.status == layout.PARTIAL and commit.MARKER in names:
             raise CheckpointError(f"{self.describe(folder.path)} was chosen as a partial step and is committed now: "
                                   "left alone (does another job save into this URL?)")
-        if commit.MARKER in names:
-            self._refuse_unlisted(folder.path, names)
         self._mark_in_progress(key)
         if commit.MARKER in names:
             self._delete([f"{key}/{commit.MARKER}"])
