@@ -12,6 +12,7 @@ import sys
 import time
 import traceback
 import zlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from torchtitan_ckpt import (CheckpointError, CheckpointManager, CheckpointSaveE
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.storage.local import LOCK_FILE
 
-from .helpers import ROOT, Holder, assert_same, read_checkpoint
+from .helpers import ROOT, Holder, assert_same, read_checkpoint, spawn
 from .jobs import make_job
 
 
@@ -999,3 +1000,28 @@ def test_a_step_ahead_holding_a_users_files_is_refused_before_training(tmp_path)
                                               r"saves step 4 .* a save never replaces files it did not write"):
         again.manager.load()
     again.manager.close()
+
+
+def _ranks_seeing_a_step_ahead_otherwise(rank: int, world_size: int, folder: str) -> None:
+    from torchtitan_ckpt import commit as committed
+
+    config = Checkpoint(enable=True, interval=2, keep_latest_k=0, collective_timeout_s=5)
+    with CheckpointManager(config, [torch.nn.Linear(2, 2)], base_folder=folder) as manager:
+        manager.save(2)
+        manager.save(4)
+    if rank == 0:
+        with open(os.path.join(folder, "checkpoint", "step-4", "eval_results.json"), "w") as f:
+            f.write("mine")
+    torch.distributed.barrier()
+    if rank == 1:  # this rank looked at step 4 before the user's file came
+        committed.unlisted = lambda path: []
+    with CheckpointManager(replace(config, load_step=2), [torch.nn.Linear(2, 2)], base_folder=folder) as again:
+        with pytest.raises(CheckpointError, match=r"step\(s\) 4 hold files their COMMITTED.json does not list"):
+            again.load()
+
+
+def test_every_rank_refuses_a_step_ahead_alike(tmp_path):
+    """Each rank checked the steps ahead on its own: one that saw a user's file arrive later
+    than another entered the load's collectives while the other refused, and waited there until
+    the collective timeout, failing with a CollectiveError that named no step."""
+    spawn(2, _ranks_seeing_a_step_ahead_otherwise, str(tmp_path))

@@ -115,27 +115,29 @@ class TargetFinder:
         path = self._group.each(lambda: store.fetch(store.root, layout.TELLING), f"fetching {named}")
         return self._initial_target(path, store, named, instead if self.config.initial_load_in_hf else None)
 
-    def check_steps_ahead(self, folders: list[layout.StepFolder], target: LoadTarget | None) -> None:
-        """A save never replaces a step folder this package did not write (`Store.prepare`).
-        Another program's folder ahead of the step this job starts from, at a step its schedule
-        saves (TorchTitan's last save, which a resume passes over; on object storage any step
-        without our markers), or a link to a step elsewhere, would fail that save after all the
-        training up to it: refused now, before any. One off the schedule is a warning: the job's
-        last step, which the manager does not know, may be there. (An empty folder, which a save
-        killed before its first file leaves, is replaced: `Store.replaceable`.)"""
+    def steps_ahead_problem(self, folders: list[layout.StepFolder], target: LoadTarget | None) -> str | None:
+        """Why the job cannot train on from `target`, or None. A save never replaces a step
+        folder this package did not write (`Store.prepare`). Another program's folder ahead of
+        the step this job starts from, at a step its schedule saves (TorchTitan's last save,
+        which a resume passes over; on object storage any step without our markers), or a link
+        to a step elsewhere, would fail that save after all the training up to it: refused now,
+        before any. One off the schedule is a warning: the job's last step, which the manager
+        does not know, may be there. (An empty folder, which a save killed before its first file
+        leaves, is replaced: `Store.replaceable`.) Run on rank 0 alone, whose answer every rank
+        takes: ranks looking on their own could see a user's file arrive at different times."""
         if self.config.load_only:
-            return
+            return None
         start = target.step if target is not None and target.step is not None else 0
         kept = [f for f in folders if f.step > start and not self._store.replaceable(f)]
         ahead = [f for f in kept if save_kind(f.step, False, self.config) is not None]
-        if (off := [f.step for f in kept if f not in ahead]) and self._group.is_coordinator:
+        if off := [f.step for f in kept if f not in ahead]:
             logger.warning("%s: step(s) %s, ahead of step %d this job starts from, were not written by "
                            "torchtitan_ckpt (or are links, hold a user's files, or this user may not remove them) and "
                            "are never replaced: a last save at one of them (a run ending there) would be refused after "
                            "the training. Move them out of the folder if so",
                            self._store.describe(self.folder), few(off), start)
         if not ahead:
-            return
+            return None
         steps = few([f.step for f in ahead])
         denied = next(filter(None, (self._store.unremovable(f) for f in ahead
                                     if not f.linked and (f.ours or f.status == layout.DENIED))), None)
@@ -151,7 +153,7 @@ class TargetFinder:
                    if target is not None and target.step is not None else "")
         never = "a folder it may not remove" if denied else "files it did not write" if added else \
             "a folder it did not write"
-        raise CheckpointError(
+        return (
             f"{self._store.describe(self.folder)}: step(s) {steps} {whose} and this job, starting from step "
             f"{start}, saves step {ahead[0].step} (checkpoint.interval = {self.config.interval}); a save never "
             f"replaces {never}, so that save would "

@@ -911,7 +911,13 @@ class CheckpointManager:
             target = None
             try:
                 target = self._targets.find(folders, wanted, wanted != self.config.load_step)  # TorchTitan passes it
-                self._targets.check_steps_ahead(folders, target)
+                try:
+                    ahead = self._group.run(lambda: self._targets.steps_ahead_problem(folders, target),
+                                            coordinator_only=True)[0]
+                except RankFailed as failed:
+                    failed.reraise(f"checking the steps ahead in {self._store.describe(self.folder)}")
+                if ahead is not None:
+                    raise CheckpointError(ahead)
                 if target is None:
                     if self._group.is_coordinator:  # a job that only loads, and loaded nothing: a typo?
                         logger.log(logging.WARNING if self.config.load_only else logging.INFO,
