@@ -1514,3 +1514,43 @@ def test_a_step_saved_again_replaces_the_complete_one_and_a_prefix_of_another_pr
             manager.save(3)
     body = boto3.client("s3").get_object(Bucket=bucket, Key="run/step-3/notes.txt")["Body"].read()
     assert body == b"mine"
+
+
+def test_a_step_holding_a_users_objects_is_never_removed(bucket, tmp_path, caplog):
+    """Objects a user put under a step (evaluation results) went with the step, by retention,
+    by a save of the same step, and with no word before: a step ahead holding them is refused
+    at the load, as in a folder."""
+    url, stage = f"s3://{bucket}/run", str(tmp_path / "stage")
+    client = boto3.client("s3")
+    model, opt = _job()
+    with CheckpointManager(_config(url, stage, keep_latest_k=0), [model], opt) as manager:
+        manager.save(1)
+        manager.save(2)
+    for step in (1, 2):
+        client.put_object(Bucket=bucket, Key=f"run/step-{step}/eval_results.json", Body=b"mine")
+    with CheckpointManager(_config(url, stage, load_step=1), [model], opt) as manager:
+        with pytest.raises(CheckpointError, match=r"step\(s\) 2 hold files their COMMITTED.json does not list "
+                                                  r"\(eval_results.json: a user's\?\) and this job, starting from step "
+                                                  r"1, saves step 2"):
+            manager.load()
+    client.delete_object(Bucket=bucket, Key="run/step-2/eval_results.json")
+    with CheckpointManager(_config(url, stage, keep_latest_k=0, load_step=1), [model], opt) as manager:
+        assert manager.load()
+        client.put_object(Bucket=bucket, Key="run/step-2/eval_results.json", Body=b"mine")  # after the load
+        with pytest.raises(CheckpointSaveError, match=rf"{re.escape(url)}/step-2 holds 1 file\(s\) or folder\(s\) "
+                                                      r"its COMMITTED.json does not list, not written by "
+                                                      r"torchtitan_ckpt \(eval_results.json\)"):
+            manager.save(2)  # saved again
+    with CheckpointManager(_config(url, stage), [model], opt) as manager:
+        assert manager.load()
+        manager.save(3)  # retention: steps 1 and 2 go, but for the user's objects
+    kept = {k for k in _objects(bucket) if k.startswith(("run/step-1/", "run/step-2/"))}
+    assert {f"run/step-{step}/{name}" for step in (1, 2)
+            for name in ("eval_results.json", "COMMITTED.json", ".metadata")} <= kept
+    assert re.search(r"could not delete .*step-1: CheckpointError: .*step-1 holds 1 file\(s\) or folder\(s\) its "
+                     r"COMMITTED.json does not list, not written by torchtitan_ckpt \(eval_results.json\)", caplog.text)
+    client.delete_object(Bucket=bucket, Key="run/step-1/eval_results.json")
+    with CheckpointManager(_config(url, stage), [model], opt) as manager:
+        assert manager.load()
+        manager.save(4)
+    assert not any(k.startswith("run/step-1/") for k in _objects(bucket))

@@ -222,11 +222,11 @@ def _parents(rel: str) -> list[str]:
     return parents
 
 
-def refuse_unlisted(path: str) -> None:
-    """Refuse to remove the committed step `path` while it holds files it does not list
-    (`unlisted`)."""
-    if added := unlisted(path):
-        raise CheckpointError(f"{path} holds {len(added)} file(s) or folder(s) its {MARKER} does not list, not "
+def refuse_unlisted(where: str, added: list[str]) -> None:
+    """Refuse to remove or replace the committed step `where` holding `added`, files it does
+    not list (`unlisted`; on object storage, objects under its prefix)."""
+    if added:
+        raise CheckpointError(f"{where} holds {len(added)} file(s) or folder(s) its {MARKER} does not list, not "
                               f"written by torchtitan_ckpt ({few(added, 3)}): the step is left as it is; move them "
                               "out of it for it to be removed")
 
@@ -240,7 +240,7 @@ def remove_step(path: str, removed: Callable[[int], None] | None = None) -> None
     open descriptor: a folder swapped for a link meanwhile (by another writer of the checkpoint
     folder) is never removed through. A committed step holding files its manifest does not
     list is refused untouched (`refuse_unlisted`). `removed(nbytes)` hears of each file removed."""
-    refuse_unlisted(path)
+    refuse_unlisted(path, unlisted(path))
     uncommit(path)
     marker = os.path.join(path, IN_PROGRESS)
     for root, folders, names, fd in os.fwalk(path, topdown=False):

@@ -141,7 +141,7 @@ class TargetFinder:
         steps = few([f.step for f in ahead])
         denied = next(filter(None, (self._store.unremovable(f) for f in ahead
                                     if not f.linked and (f.ours or f.status == layout.DENIED))), None)
-        added = next(filter(None, (commit.unlisted(f.path) for f in ahead if f.committed and not f.linked)), None)
+        added = next(filter(None, (self._store.unlisted(f) for f in ahead if f.committed and not f.linked)), None)
         whose = (f"include steps this user may not remove ({denied}; ask their owner, or save with umask 002 in a "
                  "folder without the sticky bit)" if denied else
                  f"hold files their {commit.MARKER} does not list ({few(added, 3)}: a user's?)" if added else

@@ -73,9 +73,19 @@ class Store(ABC):
         leftover of ours; refusing another program's)."""
 
     def replaceable(self, folder: StepFolder) -> bool:
-        """Whether `prepare` would replace `folder` rather than refuse it: a step of ours, not
-        a link to one (a run linked in is loaded from, never changed)."""
-        return folder.ours and not folder.linked
+        """Whether `prepare` would replace `folder` rather than refuse it: a step of ours (or
+        what a save left before marking it: `empty`), not a link to one (a run linked in is
+        loaded from, never changed), that this user may remove (`unremovable`) and that holds
+        nothing of a user's (`unlisted`)."""
+        return ((folder.ours and not folder.linked) or self.empty(folder)) and self.unremovable(folder) is None \
+            and not self.unlisted(folder)
+
+    @abstractmethod
+    def unlisted(self, folder: StepFolder) -> list[str]:
+        """What the committed step `folder` holds that its manifest does not list (a user's
+        evaluation results, notes, a repository), relative to it: not written here, so never
+        removed or replaced here. None for a step not committed, or whose marker cannot be read
+        (no manifest to tell by)."""
 
     def empty(self, folder: StepFolder) -> bool:
         """Whether `folder` is what a save leaves when it stops (or is seen starting) before its

@@ -113,7 +113,7 @@ class LocalStore(Store):
             if denied := self.unremovable(folder):
                 raise CheckpointError(f"{path} exists and this user may not remove it ({denied}): ask its owner, "
                                       "or save into another folder")
-            commit.refuse_unlisted(path)
+            commit.refuse_unlisted(path, self.unlisted(folder))
             if not self.replaceable(folder):
                 raise CheckpointError(f"{path} exists and was not written by torchtitan_ckpt; it is "
                                       "never replaced: move it away or save into another folder")
@@ -127,11 +127,8 @@ class LocalStore(Store):
         commit.mark_in_progress(path)  # ours from now on, even if this save crashes
         faults.hit("prepare", step)
 
-    def replaceable(self, folder: layout.StepFolder) -> bool:
-        """Also a folder a save stopped in before marking it (`empty`); either, only where this user
-        may remove it (`unremovable`) and it holds no file it does not list (`commit.unlisted`)."""
-        return ((super().replaceable(folder) or self.empty(folder)) and self.unremovable(folder) is None
-                and not commit.unlisted(folder.path))
+    def unlisted(self, folder: layout.StepFolder) -> list[str]:
+        return commit.unlisted(folder.path)
 
     def empty(self, folder: layout.StepFolder) -> bool:
         return layout.empty_step(folder.path)
@@ -183,7 +180,7 @@ class LocalStore(Store):
         if folder.status == layout.PARTIAL and (now := layout.status_of(folder.path)) != layout.PARTIAL:
             raise CheckpointError(f"{folder.path} was chosen as a partial step and is {now} now: left alone (does "
                                   "another job save into this folder?)")
-        commit.refuse_unlisted(folder.path)
+        commit.refuse_unlisted(folder.path, self.unlisted(folder))
         commit.uncommit(folder.path)  # a half-deleted folder must read as partial
         faults.hit("purge", folder.step)
         commit.remove_step(folder.path)

@@ -59,8 +59,8 @@ import torch.distributed as dist
 from .. import commit, faults, layout
 from ..config import Checkpoint
 from ..dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE
-from ..errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RankFailed,
-                      StorageError, in_chain)
+from ..errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, NewerVersionError,
+                      OlderVersionError, RankFailed, StorageError, in_chain)
 from ..group import CheckpointGroup
 from ..hf.files import INDEX_FILE, MAX_INDEX_BYTES, MAX_RECORDED_LAYOUT_BYTES, RECORDED_LAYOUT
 from ..hf.planner import parse_size
@@ -413,9 +413,11 @@ class S3Store(Store):
 
     def prepare(self, path: str, step: int) -> None:
         key = self._key(path)
-        names = list(self._list(key))
+        listing = self._list(key)
+        names = list(listing)
         folder = layout.StepFolder(step, path, _status(set(names)))
-        if names and not self.replaceable(folder):
+        commit.refuse_unlisted(self.describe(path), self._unlisted(key, listing))
+        if names and not folder.ours:  # `replaceable`, from the listing made
             raise CheckpointError(f"{self.where(key)} exists and was not written by torchtitan_ckpt; it is "
                                   "never replaced: move it away or save under another prefix")
         if folder.status == layout.COMPLETE:
@@ -617,15 +619,39 @@ class S3Store(Store):
     def size(self, path: str) -> int:
         return sum(self._list(self._key(path)).values())
 
+    def unlisted(self, folder: layout.StepFolder) -> list[str]:
+        key = self._key(folder.path)
+        return self._unlisted(key, self._list(key))
+
+    def _unlisted(self, key: str, listing: Mapping[str, int]) -> list[str]:
+        """`unlisted` of the step `key`, whose objects and sizes are `listing`. Its marker is
+        downloaded into a folder of its own, not the local copy of a step held for reading,
+        which a fetch on another thread (a save's, the deleter's) may replace meanwhile."""
+        size = listing.get(commit.MARKER)
+        if size is None or size > commit.MAX_MARKER_BYTES:  # not committed; a marker too big to be one of ours
+            return []
+        with tempfile.TemporaryDirectory(prefix="torchtitan_ckpt-marker-") as tmp:
+            with open(os.path.join(tmp, commit.MARKER), "wb") as f:
+                if size:
+                    self._get_range(f"{key}/{commit.MARKER}", f.fileno(), 0, size)
+            try:
+                listed = commit.read_marker(tmp).files
+            except (CorruptCheckpointError, NewerVersionError, OlderVersionError):
+                return []  # no manifest to tell by
+        return sorted(set(listing) - set(listed) - set(_MARKERS))
+
     def remove(self, folder: layout.StepFolder) -> None:
         """Marked in progress, then the commit marker, the data, and the in-progress marker last
         in a request of its own: a step whose deletion stops anywhere reads as ours and partial
-        (deleted by the next retention), never as another program's."""
+        (deleted by the next retention), never as another program's. A committed step holding
+        objects its manifest does not list is left as it is (`unlisted`)."""
         key = self._key(folder.path)
-        names = list(self._list(key))
+        listing = self._list(key)
+        names = list(listing)
         if folder.status == layout.PARTIAL and commit.MARKER in names:
             raise CheckpointError(f"{self.describe(folder.path)} was chosen as a partial step and is committed now: "
                                   "left alone (does another job save into this URL?)")
+        commit.refuse_unlisted(self.describe(folder.path), self._unlisted(key, listing))
         self._mark_in_progress(key)
         if commit.MARKER in names:
             self._delete([f"{key}/{commit.MARKER}"])
