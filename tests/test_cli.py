@@ -719,9 +719,9 @@ def test_convert_refuses_a_step_no_load_would_take(folder, tmp_path, capsys):
 def test_an_output_inside_a_step_folder_is_refused(folder, hf_folder, shards, tmp_path, capsys, command):
     """A folder written into a committed step fails its `verify` (files not in the manifest)."""
     step = shutil.copytree(layout.step_dir(folder, 4), str(tmp_path / "step-4"))
-    out = os.path.join(step, "hf", "out")
-    assert cli.main([*_writing(command, hf_folder, shards), out, "-q"]) == cli.EXIT_INPUT
-    assert capsys.readouterr().err == f"error: {out} is inside the step folder {step}; name a folder outside it\n"
+    for out, where in ((os.path.join(step, "hf", "out"), "is inside"), (step, "is")):  # the step itself was taken
+        assert cli.main([*_writing(command, hf_folder, shards), out, "-q"]) == cli.EXIT_INPUT
+        assert capsys.readouterr().err == f"error: {out} {where} the step folder {step}; name a folder outside it\n"
     assert commit.verify(step) == []
 
 

@@ -511,3 +511,36 @@ def test_an_adapter_of_the_users_gives_integers_read_into_narrower_ones_refused(
                                                       "cast; others only into a dtype that holds each of their values"):
                 manager.load()
             assert torch.equal(model.w, torch.zeros(2, 2))
+
+
+def test_the_copies_folder_is_checked_before_training(tmp_path):
+    """The folder of the hf_export_interval copies was looked at only by the first copy, after
+    the training up to it: another job's checkpoint folder there lost its steps to the copies'
+    retention (running, its lock held, or ended), an initial checkpoint there was replaced by a
+    copy and then deleted, and a file of that name failed the first copy."""
+    other = make_job(str(tmp_path), steps=4, interval=2, keep_latest_k=0, folder="checkpoint/hf")
+    other.run_to(2, steps=4)  # running: it holds checkpoint/hf
+    with pytest.raises(ConfigError, match=r"checkpoint.hf_export_interval = 2: the copies go into .*checkpoint/hf, "
+                                          r"the checkpoint folder of another job \(it holds .torchtitan_ckpt.lock\)"):
+        make_job(str(tmp_path), steps=4, interval=2, hf_export_interval=2, keep_latest_k=1)
+    other.manager.close()
+    os.remove(os.path.join(_folder(tmp_path), "hf", ".torchtitan_ckpt.lock"))  # ended, its lock gone
+    with pytest.raises(ConfigError, match=r"the copies go into .*checkpoint/hf, which holds .*checkpoint/hf/step-2 in "
+                                          r"DCP's format, no copy: another job's checkpoint folder\?"):
+        make_job(str(tmp_path), steps=4, interval=2, hf_export_interval=2, keep_latest_k=1)
+    assert layout.committed_steps(os.path.join(_folder(tmp_path), "hf")) == [2]
+
+    copies = tmp_path / "b" / "checkpoint" / "hf"
+    source = make_job(str(tmp_path / "b"), steps=2, interval=2, hf_export_interval=2, keep_latest_k=0)
+    source.run_to(2, steps=2)
+    source.manager.close()
+    start = str(copies / "step-2")
+    with pytest.raises(ConfigError, match=rf"checkpoint.initial_load_path = {re.escape(start)} is in "
+                                          rf"{re.escape(str(copies))}, where this job's copies go"):
+        make_job(str(tmp_path / "b"), steps=2, interval=2, hf_export_interval=2, initial_load_path=start,
+                 initial_load_in_hf=True)
+    (tmp_path / "c" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "c" / "checkpoint" / "hf").write_text("mine")
+    with pytest.raises(ConfigError, match=r"the copies go into .*c/checkpoint/hf, which is not a folder"):
+        make_job(str(tmp_path / "c"), steps=2, interval=2, hf_export_interval=2)
+    assert (tmp_path / "c" / "checkpoint" / "hf").read_text() == "mine"

@@ -1227,6 +1227,11 @@ def test_a_step_folder_as_the_checkpoint_folder_is_refused_before_anything_is_wr
                                               rf"folder {re.escape(str(step))}, not a folder of steps .*resume from "
                                               rf"{re.escape(str(folder))}, .* checkpoint.initial_load_path"):
             CheckpointManager(config, [model])
+    stage = step / "stage"  # an S3 job's staging folder (a local job's initial_load_path on S3 stages there)
+    with pytest.raises(ConfigError, match=rf"checkpoint.staging_folder = .*: is inside the step folder "
+                                          rf"{re.escape(str(step))}: the files staged there would be in that step"):
+        CheckpointManager(Checkpoint(enable=True, interval=1, folder=str(tmp_path / "other"),
+                                     staging_folder=str(stage)), [model])
     assert sorted(p.name for p in step.iterdir()) == before
     (tmp_path / "scratch").mkdir()
     (tmp_path / "scratch" / ".metadata").write_bytes(b"")  # a folder not named as a step is none

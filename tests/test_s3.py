@@ -1554,3 +1554,22 @@ def test_a_step_holding_a_users_objects_is_never_removed(bucket, tmp_path, caplo
         assert manager.load()
         manager.save(4)
     assert not any(k.startswith("run/step-1/") for k in _objects(bucket))
+
+
+def test_a_prefix_inside_a_step_is_refused_as_a_folder_inside_one_is(bucket, tmp_path):
+    """A job saving under another's step (s3://b/run/step-2/eval) was accepted on S3, where a
+    folder inside a step is refused: the other job's retention then deleted its steps with the
+    step they were under."""
+    url, stage = f"s3://{bucket}/run", str(tmp_path / "stage")
+    model, opt = _job()
+    with CheckpointManager(_config(url, stage, keep_latest_k=0), [model], opt) as manager:
+        manager.save(2)
+    before = sorted(_objects(bucket))
+    for inside in ("step-2", "step-2/eval", "step-2//eval/"):
+        with pytest.raises(ConfigError, match=rf"checkpoint.folder = '{re.escape(url)}/step-2.*': "
+                                              rf"is{' inside' if 'eval' in inside else ''} the step folder "
+                                              rf"{re.escape(url)}/step-2, not a folder of steps .*resume from "
+                                              rf"{re.escape(url)}, "):
+            CheckpointManager(_config(f"{url}/{inside}", stage), [model], opt)
+    assert sorted(_objects(bucket)) == before
+    CheckpointManager(_config(f"{url}/step-3/eval", stage), [model], opt).close()  # no step there

@@ -436,7 +436,11 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
         raise CheckpointError(f"{args.folder} is on a read-only file system: clean removes nothing there "
                               f"({counted(len(partial), 'partial step folder')}; clean it where it is mounted "
                               "writable)")
-    with _no_job_saving(args.folder, args.force):
+    job = os.path.dirname(os.path.abspath(args.folder))  # of a job's hf_export_interval copies: that job's lock
+    copies = os.path.basename(os.path.abspath(args.folder)) == layout.HF_COPIES and \
+        os.path.lexists(os.path.join(job, LOCK_FILE))
+    with _no_job_saving(args.folder, args.force), \
+            _no_job_saving(job, args.force) if copies else contextlib.nullcontext():
         steps, store = layout.scan(args.folder), open_store(args.folder, "folder", 0, Checkpoint())
         for s in steps:  # every folder kept but a healthy step of ours, by its status in `list`
             if (s.status != layout.PARTIAL or s.linked) and (listed := _listed(s, store)) is not None \
@@ -507,7 +511,7 @@ def _check_output(dst: str) -> None:
         raise CheckpointError(f"{dst} is a link; name the folder itself ({os.path.realpath(dst)})")
     if os.path.lexists(dst) and not os.path.isdir(dst):
         raise CheckpointError(f"{dst} exists and is not a folder; remove it or name a new folder")
-    if step := layout.step_folder_around(os.path.dirname(os.path.abspath(dst))):
+    if step := layout.step_folder_around(dst):
         raise CheckpointError(f"{dst} {layout.in_step(dst, step)}; name a folder outside it")
 
 

@@ -26,6 +26,7 @@ from as its status says, never counted by retention, deleted or replaced.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import os
 import re
@@ -45,6 +46,11 @@ STEP_PREFIX = "step-"
 _STEP_RE = re.compile(re.escape(STEP_PREFIX) + r"(0|[1-9][0-9]*)", re.ASCII)
 """One spelling per step: no leading zeros, ASCII digits, nothing after (so `step-007`, a
 non-ASCII digit or a trailing newline never name the folder of step 7)."""
+
+
+HF_COPIES = "hf"
+"""The folder under a checkpoint folder that the `hf_export_interval` copies go into, as step
+folders of their own."""
 
 
 def check_step(step: Any, call: str, low: int = 0) -> int:
@@ -206,7 +212,8 @@ def _marking(path: str) -> bool:
     """Whether `path` holds the in-progress marker's temporary file and nothing else: a save
     that stopped while marking the folder (a full disk, a kill)."""
     try:
-        entries = list(os.scandir(path))
+        with os.scandir(path) as listing:  # two entries at most: a parent of the folder may hold thousands
+            entries = list(itertools.islice(listing, 2))
     except OSError:
         return False
     return (len(entries) == 1 and entries[0].name == commit.IN_PROGRESS + durable.TMP_SUFFIX

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from . import commit, gc_pause, layout, step_hooks, storage
 from .deleter import BackgroundDeleter
 from .policy.retention import newer_steps, steps_to_delete
+from .storage.local import LOCK_FILE
 from .storage.users import FolderUser
 from .config import BUILTIN_STATES, Checkpoint
 from .errors import (
@@ -69,9 +70,6 @@ from .states import (CheckedState, DataLoaderState, LRSchedulerState, ModelPart,
                      StateLike, own_state_dict, replicated_digest, unwrapped)
 
 logger = logging.getLogger(__name__)
-
-HF_COPIES = "hf"
-"""Subfolder of the checkpoint folder that holds the `hf_export_interval` copies."""
 
 _Call = TypeVar("_Call", bound=Callable[..., Any])
 
@@ -296,6 +294,12 @@ class CheckpointManager:
                               f"a seed checkpoint is written by a single process; this job has "
                               f"{self._group.world_size} ranks")
         self._check_stores()
+        if config.hf_export_interval and not config.load_only:
+            try:
+                self._group.run(self._check_copies, coordinator_only=True)
+            except RankFailed as failed:
+                raise ConfigError("checkpoint.hf_export_interval", config.hf_export_interval,
+                                  str(failed.error or failed)) from None
 
     def _check_alike(self) -> None:
         """Every rank has the same folder, settings (but `_PER_RANK`) and kinds of state, before
@@ -324,14 +328,19 @@ class CheckpointManager:
         """Every store reached before any makes anything (a staging folder, the checkpoint
         folder): a bucket that cannot be used leaves nothing behind. The checkpoint folder's
         check, which on a file system makes the folder, goes last."""
-        if storage.scheme_of(self.folder) is None and (step := layout.step_folder_around(self.folder)):
-            raise ConfigError("checkpoint.folder", self.folder, (
-                f"{layout.in_step(self.folder, step)}, not a folder of steps (a save would write into that step): "
-                f"resume from {os.path.dirname(step)}, the folder holding the step-N folders, or start from that "
-                "step with checkpoint.initial_load_path"))
+        if (staging := self.config.staging_folder) and (step := layout.step_folder_around(staging)):
+            raise ConfigError("checkpoint.staging_folder", staging, f"{layout.in_step(staging, step)}: the files "
+                              "staged there would be in that step, which retention then cannot remove; stage "
+                              "outside the checkpoint's steps")
         stores = [(self._store, not self.config.load_only)] + ([(self._initial, False)] if self._initial else [])
         for store, write in stores:
             store.reach(self._group, write)
+        if step := self._group.each(self._store.step_around, f"looking above {self._store.url}"):
+            url = self._store.url
+            raise ConfigError("checkpoint.folder", url, (
+                f"{'is' if storage.within(step, url) else 'is inside'} the step folder {step}, not a folder of steps "
+                f"(a save would write into that step): resume from {step.rsplit('/', 1)[0]}, the folder holding the "
+                "step-N folders, or start from that step with checkpoint.initial_load_path"))
         for store, write in reversed(stores):
             store.check(self._group, write)  # a probe written: shared by every rank?
 
@@ -345,11 +354,38 @@ class CheckpointManager:
         read_assets(self._adapter.hf_assets_path)
         if self._adapter.hf_names is not None:
             assets_file_split(self._adapter, self._adapter.hf_names, log=False)
-        copies = os.path.join(self.folder, HF_COPIES)
-        if (self.config.hf_export_interval and not self.config.load_only and os.path.isdir(copies)
-                and not os.access(copies, os.W_OK | os.X_OK)):
-            raise CheckpointError(f"the copies go into {safe_open.denied(copies, 'not writable')}; ask its owner "
-                                  "to make it writable to you, or save into another checkpoint.folder")
+
+    def _check_copies(self) -> None:
+        """The folder of the `hf_export_interval` copies (`layout.HF_COPIES`), found fit now
+        rather than at the first copy, after the training up to it: a folder (or none yet) this
+        user may write into (another user's, in a team's folder); not another job's checkpoint
+        folder, which the copies' retention would delete steps of (its lock, or steps in DCP's
+        format there); holding neither the initial checkpoint nor the adapter's assets, which a
+        copy of the same step replaces and the copies' retention deletes."""
+        copies = os.path.join(self.folder, layout.HF_COPIES)
+        where = self._store.describe(copies)
+        for key, path in (("checkpoint.initial_load_path", self.config.initial_load_path),
+                          ("the adapter's hf_assets_path", self._adapter.hf_assets_path)):
+            if path and storage.within(path, where):
+                raise CheckpointError(f"{key} = {path} is in {where}, where this job's copies go: a copy of its step "
+                                      "would replace it and their retention delete it; move it out of there")
+        if not self._store.staged:
+            if os.path.lexists(copies) and not os.path.isdir(copies):
+                raise CheckpointError(f"the copies go into {copies}, which is not a folder; move it away, or save "
+                                      "into another checkpoint.folder")
+            if os.path.isdir(copies) and not os.access(copies, os.W_OK | os.X_OK):
+                raise CheckpointError(f"the copies go into {safe_open.denied(copies, 'not writable')}; ask its owner "
+                                      "to make it writable to you, or save into another checkpoint.folder")
+            if os.path.lexists(os.path.join(copies, LOCK_FILE)):
+                raise CheckpointError(f"the copies go into {copies}, the checkpoint folder of another job (it holds "
+                                      f"{LOCK_FILE}), whose steps their retention would delete; save one of the jobs "
+                                      "into another checkpoint.folder")
+        index = FORMATS["dcp"].index_files
+        if dcp := next((f for f in self._store.scan(copies) if f.committed and not f.linked
+                        and any(size is not None for size in self._store.sizes(f.path, index).values())), None):
+            raise CheckpointError(f"the copies go into {where}, which holds {self._store.describe(dcp.path)} in DCP's "
+                                  "format, no copy: another job's checkpoint folder? The copies' retention would "
+                                  "delete its steps; save one of the jobs into another checkpoint.folder")
 
     def _check_exported_names(self) -> list[str] | None:
         """Where the adapter knows the tensors it exports (one of ours): that it maps each of this
@@ -576,7 +612,7 @@ class CheckpointManager:
         if kind is not None:
             self._submit(step, kind, self.folder, self._formats[fmt], last_step, waited)
         if hf_copy:
-            self._submit(step, SaveKind.MODEL_ONLY, os.path.join(self.folder, HF_COPIES), self._formats["hf"],
+            self._submit(step, SaveKind.MODEL_ONLY, os.path.join(self.folder, layout.HF_COPIES), self._formats["hf"],
                          last_step)
         if last_step:
             self._saves.wait()

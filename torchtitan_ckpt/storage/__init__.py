@@ -37,6 +37,18 @@ def under(base: str, folder: str) -> str:
     return folder if scheme_of(folder) else os.path.join(base, folder)
 
 
+def within(path: str, folder: str) -> bool:
+    """Whether `path` is `folder` or below it: paths once links are resolved, URLs as their
+    components read (a doubled or trailing slash names the same objects)."""
+    if scheme_of(path) != scheme_of(folder):
+        return False
+    if scheme_of(path) is None:
+        path, folder = os.path.realpath(path), os.path.realpath(folder)
+        return os.path.commonpath([path, folder]) == folder
+    parts, above = ([p for p in url.split("/")[1:] if p] for url in (path, folder))  # after "s3:"
+    return parts[:len(above)] == above
+
+
 def check_url(key: str, url: str) -> None:
     """A `ConfigError` naming `key` unless the URL `url` names a kind of storage there is a
     store for (`STORES`), and a bucket in it."""

@@ -63,6 +63,12 @@ class Store(ABC):
         this node; a `ConfigError` naming the folder otherwise (raised on every rank)."""
 
     @abstractmethod
+    def step_around(self) -> str | None:
+        """The step folder (ours, or another program's DCP step named as one) that the store's
+        folder is or is inside, as the user names it, else None: a job saving there would write
+        into that step, and its retention remove the job's steps with it."""
+
+    @abstractmethod
     def scan(self, folder: str) -> list[StepFolder]:
         """The `step-N` folders under the local folder `folder` (`root` or one below it), oldest
         first, with paths under `root`."""

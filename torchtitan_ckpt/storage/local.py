@@ -99,6 +99,9 @@ class LocalStore(Store):
         with open(probe, "w"):
             pass
 
+    def step_around(self) -> str | None:
+        return layout.step_folder_around(self.root)
+
     def scan(self, folder: str) -> list[layout.StepFolder]:
         return layout.scan(folder)
 

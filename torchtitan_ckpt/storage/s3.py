@@ -399,6 +399,16 @@ class S3Store(Store):
         self._put(probe, b"")
         self._delete([probe])
 
+    def step_around(self) -> str | None:
+        """One listing for each folder of the prefix named as a step (none, mostly)."""
+        parts = self.prefix.split("/") if self.prefix else []
+        for end in range(len(parts), 0, -1):
+            if layout.parse_step(parts[end - 1]) is not None:
+                key = "/".join(parts[:end])
+                if any(name in self._list(key, name) for name in (*_MARKERS, METADATA_FILE)):
+                    return self.where(key)
+        return None
+
     def scan(self, folder: str) -> list[layout.StepFolder]:
         """Steps by their markers: complete with `COMMITTED.json`, partial with only
         `IN_PROGRESS.json`, unknown (another program's: never loaded or deleted) with neither."""
