@@ -313,6 +313,13 @@ def test_verify_json(folder, tmp_path, capsys):
     out = capsys.readouterr()
     assert out.out == "" and "has no COMMITTED.json" in out.err
 
+    with open(os.path.join(step, commit.MARKER), "r+b") as f:  # a damaged marker: a damaged step (it exited 2)
+        f.truncate(10)
+    code, doc = _run_json(capsys, "verify", step)
+    assert (code, doc["ok"], doc["failed"], doc["step"], doc["bytes"]) == (1, False, 1, None, None)
+    assert [(f["file"], f["ok"]) for f in doc["files"]] == [(commit.MARKER, False)]
+    assert "is not a valid commit marker" in doc["files"][0]["problem"]
+
 
 def test_verify_reports_files_the_manifest_does_not_list(folder, tmp_path, capsys):
     """A file added after the commit was not reported, nor was a step whose manifest lists none

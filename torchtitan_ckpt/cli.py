@@ -389,16 +389,21 @@ def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
                                           f".metadata names another save than its {commit.IN_PROGRESS}): its "
                                           f"{commit.MARKER} does not describe its files, which cannot be verified")
         store.fetch(local)
-        info = store.read_marker(local)
-        with progress:
-            files = [{**f, "problem": f["problem"] and store.in_user_terms(f["problem"])}
-                     for f in _verify_files(local, info, args.threads, progress)]
+        try:
+            info = store.read_marker(local)
+        except CorruptCheckpointError as e:  # a damaged step, as a damaged file of it is; another version's: 2
+            info, files = None, [{"file": commit.MARKER, "bytes": None, "crc32": None, "ok": False,
+                                  "problem": store.in_user_terms(str(e))}]
+        if info is not None:
+            with progress:
+                files = [{**f, "problem": f["problem"] and store.in_user_terms(f["problem"])}
+                         for f in _verify_files(local, info, args.threads, progress)]
     failed = [f for f in files if not f["ok"]]
     if failed and scheme_of(path) is None and not commit.is_committed(local):
         raise CheckpointNotFoundError(f"{path} was removed while it was verified (by the retention of a job "
                                       "saving there?): its files were not all there to check")
     if args.json:
-        _print_json({"path": path, "step": info.step, "ok": not failed, "bytes": info.total_bytes,
+        _print_json({"path": path, "step": info and info.step, "ok": not failed, "bytes": info and info.total_bytes,
                      "failed": len(failed), "files": files})
     else:
         for f in files:
@@ -406,7 +411,7 @@ def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
                 print(f"CORRUPT {printable(f['problem'])}")
             elif args.verbose:
                 print(f"ok      {printable(os.path.join(path, f['file']))}")
-        if not failed:
+        if info is not None and not failed:
             print(f"{path}: {len(files)} files, {fmt_bytes(info.total_bytes)}, all intact")
         else:
             print(f"{path}: {len(failed)} of {len(files)} files failed the check")
