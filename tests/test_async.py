@@ -1354,3 +1354,98 @@ def test_verify_staging_and_tied_loads_compare_a_conjugated_parameter_by_its_val
     with CheckpointManager(tied, [back]) as manager:
         assert manager.load()
     assert torch.equal(back.c, model.c) and back.d is back.c
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_a_manager_made_under_inference_mode_saves(tmp_path, mode):
+    """An evaluation job whose main() runs under torch.inference_mode(): with
+    async_with_pinned_mem every save failed ("Inplace update to inference tensor outside
+    InferenceMode"), the staging thread writing a tensor made on the caller's thread."""
+    from torchtitan_ckpt import CheckpointManager
+    from torchtitan_ckpt.config import Checkpoint
+
+    model = torch.nn.Linear(64, 64)
+    config = Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0, folder=str(tmp_path / "c"))
+    with torch.inference_mode():
+        manager = CheckpointManager(config, [model])
+        manager.load()
+        for step in (1, 2):
+            model.weight.data.add_(1.0)
+            manager.save(step)
+        manager.close()
+    assert layout.committed_steps(str(tmp_path / "c")) == [1, 2]
+    assert_same(read_checkpoint(layout.step_dir(str(tmp_path / "c"), 2)), model.state_dict())
+
+
+_TRAINS_ON_AFTER_MAIN = """
+import sys, threading, torch
+from torchtitan_ckpt import CheckpointError, CheckpointManager
+from torchtitan_ckpt.config import Checkpoint
+mode, folder = sys.argv[1:]
+manager = CheckpointManager(Checkpoint(enable=True, interval=1, async_mode=mode, keep_latest_k=0, folder=folder),
+                            [torch.nn.Linear(2, 2)])
+manager.save(1)
+def train():
+    threading.main_thread().join()  # the script returned; the training thread goes on
+    for call in (lambda: manager.save(2), manager.load):
+        try:
+            call()
+        except CheckpointError as e:
+            print(e)
+    manager.close()
+threading.Thread(target=train).start()
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_save_after_the_main_thread_ended_says_why_it_cannot_run(tmp_path, mode):
+    """A script whose training thread goes on after the main thread returned: saves and loads
+    failed with "cannot schedule new futures after interpreter shutdown" (or a writer process
+    gone, with a warning that the interpreter exits), naming neither the cause nor the way out."""
+    import subprocess
+    import sys
+
+    folder = str(tmp_path / "c")
+    run = subprocess.run([sys.executable, "-c", _TRAINS_ON_AFTER_MAIN, mode, folder], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    said = ("called after the main thread ended: Python takes no new work in thread pools then (saves and loads use "
+            "them) and has stopped the checkpoint's background work; have the main thread wait for the training "
+            "thread (thread.join()) before it ends")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert run.stdout.splitlines() == [f"save(2) {said}", f"load() {said}"], run.stderr[-3000:]
+    assert layout.committed_steps(folder) == [1]
+
+
+_SAVES_WHILE_THE_EXIT_HOOK_RUNS = """
+import logging, sys, threading, time, torch
+from torchtitan_ckpt import CheckpointManager
+from torchtitan_ckpt.config import Checkpoint
+from torchtitan_ckpt.io import writer_process
+logging.basicConfig(level=logging.ERROR)
+manager = CheckpointManager(Checkpoint(enable=True, interval=1, async_mode="async_with_pinned_mem", keep_latest_k=0,
+                                       folder=sys.argv[1]), [torch.nn.Linear(2, 2)])
+manager.save(1)
+manager.wait()
+writer_process._close_at_exit()  # as at the exit, with a daemon trainer still saving: its writer is closed
+try:
+    manager.save(2)  # once made a writer that nothing closed, and the exit waited on it for ever
+    manager.wait()
+except Exception as e:
+    print(type(e).__name__, str(e).splitlines()[0])
+"""
+
+
+def test_no_writer_process_is_started_once_the_exit_closed_them(tmp_path):
+    """A daemon thread saving on while the exit hook closed the writers started a new one
+    ("the checkpoint writer process is gone; starting a new one"), which nothing closed:
+    multiprocessing's exit then waited on it for ever."""
+    import subprocess
+    import sys
+
+    folder = str(tmp_path / "c")
+    run = subprocess.run([sys.executable, "-c", _SAVES_WHILE_THE_EXIT_HOOK_RUNS, folder], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "the process is exiting (its main thread ended): no checkpoint writer process is started" in run.stdout, \
+        run.stdout + run.stderr[-3000:]
+    assert layout.committed_steps(folder) == [1]

@@ -124,6 +124,10 @@ def test_a_step_copied_without_some_of_its_files_is_passed_over_without_verify_o
     listed = json.loads(capsys.readouterr().out)
     assert (listed["latest_loadable"], listed["steps"][-1]["status"]) == (4, "cut_short")
     assert "step-6/__0_0.distcp: " in listed["steps"][-1]["problem"]
+    assert cli.main(["inspect", layout.step_dir(folder, 6), "--json", "-q"]) == 0  # said complete
+    assert json.loads(capsys.readouterr().out)["status"] == "cut_short"
+    assert cli.main(["inspect", layout.step_dir(folder, 6), "-q"]) == 0
+    assert "step-6: cut short: files its COMMITTED.json names are missing or shorter" in capsys.readouterr().out
     job = make_job(str(tmp_path), steps=6)
     assert job.manager.load()
     assert job.train_state.step == 4

@@ -260,9 +260,10 @@ def _state_of(key: str, states: Collection[str]) -> str:
     return head if head in states else "model"
 
 
-def _describe(path: str, where: str, listed: str | None) -> dict[str, Any]:
-    """The `inspect --json` document of the step folder `path` (`where` as the user named it),
-    its status `listed` (`_opened_step`) or else `layout.status_of`'s. Its states are the commit
+def _describe(store: Store, path: str, where: str, listed: str | None) -> dict[str, Any]:
+    """The `inspect --json` document of the step folder `path` of `store` (`where` as the user
+    named it), its status `listed` (`_opened_step`) or else `layout.status_of`'s, or the one
+    `list` gives a step misnamed or cut short (`_listed`). Its states are the commit
     marker's; without a marker (or with one left in a folder another program has since written
     over: foreign), the `KNOWN_STATES` its keys show."""
     ours = commit.is_committed(path) and (listed or layout.status_of(path)) != layout.FOREIGN
@@ -287,7 +288,10 @@ def _describe(path: str, where: str, listed: str | None) -> dict[str, Any]:
     status = listed or layout.status_of(path)
     named = layout.parse_step(os.path.basename(where.rstrip("/")))
     if info is not None and named is not None and info.misnamed(where, named):
-        status = MISNAMED  # as `list` tells it (`_listed`)
+        status = MISNAMED
+    elif info is not None and status == layout.COMPLETE and commit.cut_short(path, info,
+                                                                             store.sizes(path, info.files)):
+        status = CUT_SHORT
     return {"path": where, "status": status, "step": info.step if info else None,
             "format": fmt, "world_size": info.world_size if info else None,
             "states": info.states if info else [name for name in KNOWN_STATES if name in found],
@@ -298,7 +302,10 @@ def _print_inspect(doc: dict[str, Any]) -> None:
     status = (f"complete, step {doc['step']}, saved by {counted(doc['world_size'], 'rank')}"
               if doc["status"] == layout.COMPLETE else
               f"misnamed: it holds step {doc['step']}, saved by {counted(doc['world_size'], 'rank')}"
-              if doc["status"] == MISNAMED else f"{doc['status']}, no commit marker")
+              if doc["status"] == MISNAMED else
+              f"cut short: files its {commit.MARKER} names are missing or shorter (verify names them); step "
+              f"{doc['step']}, saved by {counted(doc['world_size'], 'rank')}"
+              if doc["status"] == CUT_SHORT else f"{doc['status']}, no commit marker")
     print(printable(f"{doc['path']}: {status} ({doc['format']})"))
     for state in dict.fromkeys([*doc["states"], "model"]):
         tensors = [t for t in doc["tensors"] if t["state"] == state]
@@ -350,7 +357,7 @@ def cmd_inspect(args: argparse.Namespace, progress: Progress) -> int:
     if scheme_of(args.step_dir) is None:
         _require_folder(args.step_dir)
     with _opened_step(args.step_dir) as (store, path, listed):
-        doc = _describe(_fetch_described(store, path), args.step_dir, listed)
+        doc = _describe(store, _fetch_described(store, path), args.step_dir, listed)
     if args.json:
         _print_json(doc)
     else:

@@ -154,6 +154,7 @@ class CheckpointManager:
                                 "torchtitan_ckpt's Checkpoint, or TorchTitan's job_config.checkpoint")
             config = Checkpoint.from_torchtitan(config)
         config = config.validate()  # a section built in Python never went through `load_config`
+        _refuse_after_main_thread("CheckpointManager()")
         self.config = config
         self._adapter = as_adapter(state_dict_adapter)
         self.folder = config.folder_under(base_folder)
@@ -314,7 +315,8 @@ class CheckpointManager:
         if other := next((r for r, url in enumerate(folders) if url != folders[0]), None):
             raise ConfigError("checkpoint.folder", self._store.url,
                               f"every rank must use the same folder; rank 0 uses {folders[0]}, rank {other} "
-                              f"{folders[other]} (a relative folder resolved in another working directory?)")
+                              f"{folders[other]} (a relative folder resolved in another working directory? or "
+                              "managers made in another order on each rank: every rank makes them in one order)")
         if other := next((r for r, names in enumerate(kinds) if names != kinds[0]), None):
             raise CheckpointError(
                 f"every rank must pass the manager the same kinds of state besides the model; rank 0 passes "
@@ -596,6 +598,7 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError("save() called after close()")
         step = layout.check_step(curr_step, "save")
+        _refuse_after_main_thread(f"save({step})")
         if not self.config.enable:
             return False
         self._user.save(f"save({step})")
@@ -910,6 +913,7 @@ class CheckpointManager:
         garbage collector is paused during the call, as in `save()`."""
         if self._closed:
             raise CheckpointError("load() called after close()")
+        _refuse_after_main_thread("load()")
         step = layout.check_step(step, "load", low=-1)
         if not self.config.enable:
             return False
@@ -1257,6 +1261,17 @@ def _described(call: Any) -> str:
 
 _BUFFERS = "\0buffers"
 """The key of the model's buffers among `_digests`' (no state's: their names are identifiers)."""
+
+
+def _refuse_after_main_thread(call: str) -> None:
+    """Refuse `call` from a thread still training once the main thread has ended (a script
+    that starts the training loop in a thread and returns): Python then takes no new work in
+    thread pools, which saves and loads use, and has stopped this package's background work
+    (its exit hooks run when the main thread ends)."""
+    if not threading.main_thread().is_alive():
+        raise CheckpointError(f"{call} called after the main thread ended: Python takes no new work in thread pools "
+                              "then (saves and loads use them) and has stopped the checkpoint's background work; "
+                              "have the main thread wait for the training thread (thread.join()) before it ends")
 
 
 def _tell_left_out(export: str, left_out: list[list[str] | None]) -> None:

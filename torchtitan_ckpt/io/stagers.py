@@ -202,8 +202,9 @@ class SharedArenas(Stager):
         save after a model-only one reuses them)."""
         self._pinned: dict[int, tuple[torch.Tensor, torch.device]] = {}
         """Address registered with CUDA -> (its arena, the device whose tensors it receives)."""
-        try:
-            self.count = fd_shared(torch.zeros(1, dtype=torch.int64, device="cpu"))
+        try:  # a normal tensor, made under a caller's inference_mode too: the staging thread writes it
+            with torch.inference_mode(False):
+                self.count = fd_shared(torch.zeros(1, dtype=torch.int64, device="cpu"))
         except RuntimeError as e:  # first: nothing is started yet that a failure would leave behind
             raise ConfigError("checkpoint.async_mode", self.mode, "needs shared memory, which this machine "
                               f"refuses ({e}); use async, which needs none") from e
@@ -272,7 +273,8 @@ class SharedArenas(Stager):
             offsets[path] = size
             size += -(-local_values(t).nbytes // _ALIGN) * _ALIGN
         try:
-            arena = fd_shared(torch.empty(size, dtype=torch.uint8, device="cpu"))
+            with torch.inference_mode(False):  # as `count`: written outside a caller's inference_mode
+                arena = fd_shared(torch.empty(size, dtype=torch.uint8, device="cpu"))
         except RuntimeError as e:
             if "shm" not in str(e) and "shared memory" not in str(e):  # not shared memory's (no memory at all)
                 raise

@@ -69,6 +69,9 @@ class WriterProcess:
     it is handed in order; a thread of this process receives its replies, in the same order."""
 
     def __init__(self) -> None:
+        if _EXITING.is_set():  # it would outlive the hook that closes writers, and the exit would wait on it
+            raise WriterProcessError("the process is exiting (its main thread ended): no checkpoint writer process is "
+                                     "started any more")
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self._fds, child_fds = socket.socketpair()  # the descriptors' own channel, blocking under
@@ -289,10 +292,16 @@ unclosed). At exit `multiprocessing` joins every child after a SIGTERM the write
 `_close_at_exit` closes them first."""
 
 
+_EXITING = threading.Event()
+"""Set by `_close_at_exit`: a thread still saving then (a daemon's, or one the main thread did
+not wait for) starts no writer, which nothing would close."""
+
+
 def _close_at_exit() -> None:
     """Close the writers this process started and nobody closed. Registered on import, before any
     manager's own exit hook (`staging._wait_at_exit`), so it runs after them: a save in flight
     is waited for first."""
+    _EXITING.set()
     for writer in list(_OPEN):  # a forked child's is empty (`_forget_writers`)
         writer.close()
 
