@@ -838,7 +838,7 @@ def test_convert_names_the_config_it_did_not_find(small_step, tmp_path, capsys):
     assert capsys.readouterr() == ("", f"error: {tmp_path / 'assets' / 'config.json'} not found: --hf-assets must "
                                        "name an HF folder holding the model's config.json\n")
     assert cli.main(["convert", "--to", "hf", str(tmp_path / "nothing"), out, "-q"]) == 2
-    assert capsys.readouterr() == ("", f"error: {tmp_path / 'nothing'} is not a DCP checkpoint folder (no .metadata)\n")
+    assert capsys.readouterr() == ("", f"error: {tmp_path / 'nothing'} does not exist\n")
     assert sorted(os.listdir(tmp_path)) == ["assets"]
 
 

@@ -286,3 +286,29 @@ def test_clean_on_a_read_only_file_system_says_so_before_touching_anything(tmp_p
             f"error: {ckpt} is on a read-only file system: clean removes nothing there (1 partial step folder; "
             "clean it where it is mounted writable)"), proc.stderr
         assert sorted(os.listdir(ckpt)) == sorted(["step-1", "step-2"] + [".torchtitan_ckpt.lock"] * lock)
+
+
+def test_a_step_folder_another_user_closed_is_named_as_such(team_folder):
+    """A step folder of mode 000 (another user's) read as holding nothing: inspect said it held
+    no checkpoint, verify that it had no commit marker (a partial step?), convert that it held
+    no .metadata."""
+    ckpt = _save_steps(team_folder, [1])
+    step = layout.step_dir(ckpt, 1)
+    os.chmod(step, 0o000)
+    code = f"""
+import contextlib, io
+from torchtitan_ckpt import cli
+for argv in (["inspect", {step!r}], ["verify", {step!r}], ["convert", "--to", "hf", {step!r}, "out"]):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        status = cli.main([*argv, "-q"])
+    print(status, err.getvalue().strip())
+"""
+    try:
+        out = _as_another_user(team_folder, "from torchtitan_ckpt import cli", code).splitlines()
+    finally:
+        os.chmod(step, 0o755)
+    assert len(out) == 3, out
+    for line in out:
+        assert line.startswith(f"2 error: {step}: Permission denied for user nobody") and \
+            "mode d---------); ask its owner to make it readable to you" in line, out

@@ -93,6 +93,9 @@ def _require_folder(folder: str) -> None:
         raise CheckpointNotFoundError(f"{folder} cannot be looked at: {e.strerror}") from None
     if not is_folder:
         raise CheckpointNotFoundError(f"{folder} is a file, not a folder")
+    if not os.access(folder, os.R_OK | os.X_OK):  # else read as a folder holding nothing
+        raise CheckpointError(f"{safe_open.denied(folder, 'Permission denied')}; ask its owner to make it readable "
+                              "to you")
 
 
 def _where_steps_are(folder: str) -> str:
@@ -609,6 +612,8 @@ def cmd_convert(args: argparse.Namespace, progress: Progress) -> int:
     _check_output(args.dst)
     if os.path.isdir(args.dst) and os.listdir(args.dst):
         raise CheckpointError(f"{args.dst} exists and is not empty; remove it or name a new folder")
+    if scheme_of(args.src) is None:
+        _require_folder(args.src)
     with launched_group(), _opened(args.src, "src") as (store, src):
         local = store.fetch(src)
         if args.to == "hf":
