@@ -732,6 +732,23 @@ def test_an_output_inside_a_step_folder_is_refused(folder, hf_folder, shards, tm
     assert commit.verify(step) == []
 
 
+def test_an_empty_mount_point_as_output_is_refused_before_the_work(hf_folder, tmp_path):
+    """A fresh volume mounted for the export: the output was written beside it on the parent's
+    disk under a temporary name, then failed to be renamed over the mount point ("Device or
+    resource busy") after all the work."""
+    out = tmp_path / "volume"
+    out.mkdir()
+    script = (f"mount -t tmpfs none {out} && PYTHONPATH={ROOT} {sys.executable} -m torchtitan_ckpt convert --to dcp "
+              f"{hf_folder} {out} -q")
+    proc = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    if "mount:" in proc.stderr or "unshare:" in proc.stderr:
+        pytest.skip(f"no mount can be made here: {proc.stderr.strip()}")
+    assert (proc.returncode, proc.stderr) == (2, f"error: {out} is an empty mount point: a new output is written "
+                                                 "beside it under a temporary name, then renamed over it, which a "
+                                                 "mount point cannot be; name a folder inside it\n")
+    assert sorted(os.listdir(tmp_path)) == ["volume"]
+
+
 @pytest.mark.parametrize("left", ["empty", "marking"])
 def test_a_partial_output_a_signal_left_while_it_was_made_is_replaced(hf_folder, tmp_path, capsys, left):
     """A Ctrl-C or SIGTERM in the first milliseconds left `OUT.partial` empty or holding the

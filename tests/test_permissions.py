@@ -211,8 +211,9 @@ with contextlib.redirect_stderr(err):
 print(status, err.getvalue().strip().splitlines()[-1])
 """
     out = _as_another_user(team_folder, "from torchtitan_ckpt import cli", code).splitlines()[-1]
-    assert out.startswith(f"2 error: {os.path.join(sticky, 'out')}: an empty folder this user may not replace for "
-                          "user ") and "remove it, or name another output folder" in out, out
+    assert out.startswith(f"2 error: {os.path.join(sticky, 'out')} is an empty folder this user may not replace, as "
+                          f"the finished output replaces it: {sticky}: not removable for user nobody") \
+        and "mode drwxrwxrwt); remove it, or name another output folder" in out, out
     assert os.listdir(sticky) == ["out"]  # no `out.partial` made, nothing written
 
 

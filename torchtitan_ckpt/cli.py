@@ -528,6 +528,9 @@ def _check_output(dst: str) -> None:
         raise CheckpointError(f"{dst} exists and is not a folder; remove it or name a new folder")
     if step := layout.step_folder_around(dst):
         raise CheckpointError(f"{dst} {layout.in_step(dst, step)}; name a folder outside it")
+    if os.path.ismount(dst) and not os.listdir(dst):
+        raise CheckpointError(f"{dst} is an empty mount point: a new output is written beside it under a temporary "
+                              "name, then renamed over it, which a mount point cannot be; name a folder inside it")
 
 
 @contextlib.contextmanager
@@ -538,9 +541,9 @@ def _staged(dst: str) -> Iterator[str]:
     if os.path.isdir(dst) and os.listdir(dst):
         yield dst
         return
-    if os.path.isdir(dst) and safe_open.unlink_denied(dst) is not None:  # refused now, not once the work is done
-        raise CheckpointError(f"{safe_open.denied(dst, 'an empty folder this user may not replace')} (another "
-                              "user's, in a folder with the sticky bit): remove it, or name another output folder")
+    if os.path.isdir(dst) and (why := safe_open.unlink_denied(dst)) is not None:  # refused now, not after the work
+        raise CheckpointError(f"{dst} is an empty folder this user may not replace, as the finished output replaces "
+                              f"it: {why}; remove it, or name another output folder")
     tmp = dst.rstrip(os.sep) + PARTIAL_SUFFIX
     rank0 = this_rank_draws()
     try:
