@@ -239,8 +239,11 @@ def cmd_list(args: argparse.Namespace, progress: Progress) -> int:
         _print_json({"folder": args.folder, "latest_complete": _newest(steps, layout.COMPLETE),
                      "latest_loadable": loadable, "steps": steps})
     elif not steps:
-        print(printable(f"{args.folder}: no step folders" + (_where_steps_are(args.folder)
-                                                              if scheme_of(args.folder) is None else "")))
+        local = scheme_of(args.folder) is None
+        step = layout.step_folder_around(args.folder) if local else None
+        print(printable(f"{args.folder}: no step folders" + (
+            f"; it {layout.in_step(args.folder, step)}: list {os.path.dirname(step)}, the folder holding the "
+            "step-N folders" if step else _where_steps_are(args.folder) if local else "")))
     else:
         print(f"{'step':>8}  {'status':<10}  {'size':>10}  contents")
         for s in steps:
