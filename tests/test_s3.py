@@ -1573,3 +1573,20 @@ def test_a_prefix_inside_a_step_is_refused_as_a_folder_inside_one_is(bucket, tmp
             CheckpointManager(_config(f"{url}/{inside}", stage), [model], opt)
     assert sorted(_objects(bucket)) == before
     CheckpointManager(_config(f"{url}/step-3/eval", stage), [model], opt).close()  # no step there
+
+
+def test_copies_into_another_jobs_prefix_are_refused_before_training(bucket, tmp_path):
+    """A job with hf_export_interval under s3://b/run, beside another job saving under
+    s3://b/run/hf: the copies' retention deleted that job's steps."""
+    from .jobs import make_job
+
+    stage = str(tmp_path / "stage")
+    other = make_job(str(tmp_path), steps=2, interval=2, keep_latest_k=0, folder=f"s3://{bucket}/run/hf",
+                     staging_folder=stage)
+    other.run_to(2, steps=2)
+    other.manager.close()
+    with pytest.raises(ConfigError, match=rf"checkpoint.hf_export_interval = 2: the copies go into s3://{bucket}/run/hf, "
+                                          rf"which holds s3://{bucket}/run/hf/step-2 in DCP's format, no copy"):
+        make_job(str(tmp_path), steps=4, interval=2, hf_export_interval=2, keep_latest_k=1,
+                 folder=f"s3://{bucket}/run", staging_folder=stage)
+    assert any(k.startswith("run/hf/step-2/") for k in _objects(bucket))
