@@ -734,6 +734,26 @@ def test_an_output_inside_a_step_folder_is_refused(folder, hf_folder, shards, tm
     assert commit.verify(step) == []
 
 
+def test_a_second_run_into_an_output_being_written_is_refused(hf_folder, tmp_path):
+    """Two converts into one OUT_DIR at once: the second removed the first's `OUT.partial` as an
+    interrupted run's, and the first failed at its end ("Directory not empty")."""
+    out = str(tmp_path / "out")
+    tmp = out + cli.PARTIAL_SUFFIX
+    fd = cli._new_partial(tmp)  # a run writing it now: made, and held
+    try:
+        run = subprocess.run([*CMD, "convert", "--to", "dcp", hf_folder, out, "-q"], capture_output=True, text=True,
+                             env=ENV, timeout=300)
+        assert (run.returncode, run.stderr) == (2, f"error: {tmp} is being written by another run of this command "
+                                                   "now; wait for it to end, or name another output folder\n")
+        assert commit.is_in_progress(tmp)
+    finally:
+        os.close(fd)
+    run = subprocess.run([*CMD, "convert", "--to", "dcp", hf_folder, out, "-q"], capture_output=True, text=True,
+                         env=ENV, timeout=300)  # that run gone (killed): its leftover is replaced
+    assert run.returncode == 0 and not os.path.lexists(tmp) and os.path.isfile(os.path.join(out, ".metadata")), \
+        run.stderr
+
+
 def test_an_empty_mount_point_as_output_is_refused_before_the_work(hf_folder, tmp_path):
     """A fresh volume mounted for the export: the output was written beside it on the parent's
     disk under a temporary name, then failed to be renamed over the mount point ("Device or

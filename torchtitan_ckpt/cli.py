@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import math
@@ -549,10 +550,11 @@ def _staged(dst: str) -> Iterator[str]:
                               f"it: {why}; remove it, or name another output folder")
     tmp = dst.rstrip(os.sep) + PARTIAL_SUFFIX
     rank0 = this_rank_draws()
+    held: list[int | None] = []  # rank 0's lock of `tmp`, until it is renamed or removed
     try:
-        CheckpointGroup().run(lambda: _new_partial(tmp), coordinator_only=True)
+        CheckpointGroup().run(lambda: held.append(_new_partial(tmp)), coordinator_only=True)
     except BaseException as e:  # a full disk, Ctrl-C or a signal while it was made
-        if rank0 and _left_by_us(tmp):
+        if rank0 and not held and _left_by_us(tmp) and not _held_elsewhere(tmp):  # not another run's
             _removed(tmp)
         if isinstance(e, RankFailed):
             e.reraise(f"preparing {tmp}")
@@ -570,6 +572,9 @@ def _staged(dst: str) -> Iterator[str]:
         if rank0:
             _removed(tmp)
         raise
+    finally:
+        for fd in filter(None, held):
+            os.close(fd)
 
 
 def _removed(tmp: str) -> None:
@@ -592,18 +597,59 @@ def _removed(tmp: str) -> None:
             signal.raise_signal(got[0])
 
 
-def _new_partial(tmp: str) -> None:
+def _new_partial(tmp: str) -> int | None:
     """Make `tmp` afresh, marked in progress as a step folder being written is (so a later run
-    knows it for ours, and a DCP output's commit leaves the mark out of its manifest): one an
-    interrupted run left (`_left_by_us`) is removed first; anything else by that name (a user's
-    folder, a link) is left alone and refused."""
+    knows it for ours, and a DCP output's commit leaves the mark out of its manifest), and locked
+    (`flock`) while this run writes it: returns the descriptor holding the lock (None where the
+    file system locks no folder). One an interrupted run left (`_left_by_us`) is removed first;
+    one a run still writes (its lock held), or anything else by that name (a user's folder, a
+    link), is left alone and refused."""
     if os.path.lexists(tmp):
         if not _left_by_us(tmp):
             raise CheckpointError(f"{tmp} exists and was not left by an interrupted run of this command; "
                                   "it is never removed: move it away or name another output")
+        if (fd := _locked(tmp)) is None and _held_elsewhere(tmp):
+            raise CheckpointError(f"{tmp} is being written by another run of this command now; wait for it to "
+                                  "end, or name another output folder")
+        if fd is not None:
+            os.close(fd)
         shutil.rmtree(tmp)
     durable.make_dir(tmp)
-    commit.mark_in_progress(tmp)
+    fd = _locked(tmp)
+    try:
+        commit.mark_in_progress(tmp)
+    except BaseException:  # a full disk, a signal: let go, for the caller to remove it
+        if fd is not None:
+            os.close(fd)
+        raise
+    return fd
+
+
+def _locked(folder: str) -> int | None:
+    """A descriptor of `folder` holding an exclusive `flock` on it, or None where another holds
+    one or the file system locks no folder (NFS emulates `flock` with locks of files)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _held_elsewhere(folder: str) -> bool:
+    """Whether another run holds `folder` locked (`_locked`); False also where the file system
+    locks no folder."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 def _left_by_us(tmp: str) -> bool:
