@@ -6,6 +6,8 @@ import json
 import logging
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from torchtitan_ckpt import CheckpointError, CheckpointManager, ConfigError, com
 from torchtitan_ckpt.config import Checkpoint
 from torchtitan_ckpt.hf.files import MAX_ASSET_BYTES
 
-from .helpers import assert_same, run_job
+from .helpers import ROOT, assert_same, run_job
 from .jobs import make_job
 
 transformers = pytest.importorskip("transformers")
@@ -516,15 +518,16 @@ def test_an_adapter_of_the_users_gives_integers_read_into_narrower_ones_refused(
 def test_the_copies_folder_is_checked_before_training(tmp_path):
     """The folder of the hf_export_interval copies was looked at only by the first copy, after
     the training up to it: another job's checkpoint folder there lost its steps to the copies'
-    retention (running, its lock held, or ended), an initial checkpoint there was replaced by a
-    copy and then deleted, and a file of that name failed the first copy."""
+    retention (running, or ended), an initial checkpoint there was replaced by a copy and then
+    deleted, and a file of that name failed the first copy. A job saving there while the
+    exporting job runs is refused too (`test_a_job_into_a_running_jobs_copies_is_refused`)."""
     other = make_job(str(tmp_path), steps=4, interval=2, keep_latest_k=0, folder="checkpoint/hf")
     other.run_to(2, steps=4)  # running: it holds checkpoint/hf
-    with pytest.raises(ConfigError, match=r"checkpoint.hf_export_interval = 2: the copies go into .*checkpoint/hf, "
-                                          r"the checkpoint folder of another job \(it holds .torchtitan_ckpt.lock\)"):
+    with pytest.raises(ConfigError, match=r"checkpoint.hf_export_interval = 2: another CheckpointManager of this "
+                                          r"process uses .*checkpoint/hf \(this job's hf_export_interval copies go "
+                                          r"there\): it is another job's checkpoint folder"):
         make_job(str(tmp_path), steps=4, interval=2, hf_export_interval=2, keep_latest_k=1)
-    other.manager.close()
-    os.remove(os.path.join(_folder(tmp_path), "hf", ".torchtitan_ckpt.lock"))  # ended, its lock gone
+    other.manager.close()  # ended: its lock file stays, unheld
     with pytest.raises(ConfigError, match=r"the copies go into .*checkpoint/hf, which holds .*checkpoint/hf/step-2 in "
                                           r"DCP's format, no copy: another job's checkpoint folder\?"):
         make_job(str(tmp_path), steps=4, interval=2, hf_export_interval=2, keep_latest_k=1)
@@ -539,8 +542,35 @@ def test_the_copies_folder_is_checked_before_training(tmp_path):
                                           rf"{re.escape(str(copies))}, where this job's copies go"):
         make_job(str(tmp_path / "b"), steps=2, interval=2, hf_export_interval=2, initial_load_path=start,
                  initial_load_in_hf=True)
+    assets = copies / "assets"  # beside the copies' step folders: never touched
+    assets.mkdir()
+    make_job(str(tmp_path / "b"), steps=2, interval=2, hf_export_interval=2, initial_load_path=str(assets),
+             initial_load_in_hf=True).manager.close()
     (tmp_path / "c" / "checkpoint").mkdir(parents=True)
     (tmp_path / "c" / "checkpoint" / "hf").write_text("mine")
     with pytest.raises(ConfigError, match=r"the copies go into .*c/checkpoint/hf, which is not a folder"):
         make_job(str(tmp_path / "c"), steps=2, interval=2, hf_export_interval=2)
     assert (tmp_path / "c" / "checkpoint" / "hf").read_text() == "mine"
+
+
+def test_a_job_into_a_running_jobs_copies_is_refused(tmp_path):
+    """A job started with checkpoint.folder = X/hf while a job saving into X with
+    hf_export_interval ran: the copies replaced its steps and their retention deleted them.
+    Each job in a process of its own, as they run."""
+    exporting = make_job(str(tmp_path), steps=4, interval=2, hf_export_interval=2, keep_latest_k=1)
+    code = ("import sys, torch\nfrom torchtitan_ckpt import Checkpoint, CheckpointError, CheckpointManager\n"
+            "try:\n    CheckpointManager(Checkpoint(enable=True, folder=sys.argv[1]), [torch.nn.Linear(2, 2)]).close()\n"
+            "except CheckpointError as e:\n    print(e)\n")
+    copies = os.path.join(_folder(tmp_path), "hf")
+    run = subprocess.run([sys.executable, "-c", code, copies], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert re.match(rf"checkpoint.folder = '{re.escape(copies)}': another process \(pid {os.getpid()} on .*\) uses "
+                    rf"{re.escape(copies)} to save into: one job saves into a folder at a time", run.stdout), \
+        run.stdout + run.stderr[-3000:]
+    clean = subprocess.run([sys.executable, "-m", "torchtitan_ckpt.cli", "clean", copies], capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert clean.returncode == 2 and f"uses {copies} to save into: clean removes partial steps" in clean.stderr, \
+        clean.stderr  # a copy in flight is a partial step: clean removed it
+    exporting.run_to(2, steps=4)
+    exporting.manager.close()
+    assert commit.read_marker(layout.step_dir(copies, 2)).format == "hf"

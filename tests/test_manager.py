@@ -1232,6 +1232,10 @@ def test_a_step_folder_as_the_checkpoint_folder_is_refused_before_anything_is_wr
                                           rf"{re.escape(str(step))}: the files staged there would be in that step"):
         CheckpointManager(Checkpoint(enable=True, interval=1, folder=str(tmp_path / "other"),
                                      staging_folder=str(stage)), [model])
+    os.symlink(named, tmp_path / "link")  # a link into the step leads there as well
+    with pytest.raises(ConfigError, match=rf"is inside the step folder {re.escape(str(step))}, not a folder of steps"):
+        CheckpointManager(Checkpoint(enable=True, interval=1, folder=str(tmp_path / "link" / "run")), [model])
+    os.remove(tmp_path / "link")
     assert sorted(p.name for p in step.iterdir()) == before
     (tmp_path / "scratch").mkdir()
     (tmp_path / "scratch" / ".metadata").write_bytes(b"")  # a folder not named as a step is none

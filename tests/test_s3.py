@@ -1590,3 +1590,17 @@ def test_copies_into_another_jobs_prefix_are_refused_before_training(bucket, tmp
         make_job(str(tmp_path), steps=4, interval=2, hf_export_interval=2, keep_latest_k=1,
                  folder=f"s3://{bucket}/run", staging_folder=stage)
     assert any(k.startswith("run/hf/step-2/") for k in _objects(bucket))
+
+
+def test_verify_of_a_marker_too_big_to_read_is_a_damaged_step_as_in_a_folder(bucket, tmp_path, capsys):
+    """A COMMITTED.json larger than its reader takes: exit 1 with one COMMITTED.json entry in a
+    folder, but exit 2 (an input error) on S3, where the store refuses to download it."""
+    url = f"s3://{bucket}/run"
+    with CheckpointManager(_config(url, str(tmp_path / "stage")), [torch.nn.Linear(2, 2)]) as manager:
+        manager.save(1)
+    boto3.client("s3").put_object(Bucket=bucket, Key="run/step-1/COMMITTED.json",
+                                  Body=b" " * (commit.MAX_MARKER_BYTES + 1))
+    assert cli.main(["verify", "--json", f"{url}/step-1", "-q"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert [(f["file"], f["ok"]) for f in doc["files"]] == [("COMMITTED.json", False)]
+    assert f"{url}/step-1/COMMITTED.json is {commit.MAX_MARKER_BYTES + 1} bytes, more than" in doc["files"][0]["problem"]

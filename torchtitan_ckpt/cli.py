@@ -395,19 +395,27 @@ def cmd_verify(args: argparse.Namespace, progress: Progress) -> int:
         _require_folder(args.step_dir)
     with _opened(args.step_dir, "step_dir") as (store, local):
         path = args.step_dir
-        if not commit.is_committed(store.fetch(local, [commit.MARKER])):
+        info, damaged = None, None
+        try:  # a store refuses to fetch a marker too big for its reader
+            fetched = store.fetch(local, [commit.MARKER])
+        except CorruptCheckpointError as e:
+            fetched, damaged = local, e
+        if damaged is None and not commit.is_committed(fetched):
             raise CheckpointNotFoundError(f"{path} has no {commit.MARKER}: not a complete step"
                                           + (_where_steps_are(path) if scheme_of(path) is None else ""))
-        if scheme_of(path) is None and layout.status_of(local) == layout.FOREIGN:
+        if damaged is None and scheme_of(path) is None and layout.status_of(local) == layout.FOREIGN:
             raise CheckpointNotFoundError(f"{path} holds another program's step, written over a step of ours (its "
                                           f".metadata names another save than its {commit.IN_PROGRESS}): its "
                                           f"{commit.MARKER} does not describe its files, which cannot be verified")
-        store.fetch(local)
-        try:
-            info = store.read_marker(local)
-        except CorruptCheckpointError as e:  # a damaged step, as a damaged file of it is; another version's: 2
-            info, files = None, [{"file": commit.MARKER, "bytes": None, "crc32": None, "ok": False,
-                                  "problem": store.in_user_terms(str(e))}]
+        if damaged is None:
+            store.fetch(local)
+            try:
+                info = store.read_marker(local)
+            except CorruptCheckpointError as e:
+                damaged = e
+        if damaged is not None:  # a damaged step, as a damaged file of it is; another version's marker: exit 2
+            files = [{"file": commit.MARKER, "bytes": None, "crc32": None, "ok": False,
+                      "problem": store.in_user_terms(str(damaged))}]
         if info is not None:
             with progress:
                 files = [{**f, "problem": f["problem"] and store.in_user_terms(f["problem"])}
@@ -455,11 +463,7 @@ def cmd_clean(args: argparse.Namespace, progress: Progress) -> int:
         raise CheckpointError(f"{args.folder} is on a read-only file system: clean removes nothing there "
                               f"({counted(len(partial), 'partial step folder')}; clean it where it is mounted "
                               "writable)")
-    job = os.path.dirname(os.path.abspath(args.folder))  # of a job's hf_export_interval copies: that job's lock
-    copies = os.path.basename(os.path.abspath(args.folder)) == layout.HF_COPIES and \
-        os.path.lexists(os.path.join(job, LOCK_FILE))
-    with _no_job_saving(args.folder, args.force), \
-            _no_job_saving(job, args.force) if copies else contextlib.nullcontext():
+    with _no_job_saving(args.folder, args.force):  # a job's hf_export_interval copies: it holds their folder too
         steps, store = layout.scan(args.folder), open_store(args.folder, "folder", 0, Checkpoint())
         for s in steps:  # every folder kept but a healthy step of ours, by its status in `list`
             if (s.status != layout.PARTIAL or s.linked) and (listed := _listed(s, store)) is not None \

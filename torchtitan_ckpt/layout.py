@@ -139,8 +139,8 @@ def step_folder_around(path: str) -> str | None:
     """`path`, or the nearest folder above it, when it is a step folder: ours (finished or not)
     or another program's DCP checkpoint named as a step (TorchTitan's `step-N`). A checkpoint
     folder or an output there would write into that step (a file added to a step fails its
-    `verify`)."""
-    here = os.path.abspath(path)
+    `verify`). Looked for above the real path: a link into a step leads there as well."""
+    here = os.path.realpath(path)
     while True:
         if os.path.isdir(here) and (status_of(here) in (COMPLETE, PARTIAL) or (
                 parse_step(os.path.basename(here)) is not None and foreign_format(here) == "dcp")):
@@ -152,7 +152,7 @@ def step_folder_around(path: str) -> str | None:
 
 def in_step(path: str, step: str) -> str:
     """What `path` is to the step folder `step` around it (`step_folder_around`), for a message."""
-    return f"{'is' if step == os.path.abspath(path) else 'is inside'} the step folder {step}"
+    return f"{'is' if step == os.path.realpath(path) else 'is inside'} the step folder {step}"
 
 
 def _finished_by_another(path: str, committed: bool) -> bool:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import commit, gc_pause, layout, step_hooks, storage
+from .storage import lock
 from .deleter import BackgroundDeleter
 from .policy.retention import newer_steps, steps_to_delete
 from .storage.local import LOCK_FILE
@@ -56,7 +57,7 @@ from .hf.files import CONFIG_FILE
 from .hf.registry import known_hf_names
 from .hf.save import assets_file_split, read_assets
 from .io.dtypes import EXPORT_DTYPES, exported_state
-from .io import direct, safe_open
+from .io import direct, durable, safe_open
 from .io.filewriter import Sink
 from .io.materialised import check_materialised, check_memory
 from .io.tensors import local_bytes
@@ -154,7 +155,8 @@ class CheckpointManager:
                                 "torchtitan_ckpt's Checkpoint, or TorchTitan's job_config.checkpoint")
             config = Checkpoint.from_torchtitan(config)
         config = config.validate()  # a section built in Python never went through `load_config`
-        _refuse_after_main_thread("CheckpointManager()")
+        if config.enable:
+            _refuse_after_main_thread("CheckpointManager()")
         self.config = config
         self._adapter = as_adapter(state_dict_adapter)
         self.folder = config.folder_under(base_folder)
@@ -232,6 +234,7 @@ class CheckpointManager:
         """Open the storage, check the job against the config, and start the strategies."""
         config = self.config
         self._store = storage.open_store(self.folder, "checkpoint.folder", rank, config)
+        self._copies_lock: str | None = None  # rank 0's hold of the copies' folder (`_check_copies`)
         self._user = FolderUser(self._store.url, saves=not config.load_only)
         self._user.settle_earlier()  # before this manager's collectives and reads
         self.folder = self._store.root  # where the formats write and read: the folder, or a local stage
@@ -337,11 +340,15 @@ class CheckpointManager:
         stores = [(self._store, not self.config.load_only)] + ([(self._initial, False)] if self._initial else [])
         for store, write in stores:
             store.reach(self._group, write)
-        if step := self._group.each(self._store.step_around, f"looking above {self._store.url}"):
+        try:  # rank 0 looks, every rank takes its answer
+            step = self._group.run(self._store.step_around, coordinator_only=True)[0]
+        except RankFailed as failed:
+            failed.reraise(f"looking above {self._store.url}")
+        if step:
             url = self._store.url
             raise ConfigError("checkpoint.folder", url, (
-                f"{'is' if storage.within(step, url) else 'is inside'} the step folder {step}, not a folder of steps "
-                f"(a save would write into that step): resume from {step.rsplit('/', 1)[0]}, the folder holding the "
+                f"{'is' if storage.below(url, step) == [] else 'is inside'} the step folder {step}, not a folder of "
+                f"steps (a save would write into that step): resume from {step.rsplit('/', 1)[0]}, the folder holding the "
                 "step-N folders, or start from that step with checkpoint.initial_load_path"))
         for store, write in reversed(stores):
             store.check(self._group, write)  # a probe written: shared by every rank?
@@ -361,14 +368,15 @@ class CheckpointManager:
         """The folder of the `hf_export_interval` copies (`layout.HF_COPIES`), found fit now
         rather than at the first copy, after the training up to it: a folder (or none yet) this
         user may write into (another user's, in a team's folder); not another job's checkpoint
-        folder, which the copies' retention would delete steps of (its lock, or steps in DCP's
-        format there); holding neither the initial checkpoint nor the adapter's assets, which a
-        copy of the same step replaces and the copies' retention deletes."""
+        folder, which the copies' retention would delete steps of (steps in DCP's format there;
+        on a file system, held by this job as a job holds its folder, so that neither starts
+        while the other saves there); holding neither the initial checkpoint nor the adapter's
+        assets in a step folder, which a copy of that step replaces and retention deletes."""
         copies = os.path.join(self.folder, layout.HF_COPIES)
         where = self._store.describe(copies)
         for key, path in (("checkpoint.initial_load_path", self.config.initial_load_path),
                           ("the adapter's hf_assets_path", self._adapter.hf_assets_path)):
-            if path and storage.within(path, where):
+            if path and (names := storage.below(path, where)) and layout.parse_step(names[0]) is not None:
                 raise CheckpointError(f"{key} = {path} is in {where}, where this job's copies go: a copy of its step "
                                       "would replace it and their retention delete it; move it out of there")
         if not self._store.staged:
@@ -378,10 +386,15 @@ class CheckpointManager:
             if os.path.isdir(copies) and not os.access(copies, os.W_OK | os.X_OK):
                 raise CheckpointError(f"the copies go into {safe_open.denied(copies, 'not writable')}; ask its owner "
                                       "to make it writable to you, or save into another checkpoint.folder")
-            if os.path.lexists(os.path.join(copies, LOCK_FILE)):
-                raise CheckpointError(f"the copies go into {copies}, the checkpoint folder of another job (it holds "
-                                      f"{LOCK_FILE}), whose steps their retention would delete; save one of the jobs "
-                                      "into another checkpoint.folder")
+            durable.make_dir(copies, exist_ok=True)
+            what = f"{copies} (this job's hf_export_interval copies go there)"
+            remedy = ("it is another job's checkpoint folder, whose steps the copies' retention would delete; save "
+                      "one of the jobs into another checkpoint.folder")
+            key, first = lock.claim(os.path.join(copies, LOCK_FILE), what, remedy)
+            if not first:
+                lock.release(key)
+                raise CheckpointError(f"another CheckpointManager of this process uses {what}: {remedy}")
+            self._copies_lock = key
         index = FORMATS["dcp"].index_files
         if dcp := next((f for f in self._store.scan(copies) if f.committed and not f.linked
                         and any(size is not None for size in self._store.sizes(f.path, index).values())), None):
@@ -570,10 +583,13 @@ class CheckpointManager:
             step_hooks.detach(opt, self._before_optimizer_step)
 
     def _close_stores(self) -> None:
-        """Let go of what the stores hold on this node (`Store.close`)."""
+        """Let go of what the stores hold on this node (`Store.close`), and of the copies' folder."""
         for store in (self._store, self._initial):
             if store is not None:
                 store.close()
+        if self._copies_lock is not None:
+            lock.release(self._copies_lock)
+            self._copies_lock = None
 
     @_one_call
     def wait(self) -> None:
@@ -598,9 +614,9 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError("save() called after close()")
         step = layout.check_step(curr_step, "save")
-        _refuse_after_main_thread(f"save({step})")
         if not self.config.enable:
             return False
+        _refuse_after_main_thread(f"save({step})")
         self._user.save(f"save({step})")
         if self._half_loaded is not None:
             raise CheckpointError(f"save({step}) refused: the job's state is not one step's ({self._half_loaded})")
@@ -913,10 +929,10 @@ class CheckpointManager:
         garbage collector is paused during the call, as in `save()`."""
         if self._closed:
             raise CheckpointError("load() called after close()")
-        _refuse_after_main_thread("load()")
         step = layout.check_step(step, "load", low=-1)
         if not self.config.enable:
             return False
+        _refuse_after_main_thread("load()")
         self._load_called = True
         self._user.settle_earlier()
         self._saves.wait()
@@ -1267,8 +1283,11 @@ def _refuse_after_main_thread(call: str) -> None:
     """Refuse `call` from a thread still training once the main thread has ended (a script
     that starts the training loop in a thread and returns): Python then takes no new work in
     thread pools, which saves and loads use, and has stopped this package's background work
-    (its exit hooks run when the main thread ends)."""
-    if not threading.main_thread().is_alive():
+    (its exit hooks run when the main thread ends). Known by `threading`'s flag of that, set
+    before those hooks run, where this Python has it (an embedded interpreter's first thread
+    may end while the process goes on); else by the main thread's end."""
+    shutting_down = getattr(threading, "_SHUTTING_DOWN", None)
+    if shutting_down if shutting_down is not None else not threading.main_thread().is_alive():
         raise CheckpointError(f"{call} called after the main thread ended: Python takes no new work in thread pools "
                               "then (saves and loads use them) and has stopped the checkpoint's background work; "
                               "have the main thread wait for the training thread (thread.join()) before it ends")

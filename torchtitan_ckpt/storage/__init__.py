@@ -37,16 +37,22 @@ def under(base: str, folder: str) -> str:
     return folder if scheme_of(folder) else os.path.join(base, folder)
 
 
-def within(path: str, folder: str) -> bool:
-    """Whether `path` is `folder` or below it: paths once links are resolved, URLs as their
-    components read (a doubled or trailing slash names the same objects)."""
+def below(path: str, folder: str) -> list[str] | None:
+    """The names leading from `folder` down to `path` ([] for `folder` itself), or None when
+    `path` is not `folder` or below it: paths once links are resolved, URLs by their keys (a
+    trailing slash aside)."""
     if scheme_of(path) != scheme_of(folder):
-        return False
+        return None
     if scheme_of(path) is None:
         path, folder = os.path.realpath(path), os.path.realpath(folder)
-        return os.path.commonpath([path, folder]) == folder
-    parts, above = ([p for p in url.split("/")[1:] if p] for url in (path, folder))  # after "s3:"
-    return parts[:len(above)] == above
+        if os.path.commonpath([path, folder]) != folder:
+            return None
+        rel = os.path.relpath(path, folder)
+        return [] if rel == "." else rel.split(os.sep)
+    path, folder = path.rstrip("/"), folder.rstrip("/")
+    if path == folder:
+        return []
+    return path[len(folder) + 1:].split("/") if path.startswith(folder + "/") else None
 
 
 def check_url(key: str, url: str) -> None:

@@ -90,8 +90,8 @@ class Store(ABC):
     def unlisted(self, folder: StepFolder) -> list[str]:
         """What the committed step `folder` holds that its manifest does not list (a user's
         evaluation results, notes, a repository), relative to it: not written here, so never
-        removed or replaced here. None for a step not committed, or whose marker cannot be read
-        (no manifest to tell by)."""
+        removed or replaced here. None ([]) for a step not committed, or whose marker cannot be
+        read (no manifest to tell by)."""
 
     def empty(self, folder: StepFolder) -> bool:
         """Whether `folder` is what a save leaves when it stops (or is seen starting) before its
