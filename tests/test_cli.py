@@ -504,6 +504,22 @@ def test_a_descriptor_closed_from_the_start_ends_the_command_quietly(folder):
     assert closed_err.returncode == cli.EXIT_INPUT and closed_err.stdout == ""
 
 
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_a_stdout_that_cannot_be_written_has_a_status_of_its_own(folder, hf_folder, tmp_path, unbuffered):
+    """`> /dev/full` (a full disk under `> file`): convert, its output finished, said the output's
+    file system was full (exit 1, "the unfinished output is removed"); list exited 2, an input
+    error, or 120 with Python's "Exception ignored" on stderr."""
+    out = str(tmp_path / "out")
+    env = {**ENV, "PYTHONUNBUFFERED": unbuffered}
+    with open("/dev/full", "w") as full:
+        for argv in (["list", folder], ["verify", layout.step_dir(folder, 2)], ["convert", "--to", "dcp", hf_folder, out]):
+            done = subprocess.run([*CMD, *argv, "-q"], stdout=full, stderr=subprocess.PIPE, text=True, env=env,
+                                  cwd=ROOT, timeout=300)
+            assert (done.returncode, done.stderr) == (cli.EXIT_STDOUT, f"error: stdout could not be written (No space "
+                                                                       f"left on device): {argv[0]} stopped there\n")
+    assert os.path.isfile(os.path.join(out, ".metadata"))  # the work was done
+
+
 def test_piped_into_head(folder, tmp_path):
     """More output than a pipe holds, read by `head -n 1` in a real shell pipeline."""
     work = shutil.copytree(folder, str(tmp_path / "many"))

@@ -407,7 +407,7 @@ def test_a_conversion_into_a_full_disk_fails_as_such_and_leaves_nothing(tmp_path
     _fill(tiny_disk, leave=free)
     out = os.path.join(tiny_disk, "hf")
     assert cli.main(["convert", "--to", "hf", step, out, "-q"]) == cli.EXIT_FAILED
-    assert f"the file system holding {out} is full" in capsys.readouterr().err
+    assert f"the file system holding {out} is full: " in capsys.readouterr().err
     assert sorted(os.listdir(tiny_disk)) == ["filler"]
 
 

@@ -64,13 +64,14 @@ from .storage import lock
 from .storage.base import Store
 from .storage.local import LOCK_FILE
 
-EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
+EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_STDOUT, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 74, 130, 141
 EXIT_CODES = """exit status:
   0    success
   1    verify: a file is missing, differs from the manifest or is not in it; list: no loadable step;
        clean: a partial step could not be removed (named on stderr); convert, consolidate: the
        output's file system is full (the unfinished output is removed)
   2    usage error, or input that is not what the command needs (named on stderr)
+  74   stdout could not be written (a full disk under `> file`); the command stopped there
   130  interrupted (Ctrl-C); an unfinished convert/consolidate output is removed
   143  ended by SIGTERM (129: SIGHUP), cleaned up as after Ctrl-C
   141  stdout was closed early (e.g. `| head`); the command stops quietly
@@ -845,6 +846,37 @@ def _setup_logging(args: argparse.Namespace) -> None:
         logging.getLogger("botocore").setLevel(logging.WARNING)
 
 
+class _StdoutFailed(Exception):
+    """Writing stdout failed otherwise than by its reader going away (a full disk under
+    `> file`, `> /dev/full`): not the command's own failure, which a status of its own tells."""
+
+
+class _Stdout:
+    """`sys.stdout` while a command runs: a failure to write it raised as `_StdoutFailed`, so
+    that it is not taken for a failure of the command's output folder (its disk full)."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._guarded(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._guarded(self._stream.flush)
+
+    @staticmethod
+    def _guarded(call: Any, *args: Any) -> Any:
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise _StdoutFailed(e.strerror or str(e)) from e
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def _stdout_closed() -> int:
     """stdout's reader went away: send what is left to /dev/null so that the flush at exit does
     not raise again, and end with the status a shell gives a command killed by SIGPIPE."""
@@ -923,6 +955,14 @@ def entry() -> NoReturn:
 
 
 def _run(args: argparse.Namespace) -> int:
+    stdout, sys.stdout = sys.stdout, _Stdout(sys.stdout)
+    try:
+        return _run_command(args)
+    finally:
+        sys.stdout = stdout
+
+
+def _run_command(args: argparse.Namespace) -> int:
     progress = Progress(args.command, enabled=not args.quiet and this_rank_draws(), interval=args.progress_every)
     try:
         with warnings.catch_warnings():
@@ -932,6 +972,10 @@ def _run(args: argparse.Namespace) -> int:
         return code
     except BrokenPipeError:
         return _stdout_closed()
+    except _StdoutFailed as e:
+        print(f"error: stdout could not be written ({e}): {args.command} stopped there", file=sys.stderr)
+        _stdout_closed()  # the rest goes nowhere: the flush at exit does not fail again
+        return EXIT_STDOUT
     except (CheckpointError, OSError, ValueError) as e:
         full = _full(args, e)
         said = str(e)
@@ -967,8 +1011,8 @@ def _full(args: argparse.Namespace, error: BaseException) -> str:
         fs = os.statvfs(where if os.path.exists(where) else os.path.dirname(os.path.abspath(where)))
     except OSError:
         return " (a file system is full: free space and run it again)"
-    return (f" (the file system holding {printable(where)} is full, {fs.f_bavail * fs.f_frsize} bytes free: free "
-            "space and run it again)")
+    return (f" (the file system holding {printable(where)} is full: {fs.f_bavail * fs.f_frsize} bytes free now, "
+            "after the failure; free space and run it again)")
 
 
 if __name__ == "__main__":
