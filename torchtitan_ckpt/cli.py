@@ -69,7 +69,7 @@ EXIT_CODES = """exit status:
   0    success
   1    verify: a file is missing, differs from the manifest or is not in it; list: no loadable step;
        clean: a partial step could not be removed (named on stderr); convert, consolidate: the
-       output's file system is full (the unfinished output is removed)
+       output's file system is full (a new output's unfinished folder is removed)
   2    usage error, or input that is not what the command needs (named on stderr)
   74   stdout could not be written (a full disk under `> file`); the command stopped there
   130  interrupted (Ctrl-C); an unfinished convert/consolidate output is removed
