@@ -387,14 +387,10 @@ class CheckpointManager:
                 raise CheckpointError(f"the copies go into {safe_open.denied(copies, 'not writable')}; ask its owner "
                                       "to make it writable to you, or save into another checkpoint.folder")
             durable.make_dir(copies, exist_ok=True)
-            what = f"{copies} (this job's hf_export_interval copies go there)"
-            remedy = ("it is another job's checkpoint folder, whose steps the copies' retention would delete; save "
-                      "one of the jobs into another checkpoint.folder")
-            key, first = lock.claim(os.path.join(copies, LOCK_FILE), what, remedy)
-            if not first:
-                lock.release(key)
-                raise CheckpointError(f"another CheckpointManager of this process uses {what}: {remedy}")
-            self._copies_lock = key
+            self._copies_lock, _ = lock.claim(  # shared with another manager of this process, as its folder is
+                os.path.join(copies, LOCK_FILE), f"{copies} (this job's hf_export_interval copies go there)",
+                "it is another job's checkpoint folder, whose steps the copies' retention would delete; save one of "
+                "the jobs into another checkpoint.folder")
         index = FORMATS["dcp"].index_files
         if dcp := next((f for f in self._store.scan(copies) if f.committed and not f.linked
                         and any(size is not None for size in self._store.sizes(f.path, index).values())), None):
