@@ -365,10 +365,10 @@ def test_a_folder_above_the_steps_is_named_with_where_they_are(tmp_path, capsys)
     os.symlink(tmp_path / "elsewhere" / "checkpoint", folder)  # a dump folder's checkpoint on other storage
     assert cli.main(["list", str(tmp_path)]) == 1
     assert capsys.readouterr().out == f"{tmp_path}: no step folders{hint}"
-    step = str(tmp_path / "checkpoint" / "step-2")
-    assert cli.main(["list", step]) == 1  # no hint said that it is a step
-    assert capsys.readouterr().out == (f"{step}: no step folders; it is the step folder {step}: list {folder}, the "
-                                       "folder holding the step-N folders\n")
+    step, real = str(tmp_path / "checkpoint" / "step-2"), str(tmp_path / "elsewhere" / "checkpoint")
+    assert cli.main(["list", step]) == 1  # no hint said that it is a step (named where it is, past the link)
+    assert capsys.readouterr().out == (f"{step}: no step folders; it is the step folder {real}/step-2: list {real}, "
+                                       "the folder holding the step-N folders\n")
 
 
 def test_termination_is_raised_as_an_interruption_and_the_handler_put_back():
