@@ -1129,6 +1129,9 @@ def test_convert_reports_a_config_that_is_not_the_checkpoints(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "'tok_embeddings.weight [256, 64]'" in err and "ema." not in err
     assert _convert("--to", "hf", str(tmp_path / "nothing"), str(tmp_path / "hf"), "--hf-assets", small) == 2
+    assert f"{tmp_path / 'nothing'} does not exist" in capsys.readouterr().err
+    (tmp_path / "nothing").mkdir()
+    assert _convert("--to", "hf", str(tmp_path / "nothing"), str(tmp_path / "hf"), "--hf-assets", small) == 2
     assert "nothing is not a DCP checkpoint folder (no .metadata)" in capsys.readouterr().err
 
 

@@ -393,7 +393,8 @@ def test_ranks_naming_different_folders_all_fail_at_start(tmp_path):
     for rank in (0, 1):
         assert (tmp_path / f"error{rank}").read_text().endswith(
             f"every rank must use the same folder; rank 0 uses {tmp_path}/rank0, rank 1 {tmp_path}/rank1 (a relative "
-            "folder resolved in another working directory?)"), rank
+            "folder resolved in another working directory? or managers made in another order on each rank: every "
+            "rank makes them in one order)"), rank
 
 
 def _configured_otherwise(rank: int, world_size: int, folder: str) -> None:
